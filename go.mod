@@ -1,0 +1,3 @@
+module github.com/kvpool/kvpool
+
+go 1.26

@@ -1,0 +1,144 @@
+package pool
+
+import "fmt"
+
+// Check verifies the session's invariants: every page is on exactly one list
+// (free, a stream, or a pending release), the counts add up to the capacity,
+// and every page lies inside the session's bound chunks. It is meant for
+// tests and debugging; it walks every page.
+func (s *Session) Check() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return nil
+	}
+	if s.capacity > len(s.chunks)*s.ppc {
+		return fmt.Errorf("capacity %d exceeds %d chunks of %d pages", s.capacity, len(s.chunks), s.ppc)
+	}
+	owner := make([]byte, s.capacity) // 0 unseen, 1 seen
+	walk := func(what string, head, tail int32, n int) error {
+		count, last := 0, int32(nilPage)
+		for p := head; p != nilPage; p = s.next[p] {
+			if p < 0 || int(p) >= s.capacity {
+				return fmt.Errorf("%s: page %d outside [0, %d)", what, p, s.capacity)
+			}
+			if owner[p] != 0 {
+				return fmt.Errorf("%s: page %d is on two lists", what, p)
+			}
+			owner[p] = 1
+			count++
+			last = p
+			if count > s.capacity {
+				return fmt.Errorf("%s: cycle", what)
+			}
+		}
+		if count != n {
+			return fmt.Errorf("%s: %d pages linked, %d recorded", what, count, n)
+		}
+		if tail != nilPage && tail != last {
+			return fmt.Errorf("%s: tail %d, last page %d", what, tail, last)
+		}
+		return nil
+	}
+	if err := walk("free list", s.freeHead, nilPage, s.nfree); err != nil {
+		return err
+	}
+	used, streams := 0, 0
+	for rid, slot := range s.rids {
+		if slot == nilPage {
+			return fmt.Errorf("request %q has no streams", rid)
+		}
+		labels := map[string]bool{}
+		for ; slot != nilPage; slot = s.at(slot).next {
+			st := s.at(slot)
+			if labels[st.label] {
+				return fmt.Errorf("stream %q/%q listed twice", rid, st.label)
+			}
+			labels[st.label] = true
+			if err := walk(fmt.Sprintf("stream %q/%q", rid, st.label), st.head, st.tail, int(st.n)); err != nil {
+				return err
+			}
+			used += int(st.n)
+			streams++
+		}
+	}
+	if used != s.used || streams != s.nstreams {
+		return fmt.Errorf("streams hold %d pages in %d streams, counters say %d in %d", used, streams, s.used, s.nstreams)
+	}
+	pending := 0
+	var lastTicket uint64
+	for _, r := range s.pending[s.phead:] {
+		if r.ticket <= lastTicket || r.ticket > s.ticket {
+			return fmt.Errorf("pending ticket %d out of order (after %d, last issued %d)", r.ticket, lastTicket, s.ticket)
+		}
+		lastTicket = r.ticket
+		if err := walk(fmt.Sprintf("pending release %d", r.ticket), r.head, r.tail, int(r.n)); err != nil {
+			return err
+		}
+		pending += int(r.n)
+	}
+	if pending != s.npending {
+		return fmt.Errorf("pending releases hold %d pages, counter says %d", pending, s.npending)
+	}
+	if s.nfree+s.used+s.npending != s.capacity {
+		return fmt.Errorf("free %d + used %d + pending %d != capacity %d", s.nfree, s.used, s.npending, s.capacity)
+	}
+	for i, w := range s.seen {
+		if w != 0 {
+			return fmt.Errorf("duplicate-check scratch word %d not cleared", i)
+		}
+	}
+	return nil
+}
+
+// Check verifies the pool's invariants: chunk states agree with allocations,
+// each chunk is bound to at most one session, and that session is open and
+// belongs to the chunk's allocation. It also checks every open session.
+func (p *Pool) Check() error {
+	p.mu.Lock()
+	var sessions []*Session
+	err := func() error {
+		if len(p.order) != len(p.chunks) {
+			return fmt.Errorf("%d chunks listed, %d indexed", len(p.order), len(p.chunks))
+		}
+		for _, ch := range p.order {
+			if p.chunks[ch.ID] != ch {
+				return fmt.Errorf("chunk %s listed but not indexed", ch.ID)
+			}
+			switch {
+			case ch.state == ChunkGranted && (ch.alloc == nil || p.allocs[ch.alloc.id] != ch.alloc):
+				return fmt.Errorf("chunk %s granted to no live allocation", ch.ID)
+			case ch.state != ChunkGranted && ch.alloc != nil:
+				return fmt.Errorf("chunk %s is %s but names allocation %s", ch.ID, ch.state, ch.alloc.id)
+			case ch.session != nil && ch.alloc != ch.session.alloc:
+				return fmt.Errorf("chunk %s bound to a session of another allocation", ch.ID)
+			}
+		}
+		for id, a := range p.allocs {
+			for _, ch := range a.chunks {
+				if ch.alloc != a || ch.state != ChunkGranted {
+					return fmt.Errorf("allocation %s holds chunk %s in state %s", id, ch.ID, ch.state)
+				}
+			}
+			for s := range a.sessions {
+				for _, ch := range s.chunks {
+					if ch.session != s {
+						return fmt.Errorf("session on %s lists chunk %s bound elsewhere", id, ch.ID)
+					}
+				}
+				sessions = append(sessions, s)
+			}
+		}
+		return nil
+	}()
+	p.mu.Unlock()
+	if err != nil {
+		return err
+	}
+	for _, s := range sessions {
+		if err := s.Check(); err != nil {
+			return err
+		}
+	}
+	return nil
+}

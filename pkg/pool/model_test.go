@@ -1,0 +1,405 @@
+package pool
+
+import (
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"slices"
+	"sync"
+	"testing"
+)
+
+// model is the reference the session is checked against: plain maps and
+// slices, no allocator. It knows which pages each stream holds (as the
+// session reported them) and how many are pending behind each ticket.
+type model struct {
+	capacity int
+	streams  map[string][]modelStream // rid -> streams in offload order
+	held     map[int32]string         // page -> holder, for disjointness
+	pending  []modelRelease
+	issued   uint64
+}
+
+type modelStream struct {
+	label string
+	pages []int32
+	meta  Meta
+}
+
+type modelRelease struct {
+	ticket uint64
+	pages  []int32
+}
+
+func newModel(capacity int) *model {
+	return &model{capacity: capacity, streams: map[string][]modelStream{}, held: map[int32]string{}}
+}
+
+func (m *model) used() int {
+	n := 0
+	for _, ss := range m.streams {
+		for _, s := range ss {
+			n += len(s.pages)
+		}
+	}
+	return n
+}
+
+func (m *model) pendingPages() int {
+	n := 0
+	for _, r := range m.pending {
+		n += len(r.pages)
+	}
+	return n
+}
+
+func (m *model) find(rid, label string) int {
+	for i, s := range m.streams[rid] {
+		if s.label == label {
+			return i
+		}
+	}
+	return -1
+}
+
+func (m *model) drop(rid string, i int) {
+	ss := m.streams[rid]
+	ss = slices.Delete(ss, i, i+1)
+	if len(ss) == 0 {
+		delete(m.streams, rid)
+	} else {
+		m.streams[rid] = ss
+	}
+}
+
+// driver runs random operations on one session and checks each against the model.
+type driver struct {
+	t    *testing.T
+	rng  *rand.Rand
+	s    *Session
+	m    *model
+	name string
+	dev  int
+}
+
+var (
+	rids   = []string{"r0", "r1", "r2", "r3", "r4", "r5"}
+	labels = []string{"", "k", "v", "mla"}
+)
+
+func (d *driver) devicePages(n int) []int32 {
+	perm := d.rng.Perm(d.dev)[:n]
+	out := make([]int32, n)
+	for i, p := range perm {
+		out[i] = int32(p)
+	}
+	// Now and then, a bad index: out of range or repeated.
+	if n > 0 && d.rng.IntN(12) == 0 {
+		switch d.rng.IntN(3) {
+		case 0:
+			out[d.rng.IntN(n)] = int32(d.dev + d.rng.IntN(3))
+		case 1:
+			out[d.rng.IntN(n)] = -1
+		case 2:
+			if n > 1 {
+				out[1] = out[0]
+			}
+		}
+	}
+	return out
+}
+
+func badDevice(pages []int32, dev int) error {
+	seen := map[int32]bool{}
+	for _, p := range pages {
+		if p < 0 || int(p) >= dev {
+			return ErrOutOfRange
+		}
+		if seen[p] {
+			return ErrDuplicateIndex
+		}
+		seen[p] = true
+	}
+	return nil
+}
+
+func (d *driver) fail(format string, args ...any) {
+	d.t.Helper()
+	d.t.Fatalf("%s: "+format, append([]any{d.name}, args...)...)
+}
+
+func (d *driver) wantErr(op string, got, want error) {
+	d.t.Helper()
+	if want == nil && got != nil {
+		d.fail("%s: unexpected error %v", op, got)
+	}
+	if want != nil && !errors.Is(got, want) {
+		d.fail("%s: error %v, want %v", op, got, want)
+	}
+}
+
+func (d *driver) step() {
+	rid := rids[d.rng.IntN(len(rids))]
+	label := labels[d.rng.IntN(len(labels))]
+	switch op := d.rng.IntN(10); op {
+	case 0, 1, 2: // offload
+		n := d.rng.IntN(min(d.dev, 12) + 1)
+		gpu := d.devicePages(n)
+		meta := Meta{StoredLen: d.rng.Int64N(1000), Position: d.rng.Int64N(1000), Released: d.rng.Int64N(4)}
+		if d.rng.IntN(40) == 0 {
+			meta.Position = -1
+		}
+		got, err := d.s.Offload(rid, label, gpu, meta, nil)
+		var want error
+		free := d.m.capacity - d.m.used() - d.m.pendingPages()
+		switch {
+		case meta.Position < 0:
+			want = ErrBadSize
+		case badDevice(gpu, d.dev) != nil:
+			want = badDevice(gpu, d.dev)
+		case d.m.find(rid, label) >= 0:
+			want = ErrDuplicateStream
+		case n > free+d.m.pendingPages():
+			want = ErrFull
+		case n > free:
+			want = ErrPending
+			var pe *PendingError
+			if !errors.As(err, &pe) {
+				d.fail("offload: %v, want *PendingError", err)
+			}
+			// The named ticket must be the oldest that makes room.
+			have := free
+			for _, r := range d.m.pending {
+				have += len(r.pages)
+				if have >= n {
+					if pe.Ticket != r.ticket {
+						d.fail("offload: pending ticket %d, want %d", pe.Ticket, r.ticket)
+					}
+					break
+				}
+			}
+		}
+		d.wantErr("offload", err, want)
+		if want != nil {
+			if len(got) != 0 {
+				d.fail("failed offload returned pages %v", got)
+			}
+			return
+		}
+		if len(got) != n {
+			d.fail("offload returned %d pages, want %d", len(got), n)
+		}
+		for _, p := range got {
+			if p < 0 || int(p) >= d.m.capacity {
+				d.fail("offload returned page %d outside [0, %d)", p, d.m.capacity)
+			}
+			if h, ok := d.m.held[p]; ok {
+				d.fail("offload returned page %d, still held by %s", p, h)
+			}
+			d.m.held[p] = rid + "/" + label
+		}
+		d.m.streams[rid] = append(d.m.streams[rid], modelStream{label: label, pages: got, meta: meta})
+	case 3, 4: // reload
+		i := d.m.find(rid, label)
+		n := d.rng.IntN(6)
+		if i >= 0 && d.rng.IntN(8) != 0 {
+			n = len(d.m.streams[rid][i].pages)
+		}
+		gpu := d.devicePages(min(n, d.dev))
+		got, err := d.s.Reload(rid, label, gpu, nil)
+		var want error
+		switch {
+		case badDevice(gpu, d.dev) != nil:
+			want = badDevice(gpu, d.dev)
+		case i < 0:
+			want = ErrUnknownStream
+		case len(gpu) != len(d.m.streams[rid][i].pages):
+			want = ErrPageCount
+		}
+		d.wantErr("reload", err, want)
+		if want != nil {
+			return
+		}
+		ms := d.m.streams[rid][i]
+		if !slices.Equal(got.Pages, ms.pages) || got.Meta != ms.meta {
+			d.fail("reload %s/%s = %v %+v, want %v %+v", rid, label, got.Pages, got.Meta, ms.pages, ms.meta)
+		}
+		if len(ms.pages) == 0 {
+			if got.Ticket != 0 {
+				d.fail("reload of an empty stream issued ticket %d", got.Ticket)
+			}
+		} else {
+			d.m.issued++
+			if got.Ticket != d.m.issued {
+				d.fail("reload ticket %d, want %d", got.Ticket, d.m.issued)
+			}
+			d.m.pending = append(d.m.pending, modelRelease{ticket: got.Ticket, pages: ms.pages})
+		}
+		d.m.drop(rid, i)
+	case 5: // discard
+		i := d.m.find(rid, label)
+		err := d.s.Discard(rid, label)
+		if i < 0 {
+			d.wantErr("discard", err, ErrUnknownStream)
+			return
+		}
+		d.wantErr("discard", err, nil)
+		for _, p := range d.m.streams[rid][i].pages {
+			delete(d.m.held, p)
+		}
+		d.m.drop(rid, i)
+	case 6: // remove_request
+		n, err := d.s.RemoveRequest(rid)
+		d.wantErr("remove_request", err, nil)
+		if n != len(d.m.streams[rid]) {
+			d.fail("remove_request %s removed %d, want %d", rid, n, len(d.m.streams[rid]))
+		}
+		for _, s := range d.m.streams[rid] {
+			for _, p := range s.pages {
+				delete(d.m.held, p)
+			}
+		}
+		delete(d.m.streams, rid)
+	case 7, 8: // fence
+		t := uint64(0)
+		if d.m.issued > 0 {
+			t = uint64(d.rng.IntN(int(d.m.issued))) + 1
+		}
+		if d.rng.IntN(15) == 0 {
+			t = d.m.issued + 1 + uint64(d.rng.IntN(3))
+			d.wantErr("fence", d.s.Fence(t), ErrBadFence)
+			return
+		}
+		d.wantErr("fence", d.s.Fence(t), nil)
+		for len(d.m.pending) > 0 && d.m.pending[0].ticket <= t {
+			for _, p := range d.m.pending[0].pages {
+				delete(d.m.held, p)
+			}
+			d.m.pending = d.m.pending[1:]
+		}
+	case 9: // a misuse with a bad name
+		_, err := d.s.Offload("", label, nil, Meta{}, nil)
+		d.wantErr("offload with empty rid", err, ErrBadName)
+	}
+}
+
+// verify compares every query with the model and checks the invariants.
+func (d *driver) verify() {
+	d.t.Helper()
+	for _, rid := range rids {
+		var want []string
+		for _, s := range d.m.streams[rid] {
+			want = append(want, s.label)
+		}
+		if got := d.s.Labels(rid); !slices.Equal(got, want) {
+			d.fail("labels(%s) = %q, want %q", rid, got, want)
+		}
+		if got := d.s.IsOffloaded(rid); got != (len(want) > 0) {
+			d.fail("is_offloaded(%s) = %v", rid, got)
+		}
+		for _, label := range labels {
+			n, err := d.s.NumPages(rid, label)
+			if i := d.m.find(rid, label); i >= 0 {
+				if err != nil || n != len(d.m.streams[rid][i].pages) {
+					d.fail("num_pages(%s, %s) = %d, %v; want %d", rid, label, n, err, len(d.m.streams[rid][i].pages))
+				}
+			} else if !errors.Is(err, ErrUnknownStream) {
+				d.fail("num_pages(%s, %s) of a missing stream: %v", rid, label, err)
+			}
+		}
+	}
+	if got, want := d.s.NumFreePages(), d.m.capacity-d.m.used(); got != want {
+		d.fail("num_free_pages = %d, want %d", got, want)
+	}
+	u := d.s.Usage()
+	if u.Pending != d.m.pendingPages() || u.Used != d.m.used() {
+		d.fail("usage %+v, model used %d pending %d", u, d.m.used(), d.m.pendingPages())
+	}
+	if err := d.s.Check(); err != nil {
+		d.fail("invariants: %v", err)
+	}
+}
+
+func testPool(t testing.TB) *Pool {
+	t.Helper()
+	p := New()
+	// Two GPUs on two NUMA nodes, chunks of 64 KiB.
+	for gpu := range 2 {
+		for i := range 4 {
+			c := Chunk{ID: fmt.Sprintf("gpu%d-c%d", gpu, i), GPU: gpu, NUMA: gpu, Size: 64 << 10}
+			if err := p.AddChunk(c); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	return p
+}
+
+// TestModel runs long random sequences of every operation on several
+// sessions at once, each checked step by step against the reference model.
+// Run it with -race: the sessions share the pool.
+func TestModel(t *testing.T) {
+	steps := 4000
+	if testing.Short() {
+		steps = 500
+	}
+	for seed := range uint64(4) {
+		t.Run(fmt.Sprint("seed", seed), func(t *testing.T) {
+			p := testPool(t)
+			// Allocation A is a pod with two tensor-parallel ranks; B is another pod.
+			must(t, p.Grant("A", []string{"gpu0-c0", "gpu0-c1", "gpu1-c0", "gpu1-c1"}))
+			must(t, p.Grant("B", []string{"gpu0-c2", "gpu1-c2"}))
+			specs := []struct {
+				alloc string
+				spec  Spec
+			}{
+				{"A", Spec{GPU: 0, PageSize: 4 << 10, DevicePages: 40, MaxPages: 20}},
+				{"A", Spec{GPU: 1, PageSize: 8 << 10, DevicePages: 24, MaxPages: 0}},
+				{"B", Spec{GPU: 1, PageSize: 16 << 10, DevicePages: 8, MaxPages: 7}},
+			}
+			var wg sync.WaitGroup
+			for i, sp := range specs {
+				s, err := p.Open(sp.alloc, sp.spec)
+				if err != nil {
+					t.Fatal(err)
+				}
+				d := &driver{t: t, rng: rand.New(rand.NewPCG(seed, uint64(i))), s: s,
+					m: newModel(s.Capacity()), name: fmt.Sprintf("session %d", i), dev: sp.spec.DevicePages}
+				wg.Go(func() {
+					for range steps {
+						d.step()
+						d.verify()
+					}
+				})
+			}
+			// Readers of the pool-wide state run alongside.
+			stop := make(chan struct{})
+			var reader sync.WaitGroup
+			reader.Go(func() {
+				for {
+					select {
+					case <-stop:
+						return
+					default:
+					}
+					p.Chunks()
+					if err := p.Check(); err != nil {
+						t.Error(err)
+						return
+					}
+				}
+			})
+			wg.Wait()
+			close(stop)
+			reader.Wait()
+			must(t, p.Check())
+		})
+	}
+}
+
+func must(t testing.TB, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
+	}
+}

@@ -1,0 +1,395 @@
+// Package pool is the agent's bookkeeping of host KV pages.
+//
+// Memory arrives as chunks: byte regions the agent allocated, each belonging
+// to one GPU's pool. An allocation (the chunks kubelet assigned to one pod)
+// groups chunks; sessions (one per client process and GPU, for example one per
+// tensor-parallel rank) open on an allocation, bind whole chunks from it, and
+// carve them into pages of the session's own size. A session then keeps the
+// stream table of the seed API: streams keyed by (rid, label), each holding
+// host pages and the metadata that must survive the round trip.
+//
+// The pool never touches the bytes; clients copy them. What the pool
+// guarantees is that a page belongs to at most one stream, that a page read
+// by a pending reload copy is not handed out again until the client confirms
+// the copy is complete (Fence), and that every failed call changes nothing.
+//
+// Pool methods are safe for concurrent use; so are Session methods, and
+// sessions do not contend with one another on the hot path.
+package pool
+
+import (
+	"fmt"
+	"sync"
+)
+
+// Chunk is a region of host memory that the pool may hand out.
+type Chunk struct {
+	ID   string // stable, unique name, e.g. "gpu0-numa1-c0007"
+	GPU  int    // index of the GPU whose pool the chunk belongs to
+	NUMA int    // NUMA node the memory is on, -1 when unknown
+	Size int64  // bytes
+}
+
+// ChunkState is where a chunk stands in its life cycle.
+type ChunkState uint8
+
+const (
+	ChunkFree    ChunkState = iota // scrubbed and unallocated
+	ChunkGranted                   // part of an allocation
+	ChunkDirty                     // was granted, must be scrubbed before reuse
+)
+
+func (s ChunkState) String() string {
+	switch s {
+	case ChunkFree:
+		return "free"
+	case ChunkGranted:
+		return "granted"
+	case ChunkDirty:
+		return "dirty"
+	}
+	return fmt.Sprintf("ChunkState(%d)", uint8(s))
+}
+
+// Spec is a session's geometry.
+type Spec struct {
+	GPU         int   // the GPU the session copies to and from; chunks of its pool are preferred
+	PageSize    int64 // bytes per host page
+	DevicePages int   // valid device page indices are [0, DevicePages)
+	MaxPages    int   // host pages wanted; 0 binds every unbound chunk of the allocation
+}
+
+// Pool tracks chunks, allocations and sessions.
+type Pool struct {
+	mu     sync.Mutex
+	chunks map[string]*chunk
+	order  []*chunk // in AddChunk order, for stable listings
+	allocs map[string]*allocation
+}
+
+type chunk struct {
+	Chunk
+	state   ChunkState
+	alloc   *allocation
+	session *Session // bound session, nil when unbound
+}
+
+type allocation struct {
+	id       string
+	chunks   []*chunk
+	sessions map[*Session]struct{}
+}
+
+// New returns an empty pool.
+func New() *Pool {
+	return &Pool{chunks: make(map[string]*chunk), allocs: make(map[string]*allocation)}
+}
+
+// AddChunk makes a freshly allocated (zeroed) chunk available.
+func (p *Pool) AddChunk(c Chunk) error {
+	if c.ID == "" {
+		return fmt.Errorf("add chunk: %w: empty ID", ErrBadSize)
+	}
+	if c.Size <= 0 {
+		return fmt.Errorf("add chunk %s: %w: size %d", c.ID, ErrBadSize, c.Size)
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if _, ok := p.chunks[c.ID]; ok {
+		return fmt.Errorf("add chunk %s: %w", c.ID, ErrDuplicateChunk)
+	}
+	ch := &chunk{Chunk: c}
+	p.chunks[c.ID] = ch
+	p.order = append(p.order, ch)
+	return nil
+}
+
+// RemoveChunk forgets a chunk that no allocation holds (it failed, or the
+// agent is shrinking the pool).
+func (p *Pool) RemoveChunk(id string) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	ch, ok := p.chunks[id]
+	if !ok {
+		return fmt.Errorf("remove chunk %s: %w", id, ErrUnknownChunk)
+	}
+	if ch.state == ChunkGranted {
+		return fmt.Errorf("remove chunk %s: %w: granted to allocation %s", id, ErrChunkBusy, ch.alloc.id)
+	}
+	delete(p.chunks, id)
+	for i, c := range p.order {
+		if c == ch {
+			p.order = append(p.order[:i], p.order[i+1:]...)
+			break
+		}
+	}
+	return nil
+}
+
+// Scrubbed marks a dirty chunk clean again: its bytes have been zeroed and it
+// may go to another allocation.
+func (p *Pool) Scrubbed(id string) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	ch, ok := p.chunks[id]
+	if !ok {
+		return fmt.Errorf("scrubbed %s: %w", id, ErrUnknownChunk)
+	}
+	if ch.state == ChunkGranted {
+		return fmt.Errorf("scrubbed %s: %w: granted to allocation %s", id, ErrChunkBusy, ch.alloc.id)
+	}
+	ch.state = ChunkFree
+	return nil
+}
+
+// Grant gives the named chunks to an allocation. Granting the same set to the
+// same allocation again is a no-op, so a repeated kubelet Allocate is safe.
+func (p *Pool) Grant(alloc string, ids []string) error {
+	if alloc == "" {
+		return fmt.Errorf("grant: %w: empty allocation ID", ErrBadSize)
+	}
+	if len(ids) == 0 {
+		return fmt.Errorf("grant %s: %w: no chunks", alloc, ErrBadSize)
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	chunks := make([]*chunk, len(ids))
+	seen := make(map[string]bool, len(ids))
+	for i, id := range ids {
+		ch, ok := p.chunks[id]
+		if !ok {
+			return fmt.Errorf("grant %s: %w: %s", alloc, ErrUnknownChunk, id)
+		}
+		if seen[id] {
+			return fmt.Errorf("grant %s: %w: chunk %s named twice", alloc, ErrDuplicateIndex, id)
+		}
+		seen[id] = true
+		chunks[i] = ch
+	}
+	if a, ok := p.allocs[alloc]; ok {
+		if sameChunks(a.chunks, chunks) {
+			return nil
+		}
+		return fmt.Errorf("grant %s: %w", alloc, ErrAllocationExists)
+	}
+	for _, ch := range chunks {
+		switch ch.state {
+		case ChunkGranted:
+			return fmt.Errorf("grant %s: %w: %s is granted to allocation %s", alloc, ErrChunkBusy, ch.ID, ch.alloc.id)
+		case ChunkDirty:
+			return fmt.Errorf("grant %s: %w: %s", alloc, ErrChunkDirty, ch.ID)
+		}
+	}
+	a := &allocation{id: alloc, chunks: chunks, sessions: make(map[*Session]struct{})}
+	for _, ch := range chunks {
+		ch.state = ChunkGranted
+		ch.alloc = a
+	}
+	p.allocs[alloc] = a
+	return nil
+}
+
+func sameChunks(a, b []*chunk) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	set := make(map[*chunk]bool, len(a))
+	for _, c := range a {
+		set[c] = true
+	}
+	for _, c := range b {
+		if !set[c] {
+			return false
+		}
+	}
+	return true
+}
+
+// Revoke ends an allocation: its sessions are closed, its streams dropped,
+// and its chunks become dirty until Scrubbed. It returns the chunks, which the
+// caller must zero before calling Scrubbed.
+func (p *Pool) Revoke(alloc string) ([]Chunk, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	a, ok := p.allocs[alloc]
+	if !ok {
+		return nil, fmt.Errorf("revoke %s: %w", alloc, ErrUnknownAllocation)
+	}
+	for s := range a.sessions {
+		p.closeLocked(s)
+	}
+	out := make([]Chunk, len(a.chunks))
+	for i, ch := range a.chunks {
+		ch.state = ChunkDirty
+		ch.alloc = nil
+		out[i] = ch.Chunk
+	}
+	delete(p.allocs, alloc)
+	return out, nil
+}
+
+// Open starts a session on an allocation, binding enough of its unbound
+// chunks to hold spec.MaxPages pages of spec.PageSize bytes. Chunks of the
+// session's own GPU are taken first, then chunks on the NUMA node of that
+// GPU's pool, then any.
+func (p *Pool) Open(alloc string, spec Spec) (*Session, error) {
+	switch {
+	case spec.PageSize <= 0:
+		return nil, fmt.Errorf("open: %w: page size %d", ErrBadSize, spec.PageSize)
+	case spec.DevicePages <= 0:
+		return nil, fmt.Errorf("open: %w: device page count %d", ErrBadSize, spec.DevicePages)
+	case spec.MaxPages < 0:
+		return nil, fmt.Errorf("open: %w: max pages %d", ErrBadSize, spec.MaxPages)
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	a, ok := p.allocs[alloc]
+	if !ok {
+		return nil, fmt.Errorf("open on %s: %w", alloc, ErrUnknownAllocation)
+	}
+	var unbound []*chunk
+	for _, ch := range a.chunks {
+		if ch.session == nil {
+			unbound = append(unbound, ch)
+		}
+	}
+	if len(unbound) == 0 {
+		return nil, fmt.Errorf("open on %s: %w: every chunk is bound to another session", alloc, ErrNoCapacity)
+	}
+	// All chunks of one allocation should share a size; the smallest decides
+	// the pages per chunk so that every chunk holds the same count.
+	size := unbound[0].Size
+	for _, ch := range unbound {
+		size = min(size, ch.Size)
+	}
+	if spec.PageSize > size {
+		return nil, fmt.Errorf("open on %s: %w: page size %d exceeds chunk size %d", alloc, ErrBadSize, spec.PageSize, size)
+	}
+	ppc := int(size / spec.PageSize)
+	want := len(unbound)
+	if spec.MaxPages > 0 {
+		want = (spec.MaxPages + ppc - 1) / ppc
+		if want > len(unbound) {
+			return nil, fmt.Errorf("open on %s: %w: %d pages of %d bytes need %d chunks, %d unbound",
+				alloc, ErrNoCapacity, spec.MaxPages, spec.PageSize, want, len(unbound))
+		}
+	}
+	if int64(want)*int64(ppc) > maxPages {
+		return nil, fmt.Errorf("open on %s: %w: %d pages exceed the limit of %d", alloc, ErrBadSize, int64(want)*int64(ppc), maxPages)
+	}
+	chosen := pickChunks(unbound, spec.GPU, want)
+	capacity := want * ppc
+	if spec.MaxPages > 0 {
+		capacity = spec.MaxPages
+	}
+	s := newSession(p, a, spec, chosen, ppc, capacity)
+	for _, ch := range chosen {
+		ch.session = s
+	}
+	a.sessions[s] = struct{}{}
+	return s, nil
+}
+
+// pickChunks takes n chunks, those of gpu first, then those on its NUMA node,
+// then the rest, each group in allocation order.
+func pickChunks(unbound []*chunk, gpu, n int) []*chunk {
+	numa := -1
+	for _, ch := range unbound {
+		if ch.GPU == gpu {
+			numa = ch.NUMA
+			break
+		}
+	}
+	rank := func(ch *chunk) int {
+		switch {
+		case ch.GPU == gpu:
+			return 0
+		case numa >= 0 && ch.NUMA == numa:
+			return 1
+		}
+		return 2
+	}
+	out := make([]*chunk, 0, n)
+	for r := 0; r < 3 && len(out) < n; r++ {
+		for _, ch := range unbound {
+			if rank(ch) == r && len(out) < n {
+				out = append(out, ch)
+			}
+		}
+	}
+	return out
+}
+
+// Close ends a session: its streams are dropped and its chunks go back to the
+// allocation for another session to bind. Closing twice is a no-op.
+func (p *Pool) Close(s *Session) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.closeLocked(s)
+}
+
+func (p *Pool) closeLocked(s *Session) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return
+	}
+	s.closed = true
+	for _, ch := range s.chunks {
+		ch.session = nil
+	}
+	delete(s.alloc.sessions, s)
+	s.dropAll()
+}
+
+// ChunkInfo is a chunk as Chunks lists it.
+type ChunkInfo struct {
+	Chunk
+	State      ChunkState
+	Allocation string // "" unless granted
+	Bound      bool   // bound to a session
+}
+
+// Chunks lists every chunk in the order they were added.
+func (p *Pool) Chunks() []ChunkInfo {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	out := make([]ChunkInfo, len(p.order))
+	for i, ch := range p.order {
+		out[i] = ChunkInfo{Chunk: ch.Chunk, State: ch.state, Bound: ch.session != nil}
+		if ch.alloc != nil {
+			out[i].Allocation = ch.alloc.id
+		}
+	}
+	return out
+}
+
+// Allocation returns the IDs of the chunks granted to alloc.
+func (p *Pool) Allocation(alloc string) ([]string, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	a, ok := p.allocs[alloc]
+	if !ok {
+		return nil, fmt.Errorf("allocation %s: %w", alloc, ErrUnknownAllocation)
+	}
+	ids := make([]string, len(a.chunks))
+	for i, ch := range a.chunks {
+		ids[i] = ch.ID
+	}
+	return ids, nil
+}
+
+// Sessions returns the open sessions of alloc.
+func (p *Pool) Sessions(alloc string) []*Session {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	a, ok := p.allocs[alloc]
+	if !ok {
+		return nil
+	}
+	out := make([]*Session, 0, len(a.sessions))
+	for s := range a.sessions {
+		out = append(out, s)
+	}
+	return out
+}

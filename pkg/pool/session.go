@@ -1,0 +1,511 @@
+package pool
+
+import (
+	"errors"
+	"fmt"
+	"sync"
+)
+
+// Meta is the stream metadata the seed API saves at offload and returns at
+// reload (OffloadedStream without its page indices).
+type Meta struct {
+	StoredLen int64
+	Position  int64
+	Released  int64
+}
+
+func (m Meta) validate() error {
+	if m.StoredLen < 0 || m.Position < 0 || m.Released < 0 {
+		return fmt.Errorf("%w: stored_len %d, position %d, released %d must not be negative",
+			ErrBadSize, m.StoredLen, m.Position, m.Released)
+	}
+	return nil
+}
+
+// Reloaded is what Reload returns: the stream's host pages (in the order of
+// the device pages they were offloaded from), its metadata, and the ticket to
+// pass to Fence once the copy reading those pages is complete. Ticket is 0
+// when the stream had no pages and nothing is pending.
+type Reloaded struct {
+	Pages  []int32
+	Meta   Meta
+	Ticket uint64
+}
+
+const (
+	nilPage = -1
+	// maxPages bounds a session's pages so that indices fit in int32.
+	maxPages = 1<<31 - 2
+	// MaxNameLen bounds request IDs and labels, in bytes.
+	MaxNameLen = 1024
+)
+
+// ErrBadName reports an empty request ID, or a request ID or label longer
+// than MaxNameLen.
+var ErrBadName = errors.New("bad request ID or label")
+
+// Session is one client's view of the pool: its pages and its stream table.
+type Session struct {
+	pool     *Pool
+	alloc    *allocation
+	spec     Spec
+	chunks   []*chunk // bound, in page order: page p lives in chunks[p/ppc]
+	ppc      int
+	capacity int
+
+	mu     sync.Mutex
+	closed bool
+
+	// next threads every page onto exactly one list: the free list, a
+	// stream's page chain, or a pending release. nilPage ends a list.
+	next     []int32
+	freeHead int32
+	nfree    int
+
+	pending  []release // FIFO of reloads awaiting their fence; live from phead
+	phead    int
+	npending int
+	ticket   uint64 // last ticket issued
+
+	rids     map[string]int32 // request ID -> slot of its first stream
+	slab     []*slabBlock
+	freeSlot int32 // free slots, linked through stream.next
+	nstreams int
+	used     int
+
+	seen []uint64 // scratch bitmap over device pages for duplicate checks
+}
+
+type release struct {
+	ticket     uint64
+	head, tail int32
+	n          int32
+}
+
+// stream is one (rid, label) entry. Streams of one request are linked through
+// next in the order they were offloaded.
+type stream struct {
+	label      string
+	meta       Meta
+	head, tail int32 // host page chain
+	n          int32 // pages
+	next       int32 // next stream of the same request, or next free slot
+}
+
+const slabShift = 9
+
+type slabBlock [1 << slabShift]stream
+
+func newSession(p *Pool, a *allocation, spec Spec, chunks []*chunk, ppc, capacity int) *Session {
+	s := &Session{
+		pool: p, alloc: a, spec: spec, chunks: chunks, ppc: ppc, capacity: capacity,
+		next:     make([]int32, capacity),
+		freeHead: nilPage,
+		nfree:    capacity,
+		rids:     make(map[string]int32),
+		freeSlot: nilPage,
+		seen:     make([]uint64, (spec.DevicePages+63)/64),
+	}
+	// Ascending order, so that a fresh pool hands out contiguous runs.
+	for i := range s.next {
+		s.next[i] = int32(i + 1)
+	}
+	if capacity > 0 {
+		s.next[capacity-1] = nilPage
+		s.freeHead = 0
+	}
+	return s
+}
+
+// Spec returns the geometry the session was opened with.
+func (s *Session) Spec() Spec { return s.spec }
+
+// Capacity is the number of host pages the session may hold.
+func (s *Session) Capacity() int { return s.capacity }
+
+// PagesPerChunk is how many pages each bound chunk holds: page p lives in
+// Chunks()[p/PagesPerChunk()] at byte offset (p%PagesPerChunk())*PageSize.
+func (s *Session) PagesPerChunk() int { return s.ppc }
+
+// Chunks returns the chunks bound to the session, in page order.
+func (s *Session) Chunks() []Chunk {
+	out := make([]Chunk, len(s.chunks))
+	for i, ch := range s.chunks {
+		out[i] = ch.Chunk
+	}
+	return out
+}
+
+// Allocation returns the ID of the allocation the session draws from.
+func (s *Session) Allocation() string { return s.alloc.id }
+
+func (s *Session) at(slot int32) *stream {
+	return &s.slab[slot>>slabShift][slot&(1<<slabShift-1)]
+}
+
+func (s *Session) newSlot() int32 {
+	if s.freeSlot == nilPage {
+		base := int32(len(s.slab)) << slabShift
+		s.slab = append(s.slab, new(slabBlock))
+		for i := int32(1<<slabShift) - 1; i >= 0; i-- {
+			st := s.at(base + i)
+			st.next = s.freeSlot
+			s.freeSlot = base + i
+		}
+	}
+	slot := s.freeSlot
+	s.freeSlot = s.at(slot).next
+	return slot
+}
+
+func (s *Session) freeSlotAt(slot int32) {
+	st := s.at(slot)
+	*st = stream{next: s.freeSlot}
+	s.freeSlot = slot
+}
+
+// find returns the slot of (rid, label) and of the stream before it in the
+// request's list (nilPage when it is the first), or slot nilPage when absent.
+func (s *Session) find(rid, label string) (slot, prev int32) {
+	slot, ok := s.rids[rid]
+	if !ok {
+		return nilPage, nilPage
+	}
+	prev = nilPage
+	for slot != nilPage {
+		st := s.at(slot)
+		if st.label == label {
+			return slot, prev
+		}
+		prev, slot = slot, st.next
+	}
+	return nilPage, nilPage
+}
+
+// unlink removes slot from its request's list and frees the slot.
+func (s *Session) unlink(rid string, slot, prev int32) {
+	st := s.at(slot)
+	switch {
+	case prev != nilPage:
+		s.at(prev).next = st.next
+	case st.next != nilPage:
+		s.rids[rid] = st.next
+	default:
+		delete(s.rids, rid)
+	}
+	s.used -= int(st.n)
+	s.nstreams--
+	s.freeSlotAt(slot)
+}
+
+func checkNames(rid, label string) error {
+	if rid == "" || len(rid) > MaxNameLen || len(label) > MaxNameLen {
+		return fmt.Errorf("%w: request ID of %d bytes, label of %d bytes (request ID must be 1 to %d bytes, label at most %d)",
+			ErrBadName, len(rid), len(label), MaxNameLen, MaxNameLen)
+	}
+	return nil
+}
+
+// checkDevicePages rejects device page indices out of range or named twice.
+func (s *Session) checkDevicePages(pages []int32) error {
+	if len(pages) > s.spec.DevicePages {
+		return fmt.Errorf("%w: %d device pages named, the device has %d", ErrPageCount, len(pages), s.spec.DevicePages)
+	}
+	var err error
+	i := 0
+	for ; i < len(pages); i++ {
+		p := pages[i]
+		if p < 0 || int(p) >= s.spec.DevicePages {
+			err = fmt.Errorf("%w: device page %d is not in [0, %d)", ErrOutOfRange, p, s.spec.DevicePages)
+			break
+		}
+		w, b := p>>6, uint64(1)<<(p&63)
+		if s.seen[w]&b != 0 {
+			err = fmt.Errorf("%w: device page %d named twice", ErrDuplicateIndex, p)
+			break
+		}
+		s.seen[w] |= b
+	}
+	for _, p := range pages[:i] {
+		s.seen[p>>6] &^= uint64(1) << (p & 63)
+	}
+	return err
+}
+
+// Offload records a new stream (rid, label) holding one fresh host page per
+// device page in gpuPages, and appends the host pages to dst in the same
+// order. It is all or nothing: when the pool cannot hold every page it returns
+// ErrFull (or a *PendingError when pages pending release would make room) and
+// nothing changes.
+func (s *Session) Offload(rid, label string, gpuPages []int32, m Meta, dst []int32) ([]int32, error) {
+	if err := checkNames(rid, label); err != nil {
+		return dst, streamErr("offload", rid, label, err)
+	}
+	if err := m.validate(); err != nil {
+		return dst, streamErr("offload", rid, label, err)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return dst, streamErr("offload", rid, label, ErrClosed)
+	}
+	if err := s.checkDevicePages(gpuPages); err != nil {
+		return dst, streamErr("offload", rid, label, err)
+	}
+	if slot, _ := s.find(rid, label); slot != nilPage {
+		return dst, streamErr("offload", rid, label, ErrDuplicateStream)
+	}
+	n := len(gpuPages)
+	if n > s.nfree {
+		if n > s.nfree+s.npending {
+			return dst, streamErr("offload", rid, label,
+				fmt.Errorf("%w: need %d, %d free of %d", ErrFull, n, s.nfree+s.npending, s.capacity))
+		}
+		return dst, s.pendingErr(n)
+	}
+
+	head, tail := s.freeHead, int32(nilPage)
+	p := head
+	for range n {
+		dst = append(dst, p)
+		tail, p = p, s.next[p]
+	}
+	s.freeHead = p
+	if tail != nilPage {
+		s.next[tail] = nilPage
+	} else {
+		head = nilPage
+	}
+	s.nfree -= n
+
+	slot := s.newSlot()
+	*s.at(slot) = stream{label: label, meta: m, head: head, tail: tail, n: int32(n), next: nilPage}
+	if first, ok := s.rids[rid]; ok {
+		last := first
+		for s.at(last).next != nilPage {
+			last = s.at(last).next
+		}
+		s.at(last).next = slot
+	} else {
+		s.rids[rid] = slot
+	}
+	s.nstreams++
+	s.used += n
+	return dst, nil
+}
+
+// pendingErr names the oldest pending reload whose completion frees enough
+// pages for an offload of n.
+func (s *Session) pendingErr(n int) error {
+	have := s.nfree
+	for _, r := range s.pending[s.phead:] {
+		have += int(r.n)
+		if have >= n {
+			return &PendingError{Ticket: r.ticket, Need: n, Free: s.nfree}
+		}
+	}
+	panic("pool: pendingErr called without enough pending pages")
+}
+
+// Reload removes the stream (rid, label) and returns its host pages, appended
+// to dst, and its metadata. gpuPages names the device pages the client will
+// copy onto; there must be exactly one per host page. The host pages are not
+// reused until Fence is called with the returned ticket.
+func (s *Session) Reload(rid, label string, gpuPages []int32, dst []int32) (Reloaded, error) {
+	if err := checkNames(rid, label); err != nil {
+		return Reloaded{Pages: dst}, streamErr("reload", rid, label, err)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return Reloaded{Pages: dst}, streamErr("reload", rid, label, ErrClosed)
+	}
+	if err := s.checkDevicePages(gpuPages); err != nil {
+		return Reloaded{Pages: dst}, streamErr("reload", rid, label, err)
+	}
+	slot, prev := s.find(rid, label)
+	if slot == nilPage {
+		return Reloaded{Pages: dst}, streamErr("reload", rid, label, ErrUnknownStream)
+	}
+	st := s.at(slot)
+	if len(gpuPages) != int(st.n) {
+		return Reloaded{Pages: dst}, streamErr("reload", rid, label,
+			fmt.Errorf("%w: stream holds %d pages, %d device pages given", ErrPageCount, st.n, len(gpuPages)))
+	}
+	for p := st.head; p != nilPage; p = s.next[p] {
+		dst = append(dst, p)
+	}
+	out := Reloaded{Pages: dst, Meta: st.meta}
+	if st.n > 0 {
+		s.ticket++
+		out.Ticket = s.ticket
+		s.pending = append(s.pending, release{ticket: s.ticket, head: st.head, tail: st.tail, n: st.n})
+		s.npending += int(st.n)
+	}
+	s.unlink(rid, slot, prev)
+	return out, nil
+}
+
+// Fence reports that the copies of every reload up to and including ticket
+// have completed, so their pages may be handed out again.
+func (s *Session) Fence(ticket uint64) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return fmt.Errorf("fence %d: %w", ticket, ErrClosed)
+	}
+	if ticket > s.ticket {
+		return fmt.Errorf("fence %d: %w (last issued %d)", ticket, ErrBadFence, s.ticket)
+	}
+	for s.phead < len(s.pending) && s.pending[s.phead].ticket <= ticket {
+		r := s.pending[s.phead]
+		s.next[r.tail] = s.freeHead
+		s.freeHead = r.head
+		s.nfree += int(r.n)
+		s.npending -= int(r.n)
+		s.phead++
+	}
+	if s.phead == len(s.pending) {
+		s.pending, s.phead = s.pending[:0], 0
+	} else if s.phead > 64 && s.phead*2 > len(s.pending) {
+		s.pending = append(s.pending[:0], s.pending[s.phead:]...)
+		s.phead = 0
+	}
+	return nil
+}
+
+// freeChain returns a stream's pages to the free list at once. It is safe for
+// streams whose pages were only ever written by offload copies: a later copy
+// into a reused page is ordered behind them on the client's offload stream.
+func (s *Session) freeChain(st *stream) {
+	if st.n == 0 {
+		return
+	}
+	s.next[st.tail] = s.freeHead
+	s.freeHead = st.head
+	s.nfree += int(st.n)
+}
+
+// Discard drops a stream whose offload was abandoned after the copy; its host
+// pages return to the pool at once.
+func (s *Session) Discard(rid, label string) error {
+	if err := checkNames(rid, label); err != nil {
+		return streamErr("discard", rid, label, err)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return streamErr("discard", rid, label, ErrClosed)
+	}
+	slot, prev := s.find(rid, label)
+	if slot == nilPage {
+		return streamErr("discard", rid, label, ErrUnknownStream)
+	}
+	s.freeChain(s.at(slot))
+	s.unlink(rid, slot, prev)
+	return nil
+}
+
+// RemoveRequest drops every stream of rid and returns how many there were.
+// Removing a request with no streams is not an error: engines call it for
+// every finished request.
+func (s *Session) RemoveRequest(rid string) (int, error) {
+	if err := checkNames(rid, ""); err != nil {
+		return 0, fmt.Errorf("remove_request %q: %w", rid, err)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return 0, fmt.Errorf("remove_request %q: %w", rid, ErrClosed)
+	}
+	removed := 0
+	for slot, ok := s.rids[rid]; ok && slot != nilPage; {
+		st := s.at(slot)
+		next := st.next
+		s.freeChain(st)
+		s.used -= int(st.n)
+		s.nstreams--
+		s.freeSlotAt(slot)
+		removed++
+		slot = next
+	}
+	delete(s.rids, rid)
+	return removed, nil
+}
+
+// IsOffloaded reports whether rid has any stream.
+func (s *Session) IsOffloaded(rid string) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	_, ok := s.rids[rid]
+	return ok
+}
+
+// Labels returns rid's labels in the order they were offloaded.
+func (s *Session) Labels(rid string) []string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var out []string
+	for slot, ok := s.rids[rid]; ok && slot != nilPage; slot = s.at(slot).next {
+		out = append(out, s.at(slot).label)
+	}
+	return out
+}
+
+// NumPages returns the number of host pages the stream holds.
+func (s *Session) NumPages(rid, label string) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return 0, streamErr("num_pages", rid, label, ErrClosed)
+	}
+	slot, _ := s.find(rid, label)
+	if slot == nilPage {
+		return 0, streamErr("num_pages", rid, label, ErrUnknownStream)
+	}
+	return int(s.at(slot).n), nil
+}
+
+// Usage is a session's page accounting.
+type Usage struct {
+	Capacity int // pages the session may hold
+	Used     int // pages held by streams
+	Pending  int // released by reloads, waiting for their fence
+	Streams  int
+	Requests int
+}
+
+// Free is what the seed API calls num_free_pages: the pages no stream holds,
+// counting those whose release is pending (an offload that needs them waits
+// for the fence rather than failing).
+func (u Usage) Free() int { return u.Capacity - u.Used }
+
+// Usage returns the session's page accounting.
+func (s *Session) Usage() Usage {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return Usage{Capacity: s.capacity, Used: s.used, Pending: s.npending, Streams: s.nstreams, Requests: len(s.rids)}
+}
+
+// NumFreePages is the seed API's num_free_pages (see Usage.Free).
+func (s *Session) NumFreePages() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.capacity - s.used
+}
+
+// Closed reports whether the session has been closed.
+func (s *Session) Closed() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.closed
+}
+
+// dropAll forgets every stream and pending release. Called with s.mu held.
+func (s *Session) dropAll() {
+	s.rids = make(map[string]int32)
+	s.slab, s.freeSlot = nil, nilPage
+	s.pending, s.phead = nil, 0
+	s.used, s.nstreams, s.npending, s.nfree = 0, 0, 0, 0
+	s.next, s.freeHead = nil, nilPage
+}
