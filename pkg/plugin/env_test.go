@@ -14,6 +14,7 @@ import (
 
 	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 
+	"github.com/kvpool/kvpool/pkg/plugin/kubelettest"
 	"github.com/kvpool/kvpool/pkg/pool"
 )
 
@@ -55,8 +56,8 @@ type env struct {
 	pool    *pool.Pool
 	feed    *Feed
 	clock   *fakeClock
-	kubelet *testKubelet
-	prs     *testPodResources
+	kubelet *kubelettest.Kubelet
+	prs     *kubelettest.PodResources
 	p       *Plugin
 
 	mu     sync.Mutex
@@ -105,8 +106,8 @@ func newEnv(t *testing.T) *env {
 	if err := e.feed.Set(PoolDevices(e.pool.Chunks())); err != nil {
 		t.Fatal(err)
 	}
-	e.prs = newTestPodResources(t, filepath.Join(root, "kubelet/pod-resources/kubelet.sock"))
-	e.kubelet = newTestKubelet(t, filepath.Join(root, "kubelet/device-plugins"))
+	e.prs = kubelettest.NewPodResources(t, filepath.Join(root, "kubelet/pod-resources/kubelet.sock"))
+	e.kubelet = kubelettest.NewKubelet(t, filepath.Join(root, "kubelet/device-plugins"))
 	e.p = e.newPlugin(e.pool)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
@@ -117,7 +118,7 @@ func newEnv(t *testing.T) *env {
 			t.Errorf("Run: %v", err)
 		}
 	})
-	e.kubelet.waitRegister(5 * time.Second)
+	e.kubelet.WaitRegister(5 * time.Second)
 	return e
 }
 
@@ -174,7 +175,7 @@ func (e *env) allocate(sets ...[]string) (*pluginapi.AllocateResponse, error) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	return e.kubelet.client().Allocate(ctx, req)
+	return e.kubelet.Client().Allocate(ctx, req)
 }
 
 func (e *env) mustAllocate(ids ...string) string {

@@ -15,6 +15,7 @@ import (
 	"google.golang.org/grpc/status"
 	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 
+	"github.com/kvpool/kvpool/pkg/plugin/kubelettest"
 	"github.com/kvpool/kvpool/pkg/pool"
 )
 
@@ -22,7 +23,7 @@ func TestRegistrationAndFirstList(t *testing.T) {
 	root := shortDir(t)
 	kdir := filepath.Join(root, "device-plugins")
 	os.MkdirAll(kdir, 0o755)
-	k := newTestKubelet(t, kdir)
+	k := kubelettest.NewKubelet(t, kdir)
 	feed := NewFeed()
 	feed.Set([]Device{{ID: "gpu0-numa1-0", NUMA: 1, Healthy: true}, {ID: "gpu1-numaX-0", NUMA: -1, Healthy: true}})
 	p, err := New(Options{
@@ -36,12 +37,12 @@ func TestRegistrationAndFirstList(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error)
 	go func() { done <- p.Run(ctx) }()
-	reg := k.waitRegister(5 * time.Second)
+	reg := k.WaitRegister(5 * time.Second)
 	if reg.Version != pluginapi.Version || reg.ResourceName != "example.com/kv" || reg.Endpoint != p.Endpoint() ||
 		!reg.GetOptions().GetGetPreferredAllocationAvailable() {
 		t.Errorf("register request = %+v", reg)
 	}
-	list := k.waitList(func([]*pluginapi.Device) bool { return true })
+	list := k.WaitList(func([]*pluginapi.Device) bool { return true })
 	if len(list) != 2 {
 		t.Fatalf("first list has %d devices, want 2: %v", len(list), list)
 	}
@@ -53,7 +54,7 @@ func TestRegistrationAndFirstList(t *testing.T) {
 	}
 	// A new ready chunk reaches kubelet as a new full list.
 	feed.Set([]Device{{ID: "gpu0-numa1-0", NUMA: 1, Healthy: true}, {ID: "gpu0-numa1-1", NUMA: 1, Healthy: true}, {ID: "gpu1-numaX-0", NUMA: -1, Healthy: true}})
-	k.waitList(func(l []*pluginapi.Device) bool { return len(l) == 3 })
+	k.WaitList(func(l []*pluginapi.Device) bool { return len(l) == 3 })
 	cancel()
 	if err := <-done; err != nil {
 		t.Fatal(err)
@@ -70,18 +71,18 @@ func (h staticHolders) Held(context.Context, string) (map[string]string, error) 
 func TestHealthFlipsBothWays(t *testing.T) {
 	e := newEnv(t)
 	id := "gpu1-numa1-2"
-	e.kubelet.waitList(func(l []*pluginapi.Device) bool { return healthOf(l, id) == pluginapi.Healthy })
+	e.kubelet.WaitList(func(l []*pluginapi.Device) bool { return healthOf(l, id) == pluginapi.Healthy })
 	if err := e.feed.SetHealth(id, false); err != nil {
 		t.Fatal(err)
 	}
-	l := e.kubelet.waitList(func(l []*pluginapi.Device) bool { return healthOf(l, id) == pluginapi.Unhealthy })
+	l := e.kubelet.WaitList(func(l []*pluginapi.Device) bool { return healthOf(l, id) == pluginapi.Unhealthy })
 	if len(l) != 8 {
 		t.Errorf("update is not a full list: %d devices", len(l))
 	}
 	if err := e.feed.SetHealth(id, true); err != nil {
 		t.Fatal(err)
 	}
-	e.kubelet.waitList(func(l []*pluginapi.Device) bool { return healthOf(l, id) == pluginapi.Healthy })
+	e.kubelet.WaitList(func(l []*pluginapi.Device) bool { return healthOf(l, id) == pluginapi.Healthy })
 	if err := e.feed.SetHealth("gpu9-numa0-0", false); err == nil {
 		t.Error("SetHealth of an unknown device succeeded")
 	}
@@ -89,22 +90,22 @@ func TestHealthFlipsBothWays(t *testing.T) {
 
 func TestReregisterAfterKubeletRestart(t *testing.T) {
 	e := newEnv(t)
-	e.kubelet.waitList(func(l []*pluginapi.Device) bool { return len(l) == 8 })
+	e.kubelet.WaitList(func(l []*pluginapi.Device) bool { return len(l) == 8 })
 	for round := range 2 {
 		start := time.Now()
-		e.kubelet.restart() // removes our socket and recreates kubelet.sock
-		e.kubelet.waitRegister(5 * time.Second)
+		e.kubelet.Restart() // removes our socket and recreates kubelet.sock
+		e.kubelet.WaitRegister(5 * time.Second)
 		t.Logf("round %d: re-registered %v after the restart", round, time.Since(start))
-		e.kubelet.waitList(func(l []*pluginapi.Device) bool { return len(l) == 8 })
+		e.kubelet.WaitList(func(l []*pluginapi.Device) bool { return len(l) == 8 })
 		if _, err := e.allocate([]string{"gpu0-numa0-0"}); err != nil {
 			t.Fatalf("allocate on the new connection: %v", err)
 		}
 	}
 	// kubelet.sock recreated while our socket stays: register again too.
-	e.kubelet.stop()
-	os.Remove(filepath.Join(e.kubelet.dir, "kubelet.sock"))
-	e.kubelet.start()
-	e.kubelet.waitRegister(5 * time.Second)
+	e.kubelet.Stop()
+	os.Remove(filepath.Join(e.kubelet.Dir, "kubelet.sock"))
+	e.kubelet.Start()
+	e.kubelet.WaitRegister(5 * time.Second)
 	// The count moves once Register has returned to the plugin.
 	for deadline := time.Now().Add(5 * time.Second); e.p.Registrations() != 4; {
 		if time.Now().After(deadline) {
@@ -117,7 +118,7 @@ func TestReregisterAfterKubeletRestart(t *testing.T) {
 func TestAllocate(t *testing.T) {
 	e := newEnv(t)
 	e.feed.SetHealth("gpu1-numa1-3", false)
-	e.kubelet.waitList(func(l []*pluginapi.Device) bool { return healthOf(l, "gpu1-numa1-3") == pluginapi.Unhealthy })
+	e.kubelet.WaitList(func(l []*pluginapi.Device) bool { return healthOf(l, "gpu1-numa1-3") == pluginapi.Unhealthy })
 
 	good := []string{"gpu0-numa0-1", "gpu0-numa0-0"}
 	resp, err := e.allocate(good)
@@ -166,7 +167,7 @@ func TestAllocate(t *testing.T) {
 		{"overlaps a live allocation", [][]string{{"gpu0-numa0-1", "gpu0-numa0-2"}}, codes.FailedPrecondition, ""},
 	}
 	// A pod holds the first allocation, so overlapping it is a conflict.
-	e.prs.setPods(map[string]map[string][]string{"a": {DefaultResourceName: good}})
+	e.prs.SetPods(map[string]map[string][]string{"a": {DefaultResourceName: good}})
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			_, err := e.allocate(c.sets...)
@@ -238,7 +239,7 @@ func TestGetPreferredAllocation(t *testing.T) {
 	}
 	ctx := context.Background()
 	ask := func(avail, must []string, size int32) ([]string, error) {
-		resp, err := e.kubelet.client().GetPreferredAllocation(ctx, &pluginapi.PreferredAllocationRequest{
+		resp, err := e.kubelet.Client().GetPreferredAllocation(ctx, &pluginapi.PreferredAllocationRequest{
 			ContainerRequests: []*pluginapi.ContainerPreferredAllocationRequest{{AvailableDeviceIDs: avail, MustIncludeDeviceIDs: must, AllocationSize: size}}})
 		if err != nil {
 			return nil, err
@@ -308,7 +309,7 @@ func TestReclaimAfterPodGone(t *testing.T) {
 	// grace period.
 	e.clock.Advance(testGrace - time.Second)
 	e.reconcile()
-	e.prs.setPods(map[string]map[string][]string{"web-0": {DefaultResourceName: ids, "other.io/x": {"gpu0-numa0-0"}}})
+	e.prs.SetPods(map[string]map[string][]string{"web-0": {DefaultResourceName: ids, "other.io/x": {"gpu0-numa0-0"}}})
 	e.clock.Advance(time.Hour)
 	e.reconcile()
 	if recs := e.p.Allocations(); len(recs) != 1 || recs[0].Pod != "default/web-0" {
@@ -316,9 +317,9 @@ func TestReclaimAfterPodGone(t *testing.T) {
 	}
 	// The pod goes. During the grace period the chunks stay granted (and
 	// are advertised unhealthy so kubelet does not hand them out yet).
-	e.prs.setPods(nil)
+	e.prs.SetPods(nil)
 	e.reconcile()
-	e.kubelet.waitList(func(l []*pluginapi.Device) bool {
+	e.kubelet.WaitList(func(l []*pluginapi.Device) bool {
 		return healthOf(l, ids[0]) == pluginapi.Unhealthy && healthOf(l, ids[1]) == pluginapi.Unhealthy && healthOf(l, "gpu1-numa1-2") == pluginapi.Healthy
 	})
 	e.clock.Advance(testGrace - time.Second)
@@ -346,7 +347,7 @@ func TestReclaimAfterPodGone(t *testing.T) {
 	if n := len(e.p.Allocations()); n != 0 {
 		t.Errorf("%d allocations left", n)
 	}
-	e.kubelet.waitList(func(l []*pluginapi.Device) bool { return healthOf(l, ids[0]) == pluginapi.Healthy })
+	e.kubelet.WaitList(func(l []*pluginapi.Device) bool { return healthOf(l, ids[0]) == pluginapi.Healthy })
 	// Another pod can now get the chunks, with a new token.
 	if t2 := e.mustAllocate(ids...); t2 == token {
 		t.Error("token reused for a new pod")
@@ -362,7 +363,7 @@ func TestReclaimNeverListedAllocation(t *testing.T) {
 		t.Fatalf("reclaimed within the grace period: %v", err)
 	}
 	// A failing PodResources reclaims nothing, however late.
-	e.prs.setFail(errBoom)
+	e.prs.SetFail(errBoom)
 	e.clock.Advance(time.Hour)
 	if err := e.p.Reconcile(context.Background()); err == nil || !strings.Contains(err.Error(), "boom") {
 		t.Errorf("reconcile with a failing PodResources: %v", err)
@@ -370,7 +371,7 @@ func TestReclaimNeverListedAllocation(t *testing.T) {
 	if _, err := e.pool.Allocation(token); err != nil {
 		t.Fatalf("reclaimed on a failed listing: %v", err)
 	}
-	e.prs.setFail(nil)
+	e.prs.SetFail(nil)
 	e.reconcile()
 	if _, err := e.pool.Allocation(token); !errors.Is(err, pool.ErrUnknownAllocation) {
 		t.Errorf("not reclaimed after the grace period: %v", err)
@@ -386,7 +387,7 @@ func TestZeroFailureKeepsChunkOut(t *testing.T) {
 	if st := chunkStates(e.pool)["gpu0-numa0-0"]; st != "dirty/" {
 		t.Fatalf("chunk is %s, want dirty", st)
 	}
-	e.kubelet.waitList(func(l []*pluginapi.Device) bool { return healthOf(l, "gpu0-numa0-0") == pluginapi.Unhealthy })
+	e.kubelet.WaitList(func(l []*pluginapi.Device) bool { return healthOf(l, "gpu0-numa0-0") == pluginapi.Unhealthy })
 	if _, err := e.allocate([]string{"gpu0-numa0-0"}); status.Code(err) != codes.FailedPrecondition {
 		t.Errorf("allocate of a dirty chunk: %v", err)
 	}
@@ -397,7 +398,7 @@ func TestZeroFailureKeepsChunkOut(t *testing.T) {
 	if st := chunkStates(e.pool)["gpu0-numa0-0"]; st != "free/" {
 		t.Fatalf("chunk is %s after a successful retry", st)
 	}
-	e.kubelet.waitList(func(l []*pluginapi.Device) bool { return healthOf(l, "gpu0-numa0-0") == pluginapi.Healthy })
+	e.kubelet.WaitList(func(l []*pluginapi.Device) bool { return healthOf(l, "gpu0-numa0-0") == pluginapi.Healthy })
 }
 
 // Kubelet gives a gone pod's chunks to a new pod before the grace period
@@ -405,9 +406,9 @@ func TestZeroFailureKeepsChunkOut(t *testing.T) {
 func TestAllocateReassignedByKubelet(t *testing.T) {
 	e := newEnv(t)
 	old := e.mustAllocate("gpu0-numa0-0", "gpu0-numa0-1")
-	e.prs.setPods(map[string]map[string][]string{"a": {DefaultResourceName: {"gpu0-numa0-0", "gpu0-numa0-1"}}})
+	e.prs.SetPods(map[string]map[string][]string{"a": {DefaultResourceName: {"gpu0-numa0-0", "gpu0-numa0-1"}}})
 	e.reconcile()
-	e.prs.setPods(nil) // pod a is gone
+	e.prs.SetPods(nil) // pod a is gone
 	// The same set to a new pod: a new token, the old one dead, chunks zeroed.
 	same := e.mustAllocate("gpu0-numa0-1", "gpu0-numa0-0")
 	if same == old {
@@ -430,7 +431,7 @@ func TestRestartRecoversFromCheckpoint(t *testing.T) {
 	e := newEnv(t)
 	t1 := e.mustAllocate("gpu0-numa0-0", "gpu0-numa0-1")
 	t2 := e.mustAllocate("gpu1-numa1-3")
-	e.prs.setPods(map[string]map[string][]string{"a": {DefaultResourceName: {"gpu0-numa0-0", "gpu0-numa0-1"}}})
+	e.prs.SetPods(map[string]map[string][]string{"a": {DefaultResourceName: {"gpu0-numa0-0", "gpu0-numa0-1"}}})
 	e.reconcile()
 
 	// The agent restarts: a fresh pool whose chunks become ready later.
@@ -443,7 +444,7 @@ func TestRestartRecoversFromCheckpoint(t *testing.T) {
 	for _, c := range testChunks() {
 		fresh.AddChunk(c)
 	}
-	p2.o.Holders = e.prs.client(t, e.root)
+	p2.o.Holders = dialTestPodResources(t, e.root)
 	if err := p2.Reconcile(context.Background()); err != nil {
 		t.Fatal(err)
 	}
@@ -469,7 +470,7 @@ func TestRestartRecoversFromCheckpoint(t *testing.T) {
 	}
 }
 
-func (s *testPodResources) client(t *testing.T, root string) Holders {
+func dialTestPodResources(t *testing.T, root string) Holders {
 	c, err := DialPodResources(filepath.Join(root, "kubelet/pod-resources/kubelet.sock"))
 	if err != nil {
 		t.Fatal(err)

@@ -1,4 +1,8 @@
-package plugin
+// Package kubelettest stands in for kubelet in tests: a Registration server
+// that, like kubelet's device manager, dials a registering plugin and
+// consumes its ListAndWatch stream, and a PodResources v1 server with a
+// settable table. Both speak kubelet's real gRPC API on Unix sockets.
+package kubelettest
 
 import (
 	"context"
@@ -15,13 +19,13 @@ import (
 	podresourcesv1 "k8s.io/kubelet/pkg/apis/podresources/v1"
 )
 
-// testKubelet stands in for kubelet's device manager: it serves the
+// Kubelet stands in for kubelet's device manager: it serves the
 // Registration service on kubelet.sock in dir and, on Register, dials the
 // plugin's endpoint and consumes its ListAndWatch stream. Restart behaves as
 // kubelet does: it removes every socket in the directory and starts again.
-type testKubelet struct {
-	t   *testing.T
-	dir string
+type Kubelet struct {
+	t   testing.TB
+	Dir string
 
 	pluginapi.UnimplementedRegistrationServer
 
@@ -35,17 +39,19 @@ type testKubelet struct {
 	plugin  pluginapi.DevicePluginClient
 }
 
-func newTestKubelet(t *testing.T, dir string) *testKubelet {
-	k := &testKubelet{t: t, dir: dir, regs: make(chan *pluginapi.RegisterRequest, 16), lists: make(chan []*pluginapi.Device, 64)}
-	k.start()
-	t.Cleanup(k.stop)
+// NewKubelet serves kubelet.sock in dir until the test ends.
+func NewKubelet(t testing.TB, dir string) *Kubelet {
+	k := &Kubelet{t: t, Dir: dir, regs: make(chan *pluginapi.RegisterRequest, 16), lists: make(chan []*pluginapi.Device, 64)}
+	k.Start()
+	t.Cleanup(k.Stop)
 	return k
 }
 
-func (k *testKubelet) start() {
+// Start serves kubelet.sock again.
+func (k *Kubelet) Start() {
 	k.mu.Lock()
 	defer k.mu.Unlock()
-	lis, err := net.Listen("unix", filepath.Join(k.dir, "kubelet.sock"))
+	lis, err := net.Listen("unix", filepath.Join(k.Dir, "kubelet.sock"))
 	if err != nil {
 		k.t.Fatalf("test kubelet: %v", err)
 	}
@@ -55,7 +61,8 @@ func (k *testKubelet) start() {
 	go k.srv.Serve(lis)
 }
 
-func (k *testKubelet) stop() {
+// Stop stops serving and drops the connections to plugins.
+func (k *Kubelet) Stop() {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	if k.srv == nil {
@@ -69,24 +76,25 @@ func (k *testKubelet) stop() {
 	k.srv, k.clients, k.plugin = nil, nil, nil
 }
 
-// restart stops, removes every socket in the directory (kubelet's device
+// Restart stops, removes every socket in the directory (kubelet's device
 // manager does this at start) and serves a new kubelet.sock.
-func (k *testKubelet) restart() {
-	k.stop()
-	ents, err := os.ReadDir(k.dir)
+func (k *Kubelet) Restart() {
+	k.Stop()
+	ents, err := os.ReadDir(k.Dir)
 	if err != nil {
 		k.t.Fatal(err)
 	}
 	for _, e := range ents {
-		os.Remove(filepath.Join(k.dir, e.Name()))
+		os.Remove(filepath.Join(k.Dir, e.Name()))
 	}
-	k.start()
+	k.Start()
 }
 
-func (k *testKubelet) Register(_ context.Context, req *pluginapi.RegisterRequest) (*pluginapi.Empty, error) {
+// Register implements the Registration service.
+func (k *Kubelet) Register(_ context.Context, req *pluginapi.RegisterRequest) (*pluginapi.Empty, error) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
-	conn, err := grpc.NewClient("unix://"+filepath.Join(k.dir, req.Endpoint), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	conn, err := grpc.NewClient("unix://"+filepath.Join(k.Dir, req.Endpoint), grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		return nil, err
 	}
@@ -115,13 +123,15 @@ func (k *testKubelet) Register(_ context.Context, req *pluginapi.RegisterRequest
 	return &pluginapi.Empty{}, nil
 }
 
-func (k *testKubelet) client() pluginapi.DevicePluginClient {
+// Client is a client of the last registered plugin.
+func (k *Kubelet) Client() pluginapi.DevicePluginClient {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	return k.plugin
 }
 
-func (k *testKubelet) waitRegister(within time.Duration) *pluginapi.RegisterRequest {
+// WaitRegister returns the next registration, failing the test after within.
+func (k *Kubelet) WaitRegister(within time.Duration) *pluginapi.RegisterRequest {
 	k.t.Helper()
 	select {
 	case r := <-k.regs:
@@ -132,8 +142,8 @@ func (k *testKubelet) waitRegister(within time.Duration) *pluginapi.RegisterRequ
 	}
 }
 
-// waitList returns the first list received for which ok holds.
-func (k *testKubelet) waitList(ok func([]*pluginapi.Device) bool) []*pluginapi.Device {
+// WaitList returns the first list received for which ok holds.
+func (k *Kubelet) WaitList(ok func([]*pluginapi.Device) bool) []*pluginapi.Device {
 	k.t.Helper()
 	deadline := time.After(10 * time.Second)
 	for {
@@ -149,16 +159,17 @@ func (k *testKubelet) waitList(ok func([]*pluginapi.Device) bool) []*pluginapi.D
 	}
 }
 
-// testPodResources serves PodResources v1 List from a settable table.
-type testPodResources struct {
+// PodResources serves PodResources v1 List from a settable table.
+type PodResources struct {
 	podresourcesv1.UnimplementedPodResourcesListerServer
 	mu   sync.Mutex
 	pods []*podresourcesv1.PodResources
 	fail error
 }
 
-func newTestPodResources(t *testing.T, socket string) *testPodResources {
-	s := &testPodResources{}
+// NewPodResources serves PodResources v1 on socket until the test ends.
+func NewPodResources(t testing.TB, socket string) *PodResources {
+	s := &PodResources{}
 	lis, err := net.Listen("unix", socket)
 	if err != nil {
 		t.Fatal(err)
@@ -170,7 +181,8 @@ func newTestPodResources(t *testing.T, socket string) *testPodResources {
 	return s
 }
 
-func (s *testPodResources) List(context.Context, *podresourcesv1.ListPodResourcesRequest) (*podresourcesv1.ListPodResourcesResponse, error) {
+// List implements the PodResources service.
+func (s *PodResources) List(context.Context, *podresourcesv1.ListPodResourcesRequest) (*podresourcesv1.ListPodResourcesResponse, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.fail != nil {
@@ -179,8 +191,8 @@ func (s *testPodResources) List(context.Context, *podresourcesv1.ListPodResource
 	return &podresourcesv1.ListPodResourcesResponse{PodResources: s.pods}, nil
 }
 
-// setPods replaces the table: pod name → resource → device IDs.
-func (s *testPodResources) setPods(pods map[string]map[string][]string) {
+// SetPods replaces the table: pod name → resource → device IDs.
+func (s *PodResources) SetPods(pods map[string]map[string][]string) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.pods = nil
@@ -193,7 +205,8 @@ func (s *testPodResources) setPods(pods map[string]map[string][]string) {
 	}
 }
 
-func (s *testPodResources) setFail(err error) {
+// SetFail makes List fail with err (nil: succeed again).
+func (s *PodResources) SetFail(err error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.fail = err
