@@ -34,7 +34,9 @@ func main() {
 			}
 		}
 	}
+	_, waitPlugin := startPlugin(ctx, pluginCfg, p, func(string) error { return nil }) // simulated chunks hold no bytes
 	slog.Info("kvpool agent running", "mode", "standalone", "backend", sim.Name(), "gpus", n, "chunks", len(p.Chunks()))
 	<-ctx.Done()
+	waitPlugin()
 	slog.Info("kvpool agent stopped")
 }
