@@ -525,11 +525,17 @@ func (p *Plugin) dropLocked(a *alloc) {
 // zeroing fails stays dirty (advertised unhealthy) and is retried.
 func (p *Plugin) reclaimLocked(a *alloc) error {
 	p.dropLocked(a)
-	if _, err := p.o.Pool.Revoke(a.Token); err != nil && !errors.Is(err, pool.ErrUnknownAllocation) {
+	chunks, err := p.o.Pool.Revoke(a.Token)
+	if errors.Is(err, pool.ErrUnknownAllocation) {
+		// Restored from the checkpoint but never granted in this process:
+		// no client has touched these chunks since they were allocated.
+		return nil
+	}
+	if err != nil {
 		return fmt.Errorf("reclaim %v: %w", a.Devices, err)
 	}
-	for _, d := range a.Devices {
-		p.dirty[d] = true
+	for _, c := range chunks {
+		p.dirty[c.ID] = true
 	}
 	p.scrubLocked()
 	return nil

@@ -470,6 +470,26 @@ func TestRestartRecoversFromCheckpoint(t *testing.T) {
 	}
 }
 
+// A restored allocation whose chunks never become ready (the pool shrank)
+// is dropped after the grace period without zeroing chunks that do not
+// exist.
+func TestRestoredAllocationWithoutChunks(t *testing.T) {
+	e := newEnv(t)
+	token := e.mustAllocate("gpu1-numa1-3")
+	p2 := e.newPlugin(pool.New()) // the new pool never gets gpu1-numa1-3
+	p2.o.Holders = dialTestPodResources(t, e.root)
+	e.clock.Advance(testGrace)
+	if err := p2.Reconcile(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if recs := p2.Allocations(); len(recs) != 0 {
+		t.Errorf("allocation %s kept: %+v", token, recs)
+	}
+	if e.zeroCount("gpu1-numa1-3") != 0 || len(p2.dirty) != 0 {
+		t.Errorf("zeroed %d times, dirty %v", e.zeroCount("gpu1-numa1-3"), p2.dirty)
+	}
+}
+
 func dialTestPodResources(t *testing.T, root string) Holders {
 	c, err := DialPodResources(filepath.Join(root, "kubelet/pod-resources/kubelet.sock"))
 	if err != nil {

@@ -57,7 +57,7 @@ func (p *Plugin) Run(ctx context.Context) error {
 		if ctx.Err() != nil {
 			return nil
 		}
-		p.log.Warn("device plugin restarting", "err", err)
+		p.log.Info("device plugin restarting", "reason", err)
 	}
 }
 
