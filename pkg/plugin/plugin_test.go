@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -558,5 +559,54 @@ func TestOptionsErrors(t *testing.T) {
 	}
 	if _, err := New(ok); err != nil {
 		t.Errorf("valid options: %v", err)
+	}
+}
+
+// Concurrent Allocates of one set agree on one token; disjoint sets get
+// their own; reconciles run alongside (go test -race).
+func TestConcurrentAllocate(t *testing.T) {
+	e := newEnv(t)
+	const n = 8
+	tokens := make(chan string, 2*n)
+	errs := make(chan error, 3*n)
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Add(3)
+		go func() {
+			defer wg.Done()
+			resp, err := e.allocate([]string{"gpu0-numa0-0", "gpu0-numa0-1"})
+			if err != nil {
+				errs <- err
+				return
+			}
+			tokens <- resp.ContainerResponses[0].Envs[EnvToken]
+		}()
+		go func() {
+			defer wg.Done()
+			if _, err := e.allocate([]string{ChunkID(1, 1, i%4)}); err != nil {
+				errs <- err
+			}
+		}()
+		go func() {
+			defer wg.Done()
+			errs <- e.p.Reconcile(context.Background())
+		}()
+	}
+	wg.Wait()
+	close(tokens)
+	close(errs)
+	for err := range errs {
+		if err != nil {
+			t.Error(err)
+		}
+	}
+	first := <-tokens
+	for tok := range tokens {
+		if tok != first {
+			t.Fatal("concurrent Allocates of one set returned different tokens")
+		}
+	}
+	if recs := e.p.Allocations(); len(recs) != 5 {
+		t.Errorf("%d allocations, want 5", len(recs))
 	}
 }
