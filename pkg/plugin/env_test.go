@@ -187,6 +187,16 @@ func (e *env) mustAllocate(ids ...string) string {
 	return resp.ContainerResponses[0].Envs[EnvToken]
 }
 
+// open starts a session as the copy server does: token to allocation by
+// Authorize, then the pool.
+func (e *env) open(token string, spec pool.Spec) (*pool.Session, error) {
+	alloc, err := e.p.Authorize(token)
+	if err != nil {
+		return nil, err
+	}
+	return e.pool.Open(alloc, spec)
+}
+
 func (e *env) reconcile() {
 	e.t.Helper()
 	if err := e.p.Reconcile(context.Background()); err != nil {

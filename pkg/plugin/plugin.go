@@ -13,7 +13,9 @@ package plugin
 import (
 	"context"
 	"crypto/rand"
+	"crypto/sha256"
 	"encoding/base64"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -212,7 +214,7 @@ func (p *Plugin) grantLocked(a *alloc) {
 	if a.granted {
 		return
 	}
-	if err := p.o.Pool.Grant(a.Token, a.Devices); err != nil {
+	if err := p.o.Pool.Grant(a.ID(), a.Devices); err != nil {
 		p.log.Debug("grant of restored allocation deferred", "pod", a.Pod, "devices", a.Devices, "err", err)
 		return
 	}
@@ -243,6 +245,32 @@ func (p *Plugin) saveLocked() error {
 
 // Registrations counts successful registrations with kubelet.
 func (p *Plugin) Registrations() int64 { return p.registrations.Load() }
+
+// AllocationID is the pool's name for the allocation of token: a prefix
+// of the token's SHA-256, so that listings of the pool (status, metrics,
+// logs) never show a token, and no token can be worked back from them.
+func AllocationID(token string) string {
+	sum := sha256.Sum256([]byte(token))
+	return "alloc-" + hex.EncodeToString(sum[:8])
+}
+
+// ID is the allocation's name in the pool.
+func (r Record) ID() string { return AllocationID(r.Token) }
+
+// ErrUnknownToken is returned by Authorize for a token no allocation has.
+var ErrUnknownToken = errors.New("unknown allocation token")
+
+// Authorize maps a client's token (KVPOOL_TOKEN) to the pool allocation it
+// may open sessions on. It fits the copy server's Authorizer.
+func (p *Plugin) Authorize(token string) (string, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	a, ok := p.allocs[token]
+	if !ok {
+		return "", ErrUnknownToken
+	}
+	return a.ID(), nil
+}
 
 func newToken() string {
 	b := make([]byte, 32)
@@ -383,7 +411,7 @@ func (p *Plugin) Allocate(ctx context.Context, req *pluginapi.AllocateRequest) (
 		for _, a := range created {
 			p.dropLocked(a)
 			// Never handed out: nobody could have written the chunks.
-			if _, err := p.o.Pool.Revoke(a.Token); err == nil {
+			if _, err := p.o.Pool.Revoke(a.ID()); err == nil {
 				for _, d := range a.Devices {
 					p.o.Pool.Scrubbed(d)
 				}
@@ -395,7 +423,7 @@ func (p *Plugin) Allocate(ctx context.Context, req *pluginapi.AllocateRequest) (
 		a := p.byDevice[ids[0]]
 		if a == nil {
 			a = &alloc{Record: Record{Token: newToken(), Devices: ids, FirstSeen: now}, lastSeen: now}
-			if err := p.o.Pool.Grant(a.Token, ids); err != nil {
+			if err := p.o.Pool.Grant(a.ID(), ids); err != nil {
 				rollback()
 				return nil, status.Errorf(codes.FailedPrecondition, "allocate %v: %v", ids, err)
 			}
@@ -525,7 +553,7 @@ func (p *Plugin) dropLocked(a *alloc) {
 // zeroing fails stays dirty (advertised unhealthy) and is retried.
 func (p *Plugin) reclaimLocked(a *alloc) error {
 	p.dropLocked(a)
-	chunks, err := p.o.Pool.Revoke(a.Token)
+	chunks, err := p.o.Pool.Revoke(a.ID())
 	if errors.Is(err, pool.ErrUnknownAllocation) {
 		// Restored from the checkpoint but never granted in this process:
 		// no client has touched these chunks since they were allocated.

@@ -134,11 +134,11 @@ func TestAllocate(t *testing.T) {
 	if len(cr.Mounts) != 1 || cr.Mounts[0].ContainerPath != "/var/run/kvpool" || cr.Mounts[0].HostPath != filepath.Join(e.root, "sock") || !cr.Mounts[0].ReadOnly {
 		t.Errorf("mounts = %v", cr.Mounts)
 	}
-	if ids, err := e.pool.Allocation(token); err != nil || !slices.Equal(slices.Sorted(slices.Values(ids)), []string{"gpu0-numa0-0", "gpu0-numa0-1"}) {
+	if ids, err := e.pool.Allocation(AllocationID(token)); err != nil || !slices.Equal(slices.Sorted(slices.Values(ids)), []string{"gpu0-numa0-0", "gpu0-numa0-1"}) {
 		t.Errorf("pool allocation of the token = %v, %v", ids, err)
 	}
 	// The token opens sessions on exactly its chunks.
-	s, err := e.pool.Open(token, pool.Spec{GPU: 0, PageSize: 4096, DevicePages: 8})
+	s, err := e.open(token, pool.Spec{GPU: 0, PageSize: 4096, DevicePages: 8})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -201,16 +201,22 @@ func TestAllocate(t *testing.T) {
 	if t1 == t2 || t1 == token {
 		t.Errorf("tokens not distinct: %s %s %s", token, t1, t2)
 	}
-	if ids, _ := e.pool.Allocation(t1); !slices.Equal(ids, []string{"gpu1-numa1-0"}) {
+	if ids, _ := e.pool.Allocation(AllocationID(t1)); !slices.Equal(ids, []string{"gpu1-numa1-0"}) {
 		t.Errorf("first container's token holds %v", ids)
 	}
 	// A token opens nothing of another allocation: a session asking for more
 	// pages than its own chunks hold is refused.
-	if _, err := e.pool.Open(t1, pool.Spec{GPU: 1, PageSize: 1 << 20, DevicePages: 8, MaxPages: 2}); !errors.Is(err, pool.ErrNoCapacity) {
+	if _, err := e.open(t1, pool.Spec{GPU: 1, PageSize: 1 << 20, DevicePages: 8, MaxPages: 2}); !errors.Is(err, pool.ErrNoCapacity) {
 		t.Errorf("open beyond the token's chunks: %v", err)
 	}
-	if _, err := e.pool.Open(newToken(), pool.Spec{GPU: 1, PageSize: 4096, DevicePages: 8}); !errors.Is(err, pool.ErrUnknownAllocation) {
+	if _, err := e.open(newToken(), pool.Spec{GPU: 1, PageSize: 4096, DevicePages: 8}); !errors.Is(err, ErrUnknownToken) {
 		t.Errorf("open with a made-up token: %v", err)
+	}
+	// Listings of the pool (status, metrics) never show a token.
+	for _, c := range e.pool.Chunks() {
+		if c.Allocation != "" && (strings.Contains(token+t1+t2, c.Allocation) || strings.Contains(c.Allocation, token[:8])) {
+			t.Errorf("chunk %s lists allocation %q, which gives a token away", c.ID, c.Allocation)
+		}
 	}
 }
 
@@ -299,7 +305,7 @@ func TestReclaimAfterPodGone(t *testing.T) {
 	e := newEnv(t)
 	ids := []string{"gpu1-numa1-0", "gpu1-numa1-1"}
 	token := e.mustAllocate(ids...)
-	s, err := e.pool.Open(token, pool.Spec{GPU: 1, PageSize: 4096, DevicePages: 4})
+	s, err := e.open(token, pool.Spec{GPU: 1, PageSize: 4096, DevicePages: 4})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -325,17 +331,20 @@ func TestReclaimAfterPodGone(t *testing.T) {
 	})
 	e.clock.Advance(testGrace - time.Second)
 	e.reconcile()
-	if _, err := e.pool.Allocation(token); err != nil || s.Closed() || e.zeroCount(ids[0]) != 0 {
+	if _, err := e.pool.Allocation(AllocationID(token)); err != nil || s.Closed() || e.zeroCount(ids[0]) != 0 {
 		t.Fatalf("reclaimed during the grace period: %v closed=%v zeroed=%d", err, s.Closed(), e.zeroCount(ids[0]))
 	}
 	// Grace period over: revoked, sessions closed, zeroed, free again.
 	e.clock.Advance(time.Second)
 	e.reconcile()
-	if _, err := e.pool.Allocation(token); !errors.Is(err, pool.ErrUnknownAllocation) {
+	if _, err := e.pool.Allocation(AllocationID(token)); !errors.Is(err, pool.ErrUnknownAllocation) {
 		t.Errorf("allocation still in the pool: %v", err)
 	}
 	if !s.Closed() || s.IsOffloaded("r1") {
 		t.Error("session not closed or streams not dropped")
+	}
+	if _, err := e.p.Authorize(token); !errors.Is(err, ErrUnknownToken) {
+		t.Errorf("Authorize of a reclaimed token: %v", err)
 	}
 	for _, id := range ids {
 		if e.zeroCount(id) != 1 {
@@ -360,7 +369,7 @@ func TestReclaimNeverListedAllocation(t *testing.T) {
 	token := e.mustAllocate("gpu0-numa0-3")
 	e.clock.Advance(testGrace - time.Nanosecond)
 	e.reconcile()
-	if _, err := e.pool.Allocation(token); err != nil {
+	if _, err := e.pool.Allocation(AllocationID(token)); err != nil {
 		t.Fatalf("reclaimed within the grace period: %v", err)
 	}
 	// A failing PodResources reclaims nothing, however late.
@@ -369,12 +378,12 @@ func TestReclaimNeverListedAllocation(t *testing.T) {
 	if err := e.p.Reconcile(context.Background()); err == nil || !strings.Contains(err.Error(), "boom") {
 		t.Errorf("reconcile with a failing PodResources: %v", err)
 	}
-	if _, err := e.pool.Allocation(token); err != nil {
+	if _, err := e.pool.Allocation(AllocationID(token)); err != nil {
 		t.Fatalf("reclaimed on a failed listing: %v", err)
 	}
 	e.prs.SetFail(nil)
 	e.reconcile()
-	if _, err := e.pool.Allocation(token); !errors.Is(err, pool.ErrUnknownAllocation) {
+	if _, err := e.pool.Allocation(AllocationID(token)); !errors.Is(err, pool.ErrUnknownAllocation) {
 		t.Errorf("not reclaimed after the grace period: %v", err)
 	}
 }
@@ -415,15 +424,15 @@ func TestAllocateReassignedByKubelet(t *testing.T) {
 	if same == old {
 		t.Fatal("a new pod got the gone pod's token")
 	}
-	if _, err := e.pool.Allocation(old); !errors.Is(err, pool.ErrUnknownAllocation) || e.zeroCount("gpu0-numa0-0") != 1 {
+	if _, err := e.pool.Allocation(AllocationID(old)); !errors.Is(err, pool.ErrUnknownAllocation) || e.zeroCount("gpu0-numa0-0") != 1 {
 		t.Errorf("old allocation: %v, zeroed %d", err, e.zeroCount("gpu0-numa0-0"))
 	}
 	// An overlapping set while the holder is unlisted: reclaimed likewise.
 	over := e.mustAllocate("gpu0-numa0-1", "gpu0-numa0-2")
-	if _, err := e.pool.Allocation(same); !errors.Is(err, pool.ErrUnknownAllocation) {
+	if _, err := e.pool.Allocation(AllocationID(same)); !errors.Is(err, pool.ErrUnknownAllocation) {
 		t.Errorf("overlapped allocation still present: %v", err)
 	}
-	if ids, _ := e.pool.Allocation(over); len(ids) != 2 {
+	if ids, _ := e.pool.Allocation(AllocationID(over)); len(ids) != 2 {
 		t.Errorf("new allocation holds %v", ids)
 	}
 }
@@ -449,8 +458,11 @@ func TestRestartRecoversFromCheckpoint(t *testing.T) {
 	if err := p2.Reconcile(context.Background()); err != nil {
 		t.Fatal(err)
 	}
-	if ids, err := fresh.Allocation(t1); err != nil || len(ids) != 2 {
+	if ids, err := fresh.Allocation(AllocationID(t1)); err != nil || len(ids) != 2 {
 		t.Errorf("restored grant: %v, %v", ids, err)
+	}
+	if id, err := p2.Authorize(t1); err != nil || id != AllocationID(t1) {
+		t.Errorf("Authorize of a restored token: %q, %v", id, err)
 	}
 	// Allocate of a restored set returns its token.
 	resp, err := p2.Allocate(context.Background(), &pluginapi.AllocateRequest{ContainerRequests: []*pluginapi.ContainerAllocateRequest{{DevicesIds: []string{"gpu1-numa1-3"}}}})
@@ -463,10 +475,10 @@ func TestRestartRecoversFromCheckpoint(t *testing.T) {
 	if err := p2.Reconcile(context.Background()); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := fresh.Allocation(t2); !errors.Is(err, pool.ErrUnknownAllocation) {
+	if _, err := fresh.Allocation(AllocationID(t2)); !errors.Is(err, pool.ErrUnknownAllocation) {
 		t.Errorf("t2 not reclaimed: %v", err)
 	}
-	if _, err := fresh.Allocation(t1); err != nil {
+	if _, err := fresh.Allocation(AllocationID(t1)); err != nil {
 		t.Errorf("t1 reclaimed while its pod is listed: %v", err)
 	}
 }
