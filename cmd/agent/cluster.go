@@ -4,7 +4,6 @@ import (
 	"context"
 	"flag"
 	"log/slog"
-	"os"
 	"time"
 
 	"github.com/kvpool/kvpool/pkg/plugin"
@@ -12,7 +11,7 @@ import (
 )
 
 // pluginConfig is the device plugin's part of the agent configuration.
-// Until pkg/config lands these come from flags; the field names follow the
+// Until pkg/config is wired in these come from flags; the fields follow the
 // AgentConfig file (resourceName, kubeletDir, socketDir, stateDir,
 // reclaim.gracePeriod, reclaim.interval).
 type pluginConfig struct {
@@ -25,33 +24,45 @@ type pluginConfig struct {
 	Interval     time.Duration
 }
 
-var pluginCfg pluginConfig
-
-func init() {
-	fs := flag.CommandLine
-	fs.BoolVar(&pluginCfg.Enabled, "device-plugin", false, "register with kubelet as a device plugin (standalone mode registers only with this flag)")
-	fs.StringVar(&pluginCfg.ResourceName, "resource-name", plugin.DefaultResourceName, "extended resource name the chunks are advertised as")
-	fs.StringVar(&pluginCfg.KubeletDir, "kubelet-dir", plugin.DefaultKubeletDir, "kubelet root directory (device-plugins/ and pod-resources/ inside)")
-	fs.StringVar(&pluginCfg.SocketDir, "socket-dir", plugin.DefaultSocketDir, "host directory of the agent socket, mounted into pods")
-	fs.StringVar(&pluginCfg.StateDir, "state-dir", plugin.DefaultStateDir, "directory of the agent's checkpoints")
-	fs.DurationVar(&pluginCfg.GracePeriod, "reclaim-grace-period", plugin.DefaultGracePeriod, "how long an allocation no pod holds is kept before its chunks are reclaimed")
-	fs.DurationVar(&pluginCfg.Interval, "reclaim-interval", plugin.DefaultInterval, "how often allocations are reconciled against PodResources")
+// addFlags registers the device plugin's flags on fs.
+func (c *pluginConfig) addFlags(fs *flag.FlagSet) {
+	fs.BoolVar(&c.Enabled, "device-plugin", false, "register with kubelet as a device plugin (standalone mode registers only with this flag)")
+	fs.StringVar(&c.ResourceName, "resource-name", plugin.DefaultResourceName, "extended resource name the chunks are advertised as")
+	fs.StringVar(&c.KubeletDir, "kubelet-dir", plugin.DefaultKubeletDir, "kubelet root directory (device-plugins/ and pod-resources/ inside)")
+	fs.StringVar(&c.SocketDir, "socket-dir", plugin.DefaultSocketDir, "host directory of the agent socket, mounted into pods")
+	fs.StringVar(&c.StateDir, "state-dir", plugin.DefaultStateDir, "directory of the agent's checkpoints")
+	fs.DurationVar(&c.GracePeriod, "reclaim-grace-period", plugin.DefaultGracePeriod, "how long an allocation no pod holds is kept before its chunks are reclaimed")
+	fs.DurationVar(&c.Interval, "reclaim-interval", plugin.DefaultInterval, "how often allocations are reconciled against PodResources")
 }
 
-// startPlugin runs the kubelet device plugin over p when cfg enables it, and
-// returns a function that waits for it to stop after ctx ends. zero clears a
-// chunk's bytes before the chunk goes to another pod (hostmem.Chunk.Zero for
-// real chunks). The feed it returns must get a new snapshot whenever chunks
-// become ready or fail (feed.Set(plugin.PoolDevices(p.Chunks()))).
-// A configuration the plugin refuses ends the agent.
-func startPlugin(ctx context.Context, cfg pluginConfig, p *pool.Pool, zero func(id string) error) (feed *plugin.Feed, wait func()) {
-	if !cfg.Enabled {
-		return nil, func() {}
+// pluginRun is a running device plugin.
+type pluginRun struct {
+	// Plugin's Authorize maps KVPOOL_TOKEN to the pool allocation; give it
+	// to the copy server.
+	Plugin *plugin.Plugin
+	// Feed must get a new snapshot whenever chunks become ready or fail:
+	// Feed.Set(plugin.PoolDevices(p.Chunks())), or Feed.SetHealth.
+	Feed *plugin.Feed
+	done chan struct{}
+}
+
+// Wait returns once the plugin has stopped (after ctx ended).
+func (r *pluginRun) Wait() {
+	if r != nil {
+		<-r.done
 	}
-	feed = plugin.NewFeed()
+}
+
+// startPlugin runs the kubelet device plugin over p until ctx ends, or
+// returns nil when cfg does not enable it. zero clears a chunk's bytes before
+// the chunk goes to another pod (hostmem.Chunk.Zero for real chunks).
+func startPlugin(ctx context.Context, cfg pluginConfig, p *pool.Pool, zero func(id string) error) (*pluginRun, error) {
+	if !cfg.Enabled {
+		return nil, nil
+	}
+	feed := plugin.NewFeed()
 	if err := feed.Set(plugin.PoolDevices(p.Chunks())); err != nil {
-		slog.Error("device plugin", "err", err)
-		os.Exit(1)
+		return nil, err
 	}
 	pl, err := plugin.New(plugin.Options{
 		ResourceName: cfg.ResourceName,
@@ -65,16 +76,15 @@ func startPlugin(ctx context.Context, cfg pluginConfig, p *pool.Pool, zero func(
 		Interval:     cfg.Interval,
 	})
 	if err != nil {
-		slog.Error("device plugin", "err", err)
-		os.Exit(2)
+		return nil, err
 	}
-	done := make(chan struct{})
+	r := &pluginRun{Plugin: pl, Feed: feed, done: make(chan struct{})}
 	go func() {
-		defer close(done)
+		defer close(r.done)
 		if err := pl.Run(ctx); err != nil {
 			slog.Error("device plugin stopped", "err", err)
 		}
 	}()
 	slog.Info("device plugin started", "resource", cfg.ResourceName, "kubeletDir", cfg.KubeletDir, "socketDir", cfg.SocketDir)
-	return feed, func() { <-done }
+	return r, nil
 }
