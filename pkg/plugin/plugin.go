@@ -436,7 +436,11 @@ func (p *Plugin) Allocate(ctx context.Context, req *pluginapi.AllocateRequest) (
 		} else {
 			p.grantLocked(a)
 			if !a.granted {
+				rollback()
 				return nil, status.Errorf(codes.Unavailable, "allocate %v: restored allocation not yet granted by the pool", ids)
+			}
+			if a.Pod == "" {
+				a.lastSeen = now // kubelet is still admitting its pod
 			}
 		}
 		resp.ContainerResponses = append(resp.ContainerResponses, &pluginapi.ContainerAllocateResponse{
@@ -458,7 +462,7 @@ func (p *Plugin) Allocate(ctx context.Context, req *pluginapi.AllocateRequest) (
 		}
 	}
 	for _, a := range created {
-		p.log.Info("allocated", "devices", a.Devices)
+		p.log.Info("allocated", "allocation", a.ID(), "devices", a.Devices)
 	}
 	return resp, nil
 }
@@ -518,7 +522,7 @@ func (p *Plugin) settleConflictsLocked(ctx context.Context, sets [][]string) err
 		}
 	}
 	for _, a := range reclaim {
-		p.log.Info("reclaiming allocation reassigned by kubelet", "pod", a.Pod, "devices", a.Devices)
+		p.log.Info("reclaiming allocation reassigned by kubelet", "allocation", a.ID(), "pod", a.Pod, "devices", a.Devices)
 		if err := p.reclaimLocked(a); err != nil {
 			return status.Errorf(codes.Internal, "allocate: %v", err)
 		}
@@ -611,7 +615,7 @@ func (p *Plugin) Reconcile(ctx context.Context) error {
 		}
 		if holder != "" {
 			if a.Pod != holder {
-				p.log.Info("allocation held by pod", "pod", holder, "devices", a.Devices)
+				p.log.Info("allocation held by pod", "allocation", a.ID(), "pod", holder, "devices", a.Devices)
 				a.Pod = holder
 				changed = true
 			}
@@ -622,7 +626,7 @@ func (p *Plugin) Reconcile(ctx context.Context) error {
 		if now.Sub(a.lastSeen) < p.o.GracePeriod {
 			continue
 		}
-		p.log.Info("reclaiming allocation of a pod that is gone", "pod", a.Pod, "devices", a.Devices, "unheldFor", now.Sub(a.lastSeen))
+		p.log.Info("reclaiming allocation of a pod that is gone", "allocation", a.ID(), "pod", a.Pod, "devices", a.Devices, "unheldFor", now.Sub(a.lastSeen))
 		if err := p.reclaimLocked(a); err != nil {
 			p.log.Error("reclaim", "err", err)
 		}

@@ -622,3 +622,24 @@ func TestConcurrentAllocate(t *testing.T) {
 		t.Errorf("%d allocations, want 5", len(recs))
 	}
 }
+
+// A repeated Allocate (kubelet still admitting the pod) restarts the grace
+// period of an allocation no pod has held yet.
+func TestRepeatedAllocateRefreshesGrace(t *testing.T) {
+	e := newEnv(t)
+	token := e.mustAllocate("gpu0-numa0-2")
+	e.clock.Advance(testGrace - time.Second)
+	if again := e.mustAllocate("gpu0-numa0-2"); again != token {
+		t.Fatal("repeated Allocate returned another token")
+	}
+	e.clock.Advance(2 * time.Second)
+	e.reconcile()
+	if _, err := e.p.Authorize(token); err != nil {
+		t.Fatalf("reclaimed although Allocate was repeated within the grace period: %v", err)
+	}
+	e.clock.Advance(testGrace)
+	e.reconcile()
+	if _, err := e.p.Authorize(token); !errors.Is(err, ErrUnknownToken) {
+		t.Errorf("not reclaimed a grace period after the last Allocate: %v", err)
+	}
+}
