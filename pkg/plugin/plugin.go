@@ -155,6 +155,7 @@ type Plugin struct {
 	overlay  chan struct{}   // closed when withheld changes
 
 	registrations atomic.Int64
+	registered    atomic.Bool
 }
 
 type alloc struct {
@@ -246,6 +247,11 @@ func (p *Plugin) saveLocked() error {
 // Registrations counts successful registrations with kubelet.
 func (p *Plugin) Registrations() int64 { return p.registrations.Load() }
 
+// Registered says whether the plugin is registered with the kubelet that is
+// running now (for readiness): false from the moment a kubelet restart is
+// seen until the next registration succeeds.
+func (p *Plugin) Registered() bool { return p.registered.Load() }
+
 // AllocationID is the pool's name for the allocation of token: a prefix
 // of the token's SHA-256, so that listings of the pool (status, metrics,
 // logs) never show a token, and no token can be worked back from them.
@@ -323,6 +329,10 @@ func sameList(a, b []*pluginapi.Device) bool {
 
 // ListAndWatch sends the full device list at once and again on every change.
 func (p *Plugin) ListAndWatch(_ *pluginapi.Empty, stream pluginapi.DevicePlugin_ListAndWatchServer) error {
+	return p.listAndWatch(stream)
+}
+
+func (p *Plugin) listAndWatch(stream pluginapi.DevicePlugin_ListAndWatchServer) error {
 	var last []*pluginapi.Device
 	first := true
 	for {

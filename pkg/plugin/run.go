@@ -107,10 +107,12 @@ func (p *Plugin) serveOnce(ctx context.Context) error {
 		return p.pause(ctx, fmt.Errorf("listen: %w", err))
 	}
 	srv := grpc.NewServer()
-	pluginapi.RegisterDevicePluginServer(srv, p)
+	lost := make(chan struct{}, 1)
+	pluginapi.RegisterDevicePluginServer(srv, &watchedServer{Plugin: p, lost: lost})
 	serveErr := make(chan error, 1)
 	go func() { serveErr <- srv.Serve(lis) }()
 	defer func() {
+		p.registered.Store(false)
 		srv.Stop()
 		<-serveErr
 		if cur, ok := statSock(sock); ok && cur.fi.Mode()&os.ModeSocket != 0 {
@@ -138,18 +140,41 @@ func (p *Plugin) serveOnce(ctx context.Context) error {
 			} else {
 				registered, kid = true, k
 				p.registrations.Add(1)
+				p.registered.Store(true)
 				p.log.Info("registered with kubelet", "endpoint", p.Endpoint())
 			}
 		}
 		select {
 		case <-ctx.Done():
 			return ctx.Err()
+		case <-lost:
+			if registered {
+				return errors.New("kubelet closed ListAndWatch (kubelet restarted?)")
+			}
 		case err := <-serveErr:
 			serveErr <- err // for the deferred wait
 			return fmt.Errorf("serve: %w", err)
 		case <-t.C:
 		}
 	}
+}
+
+// watchedServer is the plugin as one incarnation serves it: a ListAndWatch
+// stream that kubelet ends (kubelet stopped, or replaced the connection)
+// is reported on lost. File times alone can miss a kubelet.sock recreated
+// within one tick of the kernel's coarse clock with a reused inode.
+type watchedServer struct {
+	*Plugin
+	lost chan struct{}
+}
+
+func (w *watchedServer) ListAndWatch(_ *pluginapi.Empty, stream pluginapi.DevicePlugin_ListAndWatchServer) error {
+	err := w.listAndWatch(stream)
+	select {
+	case w.lost <- struct{}{}:
+	default:
+	}
+	return err
 }
 
 func (p *Plugin) pause(ctx context.Context, err error) error {
