@@ -34,7 +34,7 @@ type cudaDriver struct {
 
 // openCUDA loads the driver at path, checks its version, resolves every
 // entry point and initializes it. It does not count devices.
-func openCUDA(path string) (*cudaDriver, error) {
+func openCUDA(path string, noBatch bool) (*cudaDriver, error) {
 	cpath := C.CString(path)
 	defer C.free(unsafe.Pointer(cpath))
 	var cerr *C.char
@@ -63,6 +63,9 @@ func openCUDA(path string) (*cudaDriver, error) {
 		// cuGetErrorName may be the symbol that failed; say what we can.
 		e := d.err("cuGetProcAddress", r)
 		return nil, fmt.Errorf("resolve %s at CUDA %s (symbol status %d): %w", name, FormatVersion(int(v)), int(status), e)
+	}
+	if noBatch {
+		api.memcpyBatchAsync, api.batch_abi = nil, 0
 	}
 	if r := C.kv_init(api); r != 0 {
 		return nil, d.err("cuInit", r)

@@ -39,6 +39,10 @@ type Options struct {
 	// Library is the driver library; empty means $KVPOOL_CUDA_LIBRARY, then
 	// DefaultLibrary.
 	Library string
+	// NoBatch makes the real backend skip cuMemcpyBatchAsync and issue one
+	// cuMemcpyAsync per merged run, as on drivers older than 12.8: an
+	// escape hatch should a driver's batch path misbehave.
+	NoBatch bool
 	// Sim configures the simulator when it is chosen.
 	Sim SimOptions
 	// Logger receives the one line that says which backend was chosen and
@@ -105,10 +109,10 @@ func Load(o Options) (Driver, Choice, error) {
 	default:
 		return nil, Choice{}, fmt.Errorf("cudart: unknown backend %q (want %q, %q or %q)", o.Backend, BackendAuto, BackendCUDA, BackendSim)
 	}
-	d, c, err := loadCUDA(lib)
+	d, c, err := loadCUDA(lib, o.NoBatch)
 	if err != nil {
 		if backend == BackendCUDA {
-			return nil, c, fmt.Errorf("cudart: backend %q: %w", BackendCUDA, err)
+			return nil, c, fmt.Errorf("backend %q: %w", BackendCUDA, err)
 		}
 		return sim(err.Error(), lib)
 	}
@@ -117,9 +121,9 @@ func Load(o Options) (Driver, Choice, error) {
 	return d, c, nil
 }
 
-func loadCUDA(lib string) (Driver, Choice, error) {
+func loadCUDA(lib string, noBatch bool) (Driver, Choice, error) {
 	c := Choice{Backend: BackendCUDA, Library: lib}
-	d, err := openCUDA(lib)
+	d, err := openCUDA(lib, noBatch)
 	if err != nil {
 		return nil, c, err
 	}
