@@ -6,7 +6,6 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"os"
 	"os/exec"
@@ -65,8 +64,6 @@ func (f fake) calls(t *testing.T, prefix string) []string {
 	return out
 }
 
-func quiet() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }
-
 func TestLoadChoice(t *testing.T) {
 	dir := t.TempDir()
 	notELF := filepath.Join(dir, "libcuda.so.1")
@@ -114,7 +111,7 @@ func TestLoadChoice(t *testing.T) {
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
-			d, ch, err := Load(Options{Backend: c.backend, Library: c.lib, Logger: quiet()})
+			d, ch, err := Load(Options{Backend: c.backend, Library: c.lib, Logger: quietLog()})
 			if c.want == "" {
 				if err == nil {
 					t.Fatalf("Load succeeded with %v, want an error", ch)
@@ -152,7 +149,7 @@ func TestLoadChoice(t *testing.T) {
 func TestLoadLibraryEnv(t *testing.T) {
 	f := buildFake(t, "FAKE_VERSION=12080")
 	t.Setenv(LibraryEnv, f.lib)
-	d, ch, err := Load(Options{Backend: "cuda", Logger: quiet()})
+	d, ch, err := Load(Options{Backend: "cuda", Logger: quietLog()})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -190,7 +187,7 @@ func mmapHost(t *testing.T, n int) []byte {
 func openFake(t *testing.T, defs ...string) (fake, *cudaDevice) {
 	t.Helper()
 	f := buildFake(t, defs...)
-	drv, _, err := Load(Options{Backend: "cuda", Library: f.lib, Logger: quiet()})
+	drv, _, err := Load(Options{Backend: "cuda", Library: f.lib, Logger: quietLog()})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -309,7 +306,7 @@ func TestFakeBatchSelectsABIByVersion(t *testing.T) {
 		{"12060", nil},
 	} {
 		f := buildFake(t, "FAKE_VERSION="+c.version)
-		if _, _, err := Load(Options{Backend: "cuda", Library: f.lib, Logger: quiet()}); err != nil {
+		if _, _, err := Load(Options{Backend: "cuda", Library: f.lib, Logger: quietLog()}); err != nil {
 			t.Fatal(err)
 		}
 		got := f.calls(t, "cuGetProcAddress cuMemcpyBatchAsync")
