@@ -23,6 +23,13 @@ const (
 	cuErrorNotReady       = 600 // CUDA_ERROR_NOT_READY
 )
 
+// Copy is handed to C as an array of kv_copy: the layouts must agree (both
+// array lengths below are zero exactly when the sizes are equal).
+var (
+	_ [unsafe.Sizeof(Copy{}) - C.sizeof_kv_copy]struct{}
+	_ [C.sizeof_kv_copy - unsafe.Sizeof(Copy{})]struct{}
+)
+
 // cudaDriver is the CUDA driver loaded from libcuda.so.1 at run time.
 type cudaDriver struct {
 	api     *C.kv_api

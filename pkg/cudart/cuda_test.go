@@ -556,3 +556,29 @@ func TestFakeClose(t *testing.T) {
 		t.Errorf("second Close = %v", err)
 	}
 }
+
+// TestFakeNoBatch checks the escape hatch: with NoBatch a 13.0 driver's
+// batch entry point is not used and copies go one per merged run.
+func TestFakeNoBatch(t *testing.T) {
+	f := buildFake(t, "FAKE_VERSION=13000")
+	drv, ch, err := Load(Options{Backend: "cuda", Library: f.lib, NoBatch: true, Logger: quietLog()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ch.BatchABI != 0 {
+		t.Errorf("NoBatch: choice says batch ABI %d", ch.BatchABI)
+	}
+	dev, err := drv.Open(0)
+	must(t, err)
+	defer dev.Close()
+	host := mmapHost(t, 8192)
+	must(t, dev.HostRegister(host))
+	dp, err := dev.MemAlloc(8192)
+	must(t, err)
+	s, err := dev.StreamCreate()
+	must(t, err)
+	must(t, dev.MemcpyBatchAsync([]Copy{{Dst: uintptr(dp) + 4096, Src: addr(host), Bytes: 4096}, {Dst: uintptr(dp), Src: addr(host[4096:]), Bytes: 4096}}, HostToDevice, s))
+	if got := f.calls(t, "cuMemcpy"); len(got) != 2 || !strings.HasPrefix(got[0], "cuMemcpyHtoDAsync bytes=4096 stream=own") {
+		t.Errorf("NoBatch copies went as %q, want two cuMemcpyHtoDAsync", got)
+	}
+}
