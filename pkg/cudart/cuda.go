@@ -51,6 +51,12 @@ func openCUDA(path string, noBatch bool) (*cudaDriver, error) {
 		C.free(unsafe.Pointer(cerr))
 		return nil, fmt.Errorf("%w: %s", ErrNoDriver, msg)
 	}
+	ok := false
+	defer func() {
+		if !ok {
+			C.kv_close(api)
+		}
+	}()
 	var v C.int
 	if r := C.kv_driver_version(api, &v); r != 0 {
 		return nil, fmt.Errorf("%w: cuDriverGetVersion in %s returned %d", ErrNoDriver, path, int(r))
@@ -74,6 +80,9 @@ func openCUDA(path string, noBatch bool) (*cudaDriver, error) {
 	if noBatch {
 		api.memcpyBatchAsync, api.batch_abi = nil, 0
 	}
+	// From here the library stays loaded: unloading a driver after cuInit
+	// was called is not safe.
+	ok = true
 	if r := C.kv_init(api); r != 0 {
 		return nil, d.err("cuInit", r)
 	}

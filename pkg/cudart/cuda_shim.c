@@ -65,6 +65,11 @@ kv_api *kv_open(const char *path, char **err) {
 	return a;
 }
 
+void kv_close(kv_api *a) {
+	dlclose(a->lib);
+	free(a);
+}
+
 kv_result kv_driver_version(kv_api *a, int *v) {
 	return ((kv_result(*)(int *))a->driverGetVersion)(v);
 }

@@ -68,6 +68,8 @@ typedef struct {
 // Loading. On failure kv_open returns NULL and *err holds a message in a
 // malloc'd string the caller frees.
 kv_api *kv_open(const char *path, char **err);
+// kv_close unloads a library that failed before cuInit was called.
+void kv_close(kv_api *a);
 kv_result kv_driver_version(kv_api *a, int *v);
 kv_result kv_bind(kv_api *a, const char **failed, int *status);
 
