@@ -166,6 +166,7 @@ func (d *cudaDriver) Open(ordinal int) (Device, error) {
 type cudaReg struct {
 	base, size uint64
 	pieces     []uint64 // bases of the cuMemHostRegister calls
+	pending    bool     // being registered: reserved, not yet usable
 }
 
 type cudaDevice struct {
@@ -259,38 +260,63 @@ func (d *cudaDevice) MemcpyDtoH(dst []byte, src DevicePtr) error {
 
 // HostRegister page-locks b with CU_MEMHOSTREGISTER_PORTABLE in calls of at
 // most MaxRegisterBytes. If one call fails, the pieces already registered are
-// unregistered again, so a failed registration changes nothing.
+// unregistered again, so a failed registration changes nothing. The driver
+// calls run without the device's lock, so copies through other registered
+// ranges go on while a large range is being pinned.
 func (d *cudaDevice) HostRegister(b []byte) error {
 	const call = "cuMemHostRegister"
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	if err := d.live(call); err != nil {
-		return err
-	}
 	if len(b) == 0 {
 		return callErr(call, ErrInvalidValue, "empty range")
 	}
 	base, size := uint64(addr(b)), uint64(len(b))
+	d.mu.Lock()
+	if err := d.live(call); err != nil {
+		d.mu.Unlock()
+		return err
+	}
 	i := sort.Search(len(d.regs), func(i int) bool { return d.regs[i].base >= base })
 	if (i < len(d.regs) && d.regs[i].base < base+size) ||
 		(i > 0 && d.regs[i-1].base+d.regs[i-1].size > base) {
+		d.mu.Unlock()
 		return callErr(call, ErrHostRegistered, "range %#x+%d overlaps a range registered here", base, size)
 	}
-	reg := cudaReg{base: base, size: size}
+	// Reserve the range: overlapping registrations are refused meanwhile,
+	// and copies do not use it until it is done.
+	d.regs = append(d.regs, cudaReg{})
+	copy(d.regs[i+1:], d.regs[i:])
+	d.regs[i] = cudaReg{base: base, size: size, pending: true}
+	d.mu.Unlock()
+
+	var pieces []uint64
+	var err error
 	for off := uint64(0); off < size; off += d.drv.maxRegister {
 		n := min(d.drv.maxRegister, size-off)
 		if r := C.kv_host_register(d.drv.api, d.ctx, C.uint64_t(base+off), C.size_t(n), cuHostRegisterPortabl); r != 0 {
-			err := d.err(call, r)
-			for _, p := range reg.pieces {
-				C.kv_host_unregister(d.drv.api, d.ctx, C.uint64_t(p))
-			}
-			return fmt.Errorf("register %#x+%d (piece at offset %d of %d bytes): %w", base, size, off, n, err)
+			err = fmt.Errorf("register %#x+%d (piece at offset %d of %d bytes): %w", base, size, off, n, d.err(call, r))
+			break
 		}
-		reg.pieces = append(reg.pieces, base+off)
+		pieces = append(pieces, base+off)
 	}
-	d.regs = append(d.regs, cudaReg{})
-	copy(d.regs[i+1:], d.regs[i:])
-	d.regs[i] = reg
+
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if err == nil && d.closed {
+		err = callErr(call, ErrInvalidHandle, "device %d was closed during the registration", d.ordinal)
+	}
+	if err != nil {
+		for _, p := range pieces {
+			C.kv_host_unregister(d.drv.api, d.ctx, C.uint64_t(p))
+		}
+	}
+	if d.closed {
+		return err
+	}
+	j := sort.Search(len(d.regs), func(j int) bool { return d.regs[j].base >= base })
+	if err != nil {
+		d.regs = append(d.regs[:j], d.regs[j+1:]...)
+		return err
+	}
+	d.regs[j].pieces, d.regs[j].pending = pieces, false
 	return nil
 }
 
@@ -305,6 +331,9 @@ func (d *cudaDevice) HostUnregister(b []byte) error {
 	i := sort.Search(len(d.regs), func(i int) bool { return d.regs[i].base >= base })
 	if len(b) == 0 || i == len(d.regs) || d.regs[i].base != base {
 		return callErr(call, ErrHostNotRegistered, "%#x was not registered here", base)
+	}
+	if d.regs[i].pending {
+		return callErr(call, ErrHostNotRegistered, "%#x is still being registered", base)
 	}
 	var first error
 	for _, p := range d.regs[i].pieces {
@@ -325,7 +354,7 @@ func (d *cudaDevice) registered(p, n uint64) bool {
 	}
 	r := d.regs[i]
 	off := p - r.base
-	return off <= r.size && n <= r.size-off
+	return !r.pending && off <= r.size && n <= r.size-off
 }
 
 func (d *cudaDevice) StreamCreate() (Stream, error) {

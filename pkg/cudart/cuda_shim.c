@@ -195,7 +195,13 @@ kv_result kv_mem_free(kv_api *a, kv_context ctx, kv_dptr p) {
 
 kv_result kv_memcpy_htod(kv_api *a, kv_context ctx, kv_dptr dst, const void *src, size_t n) {
 	KV_CURRENT();
-	return ((kv_result(*)(kv_dptr, const void *, size_t))a->memcpyHtoD)(dst, src, n);
+	kv_result r = ((kv_result(*)(kv_dptr, const void *, size_t))a->memcpyHtoD)(dst, src, n);
+	if (r != 0) return r;
+	// From pageable memory, cuMemcpyHtoD may return once the bytes are
+	// staged, before the DMA lands, and only the legacy default stream is
+	// ordered behind it. Wait for it, so that the copy is complete on
+	// return as the Device interface promises.
+	return ((kv_result(*)(kv_stream))a->streamSynchronize)(NULL);
 }
 
 kv_result kv_memcpy_dtoh(kv_api *a, kv_context ctx, void *dst, kv_dptr src, size_t n) {

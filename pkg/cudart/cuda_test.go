@@ -582,3 +582,49 @@ func TestFakeNoBatch(t *testing.T) {
 		t.Errorf("NoBatch copies went as %q, want two cuMemcpyHtoDAsync", got)
 	}
 }
+
+// TestFakeRegisterDoesNotBlockCopies pins a range slowly and checks that
+// copies through an already registered range complete meanwhile, that the
+// range being registered is not yet usable, and that an overlapping
+// registration is refused while it is in progress.
+func TestFakeRegisterDoesNotBlockCopies(t *testing.T) {
+	_, dev := openFake(t, "FAKE_REGISTER_US=1000000")
+	ready := mmapHost(t, 4096)
+	must(t, dev.HostRegister(ready))
+	slow := mmapHost(t, 4096)
+	dp, err := dev.MemAlloc(4096)
+	must(t, err)
+	s, err := dev.StreamCreate()
+	must(t, err)
+	registered := make(chan error, 1)
+	go func() { registered <- dev.HostRegister(slow) }()
+	// Wait until the slow range is reserved.
+	for {
+		dev.mu.RLock()
+		n := len(dev.regs)
+		dev.mu.RUnlock()
+		if n == 2 {
+			break
+		}
+		time.Sleep(time.Millisecond)
+	}
+	for i := 0; i < 10; i++ {
+		must(t, dev.MemcpyBatchAsync([]Copy{{Dst: uintptr(dp), Src: addr(ready), Bytes: 4096}}, HostToDevice, s))
+	}
+	select {
+	case err := <-registered:
+		t.Fatalf("registration finished (%v) before the copies were checked; the fake's delay is too short", err)
+	default:
+	}
+	if err := dev.MemcpyBatchAsync([]Copy{{Dst: uintptr(dp), Src: addr(slow), Bytes: 4096}}, HostToDevice, s); !errors.Is(err, ErrInvalidValue) {
+		t.Errorf("copy from a range still being registered = %v", err)
+	}
+	if err := dev.HostRegister(slow[:2048]); !errors.Is(err, ErrHostRegistered) {
+		t.Errorf("overlapping registration during another = %v", err)
+	}
+	if err := dev.HostUnregister(slow); !errors.Is(err, ErrHostNotRegistered) {
+		t.Errorf("unregister during registration = %v", err)
+	}
+	must(t, <-registered)
+	must(t, dev.MemcpyBatchAsync([]Copy{{Dst: uintptr(dp), Src: addr(slow), Bytes: 4096}}, HostToDevice, s))
+}

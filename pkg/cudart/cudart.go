@@ -77,8 +77,9 @@ type Device interface {
 	MemAlloc(bytes uint64) (DevicePtr, error)
 	MemFree(p DevicePtr) error
 	// MemcpyHtoD and MemcpyDtoH are synchronous copies for setup and
-	// verification (cuMemcpyHtoD, cuMemcpyDtoH). They do not order against
-	// other streams; synchronize first.
+	// verification (cuMemcpyHtoD, cuMemcpyDtoH): the bytes have landed
+	// when they return. They do not order against other streams;
+	// synchronize first.
 	MemcpyHtoD(dst DevicePtr, src []byte) error
 	MemcpyDtoH(dst []byte, src DevicePtr) error
 

@@ -13,12 +13,14 @@
 //   FAKE_INIT_RESULT   what cuInit returns (default 0)
 //   FAKE_DEVICES       device count (default 1)
 //   FAKE_LOG           path of the call log (a string literal)
+//   FAKE_REGISTER_US   microseconds each cuMemHostRegister takes (default 0)
 
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #ifndef FAKE_VERSION
 #define FAKE_VERSION 13000
@@ -249,6 +251,9 @@ static struct {
 
 static CUresult fake_host_register(void *p, size_t n, unsigned flags) {
 	CTX();
+#ifdef FAKE_REGISTER_US
+	usleep(FAKE_REGISTER_US);
+#endif
 	uintptr_t b = (uintptr_t)p;
 	pthread_mutex_lock(&mu);
 	int free_slot = -1;
