@@ -373,9 +373,9 @@ func (d *cudaDevice) StreamCreate() (Stream, error) {
 
 // cstream converts a Stream to the driver's handle. Stream values are
 // handles the driver returned, never Go pointers.
-func cstream(s Stream) C.kv_stream { return *(*C.kv_stream)(unsafe.Pointer(&s)) }
+func cstream(s Stream) C.kv_stream { return C.kv_stream(s) }
 
-func cevent(e Event) C.kv_event { return *(*C.kv_event)(unsafe.Pointer(&e)) }
+func cevent(e Event) C.kv_event { return C.kv_event(e) }
 
 func (d *cudaDevice) StreamDestroy(s Stream) error {
 	d.mu.Lock()
@@ -592,7 +592,7 @@ func (d *cudaDevice) Close() error {
 		keep("cuStreamSynchronize", C.kv_stream_synchronize(api, d.ctx, cstream(s)))
 		keep("cuStreamDestroy", C.kv_stream_destroy(api, d.ctx, cstream(s)))
 	}
-	keep("cuStreamSynchronize", C.kv_stream_synchronize(api, d.ctx, nil))
+	keep("cuStreamSynchronize", C.kv_stream_synchronize(api, d.ctx, 0))
 	for e := range d.events {
 		keep("cuEventDestroy", C.kv_event_destroy(api, d.ctx, cevent(e)))
 	}

@@ -201,7 +201,7 @@ kv_result kv_memcpy_htod(kv_api *a, kv_context ctx, kv_dptr dst, const void *src
 	// staged, before the DMA lands, and only the legacy default stream is
 	// ordered behind it. Wait for it, so that the copy is complete on
 	// return as the Device interface promises.
-	return ((kv_result(*)(kv_stream))a->streamSynchronize)(NULL);
+	return ((kv_result(*)(void *))a->streamSynchronize)(NULL);
 }
 
 kv_result kv_memcpy_dtoh(kv_api *a, kv_context ctx, void *dst, kv_dptr src, size_t n) {
@@ -219,61 +219,69 @@ kv_result kv_host_unregister(kv_api *a, kv_context ctx, uint64_t p) {
 	return ((kv_result(*)(void *))a->memHostUnregister)((void *)(uintptr_t)p);
 }
 
+typedef void *cu_handle; // CUstream, CUevent
+
 kv_result kv_stream_create(kv_api *a, kv_context ctx, kv_stream *s, unsigned flags) {
 	KV_CURRENT();
-	return ((kv_result(*)(kv_stream *, unsigned))a->streamCreate)(s, flags);
+	cu_handle h = NULL;
+	kv_result r = ((kv_result(*)(cu_handle *, unsigned))a->streamCreate)(&h, flags);
+	*s = (kv_stream)h;
+	return r;
 }
 
 kv_result kv_stream_destroy(kv_api *a, kv_context ctx, kv_stream s) {
 	KV_CURRENT();
-	return ((kv_result(*)(kv_stream))a->streamDestroy)(s);
+	return ((kv_result(*)(cu_handle))a->streamDestroy)((cu_handle)s);
 }
 
 kv_result kv_stream_synchronize(kv_api *a, kv_context ctx, kv_stream s) {
 	KV_CURRENT();
-	return ((kv_result(*)(kv_stream))a->streamSynchronize)(s);
+	return ((kv_result(*)(cu_handle))a->streamSynchronize)((cu_handle)s);
 }
 
 kv_result kv_event_create(kv_api *a, kv_context ctx, kv_event *e, unsigned flags) {
 	KV_CURRENT();
-	return ((kv_result(*)(kv_event *, unsigned))a->eventCreate)(e, flags);
+	cu_handle h = NULL;
+	kv_result r = ((kv_result(*)(cu_handle *, unsigned))a->eventCreate)(&h, flags);
+	*e = (kv_event)h;
+	return r;
 }
 
 kv_result kv_event_destroy(kv_api *a, kv_context ctx, kv_event e) {
 	KV_CURRENT();
-	return ((kv_result(*)(kv_event))a->eventDestroy)(e);
+	return ((kv_result(*)(cu_handle))a->eventDestroy)((cu_handle)e);
 }
 
 kv_result kv_event_record(kv_api *a, kv_context ctx, kv_event e, kv_stream s) {
 	KV_CURRENT();
-	return ((kv_result(*)(kv_event, kv_stream))a->eventRecord)(e, s);
+	return ((kv_result(*)(cu_handle, cu_handle))a->eventRecord)((cu_handle)e, (cu_handle)s);
 }
 
 kv_result kv_event_synchronize(kv_api *a, kv_context ctx, kv_event e) {
 	KV_CURRENT();
-	return ((kv_result(*)(kv_event))a->eventSynchronize)(e);
+	return ((kv_result(*)(cu_handle))a->eventSynchronize)((cu_handle)e);
 }
 
 kv_result kv_event_query(kv_api *a, kv_context ctx, kv_event e) {
 	KV_CURRENT();
-	return ((kv_result(*)(kv_event))a->eventQuery)(e);
+	return ((kv_result(*)(cu_handle))a->eventQuery)((cu_handle)e);
 }
 
 kv_result kv_stream_wait_event(kv_api *a, kv_context ctx, kv_stream s, kv_event e) {
 	KV_CURRENT();
-	return ((kv_result(*)(kv_stream, kv_event, unsigned))a->streamWaitEvent)(s, e, 0);
+	return ((kv_result(*)(cu_handle, cu_handle, unsigned))a->streamWaitEvent)((cu_handle)s, (cu_handle)e, 0);
 }
 
 kv_result kv_launch_host_func(kv_api *a, kv_context ctx, kv_stream s, uintptr_t handle) {
 	KV_CURRENT();
-	return ((kv_result(*)(kv_stream, void (*)(void *), void *))a->launchHostFunc)(
-	    s, kv_host_trampoline, (void *)handle);
+	return ((kv_result(*)(cu_handle, void (*)(void *), void *))a->launchHostFunc)(
+	    (cu_handle)s, kv_host_trampoline, (void *)handle);
 }
 
 typedef kv_result (*batch12_fn)(kv_dptr *, kv_dptr *, size_t *, size_t, kv_memcpy_attributes *,
-                                size_t *, size_t, size_t *, kv_stream);
+                                size_t *, size_t, size_t *, cu_handle);
 typedef kv_result (*batch13_fn)(kv_dptr *, kv_dptr *, size_t *, size_t, kv_memcpy_attributes *,
-                                size_t *, size_t, kv_stream);
+                                size_t *, size_t, cu_handle);
 
 kv_result kv_memcpy(kv_api *a, kv_context ctx, const kv_copy *c, size_t n, int dtoh,
                     kv_stream s, int use_batch, const char **call, size_t *fail_idx) {
@@ -298,10 +306,10 @@ kv_result kv_memcpy(kv_api *a, kv_context ctx, const kv_copy *c, size_t n, int d
 			size_t attr_idx = 0;
 			if (a->batch_abi == 12080) {
 				size_t fi = (size_t)-1;
-				r = ((batch12_fn)a->memcpyBatchAsync)(dsts, srcs, sizes, n, &attr, &attr_idx, 1, &fi, s);
+				r = ((batch12_fn)a->memcpyBatchAsync)(dsts, srcs, sizes, n, &attr, &attr_idx, 1, &fi, (cu_handle)s);
 				if (r != 0 && fi != (size_t)-1) *fail_idx = fi;
 			} else {
-				r = ((batch13_fn)a->memcpyBatchAsync)(dsts, srcs, sizes, n, &attr, &attr_idx, 1, s);
+				r = ((batch13_fn)a->memcpyBatchAsync)(dsts, srcs, sizes, n, &attr, &attr_idx, 1, (cu_handle)s);
 			}
 		}
 		free(dsts);
@@ -313,12 +321,12 @@ kv_result kv_memcpy(kv_api *a, kv_context ctx, const kv_copy *c, size_t n, int d
 		kv_result r;
 		if (dtoh) {
 			*call = "cuMemcpyDtoHAsync";
-			r = ((kv_result(*)(void *, kv_dptr, size_t, kv_stream))a->memcpyDtoHAsync)(
-			    (void *)(uintptr_t)c[i].dst, c[i].src, c[i].bytes, s);
+			r = ((kv_result(*)(void *, kv_dptr, size_t, cu_handle))a->memcpyDtoHAsync)(
+			    (void *)(uintptr_t)c[i].dst, c[i].src, c[i].bytes, (cu_handle)s);
 		} else {
 			*call = "cuMemcpyHtoDAsync";
-			r = ((kv_result(*)(kv_dptr, const void *, size_t, kv_stream))a->memcpyHtoDAsync)(
-			    c[i].dst, (const void *)(uintptr_t)c[i].src, c[i].bytes, s);
+			r = ((kv_result(*)(kv_dptr, const void *, size_t, cu_handle))a->memcpyHtoDAsync)(
+			    c[i].dst, (const void *)(uintptr_t)c[i].src, c[i].bytes, (cu_handle)s);
 		}
 		if (r != 0) {
 			*fail_idx = i;

@@ -15,8 +15,10 @@
 typedef int kv_result;              // CUresult
 typedef int kv_device;              // CUdevice
 typedef void *kv_context;           // CUcontext
-typedef void *kv_stream;            // CUstream
-typedef void *kv_event;             // CUevent
+// Streams and events cross to Go as integers: Go must not hold a handle
+// such as CU_STREAM_PER_THREAD (0x2) in a pointer-typed variable.
+typedef uintptr_t kv_stream;        // CUstream
+typedef uintptr_t kv_event;         // CUevent
 typedef unsigned long long kv_dptr; // CUdeviceptr
 
 // One copy of a batch; the same layout as cudart.Copy.
