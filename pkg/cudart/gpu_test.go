@@ -152,6 +152,27 @@ func timeIt(t *testing.T, runs int, bytes uint64, fn func() error) float64 {
 	return median(rates)
 }
 
+// timeBatches enqueues reps batches with enqueue(i), waits with wait, runs
+// times after one warm-up, and returns the median bytes per second and the
+// median host time spent enqueuing one batch.
+func timeBatches(t *testing.T, runs, reps int, bytes uint64, enqueue func(i int) error, wait func() error) (float64, time.Duration) {
+	var rates []float64
+	var enq []float64
+	for r := -1; r < runs; r++ {
+		start := time.Now()
+		for i := 0; i < reps; i++ {
+			must(t, enqueue(i))
+		}
+		queued := time.Since(start)
+		must(t, wait())
+		if r >= 0 {
+			rates = append(rates, float64(bytes)/time.Since(start).Seconds())
+			enq = append(enq, float64(queued)/float64(reps))
+		}
+	}
+	return median(rates), time.Duration(median(enq))
+}
+
 // TestGPUBandwidth measures scattered pages against one large pinned copy
 // in the same run, for both copy paths, each direction and both at once,
 // and host registration time per GiB. It prints a table last and writes
@@ -193,7 +214,7 @@ func TestGPUBandwidth(t *testing.T) {
 			must(t, dev.HostUnregister(b))
 			syscall.Munmap(b)
 			out("registration: %.1f ms per GiB (cuMemHostRegister of 4 GiB pre-faulted, one call)\n\n", reg.Seconds()*1000/4)
-			out("| page | direction | path | GB/s | ratio to 1 GiB copy |\n| --- | --- | --- | --- | --- |\n")
+			out("| page | direction | path | GB/s | ratio to 1 GiB copy | enqueue µs/batch |\n| --- | --- | --- | --- | --- | --- |\n")
 		}
 		dp, err := dev.MemAlloc(poolBytes)
 		must(t, err)
@@ -221,7 +242,7 @@ func TestGPUBandwidth(t *testing.T) {
 				}
 				return dev.StreamSynchronize(s1)
 			})
-			out("| 1 GiB contiguous | %v | floor (single copy, %s run) | %.1f | 1.00 |\n", dir, path, floor[dir]/1e9)
+			out("| 1 GiB contiguous | %v | floor: one copy | %.1f | 1.00 | |\n", dir, floor[dir]/1e9)
 		}
 
 		r := rand.New(rand.NewPCG(11, 12))
@@ -250,36 +271,30 @@ func TestGPUBandwidth(t *testing.T) {
 			moved := uint64(reps) * batch * size
 			for _, dir := range []Direction{DeviceToHost, HostToDevice} {
 				bs := mk(dir, 0)
-				rate := timeIt(t, runs, moved, func() error {
-					for i := 0; i < reps; i++ {
-						if err := dev.MemcpyBatchAsync(bs[i%len(bs)], dir, s1); err != nil {
-							return err
-						}
-					}
-					return dev.StreamSynchronize(s1)
-				})
-				out("| %s | %v | %s | %.1f | %.2f |\n", sizeName(size), dir, path, rate/1e9, rate/floor[dir])
+				rate, enq := timeBatches(t, runs, reps, moved,
+					func(i int) error { return dev.MemcpyBatchAsync(bs[i%len(bs)], dir, s1) },
+					func() error { return dev.StreamSynchronize(s1) })
+				out("| %s | %v | %s | %.1f | %.2f | %.1f |\n", sizeName(size), dir, path, rate/1e9, rate/floor[dir], float64(enq.Nanoseconds())/1e3)
 			}
 			if size == 256<<10 {
 				// Both directions at once, on two streams, disjoint host
 				// halves: the aggregate against one direction's floor.
 				d2h, h2d := mk(DeviceToHost, 0), mk(HostToDevice, 1)
-				rate := timeIt(t, runs, 2*moved, func() error {
-					for i := 0; i < reps; i++ {
+				rate, enq := timeBatches(t, runs, reps, 2*moved,
+					func(i int) error {
 						if err := dev.MemcpyBatchAsync(d2h[i%len(d2h)], DeviceToHost, s1); err != nil {
 							return err
 						}
-						if err := dev.MemcpyBatchAsync(h2d[i%len(h2d)], HostToDevice, s2); err != nil {
+						return dev.MemcpyBatchAsync(h2d[i%len(h2d)], HostToDevice, s2)
+					},
+					func() error {
+						if err := dev.StreamSynchronize(s1); err != nil {
 							return err
 						}
-					}
-					if err := dev.StreamSynchronize(s1); err != nil {
-						return err
-					}
-					return dev.StreamSynchronize(s2)
-				})
+						return dev.StreamSynchronize(s2)
+					})
 				f := max(floor[DeviceToHost], floor[HostToDevice])
-				out("| %s | both at once | %s | %.1f | %.2f |\n", sizeName(size), path, rate/1e9, rate/f)
+				out("| %s | both at once | %s | %.1f | %.2f | %.1f |\n", sizeName(size), path, rate/1e9, rate/f, float64(enq.Nanoseconds())/2e3)
 			}
 		}
 		must(t, dev.StreamDestroy(s1))
