@@ -17,10 +17,10 @@ import (
 
 // CUDA constants this file passes to the driver.
 const (
-	cuStreamNonBlocking   = 0x1 // CU_STREAM_NON_BLOCKING
-	cuEventDisableTiming  = 0x2 // CU_EVENT_DISABLE_TIMING
-	cuHostRegisterPortabl = 0x1 // CU_MEMHOSTREGISTER_PORTABLE
-	cuErrorNotReady       = 600 // CUDA_ERROR_NOT_READY
+	cuStreamNonBlocking    = 0x1 // CU_STREAM_NON_BLOCKING
+	cuEventDisableTiming   = 0x2 // CU_EVENT_DISABLE_TIMING
+	cuHostRegisterPortable = 0x1 // CU_MEMHOSTREGISTER_PORTABLE
+	cuErrorNotReady        = 600 // CUDA_ERROR_NOT_READY
 )
 
 // Copy is handed to C as an array of kv_copy: the layouts must agree (both
@@ -75,7 +75,7 @@ func openCUDA(path string, noBatch bool) (*cudaDriver, error) {
 		name := C.GoString(failed)
 		// cuGetErrorName may be the symbol that failed; say what we can.
 		e := d.err("cuGetProcAddress", r)
-		return nil, fmt.Errorf("resolve %s at CUDA %s (symbol status %d): %w", name, FormatVersion(int(v)), int(status), e)
+		return nil, fmt.Errorf("resolve %s in driver %s (symbol status %d): %w", name, FormatVersion(int(v)), int(status), e)
 	}
 	if noBatch {
 		api.memcpyBatchAsync, api.batch_abi = nil, 0
@@ -291,7 +291,7 @@ func (d *cudaDevice) HostRegister(b []byte) error {
 	var err error
 	for off := uint64(0); off < size; off += d.drv.maxRegister {
 		n := min(d.drv.maxRegister, size-off)
-		if r := C.kv_host_register(d.drv.api, d.ctx, C.uint64_t(base+off), C.size_t(n), cuHostRegisterPortabl); r != 0 {
+		if r := C.kv_host_register(d.drv.api, d.ctx, C.uint64_t(base+off), C.size_t(n), cuHostRegisterPortable); r != 0 {
 			err = fmt.Errorf("register %#x+%d (piece at offset %d of %d bytes): %w", base, size, off, n, d.err(call, r))
 			break
 		}

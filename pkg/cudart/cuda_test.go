@@ -97,7 +97,7 @@ func TestLoadChoice(t *testing.T) {
 		{"too old auto", "auto", old.lib, "sim", "driver version 11.8 < 12.0 required", nil, 0, 1},
 		{"too old forced", "cuda", old.lib, "", "driver version 11.8 < 12.0 required", ErrDriverTooOld, 0, 0},
 		{"no cuGetProcAddress_v2", "cuda", noGetProc.lib, "", "does not export cuGetProcAddress_v2", ErrDriverTooOld, 0, 0},
-		{"missing symbol", "cuda", missing.lib, "", "resolve cuLaunchHostFunc at CUDA 13.0", &Error{Code: 500}, 0, 0},
+		{"missing symbol", "cuda", missing.lib, "", "resolve cuLaunchHostFunc in driver 13.0 (symbol status 1): cuGetProcAddress: CUDA_ERROR_NOT_FOUND (500)", &Error{Code: 500}, 0, 0},
 		{"cuInit fails auto", "auto", noDevInit.lib, "sim", "cuInit: CUDA_ERROR_NO_DEVICE (100): no CUDA-capable device is detected", nil, 0, 1},
 		{"cuInit fails forced", "cuda", noDevInit.lib, "", "cuInit: CUDA_ERROR_NO_DEVICE (100)", ErrNoDevice, 0, 0},
 		{"no devices auto", "auto", zero.lib, "sim", "reports no devices", nil, 0, 1},
