@@ -4,33 +4,48 @@ import (
 	"bytes"
 	"fmt"
 	"math/rand/v2"
+	"os"
 	"syscall"
 	"testing"
+
+	"github.com/kvpool/kvpool/pkg/hostmem"
 )
 
 // The scenarios in this file run against any Device: the simulator here,
 // the real driver in gpu_test.go.
 
-// pinned is registered host memory outside the Go heap.
+// pinned is registered host memory as a client holds it: a memfd chunk
+// (pkg/hostmem, as the agent allocates it) mapped a second time, shared,
+// as the client maps the fd it receives, and registered.
 type pinned struct {
 	b []byte
 }
 
 func newPinned(t testing.TB, dev Device, n int) pinned {
 	t.Helper()
-	b, err := syscall.Mmap(-1, 0, n, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_PRIVATE|syscall.MAP_ANON|syscall.MAP_POPULATE)
+	page := os.Getpagesize()
+	size := (n + page - 1) / page * page
+	chunk, err := hostmem.Alloc(hostmem.Options{Size: int64(size), Name: "cudart-test"})
 	if err != nil {
 		t.Fatal(err)
 	}
+	b, err := hostmem.Map(chunk.File, int64(size))
+	if err != nil {
+		chunk.Close()
+		t.Fatal(err)
+	}
+	b = b[:n]
 	if err := dev.HostRegister(b); err != nil {
-		syscall.Munmap(b)
+		syscall.Munmap(b[:size])
+		chunk.Close()
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
 		if err := dev.HostUnregister(b); err != nil {
 			t.Error(err)
 		}
-		syscall.Munmap(b)
+		syscall.Munmap(b[:size])
+		chunk.Close()
 	})
 	return pinned{b}
 }
