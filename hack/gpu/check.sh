@@ -28,7 +28,7 @@ if [ "${KVPOOL_GPU_PREBUILT:-}" != 1 ] && command -v go >/dev/null 2>&1; then
     exit 1
   fi
 elif [ -x "$bin" ]; then
-  echo "gpu check: no Go here; using the prebuilt $bin ($(stat -c '%y' "$bin" | cut -d. -f1))"
+  echo "gpu check: using the prebuilt $bin ($(stat -c '%y' "$bin" | cut -d. -f1))"
 else
   echo "gpu check: FAILED: no Go toolchain and no prebuilt $bin (run hack/gpu/build.sh where Go is, and carry hack/gpu/_bin)"
   exit 1
