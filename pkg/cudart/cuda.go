@@ -37,6 +37,9 @@ type cudaDriver struct {
 	version int
 	// maxRegister is MaxRegisterBytes except in tests.
 	maxRegister uint64
+
+	mu   sync.Mutex
+	devs map[int]*cudaDevice // open handles, one per ordinal
 }
 
 // openCUDA loads the driver at path, checks its version, resolves every
@@ -135,8 +138,20 @@ func (d *cudaDriver) deviceName(ordinal int) string {
 
 // Open retains the device's primary context. Every later call through the
 // Device makes that context current on whichever OS thread runs it, inside
-// the same cgo call, so callers need no runtime.LockOSThread.
+// the same cgo call, so callers need no runtime.LockOSThread. As with the
+// simulator, every Open of one ordinal returns the same handle until it is
+// closed, so registrations made through one are known to all.
 func (d *cudaDriver) Open(ordinal int) (Device, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if dev := d.devs[ordinal]; dev != nil {
+		dev.mu.RLock()
+		closed := dev.closed
+		dev.mu.RUnlock()
+		if !closed {
+			return dev, nil
+		}
+	}
 	n, err := d.DeviceCount()
 	if err != nil {
 		return nil, err
@@ -152,7 +167,7 @@ func (d *cudaDriver) Open(ordinal int) (Device, error) {
 	if r := C.kv_ctx_retain(d.api, dev, &ctx); r != 0 {
 		return nil, d.err("cuDevicePrimaryCtxRetain", r)
 	}
-	return &cudaDevice{
+	h := &cudaDevice{
 		drv:     d,
 		ordinal: ordinal,
 		dev:     dev,
@@ -160,7 +175,12 @@ func (d *cudaDriver) Open(ordinal int) (Device, error) {
 		allocs:  map[DevicePtr]bool{},
 		streams: map[Stream]bool{},
 		events:  map[Event]bool{},
-	}, nil
+	}
+	if d.devs == nil {
+		d.devs = map[int]*cudaDevice{}
+	}
+	d.devs[ordinal] = h
+	return h, nil
 }
 
 type cudaReg struct {

@@ -552,6 +552,15 @@ func TestFakeClose(t *testing.T) {
 	if _, err := dev.MemAlloc(4096); !errors.Is(err, ErrInvalidHandle) {
 		t.Errorf("MemAlloc after Close = %v", err)
 	}
+	again, err := dev.drv.Open(0)
+	must(t, err)
+	if again == Device(dev) {
+		t.Error("Open after Close returned the closed handle")
+	}
+	if same, _ := dev.drv.Open(0); same != again {
+		t.Error("a second Open of an open device returned another handle")
+	}
+	must(t, again.Close())
 	if err := dev.Close(); err != nil {
 		t.Errorf("second Close = %v", err)
 	}
