@@ -2,4 +2,9 @@ module github.com/kvpool/kvpool
 
 go 1.26.0
 
-require golang.org/x/sys v0.50.0
+require (
+	golang.org/x/sys v0.50.0
+	sigs.k8s.io/yaml v1.6.0
+)
+
+require go.yaml.in/yaml/v2 v2.4.2 // indirect
