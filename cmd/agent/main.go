@@ -15,6 +15,9 @@ import (
 )
 
 func main() {
+	if len(os.Args) > 1 && os.Args[1] == "plan" {
+		exitOn(runPlan(context.Background(), os.Args[2:]))
+	}
 	standalone := flag.Bool("standalone", false, "run without kubelet on simulated GPUs and an in-memory pool")
 	flag.Parse()
 	if !*standalone {
@@ -37,4 +40,13 @@ func main() {
 	slog.Info("kvpool agent running", "mode", "standalone", "backend", sim.Name(), "gpus", n, "chunks", len(p.Chunks()))
 	<-ctx.Done()
 	slog.Info("kvpool agent stopped")
+}
+
+// exitOn ends a subcommand: status 0, or 1 with the error on stderr.
+func exitOn(err error) {
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "agent:", err)
+		os.Exit(1)
+	}
+	os.Exit(0)
 }

@@ -46,30 +46,30 @@ const (
 
 // Limit is one bound the plan considered.
 type Limit struct {
-	Name  string
-	Bytes int64
-	How   string // the arithmetic, e.g. "480Gi - 8Gi"
+	Name  string `json:"name"`
+	Bytes int64  `json:"bytes"`
+	How   string `json:"how"` // the arithmetic, e.g. "480Gi - 8Gi"
 }
 
 // Plan is the sizing decision.
 type Plan struct {
-	ChunkBytes int64
-	Total      int64   // bytes over all GPUs, a whole number of chunks each
-	Limits     []Limit // every bound considered; Limits[0] is the policy's target
-	Bound      string  // the Limit that set the pool before the per-GPU split
-	GPUs       []GPUPlan
-	Warnings   []string
+	ChunkBytes int64     `json:"chunkBytes"`
+	Total      int64     `json:"totalBytes"` // bytes over all GPUs, a whole number of chunks each
+	Limits     []Limit   `json:"limits"`     // every bound considered; Limits[0] is the policy's target
+	Bound      string    `json:"bound"`      // the Limit that set the pool before the per-GPU split
+	GPUs       []GPUPlan `json:"gpus"`
+	Warnings   []string  `json:"warnings"`
 }
 
 // GPUPlan is one GPU's pool.
 type GPUPlan struct {
-	GPU      int
-	UUID     string
-	NUMA     int
-	Bytes    int64
-	Chunks   int
-	PageSize int64  // 4096, 2Mi or 1Gi
-	Bound    string // what limited this GPU's share
+	GPU      int    `json:"gpu"`
+	UUID     string `json:"uuid"`
+	NUMA     int    `json:"numa"`
+	Bytes    int64  `json:"bytes"`
+	Chunks   int    `json:"chunks"`
+	PageSize int64  `json:"pageSize"` // 4096, 2Mi or 1Gi
+	Bound    string `json:"bound"`    // what limited this GPU's share
 }
 
 // ChunkID names chunk i of a GPU's pool: gpu<G>-numa<N>-<i>, with numaX
