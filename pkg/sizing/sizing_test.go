@@ -1,11 +1,14 @@
 package sizing
 
 import (
+	"context"
+	"log/slog"
 	"reflect"
 	"strings"
 	"testing"
 
 	"github.com/kvpool/kvpool/pkg/config"
+	"github.com/kvpool/kvpool/pkg/hostmem"
 	"github.com/kvpool/kvpool/pkg/node"
 )
 
@@ -307,5 +310,47 @@ func TestFormatBytes(t *testing.T) {
 		if got := FormatBytes(in); got != want {
 			t.Errorf("FormatBytes(%d) = %q, want %q", in, got, want)
 		}
+	}
+}
+
+// TestPlanAllocates runs a small plan's specs through hostmem on this
+// machine: every chunk comes back, named, sized, locked and on the page
+// size and NUMA node planned (or with a warning saying why not).
+func TestPlanAllocates(t *testing.T) {
+	info, err := node.Read("/")
+	if err != nil {
+		t.Fatal(err)
+	}
+	numa := -1
+	if len(info.NUMANodes) > 0 {
+		numa = info.NUMANodes[0].ID
+	}
+	s := policy()
+	s.PoolBytes = config.Bytes(16 * mib)
+	s.ChunkBytes = config.Bytes(4 * mib)
+	s.ReserveBytes = 0
+	p, err := Make(s, Input{Node: info, GPUs: []GPU{{Index: 0, NUMA: numa}, {Index: 1, NUMA: -1}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	specs := p.Specs(s.HugePages, 2)
+	if len(specs) != 4 || specs[0].ID != ChunkID(0, numa, 0) || specs[3].ID != "gpu1-numaX-1" {
+		t.Fatalf("specs %+v", specs)
+	}
+	for r := range hostmem.AllocateAll(context.Background(), specs, slog.New(slog.DiscardHandler)) {
+		if r.Err != nil {
+			t.Fatal(r.Err)
+		}
+		c := r.Chunk
+		if c.Size != 4*mib || (!c.Locked && len(c.Warnings) == 0) {
+			t.Errorf("%s: %+v", r.ID, c)
+		}
+		if strings.HasPrefix(r.ID, "gpu0-") && numa >= 0 && c.Node != numa && len(c.Warnings) == 0 {
+			t.Errorf("%s not bound to node %d and no warning", r.ID, numa)
+		}
+		if strings.HasPrefix(r.ID, "gpu1-") && c.Node != -1 {
+			t.Errorf("%s bound to %d though its NUMA node is unknown", r.ID, c.Node)
+		}
+		c.Close()
 	}
 }
