@@ -408,3 +408,19 @@ func TestNewLogger(t *testing.T) {
 		t.Errorf("logger output %q", out)
 	}
 }
+
+// TestSampleConfig keeps config/agent-config.yaml, the documented sample,
+// equal to the built-in defaults.
+func TestSampleConfig(t *testing.T) {
+	data, err := os.ReadFile("../../config/agent-config.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := Parse(data)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(*c, Default()) {
+		t.Errorf("sample differs from Default():\n%+v\n%+v", *c, Default())
+	}
+}

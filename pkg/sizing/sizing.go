@@ -245,24 +245,24 @@ func pageSize(policy string, n *node.Info, g GPU, gp GPUPlan, chunk, base int64,
 	return base, msg + fmt.Sprintf("; using %s pages", fmtBytes(base)), nil
 }
 
-// fmtBytes writes b with a binary suffix: exact ("64Gi") when b is a
-// whole number of MiB, else to one decimal ("21.4Gi").
+// fmtBytes writes b in the largest binary unit not above it: whole
+// ("64Gi") when exact, else to one decimal ("21.4Gi").
 func fmtBytes(b int64) string {
 	if b < 0 {
 		return "-" + fmtBytes(-b)
 	}
-	if b%(1<<20) == 0 || b < 1<<20 {
-		return config.Bytes(b).String()
-	}
 	for _, u := range []struct {
 		suf  string
 		size int64
-	}{{"Ti", 1 << 40}, {"Gi", 1 << 30}, {"Mi", 1 << 20}} {
+	}{{"Ti", 1 << 40}, {"Gi", 1 << 30}, {"Mi", 1 << 20}, {"Ki", 1 << 10}} {
 		if b >= u.size {
+			if b%u.size == 0 {
+				return fmt.Sprintf("%d%s", b/u.size, u.suf)
+			}
 			return fmt.Sprintf("%.1f%s", float64(b)/float64(u.size), u.suf)
 		}
 	}
-	return config.Bytes(b).String()
+	return fmt.Sprint(b)
 }
 
 // FormatBytes is fmtBytes for callers printing a plan.

@@ -211,7 +211,7 @@ func TestMakeErrors(t *testing.T) {
 		{"less than a chunk per GPU", func(s *config.Sizing, in *Input) {
 			s.PoolBytes = config.Bytes(40 * gib)
 			in.Allocatable = 1536 * mib
-		}, "GPU 0 would get 768Mi, less than one chunk (sizing.chunkBytes 1Gi); bound by node allocatable memory (1536Mi / 2 GPUs)"},
+		}, "GPU 0 would get 768Mi, less than one chunk (sizing.chunkBytes 1Gi); bound by node allocatable memory (1.5Gi / 2 GPUs)"},
 		{"minPerGPU not met", func(s *config.Sizing, in *Input) {
 			s.MinPerGPU = config.Bytes(8 * gib)
 			in.Node.MemAvailable = 20 * gib
@@ -306,7 +306,7 @@ func TestStandalone(t *testing.T) {
 }
 
 func TestFormatBytes(t *testing.T) {
-	for in, want := range map[int64]string{0: "0", 4096: "4Ki", 64 * gib: "64Gi", 1536 * mib: "1536Mi", 21*gib + 400*mib + 5: "21.4Gi", -2 * gib: "-2Gi", 3*mib + 1: "3.0Mi"} {
+	for in, want := range map[int64]string{0: "0", 4096: "4Ki", 64 * gib: "64Gi", 1536 * mib: "1.5Gi", 21*gib + 400*mib + 5: "21.4Gi", -2 * gib: "-2Gi", 3*mib + 1: "3.0Mi", 1000: "1000", 2048 * gib: "2Ti"} {
 		if got := FormatBytes(in); got != want {
 			t.Errorf("FormatBytes(%d) = %q, want %q", in, got, want)
 		}
