@@ -424,3 +424,19 @@ func TestSampleConfig(t *testing.T) {
 		t.Errorf("sample differs from Default():\n%+v\n%+v", *c, Default())
 	}
 }
+
+// TestDocsListEverySetting keeps docs/sizing.md's table in step with the
+// flags and environment variables.
+func TestDocsListEverySetting(t *testing.T) {
+	data, err := os.ReadFile("../../docs/sizing.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	doc := string(data)
+	for _, s := range settings {
+		row := "| `" + s.field + "` | `--" + s.flag + "` | `" + s.env + "` |"
+		if !strings.Contains(doc, row) {
+			t.Errorf("docs/sizing.md lacks the row for %s: %s", s.field, row)
+		}
+	}
+}
