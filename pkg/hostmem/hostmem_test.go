@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"os"
 	"os/exec"
+	"runtime"
 	"strconv"
 	"strings"
 	"testing"
@@ -22,8 +23,11 @@ const mib = 1 << 20
 
 // TestMain doubles as the second process of TestSharedAcrossProcesses.
 func TestMain(m *testing.M) {
-	if os.Getenv("HOSTMEM_CHILD") == "1" {
+	switch os.Getenv("HOSTMEM_CHILD") {
+	case "1":
 		os.Exit(child())
+	case "memlock":
+		os.Exit(memlockChild())
 	}
 	os.Exit(m.Run())
 }
@@ -258,7 +262,7 @@ func reserveHugePages(t *testing.T, n int) {
 
 func TestHugePages(t *testing.T) {
 	reserveHugePages(t, 16)
-	c, err := Alloc(Options{Size: 16 * mib, PageSize: 2 * mib, Prefault: true, Workers: 2, Lock: true, LockFallback: true})
+	c, err := Alloc(Options{Size: 16 * mib, PageSize: 2 * mib, Bind: true, Node: 0, Prefault: true, Workers: 2, Lock: true, LockFallback: true})
 	if errors.Is(err, ErrHugePages) {
 		t.Skipf("the kernel did not hand out the reserved pages (fragmented memory?): %v", err)
 	}
@@ -266,8 +270,15 @@ func TestHugePages(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer c.Close()
-	if c.PageSize != 2*mib || len(c.Warnings) != 0 {
+	if c.PageSize != 2*mib || !c.Locked {
 		t.Errorf("chunk %+v", c)
+	}
+	if c.Node == 0 {
+		if p := numaPolicy(t, c.Mem); p != "bind:0" {
+			t.Errorf("huge page chunk policy %q, want bind:0", p)
+		}
+	} else if len(c.Warnings) != 1 {
+		t.Errorf("unbound huge page chunk without one warning: %q", c.Warnings)
 	}
 	if h := status(t, "HugetlbPages"); h < 16*mib {
 		t.Errorf("HugetlbPages %d after pre-faulting a 16 MiB hugetlb chunk", h)
@@ -367,6 +378,74 @@ func TestAllocateAllStops(t *testing.T) {
 			r.Chunk.Close()
 		case <-deadline:
 			t.Fatal("channel not closed after cancel")
+		}
+	}
+}
+
+// memlockChild drops CAP_IPC_LOCK from its thread, lowers RLIMIT_MEMLOCK
+// to 1 MiB and tries to lock an 8 MiB chunk, with and without the
+// fallback, printing what happened.
+func memlockChild() int {
+	runtime.LockOSThread()
+	hdr := unix.CapUserHeader{Version: unix.LINUX_CAPABILITY_VERSION_3}
+	var data [2]unix.CapUserData
+	if err := unix.Capget(&hdr, &data[0]); err != nil {
+		fmt.Println("SKIP capget:", err)
+		return 0
+	}
+	data[0].Effective &^= 1 << unix.CAP_IPC_LOCK
+	data[0].Permitted &^= 1 << unix.CAP_IPC_LOCK
+	if err := unix.Capset(&hdr, &data[0]); err != nil {
+		fmt.Println("SKIP capset:", err)
+		return 0
+	}
+	if err := unix.Setrlimit(unix.RLIMIT_MEMLOCK, &unix.Rlimit{Cur: mib, Max: mib}); err != nil {
+		fmt.Println("SKIP setrlimit:", err)
+		return 0
+	}
+	before := fdCountNoT()
+	c, err := Alloc(Options{Size: 8 * mib, Prefault: true, Lock: true})
+	if err == nil {
+		c.Close()
+		fmt.Println("LOCKED anyway")
+		return 1
+	}
+	fmt.Printf("ERR memlock=%v leaked=%d %v\n", errors.Is(err, ErrMemlock), fdCountNoT()-before, err)
+	c, err = Alloc(Options{Size: 8 * mib, Prefault: true, Lock: true, LockFallback: true})
+	if err != nil {
+		fmt.Println("FALLBACK failed:", err)
+		return 1
+	}
+	defer c.Close()
+	fmt.Printf("FALLBACK locked=%v warnings=%q\n", c.Locked, c.Warnings)
+	return 0
+}
+
+func fdCountNoT() int {
+	ents, _ := os.ReadDir("/proc/self/fd")
+	return len(ents)
+}
+
+// TestMemlockLimit shows the memlock failure and its fallback in a child
+// process that lacks CAP_IPC_LOCK and has a 1 MiB memlock limit.
+func TestMemlockLimit(t *testing.T) {
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), "HOSTMEM_CHILD=memlock")
+	out, err := cmd.CombinedOutput()
+	s := string(out)
+	if strings.HasPrefix(s, "SKIP") {
+		t.Skipf("cannot drop the capability here: %s", s)
+	}
+	if err != nil {
+		t.Fatalf("child: %v\n%s", err, s)
+	}
+	for _, want := range []string{
+		"ERR memlock=true leaked=0 hostmem: mlock 8 MiB: ",
+		"the agent needs CAP_IPC_LOCK or a memlock limit (ulimit -l, RLIMIT_MEMLOCK) above the pool size",
+		"FALLBACK locked=false", "left unlocked",
+	} {
+		if !strings.Contains(s, want) {
+			t.Errorf("child output lacks %q:\n%s", want, s)
 		}
 	}
 }
