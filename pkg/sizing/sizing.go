@@ -125,8 +125,23 @@ func Make(s config.Sizing, in Input) (*Plan, error) {
 	}
 	p := &Plan{ChunkBytes: chunk}
 
-	// Hard bounds.
+	// Hard bounds. Reserved huge pages are neither in MemAvailable nor
+	// charged to the memory cgroup or counted in allocatable memory, so
+	// where the policy may use them, the free ones widen every bound; the
+	// ordinary pages planned must still fit the bounds without them.
 	n := in.Node
+	var hugeBytes int64
+	if s.HugePages != config.HugePagesNever {
+		for _, hs := range hugeSizes {
+			if chunk%hs == 0 {
+				hugeBytes += n.HugeFree(-1, hs) * hs
+			}
+		}
+	}
+	plus := ""
+	if hugeBytes > 0 {
+		plus = " + " + fmtBytes(hugeBytes) + " free huge pages"
+	}
 	hard := []Limit{{BoundAvailable, n.MemAvailable - int64(s.ReserveBytes),
 		fmt.Sprintf("%s - %s", fmtBytes(n.MemAvailable), fmtBytes(int64(s.ReserveBytes)))}}
 	if n.Cgroup.Limit != node.Unlimited {
@@ -135,6 +150,18 @@ func Make(s config.Sizing, in Input) (*Plan, error) {
 	}
 	if in.Allocatable > 0 {
 		hard = append(hard, Limit{BoundAllocatable, in.Allocatable, fmtBytes(in.Allocatable)})
+	}
+	// regular is the budget for ordinary pages: the tightest bound alone.
+	regular := hard[0]
+	for _, l := range hard[1:] {
+		if l.Bytes < regular.Bytes {
+			regular = l
+		}
+	}
+	regularLeft := regular.Bytes
+	for i := range hard {
+		hard[i].Bytes += hugeBytes
+		hard[i].How += plus
 	}
 	usable := hard[0]
 	for _, l := range hard[1:] {
@@ -204,6 +231,23 @@ func Make(s config.Sizing, in Input) (*Plan, error) {
 			p.Warnings = append(p.Warnings, warn)
 		}
 		gp.PageSize = ps
+		if ps == base {
+			// Ordinary pages: within the bounds without huge pages.
+			if gp.Bytes > regularLeft {
+				gp.Chunks = int(max(regularLeft, 0) / chunk)
+				gp.Bytes = int64(gp.Chunks) * chunk
+				gp.Bound = regular.Name
+				how := fmt.Sprintf("%s is %s, %s of it left for 4 KiB pages", regular.Name, regular.How, fmtBytes(max(regularLeft, 0)))
+				if gp.Chunks == 0 {
+					return p, fmt.Errorf("sizing: GPU %d has no huge pages and no room for one chunk of ordinary pages: %s", g.Index, how)
+				}
+				if gp.Bytes < int64(s.MinPerGPU) {
+					return p, fmt.Errorf("sizing: GPU %d would get %s of ordinary pages, less than sizing.minPerGPU %s: %s",
+						g.Index, fmtBytes(gp.Bytes), fmtBytes(int64(s.MinPerGPU)), how)
+				}
+			}
+			regularLeft -= gp.Bytes
+		}
 		p.Total += gp.Bytes
 		p.GPUs = append(p.GPUs, gp)
 	}

@@ -166,20 +166,40 @@ func TestMakeBinds(t *testing.T) {
 	}
 }
 
-// checkBounds asserts the plan's promises against its inputs.
+// checkBounds asserts the plan's promises against its inputs: ordinary
+// pages fit every bound, huge pages fit what is free, and the policy's
+// caps hold.
 func checkBounds(t *testing.T, s config.Sizing, in Input, p *Plan) {
 	t.Helper()
-	if p.Total > in.Node.MemAvailable-int64(s.ReserveBytes) {
-		t.Errorf("total %d exceeds MemAvailable %d - reserve %d", p.Total, in.Node.MemAvailable, s.ReserveBytes)
+	var regular, huge int64
+	hugeUsed := map[[2]int64]int64{}
+	for _, g := range p.GPUs {
+		if g.PageSize > 4096 {
+			huge += g.Bytes
+			hugeUsed[[2]int64{int64(g.NUMA), g.PageSize}] += g.Bytes / g.PageSize
+		} else {
+			regular += g.Bytes
+		}
 	}
-	if in.Node.Cgroup.Limit != node.Unlimited && p.Total > in.Node.Cgroup.Limit-int64(s.CgroupHeadroomBytes) {
-		t.Errorf("total %d exceeds cgroup limit %d - headroom %d", p.Total, in.Node.Cgroup.Limit, s.CgroupHeadroomBytes)
+	for k, pages := range hugeUsed {
+		if free := in.Node.HugeFree(int(k[0]), k[1]); pages > free {
+			t.Errorf("%d huge pages of %d planned on node %d, %d free", pages, k[1], k[0], free)
+		}
 	}
-	if in.Allocatable > 0 && p.Total > in.Allocatable {
-		t.Errorf("total %d exceeds allocatable %d", p.Total, in.Allocatable)
+	if regular > max(in.Node.MemAvailable-int64(s.ReserveBytes), 0) {
+		t.Errorf("ordinary pages %d exceed MemAvailable %d - reserve %d", regular, in.Node.MemAvailable, s.ReserveBytes)
+	}
+	if in.Node.Cgroup.Limit != node.Unlimited && regular > max(in.Node.Cgroup.Limit-int64(s.CgroupHeadroomBytes), 0) {
+		t.Errorf("ordinary pages %d exceed cgroup limit %d - headroom %d", regular, in.Node.Cgroup.Limit, s.CgroupHeadroomBytes)
+	}
+	if in.Allocatable > 0 && regular > in.Allocatable {
+		t.Errorf("ordinary pages %d exceed allocatable %d", regular, in.Allocatable)
 	}
 	if s.PoolBytes > 0 && p.Total > int64(s.PoolBytes) {
 		t.Errorf("total %d exceeds poolBytes %d", p.Total, s.PoolBytes)
+	}
+	if p.Total != regular+huge {
+		t.Errorf("total %d, GPUs add up to %d", p.Total, regular+huge)
 	}
 	for _, g := range p.GPUs {
 		if s.MaxPerGPU > 0 && g.Bytes > int64(s.MaxPerGPU) {
@@ -188,6 +208,63 @@ func checkBounds(t *testing.T, s config.Sizing, in Input, p *Plan) {
 		if g.Bytes < int64(s.MinPerGPU) || g.Chunks < 1 {
 			t.Errorf("GPU %d: %d under minPerGPU or no chunk", g.GPU, g.Bytes)
 		}
+	}
+}
+
+// hugeHost has 32Gi of MemAvailable over the reserve, 20Gi of 2Mi pages
+// free on node 0 and 64Gi of 1Gi pages free on node 1.
+func hugeHost() *node.Info {
+	n := host()
+	n.MemAvailable = 40 * gib
+	n.HugePages = []node.HugePool{{PageSize: 2 * mib, Total: 10240, Free: 10240}, {PageSize: gib, Total: 64, Free: 64}}
+	n.NUMANodes[1].HugePages = []node.HugePool{{PageSize: gib, Total: 64, Free: 64}}
+	return n
+}
+
+func TestMakeHugePagesWidenBounds(t *testing.T) {
+	s := policy()
+	s.HugePages = config.HugePagesPrefer
+	s.PoolBytes = config.Bytes(100 * gib)
+	in := Input{Node: hugeHost(), GPUs: twoGPUs(), PageSize: 4096}
+	p, err := Make(s, in)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// 32Gi + 84Gi of huge pages is more than 100Gi: poolBytes binds, 50Gi
+	// each. GPU 0's node has only 20Gi of huge pages: ordinary pages, cut
+	// to the 32Gi left under MemAvailable - reserve. GPU 1 takes 50 of
+	// node 1's 1Gi pages.
+	if p.Bound != BoundPoolBytes {
+		t.Errorf("bound %q, limits %+v", p.Bound, p.Limits)
+	}
+	g0, g1 := p.GPUs[0], p.GPUs[1]
+	if g0.PageSize != 4096 || g0.Bytes != 32*gib || g0.Bound != BoundAvailable {
+		t.Errorf("GPU 0 %+v", g0)
+	}
+	if g1.PageSize != gib || g1.Bytes != 50*gib || g1.Bound != BoundPoolBytes {
+		t.Errorf("GPU 1 %+v", g1)
+	}
+	if !strings.Contains(p.Limits[1].How, "40Gi - 8Gi + 84Gi free huge pages") {
+		t.Errorf("MemAvailable limit reads %q", p.Limits[1].How)
+	}
+	checkBounds(t, s, in, p)
+
+	// The same node with huge pages off: MemAvailable - reserve binds.
+	s.HugePages = config.HugePagesNever
+	p, err = Make(s, in)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p.Bound != BoundAvailable || p.Total != 32*gib {
+		t.Errorf("without huge pages: bound %q total %d", p.Bound, p.Total)
+	}
+
+	// Only huge pages left: a GPU without them cannot have ordinary pages.
+	s.HugePages = config.HugePagesPrefer
+	in.Node.MemAvailable = 8 * gib
+	_, err = Make(s, in)
+	if err == nil || !strings.Contains(err.Error(), "GPU 0 has no huge pages and no room for one chunk of ordinary pages: MemAvailable - sizing.reserveBytes is 8Gi - 8Gi, 0 of it left for 4 KiB pages") {
+		t.Errorf("err %v", err)
 	}
 }
 
