@@ -60,7 +60,9 @@ func plan(ctx context.Context, args []string, out io.Writer, getenv func(string)
 	standalone := fs.Bool("standalone", false, "plan for simulated GPUs when NVML is absent, with standalone.poolBytes")
 	root := fs.String("root", "/", "root of the /proc and /sys trees to read (for tests)")
 	config.RegisterFlags(fs)
-	if err := fs.Parse(args); err != nil {
+	if err := fs.Parse(args); errors.Is(err, flag.ErrHelp) {
+		return nil // usage printed
+	} else if err != nil {
 		return err
 	}
 	if fs.NArg() > 0 {

@@ -90,6 +90,18 @@ func TestPlanDGXJSON(t *testing.T) {
 	}
 }
 
+func TestPlanHelp(t *testing.T) {
+	var out bytes.Buffer
+	if err := plan(context.Background(), []string{"--help"}, &out, noEnv, noNVML()); err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"usage: agent plan", "-pool-bytes", "KVPOOL_POOL_BYTES", "-json"} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("help lacks %q", want)
+		}
+	}
+}
+
 func TestPlanErrors(t *testing.T) {
 	cases := []struct {
 		name string
