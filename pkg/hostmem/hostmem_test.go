@@ -241,21 +241,33 @@ func TestNUMABind(t *testing.T) {
 }
 
 // reserveHugePages raises vm.nr_hugepages by n 2 MiB pages for the test
-// and restores it after; it skips when that is not permitted.
+// and lowers it by n after (not back to a saved value, so that another
+// process reserving pages meanwhile keeps them); it skips when that is not
+// permitted.
 func reserveHugePages(t *testing.T, n int) {
 	t.Helper()
 	const p = "/proc/sys/vm/nr_hugepages"
-	b, err := os.ReadFile(p)
+	read := func() (int, error) {
+		b, err := os.ReadFile(p)
+		if err != nil {
+			return 0, err
+		}
+		return strconv.Atoi(strings.TrimSpace(string(b)))
+	}
+	cur, err := read()
 	if err != nil {
 		t.Skipf("cannot read %s: %v", p, err)
 	}
-	orig, _ := strconv.Atoi(strings.TrimSpace(string(b)))
-	if err := os.WriteFile(p, []byte(strconv.Itoa(orig+n)), 0); err != nil {
+	if err := os.WriteFile(p, []byte(strconv.Itoa(cur+n)), 0); err != nil {
 		t.Skipf("cannot reserve huge pages (needs root): %v", err)
 	}
 	t.Cleanup(func() {
-		if err := os.WriteFile(p, []byte(strconv.Itoa(orig)), 0); err != nil {
-			t.Errorf("restore %s to %d: %v", p, orig, err)
+		cur, err := read()
+		if err == nil {
+			err = os.WriteFile(p, []byte(strconv.Itoa(max(cur-n, 0))), 0)
+		}
+		if err != nil {
+			t.Errorf("give back %d huge pages: %v", n, err)
 		}
 	})
 }
