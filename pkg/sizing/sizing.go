@@ -97,7 +97,9 @@ var hugeSizes = []int64{1 << 30, 2 << 20}
 // The total never exceeds MemAvailable less ReserveBytes, the cgroup limit
 // less CgroupHeadroomBytes, or the Node's allocatable memory. It fails,
 // naming the bound, when a GPU would get less than one chunk or less than
-// MinPerGPU, or when huge pages are required and too few are free.
+// MinPerGPU, or when huge pages are required and too few are free; the
+// plan returned with such an error holds the limits and bound found so far,
+// for display.
 func Make(s config.Sizing, in Input) (*Plan, error) {
 	if in.Node == nil {
 		return nil, errors.New("sizing: no node information")
