@@ -123,13 +123,16 @@ func plan(ctx context.Context, args []string, out io.Writer, getenv func(string)
 	return nil
 }
 
+// inClusterConfig finds the API server from inside a pod; tests replace it.
+var inClusterConfig = rest.InClusterConfig
+
 // allocatable reads the Node's allocatable memory when running in a pod
 // (in-cluster config and NODE_NAME); 0 and no error outside a cluster.
 func allocatable(ctx context.Context, getenv func(string) string) (int64, error) {
 	if getenv("KUBERNETES_SERVICE_HOST") == "" {
 		return 0, nil
 	}
-	rc, err := rest.InClusterConfig()
+	rc, err := inClusterConfig()
 	if err != nil {
 		return 0, err
 	}

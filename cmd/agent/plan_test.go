@@ -4,6 +4,9 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"os/exec"
 	"strings"
@@ -13,6 +16,7 @@ import (
 	"github.com/NVIDIA/go-nvml/pkg/nvml/mock"
 	"github.com/NVIDIA/go-nvml/pkg/nvml/mock/dgxh100"
 	"github.com/NVIDIA/go-nvml/pkg/nvml/mock/server"
+	"k8s.io/client-go/rest"
 )
 
 // The fake /proc and /sys trees of pkg/node.
@@ -153,5 +157,60 @@ func TestPlanProcess(t *testing.T) {
 	out, err = cmd.CombinedOutput()
 	if ee, ok := err.(*exec.ExitError); !ok || ee.ExitCode() != 1 || !strings.Contains(string(out), "sizing.split") {
 		t.Errorf("bad flag: err %v, output %q", err, out)
+	}
+}
+
+// TestPlanInCluster serves a Node from a fake API server over HTTP: its
+// allocatable memory binds the plan; when the server refuses, the plan
+// goes on without it.
+func TestPlanInCluster(t *testing.T) {
+	var status int
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != "/api/v1/nodes/gpu-1" {
+			http.NotFound(w, r)
+			return
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(status)
+		if status != http.StatusOK {
+			fmt.Fprint(w, `{"kind":"Status","apiVersion":"v1","status":"Failure","message":"nodes \"gpu-1\" is forbidden","reason":"Forbidden","code":403}`)
+			return
+		}
+		fmt.Fprint(w, `{"kind":"Node","apiVersion":"v1","metadata":{"name":"gpu-1"},
+			"status":{"capacity":{"memory":"512Gi"},"allocatable":{"memory":"100Gi","hugepages-2Mi":"0"}}}`)
+	}))
+	defer srv.Close()
+	old := inClusterConfig
+	inClusterConfig = func() (*rest.Config, error) { return &rest.Config{Host: srv.URL}, nil }
+	defer func() { inClusterConfig = old }()
+	env := func(k string) string {
+		return map[string]string{"KUBERNETES_SERVICE_HOST": "10.0.0.1", "NODE_NAME": "gpu-1"}[k]
+	}
+	args := []string{"--json", "--root", twoNUMA, "--pool-bytes", "512Gi", "--huge-pages", "never"}
+
+	status = http.StatusOK
+	var out bytes.Buffer
+	if err := plan(context.Background(), args, &out, env, dgx()); err != nil {
+		t.Fatal(err)
+	}
+	var r planReport
+	if err := json.Unmarshal(out.Bytes(), &r); err != nil {
+		t.Fatal(err)
+	}
+	if r.Node.Allocatable != 100<<30 || r.Plan.Bound != "node allocatable memory" || r.Plan.GPUs[0].Chunks != 12 {
+		t.Errorf("allocatable %d, bound %q, GPU 0 %+v", r.Node.Allocatable, r.Plan.Bound, r.Plan.GPUs[0])
+	}
+
+	status = http.StatusForbidden
+	out.Reset()
+	if err := plan(context.Background(), args, &out, env, dgx()); err != nil {
+		t.Fatal(err)
+	}
+	r = planReport{}
+	if err := json.Unmarshal(out.Bytes(), &r); err != nil {
+		t.Fatal(err)
+	}
+	if r.Node.Allocatable != 0 || r.Plan.Bound != "cgroup limit - sizing.cgroupHeadroomBytes" {
+		t.Errorf("forbidden: allocatable %d, bound %q", r.Node.Allocatable, r.Plan.Bound)
 	}
 }
