@@ -81,13 +81,13 @@ type conn struct {
 	pages   []int32
 
 	// reused request and reply bodies of the hot path
-	offload  wire.Offload
-	offRep   wire.OffloadReply
-	reload   wire.Reload
-	relRep   wire.ReloadReply
-	stream   wire.Stream
-	request  wire.Request
-	errBody  wire.Error
+	offload wire.Offload
+	offRep  wire.OffloadReply
+	reload  wire.Reload
+	relRep  wire.ReloadReply
+	stream  wire.Stream
+	request wire.Request
+	errBody wire.Error
 }
 
 func (s *Server) newConn(uc *net.UnixConn) *conn {
@@ -414,7 +414,7 @@ func (s *Server) attach(c *conn, k key, inst string, lay layout) (*entry, Sessio
 		s.o.Pool.Close(e.ps)
 		delete(s.sessions, k)
 	}
-	ps, err := s.o.Pool.Open(k.alloc, pool.Spec{GPU: k.gpu, PageSize: lay.pageSize, DevicePages: lay.devicePages, MaxPages: lay.maxPages})
+	ps, err := s.o.Pool.Open(k.alloc, pool.Spec{GPU: k.gpu, PageSize: lay.pageSize, DevicePages: lay.devicePages, MaxPages: s.defaultPages(k, lay)})
 	if replaced != nil {
 		// Hooks run under s.mu here; they must not block (documented).
 		s.hookSessionLocked(SessionReplaced, *replaced)
@@ -429,6 +429,31 @@ func (s *Server) attach(c *conn, k key, inst string, lay layout) (*entry, Sessio
 	s.sessions[k] = e
 	c.e = e
 	return e, SessionOpened, reply{}
+}
+
+// defaultPages is the MaxPages a session asks of the pool. A client that
+// names none gets every unbound chunk of its own GPU in the allocation, so
+// that the first rank of a tensor-parallel group does not take the chunks
+// meant for the others; when the allocation has no unbound chunk of that GPU
+// it gets every unbound chunk.
+func (s *Server) defaultPages(k key, lay layout) int {
+	if lay.maxPages > 0 {
+		return lay.maxPages
+	}
+	var size int64
+	n := 0
+	for _, ch := range s.o.Pool.Chunks() {
+		if ch.Allocation == k.alloc && !ch.Bound && ch.GPU == k.gpu {
+			if n == 0 || ch.Size < size {
+				size = ch.Size
+			}
+			n++
+		}
+	}
+	if n == 0 || lay.pageSize > size {
+		return 0
+	}
+	return n * int(size/lay.pageSize)
 }
 
 func (s *Server) hookSessionLocked(ev SessionEvent, info SessionInfo) { s.hookSession(ev, info) }
