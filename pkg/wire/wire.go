@@ -24,7 +24,7 @@ const (
 	HeaderSize = 16
 	// MaxMessage is the largest packet, header included, either side sends or
 	// accepts. A larger packet closes the connection.
-	MaxMessage = 256 << 10
+	MaxMessage = 128 << 10
 	// MaxFDs is the most file descriptors one packet may carry.
 	MaxFDs = 1024
 )
