@@ -151,7 +151,7 @@ func (c *conn) serve() {
 		if hk := c.s.o.Hooks.Request; hk != nil {
 			hk(h.Op, r.st, time.Since(start))
 		}
-		if h.Op == wire.OpHello && r.st != wire.StatusOK {
+		if h.Op == wire.OpHello && r.st == wire.StatusVersion {
 			return
 		}
 	}

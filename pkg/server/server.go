@@ -97,6 +97,7 @@ type Server struct {
 	mu       sync.Mutex
 	sessions map[key]*entry
 	conns    map[*conn]struct{}
+	closing  bool // Serve is shutting down
 	nextID   uint64
 
 	wg sync.WaitGroup
@@ -201,24 +202,40 @@ func (s *Server) Serve(ctx context.Context, l *net.UnixListener) error {
 			}
 			break
 		}
-		c := s.newConn(uc)
-		s.mu.Lock()
-		s.conns[c] = struct{}{}
-		s.mu.Unlock()
 		s.wg.Add(1)
 		go func() {
 			defer s.wg.Done()
-			c.serve()
+			s.ServeConn(uc)
 		}()
 	}
 	l.Close()
 	s.mu.Lock()
+	s.closing = true
 	for c := range s.conns {
 		c.wc.Close()
 	}
 	s.mu.Unlock()
 	s.wg.Wait()
+	s.mu.Lock()
+	s.closing = false
+	s.mu.Unlock()
 	return err
+}
+
+// ServeConn serves one already connected unixpacket connection until it
+// closes. Serve calls it for every accepted connection; tests and embedders
+// with a socketpair may call it directly.
+func (s *Server) ServeConn(uc *net.UnixConn) {
+	c := s.newConn(uc)
+	s.mu.Lock()
+	if s.closing {
+		s.mu.Unlock()
+		uc.Close()
+		return
+	}
+	s.conns[c] = struct{}{}
+	s.mu.Unlock()
+	c.serve()
 }
 
 // Sessions lists every session the server tracks, ordered by ID. Sessions
