@@ -77,6 +77,10 @@ type Options struct {
 	// a dropped connection) resumes the session.
 	InstanceID []byte
 	Name       string       // shown in the agent's logs
+	// Trace, when set, is called after every request with the time from
+	// sending it to decoding its reply: the agent round trip alone,
+	// without the copies. For benchmarks and metrics.
+	Trace func(op wire.Op, roundTrip time.Duration)
 	Logger     *slog.Logger // default slog.Default()
 }
 
@@ -426,6 +430,10 @@ func (p *CPUPagePool) dropConn() {
 // agent is returned as *Error; a broken connection as ErrDisconnected, with
 // the connection dropped.
 func (p *CPUPagePool) roundTrip(op wire.Op, fence uint64, req, rep proto.Message) ([]*os.File, error) {
+	if p.o.Trace != nil {
+		start := time.Now()
+		defer func() { p.o.Trace(op, time.Since(start)) }()
+	}
 	p.seq++
 	var err error
 	p.out, err = wire.AppendPacket(p.out[:0], wire.Header{Op: op, Seq: p.seq, Fence: fence}, req)
