@@ -69,6 +69,7 @@ func run(args []string) error {
 	}
 	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
 	cfg.Logger = log
+	cfg.Progress = func(n int) { fmt.Fprintf(os.Stderr, "kvclient: progress %d mixed ops\n", n) }
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	start := time.Now()

@@ -76,12 +76,12 @@ type Options struct {
 	// random ID made once per process. Opening again with the same ID (after
 	// a dropped connection) resumes the session.
 	InstanceID []byte
-	Name       string       // shown in the agent's logs
+	Name       string // shown in the agent's logs
 	// Trace, when set, is called after every request with the time from
 	// sending it to decoding its reply: the agent round trip alone,
 	// without the copies. For benchmarks and metrics.
-	Trace func(op wire.Op, roundTrip time.Duration)
-	Logger     *slog.Logger // default slog.Default()
+	Trace  func(op wire.Op, roundTrip time.Duration)
+	Logger *slog.Logger // default slog.Default()
 }
 
 // OffloadedStream is the metadata of one (request, label) stream, as the
