@@ -108,6 +108,7 @@ type stream struct {
 type runner struct {
 	cfg  Config
 	rng  *rand.Rand
+	fill *rand.ChaCha8 // page contents
 	dev  cudart.Device
 	p    *client.CPUPagePool
 	k, v cudart.DevicePtr
@@ -131,7 +132,11 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 		return nil, err
 	}
 	defer dev.Close()
-	r := &runner{cfg: cfg, rng: rand.New(rand.NewPCG(cfg.Seed, 0x6b76)), dev: dev, res: &Result{Ops: map[Op]*OpStats{}}}
+	var key [32]byte
+	for i := range key {
+		key[i] = byte(cfg.Seed >> (8 * (i % 8)))
+	}
+	r := &runner{cfg: cfg, rng: rand.New(rand.NewPCG(cfg.Seed, 0x6b76)), fill: rand.NewChaCha8(key), dev: dev, res: &Result{Ops: map[Op]*OpStats{}}}
 	size := uint64(cfg.DevicePages) * cfg.PageBytes
 	if r.k, err = dev.MemAlloc(size); err != nil {
 		return nil, err
@@ -227,12 +232,7 @@ func (r *runner) offload(rid, label string, n int) (*stream, bool, error) {
 	s := &stream{rid: rid, label: label, meta: [3]int64{r.rng.Int64N(1 << 20), r.rng.Int64N(1 << 20), r.rng.Int64N(8)}}
 	for _, p := range pages {
 		b := make([]byte, 2*r.cfg.PageBytes)
-		for i := 0; i < len(b); i += 8 {
-			x := r.rng.Uint64()
-			for j := 0; j < 8 && i+j < len(b); j++ {
-				b[i+j] = byte(x >> (8 * j))
-			}
-		}
+		r.fill.Read(b)
 		if err := r.writePage(p, b); err != nil {
 			return nil, false, err
 		}

@@ -394,9 +394,6 @@ func (p *CPUPagePool) adopt(rep *wire.OpenReply, files []*os.File) error {
 		}
 	}
 	p.session, p.pageSize, p.ppc, p.capacity = rep.Session, rep.PageSize, int(rep.PagesPerChunk), int(rep.Capacity)
-	if rep.Resumed && same && rep.LastTicket < p.fenceSent {
-		p.fenceSent = 0
-	}
 	return nil
 }
 

@@ -327,9 +327,8 @@ type OpenReply struct {
 	Resumed       bool                   `protobuf:"varint,2,opt,name=resumed,proto3" json:"resumed,omitempty"`                   // an existing session of this instance was resumed
 	PageSize      uint64                 `protobuf:"varint,3,opt,name=page_size,json=pageSize,proto3" json:"page_size,omitempty"` // host bytes per page
 	PagesPerChunk uint32                 `protobuf:"varint,4,opt,name=pages_per_chunk,json=pagesPerChunk,proto3" json:"pages_per_chunk,omitempty"`
-	Capacity      uint32                 `protobuf:"varint,5,opt,name=capacity,proto3" json:"capacity,omitempty"`                       // host pages of the session
-	Chunks        []*ChunkGrant          `protobuf:"bytes,6,rep,name=chunks,proto3" json:"chunks,omitempty"`                            // page p lives in chunks[p / pages_per_chunk]
-	LastTicket    uint64                 `protobuf:"varint,7,opt,name=last_ticket,json=lastTicket,proto3" json:"last_ticket,omitempty"` // last reload ticket issued (resumed sessions)
+	Capacity      uint32                 `protobuf:"varint,5,opt,name=capacity,proto3" json:"capacity,omitempty"` // host pages of the session
+	Chunks        []*ChunkGrant          `protobuf:"bytes,6,rep,name=chunks,proto3" json:"chunks,omitempty"`      // page p lives in chunks[p / pages_per_chunk]
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -404,13 +403,6 @@ func (x *OpenReply) GetChunks() []*ChunkGrant {
 		return x.Chunks
 	}
 	return nil
-}
-
-func (x *OpenReply) GetLastTicket() uint64 {
-	if x != nil {
-		return x.LastTicket
-	}
-	return 0
 }
 
 type Offload struct {
@@ -1124,16 +1116,14 @@ const file_kvpool_proto_rawDesc = "" +
 	"\n" +
 	"ChunkGrant\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x12\n" +
-	"\x04size\x18\x02 \x01(\x04R\x04size\"\xf5\x01\n" +
+	"\x04size\x18\x02 \x01(\x04R\x04size\"\xd4\x01\n" +
 	"\tOpenReply\x12\x18\n" +
 	"\asession\x18\x01 \x01(\x04R\asession\x12\x18\n" +
 	"\aresumed\x18\x02 \x01(\bR\aresumed\x12\x1b\n" +
 	"\tpage_size\x18\x03 \x01(\x04R\bpageSize\x12&\n" +
 	"\x0fpages_per_chunk\x18\x04 \x01(\rR\rpagesPerChunk\x12\x1a\n" +
 	"\bcapacity\x18\x05 \x01(\rR\bcapacity\x122\n" +
-	"\x06chunks\x18\x06 \x03(\v2\x1a.kvpool.wire.v1.ChunkGrantR\x06chunks\x12\x1f\n" +
-	"\vlast_ticket\x18\a \x01(\x04R\n" +
-	"lastTicket\"\xa5\x01\n" +
+	"\x06chunks\x18\x06 \x03(\v2\x1a.kvpool.wire.v1.ChunkGrantR\x06chunks\"\xa5\x01\n" +
 	"\aOffload\x12\x10\n" +
 	"\x03rid\x18\x01 \x01(\tR\x03rid\x12\x14\n" +
 	"\x05label\x18\x02 \x01(\tR\x05label\x12\x1b\n" +
