@@ -364,7 +364,9 @@ func (p *CPUPagePool) adopt(rep *wire.OpenReply, files []*os.File) error {
 			return fmt.Errorf("%w: chunk %s of %d bytes cannot hold %d pages of %d", ErrProtocol, c.Id, c.Size, rep.PagesPerChunk, rep.PageSize)
 		}
 	}
-	same := rep.Session == p.session && rep.PageSize == p.pageSize && int(rep.PagesPerChunk) == p.ppc && len(rep.Chunks) == len(p.chunks)
+	// A new session (even with chunks of the same names, as after an agent
+	// restart) means new memory: map it afresh.
+	same := rep.Resumed && rep.Session == p.session && rep.PageSize == p.pageSize && int(rep.PagesPerChunk) == p.ppc && len(rep.Chunks) == len(p.chunks)
 	for i := 0; same && i < len(rep.Chunks); i++ {
 		same = rep.Chunks[i].Id == p.chunks[i].id && rep.Chunks[i].Size == p.chunks[i].size
 	}

@@ -378,3 +378,53 @@ func waitDisconnected(t *testing.T, a *standalone.Agent, total int) {
 	}
 	t.Fatal("server did not notice the disconnect")
 }
+
+// TestAgentRestart: the agent goes away and a new one takes the socket. The
+// client's next call reconnects, gets a fresh session on new memory (its
+// streams are gone, as documented) and moves bytes correctly again.
+func TestAgentRestart(t *testing.T) {
+	sock := filepath.Join(t.TempDir(), "kv.sock")
+	run := func() (*standalone.Agent, func()) {
+		a, err := standalone.Start(standalone.Config{GPUs: 1, ChunksPerGPU: 1, ChunkBytes: 1 << 20,
+			Tokens: []string{"tok"}, Socket: sock, Logger: quiet})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- a.Serve(ctx) }()
+		return a, func() { cancel(); <-done; a.Close() }
+	}
+	a1, stop1 := run()
+	sim := cudart.NewSim(cudart.SimOptions{Devices: 1})
+	dev, _ := sim.Open(0)
+	c := newKV(t, dev, 16, 4096)
+	p := openPool(t, a1, dev, c, []byte("restart-instance"), 0)
+	if ok, err := p.OffloadStream("r", "l", []int32{1, 2}, 0, 0, 0); !ok || err != nil {
+		t.Fatal(ok, err)
+	}
+	sync(t, p, dev)
+	stop1()
+	if _, err := p.IsOffloaded("r"); !errors.Is(err, client.ErrDisconnected) {
+		t.Fatalf("call to a stopped agent: %v, want ErrDisconnected", err)
+	}
+	_, stop2 := run()
+	defer stop2()
+	if off, err := p.IsOffloaded("r"); err != nil || off {
+		t.Fatalf("after the restart: offloaded %v, %v; want a fresh session", off, err)
+	}
+	rng := rand.New(rand.NewPCG(5, 6))
+	want := c.fill(t, rng, 3)
+	if ok, err := p.OffloadStream("s", "l", []int32{3}, 0, 0, 0); !ok || err != nil {
+		t.Fatal(ok, err)
+	}
+	sync(t, p, dev)
+	c.poison(t, 3)
+	if _, err := p.ReloadStream("s", "l", []int32{9}); err != nil {
+		t.Fatal(err)
+	}
+	sync(t, p, dev)
+	if !bytes.Equal(c.read(t, 9), want) {
+		t.Fatal("bytes differ after reconnecting to a new agent")
+	}
+}

@@ -91,10 +91,10 @@ func (p *CPUPagePool) OffloadStream(rid, label string, gpuPages []int32, storedL
 	m := &p.offReq
 	m.Rid, m.Label, m.GpuPages, m.StoredLen, m.Position, m.Released = rid, label, gpuPages, storedLen, position, released
 	defer func() { m.GpuPages = nil }()
-	for {
+	for try := 0; ; try++ {
 		_, err := p.roundTrip(wire.OpOffload, p.fence(), m, &p.offRep)
 		var e *Error
-		if errors.As(err, &e) && e.Status == wire.StatusPending {
+		if errors.As(err, &e) && e.Status == wire.StatusPending && try <= len(p.pending) {
 			if werr := p.waitTicket(e.Ticket); werr != nil {
 				return false, fmt.Errorf("kvpool offload %q/%q: wait for reload %d: %w", rid, label, e.Ticket, werr)
 			}
