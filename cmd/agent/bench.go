@@ -65,6 +65,7 @@ func runBench(ctx context.Context, args []string) error {
 	asJSON := fs.Bool("json", false, "print the results as JSON")
 	worker := fs.Bool("worker", false, "internal: run as one workload process")
 	gpu := fs.Int("gpu", 0, "internal: the worker's GPU")
+	echoPath := fs.String("echo", "", "internal: the echo socket the worker measures the floor against")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -72,7 +73,7 @@ func runBench(ctx context.Context, args []string) error {
 		MaxPages: *maxPages, DevicePages: 2 * *maxPages, MaxStream: 64, Duration: *dur,
 		Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))}
 	if *worker {
-		return benchWorker(ctx, cfg)
+		return benchWorker(ctx, cfg, *echoPath)
 	}
 	if *workers < 1 || *workers > 64 || *pageKiB < 1 || *maxPages < 1 {
 		return fmt.Errorf("--workers, --page-kib and --max-pages must be positive (workers at most 64)")
@@ -105,16 +106,27 @@ func runBench(ctx context.Context, args []string) error {
 		return fmt.Errorf("--socket needs --token or $KVPOOL_TOKEN")
 	}
 
-	echo50, echo99, err := echoFloor(4000)
+	// The floor: the workers time bare request/reply exchanges of an
+	// offload's sizes with an echo server in this process, across the same
+	// process boundary as their calls to the agent, before and after their
+	// workload.
+	echoDir, err := os.MkdirTemp("", "kvpool-echo-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(echoDir)
+	echoSock := filepath.Join(echoDir, "echo.sock")
+	stopEcho, err := echoServer(echoSock)
 	if err != nil {
 		return fmt.Errorf("echo floor: %w", err)
 	}
+	defer stopEcho()
 	self, err := os.Executable()
 	if err != nil {
 		return err
 	}
-	rep := benchReport{Workers: *workers, PageBytes: cfg.PageBytes * 2, EchoP50us: us(echo50), EchoP99us: us(echo99), Errors: []string{}}
-	results := make([]*workload.Result, *workers)
+	rep := benchReport{Workers: *workers, PageBytes: cfg.PageBytes * 2, Errors: []string{}}
+	results := make([]*workerResult, *workers)
 	progress := make([]int, *workers)
 	var mu sync.Mutex
 	var wg sync.WaitGroup
@@ -122,7 +134,7 @@ func runBench(ctx context.Context, args []string) error {
 	for i := range *workers {
 		cmd := exec.CommandContext(ctx, self, "bench", "--worker", "--socket", cfg.Socket, "--token", cfg.Token,
 			"--gpu", strconv.Itoa(i), "--duration", dur.String(), "--page-kib", strconv.Itoa(*pageKiB),
-			"--max-pages", strconv.Itoa(*maxPages))
+			"--max-pages", strconv.Itoa(*maxPages), "--echo", echoSock)
 		cmd.Stderr = os.Stderr
 		out, err := cmd.StdoutPipe()
 		if err != nil {
@@ -185,22 +197,43 @@ func runBench(ctx context.Context, args []string) error {
 	return nil
 }
 
+// workerResult is what a worker reports.
+type workerResult struct {
+	*workload.Result
+	Echo []time.Duration
+}
+
 // benchWorker runs the workload and writes progress and the result to
 // stdout: "progress N" lines, then "result {json}".
-func benchWorker(ctx context.Context, cfg workload.Config) error {
+func benchWorker(ctx context.Context, cfg workload.Config, echoPath string) error {
 	cfg.Progress = func(n int) { fmt.Printf("progress %d\n", n) }
+	var echo []time.Duration
+	if echoPath != "" {
+		d, err := echoClient(echoPath, 1000)
+		if err != nil {
+			return fmt.Errorf("echo floor: %w", err)
+		}
+		echo = append(echo, d...)
+	}
 	res, err := workload.Run(ctx, cfg)
+	if echoPath != "" && err == nil {
+		d, eerr := echoClient(echoPath, 1000)
+		if eerr != nil {
+			return fmt.Errorf("echo floor: %w", eerr)
+		}
+		echo = append(echo, d...)
+	}
 	if res != nil {
-		b, _ := json.Marshal(res)
+		b, _ := json.Marshal(workerResult{Result: res, Echo: echo})
 		fmt.Printf("result %s\n", b)
 	}
 	return err
 }
 
-func readWorker(r io.Reader, progress func(int)) (*workload.Result, error) {
+func readWorker(r io.Reader, progress func(int)) (*workerResult, error) {
 	sc := bufio.NewScanner(r)
 	sc.Buffer(make([]byte, 1<<20), 256<<20)
-	var res *workload.Result
+	var res *workerResult
 	for sc.Scan() {
 		line := sc.Text()
 		switch {
@@ -209,7 +242,7 @@ func readWorker(r io.Reader, progress func(int)) (*workload.Result, error) {
 				progress(n)
 			}
 		case strings.HasPrefix(line, "result "):
-			res = new(workload.Result)
+			res = new(workerResult)
 			if err := json.Unmarshal([]byte(strings.TrimPrefix(line, "result ")), res); err != nil {
 				return nil, fmt.Errorf("worker result: %w", err)
 			}
@@ -221,14 +254,15 @@ func readWorker(r io.Reader, progress func(int)) (*workload.Result, error) {
 	return res, sc.Err()
 }
 
-func summarize(rep *benchReport, results []*workload.Result, dur time.Duration) {
+func summarize(rep *benchReport, results []*workerResult, dur time.Duration) {
 	merged := map[workload.Op]*workload.OpStats{}
-	var all []time.Duration
+	var all, echo []time.Duration
 	var bytes int64
 	for _, r := range results {
-		if r == nil {
+		if r == nil || r.Result == nil {
 			continue
 		}
+		echo = append(echo, r.Echo...)
 		rep.FullRejects += r.FullRejects
 		rep.Checks += r.Checks
 		rep.Mismatches += r.Mismatches
@@ -262,6 +296,7 @@ func summarize(rep *benchReport, results []*workload.Result, dur time.Duration) 
 		})
 	}
 	rep.GBps = float64(bytes) / secs / 1e9
+	rep.EchoP50us, rep.EchoP99us = us(workload.Percentile(echo, 50)), us(workload.Percentile(echo, 99))
 	if rep.EchoP50us > 0 {
 		rep.RTTOverEcho = us(workload.Percentile(all, 50)) / rep.EchoP50us
 	}
@@ -284,7 +319,7 @@ func printReport(w io.Writer, rep *benchReport, elapsed time.Duration) {
 		fmt.Fprintf(tw, "%s\t%d\t%.0f\t%s\t%s\t%s\t%s\t%s\t\n", o.Op, o.Count, o.OpsPerS, rt50, rt99, cp50, cp99, gb)
 	}
 	tw.Flush()
-	fmt.Fprintf(w, "\necho floor (bare unixpacket request+reply, same run): p50 %.1f µs, p99 %.1f µs; round trip p50 / echo p50 = %.2f\n",
+	fmt.Fprintf(w, "\necho floor (bare unixpacket request+reply between the same processes, same run): p50 %.1f µs, p99 %.1f µs; round trip p50 / echo p50 = %.2f\n",
 		rep.EchoP50us, rep.EchoP99us, rep.RTTOverEcho)
 	fmt.Fprintf(w, "copied %.2f GB/s in all; pool-full rejects %d; checks passed %d; mismatches %d; errors %d\n",
 		rep.GBps, rep.FullRejects, rep.Checks, rep.Mismatches, len(rep.Errors))
@@ -293,40 +328,61 @@ func printReport(w io.Writer, rep *benchReport, elapsed time.Duration) {
 	}
 }
 
-// echoFloor times n bare request/reply exchanges over a unixpacket socket
-// pair served by a goroutine, with packets of an offload's sizes.
-func echoFloor(n int) (p50, p99 time.Duration, err error) {
-	dir, err := os.MkdirTemp("", "kvpool-echo-")
-	if err != nil {
-		return 0, 0, err
-	}
-	defer os.RemoveAll(dir)
-	path := filepath.Join(dir, "echo.sock")
+// echoServer answers every packet on path with a packet of an offload
+// reply's size, until stopped.
+func echoServer(path string) (stop func(), err error) {
 	l, err := net.ListenUnix(wire.Network, &net.UnixAddr{Name: path, Net: wire.Network})
 	if err != nil {
-		return 0, 0, err
+		return nil, err
 	}
-	defer l.Close()
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	var conns []*net.UnixConn
+	wg.Add(1)
 	go func() {
-		c, err := l.AcceptUnix()
-		if err != nil {
-			return
-		}
-		defer c.Close()
-		buf := make([]byte, wire.MaxMessage+1)
-		reply := make([]byte, 16+2+64*2)
+		defer wg.Done()
 		for {
-			if _, err := c.Read(buf); err != nil {
+			c, err := l.AcceptUnix()
+			if err != nil {
 				return
 			}
-			if _, err := c.Write(reply); err != nil {
-				return
-			}
+			mu.Lock()
+			conns = append(conns, c)
+			mu.Unlock()
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				defer c.Close()
+				buf := make([]byte, wire.MaxMessage+1)
+				reply := make([]byte, 16+2+64*2)
+				for {
+					if _, err := c.Read(buf); err != nil {
+						return
+					}
+					if _, err := c.Write(reply); err != nil {
+						return
+					}
+				}
+			}()
 		}
 	}()
+	return func() {
+		l.Close()
+		mu.Lock()
+		for _, c := range conns {
+			c.Close()
+		}
+		mu.Unlock()
+		wg.Wait()
+	}, nil
+}
+
+// echoClient times n bare exchanges with an echo server, with a request of
+// an offload's size (64 pages).
+func echoClient(path string, n int) ([]time.Duration, error) {
 	c, err := net.DialUnix(wire.Network, nil, &net.UnixAddr{Name: path, Net: wire.Network})
 	if err != nil {
-		return 0, 0, err
+		return nil, err
 	}
 	defer c.Close()
 	req := make([]byte, 16+20+64*2)
@@ -335,12 +391,12 @@ func echoFloor(n int) (p50, p99 time.Duration, err error) {
 	for i := range d {
 		t := time.Now()
 		if _, err := c.Write(req); err != nil {
-			return 0, 0, err
+			return nil, err
 		}
 		if _, err := c.Read(buf); err != nil {
-			return 0, 0, err
+			return nil, err
 		}
 		d[i] = time.Since(t)
 	}
-	return workload.Percentile(d, 50), workload.Percentile(d, 99), nil
+	return d, nil
 }

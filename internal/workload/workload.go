@@ -101,14 +101,14 @@ func Percentile(d []time.Duration, p float64) time.Duration {
 
 type stream struct {
 	rid, label string
-	data       [][]byte // expected bytes of each page, in order
+	data       []uint64 // seed of each page's expected bytes, in order
 	meta       [3]int64
 }
 
 type runner struct {
 	cfg  Config
 	rng  *rand.Rand
-	fill *rand.ChaCha8 // page contents
+	buf, want, poison []byte // page-sized scratch
 	dev  cudart.Device
 	p    *client.CPUPagePool
 	k, v cudart.DevicePtr
@@ -132,11 +132,8 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 		return nil, err
 	}
 	defer dev.Close()
-	var key [32]byte
-	for i := range key {
-		key[i] = byte(cfg.Seed >> (8 * (i % 8)))
-	}
-	r := &runner{cfg: cfg, rng: rand.New(rand.NewPCG(cfg.Seed, 0x6b76)), fill: rand.NewChaCha8(key), dev: dev, res: &Result{Ops: map[Op]*OpStats{}}}
+	r := &runner{cfg: cfg, rng: rand.New(rand.NewPCG(cfg.Seed, 0x6b76)), dev: dev, res: &Result{Ops: map[Op]*OpStats{}},
+		buf: make([]byte, 2*cfg.PageBytes), want: make([]byte, 2*cfg.PageBytes), poison: bytes.Repeat([]byte{0xA5}, int(2*cfg.PageBytes))}
 	size := uint64(cfg.DevicePages) * cfg.PageBytes
 	if r.k, err = dev.MemAlloc(size); err != nil {
 		return nil, err
@@ -200,8 +197,17 @@ func (r *runner) writePage(p int32, b []byte) error {
 	return r.dev.MemcpyHtoD(v, b[r.cfg.PageBytes:])
 }
 
+// pageBytes fills b with the random bytes of seed.
+func pageBytes(b []byte, seed uint64) {
+	var key [32]byte
+	for i := range 8 {
+		key[i] = byte(seed >> (8 * i))
+	}
+	rand.NewChaCha8(key).Read(b)
+}
+
 func (r *runner) readPage(p int32) ([]byte, error) {
-	b := make([]byte, 2*r.cfg.PageBytes)
+	b := r.buf
 	k, v := r.pageAddr(p)
 	if err := r.dev.MemcpyDtoH(b[:r.cfg.PageBytes], k); err != nil {
 		return nil, err
@@ -231,12 +237,13 @@ func (r *runner) offload(rid, label string, n int) (*stream, bool, error) {
 	pages := r.devPages(n)
 	s := &stream{rid: rid, label: label, meta: [3]int64{r.rng.Int64N(1 << 20), r.rng.Int64N(1 << 20), r.rng.Int64N(8)}}
 	for _, p := range pages {
-		b := make([]byte, 2*r.cfg.PageBytes)
-		r.fill.Read(b)
+		seed := r.rng.Uint64()
+		b := r.want
+		pageBytes(b, seed)
 		if err := r.writePage(p, b); err != nil {
 			return nil, false, err
 		}
-		s.data = append(s.data, b)
+		s.data = append(s.data, seed)
 	}
 	ok, err := r.p.OffloadStream(rid, label, pages, s.meta[0], s.meta[1], s.meta[2])
 	st := r.res.op("offload")
@@ -250,9 +257,8 @@ func (r *runner) offload(rid, label string, n int) (*stream, bool, error) {
 	}
 	st.Bytes += int64(n) * 2 * int64(r.cfg.PageBytes)
 	// The engine reuses the device pages: poison them.
-	poison := bytes.Repeat([]byte{0xA5}, int(2*r.cfg.PageBytes))
 	for _, p := range pages {
-		if err := r.writePage(p, poison); err != nil {
+		if err := r.writePage(p, r.poison); err != nil {
 			return nil, false, err
 		}
 	}
@@ -285,7 +291,8 @@ func (r *runner) reload(i int) error {
 		if err != nil {
 			return err
 		}
-		if !bytes.Equal(b, s.data[j]) {
+		pageBytes(r.want, s.data[j])
+		if !bytes.Equal(b, r.want) {
 			return r.failf("reload %s/%s: device page %d (stream page %d) differs from what was offloaded", s.rid, s.label, p, j)
 		}
 	}
@@ -450,14 +457,18 @@ func (r *runner) mixed(ctx context.Context) error {
 			if err := r.p.Discard(s.rid, s.label); err != nil {
 				return err
 			}
-			r.res.op("discard").Count++
+			st := r.res.op("discard")
+			st.Count++
+			st.RoundTrip = append(st.RoundTrip, r.lastRTT)
 			r.dropStream(i)
 		default:
 			i := r.rng.IntN(len(r.streams))
 			if err := r.p.RemoveRequest(r.streams[i].rid); err != nil {
 				return err
 			}
-			r.res.op("remove_request").Count++
+			st := r.res.op("remove_request")
+			st.Count++
+			st.RoundTrip = append(st.RoundTrip, r.lastRTT)
 			r.dropStream(i)
 		}
 		if i%50 == 0 {
