@@ -106,13 +106,13 @@ type stream struct {
 }
 
 type runner struct {
-	cfg  Config
-	rng  *rand.Rand
+	cfg               Config
+	rng               *rand.Rand
 	buf, want, poison []byte // page-sized scratch
-	dev  cudart.Device
-	p    *client.CPUPagePool
-	k, v cudart.DevicePtr
-	res  *Result
+	dev               cudart.Device
+	p                 *client.CPUPagePool
+	k, v              cudart.DevicePtr
+	res               *Result
 
 	streams  []*stream
 	held     int
