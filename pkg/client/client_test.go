@@ -4,16 +4,19 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"math/rand/v2"
 	"path/filepath"
+	stdsync "sync"
 	"testing"
 	"time"
 
 	"github.com/kvpool/kvpool/pkg/client"
 	"github.com/kvpool/kvpool/pkg/cudart"
 	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/server"
 	"github.com/kvpool/kvpool/pkg/standalone"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
@@ -426,5 +429,146 @@ func TestAgentRestart(t *testing.T) {
 	sync(t, p, dev)
 	if !bytes.Equal(c.read(t, 9), want) {
 		t.Fatal("bytes differ after reconnecting to a new agent")
+	}
+}
+
+// TestBackToBackOrdering reloads a stream right after offloading it, with
+// no sync in between, on a simulator whose copies lag: the reload's
+// host-to-device copy must wait for the offload's device-to-host copy, and
+// the offload's copy must wait for the engine's stream that wrote the pages.
+func TestBackToBackOrdering(t *testing.T) {
+	a := startAgent(t, 1<<20)
+	sim := cudart.NewSim(cudart.SimOptions{Devices: 1, CopyDelay: 5 * time.Millisecond})
+	dev, _ := sim.Open(0)
+	c := newKV(t, dev, 32, 4096)
+	p := openPool(t, a, dev, c, []byte("instance-B2B"), 0)
+	rng := rand.New(rand.NewPCG(7, 8))
+	src := []int32{0, 1, 2, 3, 8, 9}
+	var want [][]byte
+	for _, pg := range src {
+		want = append(want, c.fill(t, rng, pg))
+	}
+	for round := range 3 {
+		rid := fmt.Sprint("r", round)
+		// An earlier offload queues ahead on the device-to-host stream, so
+		// that the one reloaded below completes well after a reload copy
+		// that did not wait for it would have run.
+		if ok, err := p.OffloadStream(rid+"-before", "l", []int32{30, 31}, 0, 0, 0); !ok || err != nil {
+			t.Fatal(ok, err)
+		}
+		if ok, err := p.OffloadStream(rid, "l", src, 0, 0, 0); !ok || err != nil {
+			t.Fatal(ok, err)
+		}
+		dst := []int32{20, 21, 22, 23, 24, 25}
+		if _, err := p.ReloadStream(rid, "l", dst); err != nil {
+			t.Fatal(err)
+		}
+		sync(t, p, dev)
+		for i, pg := range dst {
+			if !bytes.Equal(c.read(t, pg), want[i]) {
+				t.Fatalf("round %d: device page %d has stale bytes: the reload did not wait for the offload", round, pg)
+			}
+			c.poison(t, pg)
+		}
+		if err := p.RemoveRequest(rid + "-before"); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// TestFenceRidesAlong checks that a completed reload is reported on the next
+// request, with no fence request of its own.
+func TestFenceRidesAlong(t *testing.T) {
+	var mu stdsync.Mutex
+	ops := map[wire.Op]int{}
+	a, err := standalone.Start(standalone.Config{GPUs: 1, ChunksPerGPU: 1, ChunkBytes: 1 << 20, Tokens: []string{"tok"},
+		Socket: filepath.Join(t.TempDir(), "kv.sock"), Logger: quiet,
+		Hooks: server.Hooks{Request: func(op wire.Op, st wire.Status, d time.Duration) { mu.Lock(); ops[op]++; mu.Unlock() }}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- a.Serve(ctx) }()
+	defer func() { cancel(); <-done; a.Close() }()
+	sim := cudart.NewSim(cudart.SimOptions{Devices: 1})
+	dev, _ := sim.Open(0)
+	c := newKV(t, dev, 16, 4096)
+	p := openPool(t, a, dev, c, []byte("instance-fence"), 0)
+	if ok, err := p.OffloadStream("r", "l", []int32{1, 2, 3}, 0, 0, 0); !ok || err != nil {
+		t.Fatal(ok, err)
+	}
+	if _, err := p.ReloadStream("r", "l", []int32{4, 5, 6}); err != nil {
+		t.Fatal(err)
+	}
+	sync(t, p, dev) // the copy is complete; the agent does not know yet
+	u, err := p.Usage()
+	if err != nil {
+		t.Fatal(err)
+	}
+	// This usage request carried the fence, and the agent applied it
+	// before answering.
+	if u.Pending != 0 {
+		t.Fatalf("pending %d after a request that should carry the fence", u.Pending)
+	}
+	// The hook runs just after the reply is sent.
+	for range 200 {
+		mu.Lock()
+		n := ops[wire.OpUsage]
+		mu.Unlock()
+		if n > 0 {
+			break
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if ops[wire.OpFence] != 0 {
+		t.Fatalf("a separate fence request was sent: %v", ops)
+	}
+	if ops[wire.OpOffload] != 1 || ops[wire.OpReload] != 1 || ops[wire.OpUsage] != 1 {
+		t.Fatalf("requests %v, want one offload, one reload, one usage", ops)
+	}
+}
+
+// TestConcurrentCalls runs the seed API from several goroutines on one
+// pool, for the race detector and for the bytes.
+func TestConcurrentCalls(t *testing.T) {
+	a := startAgent(t, 1<<20)
+	sim := cudart.NewSim(cudart.SimOptions{Devices: 1})
+	dev, _ := sim.Open(0)
+	c := newKV(t, dev, 64, 4096)
+	p := openPool(t, a, dev, c, []byte("instance-conc"), 0)
+	var wg stdsync.WaitGroup
+	errs := make(chan error, 4)
+	for g := range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			mine := []int32{int32(g * 16), int32(g*16 + 1), int32(g*16 + 2)}
+			for i := range 50 {
+				rid := fmt.Sprintf("g%d-%d", g, i)
+				if ok, err := p.OffloadStream(rid, "l", mine, int64(i), 0, 0); !ok || err != nil {
+					errs <- fmt.Errorf("offload %s: %v %v", rid, ok, err)
+					return
+				}
+				st, err := p.ReloadStream(rid, "l", mine)
+				if err != nil || st.StoredLen != int64(i) {
+					errs <- fmt.Errorf("reload %s: %+v %v", rid, st, err)
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	if err := p.Synchronize(); err != nil {
+		t.Fatal(err)
+	}
+	if u, _ := p.Usage(); u.Used != 0 || u.Pending != 0 {
+		t.Fatalf("usage after: %+v", u)
 	}
 }
