@@ -160,7 +160,7 @@ func runBench(ctx context.Context, args []string) error {
 	}
 	stopProgress := make(chan struct{})
 	go func() {
-		t := time.NewTicker(time.Second)
+		t := time.NewTicker(500 * time.Millisecond)
 		defer t.Stop()
 		for {
 			select {

@@ -5,6 +5,7 @@ package e2e
 
 import (
 	"bufio"
+	"encoding/json"
 	"fmt"
 	"net"
 	"os"
@@ -208,5 +209,56 @@ func TestAgentAndClientsAcrossProcesses(t *testing.T) {
 	}
 	if _, err := os.Stat(sock); err == nil {
 		t.Error("agent left its socket file behind")
+	}
+}
+
+// TestBenchCommand runs `agent bench --json` as a user would (embedded agent,
+// worker processes) and checks its report.
+func TestBenchCommand(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds and runs binaries")
+	}
+	agentBin, _ := build(t, t.TempDir())
+	cmd := exec.Command(agentBin, "bench", "--json", "--duration", "1s", "--page-kib", "16", "--max-pages", "64")
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("agent bench: %v\n%s\n%s", err, out, stderr.String())
+	}
+	var rep struct {
+		Workers    int `json:"workers"`
+		Mismatches int `json:"mismatches"`
+		Checks     int `json:"checks"`
+		Errors     []string
+		Ops        []struct {
+			Op       string  `json:"op"`
+			Count    int     `json:"count"`
+			RTTp50us float64 `json:"round_trip_p50_us"`
+			Copyp50  float64 `json:"copy_p50_us"`
+		} `json:"ops"`
+		EchoP50us float64 `json:"echo_floor_p50_us"`
+		Full      int     `json:"pool_full_rejects"`
+	}
+	if err := json.Unmarshal(out, &rep); err != nil {
+		t.Fatalf("bench JSON: %v\n%s", err, out)
+	}
+	if rep.Workers != 2 || rep.Mismatches != 0 || len(rep.Errors) != 0 || rep.Checks == 0 || rep.EchoP50us <= 0 || rep.Full == 0 {
+		t.Fatalf("report: %+v", rep)
+	}
+	seen := map[string]bool{}
+	for _, o := range rep.Ops {
+		seen[o.Op] = o.Count > 0 && o.RTTp50us > 0
+		if (o.Op == "offload" || o.Op == "reload") && o.Copyp50 <= 0 {
+			t.Errorf("%s has no copy time", o.Op)
+		}
+	}
+	for _, op := range []string{"offload", "reload", "discard", "remove_request"} {
+		if !seen[op] {
+			t.Errorf("no %s calls with round trips in %+v", op, rep.Ops)
+		}
+	}
+	if !strings.Contains(stderr.String(), "mixed ops so far") {
+		t.Errorf("no progress on stderr:\n%s", stderr.String())
 	}
 }
