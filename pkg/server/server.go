@@ -87,6 +87,9 @@ type Options struct {
 	Logger    *slog.Logger // default slog.Default()
 	Hooks     Hooks
 	Name      string // sent in HelloReply; default "kvpool-agent"
+	// MaxConns bounds concurrent connections (default 1024); a connection
+	// over the limit is closed at once, and the others go on.
+	MaxConns int
 }
 
 // Server serves the copy API. Create it with New.
@@ -152,6 +155,9 @@ func New(o Options) (*Server, error) {
 	}
 	if o.Name == "" {
 		o.Name = "kvpool-agent"
+	}
+	if o.MaxConns <= 0 {
+		o.MaxConns = 1024
 	}
 	return &Server{o: o, log: o.Logger, sessions: make(map[key]*entry), conns: make(map[*conn]struct{})}, nil
 }
@@ -228,9 +234,13 @@ func (s *Server) Serve(ctx context.Context, l *net.UnixListener) error {
 func (s *Server) ServeConn(uc *net.UnixConn) {
 	c := s.newConn(uc)
 	s.mu.Lock()
-	if s.closing {
+	if s.closing || len(s.conns) >= s.o.MaxConns {
+		full := !s.closing
 		s.mu.Unlock()
 		uc.Close()
+		if full {
+			c.log.Warn("connection refused: too many connections", "limit", s.o.MaxConns)
+		}
 		return
 	}
 	s.conns[c] = struct{}{}

@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -117,8 +118,8 @@ func (r *raw) recv() (h wire.Header, body []byte, files []*os.File, ok bool) {
 	r.t.Helper()
 	r.c.UnixConn().SetReadDeadline(time.Now().Add(5 * time.Second))
 	pkt, files, err := r.c.Recv(r.buf)
-	if errors.Is(err, io.EOF) {
-		return h, nil, nil, false
+	if errors.Is(err, io.EOF) || errors.Is(err, syscall.ECONNRESET) {
+		return h, nil, nil, false // closed by the server, with or without our packet read
 	}
 	if err != nil {
 		r.t.Fatal(err)
@@ -430,5 +431,61 @@ func TestRevokeAndReplace(t *testing.T) {
 	}
 	if len(a.srv.Sessions()) != 0 {
 		t.Fatalf("sessions after revoke: %+v", a.srv.Sessions())
+	}
+}
+
+func TestMaxConns(t *testing.T) {
+	a := &agent{pool: pool.New(), chunks: map[string]*hostmem.Chunk{}}
+	srv, err := server.New(server.Options{Pool: a.pool, Logger: quiet, MaxConns: 2,
+		Chunks:    func(string) (*hostmem.Chunk, bool) { return nil, false },
+		Authorize: server.StaticTokens(nil)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a.srv = srv
+	a.socket = filepath.Join(t.TempDir(), "kv.sock")
+	l, err := server.Listen(a.socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- srv.Serve(ctx, l) }()
+	defer func() { cancel(); <-done }()
+	r1, r2 := dial(t, a), dial(t, a)
+	r1.hello()
+	r2.hello()
+	r3 := dial(t, a)
+	hello, _ := wire.AppendPacket(nil, wire.Header{Op: wire.OpHello, Seq: 1}, &wire.Hello{Version: 1})
+	if err := r3.c.Send(hello, nil); err == nil {
+		if _, _, _, ok := r3.recv(); ok {
+			t.Fatal("a third connection was served over a limit of two")
+		}
+	} else if !errors.Is(err, syscall.EPIPE) && !errors.Is(err, syscall.ECONNRESET) {
+		t.Fatal(err)
+	}
+	r1.usageNoSession(t)
+	r1.c.Close()
+	// Room again once one leaves.
+	waitFor(t, func() bool {
+		r := &raw{t: t, buf: make([]byte, wire.MaxMessage+1)}
+		c, err := wire.Dial(a.socket)
+		if err != nil {
+			return false
+		}
+		defer c.Close()
+		r.c = c
+		if err := c.Send(hello, nil); err != nil {
+			return false
+		}
+		_, _, _, ok := r.recv()
+		return ok
+	})
+}
+
+func (r *raw) usageNoSession(t *testing.T) {
+	var u wire.UsageReply
+	if st, _ := r.do(wire.OpUsage, 0, nil, &u); st != wire.StatusNoSession {
+		t.Fatalf("usage without a session: %s", st)
 	}
 }
