@@ -12,6 +12,7 @@ import (
 	stdsync "sync"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/kvpool/kvpool/pkg/client"
 	"github.com/kvpool/kvpool/pkg/cudart"
@@ -570,5 +571,45 @@ func TestConcurrentCalls(t *testing.T) {
 	}
 	if u, _ := p.Usage(); u.Used != 0 || u.Pending != 0 {
 		t.Fatalf("usage after: %+v", u)
+	}
+}
+
+// TestOffloadFollowsEngineStream: the engine writes pages with async work on
+// its stream and offloads at once; the offload's copy must wait for that
+// work (Options.Order), not read the pages before it lands.
+func TestOffloadFollowsEngineStream(t *testing.T) {
+	a := startAgent(t, 1<<20)
+	sim := cudart.NewSim(cudart.SimOptions{Devices: 1, CopyDelay: 5 * time.Millisecond})
+	dev, _ := sim.Open(0)
+	c := newKV(t, dev, 16, 4096)
+	p := openPool(t, a, dev, c, []byte("instance-order"), 0)
+	// p was opened with Order 0: the default stream is the engine's.
+	src := make([]byte, 2*4096)
+	for i := range src {
+		src[i] = byte(i*7 + 1)
+	}
+	if err := dev.HostRegister(src); err != nil {
+		t.Fatal(err)
+	}
+	defer dev.HostUnregister(src)
+	hostAddr := uintptr(unsafe.Pointer(&src[0]))
+	err := dev.MemcpyBatchAsync([]cudart.Copy{
+		{Dst: uintptr(c.k) + 5*4096, Src: hostAddr, Bytes: 4096},
+		{Dst: uintptr(c.v) + 5*4096, Src: hostAddr + 4096, Bytes: 4096},
+	}, cudart.HostToDevice, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ok, err := p.OffloadStream("r", "l", []int32{5}, 0, 0, 0); !ok || err != nil {
+		t.Fatal(ok, err)
+	}
+	sync(t, p, dev)
+	c.poison(t, 5)
+	if _, err := p.ReloadStream("r", "l", []int32{6}); err != nil {
+		t.Fatal(err)
+	}
+	sync(t, p, dev)
+	if !bytes.Equal(c.read(t, 6), src) {
+		t.Fatal("the offload copied the page before the engine's write to it completed")
 	}
 }
