@@ -613,3 +613,50 @@ func TestOffloadFollowsEngineStream(t *testing.T) {
 		t.Fatal("the offload copied the page before the engine's write to it completed")
 	}
 }
+
+// countingDevice records the batches the client enqueues.
+type countingDevice struct {
+	cudart.Device
+	mu      stdsync.Mutex
+	batches [][]cudart.Copy
+}
+
+func (d *countingDevice) MemcpyBatchAsync(cs []cudart.Copy, dir cudart.Direction, s cudart.Stream) error {
+	d.mu.Lock()
+	d.batches = append(d.batches, append([]cudart.Copy(nil), cs...))
+	d.mu.Unlock()
+	return d.Device.MemcpyBatchAsync(cs, dir, s)
+}
+
+// TestBatchesMergeRuns: one batch per call, and pages contiguous on both
+// sides (one region, stride equal to the page bytes) become one copy.
+func TestBatchesMergeRuns(t *testing.T) {
+	a := startAgent(t, 1<<20)
+	sim := cudart.NewSim(cudart.SimOptions{Devices: 1})
+	simDev, _ := sim.Open(0)
+	dev := &countingDevice{Device: simDev}
+	base, err := dev.MemAlloc(64 * 4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := client.Open(context.Background(), client.Options{Socket: a.Socket, Token: "tok", Device: dev, Logger: quiet,
+		InstanceID: []byte("instance-merge"), Regions: []client.Region{{Base: base, Stride: 4096, BytesPerPage: 4096, Pages: 64}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	// Host pages of a fresh session come out in ascending order; device
+	// pages 10..13 and 20..21 are two runs.
+	if ok, err := p.OffloadStream("r", "l", []int32{10, 11, 12, 13, 20, 21}, 0, 0, 0); !ok || err != nil {
+		t.Fatal(ok, err)
+	}
+	dev.mu.Lock()
+	defer dev.mu.Unlock()
+	if len(dev.batches) != 1 {
+		t.Fatalf("%d batches for one offload", len(dev.batches))
+	}
+	b := dev.batches[0]
+	if len(b) != 2 || b[0].Bytes != 4*4096 || b[1].Bytes != 2*4096 || b[0].Src != uintptr(base)+10*4096 {
+		t.Fatalf("copies %+v, want two runs of 4 and 2 pages", b)
+	}
+}
