@@ -220,7 +220,7 @@ func Open(ctx context.Context, o Options) (*CPUPagePool, error) {
 	offsets := make([]uint64, len(o.Regions))
 	var sum uint64
 	for i, r := range o.Regions {
-		if r.BytesPerPage == 0 || r.Pages <= 0 || r.Stride < r.BytesPerPage {
+		if r.BytesPerPage == 0 || r.Pages <= 0 || r.Pages > 1<<31-2 || r.Stride < r.BytesPerPage {
 			return nil, fmt.Errorf("kvpool: region %d: %d pages of %d bytes with stride %d (want pages > 0, bytes > 0, stride >= bytes)",
 				i, r.Pages, r.BytesPerPage, r.Stride)
 		}

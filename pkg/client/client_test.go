@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"path/filepath"
+	"strings"
 	stdsync "sync"
 	"testing"
 	"time"
@@ -658,5 +659,47 @@ func TestBatchesMergeRuns(t *testing.T) {
 	b := dev.batches[0]
 	if len(b) != 2 || b[0].Bytes != 4*4096 || b[1].Bytes != 2*4096 || b[0].Src != uintptr(base)+10*4096 {
 		t.Fatalf("copies %+v, want two runs of 4 and 2 pages", b)
+	}
+}
+
+func TestOpenRejects(t *testing.T) {
+	a := startAgent(t, 1<<20)
+	sim := cudart.NewSim(cudart.SimOptions{Devices: 1})
+	dev, _ := sim.Open(0)
+	good := []client.Region{{Base: 0x1000, Stride: 4096, BytesPerPage: 4096, Pages: 8}}
+	t.Setenv(client.EnvToken, "")
+	t.Setenv(client.EnvSocket, "")
+	cases := []struct {
+		name string
+		o    client.Options
+		want string
+	}{
+		{"no device", client.Options{Socket: a.Socket, Token: "tok", Regions: good}, "Device is required"},
+		{"no regions", client.Options{Socket: a.Socket, Token: "tok", Device: dev}, "Regions is empty"},
+		{"zero bytes", client.Options{Socket: a.Socket, Token: "tok", Device: dev, Regions: []client.Region{{Stride: 1, Pages: 1}}}, "region 0"},
+		{"stride below bytes", client.Options{Socket: a.Socket, Token: "tok", Device: dev, Regions: []client.Region{{Stride: 1, BytesPerPage: 2, Pages: 1}}}, "stride"},
+		{"no pages", client.Options{Socket: a.Socket, Token: "tok", Device: dev, Regions: []client.Region{{Stride: 2, BytesPerPage: 2}}}, "region 0"},
+		{"negative max pages", client.Options{Socket: a.Socket, Token: "tok", Device: dev, Regions: good, MaxPages: -1}, "negative"},
+		{"no token", client.Options{Socket: a.Socket, Device: dev, Regions: good}, "no allocation token"},
+		{"bad token", client.Options{Socket: a.Socket, Token: "nope", Device: dev, Regions: good}, "unauthorized"},
+		{"no agent", client.Options{Socket: a.Socket + ".missing", Token: "tok", Device: dev, Regions: good}, "dial"},
+		{"page larger than a chunk", client.Options{Socket: a.Socket, Token: "tok", Device: dev,
+			Regions: []client.Region{{Base: 0x1000, Stride: 2 << 20, BytesPerPage: 2 << 20, Pages: 8}}}, "bad size"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			tc.o.Logger = quiet
+			p, err := client.Open(context.Background(), tc.o)
+			if err == nil {
+				p.Close()
+				t.Fatal("Open succeeded")
+			}
+			if !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("error %q does not mention %q", err, tc.want)
+			}
+		})
+	}
+	if n := len(a.Server.Sessions()); n != 0 {
+		t.Fatalf("refused opens left %d sessions", n)
 	}
 }
