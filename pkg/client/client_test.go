@@ -8,12 +8,16 @@ import (
 	"io"
 	"log/slog"
 	"math/rand/v2"
+	"net"
+	"os"
 	"path/filepath"
 	"strings"
 	stdsync "sync"
 	"testing"
 	"time"
 	"unsafe"
+
+	"google.golang.org/protobuf/proto"
 
 	"github.com/kvpool/kvpool/pkg/client"
 	"github.com/kvpool/kvpool/pkg/cudart"
@@ -701,5 +705,79 @@ func TestOpenRejects(t *testing.T) {
 	}
 	if n := len(a.Server.Sessions()); n != 0 {
 		t.Fatalf("refused opens left %d sessions", n)
+	}
+}
+
+// fakeAgent answers hello, then answers open with rep and the given fds.
+func fakeAgent(t *testing.T, rep *wire.OpenReply, fds []int) string {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "fake.sock")
+	l, err := net.ListenUnix(wire.Network, &net.UnixAddr{Name: path, Net: wire.Network})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	go func() {
+		uc, err := l.AcceptUnix()
+		if err != nil {
+			return
+		}
+		c := wire.NewConn(uc)
+		defer c.Close()
+		buf := make([]byte, wire.MaxMessage+1)
+		for _, op := range []wire.Op{wire.OpHello, wire.OpOpen} {
+			pkt, _, err := c.Recv(buf)
+			if err != nil {
+				return
+			}
+			h, _, _ := wire.ParseHeader(pkt)
+			var body proto.Message = &wire.HelloReply{Version: 1}
+			var pass []int
+			if op == wire.OpOpen {
+				body, pass = rep, fds
+			}
+			out, _ := wire.AppendPacket(nil, wire.Header{Op: h.Op, Seq: h.Seq}, body)
+			if c.Send(out, pass) != nil {
+				return
+			}
+		}
+		c.Recv(buf) // wait for the client to hang up
+	}()
+	return path
+}
+
+// TestOpenReplyChecked: a reply whose fds or geometry do not add up is a
+// protocol error.
+func TestOpenReplyChecked(t *testing.T) {
+	f, err := os.CreateTemp(t.TempDir(), "chunk")
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.Truncate(1 << 20)
+	defer f.Close()
+	fd := int(f.Fd())
+	chunk := []*wire.ChunkGrant{{Id: "c0", Size: 1 << 20}}
+	cases := []struct {
+		name string
+		rep  *wire.OpenReply
+		fds  []int
+		want string
+	}{
+		{"missing fd", &wire.OpenReply{Session: 1, PageSize: 4096, PagesPerChunk: 256, Capacity: 256, Chunks: chunk}, nil, "carries 0 fds"},
+		{"extra fd", &wire.OpenReply{Session: 1, PageSize: 4096, PagesPerChunk: 256, Capacity: 256, Chunks: chunk}, []int{fd, fd}, "carries 2 fds"},
+		{"capacity beyond chunks", &wire.OpenReply{Session: 1, PageSize: 4096, PagesPerChunk: 256, Capacity: 257, Chunks: chunk}, []int{fd}, "geometry"},
+		{"zero page size", &wire.OpenReply{Session: 1, PagesPerChunk: 256, Capacity: 1, Chunks: chunk}, []int{fd}, "geometry"},
+		{"chunk too small", &wire.OpenReply{Session: 1, PageSize: 8192, PagesPerChunk: 256, Capacity: 256, Chunks: chunk}, []int{fd}, "cannot hold"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			sim := cudart.NewSim(cudart.SimOptions{Devices: 1})
+			dev, _ := sim.Open(0)
+			_, err := client.Open(context.Background(), client.Options{Socket: fakeAgent(t, tc.rep, tc.fds), Token: "t", Device: dev,
+				Logger: quiet, Regions: []client.Region{{Base: 0x1000, Stride: 4096, BytesPerPage: 4096, Pages: 8}}})
+			if !errors.Is(err, client.ErrProtocol) || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("got %v, want ErrProtocol mentioning %q", err, tc.want)
+			}
+		})
 	}
 }
