@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math/rand/v2"
 	"net"
 	"os"
 	"os/exec"
@@ -204,25 +205,37 @@ type workerResult struct {
 }
 
 // benchWorker runs the workload and writes progress and the result to
-// stdout: "progress N" lines, then "result {json}".
+// stdout: "progress N" lines, then "result {json}". Next to each call to
+// the agent it times one bare exchange with the echo server: the floor,
+// taken in the same conditions as the calls.
 func benchWorker(ctx context.Context, cfg workload.Config, echoPath string) error {
 	cfg.Progress = func(n int) { fmt.Printf("progress %d\n", n) }
 	var echo []time.Duration
 	if echoPath != "" {
-		d, err := echoClient(echoPath, 1000)
+		e, err := dialEcho(echoPath)
 		if err != nil {
 			return fmt.Errorf("echo floor: %w", err)
 		}
-		echo = append(echo, d...)
+		defer e.Close()
+		// Each call gets one exchange, at random just before or just
+		// after it, so that the floor and the calls see the same share of
+		// cold wake-ups after the workload's own CPU work.
+		rng := rand.New(rand.NewPCG(cfg.Seed, 1))
+		var now bool
+		cfg.Probe = func(before bool) {
+			if before {
+				now = rng.IntN(2) == 0
+			} else {
+				now = !now
+			}
+			if now {
+				if d, err := e.exchange(); err == nil {
+					echo = append(echo, d)
+				}
+			}
+		}
 	}
 	res, err := workload.Run(ctx, cfg)
-	if echoPath != "" && err == nil {
-		d, eerr := echoClient(echoPath, 1000)
-		if eerr != nil {
-			return fmt.Errorf("echo floor: %w", eerr)
-		}
-		echo = append(echo, d...)
-	}
 	if res != nil {
 		b, _ := json.Marshal(workerResult{Result: res, Echo: echo})
 		fmt.Printf("result %s\n", b)
@@ -377,26 +390,28 @@ func echoServer(path string) (stop func(), err error) {
 	}, nil
 }
 
-// echoClient times n bare exchanges with an echo server, with a request of
-// an offload's size (64 pages).
-func echoClient(path string, n int) ([]time.Duration, error) {
+// echoConn is a worker's connection to the echo server.
+type echoConn struct {
+	*net.UnixConn
+	req, buf []byte
+}
+
+func dialEcho(path string) (*echoConn, error) {
 	c, err := net.DialUnix(wire.Network, nil, &net.UnixAddr{Name: path, Net: wire.Network})
 	if err != nil {
 		return nil, err
 	}
-	defer c.Close()
-	req := make([]byte, 16+20+64*2)
-	buf := make([]byte, wire.MaxMessage+1)
-	d := make([]time.Duration, n)
-	for i := range d {
-		t := time.Now()
-		if _, err := c.Write(req); err != nil {
-			return nil, err
-		}
-		if _, err := c.Read(buf); err != nil {
-			return nil, err
-		}
-		d[i] = time.Since(t)
+	return &echoConn{UnixConn: c, req: make([]byte, 16+20+64*2), buf: make([]byte, wire.MaxMessage+1)}, nil
+}
+
+// exchange times one bare request and reply of an offload's sizes.
+func (c *echoConn) exchange() (time.Duration, error) {
+	t := time.Now()
+	if _, err := c.Write(c.req); err != nil {
+		return 0, err
 	}
-	return d, nil
+	if _, err := c.Read(c.buf); err != nil {
+		return 0, err
+	}
+	return time.Since(t), nil
 }

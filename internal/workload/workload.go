@@ -34,6 +34,11 @@ type Config struct {
 	Logger        *slog.Logger
 	// Progress is called about every 100 operations.
 	Progress func(done int)
+	// Probe, when set, is called right before (before true) and right
+	// after each offload, reload, discard and remove_request of the mixed
+	// workload: agent bench times a bare echo there, so that its floor is
+	// measured in the same conditions as the calls.
+	Probe func(before bool)
 }
 
 func (c *Config) defaults() {
@@ -119,6 +124,7 @@ type runner struct {
 	lastRTT  time.Duration
 	capacity int
 	nextRid  int
+	mixing   bool // in the mixed phase
 }
 
 // Run opens a session, runs the deterministic checks and then cfg.Ops mixed
@@ -165,6 +171,12 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 	}
 	r.res.Elapsed = time.Since(start)
 	return r.res, nil
+}
+
+func (r *runner) probe(before bool) {
+	if r.cfg.Probe != nil && r.mixing {
+		r.cfg.Probe(before)
+	}
 }
 
 func (r *runner) failf(format string, args ...any) error {
@@ -245,7 +257,9 @@ func (r *runner) offload(rid, label string, n int) (*stream, bool, error) {
 		}
 		s.data = append(s.data, seed)
 	}
+	r.probe(true)
 	ok, err := r.p.OffloadStream(rid, label, pages, s.meta[0], s.meta[1], s.meta[2])
+	r.probe(false)
 	st := r.res.op("offload")
 	st.Count++
 	st.RoundTrip = append(st.RoundTrip, r.lastRTT)
@@ -271,7 +285,9 @@ func (r *runner) offload(rid, label string, n int) (*stream, bool, error) {
 func (r *runner) reload(i int) error {
 	s := r.streams[i]
 	pages := r.devPages(len(s.data))
+	r.probe(true)
 	got, err := r.p.ReloadStream(s.rid, s.label, pages)
+	r.probe(false)
 	st := r.res.op("reload")
 	st.Count++
 	st.RoundTrip = append(st.RoundTrip, r.lastRTT)
@@ -416,6 +432,7 @@ func (r *runner) checks() error {
 // mixed runs random operations, checking the bytes of every reload and the
 // free page count along the way.
 func (r *runner) mixed(ctx context.Context) error {
+	r.mixing = true
 	deadline := time.Time{}
 	if r.cfg.Duration > 0 {
 		deadline = time.Now().Add(r.cfg.Duration)
@@ -454,18 +471,22 @@ func (r *runner) mixed(ctx context.Context) error {
 		case x < 92:
 			i := r.rng.IntN(len(r.streams))
 			s := r.streams[i]
+			r.probe(true)
 			if err := r.p.Discard(s.rid, s.label); err != nil {
 				return err
 			}
+			r.probe(false)
 			st := r.res.op("discard")
 			st.Count++
 			st.RoundTrip = append(st.RoundTrip, r.lastRTT)
 			r.dropStream(i)
 		default:
 			i := r.rng.IntN(len(r.streams))
+			r.probe(true)
 			if err := r.p.RemoveRequest(r.streams[i].rid); err != nil {
 				return err
 			}
+			r.probe(false)
 			st := r.res.op("remove_request")
 			st.Count++
 			st.RoundTrip = append(st.RoundTrip, r.lastRTT)
