@@ -203,11 +203,9 @@ func NewReply(op Op, st Status) (proto.Message, error) {
 	return nil, fmt.Errorf("%w: unknown op %d", ErrMalformed, uint8(op))
 }
 
-var unmarshal = proto.UnmarshalOptions{DiscardUnknown: false}
-
-// DecodeBody decodes body into m (nil m: the body must be empty). Fields of
-// m that are slices keep their capacity, so a decoder that reuses its
-// messages does not allocate on the hot path.
+// DecodeBody decodes body into m (nil m: the body must be empty). The hot
+// path's messages (Offload, Reload and their replies) keep the capacity of
+// their page slices, so a decoder that reuses them does not allocate.
 func DecodeBody(body []byte, m proto.Message) error {
 	if m == nil {
 		if len(body) != 0 {
@@ -215,35 +213,23 @@ func DecodeBody(body []byte, m proto.Message) error {
 		}
 		return nil
 	}
-	resetKeep(m)
-	if err := (proto.UnmarshalOptions{Merge: true}).Unmarshal(body, m); err != nil {
+	var err error
+	switch x := m.(type) {
+	case *Offload:
+		err = decodeOffload(body, x)
+	case *Reload:
+		err = decodeReload(body, x)
+	case *OffloadReply:
+		err = decodeOffloadReply(body, x)
+	case *ReloadReply:
+		err = decodeReloadReply(body, x)
+	default:
+		err = proto.Unmarshal(body, m)
+	}
+	if err != nil {
 		return fmt.Errorf("%w: %T: %v", ErrMalformed, m, err)
 	}
 	return nil
-}
-
-// resetKeep clears m but keeps the capacity of its repeated scalar fields.
-func resetKeep(m proto.Message) {
-	switch x := m.(type) {
-	case *Offload:
-		p := x.GpuPages[:0]
-		x.Reset()
-		x.GpuPages = p
-	case *Reload:
-		p := x.GpuPages[:0]
-		x.Reset()
-		x.GpuPages = p
-	case *OffloadReply:
-		p := x.HostPages[:0]
-		x.Reset()
-		x.HostPages = p
-	case *ReloadReply:
-		p := x.HostPages[:0]
-		x.Reset()
-		x.HostPages = p
-	default:
-		proto.Reset(m)
-	}
 }
 
 // AppendPacket appends a packet of header h and body m (nil: no body).
@@ -253,7 +239,19 @@ func AppendPacket(b []byte, h Header, m proto.Message) ([]byte, error) {
 		return b, nil
 	}
 	start := len(b)
-	b, err := (proto.MarshalOptions{}).MarshalAppend(b, m)
+	var err error
+	switch x := m.(type) {
+	case *Offload:
+		b = appendOffload(b, x)
+	case *Reload:
+		b = appendReload(b, x)
+	case *OffloadReply:
+		b = appendOffloadReply(b, x)
+	case *ReloadReply:
+		b = appendReloadReply(b, x)
+	default:
+		b, err = (proto.MarshalOptions{}).MarshalAppend(b, m)
+	}
 	if err != nil {
 		return b[:start], fmt.Errorf("wire: encode %T: %w", m, err)
 	}

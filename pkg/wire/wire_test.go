@@ -81,8 +81,7 @@ func TestBodiesRoundTrip(t *testing.T) {
 }
 
 // TestDecodeReuses checks that a reused hot-path message decodes no stale
-// pages and that decoding stays within three allocations (the page slice,
-// which protobuf-go always regrows, and the two strings).
+// pages and, when its request ID and label repeat, does not allocate.
 func TestDecodeReuses(t *testing.T) {
 	var m Offload
 	big, _ := proto.Marshal(&Offload{Rid: "a", GpuPages: []int32{1, 2, 3, 4, 5, 6, 7, 8}})
@@ -97,7 +96,7 @@ func TestDecodeReuses(t *testing.T) {
 		t.Fatalf("decoded %v", &m)
 	}
 	allocs := testing.AllocsPerRun(100, func() { DecodeBody(big, &m) })
-	if allocs > 3 {
+	if allocs != 0 {
 		t.Fatalf("decoding an offload into a reused message allocates %v times", allocs)
 	}
 }
