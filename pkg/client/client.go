@@ -74,10 +74,10 @@ type Options struct {
 	Order cudart.Stream
 	// InstanceID identifies this client process to the agent; default a
 	// random ID made once per process. Opening again with the same ID (after
-	// a dropped connection) resumes the session. The agent keys sessions by
-	// (allocation, GPU): a process that wants two pools on one GPU must give
-	// the second its own InstanceID, or the second Open resumes the first's
-	// session and takes it over.
+	// a dropped connection) resumes the session. The agent holds one
+	// session per (allocation, GPU): a second pool on the same GPU with the
+	// same ID takes the first's session over, and with another ID it is
+	// refused (StatusBusy) while the first is connected.
 	InstanceID []byte
 	Name       string // shown in the agent's logs
 	// Trace, when set, is called after every request with the time from
