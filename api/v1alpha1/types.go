@@ -5,6 +5,8 @@
 // +groupName=kvpool.io
 package v1alpha1
 
+//go:generate go run sigs.k8s.io/controller-tools/cmd/controller-gen@v0.23.0 crd paths=. output:crd:dir=../../config/crd
+
 import (
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -95,6 +97,7 @@ type KVPoolNodeStatus struct {
 	// Chunks counts the node's chunks by state.
 	Chunks ChunkCounts `json:"chunks"`
 	// Sessions is the number of open client sessions.
+	// +kubebuilder:validation:Minimum=0
 	Sessions int32 `json:"sessions"`
 
 	// Health is Starting, Healthy, Degraded or Unhealthy.
@@ -120,20 +123,26 @@ type KVPoolNodeStatus struct {
 // ChunkCounts counts chunks by state.
 type ChunkCounts struct {
 	// Free chunks are scrubbed and unallocated.
+	// +kubebuilder:validation:Minimum=0
 	Free int32 `json:"free"`
 	// Granted chunks are held by pods.
+	// +kubebuilder:validation:Minimum=0
 	Granted int32 `json:"granted"`
 	// Dirty chunks were released and await scrubbing.
+	// +kubebuilder:validation:Minimum=0
 	Dirty int32 `json:"dirty"`
 	// Unhealthy chunks are reported unhealthy to kubelet.
+	// +kubebuilder:validation:Minimum=0
 	Unhealthy int32 `json:"unhealthy,omitempty"`
 }
 
 // GPUPool is one GPU's pool.
 type GPUPool struct {
 	// Index is the GPU's index on the node.
+	// +kubebuilder:validation:Minimum=0
 	Index int32 `json:"index"`
 	// NUMANode is the NUMA node of the pool's memory, -1 when unknown.
+	// +kubebuilder:validation:Minimum=-1
 	NUMANode int32 `json:"numaNode"`
 	// Capacity is the memory planned for this GPU.
 	Capacity resource.Quantity `json:"capacity"`
