@@ -71,8 +71,8 @@ func statusCmd(ctx context.Context, args []string, out io.Writer) error {
 	if resp.StatusCode != http.StatusOK {
 		return fmt.Errorf("status: GET %s: %s: %s", url, resp.Status, strings.TrimSpace(string(body)))
 	}
-	var rep status.Report
-	if err := json.Unmarshal(body, &rep); err != nil {
+	rep, err := decodeReport(body)
+	if err != nil {
 		return fmt.Errorf("status: decode the report from %s: %w", url, err)
 	}
 	if *asJSON {
@@ -81,6 +81,16 @@ func statusCmd(ctx context.Context, args []string, out io.Writer) error {
 		return enc.Encode(rep)
 	}
 	return printStatus(out, rep)
+}
+
+// decodeReport parses a /status body. Unknown fields are ignored, so a newer
+// agent's report still prints.
+func decodeReport(body []byte) (status.Report, error) {
+	var rep status.Report
+	if err := json.Unmarshal(body, &rep); err != nil {
+		return status.Report{}, err
+	}
+	return rep, nil
 }
 
 func envOr(key, def string) string {
