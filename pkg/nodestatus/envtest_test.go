@@ -17,12 +17,17 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
+	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
+	"sigs.k8s.io/yaml"
 
 	"github.com/kvpool/kvpool/api/v1alpha1"
+	"github.com/kvpool/kvpool/pkg/events"
 	"github.com/kvpool/kvpool/pkg/pool"
 	"github.com/kvpool/kvpool/pkg/status"
 )
@@ -108,6 +113,8 @@ func TestEnvtestWriterAgainstAPIServer(t *testing.T) {
 		t.Fatalf("degraded write: %v", err)
 	}
 
+	checkRBAC(t, env, c, nd.Name, snap)
+
 	user, err := env.AddUser(envtest.User{Name: "viewer", Groups: []string{"system:masters"}}, nil)
 	if err != nil {
 		t.Fatal(err)
@@ -136,6 +143,85 @@ func TestEnvtestWriterAgainstAPIServer(t *testing.T) {
 			t.Errorf("kubectl %v:\n%s", args, out)
 		}
 	}
+}
+
+// checkRBAC applies config/rbac/observability.yaml and acts as the agent's
+// service account: writing the status and posting Node events must work with
+// those rules alone, and reading other nodes' objects in bulk must not.
+func checkRBAC(t *testing.T, env *envtest.Environment, admin client.Client, node string, snap status.Snapshot) {
+	t.Helper()
+	ctx := context.Background()
+	b, err := os.ReadFile("../../config/rbac/observability.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, doc := range strings.Split(string(b), "\n---\n") {
+		u := &unstructured.Unstructured{}
+		if err := yaml.Unmarshal([]byte(doc), &u.Object); err != nil {
+			t.Fatal(err)
+		}
+		if err := admin.Create(ctx, u); err != nil {
+			t.Fatalf("create %s %s: %v", u.GetKind(), u.GetName(), err)
+		}
+	}
+	if err := admin.Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "kvpool-system"}}); err != nil {
+		t.Fatal(err)
+	}
+	sa, err := env.AddUser(envtest.User{Name: "system:serviceaccount:kvpool-system:kvpool-agent", Groups: []string{"system:serviceaccounts"}}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := client.New(sa.Config(), client.Options{Scheme: admin.Scheme()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A second node's object, written only with the agent's rights.
+	other := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "gpu-node-2"}}
+	if err := admin.Create(ctx, other); err != nil {
+		t.Fatal(err)
+	}
+	w := NewWriter(c, other.Name, Options{})
+	w.Set(Build(other.Name, Input{Snapshot: snap, Reason: "socket: starting"}))
+	if err := w.Sync(ctx, false); err != nil {
+		t.Fatalf("write with the agent's RBAC: %v", err)
+	}
+	w.Set(Build(other.Name, Input{Snapshot: snap, Ready: true}))
+	if err := w.Sync(ctx, false); err != nil {
+		t.Fatalf("update with the agent's RBAC: %v", err)
+	}
+	if err := c.List(ctx, &v1alpha1.KVPoolNodeList{}); !apierrors.IsForbidden(err) {
+		t.Errorf("list with the agent's RBAC: %v, want forbidden", err)
+	}
+	if err := c.Delete(ctx, &v1alpha1.KVPoolNode{ObjectMeta: metav1.ObjectMeta{Name: node}}); !apierrors.IsForbidden(err) {
+		t.Errorf("delete with the agent's RBAC: %v, want forbidden", err)
+	}
+
+	core, err := typedcorev1.NewForConfig(sa.Config())
+	if err != nil {
+		t.Fatal(err)
+	}
+	ev, stop := events.NewBroadcaster(&typedcorev1.EventSinkImpl{Interface: core.Events("")}, events.NodeRef(other.Name, other.UID))
+	ev.PoolReady(16<<30, 16, 3*time.Second)
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		list := &corev1.EventList{}
+		if err := admin.List(ctx, list, client.InNamespace(metav1.NamespaceDefault)); err != nil {
+			t.Fatal(err)
+		}
+		if len(list.Items) > 0 {
+			e := list.Items[0]
+			t.Logf("event posted with the agent's RBAC: %s %s %s/%s: %s", e.Type, e.Reason, e.InvolvedObject.Kind, e.InvolvedObject.Name, e.Message)
+			if e.Reason != events.ReasonPoolReady || e.InvolvedObject.Name != other.Name {
+				t.Errorf("event %+v", e)
+			}
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("no event posted with the agent's RBAC")
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	stop()
 }
 
 func chunkID(gpu, i int) string {
