@@ -50,6 +50,9 @@ func main() {
 		targets[c.GPU] += c.Size
 	}
 	obs := newObservability(p, obsOptions{Mode: "standalone", Node: hostname(), Targets: func() map[int]int64 { return targets }})
+	for g := range targets {
+		obs.Metrics.InitGPU(g)
+	}
 	if err := obs.start(ctx, *metricsAddr, *healthAddr); err != nil {
 		exitOn(err)
 	}

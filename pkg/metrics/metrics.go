@@ -185,3 +185,20 @@ func (m *Metrics) ChunkPinFailed(gpu int, err error) {
 func (m *Metrics) PoolFilled(gpu int, d time.Duration) {
 	m.fillSeconds.WithLabelValues(gpuLabel(gpu)).Set(d.Seconds())
 }
+
+// InitGPU creates gpu's counter series at zero, so that they are exported
+// (and rate() sees their first increase) before the first operation.
+func (m *Metrics) InitGPU(gpu int) {
+	g := gpuLabel(gpu)
+	m.offloads.WithLabelValues(g)
+	m.reloads.WithLabelValues(g)
+	m.discards.WithLabelValues(g)
+	for _, r := range []string{"full", "pending"} {
+		m.rejects.WithLabelValues(g, r)
+	}
+	for _, d := range []string{"offload", "reload"} {
+		m.pagesMoved.WithLabelValues(g, d)
+		m.clientBytes.WithLabelValues(g, d)
+	}
+	m.pinFailures.WithLabelValues(g)
+}

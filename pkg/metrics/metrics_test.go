@@ -325,6 +325,27 @@ func TestRejectReasons(t *testing.T) {
 	}
 }
 
+func TestInitGPU(t *testing.T) {
+	m := New(pool.New(), Options{NoRuntime: true})
+	m.InitGPU(2)
+	srv := httptest.NewServer(m.Handler())
+	defer srv.Close()
+	fams := scrape(t, srv.URL)
+	expect(t, fams, []check{
+		{"kvpool_offloads_total", []string{"gpu", "2"}, 0},
+		{"kvpool_reloads_total", []string{"gpu", "2"}, 0},
+		{"kvpool_discards_total", []string{"gpu", "2"}, 0},
+		{"kvpool_offload_rejects_total", []string{"gpu", "2", "reason", "full"}, 0},
+		{"kvpool_offload_rejects_total", []string{"gpu", "2", "reason", "pending"}, 0},
+		{"kvpool_pages_moved_total", []string{"gpu", "2", "direction", "reload"}, 0},
+		{"kvpool_client_copied_bytes_total", []string{"gpu", "2", "direction", "offload"}, 0},
+		{"kvpool_chunk_pin_failures_total", []string{"gpu", "2"}, 0},
+	})
+	if _, ok := value(fams, "kvpool_offloads_total", "gpu", "0"); ok {
+		t.Error("series for a GPU never initialised")
+	}
+}
+
 // A GPU that has a plan but no chunk yet shows up with zero ready bytes.
 func TestProgressBeforeFirstChunk(t *testing.T) {
 	m := New(pool.New(), Options{NoRuntime: true, Targets: func() map[int]int64 { return map[int]int64{3: 4 * mib} }})
