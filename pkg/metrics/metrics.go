@@ -10,6 +10,7 @@ package metrics
 import (
 	"net/http"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -48,6 +49,42 @@ type Metrics struct {
 	pinSeconds  *prometheus.HistogramVec
 	pinFailures *prometheus.CounterVec
 	fillSeconds *prometheus.GaugeVec
+
+	// Series the hot path uses, resolved once: WithLabelValues hashes its
+	// labels on every call.
+	opSeries  sync.Map // op name -> prometheus.Observer
+	gpuSeries sync.Map // gpu int -> *gpuCounters
+}
+
+type gpuCounters struct {
+	offloads, reloads, discards prometheus.Counter
+	pagesOffload, pagesReload   prometheus.Counter
+	bytesOffload, bytesReload   prometheus.Counter
+}
+
+func (m *Metrics) opHist(name string) prometheus.Observer {
+	if h, ok := m.opSeries.Load(name); ok {
+		return h.(prometheus.Observer)
+	}
+	h, _ := m.opSeries.LoadOrStore(name, m.opDuration.WithLabelValues(name))
+	return h.(prometheus.Observer)
+}
+
+func (m *Metrics) gpu(gpu int) *gpuCounters {
+	if c, ok := m.gpuSeries.Load(gpu); ok {
+		return c.(*gpuCounters)
+	}
+	g := gpuLabel(gpu)
+	c, _ := m.gpuSeries.LoadOrStore(gpu, &gpuCounters{
+		offloads:     m.offloads.WithLabelValues(g),
+		reloads:      m.reloads.WithLabelValues(g),
+		discards:     m.discards.WithLabelValues(g),
+		pagesOffload: m.pagesMoved.WithLabelValues(g, "offload"),
+		pagesReload:  m.pagesMoved.WithLabelValues(g, "reload"),
+		bytesOffload: m.clientBytes.WithLabelValues(g, "offload"),
+		bytesReload:  m.clientBytes.WithLabelValues(g, "reload"),
+	})
+	return c.(*gpuCounters)
 }
 
 // New registers the metrics for src on a fresh registry.
@@ -132,12 +169,11 @@ func gpuLabel(gpu int) string {
 
 // Op counts one socket operation; *Metrics is an observe.Observer.
 func (m *Metrics) Op(op observe.Op) {
-	m.opDuration.WithLabelValues(op.Name).Observe(op.Duration.Seconds())
-	gpu := gpuLabel(op.GPU)
+	m.opHist(op.Name).Observe(op.Duration.Seconds())
 	if op.Err != nil {
 		kind := status.Kind(op.Err)
 		if status.Rejected(op.Err) && op.Name == observe.OpOffload {
-			m.rejects.WithLabelValues(gpu, kind).Inc()
+			m.rejects.WithLabelValues(gpuLabel(op.GPU), kind).Inc()
 			return
 		}
 		m.errors.WithLabelValues("server", op.Name, kind).Inc()
@@ -145,19 +181,21 @@ func (m *Metrics) Op(op observe.Op) {
 	}
 	switch op.Name {
 	case observe.OpOffload:
-		m.offloads.WithLabelValues(gpu).Inc()
-		m.pagesMoved.WithLabelValues(gpu, "offload").Add(float64(op.Pages))
+		c := m.gpu(op.GPU)
+		c.offloads.Inc()
+		c.pagesOffload.Add(float64(op.Pages))
 		if op.Bytes > 0 {
-			m.clientBytes.WithLabelValues(gpu, "offload").Add(float64(op.Bytes))
+			c.bytesOffload.Add(float64(op.Bytes))
 		}
 	case observe.OpReload:
-		m.reloads.WithLabelValues(gpu).Inc()
-		m.pagesMoved.WithLabelValues(gpu, "reload").Add(float64(op.Pages))
+		c := m.gpu(op.GPU)
+		c.reloads.Inc()
+		c.pagesReload.Add(float64(op.Pages))
 		if op.Bytes > 0 {
-			m.clientBytes.WithLabelValues(gpu, "reload").Add(float64(op.Bytes))
+			c.bytesReload.Add(float64(op.Bytes))
 		}
 	case observe.OpDiscard:
-		m.discards.WithLabelValues(gpu).Inc()
+		m.gpu(op.GPU).discards.Inc()
 	}
 }
 
@@ -190,15 +228,9 @@ func (m *Metrics) PoolFilled(gpu int, d time.Duration) {
 // (and rate() sees their first increase) before the first operation.
 func (m *Metrics) InitGPU(gpu int) {
 	g := gpuLabel(gpu)
-	m.offloads.WithLabelValues(g)
-	m.reloads.WithLabelValues(g)
-	m.discards.WithLabelValues(g)
+	m.gpu(gpu)
 	for _, r := range []string{"full", "pending"} {
 		m.rejects.WithLabelValues(g, r)
-	}
-	for _, d := range []string{"offload", "reload"} {
-		m.pagesMoved.WithLabelValues(g, d)
-		m.clientBytes.WithLabelValues(g, d)
 	}
 	m.pinFailures.WithLabelValues(g)
 }
