@@ -265,3 +265,45 @@ func TestRunCoalescesAndRateLimits(t *testing.T) {
 	}
 	t.Logf("%d sets over %s became %d write attempts (1 conflict)", sets, elapsed.Round(time.Millisecond), attempts)
 }
+
+// Feed plus Run: the status follows the pool, and an unchanged pool causes
+// no writes.
+func TestFeedFollowsPool(t *testing.T) {
+	var n counts
+	c := newClient(t, &n, interceptor.Funcs{}, node("n1"))
+	p := pool.New()
+	if err := p.AddChunk(pool.Chunk{ID: "gpu0-numa0-0", Size: gib}); err != nil {
+		t.Fatal(err)
+	}
+	w := NewWriter(c, "n1", Options{MinInterval: 20 * time.Millisecond, Resync: -1})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go w.Run(ctx)
+	go Feed(ctx, w, 5*time.Millisecond, func() v1alpha1.KVPoolNodeStatus {
+		return Build("n1", Input{Snapshot: status.Take(p, nil, time.Now()), Ready: true})
+	})
+	waitFor := func(what string, ok func(*v1alpha1.KVPoolNode) bool) {
+		t.Helper()
+		deadline := time.Now().Add(10 * time.Second)
+		for {
+			obj := &v1alpha1.KVPoolNode{}
+			if err := c.Get(context.Background(), client.ObjectKey{Name: "n1"}, obj); err == nil && ok(obj) {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: never written", what)
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
+	waitFor("first chunk", func(o *v1alpha1.KVPoolNode) bool { return o.Status.Ready.String() == "1Gi" })
+	if err := p.Grant("pod", []string{"gpu0-numa0-0"}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor("grant", func(o *v1alpha1.KVPoolNode) bool { return o.Status.Allocated.String() == "1Gi" })
+	before := n.updates.Load()
+	time.Sleep(100 * time.Millisecond) // about 20 feeds of an unchanged pool
+	if after := n.updates.Load(); after != before {
+		t.Errorf("unchanged pool caused %d writes", after-before)
+	}
+}

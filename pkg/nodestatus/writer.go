@@ -214,3 +214,24 @@ func (w *Writer) LastWrite() time.Time {
 	defer w.mu.Unlock()
 	return w.written
 }
+
+// Feed calls build every interval until ctx ends and hands the result to w;
+// w writes it only when it changed, at most once per MinInterval. It is the
+// whole of the agent's status loop:
+//
+//	go w.Run(ctx)
+//	go nodestatus.Feed(ctx, w, 5*time.Second, func() v1alpha1.KVPoolNodeStatus {
+//		return nodestatus.Build(node, nodestatus.Input{Snapshot: status.Take(p, targets, time.Now()), ...})
+//	})
+func Feed(ctx context.Context, w *Writer, interval time.Duration, build func() v1alpha1.KVPoolNodeStatus) {
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	for {
+		w.Set(build())
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
