@@ -21,9 +21,10 @@ import (
 // commands maps a subcommand to its entry point. Add one line per
 // subcommand; its code goes in cmd/agent/<name>.go.
 var commands = map[string]func(ctx context.Context, args []string) error{
-	"serve": runServe,
-	"bench": runBench,
-	"plan":  runPlan,
+	"serve":  runServe,
+	"bench":  runBench,
+	"plan":   runPlan,
+	"status": runStatus,
 }
 
 func main() {
@@ -52,4 +53,9 @@ func main() {
 		fmt.Fprintf(os.Stderr, "agent %s: %v\n", name, err)
 		os.Exit(1)
 	}
+}
+
+func hostname() string {
+	h, _ := os.Hostname()
+	return h
 }
