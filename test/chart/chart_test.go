@@ -79,8 +79,9 @@ paths: {socketDir: /run/kv/sock, kubeletDir: /data/kubelet/, stateDir: /data/kvp
 
 	tol := defaults()
 	tol.name = "custom-tolerations"
+	// Helm merges maps with the chart's defaults: null removes the default key.
 	tol.values = `
-nodeSelector: {node.kubernetes.io/instance-type: p5.48xlarge}
+nodeSelector: {node.kubernetes.io/instance-type: p5.48xlarge, nvidia.com/gpu.present: null}
 tolerations:
   - {key: dedicated, operator: Equal, value: inference, effect: NoSchedule}
   - {key: nvidia.com/gpu, operator: Exists, effect: NoExecute}
