@@ -118,6 +118,8 @@ type rendered struct {
 	svc       *corev1.Service
 	role      *rbacv1.ClusterRole
 	binding   *rbacv1.ClusterRoleBinding
+	evRole    *rbacv1.Role
+	evBinding *rbacv1.RoleBinding
 	serviceMo map[string]any
 }
 
@@ -148,6 +150,10 @@ func renderSet(t *testing.T, vs valueSet) rendered {
 			r.role = obj
 		case *rbacv1.ClusterRoleBinding:
 			r.binding = obj
+		case *rbacv1.Role:
+			r.evRole = obj
+		case *rbacv1.RoleBinding:
+			r.evBinding = obj
 		default:
 			t.Errorf("%s: unexpected kind %T", o.source, obj)
 		}
@@ -181,10 +187,14 @@ func checkNamespaces(t *testing.T, r rendered) {
 		md, _ := o.fields["metadata"].(map[string]any)
 		ns, _ := md["namespace"].(string)
 		clusterScoped := o.kind == "ClusterRole" || o.kind == "ClusterRoleBinding"
-		if clusterScoped && ns != "" {
+		// Events about a Node live in "default"; so do the rights to write them.
+		eventRights := o.kind == "Role" || o.kind == "RoleBinding"
+		switch {
+		case clusterScoped && ns != "":
 			t.Errorf("%s %s: cluster-scoped object has namespace %q", o.kind, o.name, ns)
-		}
-		if !clusterScoped && ns != namespace {
+		case eventRights && ns != "default":
+			t.Errorf("%s %s: namespace %q, want default (where Node events are recorded)", o.kind, o.name, ns)
+		case !clusterScoped && !eventRights && ns != namespace:
 			t.Errorf("%s %s: namespace %q, want the release namespace %q", o.kind, o.name, ns, namespace)
 		}
 	}
@@ -416,33 +426,24 @@ func checkResources(t *testing.T, vs valueSet, ds *appsv1.DaemonSet) {
 	}
 }
 
-// agentRules is every (group, resource, verb) the agent calls; the ClusterRole
-// must grant exactly these.
-var agentRules = []string{
+// clusterRules is every cluster-wide (group, resource, verb) the agent calls:
+// its Node, and its KVPoolNode through a client without a cache. The
+// ClusterRole must grant exactly these.
+var clusterRules = []string{
 	"/nodes/get",
-	"/events/create", "/events/patch",
-	"events.k8s.io/events/create", "events.k8s.io/events/patch",
-	"kvpool.io/kvpoolnodes/get", "kvpool.io/kvpoolnodes/create", "kvpool.io/kvpoolnodes/update", "kvpool.io/kvpoolnodes/patch",
-	"kvpool.io/kvpoolnodes/status/get", "kvpool.io/kvpoolnodes/status/update", "kvpool.io/kvpoolnodes/status/patch",
+	"kvpool.io/kvpoolnodes/get", "kvpool.io/kvpoolnodes/create", "kvpool.io/kvpoolnodes/update",
+	"kvpool.io/kvpoolnodes/status/get", "kvpool.io/kvpoolnodes/status/update",
 }
 
-func checkRBAC(t *testing.T, vs valueSet, r rendered) {
+// eventRules is what client-go's event recorder calls, in "default".
+var eventRules = []string{"/events/create", "/events/patch"}
+
+// grants flattens RBAC rules into group/resource/verb strings, failing on
+// wildcards, resource names and non-resource URLs.
+func grants(t *testing.T, rules []rbacv1.PolicyRule) []string {
 	t.Helper()
-	saName := r.ds.Spec.Template.Spec.ServiceAccountName
-	if !vs.rbac {
-		if r.role != nil || r.binding != nil || r.sa != nil {
-			t.Errorf("rbac.create=false and serviceAccount.create=false still rendered RBAC or a ServiceAccount")
-		}
-		if saName != "kv-agent" {
-			t.Errorf("serviceAccountName = %q, want the existing kv-agent", saName)
-		}
-		return
-	}
-	if r.role == nil || r.binding == nil || r.sa == nil {
-		t.Fatal("missing ClusterRole, ClusterRoleBinding or ServiceAccount")
-	}
 	var got []string
-	for _, rule := range r.role.Rules {
+	for _, rule := range rules {
 		if len(rule.ResourceNames) > 0 || len(rule.NonResourceURLs) > 0 {
 			t.Errorf("unexpected rule shape %+v", rule)
 		}
@@ -458,17 +459,50 @@ func checkRBAC(t *testing.T, vs valueSet, r rendered) {
 		}
 	}
 	sort.Strings(got)
-	want := append([]string(nil), agentRules...)
-	sort.Strings(want)
-	if !reflect.DeepEqual(got, want) {
+	return got
+}
+
+func sorted(s []string) []string {
+	out := append([]string(nil), s...)
+	sort.Strings(out)
+	return out
+}
+
+func checkRBAC(t *testing.T, vs valueSet, r rendered) {
+	t.Helper()
+	saName := r.ds.Spec.Template.Spec.ServiceAccountName
+	if !vs.rbac {
+		if r.role != nil || r.binding != nil || r.evRole != nil || r.evBinding != nil || r.sa != nil {
+			t.Errorf("rbac.create=false and serviceAccount.create=false still rendered RBAC or a ServiceAccount")
+		}
+		if saName != "kv-agent" {
+			t.Errorf("serviceAccountName = %q, want the existing kv-agent", saName)
+		}
+		return
+	}
+	if r.role == nil || r.binding == nil || r.evRole == nil || r.evBinding == nil || r.sa == nil {
+		t.Fatal("missing ClusterRole, ClusterRoleBinding, events Role, RoleBinding or ServiceAccount")
+	}
+	if got, want := grants(t, r.role.Rules), sorted(clusterRules); !reflect.DeepEqual(got, want) {
 		t.Errorf("ClusterRole grants\n  %v\nwant exactly\n  %v", got, want)
 	}
-	b := r.binding
-	if b.RoleRef.Kind != "ClusterRole" || b.RoleRef.Name != r.role.Name {
-		t.Errorf("binding refers to %s %s, want ClusterRole %s", b.RoleRef.Kind, b.RoleRef.Name, r.role.Name)
+	if got, want := grants(t, r.evRole.Rules), sorted(eventRules); !reflect.DeepEqual(got, want) {
+		t.Errorf("events Role grants\n  %v\nwant exactly\n  %v", got, want)
 	}
-	if len(b.Subjects) != 1 || b.Subjects[0].Kind != "ServiceAccount" || b.Subjects[0].Name != r.sa.Name || b.Subjects[0].Namespace != namespace {
-		t.Errorf("binding subjects = %+v, want the chart's ServiceAccount in %s", b.Subjects, namespace)
+	for _, b := range []struct {
+		kind, name, wantKind, wantName string
+		subjects                       []rbacv1.Subject
+	}{
+		{"ClusterRoleBinding", r.binding.Name, r.binding.RoleRef.Kind, r.binding.RoleRef.Name, r.binding.Subjects},
+		{"RoleBinding", r.evBinding.Name, r.evBinding.RoleRef.Kind, r.evBinding.RoleRef.Name, r.evBinding.Subjects},
+	} {
+		wantRole := map[string][2]string{"ClusterRoleBinding": {"ClusterRole", r.role.Name}, "RoleBinding": {"Role", r.evRole.Name}}[b.kind]
+		if b.wantKind != wantRole[0] || b.wantName != wantRole[1] {
+			t.Errorf("%s %s refers to %s %s, want %s %s", b.kind, b.name, b.wantKind, b.wantName, wantRole[0], wantRole[1])
+		}
+		if len(b.subjects) != 1 || b.subjects[0].Kind != "ServiceAccount" || b.subjects[0].Name != r.sa.Name || b.subjects[0].Namespace != namespace {
+			t.Errorf("%s subjects = %+v, want the chart's ServiceAccount in %s", b.kind, b.subjects, namespace)
+		}
 	}
 	if saName != r.sa.Name {
 		t.Errorf("pod runs as %q, chart created %q", saName, r.sa.Name)
