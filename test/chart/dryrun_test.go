@@ -82,6 +82,15 @@ func TestServerDryRun(t *testing.T) {
 			dryRun(t, "chart "+vs.name, all.Bytes())
 		})
 	}
+	// The chart's CRD may already be installed there: apply, not create.
+	t.Run("crds", func(t *testing.T) {
+		cmd := exec.Command(kubectl, "--kubeconfig", kubeconfig, "apply", "--dry-run=server", "-o", "name", "-f", filepath.Join(chartDir(t), "crds"))
+		if out, err := cmd.CombinedOutput(); err != nil {
+			t.Fatalf("chart CRDs: the apiserver rejects them: %v\n%s", err, out)
+		} else {
+			t.Logf("chart CRDs: accepted: %s", strings.TrimSpace(string(out)))
+		}
+	})
 	examples, _ := filepath.Glob(filepath.Join(repoRoot(t), "config", "examples", "*.yaml"))
 	if len(examples) == 0 {
 		t.Fatal("no config/examples/*.yaml")
