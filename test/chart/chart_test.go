@@ -27,6 +27,7 @@ type valueSet struct {
 	kubeletDir     string
 	stateDir       string
 	serviceMonitor bool
+	dashboard      bool
 	rbac           bool
 	tolerations    []corev1.Toleration
 	nodeSelector   map[string]string
@@ -77,6 +78,11 @@ paths: {socketDir: /run/kv/sock, kubeletDir: /data/kubelet/, stateDir: /data/kvp
 	sm.values = "metrics: {serviceMonitor: {enabled: true, labels: {release: prometheus}}}"
 	sm.serviceMonitor = true
 
+	dash := defaults()
+	dash.name = "grafana-dashboard"
+	dash.values = "grafanaDashboard: {enabled: true}"
+	dash.dashboard = true
+
 	tol := defaults()
 	tol.name = "custom-tolerations"
 	// Helm merges maps with the chart's defaults: null removes the default key.
@@ -97,7 +103,7 @@ tolerations:
 	norbac.values = "serviceAccount: {create: false, name: kv-agent}\nrbac: {create: false}"
 	norbac.rbac = false
 
-	return []valueSet{def, hp2, hp1, custom, sm, tol, norbac}
+	return []valueSet{def, hp2, hp1, custom, sm, dash, tol, norbac}
 }
 
 func parseValues(t testing.TB, s string) map[string]any {
@@ -114,6 +120,7 @@ type rendered struct {
 	objs      []object
 	ds        *appsv1.DaemonSet
 	cm        *corev1.ConfigMap
+	dashboard *corev1.ConfigMap
 	sa        *corev1.ServiceAccount
 	svc       *corev1.Service
 	role      *rbacv1.ClusterRole
@@ -141,7 +148,11 @@ func renderSet(t *testing.T, vs valueSet) rendered {
 		case *appsv1.DaemonSet:
 			r.ds = obj
 		case *corev1.ConfigMap:
-			r.cm = obj
+			if strings.HasSuffix(obj.Name, "-dashboard") {
+				r.dashboard = obj
+			} else {
+				r.cm = obj
+			}
 		case *corev1.ServiceAccount:
 			r.sa = obj
 		case *corev1.Service:
@@ -520,6 +531,7 @@ func checkMonitoring(t *testing.T, vs valueSet, r rendered) {
 	if !reflect.DeepEqual(r.svc.Spec.Selector, r.ds.Spec.Selector.MatchLabels) {
 		t.Errorf("Service selector %v does not select the agents %v", r.svc.Spec.Selector, r.ds.Spec.Selector.MatchLabels)
 	}
+	checkDashboard(t, vs, r)
 	if !vs.serviceMonitor {
 		if r.serviceMo != nil {
 			t.Error("ServiceMonitor rendered although disabled")
@@ -702,5 +714,30 @@ func TestQuantityHelper(t *testing.T) {
 			r := renderSet(t, vs)
 			checkResources(t, vs, r.ds)
 		})
+	}
+}
+
+func checkDashboard(t *testing.T, vs valueSet, r rendered) {
+	t.Helper()
+	if !vs.dashboard {
+		if r.dashboard != nil {
+			t.Error("dashboard ConfigMap rendered although disabled")
+		}
+		return
+	}
+	if r.dashboard == nil {
+		t.Fatal("grafanaDashboard.enabled but no dashboard ConfigMap")
+	}
+	if r.dashboard.Labels["grafana_dashboard"] != "1" {
+		t.Errorf("dashboard labels %v lack the sidecar's grafana_dashboard=1", r.dashboard.Labels)
+	}
+	got := r.dashboard.Data["kvpool-dashboard.json"]
+	want := string(readFile(t, "charts/kvpool/dashboards/kvpool-dashboard.json"))
+	if strings.TrimSpace(got) != strings.TrimSpace(want) {
+		t.Error("dashboard ConfigMap does not carry the chart's dashboard JSON unchanged")
+	}
+	var v map[string]any
+	if err := yaml.Unmarshal([]byte(got), &v); err != nil || v["panels"] == nil {
+		t.Errorf("dashboard is not a Grafana dashboard JSON: %v", err)
 	}
 }

@@ -75,3 +75,21 @@ func TestChartCRD(t *testing.T) {
 		t.Errorf("%s differs from %s: copy the generated CRD into the chart (cp %s %s)", crdPath, sourceCRDPath, sourceCRDPath, crdPath)
 	}
 }
+
+// TestChartDashboard: the dashboard the chart ships is the one the
+// observability code keeps under config/grafana (when that is in the tree).
+func TestChartDashboard(t *testing.T) {
+	const chartCopy, source = "charts/kvpool/dashboards/kvpool-dashboard.json", "config/grafana/kvpool-dashboard.json"
+	data := readFile(t, chartCopy)
+	src, err := os.ReadFile(filepath.Join(repoRoot(t), source))
+	if os.IsNotExist(err) {
+		t.Logf("%s is not in this tree; the chart's copy is not compared", source)
+		return
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(src, data) {
+		t.Errorf("%s differs from %s: cp %s %s", chartCopy, source, source, chartCopy)
+	}
+}

@@ -27,10 +27,11 @@ func valuePaths(m map[string]any, prefix string) []string {
 
 // freeForm values are maps passed through as a whole (labels, probe timing).
 var freeForm = map[string]bool{
-	"nodeSelector":          true,
-	"health.livenessProbe":  true,
-	"health.readinessProbe": true,
-	"health.startupProbe":   true,
+	"nodeSelector":            true,
+	"grafanaDashboard.labels": true,
+	"health.livenessProbe":    true,
+	"health.readinessProbe":   true,
+	"health.startupProbe":     true,
 }
 
 // TestValuesDocumented: every value in values.yaml has a row in the chart
