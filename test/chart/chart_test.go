@@ -704,12 +704,12 @@ func TestRejectsBadValues(t *testing.T) {
 // apimachinery's parser on values that reach the memory request.
 func TestQuantityHelper(t *testing.T) {
 	cases := []struct{ pool, headroom string }{
-		{"1", "1"}, {"1Ki", "1"}, {"1000", "24"}, {"3Mi", "1Ki"}, {"1G", "1M"}, {"7Ti", "512Mi"}, {"2P", "1k"}, {"8Pi", "1Gi"},
+		{"2Mi", "1"}, {"2Mi", "1Ki"}, {"2097153", "24"}, {"3Mi", "1Ki"}, {"1G", "1M"}, {"7Ti", "512Mi"}, {"2P", "1k"}, {"8Pi", "1Gi"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.pool+"+"+tc.headroom, func(t *testing.T) {
 			vs := defaults()
-			vs.values = fmt.Sprintf("pool: {bytes: %q, headroom: %q}", tc.pool, tc.headroom)
+			vs.values = fmt.Sprintf("pool: {bytes: %q, headroom: %q, chunkBytes: 2Mi}", tc.pool, tc.headroom)
 			vs.pool, vs.headroom = tc.pool, tc.headroom
 			r := renderSet(t, vs)
 			checkResources(t, vs, r.ds)
