@@ -19,6 +19,7 @@
 # digest as well: make image RUNTIME_IMAGE=gcr.io/distroless/cc-debian13:nonroot@sha256:<digest>
 ARG GO_IMAGE=golang:1.26-trixie
 ARG RUNTIME_IMAGE=gcr.io/distroless/cc-debian13:nonroot
+ARG CLIENT_RUNTIME_IMAGE=gcr.io/distroless/static-debian13:nonroot
 
 FROM ${GO_IMAGE} AS build
 WORKDIR /src
@@ -31,11 +32,12 @@ ENV OUT=/out
 # from what CI compiles.
 RUN CGO_ENABLED=1 go build -trimpath -buildvcs=false -ldflags="-s -w" -o "${OUT}/kvpool-agent" ./cmd/agent
 
+# The example client needs no cgo: a static binary on distroless static.
 FROM build AS build-kvclient
-RUN CGO_ENABLED=1 go build -trimpath -buildvcs=false -ldflags="-s -w" -o "${OUT}/kvclient" ./cmd/kvclient
+RUN CGO_ENABLED=0 go build -trimpath -buildvcs=false -ldflags="-s -w" -o "${OUT}/kvclient" ./cmd/kvclient
 
-# Example client for config/examples: same small base, non-root.
-FROM ${RUNTIME_IMAGE} AS kvclient
+# Example client for config/examples, non-root.
+FROM ${CLIENT_RUNTIME_IMAGE} AS kvclient
 COPY --from=build-kvclient /out/kvclient /usr/local/bin/kvclient
 USER 65532:65532
 ENTRYPOINT ["/usr/local/bin/kvclient"]
