@@ -409,10 +409,10 @@ func TestNewLogger(t *testing.T) {
 	}
 }
 
-// TestSampleConfig keeps config/agent-config.yaml, the documented sample,
+// TestSampleConfig keeps config/agent.yaml, the documented sample,
 // equal to the built-in defaults.
 func TestSampleConfig(t *testing.T) {
-	data, err := os.ReadFile("../../config/agent-config.yaml")
+	data, err := os.ReadFile("../../config/agent.yaml")
 	if err != nil {
 		t.Fatal(err)
 	}
