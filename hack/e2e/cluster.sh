@@ -249,7 +249,7 @@ down() {
   # line; end exactly those, by pid.
   local p
   for p in /proc/[0-9]*; do
-    if tr '\0' ' ' <"$p/cmdline" 2>/dev/null | grep -qF -- "-address $CTRD_SOCK"; then
+    if { tr '\0' ' ' <"$p/cmdline"; } 2>/dev/null | grep -qF -- "-address $CTRD_SOCK"; then
       kill -KILL "${p#/proc/}" 2>/dev/null || true
     fi
   done
@@ -279,6 +279,8 @@ KVPOOL_E2E_KUBELET_DIR=$RUN/kubelet/root
 KVPOOL_E2E_CTL=$E2E_DIR/cluster.sh
 EOF
 }
+
+[ "${BASH_SOURCE[0]}" = "$0" ] || return 0  # sourced: functions only
 
 case "${1:-}" in
   up) up ;;
