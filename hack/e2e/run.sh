@@ -155,7 +155,7 @@ else
   rm -f "$KVPOOL_E2E_BIN/render-chart"
   echo "[e2e] charts/kvpool is not in this tree yet: no chart to render"
 fi
-(cd "$TOOLS" && go test -c -o "$KVPOOL_E2E_BIN/e2e.test" ./e2e)
+(cd "$TOOLS" && go test -c -o "$KVPOOL_E2E_BIN/e2e.test" ./e2e && go vet ./cmd/... ./e2e && go test ./cmd/...)
 ls -la "$KVPOOL_E2E_BIN" | sed 's/^/[e2e]   /'
 
 # ------------------------------------------------------------------ images
