@@ -224,7 +224,7 @@ func nonZero(t *testing.T, path string) int {
 func kvclientScript(withClient bool) string {
 	args := os.Getenv("KVPOOL_E2E_KVCLIENT_ARGS")
 	if args == "" {
-		args = "verify"
+		args = "-ops 500"
 	}
 	s := `set -u
 fail() { echo "FAIL: $*" >/dev/termination-log; exit 1; }
