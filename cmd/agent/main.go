@@ -16,6 +16,8 @@ import (
 
 func main() {
 	standalone := flag.Bool("standalone", false, "run without kubelet on simulated GPUs and an in-memory pool")
+	var pluginCfg pluginConfig
+	pluginCfg.addFlags(flag.CommandLine)
 	flag.Parse()
 	if !*standalone {
 		fmt.Fprintln(os.Stderr, "agent: only --standalone is implemented so far")
@@ -34,7 +36,13 @@ func main() {
 			}
 		}
 	}
+	plug, err := startPlugin(ctx, pluginCfg, p, func(string) error { return nil }) // simulated chunks hold no bytes
+	if err != nil {
+		slog.Error("device plugin", "err", err)
+		os.Exit(2)
+	}
 	slog.Info("kvpool agent running", "mode", "standalone", "backend", sim.Name(), "gpus", n, "chunks", len(p.Chunks()))
 	<-ctx.Done()
+	plug.Wait()
 	slog.Info("kvpool agent stopped")
 }

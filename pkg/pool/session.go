@@ -3,6 +3,7 @@ package pool
 import (
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 )
 
@@ -74,6 +75,25 @@ type Session struct {
 	used     int
 
 	seen []uint64 // scratch bitmap over device pages for duplicate checks
+
+	// labels interns stream labels: an engine uses a handful (one per KV
+	// group) across all its streams, so each is stored once.
+	labels map[string]string
+}
+
+// maxInterned bounds the label intern table; labels beyond it are stored
+// per stream.
+const maxInterned = 256
+
+func (s *Session) intern(label string) string {
+	if l, ok := s.labels[label]; ok {
+		return l
+	}
+	if len(s.labels) < maxInterned {
+		label = strings.Clone(label)
+		s.labels[label] = label
+	}
+	return label
 }
 
 type release struct {
@@ -105,6 +125,7 @@ func newSession(p *Pool, a *allocation, spec Spec, chunks []*chunk, ppc, capacit
 		rids:     make(map[string]int32),
 		freeSlot: nilPage,
 		seen:     make([]uint64, (spec.DevicePages+63)/64),
+		labels:   make(map[string]string),
 	}
 	// Ascending order, so that a fresh pool hands out contiguous runs.
 	for i := range s.next {
@@ -279,7 +300,7 @@ func (s *Session) Offload(rid, label string, gpuPages []int32, m Meta, dst []int
 	s.nfree -= n
 
 	slot := s.newSlot()
-	*s.at(slot) = stream{label: label, meta: m, head: head, tail: tail, n: int32(n), next: nilPage}
+	*s.at(slot) = stream{label: s.intern(label), meta: m, head: head, tail: tail, n: int32(n), next: nilPage}
 	if first, ok := s.rids[rid]; ok {
 		last := first
 		for s.at(last).next != nilPage {
@@ -508,4 +529,5 @@ func (s *Session) dropAll() {
 	s.pending, s.phead = nil, 0
 	s.used, s.nstreams, s.npending, s.nfree = 0, 0, 0, 0
 	s.next, s.freeHead = nil, nilPage
+	s.labels = nil
 }

@@ -1,0 +1,161 @@
+package plugin
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+)
+
+func sampleRecords() []Record {
+	t0 := time.Date(2026, 11, 29, 8, 0, 0, 0, time.UTC)
+	return []Record{
+		{Token: newToken(), Devices: []string{"gpu0-numa0-0", "gpu0-numa0-1"}, FirstSeen: t0, Pod: "ns/a"},
+		{Token: newToken(), Devices: []string{"gpu1-numaX-3"}, FirstSeen: t0.Add(time.Second)},
+	}
+}
+
+func TestCheckpointRoundTrip(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "state")
+	if recs, err := LoadCheckpoint(dir); err != nil || recs != nil {
+		t.Fatalf("missing checkpoint: %v, %v", recs, err)
+	}
+	want := sampleRecords()
+	if err := SaveCheckpoint(dir, want); err != nil {
+		t.Fatal(err)
+	}
+	got, err := LoadCheckpoint(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.EqualFunc(got, want, func(a, b Record) bool {
+		return a.Token == b.Token && slices.Equal(a.Devices, b.Devices) && a.FirstSeen.Equal(b.FirstSeen) && a.Pod == b.Pod
+	}) {
+		t.Errorf("got %+v, want %+v", got, want)
+	}
+	if fi, err := os.Stat(filepath.Join(dir, CheckpointFile)); err != nil || fi.Mode().Perm() != 0o600 {
+		t.Errorf("checkpoint file mode: %v, %v", fi, err)
+	}
+	if left, _ := filepath.Glob(filepath.Join(dir, "*.tmp-*")); len(left) != 0 {
+		t.Errorf("temporary files left: %v", left)
+	}
+	if err := SaveCheckpoint(dir, nil); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := LoadCheckpoint(dir); err != nil || len(got) != 0 {
+		t.Errorf("empty checkpoint: %v, %v", got, err)
+	}
+}
+
+func TestDecodeCheckpointRejects(t *testing.T) {
+	good, err := EncodeCheckpoint(sampleRecords())
+	if err != nil {
+		t.Fatal(err)
+	}
+	recs := sampleRecords()
+	enc := func(edit func([]Record)) []byte {
+		r := slices.Clone(recs)
+		for i := range r {
+			r[i].Devices = slices.Clone(r[i].Devices)
+		}
+		edit(r)
+		b, err := EncodeCheckpoint(r)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return b
+	}
+	cases := []struct {
+		name string
+		data []byte
+		want string
+	}{
+		{"empty", nil, "EOF"},
+		{"truncated", good[:len(good)/2], "unexpected EOF"},
+		{"not json", []byte("\x00\x01garbage"), "invalid character"},
+		{"trailing data", append(slices.Clone(good), "{}"...), "trailing data"},
+		{"unknown field", []byte(`{"version":1,"checksum":"","records":[],"extra":1}`), "unknown field"},
+		{"wrong version", []byte(strings.Replace(string(good), `"version": 1`, `"version": 2`, 1)), "version 2"},
+		{"checksum", []byte(strings.Replace(string(good), "gpu0-numa0-1", "gpu0-numa0-2", 1)), "checksum mismatch"},
+		{"records not a list", []byte(`{"version":1,"checksum":"44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a","records":{}}`), "records"},
+		{"bad token", enc(func(r []Record) { r[0].Token = "short" }), "malformed token"},
+		{"repeated token", enc(func(r []Record) { r[1].Token = r[0].Token }), "token repeated"},
+		{"no devices", enc(func(r []Record) { r[1].Devices = nil }), "empty or unsorted"},
+		{"unsorted devices", enc(func(r []Record) { slices.Reverse(r[0].Devices) }), "empty or unsorted"},
+		{"empty device", enc(func(r []Record) { r[1].Devices = []string{""} }), "empty device ID"},
+		{"device in two allocations", enc(func(r []Record) { r[1].Devices = []string{"gpu0-numa0-1"} }), "held by two allocations"},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			got, err := DecodeCheckpoint(c.data)
+			if !errors.Is(err, ErrCorruptCheckpoint) || !strings.Contains(err.Error(), c.want) {
+				t.Errorf("err = %v, want ErrCorruptCheckpoint containing %q", err, c.want)
+			}
+			if got != nil {
+				t.Errorf("records returned with the error: %v", got)
+			}
+		})
+	}
+}
+
+func TestSaveCheckpointErrors(t *testing.T) {
+	dir := t.TempDir()
+	file := filepath.Join(dir, "file")
+	os.WriteFile(file, nil, 0o600)
+	if err := SaveCheckpoint(file, sampleRecords()); err == nil || !strings.Contains(err.Error(), "save checkpoint") {
+		t.Errorf("save under a file: %v", err)
+	}
+	// An unreadable checkpoint (a directory in its place) is an error, not
+	// corruption: the plugin must not quarantine what it cannot read.
+	bad := filepath.Join(dir, "bad")
+	os.MkdirAll(filepath.Join(bad, CheckpointFile), 0o700)
+	if _, err := LoadCheckpoint(bad); err == nil || errors.Is(err, ErrCorruptCheckpoint) {
+		t.Errorf("load of a directory: %v", err)
+	}
+}
+
+func TestChunkID(t *testing.T) {
+	for _, c := range []struct {
+		gpu, numa, idx int
+		id             string
+	}{{0, 0, 0, "gpu0-numa0-0"}, {3, 1, 17, "gpu3-numa1-17"}, {1, -1, 2, "gpu1-numaX-2"}} {
+		if got := ChunkID(c.gpu, c.numa, c.idx); got != c.id {
+			t.Errorf("ChunkID(%d,%d,%d) = %s", c.gpu, c.numa, c.idx, got)
+		}
+		g, n, i, err := ParseChunkID(c.id)
+		if err != nil || g != c.gpu || n != c.numa || i != c.idx {
+			t.Errorf("ParseChunkID(%s) = %d %d %d %v", c.id, g, n, i, err)
+		}
+	}
+	for _, bad := range []string{"", "gpu0-numa0", "gpu0-numa0-1-2", "cpu0-numa0-1", "gpu0-node0-1", "gpu-numa0-1",
+		"gpu0-numa-1-1", "gpu00-numa0-1", "gpu0-numa0-+1", "gpu0-numaY-1", "gpu0-numa0-1234567890", "gpu0-numa0-c0007"} {
+		if _, _, _, err := ParseChunkID(bad); err == nil || !strings.Contains(err.Error(), "chunk ID") {
+			t.Errorf("ParseChunkID(%q) err = %v", bad, err)
+		}
+	}
+}
+
+func TestFeedSetRejects(t *testing.T) {
+	f := NewFeed()
+	f.Set([]Device{{ID: "a", Healthy: true}})
+	before, ch := f.Devices()
+	for _, bad := range [][]Device{{{ID: ""}}, {{ID: "x"}, {ID: "x"}}} {
+		if err := f.Set(bad); err == nil {
+			t.Errorf("Set(%v) accepted", bad)
+		}
+	}
+	if err := f.Set([]Device{{ID: "a", Healthy: true}}); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-ch:
+		t.Error("a rejected or identical snapshot woke the watchers")
+	default:
+	}
+	if now, _ := f.Devices(); !slices.Equal(now, before) {
+		t.Errorf("snapshot changed to %v", now)
+	}
+}

@@ -1,0 +1,222 @@
+package plugin
+
+import (
+	"cmp"
+	"context"
+	"fmt"
+	"maps"
+	"slices"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
+)
+
+// GetPreferredAllocation answers each container request with Prefer.
+func (p *Plugin) GetPreferredAllocation(_ context.Context, req *pluginapi.PreferredAllocationRequest) (*pluginapi.PreferredAllocationResponse, error) {
+	devs, _ := p.o.Devices.Devices()
+	numa := make(map[string]int, len(devs))
+	for _, d := range devs {
+		numa[d.ID] = d.NUMA
+	}
+	resp := &pluginapi.PreferredAllocationResponse{}
+	for i, cr := range req.GetContainerRequests() {
+		ids, err := Prefer(cr.GetAvailableDeviceIDs(), cr.GetMustIncludeDeviceIDs(), int(cr.GetAllocationSize()), numa)
+		if err != nil {
+			return nil, status.Errorf(codes.InvalidArgument, "preferred allocation, container request %d: %v", i, err)
+		}
+		resp.ContainerResponses = append(resp.ContainerResponses, &pluginapi.ContainerPreferredAllocationResponse{DeviceIDs: ids})
+	}
+	return resp, nil
+}
+
+type cand struct {
+	id             string
+	numa, gpu, idx int
+	parsed         bool
+}
+
+// Prefer picks size devices out of available: every must-include device,
+// then the rest from one NUMA node where possible (the node of the
+// must-include devices first) and, within a node, a run of one GPU's chunks
+// with the closest indices. numa gives each known device's node; devices it
+// lacks fall back to the node in their ID. The result never holds a device
+// outside available and never more than size.
+func Prefer(available, must []string, size int, numa map[string]int) ([]string, error) {
+	if size <= 0 {
+		return nil, fmt.Errorf("allocation size %d", size)
+	}
+	if len(must) > size {
+		return nil, fmt.Errorf("%d must-include devices exceed the allocation size %d", len(must), size)
+	}
+	avail := make(map[string]bool, len(available))
+	for _, id := range available {
+		avail[id] = true
+	}
+	if len(avail) < size {
+		return nil, fmt.Errorf("%d devices available, %d wanted", len(avail), size)
+	}
+	taken := make(map[string]bool, size)
+	out := make([]string, 0, size)
+	mustNUMA := make(map[int]int)
+	mustGPU := make(map[[2]int]bool) // (gpu, idx) of must-include devices
+	for _, id := range must {
+		if !avail[id] {
+			return nil, fmt.Errorf("must-include device %s is not available", id)
+		}
+		if taken[id] {
+			return nil, fmt.Errorf("must-include device %s named twice", id)
+		}
+		taken[id] = true
+		out = append(out, id)
+		c := describe(id, numa)
+		mustNUMA[c.numa]++
+		if c.parsed {
+			mustGPU[[2]int{c.gpu, c.idx}] = true
+		}
+	}
+	need := size - len(out)
+	// Group the remaining candidates by NUMA node.
+	groups := make(map[int][]cand)
+	for _, id := range slices.Sorted(maps.Keys(avail)) {
+		if taken[id] {
+			continue
+		}
+		c := describe(id, numa)
+		groups[c.numa] = append(groups[c.numa], c)
+	}
+	nodes := make([]int, 0, len(groups))
+	for n := range groups {
+		nodes = append(nodes, n)
+	}
+	// Node order: nodes of the must-include devices (most first); then nodes
+	// that fit the rest alone, smallest first (keeps big nodes whole for
+	// big requests); then the others, largest first. Unknown node (-1) last
+	// among equals.
+	slices.SortFunc(nodes, func(a, b int) int {
+		if c := cmp.Compare(mustNUMA[b], mustNUMA[a]); c != 0 {
+			return c
+		}
+		fa, fb := len(groups[a]) >= need, len(groups[b]) >= need
+		switch {
+		case fa && !fb:
+			return -1
+		case fb && !fa:
+			return 1
+		case fa && fb:
+			if c := cmp.Compare(len(groups[a]), len(groups[b])); c != 0 {
+				return c
+			}
+		default:
+			if c := cmp.Compare(len(groups[b]), len(groups[a])); c != 0 {
+				return c
+			}
+		}
+		if (a < 0) != (b < 0) {
+			return cmp.Compare(b, a)
+		}
+		return cmp.Compare(a, b)
+	})
+	for _, n := range nodes {
+		if need == 0 {
+			break
+		}
+		g := groups[n]
+		pick := bestRun(g, min(need, len(g)), mustGPU)
+		out = append(out, pick...)
+		need -= len(pick)
+	}
+	return out, nil
+}
+
+func describe(id string, numa map[string]int) cand {
+	c := cand{id: id, numa: -1}
+	if g, n, i, err := ParseChunkID(id); err == nil {
+		c.gpu, c.idx, c.numa, c.parsed = g, i, n, true
+	}
+	if n, ok := numa[id]; ok {
+		c.numa = n
+	}
+	if c.numa < 0 {
+		c.numa = -1
+	}
+	return c
+}
+
+// bestRun picks k candidates from g (sorted by ID) forming the tightest run:
+// fewest GPUs spanned, then fewest index gaps, then closest to a
+// must-include chunk, then first in order.
+func bestRun(g []cand, k int, must map[[2]int]bool) []string {
+	slices.SortFunc(g, func(a, b cand) int {
+		if a.parsed != b.parsed {
+			if a.parsed {
+				return -1
+			}
+			return 1
+		}
+		if c := cmp.Compare(a.gpu, b.gpu); c != 0 {
+			return c
+		}
+		if c := cmp.Compare(a.idx, b.idx); c != 0 {
+			return c
+		}
+		return cmp.Compare(a.id, b.id)
+	})
+	best, bestCost := 0, [3]int{-1}
+	for s := 0; s+k <= len(g); s++ {
+		w := g[s : s+k]
+		var cost [3]int
+		for i := 1; i < len(w); i++ {
+			if !w[i].parsed || w[i].gpu != w[i-1].gpu {
+				cost[0]++
+			} else {
+				cost[1] += w[i].idx - w[i-1].idx - 1
+			}
+		}
+		cost[2] = mustDistance(w, must)
+		if bestCost[0] < 0 || cmpCost(cost, bestCost) < 0 {
+			best, bestCost = s, cost
+		}
+	}
+	out := make([]string, k)
+	for i, c := range g[best : best+k] {
+		out[i] = c.id
+	}
+	return out
+}
+
+func cmpCost(a, b [3]int) int {
+	for i := range a {
+		if c := cmp.Compare(a[i], b[i]); c != 0 {
+			return c
+		}
+	}
+	return 0
+}
+
+// mustDistance is how far the run lies from the nearest must-include chunk
+// of the same GPU (0 when there are none).
+func mustDistance(w []cand, must map[[2]int]bool) int {
+	if len(must) == 0 {
+		return 0
+	}
+	best := -1
+	for m := range must {
+		for _, c := range w {
+			if !c.parsed || c.gpu != m[0] {
+				continue
+			}
+			d := c.idx - m[1]
+			if d < 0 {
+				d = -d
+			}
+			if best < 0 || d < best {
+				best = d
+			}
+		}
+	}
+	if best < 0 {
+		return 1 << 30 // the run is on another GPU than every must-include chunk
+	}
+	return best
+}

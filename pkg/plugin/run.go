@@ -1,0 +1,203 @@
+package plugin
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
+)
+
+// Run builds a Plugin and serves it until ctx ends; see (*Plugin).Run.
+func Run(ctx context.Context, o Options) error {
+	p, err := New(o)
+	if err != nil {
+		return err
+	}
+	return p.Run(ctx)
+}
+
+// PluginDir is the kubelet directory that holds kubelet.sock and the
+// plugins' sockets.
+func (p *Plugin) PluginDir() string { return filepath.Join(p.o.KubeletDir, "device-plugins") }
+
+// Endpoint is the file name of the plugin's socket inside PluginDir.
+func (p *Plugin) Endpoint() string {
+	return "kvpool-" + strings.NewReplacer("/", "_", ".", "_").Replace(p.o.ResourceName) + ".sock"
+}
+
+// Run serves the device plugin, registers with kubelet, registers again
+// whenever kubelet restarts (kubelet.sock is recreated or the plugin's own
+// socket is removed), and reconciles allocations against PodResources every
+// Interval. It returns when ctx ends.
+func (p *Plugin) Run(ctx context.Context) error {
+	if p.o.Holders == nil {
+		c, err := DialPodResources(filepath.Join(p.o.KubeletDir, "pod-resources", "kubelet.sock"))
+		if err != nil {
+			return err
+		}
+		defer c.Close()
+		p.o.Holders = c
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		p.reconcileLoop(ctx)
+	}()
+	defer func() { <-done }()
+	for {
+		err := p.serveOnce(ctx)
+		if ctx.Err() != nil {
+			return nil
+		}
+		p.log.Info("device plugin restarting", "reason", err)
+	}
+}
+
+func (p *Plugin) reconcileLoop(ctx context.Context) {
+	t := time.NewTicker(p.o.Interval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		if err := p.Reconcile(ctx); err != nil && ctx.Err() == nil {
+			p.log.Warn("reconcile", "err", err)
+		}
+	}
+}
+
+// sockID identifies one incarnation of a socket file.
+type sockID struct {
+	fi os.FileInfo
+}
+
+func statSock(path string) (sockID, bool) {
+	fi, err := os.Stat(path)
+	if err != nil {
+		return sockID{}, false
+	}
+	return sockID{fi}, true
+}
+
+func (a sockID) same(b sockID) bool {
+	return os.SameFile(a.fi, b.fi) && a.fi.ModTime().Equal(b.fi.ModTime())
+}
+
+// serveOnce runs one incarnation: listen, register, and watch until kubelet
+// restarts or ctx ends.
+func (p *Plugin) serveOnce(ctx context.Context) error {
+	dir := p.PluginDir()
+	sock := filepath.Join(dir, p.Endpoint())
+	kubelet := filepath.Join(dir, "kubelet.sock")
+	if err := os.Remove(sock); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return p.pause(ctx, fmt.Errorf("remove stale socket: %w", err))
+	}
+	lis, err := net.Listen("unix", sock)
+	if err != nil {
+		return p.pause(ctx, fmt.Errorf("listen: %w", err))
+	}
+	srv := grpc.NewServer()
+	lost := make(chan struct{}, 1)
+	pluginapi.RegisterDevicePluginServer(srv, &watchedServer{Plugin: p, lost: lost})
+	serveErr := make(chan error, 1)
+	go func() { serveErr <- srv.Serve(lis) }()
+	defer func() {
+		p.registered.Store(false)
+		srv.Stop()
+		<-serveErr
+		if cur, ok := statSock(sock); ok && cur.fi.Mode()&os.ModeSocket != 0 {
+			os.Remove(sock)
+		}
+	}()
+	ours, _ := statSock(sock)
+
+	t := time.NewTicker(p.o.Watch)
+	defer t.Stop()
+	var kid sockID
+	registered := false
+	for {
+		cur, ok := statSock(sock)
+		if !ok || !cur.same(ours) {
+			return errors.New("plugin socket removed (kubelet restarted?)")
+		}
+		k, kok := statSock(kubelet)
+		switch {
+		case registered && (!kok || !k.same(kid)):
+			return errors.New("kubelet socket recreated (kubelet restarted)")
+		case !registered && kok:
+			if err := p.register(ctx, kubelet); err != nil {
+				p.log.Warn("register with kubelet", "err", err)
+			} else {
+				registered, kid = true, k
+				p.registrations.Add(1)
+				p.registered.Store(true)
+				p.log.Info("registered with kubelet", "endpoint", p.Endpoint())
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-lost:
+			if registered {
+				return errors.New("kubelet closed ListAndWatch (kubelet restarted?)")
+			}
+		case err := <-serveErr:
+			serveErr <- err // for the deferred wait
+			return fmt.Errorf("serve: %w", err)
+		case <-t.C:
+		}
+	}
+}
+
+// watchedServer is the plugin as one incarnation serves it: a ListAndWatch
+// stream that kubelet ends (kubelet stopped, or replaced the connection)
+// is reported on lost. File times alone can miss a kubelet.sock recreated
+// within one tick of the kernel's coarse clock with a reused inode.
+type watchedServer struct {
+	*Plugin
+	lost chan struct{}
+}
+
+func (w *watchedServer) ListAndWatch(_ *pluginapi.Empty, stream pluginapi.DevicePlugin_ListAndWatchServer) error {
+	err := w.listAndWatch(stream)
+	select {
+	case w.lost <- struct{}{}:
+	default:
+	}
+	return err
+}
+
+func (p *Plugin) pause(ctx context.Context, err error) error {
+	select {
+	case <-ctx.Done():
+	case <-time.After(p.o.Watch):
+	}
+	return err
+}
+
+func (p *Plugin) register(ctx context.Context, kubelet string) error {
+	conn, err := grpc.NewClient("unix://"+kubelet, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	_, err = pluginapi.NewRegistrationClient(conn).Register(ctx, &pluginapi.RegisterRequest{
+		Version:      pluginapi.Version,
+		Endpoint:     p.Endpoint(),
+		ResourceName: p.o.ResourceName,
+		Options:      &pluginapi.DevicePluginOptions{GetPreferredAllocationAvailable: true},
+	})
+	return err
+}

@@ -1,0 +1,88 @@
+package pool
+
+import (
+	"fmt"
+	"runtime"
+	"strings"
+	"testing"
+)
+
+// benchSession opens a session of pages host pages of 4 KiB over 4,096
+// device pages, fills it with `others` streams of 8 pages each, and returns it
+// with the heap bytes its bookkeeping uses per host page.
+func benchSession(b *testing.B, pages, others int) (*Session, float64) {
+	b.Helper()
+	const pageSize, chunkSize = 4 << 10, 64 << 20
+	p := New()
+	ppc := chunkSize / pageSize
+	var ids []string
+	for i := 0; i < (pages+ppc-1)/ppc; i++ {
+		id := fmt.Sprintf("gpu0-numa0-%d", i)
+		if err := p.AddChunk(Chunk{ID: id, Size: chunkSize}); err != nil {
+			b.Fatal(err)
+		}
+		ids = append(ids, id)
+	}
+	if err := p.Grant("bench", ids); err != nil {
+		b.Fatal(err)
+	}
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	s, err := p.Open("bench", Spec{GPU: 0, PageSize: pageSize, DevicePages: 4096, MaxPages: pages})
+	if err != nil {
+		b.Fatal(err)
+	}
+	dev := []int32{0, 1, 2, 3, 4, 5, 6, 7}
+	dst := make([]int32, 0, 8)
+	// Names are made as a server decodes them, a fresh string per call,
+	// so that what the stream table keeps of them counts.
+	for i := range others {
+		if _, err := s.Offload(fmt.Sprintf("req-%07d", i), strings.Clone("kv"), dev, Meta{StoredLen: 100, Position: 100}, dst[:0]); err != nil {
+			b.Fatal(err)
+		}
+	}
+	runtime.GC()
+	runtime.ReadMemStats(&after)
+	return s, float64(after.HeapAlloc-before.HeapAlloc) / float64(pages)
+}
+
+func benchOffloadReload64(b *testing.B, pages, others int) {
+	s, perPage := benchSession(b, pages, others)
+	dev := make([]int32, 64)
+	for i := range dev {
+		dev[i] = int32(4095 - i*3)
+	}
+	dst := make([]int32, 0, 64)
+	meta := Meta{StoredLen: 1000, Position: 1000}
+	b.ReportAllocs()
+	b.ResetTimer()
+	for b.Loop() {
+		var err error
+		dst, err = s.Offload("bench-rid", "kv", dev, meta, dst[:0])
+		if err != nil {
+			b.Fatal(err)
+		}
+		r, err := s.Reload("bench-rid", "kv", dev, dst[:0])
+		if err != nil {
+			b.Fatal(err)
+		}
+		if err := s.Fence(r.Ticket); err != nil {
+			b.Fatal(err)
+		}
+		dst = r.Pages
+	}
+	b.StopTimer()
+	b.ReportMetric(perPage, "bytes/page")
+	if err := s.Check(); err != nil {
+		b.Fatal(err)
+	}
+}
+
+// BenchmarkOffloadReload64 is one offload and one reload (with its fence) of
+// a 64-page stream, bookkeeping only, in a pool of 16,384 pages.
+func BenchmarkOffloadReload64(b *testing.B) { benchOffloadReload64(b, 16384, 0) }
+
+// BenchmarkOffloadReload64LargePool is the same in a pool of 1,000,000 pages
+// that holds 100,000 other streams of 8 pages.
+func BenchmarkOffloadReload64LargePool(b *testing.B) { benchOffloadReload64(b, 1_000_000, 100_000) }

@@ -1,0 +1,320 @@
+package pool
+
+import (
+	"errors"
+	"fmt"
+	"reflect"
+	"slices"
+	"strings"
+	"testing"
+)
+
+// sessionState is everything observable about a session, so that a test can
+// assert a rejected call changed nothing.
+type sessionState struct {
+	Usage   Usage
+	Streams []string // "rid/label pages meta" in table order
+	Free    []int32  // the free list, in hand-out order
+	Pending []string
+	Ticket  uint64
+}
+
+func stateOf(s *Session) sessionState {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	st := sessionState{
+		Usage:  Usage{Capacity: s.capacity, Used: s.used, Pending: s.npending, Streams: s.nstreams, Requests: len(s.rids)},
+		Ticket: s.ticket,
+	}
+	rids := make([]string, 0, len(s.rids))
+	for rid := range s.rids {
+		rids = append(rids, rid)
+	}
+	slices.Sort(rids)
+	chain := func(head int32) []int32 {
+		var out []int32
+		for p := head; p != nilPage; p = s.next[p] {
+			out = append(out, p)
+		}
+		return out
+	}
+	for _, rid := range rids {
+		for slot := s.rids[rid]; slot != nilPage; slot = s.at(slot).next {
+			x := s.at(slot)
+			st.Streams = append(st.Streams, fmt.Sprintf("%s/%s %v %+v", rid, x.label, chain(x.head), x.meta))
+		}
+	}
+	st.Free = chain(s.freeHead)
+	for _, r := range s.pending[s.phead:] {
+		st.Pending = append(st.Pending, fmt.Sprintf("%d:%v", r.ticket, chain(r.head)[:r.n]))
+	}
+	return st
+}
+
+// misuseSession returns a session of 8 pages over 16 device pages holding
+// r1/a (3 pages), r1/b (2 pages) and a reload of r2/x (2 pages) awaiting its
+// fence: 1 page free, 2 pending.
+func misuseSession(t *testing.T) *Session {
+	t.Helper()
+	p := testPool(t)
+	must(t, p.Grant("A", []string{"gpu0-c0"}))
+	s, err := p.Open("A", Spec{GPU: 0, PageSize: 4 << 10, DevicePages: 16, MaxPages: 8})
+	must(t, err)
+	for _, o := range []struct {
+		rid, label string
+		pages      []int32
+	}{{"r1", "a", []int32{0, 1, 2}}, {"r1", "b", []int32{3, 4}}, {"r2", "x", []int32{5, 6}}} {
+		if _, err := s.Offload(o.rid, o.label, o.pages, Meta{StoredLen: 10, Position: 9}, nil); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := s.Reload("r2", "x", []int32{7, 8}, nil); err != nil {
+		t.Fatal(err)
+	}
+	if u := s.Usage(); u.Used != 5 || u.Pending != 2 || s.NumFreePages() != 3 {
+		t.Fatalf("fixture usage %+v, free %d", u, s.NumFreePages())
+	}
+	return s
+}
+
+func TestSessionMisuse(t *testing.T) {
+	long := strings.Repeat("x", MaxNameLen+1)
+	cases := []struct {
+		name string
+		call func(s *Session) error
+		want error
+	}{
+		{"offload empty rid", func(s *Session) error { _, err := s.Offload("", "a", []int32{9}, Meta{}, nil); return err }, ErrBadName},
+		{"offload long rid", func(s *Session) error { _, err := s.Offload(long, "a", []int32{9}, Meta{}, nil); return err }, ErrBadName},
+		{"offload long label", func(s *Session) error { _, err := s.Offload("r3", long, []int32{9}, Meta{}, nil); return err }, ErrBadName},
+		{"offload negative stored_len", func(s *Session) error {
+			_, err := s.Offload("r3", "a", []int32{9}, Meta{StoredLen: -1}, nil)
+			return err
+		}, ErrBadSize},
+		{"offload negative position", func(s *Session) error {
+			_, err := s.Offload("r3", "a", []int32{9}, Meta{Position: -1}, nil)
+			return err
+		}, ErrBadSize},
+		{"offload negative released", func(s *Session) error {
+			_, err := s.Offload("r3", "a", []int32{9}, Meta{Released: -5}, nil)
+			return err
+		}, ErrBadSize},
+		{"offload duplicate stream", func(s *Session) error { _, err := s.Offload("r1", "a", []int32{9}, Meta{}, nil); return err }, ErrDuplicateStream},
+		{"offload device page negative", func(s *Session) error { _, err := s.Offload("r3", "a", []int32{-1}, Meta{}, nil); return err }, ErrOutOfRange},
+		{"offload device page past end", func(s *Session) error { _, err := s.Offload("r3", "a", []int32{16}, Meta{}, nil); return err }, ErrOutOfRange},
+		{"offload duplicate device page", func(s *Session) error { _, err := s.Offload("r3", "a", []int32{9, 9}, Meta{}, nil); return err }, ErrDuplicateIndex},
+		{"offload more pages than the device has", func(s *Session) error {
+			_, err := s.Offload("r3", "a", make([]int32, 17), Meta{}, nil)
+			return err
+		}, ErrPageCount},
+		{"offload beyond free and pending", func(s *Session) error {
+			_, err := s.Offload("r3", "a", []int32{9, 10, 11, 12}, Meta{}, nil)
+			return err
+		}, ErrFull},
+		{"offload needing pending pages", func(s *Session) error {
+			_, err := s.Offload("r3", "a", []int32{9, 10}, Meta{}, nil)
+			var pe *PendingError
+			if !errors.As(err, &pe) || pe.Ticket != 1 || pe.Need != 2 || pe.Free != 1 {
+				return fmt.Errorf("want PendingError{Ticket 1, Need 2, Free 1}, got %v", err)
+			}
+			return err
+		}, ErrPending},
+		{"reload unknown stream", func(s *Session) error { _, err := s.Reload("r1", "zz", []int32{9}, nil); return err }, ErrUnknownStream},
+		{"reload already reloaded stream", func(s *Session) error { _, err := s.Reload("r2", "x", []int32{9, 10}, nil); return err }, ErrUnknownStream},
+		{"reload too few device pages", func(s *Session) error { _, err := s.Reload("r1", "a", []int32{9, 10}, nil); return err }, ErrPageCount},
+		{"reload too many device pages", func(s *Session) error {
+			_, err := s.Reload("r1", "a", []int32{9, 10, 11, 12}, nil)
+			return err
+		}, ErrPageCount},
+		{"reload device page past end", func(s *Session) error { _, err := s.Reload("r1", "b", []int32{9, 99}, nil); return err }, ErrOutOfRange},
+		{"reload duplicate device page", func(s *Session) error { _, err := s.Reload("r1", "b", []int32{9, 9}, nil); return err }, ErrDuplicateIndex},
+		{"reload empty rid", func(s *Session) error { _, err := s.Reload("", "b", []int32{9, 10}, nil); return err }, ErrBadName},
+		{"discard unknown stream", func(s *Session) error { return s.Discard("r9", "a") }, ErrUnknownStream},
+		{"discard empty rid", func(s *Session) error { return s.Discard("", "a") }, ErrBadName},
+		{"fence unissued ticket", func(s *Session) error { return s.Fence(2) }, ErrBadFence},
+		{"num_pages unknown stream", func(s *Session) error { _, err := s.NumPages("r1", "c"); return err }, ErrUnknownStream},
+		{"remove_request empty rid", func(s *Session) error { _, err := s.RemoveRequest(""); return err }, ErrBadName},
+		{"remove_request long rid", func(s *Session) error { _, err := s.RemoveRequest(long); return err }, ErrBadName},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			s := misuseSession(t)
+			before := stateOf(s)
+			err := c.call(s)
+			if !errors.Is(err, c.want) {
+				t.Fatalf("got %v, want %v", err, c.want)
+			}
+			if err.Error() == c.want.Error() {
+				t.Errorf("error %q carries no context", err)
+			}
+			if after := stateOf(s); !reflect.DeepEqual(before, after) {
+				t.Fatalf("state changed:\nbefore %+v\nafter  %+v", before, after)
+			}
+			must(t, s.Check())
+			must(t, s.pool.Check())
+		})
+	}
+}
+
+// TestSessionClosed: every operation on a closed session fails with
+// ErrClosed, and the queries report nothing.
+func TestSessionClosed(t *testing.T) {
+	s := misuseSession(t)
+	s.pool.Close(s)
+	calls := map[string]func() error{
+		"offload": func() error { _, err := s.Offload("r3", "a", []int32{9}, Meta{}, nil); return err },
+		"reload":  func() error { _, err := s.Reload("r1", "a", []int32{9, 10, 11}, nil); return err },
+		"discard": func() error { return s.Discard("r1", "a") },
+		"fence":   func() error { return s.Fence(1) },
+		"remove":  func() error { _, err := s.RemoveRequest("r1"); return err },
+		"pages":   func() error { _, err := s.NumPages("r1", "a"); return err },
+	}
+	for name, call := range calls {
+		if err := call(); !errors.Is(err, ErrClosed) {
+			t.Errorf("%s on a closed session: %v, want ErrClosed", name, err)
+		}
+	}
+	if s.IsOffloaded("r1") || s.Labels("r1") != nil || !s.Closed() {
+		t.Error("a closed session still reports streams")
+	}
+}
+
+// poolState is the pool-wide view a rejected call must leave alone.
+type poolState struct {
+	Chunks []ChunkInfo
+	Allocs map[string][]string
+}
+
+func poolStateOf(p *Pool) poolState {
+	st := poolState{Chunks: p.Chunks(), Allocs: map[string][]string{}}
+	p.mu.Lock()
+	ids := make([]string, 0, len(p.allocs))
+	for id := range p.allocs {
+		ids = append(ids, id)
+	}
+	p.mu.Unlock()
+	for _, id := range ids {
+		cs, _ := p.Allocation(id)
+		st.Allocs[id] = cs
+	}
+	return st
+}
+
+func TestPoolMisuse(t *testing.T) {
+	// Fixture: A holds gpu0-c0, gpu0-c1 with one session bound to both
+	// chunks; B holds gpu1-c0 and was revoked, leaving it dirty.
+	fixture := func(t *testing.T) *Pool {
+		p := testPool(t)
+		must(t, p.Grant("A", []string{"gpu0-c0", "gpu0-c1"}))
+		if _, err := p.Open("A", Spec{GPU: 0, PageSize: 4 << 10, DevicePages: 8}); err != nil {
+			t.Fatal(err)
+		}
+		must(t, p.Grant("B", []string{"gpu1-c0"}))
+		if _, err := p.Revoke("B"); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	cases := []struct {
+		name string
+		call func(p *Pool) error
+		want error
+	}{
+		{"add chunk without ID", func(p *Pool) error { return p.AddChunk(Chunk{Size: 1}) }, ErrBadSize},
+		{"add chunk of zero bytes", func(p *Pool) error { return p.AddChunk(Chunk{ID: "new"}) }, ErrBadSize},
+		{"add chunk twice", func(p *Pool) error { return p.AddChunk(Chunk{ID: "gpu0-c3", Size: 1}) }, ErrDuplicateChunk},
+		{"remove unknown chunk", func(p *Pool) error { return p.RemoveChunk("nope") }, ErrUnknownChunk},
+		{"remove granted chunk", func(p *Pool) error { return p.RemoveChunk("gpu0-c0") }, ErrChunkBusy},
+		{"scrub unknown chunk", func(p *Pool) error { return p.Scrubbed("nope") }, ErrUnknownChunk},
+		{"scrub granted chunk", func(p *Pool) error { return p.Scrubbed("gpu0-c1") }, ErrChunkBusy},
+		{"grant without allocation ID", func(p *Pool) error { return p.Grant("", []string{"gpu0-c2"}) }, ErrBadSize},
+		{"grant no chunks", func(p *Pool) error { return p.Grant("C", nil) }, ErrBadSize},
+		{"grant unknown chunk", func(p *Pool) error { return p.Grant("C", []string{"gpu0-c2", "nope"}) }, ErrUnknownChunk},
+		{"grant chunk twice", func(p *Pool) error { return p.Grant("C", []string{"gpu0-c2", "gpu0-c2"}) }, ErrDuplicateIndex},
+		{"grant another allocation's chunk", func(p *Pool) error { return p.Grant("C", []string{"gpu0-c2", "gpu0-c0"}) }, ErrChunkBusy},
+		{"grant dirty chunk", func(p *Pool) error { return p.Grant("C", []string{"gpu1-c0"}) }, ErrChunkDirty},
+		{"grant a different set to an allocation", func(p *Pool) error { return p.Grant("A", []string{"gpu0-c0"}) }, ErrAllocationExists},
+		{"revoke unknown allocation", func(p *Pool) error { _, err := p.Revoke("C"); return err }, ErrUnknownAllocation},
+		{"open unknown allocation", func(p *Pool) error { _, err := p.Open("C", Spec{PageSize: 1, DevicePages: 1}); return err }, ErrUnknownAllocation},
+		{"open with zero page size", func(p *Pool) error { _, err := p.Open("A", Spec{DevicePages: 1}); return err }, ErrBadSize},
+		{"open with no device pages", func(p *Pool) error { _, err := p.Open("A", Spec{PageSize: 1}); return err }, ErrBadSize},
+		{"open with negative max pages", func(p *Pool) error {
+			_, err := p.Open("A", Spec{PageSize: 1, DevicePages: 1, MaxPages: -1})
+			return err
+		}, ErrBadSize},
+		{"open when every chunk is bound", func(p *Pool) error { _, err := p.Open("A", Spec{PageSize: 1, DevicePages: 1}); return err }, ErrNoCapacity},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			p := fixture(t)
+			before := poolStateOf(p)
+			err := c.call(p)
+			if !errors.Is(err, c.want) {
+				t.Fatalf("got %v, want %v", err, c.want)
+			}
+			if after := poolStateOf(p); !reflect.DeepEqual(before, after) {
+				t.Fatalf("state changed:\nbefore %+v\nafter  %+v", before, after)
+			}
+			must(t, p.Check())
+		})
+	}
+	// Geometry errors need an allocation with unbound chunks.
+	p := testPool(t)
+	must(t, p.Grant("C", []string{"gpu0-c2", "gpu0-c3"}))
+	before := poolStateOf(p)
+	for _, sp := range []Spec{
+		{PageSize: 128 << 10, DevicePages: 4},             // page larger than a 64 KiB chunk
+		{PageSize: 32 << 10, DevicePages: 4, MaxPages: 5}, // 5 pages need 3 chunks, 2 held
+	} {
+		if _, err := p.Open("C", sp); err == nil || !(errors.Is(err, ErrBadSize) || errors.Is(err, ErrNoCapacity)) {
+			t.Errorf("open %+v: %v, want a size or capacity error", sp, err)
+		}
+	}
+	if after := poolStateOf(p); !reflect.DeepEqual(before, after) {
+		t.Fatalf("state changed: %+v -> %+v", before, after)
+	}
+}
+
+// TestPoolLifecycle walks a chunk through grant, use, revoke, scrub and a
+// second grant, and checks that a repeated Grant is idempotent.
+func TestPoolLifecycle(t *testing.T) {
+	p := testPool(t)
+	ids := []string{"gpu0-c0", "gpu0-c1"}
+	must(t, p.Grant("A", ids))
+	must(t, p.Grant("A", []string{"gpu0-c1", "gpu0-c0"})) // kubelet retried Allocate
+	s, err := p.Open("A", Spec{GPU: 0, PageSize: 16 << 10, DevicePages: 8, MaxPages: 6})
+	must(t, err)
+	if s.Capacity() != 6 || s.PagesPerChunk() != 4 || len(s.Chunks()) != 2 {
+		t.Fatalf("capacity %d, pages per chunk %d, chunks %d", s.Capacity(), s.PagesPerChunk(), len(s.Chunks()))
+	}
+	if _, err := s.Offload("r", "l", []int32{0, 1, 2}, Meta{StoredLen: 3}, nil); err != nil {
+		t.Fatal(err)
+	}
+	// Another session on A cannot bind: both chunks are taken.
+	if _, err := p.Open("A", Spec{GPU: 1, PageSize: 16 << 10, DevicePages: 8}); !errors.Is(err, ErrNoCapacity) {
+		t.Fatalf("second open: %v", err)
+	}
+	chunks, err := p.Revoke("A")
+	must(t, err)
+	if len(chunks) != 2 || !s.Closed() || s.IsOffloaded("r") {
+		t.Fatalf("after revoke: %d chunks, closed %v, offloaded %v", len(chunks), s.Closed(), s.IsOffloaded("r"))
+	}
+	if err := p.Grant("B", ids); !errors.Is(err, ErrChunkDirty) {
+		t.Fatalf("grant of dirty chunks: %v", err)
+	}
+	for _, c := range chunks {
+		must(t, p.Scrubbed(c.ID))
+	}
+	must(t, p.Grant("B", ids))
+	s2, err := p.Open("B", Spec{GPU: 0, PageSize: 16 << 10, DevicePages: 8})
+	must(t, err)
+	if s2.NumFreePages() != 8 {
+		t.Fatalf("fresh session has %d free pages", s2.NumFreePages())
+	}
+	// Closing a session unbinds its chunks but keeps the allocation.
+	p.Close(s2)
+	if _, err := p.Open("B", Spec{GPU: 0, PageSize: 16 << 10, DevicePages: 8}); err != nil {
+		t.Fatalf("reopen after close: %v", err)
+	}
+	must(t, p.Check())
+}
