@@ -3,6 +3,8 @@ package e2e
 import (
 	"bytes"
 	"context"
+	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -63,9 +65,11 @@ type agent struct {
 	log  string
 }
 
-// startAgent runs the agent in cluster mode with the simulator backend.
-// KVPOOL_E2E_AGENT_ARGS replaces the default arguments ("--config FILE
-// --backend=sim"); FILE is substituted for the literal {config}.
+// startAgent runs the agent with the simulator backend as a kubelet device
+// plugin. The default arguments are the flags cmd/agent has today;
+// KVPOOL_E2E_AGENT_ARGS replaces them (space separated; {config} stands for
+// the AgentConfig file written here, {run} for the run directory, {kubelet}
+// for the kubelet root directory).
 func (c *cluster) startAgent(t *testing.T) *agent {
 	t.Helper()
 	dir := filepath.Join(c.Run, "agent")
@@ -76,12 +80,15 @@ func (c *cluster) startAgent(t *testing.T) *agent {
 	if err := os.WriteFile(cfg, []byte(agentConfig(c.Run, c.KubeletDir)), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	args := []string{"--config", "{config}", "--backend=sim"}
+	args := strings.Fields("--standalone --device-plugin --resource-name " + resourceName +
+		" --kubelet-dir {kubelet} --socket-dir {run}/sock --state-dir {run}/state" +
+		" --reclaim-grace-period " + gracePeriod.String() + " --reclaim-interval " + reconcile.String())
 	if s := os.Getenv("KVPOOL_E2E_AGENT_ARGS"); s != "" {
 		args = strings.Fields(s)
 	}
+	r := strings.NewReplacer("{config}", cfg, "{run}", c.Run, "{kubelet}", c.KubeletDir)
 	for i := range args {
-		args[i] = strings.ReplaceAll(args[i], "{config}", cfg)
+		args[i] = r.Replace(args[i])
 	}
 	logPath := filepath.Join(c.Run, "logs", "agent.log")
 	logf, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
@@ -217,28 +224,84 @@ func nonZero(t *testing.T, path string) int {
 	return len(b) - bytes.Count(b, []byte{0})
 }
 
-// kvclientScript checks the container contract (socket directory mounted,
-// KVPOOL_SOCKET and KVPOOL_TOKEN set) and then runs the kvclient, which
-// moves random pages through offload, reload, discard and remove_request
-// and verifies every byte. Its output becomes the termination message.
-func kvclientScript(withClient bool) string {
-	args := os.Getenv("KVPOOL_E2E_KVCLIENT_ARGS")
-	if args == "" {
-		args = "-ops 500"
+// checkpointHolders reads the device plugin's checkpoint in the state
+// directory: which devices each allocation holds and which pod it was last
+// seen with. ok is false when the agent keeps no such file.
+func (c *cluster) checkpointHolders(t *testing.T) (holders map[string][]string, ok bool) {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join(c.Run, "state", "plugin-checkpoint.json"))
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, false
 	}
+	if err != nil {
+		t.Fatalf("read checkpoint: %v", err)
+	}
+	var f struct {
+		Records []struct {
+			Devices []string `json:"devices"`
+			Pod     string   `json:"pod"`
+			Token   string   `json:"token"`
+		} `json:"records"`
+	}
+	if err := json.Unmarshal(b, &f); err != nil {
+		t.Fatalf("checkpoint: %v", err)
+	}
+	holders = map[string][]string{}
+	for _, r := range f.Records {
+		key := r.Pod
+		if key == "" {
+			key = "(no pod yet) " + r.Token
+		}
+		holders[key] = append(holders[key], r.Devices...)
+	}
+	return holders, true
+}
+
+// podCheck is what a pod checks inside its container.
+type podCheck struct {
+	socket bool // the agent serves its socket: it must be in the container
+	client bool // run the kvclient against it
+}
+
+// script checks the container contract (socket directory mounted,
+// KVPOOL_SOCKET and KVPOOL_TOKEN set, the socket itself when the agent
+// serves one) and then runs the kvclient, which moves random pages through
+// offload, reload, discard and remove_request and verifies every byte. Its
+// output becomes the termination message.
+func (pc podCheck) script() string {
 	s := `set -u
 fail() { echo "FAIL: $*" >/dev/termination-log; exit 1; }
 [ "$KVPOOL_SOCKET" = /var/run/kvpool/kvpool.sock ] || fail "KVPOOL_SOCKET=$KVPOOL_SOCKET"
 [ -n "$KVPOOL_TOKEN" ] || fail "KVPOOL_TOKEN is empty"
 [ -d /var/run/kvpool ] || fail "socket directory /var/run/kvpool not mounted"
-[ -S "$KVPOOL_SOCKET" ] || fail "$KVPOOL_SOCKET is not a socket: $(ls -la /var/run/kvpool)"
 `
-	if !withClient {
-		return s + `echo "contract ok" >/dev/termination-log`
+	if pc.socket {
+		s += `[ -S "$KVPOOL_SOCKET" ] || fail "$KVPOOL_SOCKET is not a socket: $(ls -la /var/run/kvpool)"
+`
+	}
+	if !pc.client {
+		return s + `echo "contract ok: token ${#KVPOOL_TOKEN} bytes, $(ls /var/run/kvpool | wc -l) entries in /var/run/kvpool" >/dev/termination-log`
+	}
+	args := os.Getenv("KVPOOL_E2E_KVCLIENT_ARGS")
+	if args == "" {
+		args = "-ops 500"
 	}
 	return s + `out=$(/kvclient ` + args + ` 2>&1); rc=$?
 printf 'contract ok\n%s\n' "$out" | tail -c 3500 >/dev/termination-log
 exit $rc`
+}
+
+// runPod runs a pod requesting units of the resource to completion and
+// fails the test unless it succeeded.
+func (c *cluster) runPod(t *testing.T, name string, units int64, pc podCheck) {
+	t.Helper()
+	c.createPod(t, c.podSpec(name, []string{"sh", "-c", pc.script()}, units, resourceName))
+	p := c.waitPod(t, name, 120*time.Second, corev1.PodSucceeded, corev1.PodFailed)
+	msg := terminationMessage(p)
+	if p.Status.Phase != corev1.PodSucceeded {
+		t.Fatalf("%s: %s\n%s", name, describePod(p), msg)
+	}
+	t.Logf("%s said:\n%s", name, msg)
 }
 
 // TestAgent is the agent's life on a real node, in order: registration and
@@ -246,36 +309,40 @@ exit $rc`
 // kubelet restart.
 func TestAgent(t *testing.T) {
 	c := newCluster(t)
-	for _, need := range []string{"pkg/plugin", "pkg/server"} {
-		if _, err := os.Stat(filepath.Join(c.Repo, need)); err != nil {
-			t.Skipf("agent scenarios need %s (device plugin, issue 6; copy API server, issue 3), not in this tree yet", need)
-		}
+	if _, err := os.Stat(filepath.Join(c.Repo, "pkg", "plugin")); err != nil {
+		t.Skip("agent scenarios need the device plugin (pkg/plugin, issue 6), not in this tree yet")
 	}
 	c.waitNodeReady(t, 90*time.Second)
 	a := c.startAgent(t)
+	sock := filepath.Join(c.Run, "sock", "kvpool.sock")
+	parent := t // pods that outlive one subtest
 
 	t.Run("capacity", func(t *testing.T) {
 		c.waitCapacity(t, a, poolChunks, 60*time.Second)
 	})
 
+	// What the pods can check depends on what the agent serves.
+	var pc podCheck
+	if st, err := os.Stat(sock); err == nil && st.Mode()&os.ModeSocket != 0 {
+		pc.socket = true
+		pc.client = c.KVClient != ""
+	}
+
 	t.Run("pod gets memory", func(t *testing.T) {
-		c.createPod(t, c.podSpec("kv-user", []string{"sh", "-c", kvclientScript(c.KVClient != "")}, 2, resourceName))
-		p := c.waitPod(t, "kv-user", 90*time.Second, corev1.PodSucceeded, corev1.PodFailed)
-		msg := terminationMessage(p)
-		if p.Status.Phase != corev1.PodSucceeded {
-			t.Fatalf("kv-user: %s\n%s", describePod(p), msg)
-		}
-		t.Logf("kv-user said:\n%s", msg)
+		c.runPod(t, "kv-user", 2, pc)
 		if devs := c.podDevices(t)["kv-user"]; len(devs) != 2 {
 			t.Errorf("PodResources: kv-user holds %v, want 2 %s devices", devs, resourceName)
 		}
-		if c.KVClient == "" {
-			t.Skip("contract checked (socket dir, env); cmd/kvclient (issue 3) is not in this tree, so no bytes were moved")
+		switch {
+		case !pc.socket:
+			t.Skipf("contract checked (socket dir mounted, env set); the agent serves no socket at %s (copy API, issue 3, not in this build), so no bytes were moved", sock)
+		case !pc.client:
+			t.Skip("contract and socket checked; cmd/kvclient (issue 3) is not in this tree, so no bytes were moved")
 		}
 	})
 
 	t.Run("over-ask refused by admission", func(t *testing.T) {
-		c.createPod(t, c.podSpec("holder", []string{"/pause"}, poolChunks-2, resourceName))
+		c.createPod(parent, c.podSpec("holder", []string{"/pause"}, poolChunks-2, resourceName))
 		if p := c.waitPod(t, "holder", 90*time.Second, corev1.PodRunning, corev1.PodFailed); p.Status.Phase != corev1.PodRunning {
 			t.Fatalf("holder: %s", describePod(p))
 		}
@@ -283,9 +350,10 @@ func TestAgent(t *testing.T) {
 		p := c.waitPod(t, "greedy", 60*time.Second, corev1.PodFailed, corev1.PodRunning)
 		if p.Status.Phase != corev1.PodFailed ||
 			(p.Status.Reason != "UnexpectedAdmissionError" && !strings.HasPrefix(p.Status.Reason, "OutOf")) {
-			t.Fatalf("greedy (3 units, %d free) was not refused by admission: %s", 2, describePod(p))
+			t.Fatalf("greedy (3 units, 2 free) was not refused by admission: %s", describePod(p))
 		}
 		t.Logf("greedy refused: %s: %s", p.Status.Reason, p.Status.Message)
+		c.deletePod(t, "greedy")
 	})
 
 	t.Run("deleted pod's chunks return zeroed", func(t *testing.T) {
@@ -293,12 +361,20 @@ func TestAgent(t *testing.T) {
 		if len(held) != poolChunks-2 {
 			t.Fatalf("PodResources: holder holds %v, want %d devices", held, poolChunks-2)
 		}
+		// The agent recorded the holder's allocation.
+		eventually(t, 2*reconcile+5*time.Second, "checkpoint lists default/holder", func() (bool, string, error) {
+			h, ok := c.checkpointHolders(t)
+			if !ok {
+				return false, "no checkpoint yet", nil
+			}
+			return len(h["default/holder"]) == len(held), fmt.Sprintf("checkpoint: %v", h), nil
+		})
+		// Where the chunks are memfds, dirty them the way the pod's client
+		// would (it maps the same files), so that zeroing is observable.
 		files := chunkFiles(t, a.cmd.Process.Pid, held)
-		if len(files) != len(held) {
-			t.Fatalf("found the agent's memfds for %d of the holder's chunks %v (memfd names must contain the chunk ID)", len(files), held)
+		if len(files) > 0 && len(files) != len(held) {
+			t.Fatalf("found the agent's memfds for %d of the holder's chunks %v", len(files), held)
 		}
-		// Dirty the holder's chunks the way a pod's client would (it maps the
-		// same memfds), so that zeroing is observable.
 		for id, f := range files {
 			if err := os.WriteFile(f, bytes.Repeat([]byte{0xA5}, 4096), 0); err != nil {
 				t.Fatalf("dirty chunk %s: %v", id, err)
@@ -307,35 +383,34 @@ func TestAgent(t *testing.T) {
 		c.deletePod(t, "holder")
 		deleted := time.Now()
 		limit := gracePeriod + reconcile + 5*time.Second
-		eventually(t, limit, "holder's chunks zeroed", func() (bool, string, error) {
+		eventually(t, limit, "holder's allocation reclaimed", func() (bool, string, error) {
 			a.exited(t)
+			h, _ := c.checkpointHolders(t)
 			dirty := []string{}
 			for id, f := range files {
 				if n := nonZero(t, f); n > 0 {
 					dirty = append(dirty, id+":"+strconv.Itoa(n))
 				}
 			}
-			return len(dirty) == 0, fmt.Sprintf("chunks with non-zero bytes: %v", dirty), nil
+			return len(h["default/holder"]) == 0 && len(dirty) == 0,
+				fmt.Sprintf("checkpoint %v; chunks with non-zero bytes %v", h, dirty), nil
 		})
-		t.Logf("holder's %d chunks zeroed %v after deletion (limit %v)", len(files), time.Since(deleted).Round(100*time.Millisecond), limit)
+		t.Logf("holder's %d chunks reclaimed %v after deletion (limit %v)", len(held), time.Since(deleted).Round(100*time.Millisecond), limit)
 
-		// The pool can hand out every chunk again: a pod takes all of them.
-		c.createPod(t, c.podSpec("all", []string{"sh", "-c", kvclientScript(c.KVClient != "")}, poolChunks, resourceName))
-		if p := c.waitPod(t, "all", 90*time.Second, corev1.PodSucceeded, corev1.PodFailed); p.Status.Phase != corev1.PodSucceeded {
-			t.Fatalf("pod taking all %d chunks: %s\n%s", poolChunks, describePod(p), terminationMessage(p))
-		}
+		// The pool hands out every chunk again: a pod takes all of them.
+		c.runPod(t, "all", poolChunks, pc)
 		c.deletePod(t, "all")
+		if len(files) == 0 {
+			t.Skip("reclaim checked through the agent's checkpoint; the agent's chunks are not memfds in this build (simulated chunks hold no bytes), so zeroing was not observable")
+		}
 	})
 
 	t.Run("kubelet restart", func(t *testing.T) {
 		c.ctl(t, "restart-kubelet")
 		c.waitNodeReady(t, 90*time.Second)
-		// The plugin re-registers with the new kubelet: capacity comes back
-		// and a new pod is admitted and works.
+		// The plugin re-registers with the new kubelet: capacity is back and a
+		// new pod is admitted (Allocate reaches the plugin) and works.
 		c.waitCapacity(t, a, poolChunks, 60*time.Second)
-		c.createPod(t, c.podSpec("after-restart", []string{"sh", "-c", kvclientScript(c.KVClient != "")}, 1, resourceName))
-		if p := c.waitPod(t, "after-restart", 90*time.Second, corev1.PodSucceeded, corev1.PodFailed); p.Status.Phase != corev1.PodSucceeded {
-			t.Fatalf("after-restart: %s\n%s", describePod(p), terminationMessage(p))
-		}
+		c.runPod(t, "after-restart", 1, pc)
 	})
 }
