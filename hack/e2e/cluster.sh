@@ -26,6 +26,11 @@ TOKEN="${KVPOOL_E2E_TOKEN:-kvpool-e2e-admin-token}"
 BRIDGE="kvpoole2e0"
 CNI_BIN="${KVPOOL_E2E_CNI_BIN:-/usr/lib/cni}"
 CTRD_SOCK="$RUN/containerd/containerd.sock"
+# The kubelet keeps device plugin sockets in /var/lib/kubelet/device-plugins
+# whatever its --root-dir, and the agent finds device-plugins/ and
+# pod-resources/ under one directory, so the kubelet gets its default root.
+# down removes it again when up created it.
+KUBELET_ROOT=/var/lib/kubelet
 
 log() { printf '[cluster %s] %s\n' "$(date -u +%T)" "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
@@ -176,6 +181,7 @@ imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
 evictionHard: {memory.available: "1Mi", nodefs.available: "1%", imagefs.available: "1%"}
 nodeStatusUpdateFrequency: 2s
+nodeStatusReportFrequency: 2s
 syncFrequency: 5s
 fileCheckFrequency: 5s
 resolvConf: /etc/resolv.conf
@@ -195,7 +201,7 @@ up() {
   wait_for etcd 30 curl -fsS "http://127.0.0.1:$ETCD_PORT/health"
 
   start kube-apiserver "$BIN/kube-apiserver" --etcd-servers="http://127.0.0.1:$ETCD_PORT" \
-    --cert-dir="$RUN/pki" --secure-port="$API_PORT" --bind-address=127.0.0.1 --advertise-address=127.0.0.1 \
+    --cert-dir="$RUN/pki" --secure-port="$API_PORT" --bind-address=127.0.0.1 --endpoint-reconciler-type=none \
     --service-account-issuer=https://kubernetes.default.svc \
     --service-account-key-file="$RUN/pki/sa.pub" --service-account-signing-key-file="$RUN/pki/sa.key" \
     --token-auth-file="$RUN/pki/tokens.csv" --authorization-mode=RBAC \
@@ -211,13 +217,17 @@ up() {
   done
   ctr --address "$CTRD_SOCK" -n k8s.io images ls -q | sed 's/^/[cluster] image: /' >&2
 
+  if [ ! -e "$KUBELET_ROOT" ]; then
+    mkdir -p "$KUBELET_ROOT"
+    touch "$RUN/created-kubelet-root"
+  fi
   start_kubelet
 }
 
 start_kubelet() {
   start kubelet "$BIN/kubelet" --config="$RUN/kubelet/config.yaml" --kubeconfig="$RUN/kubeconfig" \
-    --root-dir="$RUN/kubelet/root" --cert-dir="$RUN/kubelet/pki" \
-    --hostname-override="$NODE" --node-ip=127.0.0.1 -v=1
+    --root-dir="$KUBELET_ROOT" --cert-dir="$RUN/kubelet/pki" \
+    --hostname-override="$NODE" -v=1
   wait_for kubelet 60 curl -fsS "http://127.0.0.1:$KUBELET_HEALTHZ_PORT/healthz"
 }
 
@@ -256,9 +266,13 @@ down() {
   stop kube-apiserver
   stop etcd
   # Mounts (pod volumes, overlay rootfs, netns, shm) under the run dir, deepest first.
-  awk -v run="$RUN" 'index($2, run) == 1 {print $2}' /proc/mounts | sort -r | while read -r m; do
+  awk -v run="$RUN" -v kr="$KUBELET_ROOT/" 'index($2, run) == 1 || index($2, kr) == 1 {print $2}' /proc/mounts | sort -r | while read -r m; do
     umount -l "$m" 2>/dev/null || true
   done
+  if [ -f "$RUN/created-kubelet-root" ]; then
+    rm -rf "$KUBELET_ROOT"
+    rm -f "$RUN/created-kubelet-root"
+  fi
   # Network namespaces our CNI made live under /run/netns/cni-*; remove those
   # left empty (containerd deletes its own on a clean stop).
   ip link del "$BRIDGE" 2>/dev/null || true
@@ -275,7 +289,7 @@ print_env() {
 KUBECONFIG=$RUN/kubeconfig
 KVPOOL_E2E_RUN=$RUN
 KVPOOL_E2E_NODE=$NODE
-KVPOOL_E2E_KUBELET_DIR=$RUN/kubelet/root
+KVPOOL_E2E_KUBELET_DIR=$KUBELET_ROOT
 KVPOOL_E2E_CTL=$E2E_DIR/cluster.sh
 EOF
 }
