@@ -208,6 +208,7 @@ up() {
     --service-cluster-ip-range=10.0.0.0/24 --disable-admission-plugins=ServiceAccount
   wait_for kube-apiserver 90 curl -fsSk -H "Authorization: Bearer $TOKEN" "https://127.0.0.1:$API_PORT/readyz"
 
+  ls /run/netns 2>/dev/null >"$RUN/netns-before" || true
   start containerd containerd --config "$RUN/containerd/config.toml"
   wait_for containerd 30 ctr --address "$CTRD_SOCK" version
 
@@ -266,15 +267,26 @@ down() {
   stop kube-apiserver
   stop etcd
   # Mounts (pod volumes, overlay rootfs, netns, shm) under the run dir, deepest first.
-  awk -v run="$RUN" -v kr="$KUBELET_ROOT/" 'index($2, run) == 1 || index($2, kr) == 1 {print $2}' /proc/mounts | sort -r | while read -r m; do
+  # (the kubelet also bind-mounts its root directory onto itself)
+  awk -v run="$RUN" -v kr="$KUBELET_ROOT" 'index($2, run) == 1 || $2 == kr || index($2, kr "/") == 1 {print $2}' /proc/mounts | sort -r | while read -r m; do
     umount -l "$m" 2>/dev/null || true
   done
   if [ -f "$RUN/created-kubelet-root" ]; then
     rm -rf "$KUBELET_ROOT"
     rm -f "$RUN/created-kubelet-root"
   fi
-  # Network namespaces our CNI made live under /run/netns/cni-*; remove those
-  # left empty (containerd deletes its own on a clean stop).
+  # Network namespaces of sandboxes live in /run/netns/cni-*; remove the ones
+  # that appeared after up (containerd removes them itself when the kubelet
+  # stops a sandbox, not when the harness kills what is left).
+  if [ -f "$RUN/netns-before" ]; then
+    local ns
+    for ns in /run/netns/cni-*; do
+      [ -e "$ns" ] || continue
+      grep -qxF "$(basename "$ns")" "$RUN/netns-before" && continue
+      umount "$ns" 2>/dev/null || true
+      rm -f "$ns"
+    done
+  fi
   ip link del "$BRIDGE" 2>/dev/null || true
   # Pod cgroups: kubelet's cgroupfs driver makes /kubepods in every hierarchy.
   local d

@@ -425,6 +425,25 @@ func TestAgent(t *testing.T) {
 			return beat.After(restarted) && q.Value() == poolChunks,
 				fmt.Sprintf("Ready heartbeat %s (restart %s), allocatable %d", beat.Format(time.TimeOnly), restarted.Format(time.TimeOnly), q.Value()), nil
 		})
-		c.runPod(t, "after-restart", 1, pc)
+		// Right after a restart the kubelet admits pods before it has synced
+		// with the re-registered plugin and may refuse them
+		// (UnexpectedAdmissionError, "Available: 0"); a scheduler would
+		// retry. The plugin must become usable within the deadline.
+		deadline := time.Now().Add(60 * time.Second)
+		for try := 1; ; try++ {
+			name := fmt.Sprintf("after-restart-%d", try)
+			c.createPod(t, c.podSpec(name, []string{"sh", "-c", pc.script()}, 1, resourceName))
+			p := c.waitPod(t, name, 120*time.Second, corev1.PodSucceeded, corev1.PodFailed)
+			if p.Status.Phase == corev1.PodSucceeded {
+				t.Logf("%s (try %d, %v after the restart) said:\n%s", name, try, time.Since(restarted).Round(100*time.Millisecond), terminationMessage(p))
+				break
+			}
+			if p.Status.Reason != "UnexpectedAdmissionError" || time.Now().After(deadline) {
+				t.Fatalf("%s: %s\n%s", name, describePod(p), terminationMessage(p))
+			}
+			t.Logf("%s refused by admission (%s); retrying", name, p.Status.Message)
+			c.deletePod(t, name)
+			time.Sleep(time.Second)
+		}
 	})
 }
