@@ -15,6 +15,9 @@ import (
 )
 
 func main() {
+	if len(os.Args) > 1 && os.Args[1] == "plan" {
+		exitOn(runPlan(context.Background(), os.Args[2:]))
+	}
 	standalone := flag.Bool("standalone", false, "run without kubelet on simulated GPUs and an in-memory pool")
 	var pluginCfg pluginConfig
 	pluginCfg.addFlags(flag.CommandLine)
@@ -45,4 +48,13 @@ func main() {
 	<-ctx.Done()
 	plug.Wait()
 	slog.Info("kvpool agent stopped")
+}
+
+// exitOn ends a subcommand: status 0, or 1 with the error on stderr.
+func exitOn(err error) {
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "agent:", err)
+		os.Exit(1)
+	}
+	os.Exit(0)
 }

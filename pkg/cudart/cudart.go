@@ -8,6 +8,13 @@
 // binding, and the simulator in this package behaves the same way on a CPU:
 // copies run later, in stream order, on their stream's own goroutine.
 //
+// Load picks the backend: the CUDA driver, opened from libcuda.so.1 at run
+// time (no toolkit at build time; entry points resolved by version through
+// cuGetProcAddress), when it loads and a device answers, else the
+// simulator. Layout describes an engine's KV pages in device memory and
+// Mover moves them on a copy stream per direction, ordered against the
+// caller's stream by events. docs/gpu.md has the details.
+//
 // The package knows nothing about pools, sessions or sockets.
 package cudart
 
@@ -77,8 +84,9 @@ type Device interface {
 	MemAlloc(bytes uint64) (DevicePtr, error)
 	MemFree(p DevicePtr) error
 	// MemcpyHtoD and MemcpyDtoH are synchronous copies for setup and
-	// verification (cuMemcpyHtoD, cuMemcpyDtoH). They do not order against
-	// other streams; synchronize first.
+	// verification (cuMemcpyHtoD, cuMemcpyDtoH): the bytes have landed
+	// when they return. They do not order against other streams;
+	// synchronize first.
 	MemcpyHtoD(dst DevicePtr, src []byte) error
 	MemcpyDtoH(dst []byte, src DevicePtr) error
 

@@ -2,6 +2,7 @@ package cudart
 
 import (
 	"bytes"
+	"encoding/binary"
 	"errors"
 	"math/rand/v2"
 	"testing"
@@ -51,11 +52,10 @@ func newFixture(t *testing.T, delay time.Duration) *fixture {
 }
 
 func randBytes(n int, seed uint64) []byte {
-	r := rand.New(rand.NewPCG(seed, 1))
+	var key [32]byte
+	binary.LittleEndian.PutUint64(key[:], seed)
 	b := make([]byte, n)
-	for i := range b {
-		b[i] = byte(r.Uint32())
-	}
+	rand.NewChaCha8(key).Read(b)
 	return b
 }
 

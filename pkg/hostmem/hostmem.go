@@ -1,10 +1,15 @@
 // Package hostmem allocates the pool's chunks: shareable memory files that
-// the agent maps and passes to clients by file descriptor.
+// the agent maps and passes to clients by file descriptor. A chunk can be
+// backed by huge pages, bound to a NUMA node before its first touch,
+// pre-faulted by several goroutines and locked in memory.
 package hostmem
 
 import (
+	"errors"
 	"fmt"
 	"os"
+	"sync"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -12,41 +17,223 @@ import (
 // Chunk is one shareable memory region: a memory file and the agent's
 // mapping of it.
 type Chunk struct {
-	File *os.File // memfd (or hugetlbfs file); pass File.Fd() by SCM_RIGHTS
+	File *os.File // memfd (or hugetlb memfd); pass File.Fd() by SCM_RIGHTS
 	Mem  []byte   // the agent's shared mapping
 	Size int64
+
+	PageSize int64 // the page size actually used
+	Node     int   // the NUMA node the memory is bound to; -1 when unbound
+	Locked   bool  // mlock succeeded
+	// Warnings lists the fallbacks taken (4 KiB pages instead of huge
+	// pages, no NUMA binding, not locked), one sentence each.
+	Warnings []string
 }
 
-// Options says how to allocate a chunk.
+// Options says how to allocate a chunk. The zero value of every field but
+// Size gives a plain, lazily faulted, unbound, unlocked memfd.
 type Options struct {
-	Size int64  // bytes; must be a positive multiple of the OS page size
+	Size int64  // bytes; a positive multiple of the page size used
 	Name string // shown in /proc/<pid>/fd and maps
+
+	// PageSize is 0 (or the OS page size) for ordinary pages, or 2 MiB or
+	// 1 GiB for a hugetlb memfd from the kernel's reserved pool.
+	PageSize int64
+	// HugeFallback: when huge pages cannot be had (none reserved, too few
+	// free), use ordinary pages and add a warning instead of failing.
+	HugeFallback bool
+
+	// Bind binds the memory to NUMA node Node (mbind MPOL_BIND) before the
+	// first touch. Where the kernel has no NUMA support or the process may
+	// not set memory policy, the chunk stays unbound with a warning; a node
+	// that does not exist is an error.
+	Bind bool
+	Node int
+
+	// Prefault touches every page before Alloc returns, with Workers
+	// goroutines (at least 1) each populating a part of the chunk.
+	Prefault bool
+	Workers  int
+
+	// Lock locks the chunk in memory (mlock). A failure is an error
+	// explaining the memlock limit, unless LockFallback is set, in which
+	// case the chunk stays unlocked with a warning (safe: a client pins
+	// what it registers with CUDA).
+	Lock         bool
+	LockFallback bool
 }
 
-// Alloc creates a memfd of o.Size bytes and maps it shared.
+// Errors that callers may test with errors.Is.
+var (
+	// ErrHugePages: the requested huge pages could not be had.
+	ErrHugePages = errors.New("huge pages unavailable")
+	// ErrMemlock: the chunk could not be locked in memory.
+	ErrMemlock = errors.New("cannot lock memory")
+)
+
+const (
+	hugePage2M = 2 << 20
+	hugePage1G = 1 << 30
+)
+
+// Alloc creates a memfd of o.Size bytes and maps it shared, then binds,
+// pre-faults and locks it as o asks. On error nothing is left allocated.
 func Alloc(o Options) (*Chunk, error) {
-	if o.Size <= 0 || o.Size%int64(os.Getpagesize()) != 0 {
-		return nil, fmt.Errorf("hostmem: chunk size %d is not a positive multiple of the page size %d", o.Size, os.Getpagesize())
+	base := int64(os.Getpagesize())
+	ps := o.PageSize
+	if ps == 0 {
+		ps = base
 	}
 	name := o.Name
 	if name == "" {
 		name = "kvpool-chunk"
 	}
-	fd, err := unix.MemfdCreate(name, unix.MFD_CLOEXEC)
-	if err != nil {
-		return nil, fmt.Errorf("hostmem: memfd_create %q: %w", name, err)
+	switch {
+	case ps != base && ps != hugePage2M && ps != hugePage1G:
+		return nil, fmt.Errorf("hostmem: page size %d is not %d, 2 MiB or 1 GiB", ps, base)
+	case o.Size <= 0 || o.Size%ps != 0:
+		return nil, fmt.Errorf("hostmem: chunk size %d is not a positive multiple of the page size %d", o.Size, ps)
+	case o.Workers < 0:
+		return nil, fmt.Errorf("hostmem: %d workers", o.Workers)
+	case o.Bind && (o.Node < 0 || o.Node >= 1024):
+		return nil, fmt.Errorf("hostmem: NUMA node %d out of range", o.Node)
 	}
-	f := os.NewFile(uintptr(fd), name)
-	if err := f.Truncate(o.Size); err != nil {
-		f.Close()
-		return nil, fmt.Errorf("hostmem: size memfd %q to %d bytes: %w", name, o.Size, err)
+	c := &Chunk{Size: o.Size, PageSize: ps, Node: -1}
+	err := c.create(name, ps)
+	if err != nil && errors.Is(err, ErrHugePages) && o.HugeFallback {
+		c.Warnings = append(c.Warnings, fmt.Sprintf("%v; using %d KiB pages", err, base>>10))
+		c.PageSize = base
+		err = c.create(name, base)
 	}
-	mem, err := Map(f, o.Size)
 	if err != nil {
-		f.Close()
 		return nil, err
 	}
-	return &Chunk{File: f, Mem: mem, Size: o.Size}, nil
+	if err := c.setup(o); err != nil {
+		c.Close()
+		return nil, err
+	}
+	return c, nil
+}
+
+// create makes the memfd and maps it.
+func (c *Chunk) create(name string, ps int64) error {
+	flags := unix.MFD_CLOEXEC
+	if ps == hugePage2M {
+		flags |= unix.MFD_HUGETLB | unix.MFD_HUGE_2MB
+	} else if ps == hugePage1G {
+		flags |= unix.MFD_HUGETLB | unix.MFD_HUGE_1GB
+	}
+	huge := flags&unix.MFD_HUGETLB != 0
+	fd, err := unix.MemfdCreate(name, flags)
+	if err != nil {
+		if huge {
+			return fmt.Errorf("hostmem: memfd_create %q with %d MiB huge pages: %w (%w)", name, ps>>20, err, ErrHugePages)
+		}
+		return fmt.Errorf("hostmem: memfd_create %q: %w", name, err)
+	}
+	f := os.NewFile(uintptr(fd), name)
+	if err := f.Truncate(c.Size); err != nil {
+		f.Close()
+		return fmt.Errorf("hostmem: size memfd %q to %d bytes: %w", name, c.Size, err)
+	}
+	mem, err := Map(f, c.Size)
+	if err != nil {
+		f.Close()
+		if huge && errors.Is(err, unix.ENOMEM) {
+			return fmt.Errorf("hostmem: %d MiB chunk needs %d free %d MiB huge pages (see /proc/sys/vm/nr_hugepages): %w", c.Size>>20, c.Size/ps, ps>>20, ErrHugePages)
+		}
+		return err
+	}
+	c.File, c.Mem = f, mem
+	return nil
+}
+
+func (c *Chunk) setup(o Options) error {
+	if o.Bind {
+		switch err := mbind(c.Mem, o.Node); {
+		case err == nil:
+			c.Node = o.Node
+		case errors.Is(err, unix.ENOSYS):
+			c.Warnings = append(c.Warnings, fmt.Sprintf("not bound to NUMA node %d: the kernel has no NUMA support", o.Node))
+		case errors.Is(err, unix.EPERM):
+			c.Warnings = append(c.Warnings, fmt.Sprintf("not bound to NUMA node %d: mbind not permitted (the container needs CAP_SYS_NICE or a seccomp profile allowing mbind)", o.Node))
+		case errors.Is(err, unix.EINVAL):
+			return fmt.Errorf("hostmem: bind to NUMA node %d: %w (is the node online? see /sys/devices/system/node)", o.Node, err)
+		default:
+			return fmt.Errorf("hostmem: bind to NUMA node %d: %w", o.Node, err)
+		}
+	}
+	if o.Prefault {
+		if err := populate(c.Mem, c.PageSize, max(o.Workers, 1)); err != nil {
+			return err
+		}
+	}
+	if o.Lock {
+		if err := unix.Mlock(c.Mem); err != nil {
+			err = fmt.Errorf("hostmem: mlock %d MiB: %w (%w): the agent needs CAP_IPC_LOCK or a memlock limit (ulimit -l, RLIMIT_MEMLOCK) above the pool size", c.Size>>20, err, ErrMemlock)
+			if !o.LockFallback {
+				return err
+			}
+			c.Warnings = append(c.Warnings, err.Error()+"; left unlocked")
+		} else {
+			c.Locked = true
+		}
+	}
+	return nil
+}
+
+// mbind sets MPOL_BIND to node on mem's range.
+func mbind(mem []byte, node int) error {
+	mask := make([]uint64, node/64+1)
+	mask[node/64] = 1 << (node % 64)
+	_, _, e := unix.Syscall6(unix.SYS_MBIND, uintptr(unsafe.Pointer(&mem[0])), uintptr(len(mem)),
+		uintptr(unix.MPOL_BIND), uintptr(unsafe.Pointer(&mask[0])), uintptr(len(mask)*64+1), 0)
+	if e != 0 {
+		return e
+	}
+	return nil
+}
+
+// populate faults mem in with workers goroutines, each taking a contiguous
+// share (whole pages). It uses MADV_POPULATE_WRITE, or writes a byte per
+// page on kernels without it (before 5.14).
+func populate(mem []byte, pageSize int64, workers int) error {
+	pages := int64(len(mem)) / pageSize
+	workers = int(min(int64(workers), pages))
+	per := (pages + int64(workers) - 1) / int64(workers)
+	var wg sync.WaitGroup
+	errs := make([]error, workers)
+	for w := 0; w < workers; w++ {
+		lo, hi := int64(w)*per*pageSize, min(int64(w+1)*per, pages)*pageSize
+		if lo >= hi {
+			continue
+		}
+		wg.Add(1)
+		go func(w int, part []byte) {
+			defer wg.Done()
+			err := unix.Madvise(part, unix.MADV_POPULATE_WRITE)
+			if errors.Is(err, unix.EINVAL) {
+				for i := 0; i < len(part); i += int(pageSize) {
+					part[i] = 0
+				}
+				err = nil
+			}
+			if err != nil {
+				errs[w] = fmt.Errorf("hostmem: pre-fault %d MiB: %w", len(part)>>20, explainFault(err))
+			}
+		}(w, mem[lo:hi])
+	}
+	wg.Wait()
+	return errors.Join(errs...)
+}
+
+func explainFault(err error) error {
+	switch {
+	case errors.Is(err, unix.ENOMEM):
+		return fmt.Errorf("%w (out of memory: the agent's cgroup limit or the node's memory is too small for the pool)", err)
+	case errors.Is(err, unix.EFAULT):
+		return fmt.Errorf("%w (no huge page or page could be faulted in)", err)
+	}
+	return err
 }
 
 // Map maps size bytes of f shared, read-write. Clients use it on the fds they
@@ -71,8 +258,11 @@ func (c *Chunk) Close() error {
 		err = unix.Munmap(c.Mem)
 		c.Mem = nil
 	}
-	if cerr := c.File.Close(); err == nil {
-		err = cerr
+	if c.File != nil {
+		if cerr := c.File.Close(); err == nil {
+			err = cerr
+		}
+		c.File = nil
 	}
 	return err
 }

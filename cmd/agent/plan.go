@@ -1,0 +1,187 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"text/tabwriter"
+
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+
+	"github.com/kvpool/kvpool/pkg/config"
+	"github.com/kvpool/kvpool/pkg/gpu"
+	"github.com/kvpool/kvpool/pkg/node"
+	"github.com/kvpool/kvpool/pkg/node/kubenode"
+	"github.com/kvpool/kvpool/pkg/sizing"
+)
+
+// simulatedGPUMemory is the device memory of a simulated GPU (an H100's).
+const simulatedGPUMemory = 80 << 30
+
+// runPlan is `agent plan`: discover the node and its GPUs, apply the sizing
+// policy and print the plan, allocating nothing.
+func runPlan(ctx context.Context, args []string) error {
+	return plan(ctx, args, os.Stdout, os.Getenv, nvml.New())
+}
+
+// planReport is what `agent plan --json` prints.
+type planReport struct {
+	Mode   string        `json:"mode"` // "node" or "standalone"
+	GPUs   string        `json:"gpus"` // where the GPUs came from
+	Node   nodeSummary   `json:"node"`
+	Policy config.Sizing `json:"policy"`
+	Plan   *sizing.Plan  `json:"plan"`
+}
+
+type nodeSummary struct {
+	MemTotal      int64 `json:"memTotal"`
+	MemAvailable  int64 `json:"memAvailable"`
+	CgroupVersion int   `json:"cgroupVersion"`
+	CgroupLimit   int64 `json:"cgroupLimit"` // -1: none
+	Allocatable   int64 `json:"allocatable"` // 0: not in a cluster
+	NUMANodes     int   `json:"numaNodes"`
+}
+
+func plan(ctx context.Context, args []string, out io.Writer, getenv func(string) string, lib nvml.Interface) error {
+	fs := flag.NewFlagSet("agent plan", flag.ContinueOnError)
+	fs.SetOutput(out)
+	fs.Usage = func() {
+		fmt.Fprintln(out, "usage: agent plan [--json] [--standalone] [config flags]\n\nPrints the pool the agent would allocate on this node, per GPU, and the input that bound it. Allocates nothing.")
+		fs.PrintDefaults()
+	}
+	asJSON := fs.Bool("json", false, "print the plan as JSON")
+	standalone := fs.Bool("standalone", false, "plan for simulated GPUs when NVML is absent, with standalone.poolBytes")
+	root := fs.String("root", "/", "root of the /proc and /sys trees to read (for tests)")
+	config.RegisterFlags(fs)
+	if err := fs.Parse(args); errors.Is(err, flag.ErrHelp) {
+		return nil // usage printed
+	} else if err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	cfg, err := config.Load("", getenv, fs)
+	if err != nil {
+		return err
+	}
+	info, err := node.Read(*root)
+	if err != nil {
+		return err
+	}
+	rep := planReport{Mode: "node", GPUs: "NVML", Node: nodeSummary{
+		MemTotal: info.MemTotal, MemAvailable: info.MemAvailable,
+		CgroupVersion: info.Cgroup.Version, CgroupLimit: info.Cgroup.Limit, NUMANodes: len(info.NUMANodes),
+	}}
+	devs, err := gpu.Discover(lib, *root)
+	switch {
+	case errors.Is(err, gpu.ErrNoNVML) && *standalone:
+		var numa []int
+		for _, n := range info.NUMANodes {
+			numa = append(numa, n.ID)
+		}
+		devs = gpu.Simulated(cfg.Standalone.GPUs, simulatedGPUMemory, numa)
+		rep.GPUs = fmt.Sprintf("simulated (%d; no NVML on this node)", len(devs))
+	case errors.Is(err, gpu.ErrNoNVML):
+		return fmt.Errorf("%w\n(use --standalone to plan for %d simulated GPUs)", err, cfg.Standalone.GPUs)
+	case err != nil:
+		return err
+	}
+	in := sizing.Input{Node: info}
+	for _, d := range devs {
+		in.GPUs = append(in.GPUs, sizing.GPU{Index: d.Index, UUID: d.UUID, NUMA: d.NUMA, Memory: d.Memory})
+	}
+	policy := cfg.Sizing
+	if *standalone {
+		rep.Mode = "standalone"
+		policy = sizing.Standalone(cfg, len(devs))
+	} else if alloc, err := allocatable(ctx, getenv); err != nil {
+		slog.Warn("node allocatable memory unknown; planning without it", "err", err)
+	} else {
+		in.Allocatable = alloc
+		rep.Node.Allocatable = alloc
+	}
+	rep.Policy = policy
+	p, err := sizing.Make(policy, in)
+	if err != nil {
+		return err
+	}
+	rep.Plan = p
+	if *asJSON {
+		enc := json.NewEncoder(out)
+		enc.SetIndent("", "  ")
+		return enc.Encode(rep)
+	}
+	printPlan(out, rep)
+	return nil
+}
+
+// inClusterConfig finds the API server from inside a pod; tests replace it.
+var inClusterConfig = rest.InClusterConfig
+
+// allocatable reads the Node's allocatable memory when running in a pod
+// (in-cluster config and NODE_NAME); 0 and no error outside a cluster.
+func allocatable(ctx context.Context, getenv func(string) string) (int64, error) {
+	if getenv("KUBERNETES_SERVICE_HOST") == "" {
+		return 0, nil
+	}
+	rc, err := inClusterConfig()
+	if err != nil {
+		return 0, err
+	}
+	cs, err := kubernetes.NewForConfig(rc)
+	if err != nil {
+		return 0, err
+	}
+	m, err := kubenode.Read(ctx, cs, getenv(kubenode.EnvNodeName))
+	if err != nil {
+		return 0, err
+	}
+	return m.Allocatable, nil
+}
+
+func printPlan(out io.Writer, r planReport) {
+	b := sizing.FormatBytes
+	p := r.Plan
+	cg := "none"
+	if r.Node.CgroupLimit >= 0 {
+		cg = fmt.Sprintf("%s (cgroup v%d)", b(r.Node.CgroupLimit), r.Node.CgroupVersion)
+	}
+	fmt.Fprintf(out, "mode %s, GPUs from %s\n", r.Mode, r.GPUs)
+	fmt.Fprintf(out, "node: MemTotal %s, MemAvailable %s, cgroup limit %s, NUMA nodes %d", b(r.Node.MemTotal), b(r.Node.MemAvailable), cg, r.Node.NUMANodes)
+	if r.Node.Allocatable > 0 {
+		fmt.Fprintf(out, ", allocatable %s", b(r.Node.Allocatable))
+	}
+	fmt.Fprintln(out)
+	fmt.Fprintln(out, "\nlimits:")
+	tw := tabwriter.NewWriter(out, 2, 4, 2, ' ', 0)
+	for _, l := range p.Limits {
+		mark := ""
+		if l.Name == p.Bound {
+			mark = "  <- binds"
+		}
+		fmt.Fprintf(tw, "  %s\t%s\t= %s%s\n", l.Name, l.How, b(l.Bytes), mark)
+	}
+	tw.Flush()
+	fmt.Fprintf(out, "\npool: %s in %s chunks\n\n", b(p.Total), b(p.ChunkBytes))
+	tw = tabwriter.NewWriter(out, 2, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "GPU\tUUID\tNUMA\tBYTES\tCHUNKS\tPAGE\tBOUND BY")
+	for _, g := range p.GPUs {
+		numa := fmt.Sprint(g.NUMA)
+		if g.NUMA < 0 {
+			numa = "unknown"
+		}
+		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%d\t%s\t%s\n", g.GPU, g.UUID, numa, b(g.Bytes), g.Chunks, b(g.PageSize), g.Bound)
+	}
+	tw.Flush()
+	for _, w := range p.Warnings {
+		fmt.Fprintln(out, "warning:", w)
+	}
+}

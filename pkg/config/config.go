@@ -1,0 +1,233 @@
+// Package config loads the kvpool agent's configuration: a versioned YAML
+// file (apiVersion kvpool.io/v1alpha1, kind AgentConfig), overridden by
+// KVPOOL_* environment variables, overridden in turn by command-line flags,
+// over built-in defaults. Every field is validated; an error names the field
+// and the source it came from.
+//
+// A minimal file:
+//
+//	apiVersion: kvpool.io/v1alpha1
+//	kind: AgentConfig
+//	sizing:
+//	  poolBytes: 64Gi
+//	  split: memory
+package config
+
+import (
+	"io"
+	"log/slog"
+	"path/filepath"
+	"time"
+)
+
+// Version identifiers of the file format.
+const (
+	APIVersion = "kvpool.io/v1alpha1"
+	Kind       = "AgentConfig"
+)
+
+// Names shared by the agent, the device plugin and the client library.
+const (
+	// DefaultResourceName is the extended resource a pod requests, one unit
+	// per chunk.
+	DefaultResourceName = "kvpool.io/host-kv"
+	// SocketFile is the name of the agent's socket inside SocketDir.
+	SocketFile = "kvpool.sock"
+	// ContainerSocketDir is where Allocate mounts SocketDir in a container.
+	ContainerSocketDir = "/var/run/kvpool"
+	// EnvSocket and EnvToken are the container environment variables set
+	// by Allocate: the socket path inside the container and the allocation
+	// token.
+	EnvSocket = "KVPOOL_SOCKET"
+	EnvToken  = "KVPOOL_TOKEN"
+	// EnvConfig names the config file when --config is not given.
+	EnvConfig = "KVPOOL_CONFIG"
+)
+
+// Split policies: how the pool is divided between GPUs.
+const (
+	SplitEqual  = "equal"  // the same bytes for every GPU
+	SplitMemory = "memory" // in proportion to each GPU's device memory
+)
+
+// Huge page policies.
+const (
+	HugePagesNever   = "never"   // always 4 KiB pages
+	HugePagesPrefer  = "prefer"  // huge pages where reserved, else 4 KiB pages with a warning
+	HugePagesRequire = "require" // huge pages or fail
+)
+
+// Config is the agent's whole configuration. The zero value is not valid;
+// start from Default or Load.
+type Config struct {
+	// APIVersion must be "kvpool.io/v1alpha1".
+	APIVersion string `json:"apiVersion"`
+	// Kind must be "AgentConfig".
+	Kind string `json:"kind"`
+
+	// ResourceName is the extended resource advertised to kubelet, one unit
+	// per chunk. Default "kvpool.io/host-kv". Must be a fully qualified
+	// name (domain/name) outside the kubernetes.io domain.
+	ResourceName string `json:"resourceName"`
+	// SocketDir is the host directory holding the agent's socket
+	// (SocketFile inside it); Allocate mounts the directory into
+	// containers at ContainerSocketDir. Default "/var/lib/kvpool/sock".
+	// Absolute; the socket path must fit a Unix socket address (107 bytes).
+	SocketDir string `json:"socketDir"`
+	// KubeletDir is kubelet's root directory; the device plugin socket
+	// directory and the PodResources socket are found under it. Default
+	// "/var/lib/kubelet". Absolute.
+	KubeletDir string `json:"kubeletDir"`
+	// StateDir holds the agent's checkpoint across restarts. Default
+	// "/var/lib/kvpool/state". Absolute.
+	StateDir string `json:"stateDir"`
+
+	// Sizing decides how much host memory the pool takes and how it is
+	// split into per-GPU pools and chunks.
+	Sizing Sizing `json:"sizing"`
+	// Reclaim says when chunks of pods that are gone return to the pool.
+	Reclaim Reclaim `json:"reclaim"`
+	// Metrics is the Prometheus endpoint.
+	Metrics Metrics `json:"metrics"`
+	// Health is the liveness and readiness endpoint.
+	Health Health `json:"health"`
+	// Log configures the agent's log/slog logger.
+	Log Log `json:"log"`
+	// Standalone configures --standalone mode (no kubelet).
+	Standalone Standalone `json:"standalone"`
+}
+
+// Sizing is the pool sizing policy. The planned pool never exceeds the
+// agent's cgroup memory limit less CgroupHeadroomBytes, nor MemAvailable
+// less ReserveBytes.
+type Sizing struct {
+	// PoolBytes is the whole pool across all GPUs as a quantity ("64Gi").
+	// When set (non-zero) it wins over Fraction. Default 0 (use Fraction).
+	PoolBytes Bytes `json:"poolBytes"`
+	// Fraction is the share of usable memory (MemAvailable less
+	// ReserveBytes, and at most the node's allocatable memory) given to the
+	// pool when PoolBytes is 0. In (0, 1]. Default 0.5.
+	Fraction float64 `json:"fraction"`
+	// ReserveBytes is memory kept for the system and other pods: the pool
+	// never takes MemAvailable less this. Default "8Gi".
+	ReserveBytes Bytes `json:"reserveBytes"`
+	// CgroupHeadroomBytes is kept free below the agent's own cgroup memory
+	// limit for the agent's heap and stacks. Default "512Mi".
+	CgroupHeadroomBytes Bytes `json:"cgroupHeadroomBytes"`
+	// Split divides the pool between GPUs: "equal" or "memory"
+	// (proportional to each GPU's device memory). Default "equal".
+	Split string `json:"split"`
+	// MinPerGPU is the least a GPU's pool may have; if the bounds leave
+	// less, planning fails naming the bound. Default 0 (no minimum).
+	MinPerGPU Bytes `json:"minPerGPU"`
+	// MaxPerGPU caps each GPU's pool. Default 0 (no cap). When both are
+	// set, MinPerGPU <= MaxPerGPU.
+	MaxPerGPU Bytes `json:"maxPerGPU"`
+	// ChunkBytes is the size of one chunk, the unit a pod requests and one
+	// device-plugin device. A multiple of 2Mi, from 2Mi to 64Gi.
+	// Default "1Gi".
+	ChunkBytes Bytes `json:"chunkBytes"`
+	// HugePages is the huge page policy: "never", "prefer" (use reserved
+	// huge pages where there are enough, else 4 KiB pages with a warning)
+	// or "require" (fail without them). Default "prefer".
+	HugePages string `json:"hugePages"`
+}
+
+// Reclaim configures the reconciliation against kubelet's PodResources.
+type Reclaim struct {
+	// GracePeriod is how long a chunk may stay allocated without a pod
+	// holding it before it returns to the pool (Allocate precedes the pod
+	// showing up in PodResources). Default "2m". Non-negative.
+	GracePeriod Duration `json:"gracePeriod"`
+	// Interval is how often PodResources is polled. Default "10s".
+	// Positive.
+	Interval Duration `json:"interval"`
+}
+
+// Metrics configures the Prometheus endpoint.
+type Metrics struct {
+	// Address is the host:port to serve /metrics on; empty disables it.
+	// Default ":9464".
+	Address string `json:"address"`
+}
+
+// Health configures the probe endpoint.
+type Health struct {
+	// Address is the host:port to serve /healthz and /readyz on; empty
+	// disables it. Default ":8081".
+	Address string `json:"address"`
+}
+
+// Log configures logging.
+type Log struct {
+	// Level is "debug", "info", "warn" or "error". Default "info".
+	Level string `json:"level"`
+	// Format is "text" or "json". Default "text".
+	Format string `json:"format"`
+}
+
+// Standalone configures --standalone mode: no kubelet, simulated GPUs when
+// no NVML is present, and allocations named by fixed tokens.
+type Standalone struct {
+	// Tokens are the allocation tokens clients may open sessions with
+	// (each one owns an equal share of the chunks). Each is non-empty,
+	// without whitespace or commas, and unique. In the environment and on
+	// the command line: a comma-separated list. Default: one token, "dev".
+	Tokens []string `json:"tokens"`
+	// GPUs is the number of simulated GPUs when no real GPU is found.
+	// 1 to 64. Default 2.
+	GPUs int `json:"gpus"`
+	// PoolBytes is the whole pool in standalone mode, replacing the sizing
+	// policy's total so a laptop does not pin half its memory. Default
+	// "512Mi". Positive.
+	PoolBytes Bytes `json:"poolBytes"`
+}
+
+// Default returns the built-in configuration.
+func Default() Config {
+	return Config{
+		APIVersion:   APIVersion,
+		Kind:         Kind,
+		ResourceName: DefaultResourceName,
+		SocketDir:    "/var/lib/kvpool/sock",
+		KubeletDir:   "/var/lib/kubelet",
+		StateDir:     "/var/lib/kvpool/state",
+		Sizing: Sizing{
+			Fraction:            0.5,
+			ReserveBytes:        8 * GiB,
+			CgroupHeadroomBytes: 512 * MiB,
+			Split:               SplitEqual,
+			ChunkBytes:          1 * GiB,
+			HugePages:           HugePagesPrefer,
+		},
+		Reclaim: Reclaim{
+			GracePeriod: Duration{2 * time.Minute},
+			Interval:    Duration{10 * time.Second},
+		},
+		Metrics:    Metrics{Address: ":9464"},
+		Health:     Health{Address: ":8081"},
+		Log:        Log{Level: "info", Format: "text"},
+		Standalone: Standalone{Tokens: []string{"dev"}, GPUs: 2, PoolBytes: 512 * MiB},
+	}
+}
+
+// SocketPath is the agent's socket on the host: SocketDir/SocketFile.
+func (c *Config) SocketPath() string { return filepath.Join(c.SocketDir, SocketFile) }
+
+// ContainerSocketPath is the socket's path inside a container, the value
+// of EnvSocket.
+func ContainerSocketPath() string { return ContainerSocketDir + "/" + SocketFile }
+
+// NewLogger returns a slog logger writing to w in the configured format at
+// the configured level (an unknown level logs at info).
+func (l Log) NewLogger(w io.Writer) *slog.Logger {
+	var lv slog.Level
+	if err := lv.UnmarshalText([]byte(l.Level)); err != nil {
+		lv = slog.LevelInfo
+	}
+	o := &slog.HandlerOptions{Level: lv}
+	if l.Format == "json" {
+		return slog.New(slog.NewJSONHandler(w, o))
+	}
+	return slog.New(slog.NewTextHandler(w, o))
+}

@@ -1,0 +1,442 @@
+package config
+
+import (
+	"errors"
+	"flag"
+	"os"
+	"path/filepath"
+	"reflect"
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestParseBytes(t *testing.T) {
+	good := []struct {
+		in   string
+		want Bytes
+	}{
+		{"0", 0},
+		{"4096", 4096},
+		{"1Ki", 1024},
+		{"512Mi", 512 << 20},
+		{"64Gi", 64 << 30},
+		{"2Ti", 2 << 40},
+		{"1Pi", 1 << 50},
+		{"1Ei", 1 << 60},
+		{"1.5Gi", 3 << 29},
+		{"0.5Ki", 512},
+		{"1k", 1000},
+		{"1K", 1000},
+		{"2M", 2e6},
+		{"3G", 3e9},
+		{"1T", 1e12},
+		{" 8Gi ", 8 << 30},
+		{"7Ei", 7 << 60},
+		{"9223372036854775807", 1<<63 - 1},
+	}
+	for _, g := range good {
+		got, err := ParseBytes(g.in)
+		if err != nil || got != g.want {
+			t.Errorf("ParseBytes(%q) = %d, %v; want %d", g.in, got, err, g.want)
+		}
+	}
+	bad := []struct{ in, msg string }{
+		{"", "empty"},
+		{"   ", "empty"},
+		{"-1", "want a non-negative number"},
+		{"-1Gi", "want a non-negative number"},
+		{"Gi", "want a non-negative number"},
+		{".", "want a non-negative number"},
+		{"1..2", "want a non-negative number"},
+		{"1.2.3Gi", "want a non-negative number"},
+		{"1e9", "unknown suffix"},
+		{"10GB", "unknown suffix"},
+		{"10gi", "unknown suffix"},
+		{"10 Gi", "unknown suffix"},
+		{"0.3", "not a whole number"},
+		{"1.1Ki", "not a whole number"},
+		{"8Ei", "too large"},
+		{"9223372036854775808", "too large"},
+		{"99999999999999999999999Ei", "too large"},
+	}
+	for _, b := range bad {
+		_, err := ParseBytes(b.in)
+		if err == nil || !strings.Contains(err.Error(), b.msg) {
+			t.Errorf("ParseBytes(%q) error = %v; want one containing %q", b.in, err, b.msg)
+		}
+	}
+}
+
+func TestBytesStringRoundTrip(t *testing.T) {
+	for _, b := range []Bytes{0, 1, 1000, 1024, 3 << 29, 512 << 20, 64 << 30, 5 << 40, 1<<63 - 1, 1 << 62} {
+		s := b.String()
+		got, err := ParseBytes(s)
+		if err != nil || got != b {
+			t.Errorf("ParseBytes(%d.String() = %q) = %d, %v", b, s, got, err)
+		}
+	}
+	if s := (64 * GiB).String(); s != "64Gi" {
+		t.Errorf("64GiB prints as %q", s)
+	}
+	if s := Bytes(1536 * MiB).String(); s != "1536Mi" {
+		t.Errorf("1.5GiB prints as %q", s)
+	}
+}
+
+func TestDefaultIsValid(t *testing.T) {
+	c := Default()
+	if err := c.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	if got := c.SocketPath(); got != "/var/lib/kvpool/sock/kvpool.sock" {
+		t.Errorf("SocketPath = %q", got)
+	}
+	if got := ContainerSocketPath(); got != "/var/run/kvpool/kvpool.sock" {
+		t.Errorf("ContainerSocketPath = %q", got)
+	}
+}
+
+func TestParseFullFile(t *testing.T) {
+	data, err := os.ReadFile("testdata/full.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := Parse(data)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := Config{
+		APIVersion: APIVersion, Kind: Kind,
+		ResourceName: "example.com/kv", SocketDir: "/run/kvp/sock", KubeletDir: "/data/kubelet", StateDir: "/data/kvpool/state",
+		Sizing: Sizing{PoolBytes: 64 * GiB, Fraction: 0.25, ReserveBytes: 16 * GiB, CgroupHeadroomBytes: GiB,
+			Split: SplitMemory, MinPerGPU: 4 * GiB, MaxPerGPU: 32 * GiB, ChunkBytes: 2 * GiB, HugePages: HugePagesRequire},
+		Reclaim:    Reclaim{GracePeriod: Duration{5 * time.Minute}, Interval: Duration{30 * time.Second}},
+		Metrics:    Metrics{Address: "127.0.0.1:9000"},
+		Health:     Health{Address: ":9001"},
+		Log:        Log{Level: "debug", Format: "json"},
+		Standalone: Standalone{Tokens: []string{"a", "b"}, GPUs: 4, PoolBytes: GiB},
+	}
+	if !reflect.DeepEqual(*c, want) {
+		t.Errorf("Parse(full.yaml) =\n%+v\nwant\n%+v", *c, want)
+	}
+	// Marshal writes what Parse reads back.
+	out, err := Marshal(c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c2, err := Parse(out)
+	if err != nil {
+		t.Fatalf("Parse(Marshal) failed: %v\n%s", err, out)
+	}
+	if !reflect.DeepEqual(c, c2) {
+		t.Errorf("round trip changed the config:\n%s", out)
+	}
+}
+
+func TestParseMinimalKeepsDefaults(t *testing.T) {
+	c, err := Parse([]byte("apiVersion: kvpool.io/v1alpha1\nkind: AgentConfig\nsizing:\n  poolBytes: 68719476736\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := Default()
+	want.Sizing.PoolBytes = 64 * GiB
+	if !reflect.DeepEqual(*c, want) {
+		t.Errorf("got %+v, want defaults with poolBytes 64Gi", *c)
+	}
+}
+
+const head = "apiVersion: kvpool.io/v1alpha1\nkind: AgentConfig\n"
+
+func TestParseErrors(t *testing.T) {
+	cases := []struct {
+		name, yaml, want string
+	}{
+		{"empty", "", "file is empty"},
+		{"not a mapping", "- a\n- b\n", "not a YAML mapping"},
+		{"no apiVersion", "kind: AgentConfig\n", `apiVersion is "", want "kvpool.io/v1alpha1"`},
+		{"wrong apiVersion", "apiVersion: kvpool.io/v2\nkind: AgentConfig\n", `apiVersion is "kvpool.io/v2"`},
+		{"wrong kind", "apiVersion: kvpool.io/v1alpha1\nkind: Pod\n", `kind is "Pod", want "AgentConfig"`},
+		{"unknown field", head + "poolSize: 3\n", `unknown field "poolSize"`},
+		{"wrong case", head + "SocketDir: /x\n", `unknown field "SocketDir"`},
+		{"unknown nested field", head + "sizing:\n  poolbytes: 3Gi\n", `unknown field "sizing.poolbytes"`},
+		{"duplicate field", head + "socketDir: /a\nsocketDir: /b\n", "already set"},
+		{"bad quantity", head + "sizing:\n  poolBytes: 64GB\n", `unknown suffix "GB"`},
+		{"negative quantity", head + "sizing:\n  reserveBytes: -1\n", "non-negative"},
+		{"null quantity", head + "sizing:\n  chunkBytes: null\n", "null"},
+		{"bad duration", head + "reclaim:\n  gracePeriod: 2 minutes\n", `duration "2 minutes"`},
+		{"numeric duration", head + "reclaim:\n  interval: 10\n", "duration must be a string"},
+		{"negative duration", head + "reclaim:\n  gracePeriod: -1s\n", "negative"},
+		{"wrong type", head + "standalone:\n  gpus: two\n", "standalone.gpus"},
+		{"fraction zero", head + "sizing:\n  fraction: 0\n", "sizing.fraction: is 0, want a value in (0, 1]"},
+		{"fraction above one", head + "sizing:\n  fraction: 1.5\n", "sizing.fraction: is 1.5"},
+		{"split", head + "sizing:\n  split: numa\n", `sizing.split: is "numa", want "equal" or "memory"`},
+		{"huge pages", head + "sizing:\n  hugePages: always\n", `sizing.hugePages: is "always"`},
+		{"min above max", head + "sizing:\n  minPerGPU: 8Gi\n  maxPerGPU: 4Gi\n", "sizing.minPerGPU: 8Gi is more than sizing.maxPerGPU 4Gi"},
+		{"chunk too small", head + "sizing:\n  chunkBytes: 1Mi\n", "sizing.chunkBytes: is 1Mi, want 2Mi to 64Gi"},
+		{"chunk too big", head + "sizing:\n  chunkBytes: 128Gi\n", "sizing.chunkBytes: is 128Gi"},
+		{"chunk not 2Mi multiple", head + "sizing:\n  chunkBytes: 3Mi\n", "sizing.chunkBytes: 3Mi is not a multiple of 2Mi"},
+		{"pool below a chunk", head + "sizing:\n  poolBytes: 512Mi\n", "sizing.poolBytes: 512Mi is less than one chunk"},
+		{"relative socketDir", head + "socketDir: run/kvpool\n", `socketDir: "run/kvpool" is not an absolute path`},
+		{"relative stateDir", head + "stateDir: state\n", "stateDir:"},
+		{"empty kubeletDir", head + "kubeletDir: \"\"\n", "kubeletDir:"},
+		{"long socketDir", head + "socketDir: /" + strings.Repeat("d", 100) + "\n", "longer than a Unix socket address allows"},
+		{"resource no slash", head + "resourceName: hostkv\n", "is not of the form domain/name"},
+		{"resource empty", head + "resourceName: \"\"\n", "resourceName: is empty"},
+		{"resource unqualified", head + "resourceName: kvpool/kv\n", "not fully qualified"},
+		{"resource kubernetes.io", head + "resourceName: kubernetes.io/kv\n", "reserved for Kubernetes"},
+		{"resource bad name", head + "resourceName: kvpool.io/-kv\n", `name "-kv"`},
+		{"resource upper domain", head + "resourceName: KVPool.io/kv\n", "not a DNS subdomain"},
+		{"metrics address", head + "metrics:\n  address: 9464\n", `metrics.address: "9464" is not host:port`},
+		{"health port", head + "health:\n  address: \":http\"\n", `health.address: ":http": port "http"`},
+		{"health port range", head + "health:\n  address: \":70000\"\n", "port \"70000\""},
+		{"log level", head + "log:\n  level: verbose\n", `log.level: is "verbose"`},
+		{"log format", head + "log:\n  format: logfmt\n", `log.format: is "logfmt"`},
+		{"no tokens", head + "standalone:\n  tokens: []\n", "standalone.tokens: is empty"},
+		{"empty token", head + "standalone:\n  tokens: [a, \"\"]\n", "standalone.tokens[1]: is empty"},
+		{"token with space", head + "standalone:\n  tokens: [\"a b\"]\n", "standalone.tokens[0]: \"a b\" contains a comma or whitespace"},
+		{"duplicate token", head + "standalone:\n  tokens: [a, a]\n", `standalone.tokens[1]: "a" is listed twice`},
+		{"zero gpus", head + "standalone:\n  gpus: 0\n", "standalone.gpus: is 0, want 1 to 64"},
+		{"too many gpus", head + "standalone:\n  gpus: 65\n", "standalone.gpus: is 65"},
+		{"zero standalone pool", head + "standalone:\n  poolBytes: 0\n", "standalone.poolBytes: is 0"},
+		{"zero interval", head + "reclaim:\n  interval: 0s\n", "reclaim.interval: is 0s, want a positive duration"},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			got, err := Parse([]byte(c.yaml))
+			if err == nil {
+				t.Fatalf("Parse accepted it: %+v", got)
+			}
+			if got != nil {
+				t.Errorf("Parse returned a config with the error")
+			}
+			if !strings.Contains(err.Error(), c.want) {
+				t.Errorf("error %q does not contain %q", err, c.want)
+			}
+		})
+	}
+}
+
+func TestValidateReportsEveryField(t *testing.T) {
+	c := Default()
+	c.Sizing.Fraction = 2
+	c.Log.Level = "loud"
+	c.Standalone.GPUs = -1
+	err := c.Validate()
+	var fields []string
+	for _, e := range err.(interface{ Unwrap() []error }).Unwrap() {
+		var fe *FieldError
+		if !errors.As(e, &fe) {
+			t.Fatalf("%v is not a *FieldError", e)
+		}
+		fields = append(fields, fe.Field)
+	}
+	if want := []string{"sizing.fraction", "log.level", "standalone.gpus"}; !reflect.DeepEqual(fields, want) {
+		t.Errorf("fields %v, want %v", fields, want)
+	}
+}
+
+func env(m map[string]string) func(string) string { return func(k string) string { return m[k] } }
+
+func flags(t *testing.T, args ...string) *flag.FlagSet {
+	t.Helper()
+	fs := flag.NewFlagSet("agent", flag.ContinueOnError)
+	RegisterFlags(fs)
+	if err := fs.Parse(args); err != nil {
+		t.Fatal(err)
+	}
+	return fs
+}
+
+func writeFile(t *testing.T, body string) string {
+	t.Helper()
+	p := filepath.Join(t.TempDir(), "agent.yaml")
+	if err := os.WriteFile(p, []byte(body), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+func TestLoadPrecedence(t *testing.T) {
+	file := writeFile(t, head+"sizing:\n  poolBytes: 64Gi\n  split: memory\n  chunkBytes: 2Gi\nlog:\n  level: debug\n  format: json\n")
+	e := env(map[string]string{
+		"KVPOOL_SPLIT":             "equal", // env over file
+		"KVPOOL_LOG_LEVEL":         "warn",  // env over file, flag over env
+		"KVPOOL_RESERVE_BYTES":     "4Gi",   // env over default
+		"KVPOOL_STANDALONE_TOKENS": "x, y",
+		"KVPOOL_UNRELATED":         "ignored",
+	})
+	fs := flags(t, "--config", file, "--log-level", "error", "--max-per-gpu=16Gi", "--reclaim-interval", "1m")
+	c, err := Load("", e, fs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := Default()
+	want.Sizing.PoolBytes = 64 * GiB   // file
+	want.Sizing.ChunkBytes = 2 * GiB   // file
+	want.Log.Format = "json"           // file
+	want.Sizing.Split = SplitEqual     // env over file
+	want.Sizing.ReserveBytes = 4 * GiB // env
+	want.Standalone.Tokens = []string{"x", "y"}
+	want.Log.Level = "error"         // flag over env over file
+	want.Sizing.MaxPerGPU = 16 * GiB // flag
+	want.Reclaim.Interval = Duration{time.Minute}
+	if !reflect.DeepEqual(*c, want) {
+		t.Errorf("Load =\n%+v\nwant\n%+v", *c, want)
+	}
+}
+
+func TestLoadFindsFile(t *testing.T) {
+	a := writeFile(t, head+"sizing:\n  split: memory\n")
+	b := writeFile(t, head+"log:\n  format: json\n")
+	// Explicit path beats --config beats KVPOOL_CONFIG.
+	for _, c := range []struct {
+		name  string
+		path  string
+		env   map[string]string
+		args  []string
+		split string
+		fmt   string
+	}{
+		{"none", "", nil, nil, "equal", "text"},
+		{"env", "", map[string]string{"KVPOOL_CONFIG": a}, nil, "memory", "text"},
+		{"flag over env", "", map[string]string{"KVPOOL_CONFIG": a}, []string{"--config=" + b}, "equal", "json"},
+		{"path over flag", a, nil, []string{"--config=" + b}, "memory", "text"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			got, err := Load(c.path, env(c.env), flags(t, c.args...))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got.Sizing.Split != c.split || got.Log.Format != c.fmt {
+				t.Errorf("split %q format %q, want %q %q", got.Sizing.Split, got.Log.Format, c.split, c.fmt)
+			}
+		})
+	}
+	// Nil env and nil flags: defaults.
+	got, err := Load("", nil, nil)
+	if err != nil || !reflect.DeepEqual(*got, Default()) {
+		t.Errorf("Load with no sources = %+v, %v", got, err)
+	}
+}
+
+func TestLoadErrors(t *testing.T) {
+	good := writeFile(t, head)
+	bad := writeFile(t, head+"sizing:\n  split: numa\n")
+	cases := []struct {
+		name string
+		path string
+		env  map[string]string
+		args []string
+		want string
+	}{
+		{"missing file", filepath.Join(t.TempDir(), "nope.yaml"), nil, nil, "no such file"},
+		{"bad file names path and field", bad, nil, nil, "file " + bad + ", environment and flags):\nsizing.split"},
+		{"env quantity", good, map[string]string{"KVPOOL_POOL_BYTES": "lots"}, nil, "environment KVPOOL_POOL_BYTES (sizing.poolBytes): quantity \"lots\""},
+		{"env fraction", good, map[string]string{"KVPOOL_POOL_FRACTION": "half"}, nil, "environment KVPOOL_POOL_FRACTION (sizing.fraction): \"half\" is not a number"},
+		{"env gpus", good, map[string]string{"KVPOOL_STANDALONE_GPUS": "2.5"}, nil, "KVPOOL_STANDALONE_GPUS (standalone.gpus)"},
+		{"env invalid value", good, map[string]string{"KVPOOL_LOG_FORMAT": "xml"}, nil, `log.format: is "xml"`},
+		{"env duration", good, map[string]string{"KVPOOL_RECLAIM_GRACE_PERIOD": "soon"}, nil, "KVPOOL_RECLAIM_GRACE_PERIOD (reclaim.gracePeriod)"},
+		{"flag quantity", good, nil, []string{"--chunk-bytes=1GB"}, "flag --chunk-bytes (sizing.chunkBytes): quantity \"1GB\""},
+		{"flag invalid value", good, nil, []string{"--split=numa"}, "sizing.split"},
+		{"flag empty token", good, nil, []string{"--standalone-tokens=a,,b"}, "standalone.tokens[1]: is empty"},
+		{"flag bad over good env", good, map[string]string{"KVPOOL_HUGE_PAGES": "never"}, []string{"--huge-pages=sometimes"}, `sizing.hugePages: is "sometimes"`},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			got, err := Load(c.path, env(c.env), flags(t, c.args...))
+			if err == nil {
+				t.Fatalf("Load accepted it: %+v", got)
+			}
+			if got != nil {
+				t.Error("Load returned a config with the error")
+			}
+			if !strings.Contains(err.Error(), c.want) {
+				t.Errorf("error %q does not contain %q", err, c.want)
+			}
+		})
+	}
+}
+
+func TestRegisterFlagsCoversEveryField(t *testing.T) {
+	// Every leaf field of Config but apiVersion and kind has exactly one
+	// setting, so no field is out of reach of flags and the environment.
+	var leaves []string
+	var walk func(reflect.Type, string)
+	walk = func(rt reflect.Type, prefix string) {
+		for i := 0; i < rt.NumField(); i++ {
+			f := rt.Field(i)
+			name := prefix + strings.Split(f.Tag.Get("json"), ",")[0]
+			if f.Type.Kind() == reflect.Struct && f.Type != reflect.TypeOf(Duration{}) {
+				walk(f.Type, name+".")
+				continue
+			}
+			leaves = append(leaves, name)
+		}
+	}
+	walk(reflect.TypeOf(Config{}), "")
+	have := map[string]bool{}
+	fs := flag.NewFlagSet("x", flag.ContinueOnError)
+	RegisterFlags(fs)
+	for _, s := range settings {
+		have[s.field] = true
+		if fs.Lookup(s.flag) == nil {
+			t.Errorf("no flag --%s", s.flag)
+		}
+		if !strings.HasPrefix(s.env, "KVPOOL_") || s.env == EnvSocket || s.env == EnvToken {
+			t.Errorf("setting %s has env %s", s.field, s.env)
+		}
+	}
+	for _, l := range leaves {
+		if l != "apiVersion" && l != "kind" && !have[l] {
+			t.Errorf("field %s has no flag or environment variable", l)
+		}
+	}
+	// Flag defaults print the built-in defaults.
+	if got := fs.Lookup("chunk-bytes").DefValue; got != "1Gi" {
+		t.Errorf("--chunk-bytes default %q", got)
+	}
+}
+
+func TestNewLogger(t *testing.T) {
+	var b strings.Builder
+	l := Log{Level: "warn", Format: "json"}.NewLogger(&b)
+	l.Info("hidden")
+	l.Warn("shown", "k", 1)
+	out := b.String()
+	if strings.Contains(out, "hidden") || !strings.Contains(out, `"msg":"shown"`) {
+		t.Errorf("logger output %q", out)
+	}
+}
+
+// TestSampleConfig keeps config/agent-config.yaml, the documented sample,
+// equal to the built-in defaults.
+func TestSampleConfig(t *testing.T) {
+	data, err := os.ReadFile("../../config/agent-config.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := Parse(data)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(*c, Default()) {
+		t.Errorf("sample differs from Default():\n%+v\n%+v", *c, Default())
+	}
+}
+
+// TestDocsListEverySetting keeps docs/sizing.md's table in step with the
+// flags and environment variables.
+func TestDocsListEverySetting(t *testing.T) {
+	data, err := os.ReadFile("../../docs/sizing.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	doc := string(data)
+	for _, s := range settings {
+		row := "| `" + s.field + "` | `--" + s.flag + "` | `" + s.env + "` |"
+		if !strings.Contains(doc, row) {
+			t.Errorf("docs/sizing.md lacks the row for %s: %s", s.field, row)
+		}
+	}
+}

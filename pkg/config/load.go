@@ -1,0 +1,266 @@
+package config
+
+import (
+	"bytes"
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"reflect"
+	"sort"
+	"strconv"
+	"strings"
+
+	"sigs.k8s.io/yaml"
+)
+
+// setting is one field that the environment and flags can set.
+type setting struct {
+	field string // YAML path, used in messages
+	flag  string // flag name without dashes
+	env   string // environment variable
+	usage string
+	get   func(*Config) string
+	set   func(*Config, string) error
+}
+
+// accessor reads a field as text and parses text into it.
+type accessor struct {
+	get func(*Config) string
+	set func(*Config, string) error
+}
+
+func str(p func(*Config) *string) accessor {
+	return accessor{func(c *Config) string { return *p(c) },
+		func(c *Config, s string) error { *p(c) = s; return nil }}
+}
+
+func qty(p func(*Config) *Bytes) accessor {
+	return accessor{func(c *Config) string { return p(c).String() },
+		func(c *Config, s string) error {
+			v, err := ParseBytes(s)
+			if err != nil {
+				return err
+			}
+			*p(c) = v
+			return nil
+		}}
+}
+
+func dur(p func(*Config) *Duration) accessor {
+	return accessor{func(c *Config) string { return p(c).String() },
+		func(c *Config, s string) error {
+			v, err := ParseDuration(s)
+			if err != nil {
+				return err
+			}
+			*p(c) = v
+			return nil
+		}}
+}
+
+// settings lists every field reachable from flags and the environment.
+var settings = func() []setting {
+	var l []setting
+	add := func(field, flagName, env, usage string, a accessor) {
+		l = append(l, setting{field: field, flag: flagName, env: env, usage: usage, get: a.get, set: a.set})
+	}
+	add("resourceName", "resource-name", "KVPOOL_RESOURCE_NAME", "extended resource advertised to kubelet, one unit per chunk", str(func(c *Config) *string { return &c.ResourceName }))
+	add("socketDir", "socket-dir", "KVPOOL_SOCKET_DIR", "host directory of the agent socket (mounted into pods)", str(func(c *Config) *string { return &c.SocketDir }))
+	add("kubeletDir", "kubelet-dir", "KVPOOL_KUBELET_DIR", "kubelet root directory", str(func(c *Config) *string { return &c.KubeletDir }))
+	add("stateDir", "state-dir", "KVPOOL_STATE_DIR", "directory for the agent checkpoint", str(func(c *Config) *string { return &c.StateDir }))
+	add("sizing.poolBytes", "pool-bytes", "KVPOOL_POOL_BYTES", "whole pool size, e.g. 64Gi (0: use --pool-fraction)", qty(func(c *Config) *Bytes { return &c.Sizing.PoolBytes }))
+	add("sizing.fraction", "pool-fraction", "KVPOOL_POOL_FRACTION", "share of usable memory for the pool, in (0, 1]", accessor{func(c *Config) string { return strconv.FormatFloat(c.Sizing.Fraction, 'g', -1, 64) },
+		func(c *Config, s string) error {
+			v, err := strconv.ParseFloat(strings.TrimSpace(s), 64)
+			if err != nil {
+				return fmt.Errorf("%q is not a number", s)
+			}
+			c.Sizing.Fraction = v
+			return nil
+		}})
+	add("sizing.reserveBytes", "reserve-bytes", "KVPOOL_RESERVE_BYTES", "memory kept for the system below MemAvailable", qty(func(c *Config) *Bytes { return &c.Sizing.ReserveBytes }))
+	add("sizing.cgroupHeadroomBytes", "cgroup-headroom-bytes", "KVPOOL_CGROUP_HEADROOM_BYTES", "memory kept free below the agent's cgroup limit", qty(func(c *Config) *Bytes { return &c.Sizing.CgroupHeadroomBytes }))
+	add("sizing.split", "split", "KVPOOL_SPLIT", "per-GPU split: equal or memory", str(func(c *Config) *string { return &c.Sizing.Split }))
+	add("sizing.minPerGPU", "min-per-gpu", "KVPOOL_MIN_PER_GPU", "least pool per GPU (0: none)", qty(func(c *Config) *Bytes { return &c.Sizing.MinPerGPU }))
+	add("sizing.maxPerGPU", "max-per-gpu", "KVPOOL_MAX_PER_GPU", "most pool per GPU (0: no cap)", qty(func(c *Config) *Bytes { return &c.Sizing.MaxPerGPU }))
+	add("sizing.chunkBytes", "chunk-bytes", "KVPOOL_CHUNK_BYTES", "chunk size, a multiple of 2Mi", qty(func(c *Config) *Bytes { return &c.Sizing.ChunkBytes }))
+	add("sizing.hugePages", "huge-pages", "KVPOOL_HUGE_PAGES", "huge page policy: never, prefer or require", str(func(c *Config) *string { return &c.Sizing.HugePages }))
+	add("reclaim.gracePeriod", "reclaim-grace-period", "KVPOOL_RECLAIM_GRACE_PERIOD", "how long an allocation may lack a pod before its chunks return", dur(func(c *Config) *Duration { return &c.Reclaim.GracePeriod }))
+	add("reclaim.interval", "reclaim-interval", "KVPOOL_RECLAIM_INTERVAL", "how often PodResources is polled", dur(func(c *Config) *Duration { return &c.Reclaim.Interval }))
+	add("metrics.address", "metrics-address", "KVPOOL_METRICS_ADDRESS", "host:port for /metrics (empty: off)", str(func(c *Config) *string { return &c.Metrics.Address }))
+	add("health.address", "health-address", "KVPOOL_HEALTH_ADDRESS", "host:port for /healthz and /readyz (empty: off)", str(func(c *Config) *string { return &c.Health.Address }))
+	add("log.level", "log-level", "KVPOOL_LOG_LEVEL", "debug, info, warn or error", str(func(c *Config) *string { return &c.Log.Level }))
+	add("log.format", "log-format", "KVPOOL_LOG_FORMAT", "text or json", str(func(c *Config) *string { return &c.Log.Format }))
+	add("standalone.tokens", "standalone-tokens", "KVPOOL_STANDALONE_TOKENS", "comma-separated allocation tokens for --standalone", accessor{func(c *Config) string { return strings.Join(c.Standalone.Tokens, ",") },
+		func(c *Config, s string) error {
+			var toks []string
+			for _, t := range strings.Split(s, ",") {
+				toks = append(toks, strings.TrimSpace(t))
+			}
+			c.Standalone.Tokens = toks
+			return nil
+		}})
+	add("standalone.gpus", "standalone-gpus", "KVPOOL_STANDALONE_GPUS", "simulated GPUs in --standalone when none is found", accessor{func(c *Config) string { return strconv.Itoa(c.Standalone.GPUs) },
+		func(c *Config, s string) error {
+			v, err := strconv.Atoi(strings.TrimSpace(s))
+			if err != nil {
+				return fmt.Errorf("%q is not an integer", s)
+			}
+			c.Standalone.GPUs = v
+			return nil
+		}})
+	add("standalone.poolBytes", "standalone-pool-bytes", "KVPOOL_STANDALONE_POOL_BYTES", "whole pool in --standalone, e.g. 512Mi", qty(func(c *Config) *Bytes { return &c.Standalone.PoolBytes }))
+	return l
+}()
+
+// flagValue holds a flag's text until Load applies it.
+type flagValue struct{ s string }
+
+func (v *flagValue) String() string     { return v.s }
+func (v *flagValue) Set(s string) error { v.s = s; return nil }
+
+// RegisterFlags defines --config and one flag per setting on fs (for
+// example --pool-bytes, --split, --log-level). Pass fs to Load after
+// fs.Parse; only flags given on the command line override.
+func RegisterFlags(fs *flag.FlagSet) {
+	def := Default()
+	fs.Var(&flagValue{}, "config", "agent config file (YAML, kind AgentConfig); env "+EnvConfig)
+	for _, s := range settings {
+		fs.Var(&flagValue{s: s.get(&def)}, s.flag, fmt.Sprintf("%s (%s; env %s)", s.usage, s.field, s.env))
+	}
+}
+
+// Load builds the configuration: defaults, then the file at path (if path
+// is non-empty), then KVPOOL_* variables read through env (if non-nil),
+// then the flags set on fs (if non-nil; defined by RegisterFlags). The
+// result is validated. Errors name the source and the field.
+//
+// When path is empty, the file is taken from --config on fs, else from
+// KVPOOL_CONFIG; when none names a file, there is none.
+func Load(path string, env func(string) string, fs *flag.FlagSet) (*Config, error) {
+	set := map[string]string{}
+	if fs != nil {
+		fs.Visit(func(f *flag.Flag) { set[f.Name] = f.Value.String() })
+	}
+	if path == "" {
+		path = set["config"]
+	}
+	if path == "" && env != nil {
+		path = env(EnvConfig)
+	}
+	c := Default()
+	if path != "" {
+		data, err := os.ReadFile(path)
+		if err != nil {
+			return nil, fmt.Errorf("config: %w", err)
+		}
+		if err := decode(data, &c); err != nil {
+			return nil, fmt.Errorf("config: %s: %w", path, err)
+		}
+	}
+	if env != nil {
+		for _, s := range settings {
+			if v := env(s.env); v != "" {
+				if err := s.set(&c, v); err != nil {
+					return nil, fmt.Errorf("config: environment %s (%s): %w", s.env, s.field, err)
+				}
+			}
+		}
+	}
+	for _, s := range settings {
+		if v, ok := set[s.flag]; ok {
+			if err := s.set(&c, v); err != nil {
+				return nil, fmt.Errorf("config: flag --%s (%s): %w", s.flag, s.field, err)
+			}
+		}
+	}
+	if err := c.Validate(); err != nil {
+		src := "defaults"
+		if path != "" {
+			src = path
+		}
+		return nil, fmt.Errorf("config: invalid configuration (file %s, environment and flags):\n%w", src, err)
+	}
+	return &c, nil
+}
+
+// Parse decodes a config file's bytes over the defaults and validates the
+// result; unknown fields, a wrong apiVersion or kind, and bad values are
+// errors.
+func Parse(data []byte) (*Config, error) {
+	c := Default()
+	if err := decode(data, &c); err != nil {
+		return nil, fmt.Errorf("config: %w", err)
+	}
+	if err := c.Validate(); err != nil {
+		return nil, fmt.Errorf("config: %w", err)
+	}
+	return &c, nil
+}
+
+// decode reads YAML over c, strictly: unknown and duplicate fields are
+// errors, and the file must say its apiVersion and kind.
+func decode(data []byte, c *Config) error {
+	if len(bytes.TrimSpace(data)) == 0 {
+		return errors.New("file is empty; want at least apiVersion: " + APIVersion + " and kind: " + Kind)
+	}
+	var head struct {
+		APIVersion string `json:"apiVersion"`
+		Kind       string `json:"kind"`
+	}
+	if err := yaml.Unmarshal(data, &head); err != nil {
+		return fmt.Errorf("not a YAML mapping: %w", err)
+	}
+	if head.APIVersion != APIVersion {
+		return fmt.Errorf("apiVersion is %q, want %q", head.APIVersion, APIVersion)
+	}
+	if head.Kind != Kind {
+		return fmt.Errorf("kind is %q, want %q", head.Kind, Kind)
+	}
+	// encoding/json matches field names case-insensitively; a config file
+	// should not, so check the keys first.
+	var tree map[string]any
+	if err := yaml.Unmarshal(data, &tree); err != nil {
+		return fmt.Errorf("not a YAML mapping: %w", err)
+	}
+	if err := checkKeys(tree, reflect.TypeOf(*c), ""); err != nil {
+		return err
+	}
+	return yaml.UnmarshalStrict(data, c)
+}
+
+// checkKeys reports the first key of m (in sorted order) that is not,
+// with exact case, a JSON field name of struct type t.
+func checkKeys(m map[string]any, t reflect.Type, prefix string) error {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	for _, k := range keys {
+		f, ok := fieldByTag(t, k)
+		if !ok {
+			return fmt.Errorf("unknown field %q", prefix+k)
+		}
+		if sub, isMap := m[k].(map[string]any); isMap && f.Type.Kind() == reflect.Struct && f.Type != reflect.TypeOf(Duration{}) {
+			if err := checkKeys(sub, f.Type, prefix+k+"."); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+func fieldByTag(t reflect.Type, name string) (reflect.StructField, bool) {
+	for i := 0; i < t.NumField(); i++ {
+		f := t.Field(i)
+		if strings.Split(f.Tag.Get("json"), ",")[0] == name {
+			return f, true
+		}
+	}
+	return reflect.StructField{}, false
+}
+
+// Marshal writes c as a YAML config file that Parse reads back.
+func Marshal(c *Config) ([]byte, error) { return yaml.Marshal(c) }

@@ -1,0 +1,175 @@
+package config
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+)
+
+// FieldError is one invalid field. Field is the YAML path
+// ("sizing.fraction").
+type FieldError struct {
+	Field string
+	Msg   string
+}
+
+func (e *FieldError) Error() string { return e.Field + ": " + e.Msg }
+
+// maxSunPath is the longest Unix socket path Linux accepts (sun_path is 108
+// bytes including the terminating NUL).
+const maxSunPath = 107
+
+var (
+	dnsSubdomain = regexp.MustCompile(`^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$`)
+	qualName     = regexp.MustCompile(`^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$`)
+)
+
+// Validate checks every field and returns all problems joined, each a
+// *FieldError naming the field; nil when the configuration is usable.
+func (c *Config) Validate() error {
+	var errs []error
+	bad := func(field, format string, args ...any) {
+		errs = append(errs, &FieldError{Field: field, Msg: fmt.Sprintf(format, args...)})
+	}
+	if c.APIVersion != APIVersion {
+		bad("apiVersion", "is %q, want %q", c.APIVersion, APIVersion)
+	}
+	if c.Kind != Kind {
+		bad("kind", "is %q, want %q", c.Kind, Kind)
+	}
+	if msg := checkResourceName(c.ResourceName); msg != "" {
+		bad("resourceName", "%s", msg)
+	}
+	for _, d := range []struct{ field, dir string }{
+		{"socketDir", c.SocketDir}, {"kubeletDir", c.KubeletDir}, {"stateDir", c.StateDir},
+	} {
+		if !filepath.IsAbs(d.dir) {
+			bad(d.field, "%q is not an absolute path", d.dir)
+		}
+	}
+	if filepath.IsAbs(c.SocketDir) && len(c.SocketPath()) > maxSunPath {
+		bad("socketDir", "socket path %q is %d bytes, longer than a Unix socket address allows (%d)", c.SocketPath(), len(c.SocketPath()), maxSunPath)
+	}
+
+	s := &c.Sizing
+	if s.PoolBytes < 0 {
+		bad("sizing.poolBytes", "is negative")
+	}
+	if !(s.Fraction > 0 && s.Fraction <= 1) {
+		bad("sizing.fraction", "is %v, want a value in (0, 1]", s.Fraction)
+	}
+	if s.ReserveBytes < 0 {
+		bad("sizing.reserveBytes", "is negative")
+	}
+	if s.CgroupHeadroomBytes < 0 {
+		bad("sizing.cgroupHeadroomBytes", "is negative")
+	}
+	if s.Split != SplitEqual && s.Split != SplitMemory {
+		bad("sizing.split", "is %q, want %q or %q", s.Split, SplitEqual, SplitMemory)
+	}
+	if s.MinPerGPU < 0 {
+		bad("sizing.minPerGPU", "is negative")
+	}
+	if s.MaxPerGPU < 0 {
+		bad("sizing.maxPerGPU", "is negative")
+	}
+	if s.MaxPerGPU > 0 && s.MinPerGPU > s.MaxPerGPU {
+		bad("sizing.minPerGPU", "%s is more than sizing.maxPerGPU %s", s.MinPerGPU, s.MaxPerGPU)
+	}
+	switch {
+	case s.ChunkBytes < 2*MiB || s.ChunkBytes > 64*GiB:
+		bad("sizing.chunkBytes", "is %s, want 2Mi to 64Gi", s.ChunkBytes)
+	case s.ChunkBytes%(2*MiB) != 0:
+		bad("sizing.chunkBytes", "%s is not a multiple of 2Mi (the huge page size)", s.ChunkBytes)
+	}
+	if s.PoolBytes > 0 && s.PoolBytes < s.ChunkBytes {
+		bad("sizing.poolBytes", "%s is less than one chunk (sizing.chunkBytes %s)", s.PoolBytes, s.ChunkBytes)
+	}
+	switch s.HugePages {
+	case HugePagesNever, HugePagesPrefer, HugePagesRequire:
+	default:
+		bad("sizing.hugePages", "is %q, want %q, %q or %q", s.HugePages, HugePagesNever, HugePagesPrefer, HugePagesRequire)
+	}
+
+	if c.Reclaim.GracePeriod.Duration < 0 {
+		bad("reclaim.gracePeriod", "is negative")
+	}
+	if c.Reclaim.Interval.Duration <= 0 {
+		bad("reclaim.interval", "is %v, want a positive duration such as 10s", c.Reclaim.Interval.Duration)
+	}
+	if msg := checkAddress(c.Metrics.Address); msg != "" {
+		bad("metrics.address", "%s", msg)
+	}
+	if msg := checkAddress(c.Health.Address); msg != "" {
+		bad("health.address", "%s", msg)
+	}
+	switch c.Log.Level {
+	case "debug", "info", "warn", "error":
+	default:
+		bad("log.level", "is %q, want debug, info, warn or error", c.Log.Level)
+	}
+	if c.Log.Format != "text" && c.Log.Format != "json" {
+		bad("log.format", "is %q, want text or json", c.Log.Format)
+	}
+
+	st := &c.Standalone
+	if len(st.Tokens) == 0 {
+		bad("standalone.tokens", "is empty, want at least one token")
+	}
+	seen := map[string]bool{}
+	for i, t := range st.Tokens {
+		switch {
+		case t == "":
+			bad(fmt.Sprintf("standalone.tokens[%d]", i), "is empty")
+		case strings.ContainsAny(t, ", \t\r\n"):
+			bad(fmt.Sprintf("standalone.tokens[%d]", i), "%q contains a comma or whitespace", t)
+		case seen[t]:
+			bad(fmt.Sprintf("standalone.tokens[%d]", i), "%q is listed twice", t)
+		}
+		seen[t] = true
+	}
+	if st.GPUs < 1 || st.GPUs > 64 {
+		bad("standalone.gpus", "is %d, want 1 to 64", st.GPUs)
+	}
+	if st.PoolBytes <= 0 {
+		bad("standalone.poolBytes", "is %s, want a positive size such as 512Mi", st.PoolBytes)
+	}
+	return errors.Join(errs...)
+}
+
+func checkResourceName(name string) string {
+	domain, n, ok := strings.Cut(name, "/")
+	switch {
+	case name == "":
+		return "is empty"
+	case !ok || strings.Contains(n, "/"):
+		return fmt.Sprintf("%q is not of the form domain/name (e.g. %s)", name, DefaultResourceName)
+	case len(domain) > 253 || !dnsSubdomain.MatchString(domain):
+		return fmt.Sprintf("%q: domain %q is not a DNS subdomain", name, domain)
+	case !strings.Contains(domain, "."):
+		return fmt.Sprintf("%q: domain %q is not fully qualified", name, domain)
+	case domain == "kubernetes.io" || strings.HasSuffix(domain, ".kubernetes.io") || domain == "k8s.io" || strings.HasSuffix(domain, ".k8s.io"):
+		return fmt.Sprintf("%q: the %s domain is reserved for Kubernetes", name, domain)
+	case len(n) > 63 || !qualName.MatchString(n):
+		return fmt.Sprintf("%q: name %q must be 1-63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit", name, n)
+	}
+	return ""
+}
+
+func checkAddress(addr string) string {
+	if addr == "" {
+		return ""
+	}
+	_, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		return fmt.Sprintf("%q is not host:port (e.g. :9464)", addr)
+	}
+	if p, err := strconv.Atoi(port); err != nil || p < 0 || p > 65535 {
+		return fmt.Sprintf("%q: port %q is not a number from 0 to 65535", addr, port)
+	}
+	return ""
+}

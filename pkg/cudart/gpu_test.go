@@ -1,0 +1,337 @@
+//go:build cgo
+
+package cudart
+
+// Tests on a real GPU. They skip, saying why, where no driver loads or no
+// device answers; with KVPOOL_GPU_REQUIRED=1 they fail instead (the device
+// check script sets it after its probe found a GPU). TestGPUBandwidth
+// measures only with KVPOOL_GPU_BENCH=1. hack/gpu/check.sh runs them all.
+
+import (
+	"fmt"
+	"io"
+	"log/slog"
+	"math/rand/v2"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/kvpool/kvpool/pkg/hostmem"
+)
+
+func gpuDevice(t testing.TB, noBatch bool) (Device, Choice) {
+	t.Helper()
+	drv, ch, err := Load(Options{Backend: BackendCUDA, NoBatch: noBatch, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		if os.Getenv("KVPOOL_GPU_REQUIRED") == "1" {
+			t.Fatalf("KVPOOL_GPU_REQUIRED=1 but: %v", err)
+		}
+		t.Skipf("no GPU: %v", err)
+	}
+	dev, err := drv.Open(0)
+	if err != nil {
+		t.Fatalf("open device 0: %v", err)
+	}
+	t.Cleanup(func() {
+		if err := dev.Close(); err != nil {
+			t.Errorf("close: %v", err)
+		}
+	})
+	return dev, ch
+}
+
+// TestGPUProbe prints one line the check script reads: whether a GPU
+// answers, and the choice's reason.
+func TestGPUProbe(t *testing.T) {
+	_, ch, err := Load(Options{Backend: BackendCUDA, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		fmt.Printf("GPU-PROBE: skip: %v\n", err)
+		t.Skipf("no GPU: %v", err)
+	}
+	fmt.Printf("GPU-PROBE: ok: %s; library %s; batch ABI %d\n", ch.Reason, ch.Library, ch.BatchABI)
+}
+
+var gpuPageSizes = []uint64{16 << 10, 32 << 10, 64 << 10, 256 << 10, 2 << 20}
+
+// TestGPURoundTrip runs the round-trip scenario on the GPU for every page
+// size, dense, strided and split (K+V) layouts, through the batch call and
+// through the per-run fallback.
+func TestGPURoundTrip(t *testing.T) {
+	for _, noBatch := range []bool{false, true} {
+		dev, ch := gpuDevice(t, noBatch)
+		path := fmt.Sprintf("batch%d", ch.BatchABI)
+		if noBatch || ch.BatchABI == 0 {
+			path = "async"
+		}
+		for i, size := range gpuPageSizes {
+			for _, lc := range []layoutCase{
+				{"dense", size, 1, 0},
+				{"strided", size / 2, 1, size / 2},
+				{"k+v", size / 2, 2, 0},
+			} {
+				t.Run(path+"/"+lc.String(), func(t *testing.T) {
+					// Enough device pages to scatter 64 of them twice, and
+					// at most ~128 MiB per region.
+					pages := max(160, min(256, int((128<<20)/(lc.pageBytes+lc.gap))))
+					scenarioRoundTrip(t, dev, lc, pages, 96, 64, uint64(i)*7+uint64(len(lc.name)))
+				})
+			}
+		}
+		t.Run(path+"/back-to-back", func(t *testing.T) {
+			for i, size := range gpuPageSizes {
+				scenarioBackToBack(t, dev, size, 64, uint64(i))
+			}
+		})
+		t.Run(path+"/done", func(t *testing.T) { scenarioDone(t, dev, 2<<20) })
+	}
+}
+
+// TestGPUEventOrdering makes the engine's stream wait for a long copy
+// through Sync and checks that work queued behind it on the engine's stream
+// does not run before the copy has finished.
+func TestGPUEventOrdering(t *testing.T) {
+	dev, _ := gpuDevice(t, false)
+	const big = 512 << 20
+	dp, err := dev.MemAlloc(big)
+	must(t, err)
+	defer dev.MemFree(dp)
+	host := newPinned(t, dev, big)
+	fill(host.b, 0x3C)
+	m, err := NewMover(dev)
+	must(t, err)
+	defer m.Close()
+	engine, err := dev.StreamCreate()
+	must(t, err)
+	must(t, m.Reload(engine, []Copy{{Dst: uintptr(dp), Src: addr(host.b), Bytes: big}}))
+	must(t, m.Sync(engine))
+	ran := make(chan bool, 1)
+	// The host function sees the last byte of the reload only if the
+	// engine's stream really waited for it.
+	last := newPinned(t, dev, 4096)
+	fill(last.b, 0)
+	must(t, dev.MemcpyBatchAsync([]Copy{{Dst: addr(last.b), Src: uintptr(dp) + big - 4096, Bytes: 4096}}, DeviceToHost, engine))
+	must(t, dev.LaunchHostFunc(engine, func() { ran <- last.b[4095] == 0x3C }))
+	select {
+	case ok := <-ran:
+		if !ok {
+			t.Fatal("work behind Sync on the engine's stream ran before the reload completed")
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("host function never ran")
+	}
+}
+
+// bench helpers
+
+type benchRow struct {
+	size  string
+	dir   string
+	path  string
+	gbps  float64
+	floor float64
+}
+
+func median(xs []float64) float64 {
+	s := slices.Clone(xs)
+	slices.Sort(s)
+	return s[len(s)/2]
+}
+
+// timeIt runs fn (which enqueues and waits) runs times after one warm-up
+// and returns the median bytes per second.
+func timeIt(t *testing.T, runs int, bytes uint64, fn func() error) float64 {
+	must(t, fn())
+	var rates []float64
+	for i := 0; i < runs; i++ {
+		start := time.Now()
+		must(t, fn())
+		rates = append(rates, float64(bytes)/time.Since(start).Seconds())
+	}
+	return median(rates)
+}
+
+// timeBatches enqueues reps batches with enqueue(i), waits with wait, runs
+// times after one warm-up, and returns the median bytes per second and the
+// median host time spent enqueuing one batch.
+func timeBatches(t *testing.T, runs, reps int, bytes uint64, enqueue func(i int) error, wait func() error) (float64, time.Duration) {
+	var rates []float64
+	var enq []float64
+	for r := -1; r < runs; r++ {
+		start := time.Now()
+		for i := 0; i < reps; i++ {
+			must(t, enqueue(i))
+		}
+		queued := time.Since(start)
+		must(t, wait())
+		if r >= 0 {
+			rates = append(rates, float64(bytes)/time.Since(start).Seconds())
+			enq = append(enq, float64(queued)/float64(reps))
+		}
+	}
+	return median(rates), time.Duration(median(enq))
+}
+
+// TestGPUBandwidth measures scattered pages against one large pinned copy
+// in the same run, for both copy paths, each direction and both at once,
+// and host registration time per GiB. It prints a table last and writes
+// it to $KVPOOL_GPU_REPORT when set.
+func TestGPUBandwidth(t *testing.T) {
+	if os.Getenv("KVPOOL_GPU_BENCH") != "1" {
+		t.Skip("set KVPOOL_GPU_BENCH=1 to measure")
+	}
+	const (
+		poolBytes = 1 << 30 // device and host pools
+		batch     = 64      // pages per batch
+		runs      = 7
+	)
+	// Bytes moved per timed run: 1 GiB, or $KVPOOL_GPU_BENCH_MIB (a dry
+	// run against the fake driver uses a little).
+	minBytes := 1 << 30
+	if v, err := strconv.Atoi(os.Getenv("KVPOOL_GPU_BENCH_MIB")); err == nil && v > 0 {
+		minBytes = v << 20
+	}
+	var report strings.Builder
+	out := func(format string, args ...any) {
+		fmt.Fprintf(&report, format, args...)
+	}
+	// The table is printed and written even when a measurement fails
+	// half-way, so one device run always returns what it measured.
+	defer func() {
+		table := report.String()
+		fmt.Printf("\n%s\n", table)
+		if p := os.Getenv("KVPOOL_GPU_REPORT"); p != "" {
+			if err := os.WriteFile(p, []byte(table), 0o644); err != nil {
+				t.Error(err)
+			}
+		}
+	}()
+	// The fallback path first: if the batch path fails on some driver, the
+	// table still has the floor and the fallback's rows.
+	for i, noBatch := range []bool{true, false} {
+		dev, ch := gpuDevice(t, noBatch)
+		path := fmt.Sprintf("batch (cuMemcpyBatchAsync %s)", FormatVersion(ch.BatchABI))
+		if noBatch || ch.BatchABI == 0 {
+			path = "async per run"
+		}
+		if i == 0 {
+			out("device: %s; library %s\n\n", ch.Reason, ch.Library)
+			// Registration of a memfd chunk mapped as a client maps it,
+			// first touched page by page (faulting first and then
+			// registering is the faster order), then cuMemHostRegister.
+			const regBytes = 4 << 30
+			chunk, err := hostmem.Alloc(hostmem.Options{Size: regBytes, Name: "cudart-bench"})
+			must(t, err)
+			b, err := hostmem.Map(chunk.File, regBytes)
+			must(t, err)
+			start := time.Now()
+			for off := 0; off < regBytes; off += os.Getpagesize() {
+				b[off] = 1
+			}
+			fault := time.Since(start)
+			start = time.Now()
+			must(t, dev.HostRegister(b))
+			reg := time.Since(start)
+			must(t, dev.HostUnregister(b))
+			syscall.Munmap(b)
+			chunk.Close()
+			out("registration: %.1f ms per GiB (cuMemHostRegister of a 4 GiB memfd chunk, one call; faulting it in first took %.1f ms per GiB)\n\n",
+				reg.Seconds()*1000/4, fault.Seconds()*1000/4)
+			out("| page | direction | path | GB/s | ratio to 1 GiB copy | enqueue µs/batch |\n| --- | --- | --- | --- | --- | --- |\n")
+		}
+		dp, err := dev.MemAlloc(poolBytes)
+		must(t, err)
+		host := newPinned(t, dev, poolBytes)
+		seedBlock := randBytes(64<<20, 5)
+		for off := 0; off < poolBytes; off += len(seedBlock) {
+			copy(host.b[off:], seedBlock)
+			must(t, dev.MemcpyHtoD(dp+DevicePtr(off), seedBlock))
+		}
+		s1, err := dev.StreamCreate()
+		must(t, err)
+		s2, err := dev.StreamCreate()
+		must(t, err)
+
+		// The floor: one contiguous 1 GiB pinned copy each way.
+		floor := map[Direction]float64{}
+		for _, dir := range []Direction{DeviceToHost, HostToDevice} {
+			c := Copy{Dst: uintptr(dp), Src: addr(host.b), Bytes: poolBytes}
+			if dir == DeviceToHost {
+				c.Dst, c.Src = c.Src, c.Dst
+			}
+			floor[dir] = timeIt(t, runs, poolBytes, func() error {
+				if err := dev.MemcpyBatchAsync([]Copy{c}, dir, s1); err != nil {
+					return err
+				}
+				return dev.StreamSynchronize(s1)
+			})
+			out("| 1 GiB contiguous | %v | floor: one copy | %.1f | 1.00 | |\n", dir, floor[dir]/1e9)
+		}
+
+		r := rand.New(rand.NewPCG(11, 12))
+		for _, size := range gpuPageSizes {
+			n := poolBytes / int(size)
+			layout := Layout{Regions: []Region{{Base: dp, Stride: size, PageBytes: size, Pages: n}}}
+			// Scattered: only even pages on both sides, so no two copies of
+			// a batch merge; 8 different batches in rotation.
+			mk := func(dir Direction, half int) [][]Copy {
+				var batches [][]Copy
+				for b := 0; b < 8; b++ {
+					dev := pick(r, n/2, batch)
+					hostIdx := pick(r, n/4, batch)
+					ha := make([]uintptr, batch)
+					for i := range dev {
+						dev[i] *= 2
+						ha[i] = addr(host.b[(2*hostIdx[i]+half*n/2)*int(size):])
+					}
+					c, err := layout.Copies(dir, dev, ha)
+					must(t, err)
+					batches = append(batches, c)
+				}
+				return batches
+			}
+			reps := max(16, minBytes/(batch*int(size)))
+			moved := uint64(reps) * batch * size
+			for _, dir := range []Direction{DeviceToHost, HostToDevice} {
+				bs := mk(dir, 0)
+				rate, enq := timeBatches(t, runs, reps, moved,
+					func(i int) error { return dev.MemcpyBatchAsync(bs[i%len(bs)], dir, s1) },
+					func() error { return dev.StreamSynchronize(s1) })
+				out("| %s | %v | %s | %.1f | %.2f | %.1f |\n", sizeName(size), dir, path, rate/1e9, rate/floor[dir], float64(enq.Nanoseconds())/1e3)
+			}
+			if size == 256<<10 {
+				// Both directions at once, on two streams, disjoint host
+				// halves: the aggregate against one direction's floor.
+				d2h, h2d := mk(DeviceToHost, 0), mk(HostToDevice, 1)
+				rate, enq := timeBatches(t, runs, reps, 2*moved,
+					func(i int) error {
+						if err := dev.MemcpyBatchAsync(d2h[i%len(d2h)], DeviceToHost, s1); err != nil {
+							return err
+						}
+						return dev.MemcpyBatchAsync(h2d[i%len(h2d)], HostToDevice, s2)
+					},
+					func() error {
+						if err := dev.StreamSynchronize(s1); err != nil {
+							return err
+						}
+						return dev.StreamSynchronize(s2)
+					})
+				f := max(floor[DeviceToHost], floor[HostToDevice])
+				out("| %s | both at once | %s | %.1f | %.2f | %.1f |\n", sizeName(size), path, rate/1e9, rate/f, float64(enq.Nanoseconds())/2e3)
+			}
+		}
+		must(t, dev.StreamDestroy(s1))
+		must(t, dev.StreamDestroy(s2))
+		must(t, dev.MemFree(dp))
+	}
+}
+
+func sizeName(n uint64) string {
+	if n >= 1<<20 {
+		return fmt.Sprintf("%d MiB", n>>20)
+	}
+	return fmt.Sprintf("%d KiB", n>>10)
+}

@@ -1,0 +1,265 @@
+package cudart
+
+import (
+	"errors"
+	"fmt"
+	"sync"
+)
+
+// Ticket names one offload batch of a Mover, so that a later reload of the
+// same host pages can be ordered after it without waiting for every other
+// offload. The zero Ticket names nothing.
+type Ticket uint64
+
+// Mover moves pages between device memory and registered host memory on
+// two copy streams of its own, one per direction, so that offloads and
+// reloads overlap on the link. It orders copies against the caller's
+// stream (the engine's current stream) with events:
+//
+//   - an offload starts after the work already enqueued on the caller's
+//     stream (which wrote the device pages);
+//   - a reload starts after that work too (which may still read the device
+//     pages it overwrites), and after the offloads named by its tickets;
+//   - Sync makes the caller's stream wait for every copy enqueued so far.
+//
+// The host never blocks in any of these. A Mover is safe for concurrent
+// use.
+type Mover struct {
+	dev Device
+
+	mu       sync.Mutex
+	closed   bool
+	d2h, h2d Stream
+	fence    Stream // runs Done's functions behind both copy streams
+	caller   Event  // recorded on the caller's stream, waited on by a copy stream
+	lastD2H  Event
+	lastH2D  Event
+	d2hUsed  bool
+	h2dUsed  bool
+	next     Ticket
+	pending  map[Ticket]Event // offload batches that may not have completed
+	free     []Event
+}
+
+// NewMover creates the Mover's streams and events on dev.
+func NewMover(dev Device) (*Mover, error) {
+	m := &Mover{dev: dev, pending: map[Ticket]Event{}}
+	var err error
+	if m.d2h, err = dev.StreamCreate(); err != nil {
+		return nil, fmt.Errorf("mover: device-to-host stream: %w", err)
+	}
+	if m.h2d, err = dev.StreamCreate(); err != nil {
+		m.release()
+		return nil, fmt.Errorf("mover: host-to-device stream: %w", err)
+	}
+	if m.fence, err = dev.StreamCreate(); err != nil {
+		m.release()
+		return nil, fmt.Errorf("mover: fence stream: %w", err)
+	}
+	for _, e := range []*Event{&m.caller, &m.lastD2H, &m.lastH2D} {
+		if *e, err = dev.EventCreate(); err != nil {
+			m.release()
+			return nil, fmt.Errorf("mover: event: %w", err)
+		}
+	}
+	return m, nil
+}
+
+// ErrMoverClosed is returned by calls on a closed Mover.
+var ErrMoverClosed = errors.New("cudart: mover is closed")
+
+// Offload enqueues device-to-host copies after the work on caller and
+// returns the batch's ticket. Nothing is enqueued when it fails.
+func (m *Mover) Offload(caller Stream, copies []Copy) (Ticket, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.closed {
+		return 0, ErrMoverClosed
+	}
+	ev, err := m.event()
+	if err != nil {
+		return 0, err
+	}
+	// Record and wait before the copies: a failed wait leaves nothing
+	// behind on the copy stream but an ordering that is harmless.
+	if err := m.after(m.d2h, caller); err != nil {
+		m.free = append(m.free, ev)
+		return 0, err
+	}
+	if err := m.dev.MemcpyBatchAsync(copies, DeviceToHost, m.d2h); err != nil {
+		m.free = append(m.free, ev)
+		return 0, fmt.Errorf("offload: %w", err)
+	}
+	if err := m.dev.EventRecord(ev, m.d2h); err != nil {
+		m.free = append(m.free, ev)
+		return 0, fmt.Errorf("offload: %w", err)
+	}
+	if err := m.dev.EventRecord(m.lastD2H, m.d2h); err != nil {
+		return 0, fmt.Errorf("offload: %w", err)
+	}
+	m.d2hUsed = true
+	m.next++
+	m.pending[m.next] = ev
+	return m.next, nil
+}
+
+// Reload enqueues host-to-device copies after the work on caller and after
+// the offload batches in after (tickets that completed or never existed
+// add no wait). Nothing is enqueued when it fails.
+func (m *Mover) Reload(caller Stream, copies []Copy, after ...Ticket) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.closed {
+		return ErrMoverClosed
+	}
+	if err := m.after(m.h2d, caller); err != nil {
+		return err
+	}
+	for _, t := range after {
+		if ev, ok := m.pending[t]; ok {
+			if err := m.dev.StreamWaitEvent(m.h2d, ev); err != nil {
+				return fmt.Errorf("reload: wait for offload %d: %w", t, err)
+			}
+		}
+	}
+	if err := m.dev.MemcpyBatchAsync(copies, HostToDevice, m.h2d); err != nil {
+		return fmt.Errorf("reload: %w", err)
+	}
+	if err := m.dev.EventRecord(m.lastH2D, m.h2d); err != nil {
+		return fmt.Errorf("reload: %w", err)
+	}
+	m.h2dUsed = true
+	return nil
+}
+
+// Sync makes later work on caller wait for every copy enqueued so far in
+// both directions. It does not block the host.
+func (m *Mover) Sync(caller Stream) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.closed {
+		return ErrMoverClosed
+	}
+	if m.d2hUsed {
+		if err := m.dev.StreamWaitEvent(caller, m.lastD2H); err != nil {
+			return fmt.Errorf("sync: %w", err)
+		}
+	}
+	if m.h2dUsed {
+		if err := m.dev.StreamWaitEvent(caller, m.lastH2D); err != nil {
+			return fmt.Errorf("sync: %w", err)
+		}
+	}
+	return nil
+}
+
+// Done calls fn on a driver thread once every copy enqueued so far in both
+// directions has completed: the moment host pages read by a reload, or
+// written by a discarded offload, may be handed out again. fn must not
+// call into the Mover or its Device.
+func (m *Mover) Done(fn func()) error {
+	if fn == nil {
+		return fmt.Errorf("mover: nil function")
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.closed {
+		return ErrMoverClosed
+	}
+	// The host function goes on a third stream behind waits for both copy
+	// streams, so neither copy stream waits for the other.
+	if m.d2hUsed {
+		if err := m.dev.StreamWaitEvent(m.fence, m.lastD2H); err != nil {
+			return fmt.Errorf("done: %w", err)
+		}
+	}
+	if m.h2dUsed {
+		if err := m.dev.StreamWaitEvent(m.fence, m.lastH2D); err != nil {
+			return fmt.Errorf("done: %w", err)
+		}
+	}
+	return m.dev.LaunchHostFunc(m.fence, fn)
+}
+
+// Wait blocks until every copy enqueued so far has completed.
+func (m *Mover) Wait() error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.closed {
+		return ErrMoverClosed
+	}
+	if err := m.dev.StreamSynchronize(m.d2h); err != nil {
+		return err
+	}
+	return m.dev.StreamSynchronize(m.h2d)
+}
+
+// Close waits for the Mover's copies and destroys its streams and events.
+func (m *Mover) Close() error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.closed {
+		return nil
+	}
+	m.closed = true
+	err := errors.Join(m.dev.StreamSynchronize(m.d2h), m.dev.StreamSynchronize(m.h2d), m.dev.StreamSynchronize(m.fence))
+	return errors.Join(err, m.release())
+}
+
+// after makes copy stream s wait for the work enqueued on caller so far.
+func (m *Mover) after(s, caller Stream) error {
+	if err := m.dev.EventRecord(m.caller, caller); err != nil {
+		return fmt.Errorf("order after the caller's stream: %w", err)
+	}
+	if err := m.dev.StreamWaitEvent(s, m.caller); err != nil {
+		return fmt.Errorf("order after the caller's stream: %w", err)
+	}
+	return nil
+}
+
+// event returns an event for a new offload batch, first recycling the
+// events of batches that have completed.
+func (m *Mover) event() (Event, error) {
+	for t, ev := range m.pending {
+		done, err := m.dev.EventQuery(ev)
+		if err != nil {
+			return 0, fmt.Errorf("offload: %w", err)
+		}
+		if done {
+			delete(m.pending, t)
+			m.free = append(m.free, ev)
+		}
+	}
+	if n := len(m.free); n > 0 {
+		ev := m.free[n-1]
+		m.free = m.free[:n-1]
+		return ev, nil
+	}
+	ev, err := m.dev.EventCreate()
+	if err != nil {
+		return 0, fmt.Errorf("offload: %w", err)
+	}
+	return ev, nil
+}
+
+func (m *Mover) release() error {
+	var errs []error
+	for _, ev := range m.pending {
+		errs = append(errs, m.dev.EventDestroy(ev))
+	}
+	for _, ev := range m.free {
+		errs = append(errs, m.dev.EventDestroy(ev))
+	}
+	for _, ev := range []Event{m.caller, m.lastD2H, m.lastH2D} {
+		if ev != 0 {
+			errs = append(errs, m.dev.EventDestroy(ev))
+		}
+	}
+	for _, s := range []Stream{m.d2h, m.h2d, m.fence} {
+		if s != 0 {
+			errs = append(errs, m.dev.StreamDestroy(s))
+		}
+	}
+	m.pending, m.free = nil, nil
+	return errors.Join(errs...)
+}

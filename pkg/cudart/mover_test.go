@@ -1,0 +1,281 @@
+package cudart
+
+import (
+	"bytes"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+)
+
+func simDev(t *testing.T, delay time.Duration) Device {
+	t.Helper()
+	dev, err := NewSim(SimOptions{CopyDelay: delay, MemoryBytes: 256 << 20}).Open(0)
+	must(t, err)
+	t.Cleanup(func() { dev.Close() })
+	return dev
+}
+
+var simLayouts = []layoutCase{
+	{"dense", 16 << 10, 1, 0},
+	{"strided", 16 << 10, 1, 4 << 10},
+	{"k+v", 8 << 10, 2, 0},
+	{"4-layers-strided", 4 << 10, 4, 512},
+}
+
+func TestMoverRoundTripSim(t *testing.T) {
+	for i, lc := range simLayouts {
+		t.Run(lc.String(), func(t *testing.T) {
+			// The delay makes every copy land late, so a missing wait
+			// shows up as poisoned or stale bytes.
+			scenarioRoundTrip(t, simDev(t, 5*time.Millisecond), lc, 64, 48, 12, uint64(i))
+		})
+	}
+}
+
+func TestMoverBackToBackSim(t *testing.T) {
+	scenarioBackToBack(t, simDev(t, 5*time.Millisecond), 8<<10, 10, 1)
+}
+
+func TestMoverDoneSim(t *testing.T) {
+	scenarioDone(t, simDev(t, 10*time.Millisecond), 4<<10)
+}
+
+// TestSyncIsWhatOrders is the control for the scenarios: without Sync, a
+// copy on the caller's stream races the reload and (with the simulator's
+// delay) reads the old bytes. If this ever passes with new bytes, the
+// scenarios above could not catch a missing wait.
+func TestSyncIsWhatOrders(t *testing.T) {
+	dev := simDev(t, 20*time.Millisecond)
+	const page = 4096
+	dp, err := dev.MemAlloc(2 * page)
+	must(t, err)
+	must(t, dev.MemcpyHtoD(dp, bytes.Repeat([]byte{1}, page)))
+	host := newPinned(t, dev, 2*page)
+	fill(host.b[:page], 2)
+	fill(host.b[page:], 0)
+	engine, err := dev.StreamCreate()
+	must(t, err)
+	m, err := NewMover(dev)
+	must(t, err)
+	defer m.Close()
+	// A first reload (of another page) holds the reload stream for one
+	// delay, so the real one lands a full delay after the engine's read.
+	must(t, m.Reload(engine, []Copy{{Dst: uintptr(dp) + page, Src: addr(host.b), Bytes: page}}))
+	must(t, m.Reload(engine, []Copy{{Dst: uintptr(dp), Src: addr(host.b), Bytes: page}}))
+	// No Sync here.
+	must(t, dev.MemcpyBatchAsync([]Copy{{Dst: addr(host.b[page:]), Src: uintptr(dp), Bytes: page}}, DeviceToHost, engine))
+	must(t, dev.StreamSynchronize(engine))
+	if host.b[page] != 1 {
+		t.Fatalf("without Sync the engine stream saw byte %d; the simulator no longer exposes missing waits", host.b[page])
+	}
+	must(t, m.Wait())
+}
+
+func TestLayoutCopies(t *testing.T) {
+	l := Layout{Regions: []Region{
+		{Base: 0x10000, Stride: 0x1000, PageBytes: 0x800, Pages: 8},
+		{Base: 0x90000, Stride: 0x1000, PageBytes: 0x400, Pages: 8},
+	}}
+	if got := l.HostPageBytes(); got != 0xC00 {
+		t.Fatalf("HostPageBytes = %#x", got)
+	}
+	got, err := l.Copies(DeviceToHost, []int{3, 4}, []uintptr{0x100000, 0x200000})
+	must(t, err)
+	want := []Copy{
+		{Dst: 0x100000, Src: 0x13000, Bytes: 0x800},
+		{Dst: 0x200000, Src: 0x14000, Bytes: 0x800},
+		{Dst: 0x100800, Src: 0x93000, Bytes: 0x400},
+		{Dst: 0x200800, Src: 0x94000, Bytes: 0x400},
+	}
+	if !equalCopies(got, want) {
+		t.Errorf("D2H copies %v, want %v", got, want)
+	}
+	got, err = l.Copies(HostToDevice, []int{3}, []uintptr{0x100000})
+	must(t, err)
+	want = []Copy{{Dst: 0x13000, Src: 0x100000, Bytes: 0x800}, {Dst: 0x93000, Src: 0x100800, Bytes: 0x400}}
+	if !equalCopies(got, want) {
+		t.Errorf("H2D copies %v, want %v", got, want)
+	}
+}
+
+func equalCopies(a, b []Copy) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			return false
+		}
+	}
+	return true
+}
+
+func TestLayoutRejects(t *testing.T) {
+	good := Region{Base: 0x10000, Stride: 0x1000, PageBytes: 0x1000, Pages: 8}
+	with := func(f func(*Region)) Layout {
+		r := good
+		f(&r)
+		return Layout{Regions: []Region{r}}
+	}
+	one := Layout{Regions: []Region{good}}
+	cases := []struct {
+		name  string
+		l     Layout
+		dir   Direction
+		dev   []int
+		host  []uintptr
+		error string
+	}{
+		{"no regions", Layout{}, HostToDevice, []int{0}, []uintptr{1}, "no regions"},
+		{"zero base", with(func(r *Region) { r.Base = 0 }), HostToDevice, []int{0}, []uintptr{1}, "zero base"},
+		{"zero page", with(func(r *Region) { r.PageBytes = 0 }), HostToDevice, []int{0}, []uintptr{1}, "zero bytes per page"},
+		{"stride < page", with(func(r *Region) { r.Stride = 0x800 }), HostToDevice, []int{0}, []uintptr{1}, "stride 2048 is less"},
+		{"no pages", with(func(r *Region) { r.Pages = 0 }), HostToDevice, []int{0}, []uintptr{1}, "0 pages"},
+		{"overflow", with(func(r *Region) { r.Stride = 1 << 62 }), HostToDevice, []int{0}, []uintptr{1}, "overflow"},
+		{"bad direction", one, Direction(0), []int{0}, []uintptr{1}, "bad direction"},
+		{"count mismatch", one, HostToDevice, []int{0, 1}, []uintptr{1}, "2 device pages but 1 host pages"},
+		{"empty", one, HostToDevice, nil, nil, "no pages"},
+		{"negative", one, HostToDevice, []int{-1}, []uintptr{1}, "device page -1 (position 0) is out of range [0, 8)"},
+		{"past end", one, DeviceToHost, []int{2, 8}, []uintptr{1, 2}, "device page 8 (position 1) is out of range"},
+		{"duplicate", one, DeviceToHost, []int{2, 2}, []uintptr{1, 2}, "device page 2 appears twice"},
+		{"nil host", one, DeviceToHost, []int{2}, []uintptr{0}, "address 0"},
+		{"second region shorter", Layout{Regions: []Region{good, {Base: 0x90000, Stride: 0x1000, PageBytes: 0x1000, Pages: 4}}},
+			HostToDevice, []int{5}, []uintptr{1}, "out of range [0, 4)"},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			got, err := c.l.Copies(c.dir, c.dev, c.host)
+			if err == nil || !strings.Contains(err.Error(), c.error) {
+				t.Fatalf("Copies = %v, %v; want error containing %q", got, err, c.error)
+			}
+		})
+	}
+}
+
+func TestMergeRuns(t *testing.T) {
+	cases := []struct {
+		name     string
+		in, want []Copy
+	}{
+		{"empty", nil, nil},
+		{"one", []Copy{{10, 100, 5}}, []Copy{{10, 100, 5}}},
+		{"adjacent both sides", []Copy{{10, 100, 5}, {15, 105, 5}, {20, 110, 1}}, []Copy{{10, 100, 11}}},
+		{"adjacent on dst only", []Copy{{10, 100, 5}, {15, 200, 5}}, []Copy{{10, 100, 5}, {15, 200, 5}}},
+		{"adjacent on src only", []Copy{{10, 100, 5}, {50, 105, 5}}, []Copy{{10, 100, 5}, {50, 105, 5}}},
+		{"reverse order is not merged", []Copy{{15, 105, 5}, {10, 100, 5}}, []Copy{{15, 105, 5}, {10, 100, 5}}},
+		{"runs", []Copy{{0, 0, 4}, {4, 4, 4}, {100, 8, 4}, {104, 12, 4}}, []Copy{{0, 0, 8}, {100, 8, 8}}},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			in := append([]Copy(nil), c.in...)
+			got := MergeRuns(c.in)
+			if !equalCopies(got, c.want) {
+				t.Errorf("MergeRuns(%v) = %v, want %v", c.in, got, c.want)
+			}
+			if !equalCopies(in, c.in) {
+				t.Errorf("MergeRuns modified its input")
+			}
+		})
+	}
+}
+
+func TestMoverMisuse(t *testing.T) {
+	dev := simDev(t, 0)
+	m, err := NewMover(dev)
+	must(t, err)
+	engine, err := dev.StreamCreate()
+	must(t, err)
+	if _, err := m.Offload(engine, nil); !errors.Is(err, ErrInvalidValue) {
+		t.Errorf("Offload(empty) = %v", err)
+	}
+	if _, err := m.Offload(Stream(12345), []Copy{{1, 2, 3}}); !errors.Is(err, ErrInvalidHandle) {
+		t.Errorf("Offload(unknown caller stream) = %v", err)
+	}
+	if err := m.Reload(engine, []Copy{{1, 2, 3}}); !errors.Is(err, ErrInvalidValue) {
+		t.Errorf("Reload(unregistered) = %v", err)
+	}
+	if err := m.Done(nil); err == nil {
+		t.Error("Done(nil) succeeded")
+	}
+	// A failed offload hands out no ticket and leaves no pending batch.
+	if len(m.pending) != 0 {
+		t.Errorf("%d pending batches after failed offloads", len(m.pending))
+	}
+	must(t, m.Sync(engine))
+	must(t, m.Close())
+	must(t, m.Close())
+	if _, err := m.Offload(engine, []Copy{{1, 2, 3}}); !errors.Is(err, ErrMoverClosed) {
+		t.Errorf("Offload after Close = %v", err)
+	}
+	if err := m.Sync(engine); !errors.Is(err, ErrMoverClosed) {
+		t.Errorf("Sync after Close = %v", err)
+	}
+}
+
+// TestMoverConcurrent shares one Mover among goroutines, each moving its
+// own pages out and back on its own caller stream, under the race detector.
+func TestMoverConcurrent(t *testing.T) {
+	dev := simDev(t, time.Millisecond)
+	const workers, page, k = 4, 4096, 8
+	m, err := NewMover(dev)
+	must(t, err)
+	defer m.Close()
+	errs := make(chan error, workers)
+	for w := 0; w < workers; w++ {
+		dp, err := dev.MemAlloc(2 * k * page)
+		must(t, err)
+		host := newPinned(t, dev, k*page)
+		engine, err := dev.StreamCreate()
+		must(t, err)
+		data := randBytes(2*k*page, uint64(w))
+		must(t, dev.MemcpyHtoD(dp, data))
+		layout := Layout{Regions: []Region{{Base: dp, Stride: page, PageBytes: page, Pages: 2 * k}}}
+		go func() {
+			errs <- func() error {
+				ha := make([]uintptr, k)
+				src, dst := make([]int, k), make([]int, k)
+				for i := range ha {
+					ha[i] = addr(host.b[i*page:])
+					src[i], dst[i] = i, k+i
+				}
+				for round := 0; round < 5; round++ {
+					out, err := layout.Copies(DeviceToHost, src, ha)
+					if err != nil {
+						return err
+					}
+					in, err := layout.Copies(HostToDevice, dst, ha)
+					if err != nil {
+						return err
+					}
+					tk, err := m.Offload(engine, out)
+					if err != nil {
+						return err
+					}
+					if err := m.Reload(engine, in, tk); err != nil {
+						return err
+					}
+					if err := m.Sync(engine); err != nil {
+						return err
+					}
+					if err := dev.StreamSynchronize(engine); err != nil {
+						return err
+					}
+				}
+				got := make([]byte, k*page)
+				if err := dev.MemcpyDtoH(got, dp+k*page); err != nil {
+					return err
+				}
+				if !bytes.Equal(got, data[:k*page]) {
+					return errors.New("pages moved by concurrent users of one Mover came back wrong")
+				}
+				return nil
+			}()
+		}()
+	}
+	for w := 0; w < workers; w++ {
+		if err := <-errs; err != nil {
+			t.Error(err)
+		}
+	}
+}

@@ -1,0 +1,171 @@
+// Package gpu finds the node's GPUs through NVML: index, UUID, PCI bus ID,
+// device memory and NUMA node. It knows nothing of pools or Kubernetes.
+package gpu
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+)
+
+// Device is one GPU as the sizing policy sees it.
+type Device struct {
+	Index  int    // NVML index (the CUDA ordinal under CUDA_DEVICE_ORDER=PCI_BUS_ID)
+	UUID   string // "GPU-..."
+	Name   string // product name
+	BusID  string // PCI address as sysfs writes it, "0000:3b:00.0"; empty if unknown
+	Memory int64  // device memory in bytes
+	// NUMA is the host NUMA node nearest the GPU, or -1 when the platform
+	// does not say (single-node machines, VMs).
+	NUMA      int
+	Simulated bool // made up by Simulated, not found on the node
+}
+
+// ErrNoNVML means the NVML library could not be loaded: no NVIDIA driver on
+// this node, or the container runs without the NVIDIA runtime.
+var ErrNoNVML = errors.New("gpu: NVML library (libnvidia-ml.so.1) not found: no NVIDIA driver on this node, or the container was started without the NVIDIA container runtime")
+
+// Discover lists the GPUs through lib (nvml.New() in production; a mock in
+// tests). NUMA nodes come from NVML where the driver reports them, else from
+// sysRoot/sys/bus/pci/devices/<bus id>/numa_node (sysRoot is "/" on a node).
+// It returns ErrNoNVML when the library is missing, and an error naming the
+// GPU and call for any other failure.
+func Discover(lib nvml.Interface, sysRoot string) ([]Device, error) {
+	if ret := lib.Init(); ret != nvml.SUCCESS {
+		if ret == nvml.ERROR_LIBRARY_NOT_FOUND {
+			return nil, ErrNoNVML
+		}
+		return nil, fmt.Errorf("gpu: nvmlInit: %v", errorString(ret))
+	}
+	defer lib.Shutdown()
+	n, ret := lib.DeviceGetCount()
+	if ret != nvml.SUCCESS {
+		return nil, fmt.Errorf("gpu: nvmlDeviceGetCount: %v", errorString(ret))
+	}
+	devs := make([]Device, 0, n)
+	for i := 0; i < n; i++ {
+		d, err := describe(lib, i, sysRoot)
+		if err != nil {
+			return nil, err
+		}
+		devs = append(devs, d)
+	}
+	return devs, nil
+}
+
+func describe(lib nvml.Interface, i int, sysRoot string) (Device, error) {
+	fail := func(call string, ret nvml.Return) (Device, error) {
+		return Device{}, fmt.Errorf("gpu %d: %s: %v", i, call, errorString(ret))
+	}
+	h, ret := lib.DeviceGetHandleByIndex(i)
+	if ret != nvml.SUCCESS {
+		return fail("nvmlDeviceGetHandleByIndex", ret)
+	}
+	d := Device{Index: i, NUMA: -1}
+	if d.UUID, ret = h.GetUUID(); ret != nvml.SUCCESS {
+		return fail("nvmlDeviceGetUUID", ret)
+	}
+	if d.Name, ret = h.GetName(); ret != nvml.SUCCESS {
+		return fail("nvmlDeviceGetName", ret)
+	}
+	mem, ret := h.GetMemoryInfo()
+	if ret != nvml.SUCCESS {
+		return fail("nvmlDeviceGetMemoryInfo", ret)
+	}
+	d.Memory = int64(mem.Total)
+	pci, ret := h.GetPciInfo()
+	if ret != nvml.SUCCESS {
+		return fail("nvmlDeviceGetPciInfo", ret)
+	}
+	d.BusID = sysfsBusID(pci.BusId[:])
+	node, ret := h.GetNumaNodeId()
+	switch ret {
+	case nvml.SUCCESS:
+		if node >= 0 {
+			d.NUMA = node
+		}
+	case nvml.ERROR_NOT_SUPPORTED, nvml.ERROR_FUNCTION_NOT_FOUND:
+		// Older drivers: ask sysfs below.
+	default:
+		return fail("nvmlDeviceGetNumaNodeId", ret)
+	}
+	if d.NUMA < 0 && d.BusID != "" {
+		n, err := SysfsNUMANode(sysRoot, d.BusID)
+		if err != nil {
+			return Device{}, fmt.Errorf("gpu %d: %w", i, err)
+		}
+		d.NUMA = n
+	}
+	return d, nil
+}
+
+// sysfsBusID turns NVML's bus ID ("00000000:3B:00.0", NUL-padded) into
+// sysfs's form ("0000:3b:00.0"); "" when NVML gave none.
+func sysfsBusID(raw []int8) string {
+	b := make([]byte, 0, len(raw))
+	for _, c := range raw {
+		if c == 0 {
+			break
+		}
+		b = append(b, byte(c))
+	}
+	s := strings.ToLower(strings.TrimSpace(string(b)))
+	if s == "" {
+		return ""
+	}
+	// NVML pads the PCI domain to 8 hex digits; sysfs uses 4.
+	if dom, rest, ok := strings.Cut(s, ":"); ok && len(dom) == 8 && strings.HasPrefix(dom, "0000") {
+		s = dom[4:] + ":" + rest
+	}
+	return s
+}
+
+// SysfsNUMANode reads the NUMA node of PCI device busID from
+// sysRoot/sys/bus/pci/devices/<busID>/numa_node. A missing file or a value
+// of -1 gives -1 (no NUMA information), not an error.
+func SysfsNUMANode(sysRoot, busID string) (int, error) {
+	if strings.ContainsAny(busID, "/\x00") || busID == "." || busID == ".." {
+		return -1, fmt.Errorf("bad PCI bus id %q", busID)
+	}
+	p := filepath.Join(sysRoot, "sys/bus/pci/devices", busID, "numa_node")
+	b, err := os.ReadFile(p)
+	if errors.Is(err, os.ErrNotExist) {
+		return -1, nil
+	}
+	if err != nil {
+		return -1, fmt.Errorf("read NUMA node: %w", err)
+	}
+	n, err := strconv.Atoi(strings.TrimSpace(string(b)))
+	if err != nil || n < -1 {
+		return -1, fmt.Errorf("%s: bad NUMA node %q", p, strings.TrimSpace(string(b)))
+	}
+	return n, nil
+}
+
+// Simulated makes n GPUs of memory bytes each for standalone mode, spread
+// round-robin over the given NUMA nodes (all -1 when numaNodes is empty).
+func Simulated(n int, memory int64, numaNodes []int) []Device {
+	devs := make([]Device, n)
+	for i := range devs {
+		numa := -1
+		if len(numaNodes) > 0 {
+			numa = numaNodes[i%len(numaNodes)]
+		}
+		devs[i] = Device{
+			Index: i, UUID: fmt.Sprintf("GPU-sim-%08d", i), Name: "kvpool simulated GPU",
+			Memory: memory, NUMA: numa, Simulated: true,
+		}
+	}
+	return devs
+}
+
+func errorString(ret nvml.Return) string {
+	// nvml.ErrorString needs the library loaded; Return.Error falls back to
+	// the constant's name.
+	return fmt.Sprintf("%s (NVML code %d)", ret.Error(), int32(ret))
+}
