@@ -153,7 +153,10 @@ else
   rm -f "$KVPOOL_E2E_BIN/kvclient"
   echo "[e2e] cmd/kvclient is not in this tree yet: the image carries no client"
 fi
-if [ -f "$ROOT/charts/kvpool/Chart.yaml" ]; then
+# KVPOOL_E2E_REPO (default: this tree) is where the chart and the example
+# manifests are read from.
+export KVPOOL_E2E_REPO="${KVPOOL_E2E_REPO:-$ROOT}"
+if [ -f "$KVPOOL_E2E_REPO/charts/kvpool/Chart.yaml" ]; then
   (cd "$E2E_DIR/chart" && go build -o "$KVPOOL_E2E_BIN/render-chart" .)
 else
   rm -f "$KVPOOL_E2E_BIN/render-chart"
@@ -185,7 +188,7 @@ step e2e-test
 set -a
 eval "$("$E2E_DIR/cluster.sh" env)"
 set +a
-export KVPOOL_E2E_REPO="$ROOT" KVPOOL_E2E_AGENT="$KVPOOL_E2E_BIN/agent"
+export KVPOOL_E2E_AGENT="$KVPOOL_E2E_BIN/agent"
 [ -x "$KVPOOL_E2E_BIN/kvclient" ] && export KVPOOL_E2E_KVCLIENT="$KVPOOL_E2E_BIN/kvclient"
 [ -x "$KVPOOL_E2E_BIN/render-chart" ] && export KVPOOL_E2E_RENDER_CHART="$KVPOOL_E2E_BIN/render-chart"
 (cd "$TOOLS/e2e" && "$KVPOOL_E2E_BIN/e2e.test" -test.v -test.timeout 8m ${KVPOOL_E2E_TEST_ARGS:-})

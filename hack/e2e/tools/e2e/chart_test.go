@@ -132,12 +132,12 @@ func TestChartServerDryRun(t *testing.T) {
 	c.dryRunCreate(t, "chart", objs, chartNamespace)
 
 	var examples []string
-	for _, pat := range []string{"examples/*.yaml", "examples/*/*.yaml", "charts/kvpool/examples/*.yaml", "config/samples/*.yaml"} {
+	for _, pat := range []string{"examples/*.yaml", "examples/*/*.yaml", "charts/kvpool/examples/*.yaml", "config/examples/*.yaml", "config/samples/*.yaml"} {
 		m, _ := filepath.Glob(filepath.Join(c.Repo, pat))
 		examples = append(examples, m...)
 	}
 	if len(examples) == 0 {
-		t.Log("no example manifests found (examples/, charts/kvpool/examples/, config/samples/)")
+		t.Log("no example manifests found (examples/, charts/kvpool/examples/, config/examples/, config/samples/)")
 		return
 	}
 	pods := 0
