@@ -192,3 +192,14 @@ export KVPOOL_E2E_AGENT="$KVPOOL_E2E_BIN/agent"
 [ -x "$KVPOOL_E2E_BIN/kvclient" ] && export KVPOOL_E2E_KVCLIENT="$KVPOOL_E2E_BIN/kvclient"
 [ -x "$KVPOOL_E2E_BIN/render-chart" ] && export KVPOOL_E2E_RENDER_CHART="$KVPOOL_E2E_BIN/render-chart"
 (cd "$TOOLS/e2e" && "$KVPOOL_E2E_BIN/e2e.test" -test.v -test.timeout 8m ${KVPOOL_E2E_TEST_ARGS:-})
+
+# The chart's own server-side dry run of every value set (test/chart, issue
+# 7) against this apiserver, when the tree has it and kubectl is installed.
+if [ -z "${KVPOOL_E2E_TEST_ARGS:-}" ] && [ -f "$ROOT/test/chart/dryrun_test.go" ]; then
+  step chart-dry-run
+  if command -v kubectl >/dev/null; then
+    (cd "$ROOT" && KVPOOL_DRYRUN_KUBECONFIG="$KUBECONFIG" go test -race -count=1 -run DryRun ./test/chart)
+  else
+    echo "[e2e] kubectl is not installed: test/chart's dry run is skipped (TestChartServerDryRun above covered the chart's defaults and the examples)"
+  fi
+fi
