@@ -20,19 +20,6 @@ import (
 
 // TestMain lets the test binary stand in for the agent binary: the
 // end-to-end tests start it again as a separate process.
-func TestMain(m *testing.M) {
-	// Re-exec'd by TestPlanProcess: run the real main with the test's args.
-	if os.Getenv("KVPOOL_TEST_RUN_MAIN") == "1" {
-		main()
-		return
-	}
-	if os.Getenv("KVPOOL_TEST_AGENT") == "1" {
-		os.Args = append([]string{"agent"}, strings.Fields(os.Getenv("KVPOOL_TEST_AGENT_ARGS"))...)
-		main()
-		os.Exit(0)
-	}
-	os.Exit(m.Run())
-}
 
 type agentProc struct {
 	t   *testing.T

@@ -1,60 +1,61 @@
 // Command agent is the kvpool node agent.
+//
+//	agent [serve] [flags]   serve the pool (--standalone: no kubelet, simulated GPUs)
+//	agent bench [flags]     run a verified workload against an agent and report figures
+//
+// Other subcommands live in their own files as run<Name>(ctx, args).
 package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
-	"log/slog"
 	"os"
 	"os/signal"
+	"sort"
+	"strings"
 	"syscall"
-
-	"github.com/kvpool/kvpool/pkg/cudart"
-	"github.com/kvpool/kvpool/pkg/pool"
 )
 
+// commands maps a subcommand to its entry point. Add one line per
+// subcommand; its code goes in cmd/agent/<name>.go.
+var commands = map[string]func(ctx context.Context, args []string) error{
+	"serve":  runServe,
+	"bench":  runBench,
+	"plan":   runPlan,
+	"status": runStatus,
+}
+
 func main() {
-	if len(os.Args) > 1 && os.Args[1] == "plan" {
-		exitOn(runPlan(context.Background(), os.Args[2:]))
+	args := os.Args[1:]
+	name := "serve"
+	if len(args) > 0 && !strings.HasPrefix(args[0], "-") {
+		name, args = args[0], args[1:]
 	}
-	standalone := flag.Bool("standalone", false, "run without kubelet on simulated GPUs and an in-memory pool")
-	var pluginCfg pluginConfig
-	pluginCfg.addFlags(flag.CommandLine)
-	flag.Parse()
-	if !*standalone {
-		fmt.Fprintln(os.Stderr, "agent: only --standalone is implemented so far")
+	run, ok := commands[name]
+	if !ok {
+		var names []string
+		for n := range commands {
+			names = append(names, n)
+		}
+		sort.Strings(names)
+		fmt.Fprintf(os.Stderr, "agent: unknown subcommand %q (have %s)\n", name, strings.Join(names, ", "))
 		os.Exit(2)
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-	sim := cudart.NewSim(cudart.SimOptions{Devices: 2})
-	n, _ := sim.DeviceCount()
-	p := pool.New()
-	for g := 0; g < n; g++ {
-		for i := 0; i < 4; i++ {
-			if err := p.AddChunk(pool.Chunk{ID: fmt.Sprintf("gpu%d-numa0-%d", g, i), GPU: g, Size: 64 << 20}); err != nil {
-				slog.Error("add chunk", "err", err)
-				os.Exit(1)
-			}
-		}
+	err := run(ctx, args)
+	stop()
+	if errors.Is(err, flag.ErrHelp) {
+		os.Exit(0)
 	}
-	plug, err := startPlugin(ctx, pluginCfg, p, func(string) error { return nil }) // simulated chunks hold no bytes
 	if err != nil {
-		slog.Error("device plugin", "err", err)
-		os.Exit(2)
-	}
-	slog.Info("kvpool agent running", "mode", "standalone", "backend", sim.Name(), "gpus", n, "chunks", len(p.Chunks()))
-	<-ctx.Done()
-	plug.Wait()
-	slog.Info("kvpool agent stopped")
-}
-
-// exitOn ends a subcommand: status 0, or 1 with the error on stderr.
-func exitOn(err error) {
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "agent:", err)
+		fmt.Fprintf(os.Stderr, "agent %s: %v\n", name, err)
 		os.Exit(1)
 	}
-	os.Exit(0)
+}
+
+func hostname() string {
+	h, _ := os.Hostname()
+	return h
 }

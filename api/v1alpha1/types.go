@@ -1,0 +1,159 @@
+// Package v1alpha1 holds the kvpool.io/v1alpha1 API types: KVPoolNode, the
+// per-node status object the agent writes so that `kubectl get kvpoolnodes`
+// shows each node's host KV pool.
+//
+// +groupName=kvpool.io
+package v1alpha1
+
+//go:generate go run sigs.k8s.io/controller-tools/cmd/controller-gen@v0.23.0 crd paths=. output:crd:dir=../../config/crd
+
+import (
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+)
+
+// GroupVersion is the API group and version of these types.
+var GroupVersion = schema.GroupVersion{Group: "kvpool.io", Version: "v1alpha1"}
+
+var (
+	// SchemeBuilder registers the types with a scheme.
+	SchemeBuilder = runtime.NewSchemeBuilder(addKnownTypes)
+	// AddToScheme adds the types to a scheme.
+	AddToScheme = SchemeBuilder.AddToScheme
+)
+
+func addKnownTypes(s *runtime.Scheme) error {
+	s.AddKnownTypes(GroupVersion, &KVPoolNode{}, &KVPoolNodeList{})
+	metav1.AddToGroupVersion(s, GroupVersion)
+	return nil
+}
+
+// Health values of KVPoolNodeStatus.
+const (
+	HealthStarting  = "Starting"  // chunks are still being allocated, nothing ready yet
+	HealthHealthy   = "Healthy"   // ready: chunks, socket and (in cluster mode) kubelet registration
+	HealthDegraded  = "Degraded"  // ready, but some chunk or GPU is unhealthy
+	HealthUnhealthy = "Unhealthy" // not serving
+)
+
+// Condition types of KVPoolNodeStatus.
+const (
+	// ConditionReady mirrors the agent's readiness probe.
+	ConditionReady = "Ready"
+	// ConditionPoolComplete is true once every planned chunk is ready.
+	ConditionPoolComplete = "PoolComplete"
+)
+
+// KVPoolNode is the status of one node's host KV pool. It is cluster scoped,
+// named after the node, owned by the Node object, and written only by the
+// agent on that node.
+//
+// +kubebuilder:object:root=true
+// +kubebuilder:resource:scope=Cluster,shortName=kvpn,categories=kvpool
+// +kubebuilder:subresource:status
+// +kubebuilder:printcolumn:name="Capacity",type=string,JSONPath=`.status.capacity`,description="Memory planned for the node's pools"
+// +kubebuilder:printcolumn:name="Ready",type=string,JSONPath=`.status.ready`,description="Memory allocated, pinned and ready"
+// +kubebuilder:printcolumn:name="Allocated",type=string,JSONPath=`.status.allocated`,description="Memory granted to pods"
+// +kubebuilder:printcolumn:name="Used",type=string,JSONPath=`.status.used`,description="Memory holding offloaded streams",priority=1
+// +kubebuilder:printcolumn:name="Sessions",type=integer,JSONPath=`.status.sessions`,priority=1
+// +kubebuilder:printcolumn:name="Health",type=string,JSONPath=`.status.health`
+// +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`
+type KVPoolNode struct {
+	metav1.TypeMeta   `json:",inline"`
+	metav1.ObjectMeta `json:"metadata,omitempty"`
+
+	Status KVPoolNodeStatus `json:"status,omitempty"`
+}
+
+// KVPoolNodeList is a list of KVPoolNode.
+//
+// +kubebuilder:object:root=true
+type KVPoolNodeList struct {
+	metav1.TypeMeta `json:",inline"`
+	metav1.ListMeta `json:"metadata,omitempty"`
+	Items           []KVPoolNode `json:"items"`
+}
+
+// KVPoolNodeStatus is what the agent observed.
+type KVPoolNodeStatus struct {
+	// NodeName is the node the pool is on.
+	NodeName string `json:"nodeName,omitempty"`
+	// ResourceName is the extended resource the chunks are advertised as.
+	ResourceName string `json:"resourceName,omitempty"`
+	// AgentVersion is the version of the agent that wrote this status.
+	AgentVersion string `json:"agentVersion,omitempty"`
+
+	// Capacity is the memory sizing planned for the node's pools.
+	Capacity resource.Quantity `json:"capacity"`
+	// Ready is the memory of chunks allocated, pinned and held by the pools.
+	Ready resource.Quantity `json:"ready"`
+	// Allocated is the memory of chunks granted to pods.
+	Allocated resource.Quantity `json:"allocated"`
+	// Used is the memory of host pages holding offloaded streams.
+	Used resource.Quantity `json:"used"`
+
+	// Chunks counts the node's chunks by state.
+	Chunks ChunkCounts `json:"chunks"`
+	// Sessions is the number of open client sessions.
+	// +kubebuilder:validation:Minimum=0
+	Sessions int32 `json:"sessions"`
+
+	// Health is Starting, Healthy, Degraded or Unhealthy.
+	// +kubebuilder:validation:Enum=Starting;Healthy;Degraded;Unhealthy
+	Health string `json:"health"`
+	// Message says why Health is not Healthy.
+	Message string `json:"message,omitempty"`
+
+	// GPUs lists each GPU's pool.
+	// +listType=map
+	// +listMapKey=index
+	GPUs []GPUPool `json:"gpus,omitempty"`
+
+	// Conditions are the standard conditions (Ready, PoolComplete).
+	// +listType=map
+	// +listMapKey=type
+	Conditions []metav1.Condition `json:"conditions,omitempty"`
+
+	// LastUpdateTime is when the agent last wrote this status.
+	LastUpdateTime metav1.Time `json:"lastUpdateTime,omitempty"`
+}
+
+// ChunkCounts counts chunks by state.
+type ChunkCounts struct {
+	// Free chunks are scrubbed and unallocated.
+	// +kubebuilder:validation:Minimum=0
+	Free int32 `json:"free"`
+	// Granted chunks are held by pods.
+	// +kubebuilder:validation:Minimum=0
+	Granted int32 `json:"granted"`
+	// Dirty chunks were released and await scrubbing.
+	// +kubebuilder:validation:Minimum=0
+	Dirty int32 `json:"dirty"`
+	// Unhealthy chunks are reported unhealthy to kubelet.
+	// +kubebuilder:validation:Minimum=0
+	Unhealthy int32 `json:"unhealthy,omitempty"`
+}
+
+// GPUPool is one GPU's pool.
+type GPUPool struct {
+	// Index is the GPU's index on the node.
+	// +kubebuilder:validation:Minimum=0
+	Index int32 `json:"index"`
+	// NUMANode is the NUMA node of the pool's memory, -1 when unknown.
+	// +kubebuilder:validation:Minimum=-1
+	NUMANode int32 `json:"numaNode"`
+	// Capacity is the memory planned for this GPU.
+	Capacity resource.Quantity `json:"capacity"`
+	// Ready is the memory of this GPU's ready chunks.
+	Ready resource.Quantity `json:"ready"`
+	// Allocated is the memory of this GPU's chunks granted to pods.
+	Allocated resource.Quantity `json:"allocated"`
+	// Used is the memory of host pages holding streams of sessions serving this GPU.
+	Used resource.Quantity `json:"used"`
+	// Chunks counts this GPU's chunks by state.
+	Chunks ChunkCounts `json:"chunks"`
+	// Healthy is false while the GPU is reported unhealthy.
+	Healthy bool `json:"healthy"`
+}

@@ -1,0 +1,102 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"time"
+
+	"github.com/kvpool/kvpool/pkg/health"
+	"github.com/kvpool/kvpool/pkg/metrics"
+	"github.com/kvpool/kvpool/pkg/observe"
+	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/status"
+)
+
+// observability is the agent's metrics, health checks, status report and
+// recent-error log, served on two ports: metrics (GET /metrics) and health
+// (GET /livez, /readyz, /status).
+type observability struct {
+	Metrics *metrics.Metrics
+	Health  *health.Health
+	Errors  *status.Ring
+	Report  *status.Reporter
+	// Observer is what the socket server reports each operation to.
+	Observer observe.Observer
+
+	metricsAddr, healthAddr net.Addr
+}
+
+type obsOptions struct {
+	Node, Mode, Version string
+	// Targets returns the planned bytes per GPU; nil when there is no plan.
+	Targets func() map[int]int64
+}
+
+// newObservability watches p. Components add their checks to Health
+// (heartbeats, the socket handshake, the kubelet registration flag) and
+// report errors to Errors and Metrics.Error.
+func newObservability(p *pool.Pool, o obsOptions) *observability {
+	obs := &observability{
+		Metrics: metrics.New(p, metrics.Options{Targets: o.Targets}),
+		Health:  health.New(health.Options{}),
+		Errors:  status.NewRing(64),
+	}
+	obs.Observer = observe.Multi(obs.Metrics, obs.Errors)
+	obs.Health.AddReadiness("chunks", health.ChunksReady(p))
+	obs.Report = &status.Reporter{
+		Pool: p, Errors: obs.Errors, Targets: o.Targets,
+		Node: o.Node, Mode: o.Mode, Version: o.Version, Started: time.Now(),
+		Readiness: func() (bool, string) {
+			ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+			defer cancel()
+			r := obs.Health.Ready(ctx)
+			return r.OK(), r.Reason()
+		},
+	}
+	return obs
+}
+
+// start listens on both addresses and serves until ctx ends. It fails,
+// serving nothing, when either address cannot be bound.
+func (o *observability) start(ctx context.Context, metricsAddr, healthAddr string) error {
+	ml, err := net.Listen("tcp", metricsAddr)
+	if err != nil {
+		return fmt.Errorf("metrics listener: %w", err)
+	}
+	hl, err := net.Listen("tcp", healthAddr)
+	if err != nil {
+		ml.Close()
+		return fmt.Errorf("health listener: %w", err)
+	}
+	o.metricsAddr, o.healthAddr = ml.Addr(), hl.Addr()
+
+	mmux := http.NewServeMux()
+	mmux.Handle("GET /metrics", o.Metrics.Handler())
+	hmux := http.NewServeMux()
+	hmux.Handle("/livez", o.Health.Handler())
+	hmux.Handle("/readyz", o.Health.Handler())
+	hmux.Handle("/status", o.Report)
+	for _, s := range []struct {
+		name string
+		ln   net.Listener
+		h    http.Handler
+	}{{"metrics", ml, mmux}, {"health", hl, hmux}} {
+		srv := &http.Server{Handler: s.h, ReadHeaderTimeout: 5 * time.Second}
+		go func() {
+			if err := srv.Serve(s.ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+				slog.Error("http server stopped", "server", s.name, "err", err)
+			}
+		}()
+		context.AfterFunc(ctx, func() {
+			sctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+			defer cancel()
+			srv.Shutdown(sctx)
+		})
+		slog.Info("serving", "server", s.name, "address", s.ln.Addr().String())
+	}
+	return nil
+}

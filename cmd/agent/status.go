@@ -1,0 +1,178 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"k8s.io/apimachinery/pkg/api/resource"
+
+	"github.com/kvpool/kvpool/pkg/status"
+)
+
+// defaultStatusAddr is where `agent status` looks for the agent: its health
+// port on the loopback interface (inside the agent's pod, or on a node with
+// host networking).
+const defaultStatusAddr = "127.0.0.1:8081"
+
+// runStatus prints the local agent's pools, sessions and recent errors.
+func runStatus(ctx context.Context, args []string) error {
+	return statusCmd(ctx, args, os.Stdout)
+}
+
+func statusCmd(ctx context.Context, args []string, out io.Writer) error {
+	fs := flag.NewFlagSet("status", flag.ContinueOnError)
+	fs.SetOutput(out)
+	fs.Usage = func() {
+		fmt.Fprintf(out, "usage: agent status [--addr host:port] [--json] [--timeout d]\n\n"+
+			"Prints the local agent's pools, sessions and recent errors, read from GET /status on its health port.\n\n")
+		fs.PrintDefaults()
+	}
+	addr := fs.String("addr", envOr("KVPOOL_STATUS_ADDR", defaultStatusAddr), "agent health address (host:port or URL); env KVPOOL_STATUS_ADDR")
+	asJSON := fs.Bool("json", false, "print the agent's report as JSON")
+	timeout := fs.Duration("timeout", 5*time.Second, "give up after this long")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("status: unexpected arguments %q", fs.Args())
+	}
+	if *timeout <= 0 {
+		return fmt.Errorf("status: --timeout must be positive, got %s", *timeout)
+	}
+	url := *addr
+	if !strings.Contains(url, "://") {
+		url = "http://" + url
+	}
+	url = strings.TrimSuffix(url, "/") + "/status"
+
+	ctx, cancel := context.WithTimeout(ctx, *timeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		return fmt.Errorf("status: %w", err)
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return fmt.Errorf("status: is the agent running? %w", err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(io.LimitReader(resp.Body, 16<<20))
+	if err != nil {
+		return fmt.Errorf("status: read %s: %w", url, err)
+	}
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("status: GET %s: %s: %s", url, resp.Status, strings.TrimSpace(string(body)))
+	}
+	rep, err := decodeReport(body)
+	if err != nil {
+		return fmt.Errorf("status: decode the report from %s: %w", url, err)
+	}
+	if *asJSON {
+		enc := json.NewEncoder(out)
+		enc.SetIndent("", "  ")
+		return enc.Encode(rep)
+	}
+	return printStatus(out, rep)
+}
+
+// decodeReport parses a /status body. Unknown fields are ignored, so a newer
+// agent's report still prints.
+func decodeReport(body []byte) (status.Report, error) {
+	var rep status.Report
+	if err := json.Unmarshal(body, &rep); err != nil {
+		return status.Report{}, err
+	}
+	return rep, nil
+}
+
+func envOr(key, def string) string {
+	if v := os.Getenv(key); v != "" {
+		return v
+	}
+	return def
+}
+
+func bytesStr(n int64) string { return resource.NewQuantity(n, resource.BinarySI).String() }
+
+func dash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return s
+}
+
+// printStatus writes the report as tables.
+func printStatus(out io.Writer, r status.Report) error {
+	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
+	ready := "yes"
+	if !r.Ready {
+		ready = "no: " + r.Health
+	}
+	up := "-"
+	if !r.Started.IsZero() {
+		up = r.Time.Sub(r.Started).Round(time.Second).String()
+	}
+	fmt.Fprintf(tw, "Node:\t%s\nMode:\t%s\nVersion:\t%s\nUp:\t%s\nReady:\t%s\n\n", dash(r.Node), dash(r.Mode), dash(r.Version), up, ready)
+
+	fmt.Fprintln(tw, "GPU\tNUMA\tTARGET\tREADY\tALLOCATED\tUSED\tCHUNKS FREE/GRANTED/DIRTY\tSESSIONS\tSTREAMS\tPAGES USED/PENDING/TOTAL")
+	row := func(name, numa string, g status.GPU) {
+		target := "-"
+		if g.TargetBytes > 0 {
+			target = bytesStr(g.TargetBytes)
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%d/%d/%d\t%d\t%d\t%d/%d/%d\n", name, numa, target,
+			bytesStr(g.ReadyBytes), bytesStr(g.AllocatedBytes), bytesStr(g.UsedBytes),
+			g.Chunks.Free, g.Chunks.Granted, g.Chunks.Dirty, g.Sessions, g.Streams, g.PagesUsed, g.PagesPending, g.PagesTotal)
+	}
+	for _, g := range r.GPUs {
+		numa := "X"
+		if g.NUMA >= 0 {
+			numa = fmt.Sprint(g.NUMA)
+		}
+		row(fmt.Sprint(g.Index), numa, g)
+	}
+	if len(r.GPUs) > 1 {
+		row("all", "", r.Totals())
+	}
+
+	fmt.Fprintln(tw)
+	if len(r.Sessions) == 0 {
+		fmt.Fprintln(tw, "Sessions: none")
+	} else {
+		fmt.Fprintln(tw, "ALLOCATION\tGPU\tPAGE SIZE\tCHUNKS\tPAGES\tUSED\tPENDING\tSTREAMS\tREQUESTS")
+		for _, s := range r.Sessions {
+			fmt.Fprintf(tw, "%s\t%d\t%s\t%d\t%d\t%d\t%d\t%d\t%d\n", s.Allocation, s.GPU, bytesStr(s.PageSize),
+				s.Chunks, s.Pages, s.Used, s.Pending, s.Streams, s.Requests)
+		}
+	}
+
+	fmt.Fprintln(tw)
+	if len(r.Errors) == 0 {
+		fmt.Fprintln(tw, "Recent errors: none")
+	} else {
+		fmt.Fprintf(tw, "Recent errors (last %d of %d):\n", len(r.Errors), r.ErrorsTotal)
+		fmt.Fprintln(tw, "TIME\tCOMPONENT\tOP\tKIND\tSESSION\tMESSAGE")
+		for i := len(r.Errors) - 1; i >= 0; i-- { // newest first
+			e := r.Errors[i]
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", e.Time.UTC().Format(time.RFC3339), e.Component, dash(e.Op), e.Kind,
+				dash(e.Session), oneLine(e.Message))
+		}
+	}
+	return tw.Flush()
+}
+
+func oneLine(s string) string {
+	s = strings.ReplaceAll(s, "\n", " ")
+	if len(s) > 160 {
+		s = s[:157] + "..."
+	}
+	return s
+}

@@ -1,0 +1,486 @@
+// Package client is the inference process's side of kvpool: a CPUPagePool
+// with the operations and meaning of the engine's host page pool
+// (offload_stream, reload_stream, discard, remove_request, is_offloaded,
+// labels, num_pages, num_free_pages, sync), backed by the node agent.
+//
+// The agent owns the memory and the bookkeeping; this package moves the
+// bytes. At Open it receives the allocation's chunks as file descriptors,
+// maps and registers them with CUDA (pkg/cudart), and from then on every
+// offload and reload is one round trip to the agent for page numbers
+// followed by batched copies on the pool's own device-to-host and
+// host-to-device streams. Sync orders the caller's stream behind them.
+//
+// A reload's host pages are released by the agent only once the client
+// reports the copy reading them complete (a fence ticket). The report rides
+// in the header of the next request, so the hot path stays one round trip.
+package client
+
+import (
+	"context"
+	"crypto/rand"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"sync"
+	"time"
+
+	"google.golang.org/protobuf/proto"
+
+	"github.com/kvpool/kvpool/pkg/cudart"
+	"github.com/kvpool/kvpool/pkg/hostmem"
+	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/wire"
+)
+
+// Environment variables read when Options leave Socket or Token empty.
+const (
+	EnvSocket = "KVPOOL_SOCKET"
+	EnvToken  = "KVPOOL_TOKEN"
+)
+
+// DefaultSocket is the socket path inside a container that was allocated
+// kvpool chunks.
+const DefaultSocket = "/var/run/kvpool/kvpool.sock"
+
+// maxRegister is the most bytes registered with CUDA in one call.
+const maxRegister = 64 << 30
+
+// Region describes one region of the device KV cache: device page p of the
+// region starts at Base + p*Stride and has BytesPerPage bytes. A layer's K
+// and V tensors, or each layer of a layer-major cache, are regions of their
+// own; one host page holds a device page's bytes of every region, in region
+// order, back to back.
+type Region struct {
+	Base         cudart.DevicePtr
+	Stride       uint64
+	BytesPerPage uint64
+	Pages        int
+}
+
+// Options configure Open.
+type Options struct {
+	Socket  string        // default $KVPOOL_SOCKET, then DefaultSocket
+	Token   string        // default $KVPOOL_TOKEN
+	Device  cudart.Device // the GPU whose KV cache this pool serves
+	Regions []Region      // the device KV cache layout
+	// MaxPages is the host pages wanted; 0 takes all the chunks of the
+	// allocation that no other session holds.
+	MaxPages int
+	// Order is the engine stream whose earlier work each copy must follow
+	// (the kernels that wrote the pages being offloaded, or last read the
+	// pages being reloaded onto). Default: the device's default stream.
+	Order cudart.Stream
+	// InstanceID identifies this client process to the agent; default a
+	// random ID made once per process. Opening again with the same ID (after
+	// a dropped connection) resumes the session. The agent holds one
+	// session per (allocation, GPU): a second pool on the same GPU with the
+	// same ID takes the first's session over, and with another ID it is
+	// refused (StatusBusy) while the first is connected.
+	InstanceID []byte
+	Name       string // shown in the agent's logs
+	// Trace, when set, is called after every request with the time from
+	// sending it to decoding its reply: the agent round trip alone,
+	// without the copies. For benchmarks and metrics.
+	Trace  func(op wire.Op, roundTrip time.Duration)
+	Logger *slog.Logger // default slog.Default()
+}
+
+// OffloadedStream is the metadata of one (request, label) stream, as the
+// seed API returns it from reload_stream.
+type OffloadedStream struct {
+	CPUPageIndices []int32
+	StoredLen      int64
+	Position       int64
+	Released       int64
+}
+
+// ErrDisconnected reports a call that failed because the connection to the
+// agent broke. Whether the agent applied the call is unknown; the next call
+// reconnects and resumes the session.
+var ErrDisconnected = errors.New("kvpool: connection to the agent lost")
+
+// ErrProtocol reports a reply that does not follow the protocol; the
+// connection is closed.
+var ErrProtocol = errors.New("kvpool: protocol violation by the agent")
+
+// Error is a request the agent refused. errors.Is matches it against the
+// pool's sentinel errors (pool.ErrUnknownStream, ...), whose meaning it has.
+type Error struct {
+	Op      wire.Op
+	Status  wire.Status
+	Message string
+	Ticket  uint64
+}
+
+func (e *Error) Error() string { return fmt.Sprintf("kvpool %s: %s: %s", e.Op, e.Status, e.Message) }
+
+// Unwrap returns the pool error of the same meaning, when there is one.
+func (e *Error) Unwrap() error {
+	for _, m := range statusErrs {
+		if m.st == e.Status {
+			return m.err
+		}
+	}
+	return nil
+}
+
+var statusErrs = []struct {
+	st  wire.Status
+	err error
+}{
+	{wire.StatusUnknownStream, pool.ErrUnknownStream},
+	{wire.StatusDuplicateStream, pool.ErrDuplicateStream},
+	{wire.StatusPageCount, pool.ErrPageCount},
+	{wire.StatusOutOfRange, pool.ErrOutOfRange},
+	{wire.StatusDuplicateIndex, pool.ErrDuplicateIndex},
+	{wire.StatusBadName, pool.ErrBadName},
+	{wire.StatusBadSize, pool.ErrBadSize},
+	{wire.StatusBadFence, pool.ErrBadFence},
+	{wire.StatusClosed, pool.ErrClosed},
+	{wire.StatusNoCapacity, pool.ErrNoCapacity},
+	{wire.StatusPending, pool.ErrPending},
+}
+
+var (
+	instanceOnce sync.Once
+	instanceID   []byte
+)
+
+// InstanceID returns this process's client instance ID.
+func InstanceID() []byte {
+	instanceOnce.Do(func() {
+		instanceID = make([]byte, 16)
+		if _, err := rand.Read(instanceID); err != nil {
+			panic("kvpool: no randomness for the instance ID: " + err.Error())
+		}
+	})
+	return instanceID
+}
+
+// CPUPagePool is a session on the agent's pool for one GPU. Its methods are
+// safe for concurrent use; calls are serialized.
+type CPUPagePool struct {
+	o   Options
+	dev cudart.Device
+	log *slog.Logger
+
+	mu      sync.Mutex
+	wc      *wire.Conn
+	seq     uint32
+	in, out []byte
+	closed  bool
+
+	session  uint64
+	pageSize uint64
+	ppc      int
+	capacity int
+	chunks   []mappedChunk
+	offsets  []uint64 // region offsets within a host page
+	devPages int
+
+	d2h, h2d  cudart.Stream
+	orderEv   cudart.Event // recorded on Order before copies
+	d2hEv     cudart.Event // recorded on d2h before a reload's H2D
+	syncD2H   cudart.Event
+	syncH2D   cudart.Event
+	freeEvs   []cudart.Event
+	pending   []pendingReload // reloads whose copy completion is not yet reported
+	fenceDone uint64          // highest ticket whose copy is known complete
+	fenceSent uint64          // highest ticket the agent has been told
+
+	copies []cudart.Copy
+	offReq wire.Offload
+	offRep wire.OffloadReply
+	relReq wire.Reload
+	relRep wire.ReloadReply
+	errRep wire.Error
+}
+
+type mappedChunk struct {
+	id   string
+	size uint64
+	mem  []byte
+	base uintptr
+}
+
+type pendingReload struct {
+	ticket uint64
+	ev     cudart.Event
+}
+
+// Open connects to the agent, opens a session for o.Device with o.Regions,
+// maps and registers the chunks it grants, and creates the copy streams.
+func Open(ctx context.Context, o Options) (*CPUPagePool, error) {
+	if o.Device == nil {
+		return nil, errors.New("kvpool: Options.Device is required")
+	}
+	if len(o.Regions) == 0 {
+		return nil, errors.New("kvpool: Options.Regions is empty")
+	}
+	devPages := 0
+	offsets := make([]uint64, len(o.Regions))
+	var sum uint64
+	for i, r := range o.Regions {
+		if r.BytesPerPage == 0 || r.Pages <= 0 || r.Pages > 1<<31-2 || r.Stride < r.BytesPerPage {
+			return nil, fmt.Errorf("kvpool: region %d: %d pages of %d bytes with stride %d (want pages > 0, bytes > 0, stride >= bytes)",
+				i, r.Pages, r.BytesPerPage, r.Stride)
+		}
+		offsets[i] = sum
+		sum += r.BytesPerPage
+		if i == 0 || r.Pages < devPages {
+			devPages = r.Pages
+		}
+	}
+	if o.MaxPages < 0 {
+		return nil, fmt.Errorf("kvpool: MaxPages %d is negative", o.MaxPages)
+	}
+	if o.Socket == "" {
+		o.Socket = os.Getenv(EnvSocket)
+	}
+	if o.Socket == "" {
+		o.Socket = DefaultSocket
+	}
+	if o.Token == "" {
+		o.Token = os.Getenv(EnvToken)
+	}
+	if o.Token == "" {
+		return nil, fmt.Errorf("kvpool: no allocation token (set Options.Token or $%s)", EnvToken)
+	}
+	if o.InstanceID == nil {
+		o.InstanceID = InstanceID()
+	}
+	if o.Logger == nil {
+		o.Logger = slog.Default()
+	}
+	if o.Name == "" {
+		o.Name = "kvpool-go-client"
+	}
+	p := &CPUPagePool{o: o, dev: o.Device, log: o.Logger, offsets: offsets, devPages: devPages,
+		in: make([]byte, wire.MaxMessage+1)}
+	if err := p.createStreams(); err != nil {
+		p.destroyStreams()
+		return nil, err
+	}
+	if err := p.connect(ctx); err != nil {
+		p.destroyStreams()
+		return nil, err
+	}
+	return p, nil
+}
+
+func (p *CPUPagePool) createStreams() error {
+	var err error
+	if p.d2h, err = p.dev.StreamCreate(); err != nil {
+		return err
+	}
+	if p.h2d, err = p.dev.StreamCreate(); err != nil {
+		return err
+	}
+	for _, ev := range []*cudart.Event{&p.orderEv, &p.d2hEv, &p.syncD2H, &p.syncH2D} {
+		if *ev, err = p.dev.EventCreate(); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (p *CPUPagePool) destroyStreams() {
+	for _, s := range []cudart.Stream{p.d2h, p.h2d} {
+		if s != 0 {
+			p.dev.StreamSynchronize(s)
+			p.dev.StreamDestroy(s)
+		}
+	}
+	for _, ev := range []cudart.Event{p.orderEv, p.d2hEv, p.syncD2H, p.syncH2D} {
+		if ev != 0 {
+			p.dev.EventDestroy(ev)
+		}
+	}
+	for _, r := range p.pending {
+		p.dev.EventDestroy(r.ev)
+	}
+	for _, ev := range p.freeEvs {
+		p.dev.EventDestroy(ev)
+	}
+	p.pending, p.freeEvs = nil, nil
+}
+
+// connect dials, says hello and opens (or resumes) the session. Called with
+// p.mu held, or before p is shared.
+func (p *CPUPagePool) connect(ctx context.Context) error {
+	wc, err := wire.Dial(p.o.Socket)
+	if err != nil {
+		return fmt.Errorf("kvpool: %w", err)
+	}
+	if dl, ok := ctx.Deadline(); ok {
+		wc.UnixConn().SetDeadline(dl)
+		defer wc.UnixConn().SetDeadline(time.Time{})
+	}
+	stop := context.AfterFunc(ctx, func() { wc.Close() })
+	defer stop()
+	p.wc = wc
+	var hr wire.HelloReply
+	if _, err := p.roundTrip(wire.OpHello, 0, &wire.Hello{Version: wire.Version, Client: p.o.Name}, &hr); err != nil {
+		p.dropConn()
+		return err
+	}
+	req := &wire.Open{Token: p.o.Token, Gpu: uint32(p.dev.Ordinal()), InstanceId: p.o.InstanceID, MaxPages: uint32(p.o.MaxPages)}
+	for _, r := range p.o.Regions {
+		req.Regions = append(req.Regions, &wire.Region{BytesPerPage: r.BytesPerPage, PageCount: uint32(r.Pages)})
+	}
+	var rep wire.OpenReply
+	files, err := p.roundTrip(wire.OpOpen, 0, req, &rep)
+	defer closeFiles(files)
+	if err != nil {
+		p.dropConn()
+		return err
+	}
+	if err := p.adopt(&rep, files); err != nil {
+		p.dropConn()
+		return err
+	}
+	p.log.Debug("kvpool session", "session", rep.Session, "resumed", rep.Resumed, "capacity", rep.Capacity,
+		"page_size", rep.PageSize, "chunks", len(rep.Chunks))
+	return nil
+}
+
+func closeFiles(fs []*os.File) {
+	for _, f := range fs {
+		f.Close()
+	}
+}
+
+// adopt maps the chunks of an OpenReply, reusing existing mappings when the
+// session was resumed with the same chunks.
+func (p *CPUPagePool) adopt(rep *wire.OpenReply, files []*os.File) error {
+	if len(files) != len(rep.Chunks) {
+		return fmt.Errorf("%w: open reply names %d chunks but carries %d fds", ErrProtocol, len(rep.Chunks), len(files))
+	}
+	if rep.PageSize == 0 || rep.PagesPerChunk == 0 || uint64(rep.Capacity) > uint64(rep.PagesPerChunk)*uint64(len(rep.Chunks)) {
+		return fmt.Errorf("%w: open reply geometry: page size %d, %d pages per chunk, capacity %d, %d chunks",
+			ErrProtocol, rep.PageSize, rep.PagesPerChunk, rep.Capacity, len(rep.Chunks))
+	}
+	for _, c := range rep.Chunks {
+		if c.Size < rep.PageSize*uint64(rep.PagesPerChunk) {
+			return fmt.Errorf("%w: chunk %s of %d bytes cannot hold %d pages of %d", ErrProtocol, c.Id, c.Size, rep.PagesPerChunk, rep.PageSize)
+		}
+	}
+	// A new session (even with chunks of the same names, as after an agent
+	// restart) means new memory: map it afresh.
+	same := rep.Resumed && rep.Session == p.session && rep.PageSize == p.pageSize && int(rep.PagesPerChunk) == p.ppc && len(rep.Chunks) == len(p.chunks)
+	for i := 0; same && i < len(rep.Chunks); i++ {
+		same = rep.Chunks[i].Id == p.chunks[i].id && rep.Chunks[i].Size == p.chunks[i].size
+	}
+	if !rep.Resumed || !same {
+		// A fresh session: nothing of the old one's pages or tickets holds.
+		p.dev.StreamSynchronize(p.d2h)
+		p.dev.StreamSynchronize(p.h2d)
+		for _, r := range p.pending {
+			p.freeEvs = append(p.freeEvs, r.ev)
+		}
+		p.pending, p.fenceDone, p.fenceSent = p.pending[:0], 0, 0
+	}
+	if !same {
+		p.unmapChunks()
+		for i, c := range rep.Chunks {
+			mem, err := hostmem.Map(files[i], int64(c.Size))
+			if err != nil {
+				p.unmapChunks()
+				return fmt.Errorf("kvpool: map chunk %s: %w", c.Id, err)
+			}
+			mc := mappedChunk{id: c.Id, size: c.Size, mem: mem, base: uintptr(unsafePointer(mem))}
+			p.chunks = append(p.chunks, mc)
+			if err := register(p.dev, mem); err != nil {
+				p.unmapChunks()
+				return fmt.Errorf("kvpool: register chunk %s: %w", c.Id, err)
+			}
+		}
+	}
+	p.session, p.pageSize, p.ppc, p.capacity = rep.Session, rep.PageSize, int(rep.PagesPerChunk), int(rep.Capacity)
+	return nil
+}
+
+func register(dev cudart.Device, mem []byte) error {
+	for off := 0; off < len(mem); off += maxRegister {
+		if err := dev.HostRegister(mem[off:min(len(mem), off+maxRegister)]); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (p *CPUPagePool) unmapChunks() {
+	for _, c := range p.chunks {
+		for off := 0; off < len(c.mem); off += maxRegister {
+			p.dev.HostUnregister(c.mem[off:min(len(c.mem), off+maxRegister)])
+		}
+		hostmemUnmap(c.mem)
+	}
+	p.chunks = p.chunks[:0]
+}
+
+func (p *CPUPagePool) dropConn() {
+	if p.wc != nil {
+		p.wc.Close()
+		p.wc = nil
+	}
+}
+
+// roundTrip sends one request and reads its reply into rep. A refusal by the
+// agent is returned as *Error; a broken connection as ErrDisconnected, with
+// the connection dropped.
+func (p *CPUPagePool) roundTrip(op wire.Op, fence uint64, req, rep proto.Message) ([]*os.File, error) {
+	if p.o.Trace != nil {
+		start := time.Now()
+		defer func() { p.o.Trace(op, time.Since(start)) }()
+	}
+	p.seq++
+	var err error
+	p.out, err = wire.AppendPacket(p.out[:0], wire.Header{Op: op, Seq: p.seq, Fence: fence}, req)
+	if err != nil {
+		return nil, fmt.Errorf("kvpool %s: %w", op, err)
+	}
+	if err := p.wc.Send(p.out, nil); err != nil {
+		p.dropConn()
+		return nil, fmt.Errorf("%w: %s: %v", ErrDisconnected, op, err)
+	}
+	pkt, files, err := p.wc.Recv(p.in)
+	if err != nil {
+		p.dropConn()
+		if errors.Is(err, io.EOF) {
+			err = io.ErrUnexpectedEOF
+		}
+		return nil, fmt.Errorf("%w: %s: %v", ErrDisconnected, op, err)
+	}
+	h, body, err := wire.ParseHeader(pkt)
+	if err == nil && (h.Seq != p.seq || h.Op != op || h.Fence != 0) {
+		err = fmt.Errorf("reply op %s seq %d fence %d to request op %s seq %d", h.Op, h.Seq, h.Fence, op, p.seq)
+	}
+	if err == nil && h.Status != wire.StatusOK {
+		err = wire.DecodeBody(body, &p.errRep)
+		if err == nil {
+			closeFiles(files)
+			if fence > p.fenceSent && h.Status != wire.StatusBadFence && h.Status != wire.StatusClosed {
+				p.fenceSent = fence
+			}
+			return nil, &Error{Op: op, Status: h.Status, Message: p.errRep.Message, Ticket: p.errRep.Ticket}
+		}
+	}
+	if err == nil {
+		err = wire.DecodeBody(body, rep)
+	}
+	if err == nil && len(files) > 0 && op != wire.OpOpen {
+		err = fmt.Errorf("%s reply carried %d fds", op, len(files))
+	}
+	if err != nil {
+		closeFiles(files)
+		p.dropConn()
+		return nil, fmt.Errorf("%w: %v", ErrProtocol, err)
+	}
+	if fence > p.fenceSent {
+		p.fenceSent = fence
+	}
+	return files, nil
+}

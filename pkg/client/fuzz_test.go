@@ -1,0 +1,124 @@
+package client_test
+
+import (
+	"context"
+	"errors"
+	"net"
+	"path/filepath"
+	stdsync "sync"
+	"testing"
+
+	"google.golang.org/protobuf/proto"
+
+	"github.com/kvpool/kvpool/pkg/client"
+	"github.com/kvpool/kvpool/pkg/cudart"
+	"github.com/kvpool/kvpool/pkg/hostmem"
+	"github.com/kvpool/kvpool/pkg/wire"
+)
+
+// FuzzClientReply has a fake agent answer an offload and then a reload with
+// arbitrary bodies (under a valid header). Whatever the agent says, the
+// client must return an error or a result whose copies stayed inside its
+// chunks and device regions: the simulator rejects any other address, and
+// the client must have checked before it got there.
+func FuzzClientReply(f *testing.F) {
+	enc := func(m proto.Message) []byte { b, _ := proto.Marshal(m); return b }
+	f.Add(enc(&wire.OffloadReply{Ok: true, HostPages: []int32{0, 1}}), enc(&wire.ReloadReply{HostPages: []int32{0, 1}, Ticket: 1}))
+	f.Add(enc(&wire.OffloadReply{Ok: true, HostPages: []int32{99, -1}}), enc(&wire.ReloadReply{HostPages: []int32{1 << 30, 0}, Ticket: 9}))
+	f.Add(enc(&wire.OffloadReply{Ok: true, HostPages: []int32{0}}), enc(&wire.ReloadReply{}))
+	f.Add(enc(&wire.OffloadReply{Ok: false}), []byte{0xff})
+	f.Add([]byte{0x12, 0x03, 0x80, 0x80, 0x80}, []byte{})
+
+	hc, err := hostmem.Alloc(hostmem.Options{Size: 64 << 10})
+	if err != nil {
+		f.Fatal(err)
+	}
+	defer hc.Close()
+	f.Fuzz(func(t *testing.T, offBody, relBody []byte) {
+		path := filepath.Join(t.TempDir(), "f.sock")
+		l, err := net.ListenUnix(wire.Network, &net.UnixAddr{Name: path, Net: wire.Network})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer l.Close()
+		var wg stdsync.WaitGroup
+		var mu stdsync.Mutex
+		var conns []*wire.Conn
+		serve := func(c *wire.Conn) {
+			defer wg.Done()
+			buf := make([]byte, wire.MaxMessage+1)
+			for i := 0; ; i++ {
+				pkt, _, err := c.Recv(buf)
+				if err != nil {
+					return
+				}
+				h, _, _ := wire.ParseHeader(pkt)
+				var out []byte
+				var fds []int
+				switch h.Op {
+				case wire.OpHello:
+					out, _ = wire.AppendPacket(nil, wire.Header{Op: h.Op, Seq: h.Seq}, &wire.HelloReply{Version: 1})
+				case wire.OpOpen:
+					out, _ = wire.AppendPacket(nil, wire.Header{Op: h.Op, Seq: h.Seq}, &wire.OpenReply{Session: 1, PageSize: 4096,
+						PagesPerChunk: 16, Capacity: 16, Chunks: []*wire.ChunkGrant{{Id: "c", Size: 64 << 10}}})
+					fds = []int{int(hc.File.Fd())}
+				case wire.OpOffload:
+					out = append(wire.AppendHeader(nil, wire.Header{Op: h.Op, Seq: h.Seq}), offBody...)
+				case wire.OpReload:
+					out = append(wire.AppendHeader(nil, wire.Header{Op: h.Op, Seq: h.Seq}), relBody...)
+				default:
+					out = wire.AppendHeader(nil, wire.Header{Op: h.Op, Seq: h.Seq})
+				}
+				if len(out) > wire.MaxMessage || c.Send(out, fds) != nil {
+					return
+				}
+			}
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				uc, err := l.AcceptUnix()
+				if err != nil {
+					return
+				}
+				c := wire.NewConn(uc)
+				mu.Lock()
+				conns = append(conns, c)
+				mu.Unlock()
+				wg.Add(1)
+				go serve(c)
+			}
+		}()
+		defer func() {
+			l.Close()
+			mu.Lock()
+			for _, c := range conns {
+				c.Close()
+			}
+			mu.Unlock()
+			wg.Wait()
+		}()
+		sim := cudart.NewSim(cudart.SimOptions{Devices: 1})
+		dev, _ := sim.Open(0)
+		defer dev.Close()
+		base, _ := dev.MemAlloc(8 * 4096)
+		p, err := client.Open(context.Background(), client.Options{Socket: path, Token: "t", Device: dev, Logger: quiet,
+			InstanceID: []byte("fuzz-instance"), Regions: []client.Region{{Base: base, Stride: 4096, BytesPerPage: 4096, Pages: 8}}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer p.Close()
+		check := func(err error) {
+			var ce *cudart.Error
+			if errors.As(err, &ce) {
+				t.Fatalf("a bad reply reached the device: %v", err)
+			}
+		}
+		_, err = p.OffloadStream("r", "l", []int32{2, 3}, 0, 0, 0)
+		check(err)
+		_, err = p.ReloadStream("r", "l", []int32{4, 5})
+		check(err)
+		check(p.Synchronize())
+	})
+}

@@ -1,0 +1,135 @@
+// Package events posts Kubernetes Events on the agent's Node for what an
+// operator must notice: the pool becoming ready, huge pages falling back to
+// small pages, chunks or GPUs going unhealthy and recovering, and chunks
+// reclaimed from pods that are gone.
+package events
+
+import (
+	"fmt"
+	"strings"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/tools/record"
+)
+
+// Event reasons, stable for alerting and `kubectl get events --field-selector reason=...`.
+const (
+	ReasonPoolReady         = "KVPoolReady"
+	ReasonHugePagesFallback = "KVPoolHugePagesFallback"
+	ReasonChunkUnhealthy    = "KVPoolChunkUnhealthy"
+	ReasonChunkRecovered    = "KVPoolChunkRecovered"
+	ReasonGPUUnhealthy      = "KVPoolGPUUnhealthy"
+	ReasonGPURecovered      = "KVPoolGPURecovered"
+	ReasonChunksReclaimed   = "KVPoolChunksReclaimed"
+)
+
+// Component is the event source the agent reports as.
+const Component = "kvpool-agent"
+
+// Events are the Node events the agent posts. Methods never block on the
+// API server.
+type Events interface {
+	// PoolReady: every planned chunk is ready.
+	PoolReady(bytes int64, chunks int, took time.Duration)
+	// HugePagesFallback: huge pages were wanted but not available, so the
+	// pool uses 4 KiB pages (slower pinning, more TLB pressure).
+	HugePagesFallback(reason string)
+	ChunkUnhealthy(id, reason string)
+	ChunkRecovered(id string)
+	GPUUnhealthy(gpu int, reason string)
+	GPURecovered(gpu int)
+	// ChunksReclaimed: the pod holding chunks is gone, and its chunks were
+	// taken back (and will be scrubbed) after the grace period.
+	ChunksReclaimed(pod string, chunks []string)
+}
+
+// Nop posts nothing; for standalone mode and tests.
+var Nop Events = nop{}
+
+type nop struct{}
+
+func (nop) PoolReady(int64, int, time.Duration) {}
+func (nop) HugePagesFallback(string)            {}
+func (nop) ChunkUnhealthy(string, string)       {}
+func (nop) ChunkRecovered(string)               {}
+func (nop) GPUUnhealthy(int, string)            {}
+func (nop) GPURecovered(int)                    {}
+func (nop) ChunksReclaimed(string, []string)    {}
+
+// NodeRef is the reference events about node name are attached to. Kubelet
+// uses the node name as the UID of its node events; pass the Node's real UID
+// when known so that `kubectl describe node` finds them either way.
+func NodeRef(name string, uid types.UID) *corev1.ObjectReference {
+	if uid == "" {
+		uid = types.UID(name)
+	}
+	return &corev1.ObjectReference{Kind: "Node", Name: name, UID: uid}
+}
+
+// recorder posts through a record.EventRecorder.
+type recorder struct {
+	rec record.EventRecorder
+	ref *corev1.ObjectReference
+}
+
+// New posts events on node through rec.
+func New(rec record.EventRecorder, node *corev1.ObjectReference) Events {
+	return &recorder{rec: rec, ref: node}
+}
+
+// NewBroadcaster starts a broadcaster that writes to sink (in the agent:
+// &typedcorev1.EventSinkImpl{Interface: clientset.CoreV1().Events("")}) and
+// returns Events on node and a function that flushes and stops it.
+// Repeated events are aggregated by the broadcaster as usual.
+func NewBroadcaster(sink record.EventSink, node *corev1.ObjectReference) (Events, func()) {
+	b := record.NewBroadcaster()
+	b.StartRecordingToSink(sink)
+	rec := b.NewRecorder(scheme.Scheme, corev1.EventSource{Component: Component, Host: node.Name})
+	return New(rec, node), b.Shutdown
+}
+
+func quantity(n int64) string { return resource.NewQuantity(n, resource.BinarySI).String() }
+
+func (r *recorder) PoolReady(bytes int64, chunks int, took time.Duration) {
+	r.rec.Eventf(r.ref, corev1.EventTypeNormal, ReasonPoolReady,
+		"host KV pool ready: %s in %d chunks, allocated and pinned in %s", quantity(bytes), chunks, took.Round(time.Millisecond))
+}
+
+func (r *recorder) HugePagesFallback(reason string) {
+	r.rec.Eventf(r.ref, corev1.EventTypeWarning, ReasonHugePagesFallback,
+		"huge pages unavailable (%s); the pool uses 4 KiB pages", reason)
+}
+
+func (r *recorder) ChunkUnhealthy(id, reason string) {
+	r.rec.Eventf(r.ref, corev1.EventTypeWarning, ReasonChunkUnhealthy, "chunk %s unhealthy: %s", id, reason)
+}
+
+func (r *recorder) ChunkRecovered(id string) {
+	r.rec.Eventf(r.ref, corev1.EventTypeNormal, ReasonChunkRecovered, "chunk %s healthy again", id)
+}
+
+func (r *recorder) GPUUnhealthy(gpu int, reason string) {
+	r.rec.Eventf(r.ref, corev1.EventTypeWarning, ReasonGPUUnhealthy, "GPU %d unhealthy, its chunks are withdrawn: %s", gpu, reason)
+}
+
+func (r *recorder) GPURecovered(gpu int) {
+	r.rec.Eventf(r.ref, corev1.EventTypeNormal, ReasonGPURecovered, "GPU %d healthy again, its chunks are offered", gpu)
+}
+
+func (r *recorder) ChunksReclaimed(pod string, chunks []string) {
+	r.rec.Eventf(r.ref, corev1.EventTypeNormal, ReasonChunksReclaimed,
+		"reclaimed %d chunks of pod %s, which is gone: %s", len(chunks), pod, listIDs(chunks, 8))
+}
+
+// listIDs joins at most n IDs, noting how many more there are, so a message
+// stays short however big the allocation was.
+func listIDs(ids []string, n int) string {
+	if len(ids) <= n {
+		return strings.Join(ids, ", ")
+	}
+	return fmt.Sprintf("%s and %d more", strings.Join(ids[:n], ", "), len(ids)-n)
+}

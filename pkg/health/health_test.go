@@ -1,0 +1,284 @@
+package health
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/kvpool/kvpool/pkg/pool"
+)
+
+type fakeClock struct {
+	mu sync.Mutex
+	t  time.Time
+}
+
+func (c *fakeClock) Now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.t
+}
+
+func (c *fakeClock) Add(d time.Duration) {
+	c.mu.Lock()
+	c.t = c.t.Add(d)
+	c.mu.Unlock()
+}
+
+func get(t *testing.T, url string) (int, string) {
+	t.Helper()
+	resp, err := http.Get(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return resp.StatusCode, string(b)
+}
+
+func TestHeartbeat(t *testing.T) {
+	clk := &fakeClock{t: time.Unix(1000, 0)}
+	h := New(Options{Now: clk.Now})
+	plugin := h.Heartbeat("plugin-loop", 10*time.Second)
+	reclaim := h.Heartbeat("reclaim-loop", 30*time.Second)
+	srv := httptest.NewServer(h.Handler())
+	defer srv.Close()
+
+	steps := []struct {
+		do       func()
+		wantCode int
+		want     []string
+	}{
+		{func() {}, 200, []string{"[+]plugin-loop ok", "[+]reclaim-loop ok", "livez ok"}},
+		{func() { clk.Add(9 * time.Second) }, 200, []string{"[+]plugin-loop ok"}},
+		{func() { clk.Add(2 * time.Second) }, 503, []string{"[-]plugin-loop failed: plugin-loop made no progress for 11s (limit 10s)", "[+]reclaim-loop ok", "livez failed"}},
+		{func() { plugin.Beat() }, 200, []string{"[+]plugin-loop ok"}},
+		{func() { clk.Add(25 * time.Second); plugin.Beat() }, 503, []string{"[+]plugin-loop ok", "[-]reclaim-loop failed"}},
+		{func() { reclaim.Beat() }, 200, []string{"livez ok"}},
+	}
+	for i, s := range steps {
+		s.do()
+		code, body := get(t, srv.URL+"/livez")
+		if code != s.wantCode {
+			t.Errorf("step %d: status %d, want %d; body:\n%s", i, code, s.wantCode, body)
+		}
+		for _, w := range s.want {
+			if !strings.Contains(body, w) {
+				t.Errorf("step %d: body lacks %q:\n%s", i, w, body)
+			}
+		}
+	}
+}
+
+// greeter is a tiny socket server with the shape of the agent's: an accept
+// loop that hands each connection to a goroutine which answers a greeting.
+// Holding wedge stalls the accept loop, as a deadlocked server would.
+type greeter struct {
+	ln    net.Listener
+	wedge sync.Mutex
+}
+
+func startGreeter(t *testing.T, path string) *greeter {
+	t.Helper()
+	ln, err := net.Listen("unix", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := &greeter{ln: ln}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			conn, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			g.wedge.Lock()
+			g.wedge.Unlock() //nolint:staticcheck // a stall point, not a critical section
+			go func() {
+				defer conn.Close()
+				line, err := bufio.NewReader(conn).ReadString('\n')
+				if err == nil && line == "KVPOOL 1\n" {
+					io.WriteString(conn, "OK 1\n")
+				}
+			}()
+		}
+	}()
+	return g
+}
+
+func hello(_ context.Context, conn net.Conn) error {
+	if _, err := io.WriteString(conn, "KVPOOL 1\n"); err != nil {
+		return err
+	}
+	line, err := bufio.NewReader(conn).ReadString('\n')
+	if err != nil {
+		return err
+	}
+	if line != "OK 1\n" {
+		return errors.New("unexpected greeting " + line)
+	}
+	return nil
+}
+
+func TestWedgedServerFailsLiveness(t *testing.T) {
+	sock := filepath.Join(t.TempDir(), "kvpool.sock")
+	g := startGreeter(t, sock)
+	h := New(Options{Timeout: 300 * time.Millisecond})
+	h.AddLiveness("socket", Dial("unix", sock, hello))
+	srv := httptest.NewServer(h.Handler())
+	defer srv.Close()
+
+	if code, body := get(t, srv.URL+"/livez"); code != 200 {
+		t.Fatalf("healthy server: %d\n%s", code, body)
+	}
+	g.wedge.Lock()
+	code, body := get(t, srv.URL+"/livez")
+	if code != 503 || !strings.Contains(body, "[-]socket failed: handshake on "+sock) || !strings.Contains(body, "timeout") {
+		t.Errorf("wedged server: %d\n%s", code, body)
+	}
+	g.wedge.Unlock()
+	if code, body := get(t, srv.URL+"/livez"); code != 200 {
+		t.Errorf("recovered server: %d\n%s", code, body)
+	}
+	// A server that is gone fails at once, with the dial error.
+	g.ln.Close()
+	if code, body := get(t, srv.URL+"/livez"); code != 503 || !strings.Contains(body, "dial "+sock) {
+		t.Errorf("closed server: %d\n%s", code, body)
+	}
+}
+
+// A check that ignores its context fails by timeout, and is not started again
+// while it stays stuck.
+func TestWedgedCheckIsNotRestarted(t *testing.T) {
+	h := New(Options{Timeout: 50 * time.Millisecond})
+	release := make(chan struct{})
+	var starts atomic.Int32
+	h.AddLiveness("stuck", func(context.Context) error {
+		starts.Add(1)
+		<-release
+		return nil
+	})
+	ctx := context.Background()
+	r := h.Live(ctx)
+	if r.OK() || !strings.Contains(r.Reason(), "no answer within 50ms") {
+		t.Fatalf("first probe: %v", r)
+	}
+	r = h.Live(ctx)
+	if r.OK() || !strings.Contains(r.Reason(), "wedged") {
+		t.Fatalf("second probe: %v", r)
+	}
+	if n := starts.Load(); n != 1 {
+		t.Fatalf("check started %d times while stuck, want 1", n)
+	}
+	close(release)
+	deadline := time.Now().Add(5 * time.Second)
+	for !h.Live(ctx).OK() {
+		if time.Now().After(deadline) {
+			t.Fatal("check never recovered")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if n := starts.Load(); n < 2 {
+		t.Fatalf("check not rerun after it returned (%d starts)", n)
+	}
+}
+
+func TestReadinessFlips(t *testing.T) {
+	dir := t.TempDir()
+	sock := filepath.Join(dir, "kvpool.sock")
+	p := pool.New()
+	var registered Flag
+	h := New(Options{Timeout: 300 * time.Millisecond})
+	h.AddReadiness("chunks", ChunksReady(p))
+	h.AddReadiness("socket", Dial("unix", sock, hello))
+	h.AddReadiness("kubelet-registration", registered.Check)
+	srv := httptest.NewServer(h.Handler())
+	defer srv.Close()
+
+	steps := []struct {
+		name     string
+		do       func(t *testing.T)
+		wantCode int
+		want     []string
+	}{
+		{"start", func(*testing.T) {}, 503, []string{
+			"[-]chunks failed: no chunk ready (0 awaiting scrub)",
+			"[-]socket failed: dial " + sock,
+			"[-]kubelet-registration failed: not yet",
+			"readyz failed",
+		}},
+		{"first chunk", func(t *testing.T) {
+			if err := p.AddChunk(pool.Chunk{ID: "gpu0-numa0-0", Size: 1 << 20}); err != nil {
+				t.Fatal(err)
+			}
+		}, 503, []string{"[+]chunks ok", "[-]socket failed"}},
+		{"socket up", func(t *testing.T) { startGreeter(t, sock) }, 503, []string{"[+]socket ok", "[-]kubelet-registration failed"}},
+		{"registered", func(*testing.T) { registered.Set(true, "") }, 200, []string{"[+]chunks ok", "[+]socket ok", "[+]kubelet-registration ok", "readyz ok"}},
+		{"kubelet restarted", func(*testing.T) { registered.Set(false, "kubelet restarted; registering again") }, 503,
+			[]string{"[-]kubelet-registration failed: kubelet restarted; registering again"}},
+		{"registered again", func(*testing.T) { registered.Set(true, "") }, 200, nil},
+		{"only chunk dirty", func(t *testing.T) {
+			if err := p.Grant("pod", []string{"gpu0-numa0-0"}); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := p.Revoke("pod"); err != nil {
+				t.Fatal(err)
+			}
+		}, 503, []string{"[-]chunks failed: no chunk ready (1 awaiting scrub)"}},
+		{"scrubbed", func(t *testing.T) {
+			if err := p.Scrubbed("gpu0-numa0-0"); err != nil {
+				t.Fatal(err)
+			}
+		}, 200, []string{"[+]chunks ok"}},
+	}
+	for _, s := range steps {
+		s.do(t)
+		code, body := get(t, srv.URL+"/readyz")
+		if code != s.wantCode {
+			t.Errorf("%s: status %d, want %d\n%s", s.name, code, s.wantCode, body)
+		}
+		for _, w := range s.want {
+			if !strings.Contains(body, w) {
+				t.Errorf("%s: body lacks %q\n%s", s.name, w, body)
+			}
+		}
+	}
+}
+
+func TestHandlerRejects(t *testing.T) {
+	srv := httptest.NewServer(New(Options{}).Handler())
+	defer srv.Close()
+	for _, c := range []struct {
+		method, path string
+		want         int
+	}{
+		{"POST", "/livez", http.StatusMethodNotAllowed},
+		{"DELETE", "/readyz", http.StatusMethodNotAllowed},
+		{"GET", "/healthz/other", http.StatusNotFound},
+		{"GET", "/livez", http.StatusOK},
+		{"GET", "/readyz", http.StatusOK},
+	} {
+		req, _ := http.NewRequest(c.method, srv.URL+c.path, nil)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != c.want {
+			t.Errorf("%s %s: %d, want %d", c.method, c.path, resp.StatusCode, c.want)
+		}
+	}
+}

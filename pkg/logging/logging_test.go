@@ -1,0 +1,120 @@
+package logging
+
+import (
+	"bytes"
+	"encoding/json"
+	"log/slog"
+	"strings"
+	"testing"
+
+	"k8s.io/klog/v2"
+	ctrllog "sigs.k8s.io/controller-runtime/pkg/log"
+)
+
+func TestBadOptions(t *testing.T) {
+	for _, o := range []Options{
+		{Level: "loud"},
+		{Level: "info", Format: "xml"},
+		{Level: "-4"},
+		{Format: "JSONL"},
+	} {
+		before := slog.Default()
+		if _, _, err := Setup(o); err == nil {
+			t.Errorf("%+v: no error", o)
+		}
+		if slog.Default() != before {
+			t.Errorf("%+v: default logger replaced on error", o)
+		}
+	}
+}
+
+func TestLevels(t *testing.T) {
+	for _, c := range []struct {
+		level string
+		want  []string
+	}{
+		{"debug", []string{"d", "i", "w", "e"}},
+		{"", []string{"i", "w", "e"}},
+		{"INFO", []string{"i", "w", "e"}},
+		{"warning", []string{"w", "e"}},
+		{"error", []string{"e"}},
+	} {
+		var buf bytes.Buffer
+		l, _, err := New(Options{Level: c.level, Format: "json", Writer: &buf})
+		if err != nil {
+			t.Fatal(err)
+		}
+		l.Debug("d")
+		l.Info("i")
+		l.Warn("w")
+		l.Error("e")
+		var got []string
+		for _, line := range strings.Split(strings.TrimSpace(buf.String()), "\n") {
+			var m map[string]any
+			if err := json.Unmarshal([]byte(line), &m); err != nil {
+				t.Fatalf("level %q: not JSON: %q", c.level, line)
+			}
+			got = append(got, m["msg"].(string))
+		}
+		if strings.Join(got, ",") != strings.Join(c.want, ",") {
+			t.Errorf("level %q: logged %v, want %v", c.level, got, c.want)
+		}
+	}
+}
+
+func TestLevelChangesAtRunTime(t *testing.T) {
+	var buf bytes.Buffer
+	l, level, err := New(Options{Writer: &buf})
+	if err != nil {
+		t.Fatal(err)
+	}
+	l.Debug("hidden")
+	level.Set(slog.LevelDebug)
+	l.Debug("shown", "chunk", "gpu0-numa0-1")
+	out := buf.String()
+	if strings.Contains(out, "hidden") || !strings.Contains(out, `msg=shown chunk=gpu0-numa0-1`) {
+		t.Errorf("text output: %q", out)
+	}
+}
+
+// client-go's klog and controller-runtime's logger land in the same JSON
+// stream as the agent's own records.
+func TestBridges(t *testing.T) {
+	var buf bytes.Buffer
+	if _, _, err := Setup(Options{Level: "debug", Format: "json", Writer: &buf}); err != nil {
+		t.Fatal(err)
+	}
+	defer klog.ClearLogger()
+	slog.Info("agent", "component", "main")
+	klog.InfoS("from klog", "node", "n1")
+	klog.V(1).InfoS("klog verbose")
+	ctrllog.Log.WithName("writer").Info("from controller-runtime", "object", "n1")
+	ctrllog.Log.V(1).Info("cr verbose")
+	seen := map[string]map[string]any{}
+	for _, line := range strings.Split(strings.TrimSpace(buf.String()), "\n") {
+		var m map[string]any
+		if err := json.Unmarshal([]byte(line), &m); err != nil {
+			t.Fatalf("not JSON: %q", line)
+		}
+		seen[m["msg"].(string)] = m
+	}
+	for msg, kv := range map[string][2]string{
+		"agent":                   {"component", "main"},
+		"from klog":               {"node", "n1"},
+		"from controller-runtime": {"object", "n1"},
+	} {
+		m, ok := seen[msg]
+		if !ok {
+			t.Errorf("%q not logged; got %s", msg, buf.String())
+			continue
+		}
+		if m[kv[0]] != kv[1] {
+			t.Errorf("%q: %s=%v, want %s", msg, kv[0], m[kv[0]], kv[1])
+		}
+	}
+	for _, msg := range []string{"klog verbose", "cr verbose"} {
+		if _, ok := seen[msg]; !ok {
+			t.Errorf("V(1) record %q not logged at debug level", msg)
+		}
+	}
+}

@@ -1,0 +1,309 @@
+package nodestatus
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/types"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/client/fake"
+	"sigs.k8s.io/controller-runtime/pkg/client/interceptor"
+
+	"github.com/kvpool/kvpool/api/v1alpha1"
+	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/status"
+)
+
+const gib = 1 << 30
+
+func snapshot(t *testing.T) status.Snapshot {
+	t.Helper()
+	p := pool.New()
+	for i := range 4 {
+		if err := p.AddChunk(pool.Chunk{ID: fmt.Sprintf("gpu%d-numa0-%d", i/2, i), GPU: i / 2, NUMA: 0, Size: gib}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := p.Grant("pod", []string{"gpu0-numa0-0"}); err != nil {
+		t.Fatal(err)
+	}
+	return status.Take(p, map[int]int64{0: 4 * gib, 1: 2 * gib}, time.Now())
+}
+
+func TestBuild(t *testing.T) {
+	snap := snapshot(t)
+	empty := status.Take(pool.New(), map[int]int64{0: 4 * gib}, time.Now())
+	for _, c := range []struct {
+		name       string
+		in         Input
+		health     string
+		msg        string
+		readyCond  metav1.ConditionStatus
+		completeOK metav1.ConditionStatus
+	}{
+		{"healthy", Input{Snapshot: snap, Ready: true}, v1alpha1.HealthHealthy, "", metav1.ConditionTrue, metav1.ConditionFalse},
+		{"starting", Input{Snapshot: empty, Reason: "chunks: no chunk ready"}, v1alpha1.HealthStarting, "chunks: no chunk ready", metav1.ConditionFalse, metav1.ConditionFalse},
+		{"unhealthy", Input{Snapshot: snap, Reason: "socket: dial: refused"}, v1alpha1.HealthUnhealthy, "socket: dial: refused", metav1.ConditionFalse, metav1.ConditionFalse},
+		{"sick gpu", Input{Snapshot: snap, Ready: true, UnhealthyGPUs: map[int]bool{1: true}}, v1alpha1.HealthDegraded, "GPU 1 unhealthy", metav1.ConditionTrue, metav1.ConditionFalse},
+		{"sick chunks", Input{Snapshot: snap, Ready: true, UnhealthyChunks: map[int]int{0: 2}}, v1alpha1.HealthDegraded, "GPU 0: 2 chunks unhealthy", metav1.ConditionTrue, metav1.ConditionFalse},
+	} {
+		st := Build("n1", c.in)
+		if st.Health != c.health || st.Message != c.msg {
+			t.Errorf("%s: health %q %q, want %q %q", c.name, st.Health, st.Message, c.health, c.msg)
+		}
+		if len(st.Conditions) != 2 || st.Conditions[0].Status != c.readyCond || st.Conditions[1].Status != c.completeOK {
+			t.Errorf("%s: conditions %+v", c.name, st.Conditions)
+		}
+	}
+	st := Build("n1", Input{Snapshot: snap, Ready: true, UnhealthyChunks: map[int]int{1: 1}, ResourceName: "kvpool.io/host-kv"})
+	if st.Capacity.String() != "6Gi" || st.Ready.String() != "4Gi" || st.Allocated.String() != "1Gi" || st.Used.String() != "0" {
+		t.Errorf("bytes: capacity %s ready %s allocated %s used %s", &st.Capacity, &st.Ready, &st.Allocated, &st.Used)
+	}
+	if st.Chunks != (v1alpha1.ChunkCounts{Free: 3, Granted: 1, Unhealthy: 1}) || len(st.GPUs) != 2 || st.GPUs[1].Chunks.Unhealthy != 1 || st.NodeName != "n1" {
+		t.Errorf("chunks %+v gpus %+v", st.Chunks, st.GPUs)
+	}
+	if g := st.GPUs[0]; g.Capacity.String() != "4Gi" || g.Ready.String() != "2Gi" || !g.Healthy || g.NUMANode != 0 {
+		t.Errorf("gpu0 %+v", g)
+	}
+}
+
+type counts struct{ creates, updates atomic.Int32 }
+
+func newClient(t *testing.T, c *counts, extra interceptor.Funcs, objs ...client.Object) client.WithWatch {
+	t.Helper()
+	s := runtime.NewScheme()
+	if err := corev1.AddToScheme(s); err != nil {
+		t.Fatal(err)
+	}
+	if err := v1alpha1.AddToScheme(s); err != nil {
+		t.Fatal(err)
+	}
+	funcs := interceptor.Funcs{
+		Create: func(ctx context.Context, cl client.WithWatch, obj client.Object, opts ...client.CreateOption) error {
+			c.creates.Add(1)
+			if extra.Create != nil {
+				return extra.Create(ctx, cl, obj, opts...)
+			}
+			return cl.Create(ctx, obj, opts...)
+		},
+		SubResourceUpdate: func(ctx context.Context, cl client.Client, sub string, obj client.Object, opts ...client.SubResourceUpdateOption) error {
+			c.updates.Add(1)
+			if extra.SubResourceUpdate != nil {
+				return extra.SubResourceUpdate(ctx, cl, sub, obj, opts...)
+			}
+			return cl.SubResource(sub).Update(ctx, obj, opts...)
+		},
+	}
+	return fake.NewClientBuilder().WithScheme(s).WithStatusSubresource(&v1alpha1.KVPoolNode{}).
+		WithObjects(objs...).WithInterceptorFuncs(funcs).Build()
+}
+
+func node(name string) *corev1.Node {
+	return &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, UID: "uid-" + types.UID(name)}}
+}
+
+func get(t *testing.T, c client.Client, name string) *v1alpha1.KVPoolNode {
+	t.Helper()
+	obj := &v1alpha1.KVPoolNode{}
+	if err := c.Get(context.Background(), client.ObjectKey{Name: name}, obj); err != nil {
+		t.Fatal(err)
+	}
+	return obj
+}
+
+func TestSyncCreatesThenUpdatesOnChange(t *testing.T) {
+	ctx := context.Background()
+	var n counts
+	c := newClient(t, &n, interceptor.Funcs{}, node("n1"))
+	clock := time.Date(2026, 11, 29, 8, 0, 0, 0, time.UTC)
+	w := NewWriter(c, "n1", Options{Now: func() time.Time { return clock }})
+
+	if err := w.Sync(ctx, false); err != nil || n.creates.Load() != 0 {
+		t.Fatalf("sync with nothing set: %v, %d creates", err, n.creates.Load())
+	}
+	snap := snapshot(t)
+	w.Set(Build("n1", Input{Snapshot: snap, Reason: "socket: not yet"}))
+	if err := w.Sync(ctx, false); err != nil {
+		t.Fatal(err)
+	}
+	obj := get(t, c, "n1")
+	if len(obj.OwnerReferences) != 1 || obj.OwnerReferences[0].Kind != "Node" || obj.OwnerReferences[0].Name != "n1" || obj.OwnerReferences[0].UID != "uid-n1" {
+		t.Errorf("owner references %+v", obj.OwnerReferences)
+	}
+	if obj.Status.Health != v1alpha1.HealthUnhealthy || obj.Status.Ready.String() != "4Gi" || !obj.Status.LastUpdateTime.Time.Equal(clock) {
+		t.Errorf("status %+v", obj.Status)
+	}
+	t0 := obj.Status.Conditions[0].LastTransitionTime
+
+	// The same status again: no write.
+	clock = clock.Add(time.Minute)
+	w.Set(Build("n1", Input{Snapshot: snap, Reason: "socket: not yet"}))
+	if err := w.Sync(ctx, false); err != nil {
+		t.Fatal(err)
+	}
+	if n.creates.Load() != 1 || n.updates.Load() != 1 {
+		t.Errorf("unchanged status written: %d creates, %d updates", n.creates.Load(), n.updates.Load())
+	}
+	// Forced (resync): written, transition times kept.
+	if err := w.Sync(ctx, true); err != nil {
+		t.Fatal(err)
+	}
+	obj = get(t, c, "n1")
+	if n.updates.Load() != 2 || !obj.Status.LastUpdateTime.Time.Equal(clock) || !obj.Status.Conditions[0].LastTransitionTime.Equal(&t0) {
+		t.Errorf("resync: %d updates, status %+v", n.updates.Load(), obj.Status)
+	}
+	// Readiness flips: written, Ready's transition time moves.
+	clock = clock.Add(time.Minute)
+	w.Set(Build("n1", Input{Snapshot: snap, Ready: true}))
+	if err := w.Sync(ctx, false); err != nil {
+		t.Fatal(err)
+	}
+	obj = get(t, c, "n1")
+	rc := obj.Status.Conditions[0]
+	if n.updates.Load() != 3 || obj.Status.Health != v1alpha1.HealthHealthy || rc.Status != metav1.ConditionTrue || !rc.LastTransitionTime.Time.Equal(clock) {
+		t.Errorf("after ready: %d updates, %+v", n.updates.Load(), obj.Status)
+	}
+	if n.creates.Load() != 1 {
+		t.Errorf("%d creates", n.creates.Load())
+	}
+}
+
+func TestSyncErrorsChangeNothing(t *testing.T) {
+	ctx := context.Background()
+	snap := snapshot(t)
+	for _, c := range []struct {
+		name  string
+		objs  []client.Object
+		extra interceptor.Funcs
+		want  string
+	}{
+		{"no node", nil, interceptor.Funcs{}, "get node n1 for the owner reference"},
+		{"create forbidden", []client.Object{node("n1")}, interceptor.Funcs{
+			Create: func(context.Context, client.WithWatch, client.Object, ...client.CreateOption) error {
+				return apierrors.NewForbidden(schema.GroupResource{Group: "kvpool.io", Resource: "kvpoolnodes"}, "n1", errors.New("RBAC"))
+			}}, "create kvpoolnode n1"},
+	} {
+		var n counts
+		cl := newClient(t, &n, c.extra, c.objs...)
+		w := NewWriter(cl, "n1", Options{})
+		w.Set(Build("n1", Input{Snapshot: snap, Ready: true}))
+		err := w.Sync(ctx, false)
+		if err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%s: err %v, want %q", c.name, err, c.want)
+		}
+		if err := cl.Get(ctx, client.ObjectKey{Name: "n1"}, &v1alpha1.KVPoolNode{}); !apierrors.IsNotFound(err) {
+			t.Errorf("%s: object exists after failure (%v)", c.name, err)
+		}
+		if !w.LastWrite().IsZero() {
+			t.Errorf("%s: LastWrite set", c.name)
+		}
+	}
+}
+
+// Run writes at most once per MinInterval however often Set is called, the
+// last status set wins, and a conflict is retried.
+func TestRunCoalescesAndRateLimits(t *testing.T) {
+	var n counts
+	var conflicts atomic.Int32
+	c := newClient(t, &n, interceptor.Funcs{
+		SubResourceUpdate: func(ctx context.Context, cl client.Client, sub string, obj client.Object, opts ...client.SubResourceUpdateOption) error {
+			if conflicts.Add(1) == 2 { // the second write meets a conflict
+				return apierrors.NewConflict(schema.GroupResource{Group: "kvpool.io", Resource: "kvpoolnodes"}, "n1", errors.New("changed"))
+			}
+			return cl.SubResource(sub).Update(ctx, obj, opts...)
+		},
+	}, node("n1"))
+	const interval = 100 * time.Millisecond
+	var failures atomic.Int32
+	w := NewWriter(c, "n1", Options{MinInterval: interval, Resync: -1, OnError: func(error) { failures.Add(1) }})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- w.Run(ctx) }()
+
+	start := time.Now()
+	const sets = 60
+	for i := 1; i <= sets; i++ {
+		w.Set(v1alpha1.KVPoolNodeStatus{Health: v1alpha1.HealthHealthy, Sessions: int32(i), Capacity: resource.MustParse("1Gi")})
+		time.Sleep(5 * time.Millisecond)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		obj := &v1alpha1.KVPoolNode{}
+		err := c.Get(context.Background(), client.ObjectKey{Name: "n1"}, obj)
+		if err == nil && obj.Status.Sessions == sets {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("last status never written (have %+v, %v)", obj.Status, err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	elapsed := time.Since(start)
+	cancel()
+	if err := <-done; !errors.Is(err, context.Canceled) {
+		t.Errorf("Run returned %v", err)
+	}
+	attempts := n.updates.Load()
+	// Writes are spaced by at least interval, so at most elapsed/interval+1
+	// of them fit; coalescing keeps it far below the number of Sets.
+	if limit := int32(elapsed/interval) + 1; attempts > limit || attempts >= sets/2 {
+		t.Errorf("%d write attempts in %s for %d sets (limit %d)", attempts, elapsed, sets, limit)
+	}
+	if failures.Load() != 1 {
+		t.Errorf("%d failures reported, want the one conflict", failures.Load())
+	}
+	t.Logf("%d sets over %s became %d write attempts (1 conflict)", sets, elapsed.Round(time.Millisecond), attempts)
+}
+
+// Feed plus Run: the status follows the pool, and an unchanged pool causes
+// no writes.
+func TestFeedFollowsPool(t *testing.T) {
+	var n counts
+	c := newClient(t, &n, interceptor.Funcs{}, node("n1"))
+	p := pool.New()
+	if err := p.AddChunk(pool.Chunk{ID: "gpu0-numa0-0", Size: gib}); err != nil {
+		t.Fatal(err)
+	}
+	w := NewWriter(c, "n1", Options{MinInterval: 20 * time.Millisecond, Resync: -1})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go w.Run(ctx)
+	go Feed(ctx, w, 5*time.Millisecond, func() v1alpha1.KVPoolNodeStatus {
+		return Build("n1", Input{Snapshot: status.Take(p, nil, time.Now()), Ready: true})
+	})
+	waitFor := func(what string, ok func(*v1alpha1.KVPoolNode) bool) {
+		t.Helper()
+		deadline := time.Now().Add(10 * time.Second)
+		for {
+			obj := &v1alpha1.KVPoolNode{}
+			if err := c.Get(context.Background(), client.ObjectKey{Name: "n1"}, obj); err == nil && ok(obj) {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: never written", what)
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
+	waitFor("first chunk", func(o *v1alpha1.KVPoolNode) bool { return o.Status.Ready.String() == "1Gi" })
+	if err := p.Grant("pod", []string{"gpu0-numa0-0"}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor("grant", func(o *v1alpha1.KVPoolNode) bool { return o.Status.Allocated.String() == "1Gi" })
+	before := n.updates.Load()
+	time.Sleep(100 * time.Millisecond) // about 20 feeds of an unchanged pool
+	if after := n.updates.Load(); after != before {
+		t.Errorf("unchanged pool caused %d writes", after-before)
+	}
+}

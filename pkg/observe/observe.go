@@ -1,0 +1,102 @@
+// Package observe is the seam between the components that do work (the
+// socket server, the device plugin, start-up) and the ones that watch it
+// (metrics, the recent-errors ring). It has no dependencies, so a component
+// reports what it did without importing Prometheus.
+package observe
+
+import (
+	"sync"
+	"time"
+)
+
+// Operation names the server reports. Metrics count offloads, reloads,
+// discards and full-pool rejects by these names; any other name is timed and
+// counted as a generic operation.
+const (
+	OpHello         = "hello"
+	OpOpen          = "open"
+	OpOffload       = "offload"
+	OpReload        = "reload"
+	OpFence         = "fence"
+	OpDiscard       = "discard"
+	OpRemoveRequest = "remove_request"
+	OpNumPages      = "num_pages"
+	OpClose         = "close"
+)
+
+// Op is one completed operation.
+type Op struct {
+	Name     string        // one of the Op* constants, or another stable name
+	GPU      int           // GPU the session serves; -1 when none applies
+	Session  string        // allocation or session identity for the error log; may be empty
+	Duration time.Duration // time the agent spent serving the call
+	Pages    int           // host pages the call offloaded, reloaded or discarded
+	Bytes    int64         // bytes the client reports it copied for this call
+	Err      error         // nil on success
+}
+
+// Observer receives completed operations. Implementations must be safe for
+// concurrent use and must not block: Op is called on the hot path.
+type Observer interface {
+	Op(Op)
+}
+
+// Nop discards every operation. It is the default for components that were
+// given no observer.
+var Nop Observer = nop{}
+
+type nop struct{}
+
+func (nop) Op(Op) {}
+
+// Multi returns an Observer that passes each operation to every non-nil
+// observer in order.
+func Multi(obs ...Observer) Observer {
+	var out multi
+	for _, o := range obs {
+		if o != nil {
+			out = append(out, o)
+		}
+	}
+	switch len(out) {
+	case 0:
+		return Nop
+	case 1:
+		return out[0]
+	}
+	return out
+}
+
+type multi []Observer
+
+func (m multi) Op(op Op) {
+	for _, o := range m {
+		o.Op(op)
+	}
+}
+
+// Func adapts a function to the Observer interface.
+type Func func(Op)
+
+// Op calls f(op).
+func (f Func) Op(op Op) { f(op) }
+
+// Recorder is an Observer that keeps every operation; tests use it.
+type Recorder struct {
+	mu  sync.Mutex
+	ops []Op
+}
+
+// Op records op.
+func (r *Recorder) Op(op Op) {
+	r.mu.Lock()
+	r.ops = append(r.ops, op)
+	r.mu.Unlock()
+}
+
+// Ops returns a copy of the recorded operations.
+func (r *Recorder) Ops() []Op {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return append([]Op(nil), r.ops...)
+}

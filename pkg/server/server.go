@@ -1,0 +1,305 @@
+// Package server is the agent side of the kvpool copy API: it accepts
+// clients on a SOCK_SEQPACKET Unix socket, opens their sessions on a
+// pkg/pool Pool, passes them their chunks' file descriptors and serves every
+// pool operation. It never touches KV bytes; clients copy them.
+//
+// Sessions outlive connections. A session is keyed by (allocation, GPU) and
+// owned by one client instance (a random ID the client process picks once):
+//
+//   - the same instance reconnecting resumes its session, streams and all;
+//   - a different instance opening the same (allocation, GPU) while the owner
+//     is disconnected replaces it: the old session closes and its pages go
+//     back; while the owner is connected the newcomer gets StatusBusy;
+//   - chunks return to the pool only when the allocation is revoked
+//     (pool.Revoke), never because a socket closed.
+//
+// One connection's bad input gets an error reply, or closes that connection
+// alone; nothing else is affected.
+package server
+
+import (
+	"context"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"sort"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/kvpool/kvpool/pkg/hostmem"
+	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/wire"
+)
+
+// ChunkSource returns the memory of a chunk the pool knows by ID.
+type ChunkSource func(id string) (*hostmem.Chunk, bool)
+
+// Authorizer maps an allocation token (KVPOOL_TOKEN) to the allocation it
+// names. It returns an error for unknown or revoked tokens.
+type Authorizer func(token string) (allocation string, err error)
+
+// ErrUnknownToken is what StaticTokens returns for a token it does not know.
+var ErrUnknownToken = errors.New("unknown allocation token")
+
+// StaticTokens is an Authorizer over a fixed map of token -> allocation.
+func StaticTokens(m map[string]string) Authorizer {
+	return func(token string) (string, error) {
+		if a, ok := m[token]; ok {
+			return a, nil
+		}
+		return "", ErrUnknownToken
+	}
+}
+
+// Hooks observe the server, for metrics. Each may be nil; they must not block.
+type Hooks struct {
+	// Request is called after every request with its op, outcome and the
+	// time from receiving the packet to sending the reply.
+	Request func(op wire.Op, st wire.Status, took time.Duration)
+	// Session is called when a session opens, resumes, is replaced or
+	// closes, and when its client connects or disconnects.
+	Session func(ev SessionEvent, info SessionInfo)
+}
+
+// SessionEvent names what happened to a session.
+type SessionEvent string
+
+const (
+	SessionOpened       SessionEvent = "opened"
+	SessionResumed      SessionEvent = "resumed"
+	SessionReplaced     SessionEvent = "replaced" // a new instance reaped it
+	SessionClosed       SessionEvent = "closed"   // the client closed it
+	SessionDisconnected SessionEvent = "disconnected"
+)
+
+// Options configure a Server.
+type Options struct {
+	Pool      *pool.Pool
+	Chunks    ChunkSource
+	Authorize Authorizer
+	Logger    *slog.Logger // default slog.Default()
+	Hooks     Hooks
+	Name      string // sent in HelloReply; default "kvpool-agent"
+	// MaxConns bounds concurrent connections (default 1024); a connection
+	// over the limit is closed at once, and the others go on.
+	MaxConns int
+}
+
+// Server serves the copy API. Create it with New.
+type Server struct {
+	o   Options
+	log *slog.Logger
+
+	mu       sync.Mutex
+	sessions map[key]*entry
+	conns    map[*conn]struct{}
+	closing  bool // Serve is shutting down
+	nextID   uint64
+
+	wg sync.WaitGroup
+}
+
+type key struct {
+	alloc string
+	gpu   int
+}
+
+// entry is a session as the server tracks it across connections.
+type entry struct {
+	id       uint64
+	key      key
+	instance string
+	ps       *pool.Session
+	layout   layout
+	opened   time.Time
+	conn     *conn // nil while disconnected; guarded by Server.mu
+	peer     Peer
+	lastSeen time.Time
+}
+
+// Peer is the credentials of a connected client (SO_PEERCRED).
+type Peer struct {
+	PID int32
+	UID uint32
+	GID uint32
+}
+
+// SessionInfo describes a session for listings and hooks.
+type SessionInfo struct {
+	ID         uint64
+	Allocation string
+	GPU        int
+	Instance   string // hex
+	Connected  bool
+	Peer       Peer // of the current or last connection
+	PageSize   int64
+	Opened     time.Time
+	LastSeen   time.Time // last disconnect; zero while connected
+	Usage      pool.Usage
+}
+
+// New checks o and returns a server.
+func New(o Options) (*Server, error) {
+	if o.Pool == nil || o.Chunks == nil || o.Authorize == nil {
+		return nil, errors.New("server: Options need Pool, Chunks and Authorize")
+	}
+	if o.Logger == nil {
+		o.Logger = slog.Default()
+	}
+	if o.Name == "" {
+		o.Name = "kvpool-agent"
+	}
+	if o.MaxConns <= 0 {
+		o.MaxConns = 1024
+	}
+	return &Server{o: o, log: o.Logger, sessions: make(map[key]*entry), conns: make(map[*conn]struct{})}, nil
+}
+
+// Listen creates the socket at path with a unixpacket listener: its
+// directory is created when missing and a stale socket file left by an
+// earlier agent is replaced. The socket is made world-writable: the
+// allocation token, not file permissions, authorizes a client.
+func Listen(path string) (*net.UnixListener, error) {
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		return nil, fmt.Errorf("server: socket directory: %w", err)
+	}
+	if fi, err := os.Lstat(path); err == nil {
+		if fi.Mode()&os.ModeSocket == 0 {
+			return nil, fmt.Errorf("server: %s exists and is not a socket", path)
+		}
+		if c, err := net.Dial(wire.Network, path); err == nil {
+			c.Close()
+			return nil, fmt.Errorf("server: another agent is serving on %s", path)
+		}
+		if err := os.Remove(path); err != nil {
+			return nil, fmt.Errorf("server: remove stale socket: %w", err)
+		}
+	}
+	l, err := net.ListenUnix(wire.Network, &net.UnixAddr{Name: path, Net: wire.Network})
+	if err != nil {
+		return nil, fmt.Errorf("server: listen on %s: %w", path, err)
+	}
+	if err := os.Chmod(path, 0o666); err != nil {
+		l.Close()
+		return nil, fmt.Errorf("server: chmod socket: %w", err)
+	}
+	return l, nil
+}
+
+// Serve accepts connections on l until ctx ends, then closes l and every
+// connection and waits for their goroutines. Sessions survive: a later Serve
+// on a new listener (the same Server) lets clients resume.
+func (s *Server) Serve(ctx context.Context, l *net.UnixListener) error {
+	stop := context.AfterFunc(ctx, func() { l.Close() })
+	defer stop()
+	var err error
+	for {
+		uc, aerr := l.AcceptUnix()
+		if aerr != nil {
+			if ctx.Err() == nil {
+				err = fmt.Errorf("server: accept: %w", aerr)
+			}
+			break
+		}
+		s.wg.Add(1)
+		go func() {
+			defer s.wg.Done()
+			s.ServeConn(uc)
+		}()
+	}
+	l.Close()
+	s.mu.Lock()
+	s.closing = true
+	for c := range s.conns {
+		c.wc.Close()
+	}
+	s.mu.Unlock()
+	s.wg.Wait()
+	s.mu.Lock()
+	s.closing = false
+	s.mu.Unlock()
+	return err
+}
+
+// ServeConn serves one already connected unixpacket connection until it
+// closes. Serve calls it for every accepted connection; tests and embedders
+// with a socketpair may call it directly.
+func (s *Server) ServeConn(uc *net.UnixConn) {
+	c := s.newConn(uc)
+	s.mu.Lock()
+	if s.closing || len(s.conns) >= s.o.MaxConns {
+		full := !s.closing
+		s.mu.Unlock()
+		uc.Close()
+		if full {
+			c.log.Warn("connection refused: too many connections", "limit", s.o.MaxConns)
+		}
+		return
+	}
+	s.conns[c] = struct{}{}
+	s.mu.Unlock()
+	c.serve()
+}
+
+// Sessions lists every session the server tracks, ordered by ID. Sessions
+// whose allocation was revoked are dropped from the table as a side effect.
+func (s *Server) Sessions() []SessionInfo {
+	s.mu.Lock()
+	var out []SessionInfo
+	for k, e := range s.sessions {
+		if e.ps.Closed() {
+			delete(s.sessions, k)
+			continue
+		}
+		out = append(out, e.infoLocked())
+	}
+	s.mu.Unlock()
+	sort.Slice(out, func(i, j int) bool { return out[i].ID < out[j].ID })
+	return out
+}
+
+func (e *entry) infoLocked() SessionInfo {
+	return SessionInfo{
+		ID: e.id, Allocation: e.key.alloc, GPU: e.key.gpu, Instance: e.instance,
+		Connected: e.conn != nil, Peer: e.peer, PageSize: e.layout.pageSize,
+		Opened: e.opened, LastSeen: e.lastSeen, Usage: e.ps.Usage(),
+	}
+}
+
+func (s *Server) hookSession(ev SessionEvent, info SessionInfo) {
+	s.log.Info("session "+string(ev), "session", info.ID, "allocation", info.Allocation, "gpu", info.GPU,
+		"instance", info.Instance, "pid", info.Peer.PID, "uid", info.Peer.UID)
+	if s.o.Hooks.Session != nil {
+		s.o.Hooks.Session(ev, info)
+	}
+}
+
+// peerCred reads SO_PEERCRED of a connection.
+func peerCred(uc *net.UnixConn) (Peer, error) {
+	rc, err := uc.SyscallConn()
+	if err != nil {
+		return Peer{}, err
+	}
+	var cred *unix.Ucred
+	var gerr error
+	if err := rc.Control(func(fd uintptr) {
+		cred, gerr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
+	}); err != nil {
+		return Peer{}, err
+	}
+	if gerr != nil {
+		return Peer{}, gerr
+	}
+	return Peer{PID: cred.Pid, UID: cred.Uid, GID: cred.Gid}, nil
+}
+
+var connIDs atomic.Uint64
+
+func instanceString(b []byte) string { return hex.EncodeToString(b) }

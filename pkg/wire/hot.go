@@ -1,0 +1,256 @@
+package wire
+
+import (
+	"errors"
+	"unicode/utf8"
+
+	"google.golang.org/protobuf/encoding/protowire"
+)
+
+// The four messages of the hot path (Offload, Reload and their replies) are
+// encoded and decoded here by hand. The bytes are exactly protobuf's: the
+// generated code and any other protobuf library read and write them; only
+// the Go code is faster. Measured on the dev machine (BenchmarkCodec*, a
+// 64-page offload): protobuf-go took about 0.85 µs to encode and 0.6-1.1 µs
+// with 3 allocations to decode, some 3.5 µs of CPU per call across both
+// ends, against a bare socket round trip of 7-25 µs; by hand each is about
+// 0.35 µs with no allocation (page slices keep their capacity, repeated
+// request IDs and labels are not copied again). FuzzHotCodec checks the hand
+// code against protobuf-go byte for byte.
+
+var errBadUTF8 = errors.New("string field is not valid UTF-8")
+
+func appendString(b []byte, num protowire.Number, s string) []byte {
+	if s == "" {
+		return b
+	}
+	b = protowire.AppendTag(b, num, protowire.BytesType)
+	return protowire.AppendString(b, s)
+}
+
+func appendVarintField(b []byte, num protowire.Number, v uint64) []byte {
+	if v == 0 {
+		return b
+	}
+	b = protowire.AppendTag(b, num, protowire.VarintType)
+	return protowire.AppendVarint(b, v)
+}
+
+func appendPacked(b []byte, num protowire.Number, vs []int32) []byte {
+	if len(vs) == 0 {
+		return b
+	}
+	n := 0
+	for _, v := range vs {
+		n += protowire.SizeVarint(uint64(int64(v)))
+	}
+	b = protowire.AppendTag(b, num, protowire.BytesType)
+	b = protowire.AppendVarint(b, uint64(n))
+	for _, v := range vs {
+		b = protowire.AppendVarint(b, uint64(int64(v)))
+	}
+	return b
+}
+
+func appendOffload(b []byte, m *Offload) []byte {
+	b = appendString(b, 1, m.Rid)
+	b = appendString(b, 2, m.Label)
+	b = appendPacked(b, 3, m.GpuPages)
+	b = appendVarintField(b, 4, uint64(m.StoredLen))
+	b = appendVarintField(b, 5, uint64(m.Position))
+	return appendVarintField(b, 6, uint64(m.Released))
+}
+
+func appendReload(b []byte, m *Reload) []byte {
+	b = appendString(b, 1, m.Rid)
+	b = appendString(b, 2, m.Label)
+	return appendPacked(b, 3, m.GpuPages)
+}
+
+func appendOffloadReply(b []byte, m *OffloadReply) []byte {
+	if m.Ok {
+		b = appendVarintField(b, 1, 1)
+	}
+	return appendPacked(b, 2, m.HostPages)
+}
+
+func appendReloadReply(b []byte, m *ReloadReply) []byte {
+	b = appendPacked(b, 1, m.HostPages)
+	b = appendVarintField(b, 2, uint64(m.StoredLen))
+	b = appendVarintField(b, 3, uint64(m.Position))
+	b = appendVarintField(b, 4, uint64(m.Released))
+	return appendVarintField(b, 5, m.Ticket)
+}
+
+// field is one decoded field: its number and, by wire type, its varint
+// value or its bytes.
+type field struct {
+	num   protowire.Number
+	typ   protowire.Type
+	v     uint64
+	bytes []byte
+}
+
+// nextField consumes one field of b. Fields of wire types other than varint
+// and length-delimited are skipped (and reported with typ set), as protobuf
+// treats a known field of the wrong type as unknown.
+func nextField(b []byte) (field, []byte, error) {
+	num, typ, n := protowire.ConsumeTag(b)
+	if n < 0 {
+		return field{}, nil, protowire.ParseError(n)
+	}
+	if num > protowire.MaxValidNumber {
+		return field{}, nil, errors.New("field number out of range")
+	}
+	b = b[n:]
+	f := field{num: num, typ: typ}
+	switch typ {
+	case protowire.VarintType:
+		f.v, n = protowire.ConsumeVarint(b)
+	case protowire.BytesType:
+		f.bytes, n = protowire.ConsumeBytes(b)
+	default:
+		n = protowire.ConsumeFieldValue(num, typ, b)
+	}
+	if n < 0 {
+		return field{}, nil, protowire.ParseError(n)
+	}
+	return f, b[n:], nil
+}
+
+// str returns f's bytes as a string, reusing old when equal (no
+// allocation when a client repeats its request IDs and labels).
+func (f field) str(old string) (string, error) {
+	if !utf8.Valid(f.bytes) {
+		return "", errBadUTF8
+	}
+	if string(f.bytes) == old {
+		return old, nil
+	}
+	return string(f.bytes), nil
+}
+
+// int32s appends the values of a repeated int32 field, packed or not.
+func (f field) int32s(dst []int32) ([]int32, error) {
+	if f.typ == protowire.VarintType {
+		return append(dst, int32(f.v)), nil
+	}
+	b := f.bytes
+	for len(b) > 0 {
+		v, n := protowire.ConsumeVarint(b)
+		if n < 0 {
+			return dst, protowire.ParseError(n)
+		}
+		dst = append(dst, int32(v))
+		b = b[n:]
+	}
+	return dst, nil
+}
+
+func decodeOffload(b []byte, m *Offload) error {
+	rid, label, pages := m.Rid, m.Label, m.GpuPages[:0]
+	m.Reset()
+	m.GpuPages = pages
+	for len(b) > 0 {
+		f, rest, err := nextField(b)
+		if err != nil {
+			return err
+		}
+		b = rest
+		switch {
+		case f.num == 1 && f.typ == protowire.BytesType:
+			m.Rid, err = f.str(rid)
+		case f.num == 2 && f.typ == protowire.BytesType:
+			m.Label, err = f.str(label)
+		case f.num == 3 && (f.typ == protowire.BytesType || f.typ == protowire.VarintType):
+			m.GpuPages, err = f.int32s(m.GpuPages)
+		case f.num == 4 && f.typ == protowire.VarintType:
+			m.StoredLen = int64(f.v)
+		case f.num == 5 && f.typ == protowire.VarintType:
+			m.Position = int64(f.v)
+		case f.num == 6 && f.typ == protowire.VarintType:
+			m.Released = int64(f.v)
+		}
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func decodeReload(b []byte, m *Reload) error {
+	rid, label, pages := m.Rid, m.Label, m.GpuPages[:0]
+	m.Reset()
+	m.GpuPages = pages
+	for len(b) > 0 {
+		f, rest, err := nextField(b)
+		if err != nil {
+			return err
+		}
+		b = rest
+		switch {
+		case f.num == 1 && f.typ == protowire.BytesType:
+			m.Rid, err = f.str(rid)
+		case f.num == 2 && f.typ == protowire.BytesType:
+			m.Label, err = f.str(label)
+		case f.num == 3 && (f.typ == protowire.BytesType || f.typ == protowire.VarintType):
+			m.GpuPages, err = f.int32s(m.GpuPages)
+		}
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func decodeOffloadReply(b []byte, m *OffloadReply) error {
+	pages := m.HostPages[:0]
+	m.Reset()
+	m.HostPages = pages
+	for len(b) > 0 {
+		f, rest, err := nextField(b)
+		if err != nil {
+			return err
+		}
+		b = rest
+		switch {
+		case f.num == 1 && f.typ == protowire.VarintType:
+			m.Ok = f.v != 0
+		case f.num == 2 && (f.typ == protowire.BytesType || f.typ == protowire.VarintType):
+			m.HostPages, err = f.int32s(m.HostPages)
+		}
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func decodeReloadReply(b []byte, m *ReloadReply) error {
+	pages := m.HostPages[:0]
+	m.Reset()
+	m.HostPages = pages
+	for len(b) > 0 {
+		f, rest, err := nextField(b)
+		if err != nil {
+			return err
+		}
+		b = rest
+		switch {
+		case f.num == 1 && (f.typ == protowire.BytesType || f.typ == protowire.VarintType):
+			m.HostPages, err = f.int32s(m.HostPages)
+		case f.num == 2 && f.typ == protowire.VarintType:
+			m.StoredLen = int64(f.v)
+		case f.num == 3 && f.typ == protowire.VarintType:
+			m.Position = int64(f.v)
+		case f.num == 4 && f.typ == protowire.VarintType:
+			m.Released = int64(f.v)
+		case f.num == 5 && f.typ == protowire.VarintType:
+			m.Ticket = f.v
+		}
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}

@@ -1,0 +1,262 @@
+// Package wire is the kvpool copy API's wire format: the packet header, the
+// operation and status codes, the message bodies (kvpool.proto) and a
+// connection type that sends one packet per SOCK_SEQPACKET message with
+// chunk file descriptors passed by SCM_RIGHTS.
+//
+// docs/protocol.md is the specification; this package is its Go reading.
+package wire
+
+//go:generate ../../hack/gen-proto.sh
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+
+	"google.golang.org/protobuf/proto"
+)
+
+// Version is the protocol version this package speaks.
+const Version = 1
+
+const (
+	// HeaderSize is the size of the fixed header at the start of every packet.
+	HeaderSize = 16
+	// MaxMessage is the largest packet, header included, either side sends or
+	// accepts. A larger packet closes the connection.
+	MaxMessage = 128 << 10
+	// MaxFDs is the most file descriptors one packet may carry.
+	MaxFDs = 1024
+)
+
+// Op names an operation. A reply carries the op of its request.
+type Op uint8
+
+const (
+	OpHello         Op = 1
+	OpOpen          Op = 2
+	OpOffload       Op = 3
+	OpReload        Op = 4
+	OpDiscard       Op = 5
+	OpRemoveRequest Op = 6
+	OpIsOffloaded   Op = 7
+	OpLabels        Op = 8
+	OpNumPages      Op = 9
+	OpUsage         Op = 10
+	OpFence         Op = 11
+	OpClose         Op = 12
+)
+
+var opNames = [...]string{
+	OpHello: "hello", OpOpen: "open", OpOffload: "offload", OpReload: "reload",
+	OpDiscard: "discard", OpRemoveRequest: "remove_request", OpIsOffloaded: "is_offloaded",
+	OpLabels: "labels", OpNumPages: "num_pages", OpUsage: "usage", OpFence: "fence", OpClose: "close",
+}
+
+func (o Op) String() string {
+	if int(o) < len(opNames) && opNames[o] != "" {
+		return opNames[o]
+	}
+	return fmt.Sprintf("op(%d)", uint8(o))
+}
+
+// Valid reports whether o is an operation of this version.
+func (o Op) Valid() bool { return o >= OpHello && o <= OpClose }
+
+// Status is the outcome of a request, carried in the reply's header. Every
+// status but StatusOK comes with an Error body.
+type Status uint8
+
+const (
+	StatusOK              Status = 0
+	StatusBadRequest      Status = 1  // malformed body or header
+	StatusUnknownOp       Status = 2  // op not known to this version
+	StatusVersion         Status = 3  // no common version, or hello missing
+	StatusUnauthorized    Status = 4  // unknown or revoked allocation token
+	StatusNoSession       Status = 5  // pool op before a successful open
+	StatusBusy            Status = 6  // another live client holds this allocation's GPU
+	StatusPending         Status = 7  // offload fits once the reload in Error.ticket is fenced
+	StatusUnknownStream   Status = 8  // no such (rid, label)
+	StatusDuplicateStream Status = 9  // (rid, label) already offloaded
+	StatusPageCount       Status = 10 // wrong number of device pages
+	StatusOutOfRange      Status = 11 // device page index outside [0, device pages)
+	StatusDuplicateIndex  Status = 12 // device page named twice
+	StatusBadSize         Status = 13 // bad layout, negative metadata, ...
+	StatusBadName         Status = 14 // empty or over-long rid, over-long label
+	StatusBadFence        Status = 15 // fence names a ticket never issued
+	StatusClosed          Status = 16 // the session ended (allocation revoked, or replaced)
+	StatusNoCapacity      Status = 17 // the allocation cannot hold the session
+	StatusUnexpectedFDs   Status = 18 // a request carried file descriptors
+	StatusInternal        Status = 19
+)
+
+var statusNames = [...]string{
+	"ok", "bad request", "unknown op", "version", "unauthorized", "no session", "busy",
+	"pending", "unknown stream", "duplicate stream", "page count", "out of range",
+	"duplicate index", "bad size", "bad name", "bad fence", "closed", "no capacity",
+	"unexpected fds", "internal",
+}
+
+func (s Status) String() string {
+	if int(s) < len(statusNames) {
+		return statusNames[s]
+	}
+	return fmt.Sprintf("status(%d)", uint8(s))
+}
+
+// Header is the fixed part of every packet, little-endian on the wire:
+//
+//	offset 0  uint8  op
+//	offset 1  uint8  status (requests: 0)
+//	offset 2  uint16 reserved, zero
+//	offset 4  uint32 seq, chosen by the client, echoed by the reply
+//	offset 8  uint64 fence: requests confirm every reload ticket <= fence
+//	                 (0: none); replies carry 0
+type Header struct {
+	Op     Op
+	Status Status
+	Seq    uint32
+	Fence  uint64
+}
+
+// ErrMalformed wraps every decoding failure.
+var ErrMalformed = errors.New("malformed packet")
+
+// AppendHeader appends h's encoding to b.
+func AppendHeader(b []byte, h Header) []byte {
+	b = append(b, byte(h.Op), byte(h.Status), 0, 0)
+	b = binary.LittleEndian.AppendUint32(b, h.Seq)
+	return binary.LittleEndian.AppendUint64(b, h.Fence)
+}
+
+// ParseHeader splits a packet into its header and body.
+func ParseHeader(pkt []byte) (Header, []byte, error) {
+	if len(pkt) < HeaderSize {
+		return Header{}, nil, fmt.Errorf("%w: %d bytes, the header alone is %d", ErrMalformed, len(pkt), HeaderSize)
+	}
+	if len(pkt) > MaxMessage {
+		return Header{}, nil, fmt.Errorf("%w: %d bytes exceed the maximum of %d", ErrMalformed, len(pkt), MaxMessage)
+	}
+	if pkt[2] != 0 || pkt[3] != 0 {
+		return Header{}, nil, fmt.Errorf("%w: reserved header bytes are %#x %#x, want zero", ErrMalformed, pkt[2], pkt[3])
+	}
+	h := Header{
+		Op:     Op(pkt[0]),
+		Status: Status(pkt[1]),
+		Seq:    binary.LittleEndian.Uint32(pkt[4:]),
+		Fence:  binary.LittleEndian.Uint64(pkt[8:]),
+	}
+	return h, pkt[HeaderSize:], nil
+}
+
+// NewRequest returns an empty request body for op: the message the server
+// decodes the body into. OpFence and OpClose have empty bodies (an Empty
+// message of no fields is not needed: nil is returned and the body must be
+// empty).
+func NewRequest(op Op) (proto.Message, error) {
+	switch op {
+	case OpHello:
+		return new(Hello), nil
+	case OpOpen:
+		return new(Open), nil
+	case OpOffload:
+		return new(Offload), nil
+	case OpReload:
+		return new(Reload), nil
+	case OpDiscard, OpNumPages:
+		return new(Stream), nil
+	case OpRemoveRequest, OpIsOffloaded, OpLabels:
+		return new(Request), nil
+	case OpUsage, OpFence, OpClose:
+		return nil, nil
+	}
+	return nil, fmt.Errorf("%w: unknown op %d", ErrMalformed, uint8(op))
+}
+
+// NewReply returns an empty reply body for op and status.
+func NewReply(op Op, st Status) (proto.Message, error) {
+	if st != StatusOK {
+		return new(Error), nil
+	}
+	switch op {
+	case OpHello:
+		return new(HelloReply), nil
+	case OpOpen:
+		return new(OpenReply), nil
+	case OpOffload:
+		return new(OffloadReply), nil
+	case OpReload:
+		return new(ReloadReply), nil
+	case OpRemoveRequest:
+		return new(RemoveRequestReply), nil
+	case OpIsOffloaded:
+		return new(IsOffloadedReply), nil
+	case OpLabels:
+		return new(LabelsReply), nil
+	case OpNumPages:
+		return new(NumPagesReply), nil
+	case OpUsage:
+		return new(UsageReply), nil
+	case OpDiscard, OpFence, OpClose:
+		return nil, nil
+	}
+	return nil, fmt.Errorf("%w: unknown op %d", ErrMalformed, uint8(op))
+}
+
+// DecodeBody decodes body into m (nil m: the body must be empty). The hot
+// path's messages (Offload, Reload and their replies) keep the capacity of
+// their page slices, so a decoder that reuses them does not allocate.
+func DecodeBody(body []byte, m proto.Message) error {
+	if m == nil {
+		if len(body) != 0 {
+			return fmt.Errorf("%w: %d body bytes where none are expected", ErrMalformed, len(body))
+		}
+		return nil
+	}
+	var err error
+	switch x := m.(type) {
+	case *Offload:
+		err = decodeOffload(body, x)
+	case *Reload:
+		err = decodeReload(body, x)
+	case *OffloadReply:
+		err = decodeOffloadReply(body, x)
+	case *ReloadReply:
+		err = decodeReloadReply(body, x)
+	default:
+		err = proto.Unmarshal(body, m)
+	}
+	if err != nil {
+		return fmt.Errorf("%w: %T: %v", ErrMalformed, m, err)
+	}
+	return nil
+}
+
+// AppendPacket appends a packet of header h and body m (nil: no body).
+func AppendPacket(b []byte, h Header, m proto.Message) ([]byte, error) {
+	b = AppendHeader(b, h)
+	if m == nil {
+		return b, nil
+	}
+	start := len(b)
+	var err error
+	switch x := m.(type) {
+	case *Offload:
+		b = appendOffload(b, x)
+	case *Reload:
+		b = appendReload(b, x)
+	case *OffloadReply:
+		b = appendOffloadReply(b, x)
+	case *ReloadReply:
+		b = appendReloadReply(b, x)
+	default:
+		b, err = (proto.MarshalOptions{}).MarshalAppend(b, m)
+	}
+	if err != nil {
+		return b[:start], fmt.Errorf("wire: encode %T: %w", m, err)
+	}
+	if len(b) > MaxMessage {
+		return b[:start], fmt.Errorf("wire: %s packet of %d bytes exceeds the maximum of %d", h.Op, len(b), MaxMessage)
+	}
+	return b, nil
+}
