@@ -173,7 +173,7 @@ step images
 rm -rf "$RUN"
 mkdir -p "$RUN/images"
 files=(-file /pause="$KVPOOL_E2E_BIN/pause" -file /bin/busybox=/bin/busybox)
-for app in sh cat ls test env sleep grep stat; do files+=(-link "/bin/$app=busybox"); done
+for app in sh cat ls test env sleep grep stat wc head tail printf; do files+=(-link "/bin/$app=busybox"); done
 [ -x "$KVPOOL_E2E_BIN/kvclient" ] && files+=(-file /kvclient="$KVPOOL_E2E_BIN/kvclient")
 "$KVPOOL_E2E_BIN/ociimage" -o "$RUN/images/e2e.tar" -entrypoint /pause \
   -name kvpool.local/pause:e2e -name kvpool.local/e2e:dev "${files[@]}"
