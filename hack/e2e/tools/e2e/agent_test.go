@@ -190,7 +190,8 @@ func (c *cluster) podDevices(t *testing.T) map[string][]string {
 
 // chunkFiles maps chunk IDs to the agent's memfds, opened through
 // /proc/<agent>/fd: the test reads the very memory the pool hands out.
-// A memfd belongs to a chunk when its name contains the chunk ID.
+// A memfd belongs to a chunk when it is named after the chunk: the ID
+// itself or "kvpool-" + ID (pkg/standalone's naming).
 func chunkFiles(t *testing.T, pid int, ids []string) map[string]string {
 	t.Helper()
 	fdDir := fmt.Sprintf("/proc/%d/fd", pid)
@@ -206,12 +207,36 @@ func chunkFiles(t *testing.T, pid int, ids []string) map[string]string {
 		}
 		for _, id := range ids {
 			name := strings.TrimSuffix(strings.TrimPrefix(target, "/memfd:"), " (deleted)")
-			if name == id || strings.HasSuffix(name, "-"+id) || strings.HasSuffix(name, "/"+id) || strings.HasSuffix(name, ":"+id) {
+			if name == id || name == "kvpool-"+id {
 				out[id] = filepath.Join(fdDir, e.Name())
 			}
 		}
 	}
 	return out
+}
+
+// dirty writes a pattern into the first and last page of a chunk in place
+// (no truncation: the agent has the file mapped).
+func dirty(t *testing.T, id, path string) {
+	t.Helper()
+	f, err := os.OpenFile(path, os.O_WRONLY, 0)
+	if err != nil {
+		t.Fatalf("open chunk %s: %v", id, err)
+	}
+	defer f.Close()
+	st, err := f.Stat()
+	if err != nil {
+		t.Fatalf("stat chunk %s: %v", id, err)
+	}
+	page := bytes.Repeat([]byte{0xA5}, 4096)
+	if st.Size() < int64(len(page)) {
+		t.Fatalf("chunk %s is %d bytes", id, st.Size())
+	}
+	for _, off := range []int64{0, st.Size() - int64(len(page))} {
+		if _, err := f.WriteAt(page, off); err != nil {
+			t.Fatalf("dirty chunk %s at %d: %v", id, off, err)
+		}
+	}
 }
 
 // nonZero counts the non-zero bytes of a chunk's memory.
@@ -380,9 +405,7 @@ func TestAgent(t *testing.T) {
 			t.Fatalf("found the agent's memfds for %d of the holder's chunks %v", len(files), held)
 		}
 		for id, f := range files {
-			if err := os.WriteFile(f, bytes.Repeat([]byte{0xA5}, 4096), 0); err != nil {
-				t.Fatalf("dirty chunk %s: %v", id, err)
-			}
+			dirty(t, id, f)
 		}
 		c.deletePod(t, "holder")
 		deleted := time.Now()
