@@ -1,0 +1,97 @@
+{{/* Chart name, truncated to the 63 characters a label allows. */}}
+{{- define "kvpool.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Full name: the release name, with the chart name unless it already contains it. */}}
+{{- define "kvpool.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvpool.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvpool.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "kvpool.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "kvpool.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/component: node-agent
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{- define "kvpool.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "kvpool.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvpool.image" -}}
+{{- if .Values.image.digest -}}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+kvpool.bytes turns a Kubernetes quantity made of an integer and an optional
+binary or decimal suffix ("16Gi", "500M", "1073741824") into a byte count.
+Fractions and exponents are refused: sizes here are whole bytes.
+*/}}
+{{- define "kvpool.bytes" -}}
+{{- $q := toString .value -}}
+{{- if not (regexMatch "^(0|[1-9][0-9]{0,17})(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$" $q) -}}
+{{- fail (printf "%s: %q is not a whole-byte quantity such as 16Gi or 500M" .name $q) -}}
+{{- end -}}
+{{- $digits := regexFind "^[0-9]+" $q -}}
+{{- $units := dict "" 1 "k" 1000 "M" 1000000 "G" 1000000000 "T" 1000000000000 "P" 1000000000000000 "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 "Pi" 1125899906842624 -}}
+{{- $unit := get $units (trimPrefix $digits $q) -}}
+{{- $b := mul (int64 $digits) $unit -}}
+{{- if ne (div $b $unit) (int64 $digits) -}}
+{{- fail (printf "%s: %q is too large" .name $q) -}}
+{{- end -}}
+{{- $b -}}
+{{- end -}}
+
+{{/* kvpool.quantity writes a byte count in the largest binary unit that divides it. */}}
+{{- define "kvpool.quantity" -}}
+{{- $b := int64 . -}}
+{{- if and (gt $b 0) (eq (mod $b 1073741824) 0) -}}{{ div $b 1073741824 }}Gi
+{{- else if and (gt $b 0) (eq (mod $b 1048576) 0) -}}{{ div $b 1048576 }}Mi
+{{- else if and (gt $b 0) (eq (mod $b 1024) 0) -}}{{ div $b 1024 }}Ki
+{{- else -}}{{ $b }}
+{{- end -}}
+{{- end -}}
+
+{{/* Pool and headroom in bytes, checked. */}}
+{{- define "kvpool.poolBytes" -}}
+{{- $b := include "kvpool.bytes" (dict "name" "pool.bytes" "value" .Values.pool.bytes) | int64 -}}
+{{- if le $b 0 -}}{{ fail "pool.bytes must be greater than zero" }}{{- end -}}
+{{- $b -}}
+{{- end -}}
+
+{{- define "kvpool.headroomBytes" -}}
+{{- include "kvpool.bytes" (dict "name" "pool.headroom" "value" .Values.pool.headroom) -}}
+{{- end -}}
+
+{{/* Socket, device-plugin and pod-resources paths on the host. */}}
+{{- define "kvpool.devicePluginDir" -}}
+{{- printf "%s/device-plugins" (trimSuffix "/" .Values.paths.kubeletDir) -}}
+{{- end -}}
+
+{{- define "kvpool.podResourcesDir" -}}
+{{- printf "%s/pod-resources" (trimSuffix "/" .Values.paths.kubeletDir) -}}
+{{- end -}}

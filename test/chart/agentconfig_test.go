@@ -1,0 +1,37 @@
+package chart_test
+
+import (
+	"testing"
+
+	"github.com/kvpool/kvpool/pkg/config"
+)
+
+// renderedConfig is what the chart tests compare in the agent config.
+type renderedConfig struct {
+	ResourceName, SocketDir, KubeletDir, StateDir string
+	PoolBytes, Headroom                           int64
+	HugePages                                     string
+	MetricsAddr, HealthAddr                       string
+}
+
+// loadAgentConfig parses a config file with the agent's own loader
+// (pkg/config: strict keys, apiVersion and kind, validation) and returns the
+// fields the chart sets.
+func loadAgentConfig(t *testing.T, data []byte) renderedConfig {
+	t.Helper()
+	c, err := config.Parse(data)
+	if err != nil {
+		t.Fatalf("the agent's loader rejects the config: %v\n%s", err, data)
+	}
+	return renderedConfig{
+		ResourceName: c.ResourceName,
+		SocketDir:    c.SocketDir,
+		KubeletDir:   c.KubeletDir,
+		StateDir:     c.StateDir,
+		PoolBytes:    int64(c.Sizing.PoolBytes),
+		Headroom:     int64(c.Sizing.CgroupHeadroomBytes),
+		HugePages:    c.Sizing.HugePages,
+		MetricsAddr:  c.Metrics.Address,
+		HealthAddr:   c.Health.Address,
+	}
+}
