@@ -9,12 +9,14 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime/schema"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"k8s.io/client-go/discovery"
 	"k8s.io/client-go/discovery/cached/memory"
@@ -89,6 +91,52 @@ func (c *cluster) dryRunCreate(t *testing.T, source string, objs []*unstructured
 	}
 }
 
+// installCRDs creates the chart's CRDs for real, as helm install does before
+// the templates, and waits until the apiserver serves them.
+func (c *cluster) installCRDs(t *testing.T, dir string) {
+	t.Helper()
+	files, _ := filepath.Glob(filepath.Join(dir, "*.yaml"))
+	if len(files) == 0 {
+		return
+	}
+	dyn, err := dynamic.NewForConfig(c.cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	crdRes := schema.GroupVersionResource{Group: "apiextensions.k8s.io", Version: "v1", Resource: "customresourcedefinitions"}
+	for _, f := range files {
+		data, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, u := range decodeManifests(t, f, data) {
+			if u.GetKind() != "CustomResourceDefinition" {
+				t.Fatalf("%s: %s %s in crds/", f, u.GetKind(), u.GetName())
+			}
+			_, err := dyn.Resource(crdRes).Create(ctx(t), u, metav1.CreateOptions{FieldValidation: "Strict"})
+			if err != nil && !apierrors.IsAlreadyExists(err) {
+				t.Fatalf("%s: create CRD %s: %v", f, u.GetName(), err)
+			}
+			name := u.GetName()
+			eventually(t, 30*time.Second, "CRD "+name+" established", func() (bool, string, error) {
+				got, err := dyn.Resource(crdRes).Get(ctx(t), name, metav1.GetOptions{})
+				if err != nil {
+					return false, "", err
+				}
+				conds, _, _ := unstructured.NestedSlice(got.Object, "status", "conditions")
+				for _, cond := range conds {
+					m, _ := cond.(map[string]any)
+					if m["type"] == "Established" && m["status"] == "True" {
+						return true, "", nil
+					}
+				}
+				return false, "not established yet", nil
+			})
+			t.Logf("%s: CRD %s created and established", filepath.Base(f), name)
+		}
+	}
+}
+
 func (c *cluster) ensureNamespace(t *testing.T, name string) {
 	t.Helper()
 	_, err := c.cs.CoreV1().Namespaces().Create(ctx(t), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name}}, metav1.CreateOptions{})
@@ -110,6 +158,7 @@ func TestChartServerDryRun(t *testing.T) {
 		t.Fatal("KVPOOL_E2E_RENDER_CHART is unset: run.sh builds hack/e2e/chart when the chart exists")
 	}
 	c.ensureNamespace(t, chartNamespace)
+	c.installCRDs(t, filepath.Join(chart, "crds"))
 
 	var stderr bytes.Buffer
 	cmd := exec.Command(render, "-chart", chart, "-namespace", chartNamespace)
