@@ -78,8 +78,10 @@ fi
 command -v unshare >/dev/null || skip "unshare(1) missing, cannot probe namespaces"
 unshare --mount --pid --net --uts --ipc --fork true 2>/dev/null || skip "cannot create mount/pid/net/uts/ipc namespaces (unshare failed)"
 "$E2E_DIR/cluster.sh" down >/dev/null 2>&1 || true # our own leftovers (KVPOOL_E2E_KEEP=1, a killed run)
-if pgrep -x kubelet >/dev/null || pgrep -x containerd >/dev/null; then
-  skip "a kubelet or containerd already runs on this machine; this stage brings its own and will not share /var/lib/kubelet"
+# Our containerd has its own socket, root and state; a kubelet would share
+# /var/lib/kubelet (device plugins) with ours.
+if pgrep -x kubelet >/dev/null; then
+  skip "a kubelet already runs on this machine (pid $(pgrep -x kubelet | head -1)); this stage brings its own and will not share /var/lib/kubelet with it"
 fi
 command -v go >/dev/null || { echo "[e2e] FAIL: Go is not installed" >&2; exit 1; }
 echo "[e2e] preflight ok: $(uname -r), root, overlayfs, writable cgroups, namespaces"
