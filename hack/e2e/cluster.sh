@@ -1,0 +1,317 @@
+#!/usr/bin/env bash
+# cluster.sh: a one-node Kubernetes "cluster" made of host processes
+# (etcd, kube-apiserver, containerd, kubelet), all private to one run
+# directory and on non-default ports, so nothing else on the machine is
+# touched.
+#
+#   hack/e2e/cluster.sh up               start everything, wait for health
+#   hack/e2e/cluster.sh down             stop everything, remove mounts, cgroups, links
+#   hack/e2e/cluster.sh restart-kubelet  stop the kubelet and start it again
+#   hack/e2e/cluster.sh env              print the variables the e2e test reads
+#
+# Binaries come from $KVPOOL_E2E_BIN (kube-apiserver, kubelet, built by
+# run.sh) and from the Debian packages etcd-server, containerd, runc,
+# containernetworking-plugins.
+set -euo pipefail
+
+E2E_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+BIN="${KVPOOL_E2E_BIN:-$E2E_DIR/_work/bin}"
+RUN="${KVPOOL_E2E_RUN:-/tmp/kvpool-e2e}"
+NODE="${KVPOOL_E2E_NODE:-kvpool-e2e-node}"
+ETCD_PORT="${KVPOOL_E2E_ETCD_PORT:-32379}"
+API_PORT="${KVPOOL_E2E_API_PORT:-36443}"
+KUBELET_PORT="${KVPOOL_E2E_KUBELET_PORT:-30250}"
+KUBELET_HEALTHZ_PORT="${KVPOOL_E2E_KUBELET_HEALTHZ_PORT:-30248}"
+TOKEN="${KVPOOL_E2E_TOKEN:-kvpool-e2e-admin-token}"
+BRIDGE="kvpoole2e0"
+CNI_BIN="${KVPOOL_E2E_CNI_BIN:-/usr/lib/cni}"
+CTRD_SOCK="$RUN/containerd/containerd.sock"
+# The kubelet keeps device plugin sockets in /var/lib/kubelet/device-plugins
+# whatever its --root-dir, and the agent finds device-plugins/ and
+# pod-resources/ under one directory, so the kubelet gets its default root.
+# down removes it again when up created it.
+KUBELET_ROOT=/var/lib/kubelet
+
+log() { printf '[cluster %s] %s\n' "$(date -u +%T)" "$*" >&2; }
+die() { log "ERROR: $*"; exit 1; }
+
+# start NAME CMD...: run CMD in the background with its log under $RUN/logs
+# and its pid in $RUN/pids/NAME.
+start() {
+  local name=$1; shift
+  mkdir -p "$RUN/logs" "$RUN/pids"
+  setsid "$@" >>"$RUN/logs/$name.log" 2>&1 </dev/null &
+  echo $! >"$RUN/pids/$name"
+  log "started $name (pid $!)"
+}
+
+# stop NAME: SIGTERM the process we started, SIGKILL after 10 s.
+stop() {
+  local name=$1 pidfile="$RUN/pids/$1" pid
+  [ -f "$pidfile" ] || return 0
+  pid=$(cat "$pidfile")
+  if kill -0 "$pid" 2>/dev/null; then
+    kill -TERM "$pid" 2>/dev/null || true
+    for _ in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    if kill -0 "$pid" 2>/dev/null; then
+      log "$name (pid $pid) ignored SIGTERM; SIGKILL"
+      kill -KILL "$pid" 2>/dev/null || true
+    fi
+  fi
+  rm -f "$pidfile"
+  log "stopped $name"
+}
+
+alive() { [ -f "$RUN/pids/$1" ] && kill -0 "$(cat "$RUN/pids/$1")" 2>/dev/null; }
+
+# wait_for WHAT SECONDS CMD...: poll CMD every 0.5 s; on timeout show the
+# component's log tail and fail.
+wait_for() {
+  local what=$1 secs=$2; shift 2
+  local deadline=$((SECONDS + secs))
+  until "$@" >/dev/null 2>&1; do
+    if ! alive "$what"; then
+      tail -n 40 "$RUN/logs/$what.log" >&2 || true
+      die "$what exited while starting (log: $RUN/logs/$what.log)"
+    fi
+    if [ "$SECONDS" -ge "$deadline" ]; then
+      tail -n 40 "$RUN/logs/$what.log" >&2 || true
+      die "$what not healthy after ${secs}s (log: $RUN/logs/$what.log)"
+    fi
+    sleep 0.5
+  done
+  log "$what healthy"
+}
+
+write_configs() {
+  mkdir -p "$RUN"/{pki,etcd,containerd/root,containerd/state,cni/net.d,kubelet,logs,pids,sock,state}
+  if [ ! -f "$RUN/pki/sa.key" ]; then
+    openssl genrsa -out "$RUN/pki/sa.key" 2048 2>/dev/null
+    openssl rsa -in "$RUN/pki/sa.key" -pubout -out "$RUN/pki/sa.pub" 2>/dev/null
+  fi
+  echo "$TOKEN,admin,admin,system:masters" >"$RUN/pki/tokens.csv"
+
+  cat >"$RUN/kubeconfig" <<EOF
+apiVersion: v1
+kind: Config
+clusters:
+- name: e2e
+  cluster:
+    server: https://127.0.0.1:$API_PORT
+    insecure-skip-tls-verify: true
+users:
+- name: admin
+  user:
+    token: $TOKEN
+contexts:
+- name: e2e
+  context: {cluster: e2e, user: admin}
+current-context: e2e
+EOF
+
+  cat >"$RUN/containerd/config.toml" <<EOF
+version = 2
+root = "$RUN/containerd/root"
+state = "$RUN/containerd/state"
+disabled_plugins = ["io.containerd.internal.v1.tracing", "io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper"]
+[grpc]
+  address = "$CTRD_SOCK"
+[ttrpc]
+  address = "$CTRD_SOCK.ttrpc"
+[debug]
+  address = ""
+[metrics]
+  address = ""
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "kvpool.local/pause:e2e"
+  restrict_oom_score_adj = true
+  disable_apparmor = true
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "$CNI_BIN"
+    conf_dir = "$RUN/cni/net.d"
+EOF
+
+  cat >"$RUN/cni/net.d/10-kvpool-e2e.conflist" <<EOF
+{
+  "cniVersion": "0.4.0",
+  "name": "kvpool-e2e",
+  "plugins": [
+    {
+      "type": "bridge",
+      "bridge": "$BRIDGE",
+      "isGateway": true,
+      "ipMasq": false,
+      "ipam": {
+        "type": "host-local",
+        "dataDir": "$RUN/cni/ipam",
+        "ranges": [[{"subnet": "10.244.77.0/24"}]],
+        "routes": [{"dst": "0.0.0.0/0"}]
+      }
+    },
+    {"type": "loopback"}
+  ]
+}
+EOF
+
+  cat >"$RUN/kubelet/config.yaml" <<EOF
+apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+failCgroupV1: false
+cgroupDriver: cgroupfs
+containerRuntimeEndpoint: unix://$CTRD_SOCK
+address: 127.0.0.1
+port: $KUBELET_PORT
+readOnlyPort: 0
+healthzBindAddress: 127.0.0.1
+healthzPort: $KUBELET_HEALTHZ_PORT
+authentication:
+  anonymous: {enabled: true}
+  webhook: {enabled: false}
+authorization:
+  mode: AlwaysAllow
+failSwapOn: false
+registerNode: true
+serializeImagePulls: false
+imageGCHighThresholdPercent: 100
+imageGCLowThresholdPercent: 99
+evictionHard: {memory.available: "1Mi", nodefs.available: "1%", imagefs.available: "1%"}
+nodeStatusUpdateFrequency: 2s
+nodeStatusReportFrequency: 2s
+syncFrequency: 5s
+fileCheckFrequency: 5s
+resolvConf: /etc/resolv.conf
+EOF
+}
+
+up() {
+  for b in "$BIN/kube-apiserver" "$BIN/kubelet"; do [ -x "$b" ] || die "missing $b (run hack/e2e/run.sh, which builds it)"; done
+  for c in etcd containerd runc ctr openssl curl; do command -v "$c" >/dev/null || die "missing $c (apt-get install etcd-server containerd runc openssl curl)"; done
+  [ -x "$CNI_BIN/bridge" ] || die "missing $CNI_BIN/bridge (apt-get install containernetworking-plugins)"
+  write_configs
+
+  start etcd etcd --name kvpool-e2e --data-dir "$RUN/etcd" \
+    --listen-client-urls "http://127.0.0.1:$ETCD_PORT" --advertise-client-urls "http://127.0.0.1:$ETCD_PORT" \
+    --listen-peer-urls "http://127.0.0.1:$((ETCD_PORT + 1))" --initial-advertise-peer-urls "http://127.0.0.1:$((ETCD_PORT + 1))" \
+    --initial-cluster "kvpool-e2e=http://127.0.0.1:$((ETCD_PORT + 1))"
+  wait_for etcd 30 curl -fsS "http://127.0.0.1:$ETCD_PORT/health"
+
+  start kube-apiserver "$BIN/kube-apiserver" --etcd-servers="http://127.0.0.1:$ETCD_PORT" \
+    --cert-dir="$RUN/pki" --secure-port="$API_PORT" --bind-address=127.0.0.1 --endpoint-reconciler-type=none \
+    --service-account-issuer=https://kubernetes.default.svc \
+    --service-account-key-file="$RUN/pki/sa.pub" --service-account-signing-key-file="$RUN/pki/sa.key" \
+    --token-auth-file="$RUN/pki/tokens.csv" --authorization-mode=RBAC \
+    --service-cluster-ip-range=10.0.0.0/24 --disable-admission-plugins=ServiceAccount
+  wait_for kube-apiserver 90 curl -fsSk -H "Authorization: Bearer $TOKEN" "https://127.0.0.1:$API_PORT/readyz"
+
+  ls /run/netns 2>/dev/null >"$RUN/netns-before" || true
+  start containerd containerd --config "$RUN/containerd/config.toml"
+  wait_for containerd 30 ctr --address "$CTRD_SOCK" version
+
+  for img in "$RUN"/images/*.tar; do
+    [ -f "$img" ] || continue
+    ctr --address "$CTRD_SOCK" -n k8s.io images import --no-unpack=false "$img" >&2
+  done
+  ctr --address "$CTRD_SOCK" -n k8s.io images ls -q | sed 's/^/[cluster] image: /' >&2
+
+  if [ ! -e "$KUBELET_ROOT" ]; then
+    mkdir -p "$KUBELET_ROOT"
+    touch "$RUN/created-kubelet-root"
+  fi
+  start_kubelet
+}
+
+start_kubelet() {
+  start kubelet "$BIN/kubelet" --config="$RUN/kubelet/config.yaml" --kubeconfig="$RUN/kubeconfig" \
+    --root-dir="$KUBELET_ROOT" --cert-dir="$RUN/kubelet/pki" \
+    --hostname-override="$NODE" -v=1
+  wait_for kubelet 60 curl -fsS "http://127.0.0.1:$KUBELET_HEALTHZ_PORT/healthz"
+}
+
+restart_kubelet() {
+  stop kubelet
+  start_kubelet
+}
+
+# down is safe to run repeatedly and after a partial up.
+down() {
+  stop kubelet
+  if alive containerd; then
+    # Kill and remove every task and container this containerd runs so that
+    # the shims exit and no container outlives the run.
+    local c
+    for c in $(ctr --address "$CTRD_SOCK" -n k8s.io tasks ls -q 2>/dev/null); do
+      ctr --address "$CTRD_SOCK" -n k8s.io tasks kill -s SIGKILL "$c" >/dev/null 2>&1 || true
+    done
+    sleep 1
+    for c in $(ctr --address "$CTRD_SOCK" -n k8s.io tasks ls -q 2>/dev/null); do
+      ctr --address "$CTRD_SOCK" -n k8s.io tasks delete -f "$c" >/dev/null 2>&1 || true
+    done
+    for c in $(ctr --address "$CTRD_SOCK" -n k8s.io containers ls -q 2>/dev/null); do
+      ctr --address "$CTRD_SOCK" -n k8s.io containers delete "$c" >/dev/null 2>&1 || true
+    done
+  fi
+  stop containerd
+  # Shims started by our containerd carry our socket path on their command
+  # line; end exactly those, by pid.
+  local p
+  for p in /proc/[0-9]*; do
+    if { tr '\0' ' ' <"$p/cmdline"; } 2>/dev/null | grep -qF -- "-address $CTRD_SOCK"; then
+      kill -KILL "${p#/proc/}" 2>/dev/null || true
+    fi
+  done
+  stop kube-apiserver
+  stop etcd
+  # Mounts (pod volumes, overlay rootfs, netns, shm) under the run dir, deepest first.
+  # (the kubelet also bind-mounts its root directory onto itself)
+  awk -v run="$RUN" -v kr="$KUBELET_ROOT" 'index($2, run) == 1 || $2 == kr || index($2, kr "/") == 1 {print $2}' /proc/mounts | sort -r | while read -r m; do
+    umount -l "$m" 2>/dev/null || true
+  done
+  if [ -f "$RUN/created-kubelet-root" ]; then
+    rm -rf "$KUBELET_ROOT"
+    rm -f "$RUN/created-kubelet-root"
+  fi
+  # Network namespaces of sandboxes live in /run/netns/cni-*; remove the ones
+  # that appeared after up (containerd removes them itself when the kubelet
+  # stops a sandbox, not when the harness kills what is left).
+  if [ -f "$RUN/netns-before" ]; then
+    local ns
+    for ns in /run/netns/cni-*; do
+      [ -e "$ns" ] || continue
+      grep -qxF "$(basename "$ns")" "$RUN/netns-before" && continue
+      umount "$ns" 2>/dev/null || true
+      rm -f "$ns"
+    done
+  fi
+  ip link del "$BRIDGE" 2>/dev/null || true
+  # Pod cgroups: kubelet's cgroupfs driver makes /kubepods in every hierarchy.
+  local d
+  for d in /sys/fs/cgroup/*/kubepods /sys/fs/cgroup/unified/kubepods; do
+    [ -d "$d" ] && find "$d" -depth -type d -exec rmdir {} \; 2>/dev/null || true
+  done
+  log "down: done (logs kept in $RUN/logs)"
+}
+
+print_env() {
+  cat <<EOF
+KUBECONFIG=$RUN/kubeconfig
+KVPOOL_E2E_RUN=$RUN
+KVPOOL_E2E_NODE=$NODE
+KVPOOL_E2E_KUBELET_DIR=$KUBELET_ROOT
+KVPOOL_E2E_CTL=$E2E_DIR/cluster.sh
+EOF
+}
+
+[ "${BASH_SOURCE[0]}" = "$0" ] || return 0  # sourced: functions only
+
+case "${1:-}" in
+  up) up ;;
+  down) down ;;
+  restart-kubelet) restart_kubelet ;;
+  env) print_env ;;
+  *) echo "usage: $0 up|down|restart-kubelet|env" >&2; exit 2 ;;
+esac
