@@ -153,7 +153,7 @@ type Metrics struct {
 
 // Health configures the probe endpoint.
 type Health struct {
-	// Address is the host:port to serve /healthz and /readyz on; empty
+	// Address is the host:port to serve /livez, /readyz and /status on; empty
 	// disables it. Default ":8081".
 	Address string `json:"address"`
 }

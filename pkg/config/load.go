@@ -89,7 +89,7 @@ var settings = func() []setting {
 	add("reclaim.gracePeriod", "reclaim-grace-period", "KVPOOL_RECLAIM_GRACE_PERIOD", "how long an allocation may lack a pod before its chunks return", dur(func(c *Config) *Duration { return &c.Reclaim.GracePeriod }))
 	add("reclaim.interval", "reclaim-interval", "KVPOOL_RECLAIM_INTERVAL", "how often PodResources is polled", dur(func(c *Config) *Duration { return &c.Reclaim.Interval }))
 	add("metrics.address", "metrics-address", "KVPOOL_METRICS_ADDRESS", "host:port for /metrics (empty: off)", str(func(c *Config) *string { return &c.Metrics.Address }))
-	add("health.address", "health-address", "KVPOOL_HEALTH_ADDRESS", "host:port for /healthz and /readyz (empty: off)", str(func(c *Config) *string { return &c.Health.Address }))
+	add("health.address", "health-address", "KVPOOL_HEALTH_ADDRESS", "host:port for /livez, /readyz and /status (empty: off)", str(func(c *Config) *string { return &c.Health.Address }))
 	add("log.level", "log-level", "KVPOOL_LOG_LEVEL", "debug, info, warn or error", str(func(c *Config) *string { return &c.Log.Level }))
 	add("log.format", "log-format", "KVPOOL_LOG_FORMAT", "text or json", str(func(c *Config) *string { return &c.Log.Format }))
 	add("standalone.tokens", "standalone-tokens", "KVPOOL_STANDALONE_TOKENS", "comma-separated allocation tokens for --standalone", accessor{func(c *Config) string { return strings.Join(c.Standalone.Tokens, ",") },
