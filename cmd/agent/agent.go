@@ -276,11 +276,10 @@ func (a *agent) prepareTokens() error {
 		}
 		seen[t] = true
 	}
-	a.static = map[string]string{}
-	a.tokenChunks = map[string][]string{}
+	static := map[string]string{}
+	chunks := map[string][]string{}
 	for i, t := range toks {
-		a.static[t] = fmt.Sprintf("standalone-%d", i)
-		a.tokenChunks[t] = nil
+		static[t] = fmt.Sprintf("standalone-%d", i)
 	}
 	for _, g := range a.plan.GPUs {
 		if g.Chunks < len(toks) {
@@ -288,9 +287,10 @@ func (a *agent) prepareTokens() error {
 		}
 		for i, id := range g.ChunkIDs() {
 			t := toks[i%len(toks)]
-			a.tokenChunks[t] = append(a.tokenChunks[t], id)
+			chunks[t] = append(chunks[t], id)
 		}
 	}
+	a.static, a.tokenChunks = static, chunks
 	return nil
 }
 

@@ -170,7 +170,7 @@ func TestStandaloneAgentAndStatusProcesses(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	agent := exec.CommandContext(ctx, exe, "--standalone", "--metrics-address", "127.0.0.1:0", "--health-address", "127.0.0.1:0", "--log-format", "json")
+	agent := exec.CommandContext(ctx, exe, "--standalone", "--socket-dir", t.TempDir(), "--metrics-address", "127.0.0.1:0", "--health-address", "127.0.0.1:0", "--log-format", "json")
 	agent.Env = append(os.Environ(), "KVPOOL_TEST_AGENT=1")
 	stderr, err := agent.StderrPipe()
 	if err != nil {
