@@ -61,7 +61,6 @@ type agent struct {
 
 	ln         *net.UnixListener
 	serveDone  chan error
-	allocDone  chan struct{}
 	background sync.WaitGroup
 }
 
@@ -71,7 +70,7 @@ type agent struct {
 func bootAgent(ctx context.Context, s *serveSetup, log *slog.Logger) (_ *agent, err error) {
 	cfg := s.cfg
 	a := &agent{log: log, cfg: cfg, setup: s, mode: "cluster", socket: s.socket, pool: pool.New(),
-		hmem: map[string]*hostmem.Chunk{}, events: events.Nop, allocDone: make(chan struct{})}
+		hmem: map[string]*hostmem.Chunk{}, events: events.Nop}
 	if s.flags.standalone {
 		a.mode = "standalone"
 	}
@@ -136,6 +135,15 @@ func bootAgent(ctx context.Context, s *serveSetup, log *slog.Logger) (_ *agent, 
 		return nil, err
 	}
 
+	// Standalone tokens name their chunks up front: allocate before the
+	// socket appears, so a client that finds the socket finds its chunks.
+	if a.static != nil {
+		a.allocate(ctx)
+		if err := ctx.Err(); err != nil {
+			return nil, err
+		}
+	}
+
 	srv, err := server.New(server.Options{
 		Pool:      a.pool,
 		Chunks:    a.chunk,
@@ -163,11 +171,13 @@ func bootAgent(ctx context.Context, s *serveSetup, log *slog.Logger) (_ *agent, 
 	if a.kube != nil {
 		a.kube.startStatus(ctx, a, &a.background)
 	}
-	a.background.Add(1)
-	go func() {
-		defer a.background.Done()
-		a.allocate(ctx)
-	}()
+	if a.static == nil {
+		a.background.Add(1)
+		go func() {
+			defer a.background.Done()
+			a.allocate(ctx)
+		}()
+	}
 	a.logServing()
 	return a, nil
 }
@@ -334,7 +344,6 @@ func (a *agent) zero(id string) error {
 // allocate allocates the planned chunks one by one, adding each to the
 // pool (and so to the device plugin's device list) as soon as it is ready.
 func (a *agent) allocate(ctx context.Context) {
-	defer close(a.allocDone)
 	start := time.Now()
 	gpuOf := map[string]int{}
 	wantPage := map[string]int64{}

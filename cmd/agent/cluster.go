@@ -30,7 +30,7 @@ type pluginRun struct {
 	Plugin *plugin.Plugin
 	// Feed must get a new snapshot whenever chunks become ready or fail:
 	// Feed.Set(plugin.PoolDevices(p.Chunks())), or Feed.SetHealth.
-	Feed *plugin.Feed
+	Feed    *plugin.Feed
 	cfg     pluginConfig
 	log     *slog.Logger
 	done    chan struct{}

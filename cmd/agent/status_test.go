@@ -201,9 +201,10 @@ func TestStandaloneAgentAndStatusProcesses(t *testing.T) {
 		t.Fatalf("agent status: %v\n%s", err, out)
 	}
 	t.Logf("agent status (separate processes):\n%s", out)
-	// The standalone agent: 2 simulated GPUs, 4 chunks of 64 MiB each.
+	// The standalone agent: 2 simulated GPUs, 4 chunks of 64 MiB each, all
+	// granted to its one (random) token.
 	for _, prefix := range []string{"0 ", "1 "} {
-		if f := fields(string(out), prefix); len(f) < 7 || f[3] != "256Mi" || f[6] != "4/0/0" {
+		if f := fields(string(out), prefix); len(f) < 7 || f[3] != "256Mi" || f[6] != "0/4/0" {
 			t.Errorf("GPU row %q: %q", prefix, f)
 		}
 	}
