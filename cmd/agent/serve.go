@@ -5,6 +5,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	"strings"
@@ -57,8 +58,12 @@ type serveSetup struct {
 	socket      string
 }
 
+// flagOutput receives usage and flag errors; tests quiet it.
+var flagOutput io.Writer = os.Stderr
+
 func newServeFlagSet(f *serveFlags) *flag.FlagSet {
 	fs := flag.NewFlagSet("agent", flag.ContinueOnError)
+	fs.SetOutput(flagOutput)
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), `usage: agent [serve] [flags]
 
@@ -117,11 +122,13 @@ func resolveServe(args []string, getenv func(string) string) (*serveSetup, error
 	}
 	// The fields whose standalone default differs from the cluster one.
 	sources := map[string][2]string{ // field: flag, environment variable
-		"socketDir":         {"socket-dir", "KVPOOL_SOCKET_DIR"},
-		"stateDir":          {"state-dir", "KVPOOL_STATE_DIR"},
-		"metrics.address":   {"metrics-address", "KVPOOL_METRICS_ADDRESS"},
-		"health.address":    {"health-address", "KVPOOL_HEALTH_ADDRESS"},
-		"standalone.tokens": {"standalone-tokens", "KVPOOL_STANDALONE_TOKENS"},
+		"socketDir":            {"socket-dir", "KVPOOL_SOCKET_DIR"},
+		"stateDir":             {"state-dir", "KVPOOL_STATE_DIR"},
+		"metrics.address":      {"metrics-address", "KVPOOL_METRICS_ADDRESS"},
+		"health.address":       {"health-address", "KVPOOL_HEALTH_ADDRESS"},
+		"standalone.tokens":    {"standalone-tokens", "KVPOOL_STANDALONE_TOKENS"},
+		"sizing.poolBytes":     {"pool-bytes", "KVPOOL_POOL_BYTES"},
+		"standalone.poolBytes": {"standalone-pool-bytes", "KVPOOL_STANDALONE_POOL_BYTES"},
 	}
 	s := &serveSetup{flags: f, cfg: cfg}
 	s.explicit = func(field string) bool {
@@ -180,6 +187,11 @@ func resolveServe(args []string, getenv func(string) string) (*serveSetup, error
 	}
 	if f.devicePlugin && s.socket != cfg.SocketPath() {
 		return nil, fmt.Errorf("--socket %s: with --device-plugin the socket must be <socketDir>/%s (pods mount socketDir); use --socket-dir", s.socket, config.SocketFile)
+	}
+	// A pool size asked for in sizing.poolBytes holds in standalone mode
+	// too, unless standalone.poolBytes is given as well.
+	if s.explicit("sizing.poolBytes") && !s.explicit("standalone.poolBytes") && cfg.Sizing.PoolBytes > 0 {
+		cfg.Standalone.PoolBytes = cfg.Sizing.PoolBytes
 	}
 	if !s.explicit("stateDir") {
 		cfg.StateDir = filepath.Join(base, "state")

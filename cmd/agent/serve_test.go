@@ -394,6 +394,8 @@ standalone:
 // standalone defaults differ from the cluster ones only where a field was
 // not set.
 func TestResolveServe(t *testing.T) {
+	flagOutput = io.Discard
+	defer func() { flagOutput = os.Stderr }()
 	dir := t.TempDir()
 	bad := filepath.Join(dir, "bad.yaml")
 	os.WriteFile(bad, []byte("apiVersion: kvpool.io/v1alpha1\nkind: AgentConfig\nsocketDir: relative\n"), 0o644)
@@ -455,6 +457,20 @@ func TestResolveServe(t *testing.T) {
 		s.flags.chunkMiB != 4 || s.flags.chunksPerGPU != 4 {
 		t.Errorf("old standalone flags: socket %s dir %s tokens %v layout %d x %d MiB", s.socket, s.cfg.SocketDir,
 			s.cfg.Standalone.Tokens, s.flags.chunksPerGPU, s.flags.chunkMiB)
+	}
+	s, err = resolveServe([]string{"--standalone", "--pool-bytes", "64Mi", "--chunk-bytes", "8Mi"}, env(nil))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s.cfg.Standalone.PoolBytes != 64*config.MiB {
+		t.Errorf("standalone with --pool-bytes 64Mi: pool %v, %v", s.cfg.Standalone.PoolBytes, err)
+	}
+	s, err = resolveServe([]string{"--standalone", "--pool-bytes", "64Mi", "--chunk-bytes", "8Mi"}, env(map[string]string{"KVPOOL_STANDALONE_POOL_BYTES": "32Mi"}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s.cfg.Standalone.PoolBytes != 32*config.MiB {
+		t.Errorf("standalone.poolBytes beside --pool-bytes: pool %v, %v", s.cfg.Standalone.PoolBytes, err)
 	}
 	s, err = resolveServe(nil, env(nil))
 	if err != nil {
