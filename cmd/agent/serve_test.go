@@ -8,6 +8,7 @@ import (
 	"errors"
 	"io"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -167,7 +168,9 @@ func (c *child) stop(t *testing.T) {
 func waitReady(t *testing.T, c *child) (health, metrics string) {
 	t.Helper()
 	health = c.log.wait(t, "serving", map[string]any{"server": "health"})["address"].(string)
-	metrics = c.log.wait(t, "serving", map[string]any{"server": "metrics"})["address"].(string)
+	if l := c.log.find("serving", map[string]any{"server": "metrics"}); l != nil { // logged before health
+		metrics = l["address"].(string)
+	}
 	var last string
 	for end := time.Now().Add(20 * time.Second); time.Now().Before(end); time.Sleep(50 * time.Millisecond) {
 		resp, err := http.Get("http://" + health + "/readyz?verbose")
@@ -542,4 +545,109 @@ func TestStandaloneTokensNeedChunks(t *testing.T) {
 			t.Errorf("%q: tokens kept after an error", c.tokens)
 		}
 	}
+}
+
+// Cluster mode with --kubeconfig against a fake API server: the Node's
+// allocatable memory bounds the plan, the finished pool is posted as a
+// KVPoolReady Node event, and the KVPoolNode status is written.
+func TestClusterModeWithKubeconfig(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts processes")
+	}
+	// Just enough discovery for controller-runtime's REST mapper.
+	discovery := map[string]string{
+		"/api": `{"kind":"APIVersions","versions":["v1"],"serverAddressByClientCIDRs":[]}`,
+		"/apis": `{"kind":"APIGroupList","apiVersion":"v1","groups":[{"name":"kvpool.io",
+			"versions":[{"groupVersion":"kvpool.io/v1alpha1","version":"v1alpha1"}],
+			"preferredVersion":{"groupVersion":"kvpool.io/v1alpha1","version":"v1alpha1"}}]}`,
+		"/api/v1": `{"kind":"APIResourceList","groupVersion":"v1","resources":[
+			{"name":"nodes","singularName":"node","namespaced":false,"kind":"Node","verbs":["get","list"]},
+			{"name":"events","singularName":"event","namespaced":true,"kind":"Event","verbs":["create","patch"]}]}`,
+		"/apis/kvpool.io/v1alpha1": `{"kind":"APIResourceList","apiVersion":"v1","groupVersion":"kvpool.io/v1alpha1","resources":[
+			{"name":"kvpoolnodes","singularName":"kvpoolnode","namespaced":false,"kind":"KVPoolNode","verbs":["get","list","create","update","patch"]},
+			{"name":"kvpoolnodes/status","singularName":"","namespaced":false,"kind":"KVPoolNode","verbs":["get","update","patch"]}]}`,
+	}
+	var mu sync.Mutex
+	var seen []string // "METHOD path body"
+	api := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		body, _ := io.ReadAll(r.Body)
+		mu.Lock()
+		seen = append(seen, r.Method+" "+r.URL.Path+" "+string(body))
+		mu.Unlock()
+		w.Header().Set("Content-Type", "application/json")
+		switch {
+		case r.Method == "GET" && r.URL.Path == "/api/v1/nodes/node-k":
+			io.WriteString(w, `{"kind":"Node","apiVersion":"v1","metadata":{"name":"node-k","uid":"u-1"},
+				"status":{"capacity":{"memory":"64Gi"},"allocatable":{"memory":"96Mi"}}}`)
+		case r.Method == "GET" && discovery[r.URL.Path] != "":
+			io.WriteString(w, discovery[r.URL.Path])
+		case r.Method == "POST" || r.Method == "PUT" || r.Method == "PATCH":
+			w.WriteHeader(http.StatusCreated)
+			w.Write(body)
+		default:
+			w.WriteHeader(http.StatusNotFound)
+			io.WriteString(w, `{"kind":"Status","apiVersion":"v1","status":"Failure","reason":"NotFound","code":404}`)
+		}
+	}))
+	defer api.Close()
+	root := t.TempDir()
+	kubeconfig := filepath.Join(root, "kubeconfig")
+	os.WriteFile(kubeconfig, []byte(`apiVersion: v1
+kind: Config
+clusters: [{name: fake, cluster: {server: "`+api.URL+`"}}]
+users: [{name: u, user: {token: t}}]
+contexts: [{name: c, context: {cluster: fake, user: u}}]
+current-context: c
+`), 0o600)
+	kdir, err := os.MkdirTemp("", "kvk")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(kdir) })
+	for _, d := range []string{"device-plugins", "pod-resources"} {
+		os.MkdirAll(filepath.Join(kdir, d), 0o755)
+	}
+	k := kubelettest.NewKubelet(t, filepath.Join(kdir, "device-plugins"))
+	kubelettest.NewPodResources(t, filepath.Join(kdir, "pod-resources", "kubelet.sock"))
+
+	a := spawnAgent(t, []string{"NODE_NAME=node-k", "KVPOOL_LOG_FORMAT=json"},
+		"--kubeconfig", kubeconfig, "--simulate-gpus", "2", "--kubelet-dir", kdir,
+		"--socket-dir", filepath.Join(kdir, "sock"), "--state-dir", filepath.Join(kdir, "state"),
+		"--pool-bytes", "256Mi", "--chunk-bytes", "32Mi", "--reserve-bytes", "64Mi", "--huge-pages", "never",
+		"--metrics-address", "", "--health-address", "127.0.0.1:0")
+	k.WaitRegister(20 * time.Second)
+	waitReady(t, a)
+	// 96Mi allocatable over 2 GPUs: 48Mi each, one 32Mi chunk each.
+	if a.log.find("pool plan", map[string]any{"boundBy": "node allocatable memory", "chunks": float64(2)}) == nil {
+		t.Errorf("plan not bound by the Node's allocatable memory")
+	}
+	if a.log.find("server off (empty address)", map[string]any{"server": "metrics"}) == nil {
+		t.Errorf("an empty metrics.address did not turn metrics off")
+	}
+	want := map[string]func(string) bool{
+		"KVPoolReady event": func(s string) bool {
+			return strings.HasPrefix(s, "POST /api/v1/namespaces/") && strings.Contains(s, "/events ") && strings.Contains(s, "KVPoolReady") && strings.Contains(s, "node-k")
+		},
+		"KVPoolNode written": func(s string) bool {
+			return strings.Contains(s, "/apis/kvpool.io/v1alpha1/kvpoolnodes") && s[0] != 'G'
+		},
+	}
+	for end := time.Now().Add(20 * time.Second); len(want) > 0 && time.Now().Before(end); time.Sleep(50 * time.Millisecond) {
+		mu.Lock()
+		for name, ok := range want {
+			for _, s := range seen {
+				if ok(s) {
+					delete(want, name)
+					break
+				}
+			}
+		}
+		mu.Unlock()
+	}
+	if len(want) > 0 {
+		mu.Lock()
+		t.Errorf("the API server never saw %v; it saw:\n%s", want, strings.Join(seen, "\n"))
+		mu.Unlock()
+	}
+	a.stop(t)
 }
