@@ -107,6 +107,13 @@ func bootAgent(ctx context.Context, s *serveSetup, log *slog.Logger) (_ *agent, 
 		return nil, err
 	}
 	a.logPlan(source)
+	if s.flags.standalone || cfg.Sizing.HugePages == config.HugePagesPrefer {
+		for _, w := range a.plan.Warnings {
+			if strings.Contains(w, "huge pages") {
+				a.events.HugePagesFallback(w)
+			}
+		}
+	}
 	if err := a.prepareTokens(); err != nil {
 		return nil, err
 	}
