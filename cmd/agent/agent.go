@@ -204,8 +204,7 @@ func (a *agent) gpus(info *node.Info) ([]gpu.Device, string, error) {
 	}
 	devs, err := gpu.Discover(nvmlLib(), a.setup.flags.root)
 	if errors.Is(err, gpu.ErrNoNVML) {
-		return nil, "", fmt.Errorf("%w: this node has no NVIDIA driver library, so no GPU can be found.\n"+
-			"Run the agent on a GPU node, pass --simulate-gpus N to serve N simulated GPUs (tests), or --standalone", err)
+		return nil, "", fmt.Errorf("%w.\nRun the agent on a GPU node, pass --simulate-gpus N to serve N simulated GPUs (nodes without GPUs, tests), or use --standalone", err)
 	}
 	if err != nil {
 		return nil, "", err
