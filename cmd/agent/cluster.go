@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"flag"
 	"log/slog"
 	"time"
 
@@ -10,12 +9,11 @@ import (
 	"github.com/kvpool/kvpool/pkg/pool"
 )
 
-// pluginConfig is the device plugin's part of the agent configuration.
-// Until pkg/config is wired in these come from flags; the fields follow the
-// AgentConfig file (resourceName, kubeletDir, socketDir, stateDir,
-// reclaim.gracePeriod, reclaim.interval).
+// pluginConfig is the device plugin's part of the agent configuration,
+// taken from the AgentConfig (resourceName, kubeletDir, socketDir,
+// stateDir, reclaim.gracePeriod, reclaim.interval).
 type pluginConfig struct {
-	Enabled      bool // in-cluster mode always; standalone only when asked
+	Enabled      bool // in-cluster mode always; standalone only with --device-plugin
 	ResourceName string
 	KubeletDir   string
 	SocketDir    string
@@ -24,39 +22,44 @@ type pluginConfig struct {
 	Interval     time.Duration
 }
 
-// addFlags registers the device plugin's flags on fs.
-func (c *pluginConfig) addFlags(fs *flag.FlagSet) {
-	fs.BoolVar(&c.Enabled, "device-plugin", false, "register with kubelet as a device plugin (standalone mode registers only with this flag)")
-	fs.StringVar(&c.ResourceName, "resource-name", plugin.DefaultResourceName, "extended resource name the chunks are advertised as")
-	fs.StringVar(&c.KubeletDir, "kubelet-dir", plugin.DefaultKubeletDir, "kubelet root directory (device-plugins/ and pod-resources/ inside)")
-	fs.StringVar(&c.SocketDir, "socket-dir", plugin.DefaultSocketDir, "host directory of the agent socket, mounted into pods")
-	fs.StringVar(&c.StateDir, "state-dir", plugin.DefaultStateDir, "directory of the agent's checkpoints")
-	fs.DurationVar(&c.GracePeriod, "reclaim-grace-period", plugin.DefaultGracePeriod, "how long an allocation no pod holds is kept before its chunks are reclaimed")
-	fs.DurationVar(&c.Interval, "reclaim-interval", plugin.DefaultInterval, "how often allocations are reconciled against PodResources")
-}
-
-// pluginRun is a running device plugin.
+// pluginRun is a device plugin, built by newPlugin and registered with
+// kubelet by start.
 type pluginRun struct {
 	// Plugin's Authorize maps KVPOOL_TOKEN to the pool allocation; give it
 	// to the copy server.
 	Plugin *plugin.Plugin
 	// Feed must get a new snapshot whenever chunks become ready or fail:
 	// Feed.Set(plugin.PoolDevices(p.Chunks())), or Feed.SetHealth.
-	Feed *plugin.Feed
-	done chan struct{}
+	Feed    *plugin.Feed
+	cfg     pluginConfig
+	log     *slog.Logger
+	done    chan struct{}
+	started bool
 }
 
-// Wait returns once the plugin has stopped (after ctx ended).
+// Wait returns once the plugin has stopped (after ctx ended), at once when
+// it never started.
 func (r *pluginRun) Wait() {
-	if r != nil {
+	if r != nil && r.started {
 		<-r.done
 	}
 }
 
-// startPlugin runs the kubelet device plugin over p until ctx ends, or
-// returns nil when cfg does not enable it. zero clears a chunk's bytes before
-// the chunk goes to another pod (hostmem.Chunk.Zero for real chunks).
-func startPlugin(ctx context.Context, cfg pluginConfig, p *pool.Pool, zero func(id string) error) (*pluginRun, error) {
+// Running reports whether the plugin's serve loop is still going (or
+// has not started yet).
+func (r *pluginRun) Running() bool {
+	select {
+	case <-r.done:
+		return false
+	default:
+		return true
+	}
+}
+
+// newPlugin builds the kubelet device plugin over p (restoring its
+// checkpoint), or returns nil when cfg does not enable it. zero clears a
+// chunk's bytes before the chunk goes to another pod (hostmem.Chunk.Zero).
+func newPlugin(cfg pluginConfig, p *pool.Pool, zero func(id string) error, log *slog.Logger) (*pluginRun, error) {
 	if !cfg.Enabled {
 		return nil, nil
 	}
@@ -74,17 +77,22 @@ func startPlugin(ctx context.Context, cfg pluginConfig, p *pool.Pool, zero func(
 		Zero:         zero,
 		GracePeriod:  cfg.GracePeriod,
 		Interval:     cfg.Interval,
+		Logger:       log,
 	})
 	if err != nil {
 		return nil, err
 	}
-	r := &pluginRun{Plugin: pl, Feed: feed, done: make(chan struct{})}
+	return &pluginRun{Plugin: pl, Feed: feed, cfg: cfg, log: log, done: make(chan struct{})}, nil
+}
+
+// start registers with kubelet and serves until ctx ends.
+func (r *pluginRun) start(ctx context.Context) {
+	r.started = true
 	go func() {
 		defer close(r.done)
-		if err := pl.Run(ctx); err != nil {
-			slog.Error("device plugin stopped", "err", err)
+		if err := r.Plugin.Run(ctx); err != nil {
+			r.log.Error("device plugin stopped", "err", err)
 		}
 	}()
-	slog.Info("device plugin started", "resource", cfg.ResourceName, "kubeletDir", cfg.KubeletDir, "socketDir", cfg.SocketDir)
-	return r, nil
+	r.log.Info("device plugin started", "resource", r.cfg.ResourceName, "kubeletDir", r.cfg.KubeletDir, "socketDir", r.cfg.SocketDir)
 }

@@ -119,9 +119,12 @@ func TestStandaloneAgentWithDevicePlugin(t *testing.T) {
 		t.Errorf("device-plugins after stop: %v (want only kubelet.sock)", ents)
 	}
 
-	// The agent restarts: it registers again and knows the allocation.
+	// The agent restarts: it registers again, lists its chunks as they
+	// become ready (kubelet allocates only listed devices) and knows the
+	// allocation.
 	agent = startAgent(t, args...)
 	k.WaitRegister(20 * time.Second)
+	k.WaitList(func(l []*pluginapi.Device) bool { return len(l) == 8 })
 	resp, err = allocate(t, k, ids[1], ids[0])
 	if err != nil || resp.Envs[plugin.EnvToken] != token {
 		t.Fatalf("allocate after the agent restarted: %v (same token: %v)", err, err == nil && resp.Envs[plugin.EnvToken] == token)

@@ -60,19 +60,27 @@ func newObservability(p *pool.Pool, o obsOptions) *observability {
 	return obs
 }
 
-// start listens on both addresses and serves until ctx ends. It fails,
-// serving nothing, when either address cannot be bound.
+// start listens on both addresses (an empty address leaves that server
+// off) and serves until ctx ends. It fails, serving nothing, when either
+// address cannot be bound.
 func (o *observability) start(ctx context.Context, metricsAddr, healthAddr string) error {
-	ml, err := net.Listen("tcp", metricsAddr)
-	if err != nil {
-		return fmt.Errorf("metrics listener: %w", err)
+	var ml, hl net.Listener
+	var err error
+	if metricsAddr != "" {
+		if ml, err = net.Listen("tcp", metricsAddr); err != nil {
+			return fmt.Errorf("metrics listener (metrics.address %q): %w", metricsAddr, err)
+		}
+		o.metricsAddr = ml.Addr()
 	}
-	hl, err := net.Listen("tcp", healthAddr)
-	if err != nil {
-		ml.Close()
-		return fmt.Errorf("health listener: %w", err)
+	if healthAddr != "" {
+		if hl, err = net.Listen("tcp", healthAddr); err != nil {
+			if ml != nil {
+				ml.Close()
+			}
+			return fmt.Errorf("health listener (health.address %q): %w", healthAddr, err)
+		}
+		o.healthAddr = hl.Addr()
 	}
-	o.metricsAddr, o.healthAddr = ml.Addr(), hl.Addr()
 
 	mmux := http.NewServeMux()
 	mmux.Handle("GET /metrics", o.Metrics.Handler())
@@ -85,6 +93,10 @@ func (o *observability) start(ctx context.Context, metricsAddr, healthAddr strin
 		ln   net.Listener
 		h    http.Handler
 	}{{"metrics", ml, mmux}, {"health", hl, hmux}} {
+		if s.ln == nil {
+			slog.Info("server off (empty address)", "server", s.name)
+			continue
+		}
 		srv := &http.Server{Handler: s.h, ReadHeaderTimeout: 5 * time.Second}
 		go func() {
 			if err := srv.Serve(s.ln); err != nil && !errors.Is(err, http.ErrServerClosed) {

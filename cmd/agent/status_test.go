@@ -170,7 +170,7 @@ func TestStandaloneAgentAndStatusProcesses(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	agent := exec.CommandContext(ctx, exe, "--standalone", "--metrics-address", "127.0.0.1:0", "--health-address", "127.0.0.1:0", "--log-format", "json")
+	agent := exec.CommandContext(ctx, exe, "--standalone", "--socket-dir", t.TempDir(), "--metrics-address", "127.0.0.1:0", "--health-address", "127.0.0.1:0", "--log-format", "json")
 	agent.Env = append(os.Environ(), "KVPOOL_TEST_AGENT=1")
 	stderr, err := agent.StderrPipe()
 	if err != nil {
@@ -201,9 +201,10 @@ func TestStandaloneAgentAndStatusProcesses(t *testing.T) {
 		t.Fatalf("agent status: %v\n%s", err, out)
 	}
 	t.Logf("agent status (separate processes):\n%s", out)
-	// The standalone agent: 2 simulated GPUs, 4 chunks of 64 MiB each.
+	// The standalone agent: 2 simulated GPUs, 4 chunks of 64 MiB each, all
+	// granted to its one (random) token.
 	for _, prefix := range []string{"0 ", "1 "} {
-		if f := fields(string(out), prefix); len(f) < 7 || f[3] != "256Mi" || f[6] != "4/0/0" {
+		if f := fields(string(out), prefix); len(f) < 7 || f[3] != "256Mi" || f[6] != "0/4/0" {
 			t.Errorf("GPU row %q: %q", prefix, f)
 		}
 	}

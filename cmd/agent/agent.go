@@ -1,0 +1,521 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"runtime"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+
+	"github.com/kvpool/kvpool/pkg/config"
+	"github.com/kvpool/kvpool/pkg/events"
+	"github.com/kvpool/kvpool/pkg/gpu"
+	"github.com/kvpool/kvpool/pkg/hostmem"
+	"github.com/kvpool/kvpool/pkg/node"
+	"github.com/kvpool/kvpool/pkg/plugin"
+	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/server"
+	"github.com/kvpool/kvpool/pkg/sizing"
+	"github.com/kvpool/kvpool/pkg/standalone"
+)
+
+// version is the agent's version, set at link time (-X main.version=...).
+var version = "dev"
+
+// nvmlLib is the NVML binding GPU discovery uses; tests replace it.
+var nvmlLib = func() nvml.Interface { return nvml.New() }
+
+// agent is the running node agent: the pool, its chunks, the copy server,
+// the device plugin and the observability endpoints.
+type agent struct {
+	log    *slog.Logger
+	cfg    *config.Config
+	setup  *serveSetup
+	mode   string // "cluster" or "standalone"
+	node   string
+	socket string
+	plan   *sizing.Plan
+	specs  []hostmem.Spec
+
+	pool *pool.Pool
+	mu   sync.RWMutex
+	hmem map[string]*hostmem.Chunk
+
+	obs    *observability
+	plug   *pluginRun
+	kube   *kubeParts
+	events events.Events
+	// static maps standalone tokens to their allocation; tokenChunks the
+	// chunks each token is granted once they are ready.
+	static      map[string]string
+	tokenChunks map[string][]string
+	granted     atomic.Bool
+
+	ln         *net.UnixListener
+	serveDone  chan error
+	background sync.WaitGroup
+}
+
+// bootAgent brings the agent up in start-up order: node and GPUs, the
+// sizing plan, the socket server, observability, the device plugin, then
+// the chunks in the background. It returns once the socket is listening.
+func bootAgent(ctx context.Context, s *serveSetup, log *slog.Logger) (_ *agent, err error) {
+	cfg := s.cfg
+	a := &agent{log: log, cfg: cfg, setup: s, mode: "cluster", socket: s.socket, pool: pool.New(),
+		hmem: map[string]*hostmem.Chunk{}, events: events.Nop}
+	if s.flags.standalone {
+		a.mode = "standalone"
+	}
+	a.node = os.Getenv("NODE_NAME")
+	if a.node == "" {
+		a.node = hostname()
+	}
+	defer func() {
+		if err != nil {
+			a.abort()
+		}
+	}()
+
+	info, err := node.Read(s.flags.root)
+	if err != nil {
+		return nil, err
+	}
+	var allocatable int64
+	if !s.flags.standalone {
+		if a.kube, err = connectKube(ctx, s, log); err != nil {
+			return nil, err
+		}
+		if a.kube != nil {
+			a.node = a.kube.node
+			allocatable = a.kube.allocatable
+			a.events = a.kube.events
+		}
+	}
+	devs, source, err := a.gpus(info)
+	if err != nil {
+		return nil, err
+	}
+	if err := a.makePlan(info, devs, allocatable); err != nil {
+		return nil, err
+	}
+	a.logPlan(source)
+	if s.flags.standalone || cfg.Sizing.HugePages == config.HugePagesPrefer {
+		for _, w := range a.plan.Warnings {
+			if strings.Contains(w, "huge pages") {
+				a.events.HugePagesFallback(w)
+			}
+		}
+	}
+	if err := a.prepareTokens(); err != nil {
+		return nil, err
+	}
+
+	// Observability first, so start-up failures after this are counted.
+	a.obs = newObservability(a.pool, obsOptions{Node: a.node, Mode: a.mode, Version: version,
+		Targets: func() map[int]int64 {
+			m := map[int]int64{}
+			for _, g := range a.plan.GPUs {
+				m[g.GPU] = g.Bytes
+			}
+			return m
+		}})
+	for _, g := range a.plan.GPUs {
+		a.obs.Metrics.InitGPU(g.GPU)
+	}
+
+	// The device plugin is built (not yet registered) before the server,
+	// whose Authorize resolves the tokens it hands out.
+	pcfg := pluginConfig{
+		Enabled:      !s.flags.standalone || s.flags.devicePlugin,
+		ResourceName: cfg.ResourceName, KubeletDir: cfg.KubeletDir, SocketDir: cfg.SocketDir, StateDir: cfg.StateDir,
+		GracePeriod: cfg.Reclaim.GracePeriod.Duration, Interval: cfg.Reclaim.Interval.Duration,
+	}
+	if a.plug, err = newPlugin(pcfg, a.pool, a.zero, log); err != nil {
+		return nil, err
+	}
+
+	// Standalone tokens name their chunks up front: allocate before the
+	// socket appears, so a client that finds the socket finds its chunks.
+	if a.static != nil {
+		a.allocate(ctx)
+		if err := ctx.Err(); err != nil {
+			return nil, err
+		}
+	}
+
+	srv, err := server.New(server.Options{
+		Pool:      a.pool,
+		Chunks:    a.chunk,
+		Authorize: a.authorize,
+		Logger:    log,
+		Hooks:     serverHooks(a.obs.Observer),
+		Name:      "kvpool-agent " + version + " (" + a.mode + ")",
+	})
+	if err != nil {
+		return nil, err
+	}
+	if a.ln, err = server.Listen(a.socket); err != nil {
+		return nil, err
+	}
+	a.serveDone = make(chan error, 1)
+	go func() { a.serveDone <- srv.Serve(ctx, a.ln) }()
+
+	a.addHealthChecks(ctx)
+	if err := a.obs.start(ctx, cfg.Metrics.Address, cfg.Health.Address); err != nil {
+		return nil, err
+	}
+	if a.plug != nil {
+		a.plug.start(ctx)
+	}
+	if a.kube != nil {
+		a.kube.startStatus(ctx, a, &a.background)
+	}
+	if a.static == nil {
+		a.background.Add(1)
+		go func() {
+			defer a.background.Done()
+			a.allocate(ctx)
+		}()
+	}
+	a.logServing()
+	return a, nil
+}
+
+// gpus finds the GPUs: simulated in standalone mode or with
+// --simulate-gpus, else through NVML.
+func (a *agent) gpus(info *node.Info) ([]gpu.Device, string, error) {
+	var numa []int
+	for _, n := range info.NUMANodes {
+		numa = append(numa, n.ID)
+	}
+	if a.setup.flags.standalone {
+		return gpu.Simulated(a.cfg.Standalone.GPUs, simulatedGPUMemory, numa), "simulated (standalone)", nil
+	}
+	if n := a.setup.flags.simulateGPUs; n > 0 {
+		return gpu.Simulated(n, simulatedGPUMemory, numa), "simulated (--simulate-gpus)", nil
+	}
+	devs, err := gpu.Discover(nvmlLib(), a.setup.flags.root)
+	if errors.Is(err, gpu.ErrNoNVML) {
+		return nil, "", fmt.Errorf("%w.\nRun the agent on a GPU node, pass --simulate-gpus N to serve N simulated GPUs (nodes without GPUs, tests), or use --standalone", err)
+	}
+	if err != nil {
+		return nil, "", err
+	}
+	if len(devs) == 0 {
+		return nil, "", errors.New("NVML found no GPU on this node; nothing to serve (--simulate-gpus N to simulate)")
+	}
+	return devs, "NVML", nil
+}
+
+// makePlan sizes the pool and turns it into chunk specs.
+func (a *agent) makePlan(info *node.Info, devs []gpu.Device, allocatable int64) error {
+	policy := a.cfg.Sizing
+	f := a.setup.flags
+	if f.standalone && f.chunksPerGPU > 0 {
+		// The fixed layout of --chunks-per-gpu and --chunk-mib.
+		cb := int64(f.chunkMiB) << 20
+		a.plan = &sizing.Plan{ChunkBytes: cb, Bound: "--chunks-per-gpu", Limits: []sizing.Limit{}}
+		for _, d := range devs {
+			a.plan.GPUs = append(a.plan.GPUs, sizing.GPUPlan{GPU: d.Index, UUID: d.UUID, NUMA: d.NUMA,
+				Bytes: cb * int64(f.chunksPerGPU), Chunks: f.chunksPerGPU, PageSize: int64(os.Getpagesize()), Bound: "--chunks-per-gpu"})
+			a.plan.Total += cb * int64(f.chunksPerGPU)
+		}
+		policy.HugePages = config.HugePagesNever
+	} else {
+		in := sizing.Input{Node: info, Allocatable: allocatable}
+		for _, d := range devs {
+			in.GPUs = append(in.GPUs, sizing.GPU{Index: d.Index, UUID: d.UUID, NUMA: d.NUMA, Memory: d.Memory})
+		}
+		if f.standalone {
+			policy = sizing.Standalone(a.cfg, len(devs))
+		}
+		p, err := sizing.Make(policy, in)
+		if err != nil {
+			return fmt.Errorf("sizing the pool: %w", err)
+		}
+		a.plan = p
+	}
+	workers := max(1, min(runtime.NumCPU()/2, 8))
+	a.specs = a.plan.Specs(policy.HugePages, workers)
+	// Simulated GPUs copy with the CPU: pinning gains nothing, so a memlock
+	// limit only warns.
+	if f.standalone || f.simulateGPUs > 0 {
+		for i := range a.specs {
+			a.specs[i].LockFallback = true
+		}
+	}
+	return nil
+}
+
+func (a *agent) logPlan(source string) {
+	p := a.plan
+	a.log.Info("pool plan", "mode", a.mode, "gpus", source, "total", sizing.FormatBytes(p.Total),
+		"chunk", sizing.FormatBytes(p.ChunkBytes), "chunks", len(a.specs), "boundBy", p.Bound)
+	for _, g := range p.GPUs {
+		a.log.Info("pool plan gpu", "gpu", g.GPU, "uuid", g.UUID, "numa", g.NUMA, "bytes", sizing.FormatBytes(g.Bytes),
+			"chunks", g.Chunks, "pageSize", sizing.FormatBytes(g.PageSize), "boundBy", g.Bound)
+	}
+	for _, w := range p.Warnings {
+		a.log.Warn("pool plan", "warning", w)
+	}
+}
+
+// prepareTokens decides the standalone allocations: each token gets every
+// n-th chunk of each GPU. With the device plugin the plugin hands out
+// tokens instead.
+func (a *agent) prepareTokens() error {
+	if !a.setup.flags.standalone {
+		return nil
+	}
+	if a.setup.flags.devicePlugin {
+		if !a.setup.randomToken {
+			a.log.Warn("standalone tokens are ignored with --device-plugin: kubelet's Allocate hands out the tokens")
+		}
+		return nil
+	}
+	toks := a.cfg.Standalone.Tokens
+	if a.setup.randomToken {
+		toks = []string{standalone.NewToken()}
+	}
+	seen := map[string]bool{}
+	for _, t := range toks {
+		if t == "" || seen[t] || strings.ContainsAny(t, " \t\n,") {
+			return fmt.Errorf("standalone tokens must be non-empty, distinct and without spaces or commas, got %q", toks)
+		}
+		seen[t] = true
+	}
+	static := map[string]string{}
+	chunks := map[string][]string{}
+	for i, t := range toks {
+		static[t] = fmt.Sprintf("standalone-%d", i)
+	}
+	for _, g := range a.plan.GPUs {
+		if g.Chunks < len(toks) {
+			return fmt.Errorf("%d standalone tokens need at least as many chunks per GPU; GPU %d has %d", len(toks), g.GPU, g.Chunks)
+		}
+		for i, id := range g.ChunkIDs() {
+			t := toks[i%len(toks)]
+			chunks[t] = append(chunks[t], id)
+		}
+	}
+	a.static, a.tokenChunks = static, chunks
+	return nil
+}
+
+// authorize resolves an allocation token: a standalone token, or one the
+// device plugin handed out in Allocate.
+func (a *agent) authorize(token string) (string, error) {
+	if alloc, ok := a.static[token]; ok {
+		if !a.granted.Load() {
+			return "", fmt.Errorf("%w: the pool is still being allocated", server.ErrUnknownToken)
+		}
+		return alloc, nil
+	}
+	if a.plug != nil {
+		alloc, err := a.plug.Plugin.Authorize(token)
+		if err != nil {
+			return "", fmt.Errorf("%w: %v", server.ErrUnknownToken, err)
+		}
+		return alloc, nil
+	}
+	return "", server.ErrUnknownToken
+}
+
+// chunk is the server's ChunkSource.
+func (a *agent) chunk(id string) (*hostmem.Chunk, bool) {
+	a.mu.RLock()
+	defer a.mu.RUnlock()
+	c, ok := a.hmem[id]
+	return c, ok
+}
+
+// zero clears a chunk before it goes to another pod.
+func (a *agent) zero(id string) error {
+	c, ok := a.chunk(id)
+	if !ok {
+		return fmt.Errorf("zero: no chunk %q", id)
+	}
+	c.Zero()
+	return nil
+}
+
+// allocate allocates the planned chunks one by one, adding each to the
+// pool (and so to the device plugin's device list) as soon as it is ready.
+func (a *agent) allocate(ctx context.Context) {
+	start := time.Now()
+	gpuOf := map[string]int{}
+	wantPage := map[string]int64{}
+	left := map[int]int{}
+	for _, g := range a.plan.GPUs {
+		left[g.GPU] = g.Chunks
+		for _, id := range g.ChunkIDs() {
+			gpuOf[id] = g.GPU
+		}
+	}
+	for _, s := range a.specs {
+		wantPage[s.ID] = s.PageSize
+	}
+	last := start
+	fellBack := false
+	ready, total := 0, len(a.specs)
+	for r := range hostmem.AllocateAll(ctx, a.specs, a.log) {
+		g := gpuOf[r.ID]
+		if r.Err != nil {
+			a.obs.Metrics.ChunkPinFailed(g, r.Err)
+			a.obs.Errors.Error("hostmem", fmt.Errorf("chunk %s: %w", r.ID, r.Err))
+			a.log.Error("pool allocation stopped; serving the chunks already ready", "chunk", r.ID, "ready", ready, "of", total, "err", r.Err)
+			break
+		}
+		now := time.Now()
+		c := r.Chunk
+		if w := wantPage[r.ID]; w > int64(os.Getpagesize()) && c.PageSize < w && !fellBack {
+			fellBack = true
+			a.events.HugePagesFallback(strings.Join(c.Warnings, "; "))
+		}
+		pc := pool.Chunk{ID: r.ID, GPU: g, NUMA: c.Node, Size: c.Size}
+		if c.Node < 0 {
+			pc.NUMA = a.numaOf(g)
+		}
+		a.mu.Lock()
+		a.hmem[r.ID] = c
+		a.mu.Unlock()
+		if err := a.pool.AddChunk(pc); err != nil {
+			a.log.Error("adding chunk to the pool", "chunk", r.ID, "err", err)
+			a.obs.Metrics.Error("pool", err)
+			continue
+		}
+		ready++
+		a.obs.Metrics.ChunkPinned(g, now.Sub(last))
+		last = now
+		if left[g]--; left[g] == 0 {
+			a.obs.Metrics.PoolFilled(g, now.Sub(start))
+		}
+		if a.plug != nil {
+			if err := a.plug.Feed.Set(plugin.PoolDevices(a.pool.Chunks())); err != nil {
+				a.log.Error("device list", "err", err)
+			}
+		}
+	}
+	if ctx.Err() != nil {
+		return
+	}
+	if ready == total {
+		a.events.PoolReady(a.plan.Total, total, time.Since(start))
+		a.log.Info("pool ready", "chunks", total, "bytes", sizing.FormatBytes(a.plan.Total), "took", time.Since(start).Round(time.Millisecond))
+	}
+	a.grantStatic()
+}
+
+// numaOf is the planned NUMA node of a GPU's chunks (-1 when unknown).
+func (a *agent) numaOf(g int) int {
+	for _, p := range a.plan.GPUs {
+		if p.GPU == g {
+			return p.NUMA
+		}
+	}
+	return -1
+}
+
+// grantStatic grants the standalone tokens their ready chunks.
+func (a *agent) grantStatic() {
+	if a.static == nil {
+		return
+	}
+	a.mu.RLock()
+	have := map[string]bool{}
+	for id := range a.hmem {
+		have[id] = true
+	}
+	a.mu.RUnlock()
+	for tok, alloc := range a.static {
+		var ids []string
+		for _, id := range a.tokenChunks[tok] {
+			if have[id] {
+				ids = append(ids, id)
+			}
+		}
+		a.tokenChunks[tok] = ids
+		if len(ids) == 0 {
+			a.log.Error("standalone token has no ready chunk", "allocation", alloc)
+			continue
+		}
+		if err := a.pool.Grant(alloc, ids); err != nil {
+			a.log.Error("granting standalone chunks", "allocation", alloc, "err", err)
+			continue
+		}
+		a.log.Info("allocation", "token", tok, "chunks", strings.Join(ids, ","))
+	}
+	a.granted.Store(true)
+	var first string
+	for tok := range a.static {
+		if first == "" || tok < first {
+			first = tok
+		}
+	}
+	a.log.Info("standalone tokens granted",
+		"try", fmt.Sprintf("KVPOOL_SOCKET=%s KVPOOL_TOKEN=%s go run ./cmd/kvclient", a.socket, first))
+}
+
+func (a *agent) logServing() {
+	attrs := []any{"mode", a.mode, "node", a.node, "socket", a.socket, "gpus", len(a.plan.GPUs),
+		"chunks", len(a.specs), "chunk", sizing.FormatBytes(a.plan.ChunkBytes)}
+	if a.obs.metricsAddr != nil {
+		attrs = append(attrs, "metrics", a.obs.metricsAddr.String())
+	}
+	if a.obs.healthAddr != nil {
+		attrs = append(attrs, "health", a.obs.healthAddr.String())
+	}
+	if a.plug != nil {
+		attrs = append(attrs, "devicePlugin", a.cfg.ResourceName)
+	}
+	a.log.Info("kvpool agent serving", attrs...)
+}
+
+// wait serves until ctx ends, then shuts down: the server stops accepting
+// and closes its connections, the plugin unregisters, the allocation stops,
+// and the chunks are freed.
+func (a *agent) wait(ctx context.Context) error {
+	var err error
+	select {
+	case err = <-a.serveDone:
+		if ctx.Err() == nil {
+			err = fmt.Errorf("socket server stopped: %w", err)
+		}
+	case <-ctx.Done():
+		err = <-a.serveDone
+	}
+	a.abort()
+	return err
+}
+
+// abort releases whatever start-up got to. The caller's ctx must be done
+// (or start-up failed before any goroutine started).
+func (a *agent) abort() {
+	if a.ln != nil {
+		a.ln.Close()
+		os.Remove(a.socket)
+	}
+	if a.plug != nil {
+		a.plug.Wait()
+	}
+	a.background.Wait()
+	if a.kube != nil {
+		a.kube.close()
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	for id, c := range a.hmem {
+		if err := c.Close(); err != nil {
+			a.log.Warn("freeing chunk", "chunk", id, "err", err)
+		}
+		delete(a.hmem, id)
+	}
+}

@@ -1,0 +1,153 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"sync"
+	"time"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
+	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
+	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"github.com/kvpool/kvpool/api/v1alpha1"
+	"github.com/kvpool/kvpool/pkg/events"
+	"github.com/kvpool/kvpool/pkg/node/kubenode"
+	"github.com/kvpool/kvpool/pkg/nodestatus"
+	"github.com/kvpool/kvpool/pkg/status"
+)
+
+// statusInterval is how often the KVPoolNode status is rebuilt (the writer
+// writes only changes, at a bounded rate).
+const statusInterval = 5 * time.Second
+
+// kubeParts are the agent's API server clients: the Node it runs on, its
+// events and its KVPoolNode status.
+type kubeParts struct {
+	node        string
+	allocatable int64 // 0 when the Node could not be read
+	events      events.Events
+	stopEvents  func()
+	writer      *nodestatus.Writer
+	log         *slog.Logger
+}
+
+// restConfig finds the API server: --kubeconfig, else $KUBECONFIG, else the
+// in-cluster service account. It returns nil, "" when there is none.
+func restConfig(s *serveSetup, getenv func(string) string) (*rest.Config, string, error) {
+	path := s.flags.kubeconfig
+	if path == "" {
+		path = getenv("KUBECONFIG")
+	}
+	if path != "" {
+		rc, err := clientcmd.BuildConfigFromFlags("", path)
+		if err != nil {
+			return nil, "", fmt.Errorf("kubeconfig %s: %w", path, err)
+		}
+		return rc, "kubeconfig " + path, nil
+	}
+	if getenv("KUBERNETES_SERVICE_HOST") == "" {
+		return nil, "", nil
+	}
+	rc, err := inClusterConfig()
+	if err != nil {
+		return nil, "", fmt.Errorf("in-cluster API server config: %w", err)
+	}
+	return rc, "in-cluster service account", nil
+}
+
+// connectKube connects to the API server and reads the Node. Without a
+// kubeconfig outside a pod it returns nil: the agent then sizes without
+// the Node's allocatable memory and writes no status or events.
+func connectKube(ctx context.Context, s *serveSetup, log *slog.Logger) (*kubeParts, error) {
+	rc, from, err := restConfig(s, os.Getenv)
+	if err != nil {
+		return nil, err
+	}
+	if rc == nil {
+		log.Info("no API server: not in a pod and no --kubeconfig or $KUBECONFIG; " +
+			"sizing without the Node's allocatable memory, no KVPoolNode status, no Node events")
+		return nil, nil
+	}
+	name, err := kubenode.NodeName()
+	if err != nil {
+		return nil, fmt.Errorf("%w (set it from the pod's spec.nodeName with the downward API)", err)
+	}
+	cs, err := kubernetes.NewForConfig(rc)
+	if err != nil {
+		return nil, err
+	}
+	k := &kubeParts{node: name, log: log}
+	var uid types.UID
+	gctx, cancel := context.WithTimeout(ctx, 15*time.Second)
+	n, err := cs.CoreV1().Nodes().Get(gctx, name, metav1.GetOptions{})
+	cancel()
+	if err != nil {
+		log.Warn("reading the Node failed; sizing without its allocatable memory", "node", name, "err", err)
+	} else {
+		uid = n.UID
+		m, err := kubenode.FromNode(n)
+		if err != nil {
+			log.Warn("the Node's allocatable memory is unusable; sizing without it", "node", name, "err", err)
+		} else {
+			k.allocatable = m.Allocatable
+		}
+	}
+	k.events, k.stopEvents = events.NewBroadcaster(&typedcorev1.EventSinkImpl{Interface: cs.CoreV1().Events("")}, events.NodeRef(name, uid))
+
+	scheme := runtime.NewScheme()
+	if err := clientgoscheme.AddToScheme(scheme); err != nil {
+		return nil, err
+	}
+	if err := v1alpha1.AddToScheme(scheme); err != nil {
+		return nil, err
+	}
+	c, err := client.New(rc, client.Options{Scheme: scheme})
+	if err != nil {
+		k.stopEvents()
+		return nil, fmt.Errorf("API client: %w", err)
+	}
+	k.writer = nodestatus.NewWriter(c, name, nodestatus.Options{Log: log})
+	log.Info("connected to the API server", "via", from, "node", name, "allocatable", k.allocatable)
+	return k, nil
+}
+
+// startStatus keeps the node's KVPoolNode status up to date until ctx ends.
+func (k *kubeParts) startStatus(ctx context.Context, a *agent, wg *sync.WaitGroup) {
+	wg.Add(2)
+	go func() {
+		defer wg.Done()
+		if err := k.writer.Run(ctx); err != nil && ctx.Err() == nil {
+			k.log.Error("KVPoolNode status writer stopped", "err", err)
+		}
+	}()
+	go func() {
+		defer wg.Done()
+		nodestatus.Feed(ctx, k.writer, statusInterval, func() v1alpha1.KVPoolNodeStatus {
+			rctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+			r := a.obs.Health.Ready(rctx)
+			cancel()
+			return nodestatus.Build(k.node, nodestatus.Input{
+				Snapshot:     status.Take(a.pool, a.obs.Report.Targets(), time.Now()),
+				Ready:        r.OK(),
+				Reason:       r.Reason(),
+				ResourceName: a.cfg.ResourceName,
+				AgentVersion: version,
+			})
+		})
+	}()
+}
+
+func (k *kubeParts) close() {
+	if k.stopEvents != nil {
+		k.stopEvents()
+	}
+}

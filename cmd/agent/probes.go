@@ -1,0 +1,135 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"strings"
+	"time"
+
+	"github.com/kvpool/kvpool/pkg/health"
+	"github.com/kvpool/kvpool/pkg/observe"
+	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/server"
+	"github.com/kvpool/kvpool/pkg/wire"
+)
+
+// statusError is a request's non-OK status as an error for the observers.
+type statusError wire.Status
+
+func (e statusError) Error() string { return "status " + wire.Status(e).String() }
+
+// Kind names the status for metrics labels: "no capacity" -> "no_capacity".
+func (e statusError) Kind() string { return strings.ReplaceAll(wire.Status(e).String(), " ", "_") }
+
+// Unwrap lets status.Rejected see a pending offload as flow control.
+func (e statusError) Unwrap() error {
+	if wire.Status(e) == wire.StatusPending {
+		return pool.ErrPending
+	}
+	return nil
+}
+
+// serverHooks reports every request the socket server answers to obs.
+func serverHooks(obs observe.Observer) server.Hooks {
+	return server.Hooks{Request: func(op wire.Op, st wire.Status, took time.Duration) {
+		o := observe.Op{Name: op.String(), GPU: -1, Duration: took}
+		if st != wire.StatusOK {
+			o.Err = statusError(st)
+		}
+		obs.Op(o)
+	}}
+}
+
+// helloHandshake greets the agent's own socket as a client would and
+// checks the reply; health.Dial runs it under the probe's deadline.
+func helloHandshake(ctx context.Context, conn net.Conn) error {
+	if d, ok := ctx.Deadline(); ok {
+		conn.SetDeadline(d)
+	}
+	pkt, err := wire.AppendPacket(nil, wire.Header{Op: wire.OpHello, Seq: 1},
+		&wire.Hello{Version: wire.Version, Client: "kvpool-agent-probe"})
+	if err != nil {
+		return err
+	}
+	if _, err := conn.Write(pkt); err != nil {
+		return fmt.Errorf("hello: %w", err)
+	}
+	buf := make([]byte, 4096)
+	n, err := conn.Read(buf)
+	if err != nil {
+		return fmt.Errorf("hello reply: %w", err)
+	}
+	h, body, err := wire.ParseHeader(buf[:n])
+	if err != nil {
+		return fmt.Errorf("hello reply: %w", err)
+	}
+	if h.Op != wire.OpHello || h.Seq != 1 || h.Status != wire.StatusOK {
+		return fmt.Errorf("hello reply: op %v seq %d status %v", h.Op, h.Seq, h.Status)
+	}
+	var r wire.HelloReply
+	if err := wire.DecodeBody(body, &r); err != nil {
+		return fmt.Errorf("hello reply: %w", err)
+	}
+	if r.Version < 1 {
+		return fmt.Errorf("hello reply: version %d", r.Version)
+	}
+	return nil
+}
+
+// heartbeatPeriod is how often the liveness loops check their component;
+// a component silent for heartbeatSilence fails liveness.
+const (
+	heartbeatPeriod  = 5 * time.Second
+	heartbeatSilence = 60 * time.Second
+)
+
+// addHealthChecks adds the agent's probes: ready when chunks are ready, the
+// socket answers a handshake and (with the plugin) kubelet has registered
+// it; alive while the socket server and the plugin loop keep beating.
+func (a *agent) addHealthChecks(ctx context.Context) {
+	h := a.obs.Health
+	dial := health.Dial(wire.Network, a.socket, helloHandshake)
+	h.AddReadiness("socket", dial)
+	server := h.Heartbeat("socket-server", heartbeatSilence)
+	a.beat(ctx, server, func() bool {
+		c, cancel := context.WithTimeout(ctx, heartbeatPeriod)
+		defer cancel()
+		return dial(c) == nil
+	})
+	if a.plug == nil {
+		return
+	}
+	h.AddReadiness("kubelet-registration", func(context.Context) error {
+		if !a.plug.Plugin.Registered() {
+			return errors.New("device plugin not registered with kubelet")
+		}
+		return nil
+	})
+	a.beat(ctx, h.Heartbeat("device-plugin", heartbeatSilence), func() bool {
+		return a.plug.Running()
+	})
+}
+
+// beat beats hb now and every heartbeatPeriod while ok holds, until ctx
+// ends.
+func (a *agent) beat(ctx context.Context, hb *health.Heartbeat, ok func() bool) {
+	hb.Beat()
+	a.background.Add(1)
+	go func() {
+		defer a.background.Done()
+		t := time.NewTicker(heartbeatPeriod)
+		defer t.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-t.C:
+				if ok() {
+					hb.Beat()
+				}
+			}
+		}
+	}()
+}
