@@ -70,7 +70,8 @@ func NewMover(dev Device) (*Mover, error) {
 var ErrMoverClosed = errors.New("cudart: mover is closed")
 
 // Offload enqueues device-to-host copies after the work on caller and
-// returns the batch's ticket. Nothing is enqueued when it fails.
+// returns the batch's ticket. When it fails, no copy of the batch is left
+// in flight.
 func (m *Mover) Offload(caller Stream, copies []Copy) (Ticket, error) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -91,14 +92,16 @@ func (m *Mover) Offload(caller Stream, copies []Copy) (Ticket, error) {
 		m.free = append(m.free, ev)
 		return 0, fmt.Errorf("offload: %w", err)
 	}
-	if err := m.dev.EventRecord(ev, m.d2h); err != nil {
-		m.free = append(m.free, ev)
-		return 0, fmt.Errorf("offload: %w", err)
-	}
-	if err := m.dev.EventRecord(m.lastD2H, m.d2h); err != nil {
-		return 0, fmt.Errorf("offload: %w", err)
-	}
 	m.d2hUsed = true
+	err = m.dev.EventRecord(ev, m.d2h)
+	if err == nil {
+		err = m.dev.EventRecord(m.lastD2H, m.d2h)
+	}
+	if err != nil {
+		// The copies are enqueued but cannot be tracked: let them finish.
+		m.free = append(m.free, ev)
+		return 0, errors.Join(fmt.Errorf("offload: %w", err), m.dev.StreamSynchronize(m.d2h))
+	}
 	m.next++
 	m.pending[m.next] = ev
 	return m.next, nil
