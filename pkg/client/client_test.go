@@ -324,6 +324,59 @@ func TestPendingFenceWaitsForCopy(t *testing.T) {
 	}
 }
 
+// TestPendingFenceHoldsOffload holds a reload's copy behind a blocked
+// engine stream: an offload that needs its host pages must not return (nor
+// enqueue a copy over them) until that copy has run.
+func TestPendingFenceHoldsOffload(t *testing.T) {
+	a := startAgent(t, 1<<20)
+	sim := cudart.NewSim(cudart.SimOptions{Devices: 1})
+	dev, _ := sim.Open(0)
+	c := newKV(t, dev, 32, 8192)
+	p := openPool(t, a, dev, c, []byte("instance-hold"), 8)
+	rng := rand.New(rand.NewPCG(5, 6))
+	for pg := int32(0); pg < 8; pg++ {
+		c.fill(t, rng, pg)
+	}
+	if ok, err := p.OffloadStream("r", "l", []int32{0, 1, 2, 3, 4, 5, 6, 7}, 0, 0, 0); !ok || err != nil {
+		t.Fatal(ok, err)
+	}
+	sync(t, p, dev)
+	want := c.read(t, 3)
+	release := make(chan struct{})
+	if err := dev.LaunchHostFunc(0, func() { <-release }); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := p.ReloadStream("r", "l", []int32{10, 11, 12, 13, 14, 15, 16, 17}); err != nil {
+		close(release)
+		t.Fatal(err)
+	}
+	for pg := int32(20); pg < 28; pg++ {
+		c.fill(t, rng, pg)
+	}
+	done := make(chan error, 1)
+	go func() {
+		ok, err := p.OffloadStream("s", "l", []int32{20, 21, 22, 23, 24, 25, 26, 27}, 0, 0, 0)
+		if err == nil && !ok {
+			err = errors.New("offload refused")
+		}
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		close(release)
+		t.Fatalf("the offload returned (%v) while the reload reading its host pages was held", err)
+	case <-time.After(50 * time.Millisecond):
+	}
+	close(release)
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	sync(t, p, dev)
+	if got := c.read(t, 13); !bytes.Equal(got, want) {
+		t.Fatal("the reload's bytes were overwritten by the next offload")
+	}
+}
+
 func TestResumeAndReplace(t *testing.T) {
 	a := startAgent(t, 1<<20)
 	sim := cudart.NewSim(cudart.SimOptions{Devices: 2})
