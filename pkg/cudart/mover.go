@@ -73,38 +73,7 @@ var ErrMoverClosed = errors.New("cudart: mover is closed")
 // returns the batch's ticket. When it fails, no copy of the batch is left
 // in flight.
 func (m *Mover) Offload(caller Stream, copies []Copy) (Ticket, error) {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	if m.closed {
-		return 0, ErrMoverClosed
-	}
-	ev, err := m.event("offload")
-	if err != nil {
-		return 0, err
-	}
-	// Record and wait before the copies: a failed wait leaves nothing
-	// behind on the copy stream but an ordering that is harmless.
-	if err := m.after(m.d2h, caller); err != nil {
-		m.free = append(m.free, ev)
-		return 0, err
-	}
-	if err := m.dev.MemcpyBatchAsync(copies, DeviceToHost, m.d2h); err != nil {
-		m.free = append(m.free, ev)
-		return 0, fmt.Errorf("offload: %w", err)
-	}
-	m.d2hUsed = true
-	err = m.dev.EventRecord(ev, m.d2h)
-	if err == nil {
-		err = m.dev.EventRecord(m.lastD2H, m.d2h)
-	}
-	if err != nil {
-		// The copies are enqueued but cannot be tracked: let them finish.
-		m.free = append(m.free, ev)
-		return 0, errors.Join(fmt.Errorf("offload: %w", err), m.dev.StreamSynchronize(m.d2h))
-	}
-	m.next++
-	m.pending[m.next] = ev
-	return m.next, nil
+	return m.batch("offload", DeviceToHost, caller, copies, nil)
 }
 
 // Reload enqueues host-to-device copies after the work on caller and after
@@ -113,41 +82,53 @@ func (m *Mover) Offload(caller Stream, copies []Copy) (Ticket, error) {
 // accept: a reload's host pages may be reused once it has completed. When
 // it fails, no copy of the batch is left in flight.
 func (m *Mover) Reload(caller Stream, copies []Copy, after ...Ticket) (Ticket, error) {
+	return m.batch("reload", HostToDevice, caller, copies, after)
+}
+
+// batch enqueues copies on dir's stream after the work on caller and the
+// batches named by after, and tracks them under a new ticket.
+func (m *Mover) batch(op string, dir Direction, caller Stream, copies []Copy, after []Ticket) (Ticket, error) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if m.closed {
 		return 0, ErrMoverClosed
 	}
-	ev, err := m.event("reload")
+	s, last, used := m.d2h, m.lastD2H, &m.d2hUsed
+	if dir == HostToDevice {
+		s, last, used = m.h2d, m.lastH2D, &m.h2dUsed
+	}
+	ev, err := m.event(op)
 	if err != nil {
 		return 0, err
 	}
-	if err := m.after(m.h2d, caller); err != nil {
+	// Record and wait before the copies: a failed wait leaves nothing
+	// behind on the copy stream but an ordering that is harmless.
+	if err := m.after(s, caller); err != nil {
 		m.free = append(m.free, ev)
 		return 0, err
 	}
 	for _, t := range after {
 		if pev, ok := m.pending[t]; ok {
-			if err := m.dev.StreamWaitEvent(m.h2d, pev); err != nil {
+			if err := m.dev.StreamWaitEvent(s, pev); err != nil {
 				m.free = append(m.free, ev)
-				return 0, fmt.Errorf("reload: wait for offload %d: %w", t, err)
+				return 0, fmt.Errorf("%s: wait for batch %d: %w", op, t, err)
 			}
 		}
 	}
-	if err := m.dev.MemcpyBatchAsync(copies, HostToDevice, m.h2d); err != nil {
+	if err := m.dev.MemcpyBatchAsync(copies, dir, s); err != nil {
 		m.free = append(m.free, ev)
-		return 0, fmt.Errorf("reload: %w", err)
+		return 0, fmt.Errorf("%s: %w", op, err)
 	}
-	m.h2dUsed = true
-	err = m.dev.EventRecord(ev, m.h2d)
+	*used = true
+	err = m.dev.EventRecord(ev, s)
 	if err == nil {
-		err = m.dev.EventRecord(m.lastH2D, m.h2d)
+		err = m.dev.EventRecord(last, s)
 	}
 	if err != nil {
 		// The copies are enqueued but cannot be tracked: let them finish,
-		// so that the caller may treat the host pages as free.
+		// so that the caller may treat their pages as free.
 		m.free = append(m.free, ev)
-		return 0, errors.Join(fmt.Errorf("reload: %w", err), m.dev.StreamSynchronize(m.h2d))
+		return 0, errors.Join(fmt.Errorf("%s: %w", op, err), m.dev.StreamSynchronize(s))
 	}
 	m.next++
 	m.pending[m.next] = ev
