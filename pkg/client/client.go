@@ -8,7 +8,8 @@
 // maps and registers them with CUDA (pkg/cudart), and from then on every
 // offload and reload is one round trip to the agent for page numbers
 // followed by batched copies on the pool's own device-to-host and
-// host-to-device streams. Sync orders the caller's stream behind them.
+// host-to-device streams (a cudart.Mover, with the copies laid out by a
+// cudart.Layout). Sync orders the caller's stream behind them.
 //
 // A reload's host pages are released by the agent only once the client
 // reports the copy reading them complete (a fence ticket). The report rides
@@ -51,12 +52,22 @@ const maxRegister = 64 << 30
 // region starts at Base + p*Stride and has BytesPerPage bytes. A layer's K
 // and V tensors, or each layer of a layer-major cache, are regions of their
 // own; one host page holds a device page's bytes of every region, in region
-// order, back to back.
+// order, back to back. It is a cudart.Region under the wire protocol's
+// name for the page size.
 type Region struct {
 	Base         cudart.DevicePtr
 	Stride       uint64
 	BytesPerPage uint64
 	Pages        int
+}
+
+// layoutOf returns the regions as the cudart.Layout that lays out the copies.
+func layoutOf(regions []Region) cudart.Layout {
+	l := cudart.Layout{Regions: make([]cudart.Region, len(regions))}
+	for i, r := range regions {
+		l.Regions[i] = cudart.Region{Base: r.Base, Stride: r.Stride, PageBytes: r.BytesPerPage, Pages: r.Pages}
+	}
+	return l
 }
 
 // Options configure Open.
@@ -177,20 +188,17 @@ type CPUPagePool struct {
 	ppc      int
 	capacity int
 	chunks   []mappedChunk
-	offsets  []uint64 // region offsets within a host page
-	devPages int
 
-	d2h, h2d  cudart.Stream
-	orderEv   cudart.Event // recorded on Order before copies
-	d2hEv     cudart.Event // recorded on d2h before a reload's H2D
-	syncD2H   cudart.Event
-	syncH2D   cudart.Event
-	freeEvs   []cudart.Event
-	pending   []pendingReload // reloads whose copy completion is not yet reported
-	fenceDone uint64          // highest ticket whose copy is known complete
-	fenceSent uint64          // highest ticket the agent has been told
+	layout      cudart.Layout
+	mover       *cudart.Mover
+	lastOffload cudart.Ticket   // a reload's host pages were written by offloads up to this one
+	lastReload  cudart.Ticket   // the latest reload batch the mover accepted
+	pending     []pendingReload // reloads whose copy completion is not yet reported
+	fenceDone   uint64          // highest ticket whose copy is known complete
+	fenceSent   uint64          // highest ticket the agent has been told
+	devIdx      []int           // scratch for the layout's device pages
+	hostAddr    []uintptr       // scratch for the layout's host pages
 
-	copies []cudart.Copy
 	offReq wire.Offload
 	offRep wire.OffloadReply
 	relReq wire.Reload
@@ -205,9 +213,11 @@ type mappedChunk struct {
 	base uintptr
 }
 
+// pendingReload pairs the agent's fence ticket of a reload with the mover's
+// ticket of its copies (0: nothing to wait for).
 type pendingReload struct {
 	ticket uint64
-	ev     cudart.Event
+	copy   cudart.Ticket
 }
 
 // Open connects to the agent, opens a session for o.Device with o.Regions,
@@ -219,18 +229,13 @@ func Open(ctx context.Context, o Options) (*CPUPagePool, error) {
 	if len(o.Regions) == 0 {
 		return nil, errors.New("kvpool: Options.Regions is empty")
 	}
-	devPages := 0
-	offsets := make([]uint64, len(o.Regions))
-	var sum uint64
+	layout := layoutOf(o.Regions)
+	if err := layout.Validate(); err != nil {
+		return nil, fmt.Errorf("kvpool: %w", err)
+	}
 	for i, r := range o.Regions {
-		if r.BytesPerPage == 0 || r.Pages <= 0 || r.Pages > 1<<31-2 || r.Stride < r.BytesPerPage {
-			return nil, fmt.Errorf("kvpool: region %d: %d pages of %d bytes with stride %d (want pages > 0, bytes > 0, stride >= bytes)",
-				i, r.Pages, r.BytesPerPage, r.Stride)
-		}
-		offsets[i] = sum
-		sum += r.BytesPerPage
-		if i == 0 || r.Pages < devPages {
-			devPages = r.Pages
+		if r.Pages > 1<<31-2 {
+			return nil, fmt.Errorf("kvpool: region %d: %d pages, more than page indices can name", i, r.Pages)
 		}
 	}
 	if o.MaxPages < 0 {
@@ -257,54 +262,16 @@ func Open(ctx context.Context, o Options) (*CPUPagePool, error) {
 	if o.Name == "" {
 		o.Name = "kvpool-go-client"
 	}
-	p := &CPUPagePool{o: o, dev: o.Device, log: o.Logger, offsets: offsets, devPages: devPages,
-		in: make([]byte, wire.MaxMessage+1)}
-	if err := p.createStreams(); err != nil {
-		p.destroyStreams()
-		return nil, err
+	p := &CPUPagePool{o: o, dev: o.Device, log: o.Logger, layout: layout, in: make([]byte, wire.MaxMessage+1)}
+	var err error
+	if p.mover, err = cudart.NewMover(p.dev); err != nil {
+		return nil, fmt.Errorf("kvpool: %w", err)
 	}
 	if err := p.connect(ctx); err != nil {
-		p.destroyStreams()
+		p.mover.Close()
 		return nil, err
 	}
 	return p, nil
-}
-
-func (p *CPUPagePool) createStreams() error {
-	var err error
-	if p.d2h, err = p.dev.StreamCreate(); err != nil {
-		return err
-	}
-	if p.h2d, err = p.dev.StreamCreate(); err != nil {
-		return err
-	}
-	for _, ev := range []*cudart.Event{&p.orderEv, &p.d2hEv, &p.syncD2H, &p.syncH2D} {
-		if *ev, err = p.dev.EventCreate(); err != nil {
-			return err
-		}
-	}
-	return nil
-}
-
-func (p *CPUPagePool) destroyStreams() {
-	for _, s := range []cudart.Stream{p.d2h, p.h2d} {
-		if s != 0 {
-			p.dev.StreamSynchronize(s)
-			p.dev.StreamDestroy(s)
-		}
-	}
-	for _, ev := range []cudart.Event{p.orderEv, p.d2hEv, p.syncD2H, p.syncH2D} {
-		if ev != 0 {
-			p.dev.EventDestroy(ev)
-		}
-	}
-	for _, r := range p.pending {
-		p.dev.EventDestroy(r.ev)
-	}
-	for _, ev := range p.freeEvs {
-		p.dev.EventDestroy(ev)
-	}
-	p.pending, p.freeEvs = nil, nil
 }
 
 // connect dials, says hello and opens (or resumes) the session. Called with
@@ -375,11 +342,7 @@ func (p *CPUPagePool) adopt(rep *wire.OpenReply, files []*os.File) error {
 	}
 	if !rep.Resumed || !same {
 		// A fresh session: nothing of the old one's pages or tickets holds.
-		p.dev.StreamSynchronize(p.d2h)
-		p.dev.StreamSynchronize(p.h2d)
-		for _, r := range p.pending {
-			p.freeEvs = append(p.freeEvs, r.ev)
-		}
+		p.mover.Wait()
 		p.pending, p.fenceDone, p.fenceSent = p.pending[:0], 0, 0
 	}
 	if !same {

@@ -291,12 +291,15 @@ func TestMisuse(t *testing.T) {
 	}
 }
 
-func TestPendingFenceWaitsForCopy(t *testing.T) {
+// fullPool opens a pool of 8 host pages and fills them all with stream r/l,
+// offloaded from device pages 0-7 (of 32).
+func fullPool(t *testing.T, delay time.Duration, inst string) (cudart.Device, *kv, *client.CPUPagePool, *rand.Rand) {
+	t.Helper()
 	a := startAgent(t, 1<<20)
-	sim := cudart.NewSim(cudart.SimOptions{Devices: 1, CopyDelay: 20 * time.Millisecond})
+	sim := cudart.NewSim(cudart.SimOptions{Devices: 1, CopyDelay: delay})
 	dev, _ := sim.Open(0)
 	c := newKV(t, dev, 32, 8192)
-	p := openPool(t, a, dev, c, []byte("instance-P"), 8)
+	p := openPool(t, a, dev, c, []byte(inst), 8)
 	rng := rand.New(rand.NewPCG(3, 4))
 	for pg := int32(0); pg < 8; pg++ {
 		c.fill(t, rng, pg)
@@ -305,6 +308,11 @@ func TestPendingFenceWaitsForCopy(t *testing.T) {
 		t.Fatal(ok, err)
 	}
 	sync(t, p, dev)
+	return dev, c, p, rng
+}
+
+func TestPendingFenceWaitsForCopy(t *testing.T) {
+	dev, c, p, rng := fullPool(t, 20*time.Millisecond, "instance-P")
 	want := c.read(t, 5)
 	if _, err := p.ReloadStream("r", "l", []int32{10, 11, 12, 13, 14, 15, 16, 17}); err != nil {
 		t.Fatal(err)
@@ -320,6 +328,47 @@ func TestPendingFenceWaitsForCopy(t *testing.T) {
 	}
 	sync(t, p, dev)
 	if got := c.read(t, 15); !bytes.Equal(got, want) {
+		t.Fatal("the reload's bytes were overwritten by the next offload")
+	}
+}
+
+// TestPendingFenceHoldsOffload holds a reload's copy behind a blocked
+// engine stream: an offload that needs its host pages must not return (nor
+// enqueue a copy over them) until that copy has run.
+func TestPendingFenceHoldsOffload(t *testing.T) {
+	dev, c, p, rng := fullPool(t, 0, "instance-hold")
+	want := c.read(t, 3)
+	release := make(chan struct{})
+	if err := dev.LaunchHostFunc(0, func() { <-release }); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := p.ReloadStream("r", "l", []int32{10, 11, 12, 13, 14, 15, 16, 17}); err != nil {
+		close(release)
+		t.Fatal(err)
+	}
+	for pg := int32(20); pg < 28; pg++ {
+		c.fill(t, rng, pg)
+	}
+	done := make(chan error, 1)
+	go func() {
+		ok, err := p.OffloadStream("s", "l", []int32{20, 21, 22, 23, 24, 25, 26, 27}, 0, 0, 0)
+		if err == nil && !ok {
+			err = errors.New("offload refused")
+		}
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		close(release)
+		t.Fatalf("the offload returned (%v) while the reload reading its host pages was held", err)
+	case <-time.After(50 * time.Millisecond):
+	}
+	close(release)
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	sync(t, p, dev)
+	if got := c.read(t, 13); !bytes.Equal(got, want) {
 		t.Fatal("the reload's bytes were overwritten by the next offload")
 	}
 }

@@ -34,10 +34,11 @@ func (p *CPUPagePool) begin() error {
 // pollFences notes every pending reload whose copy has completed.
 func (p *CPUPagePool) pollFences() {
 	for len(p.pending) > 0 {
-		r := p.pending[0]
-		done, err := p.dev.EventQuery(r.ev)
-		if err != nil || !done {
-			return
+		if t := p.pending[0].copy; t != 0 {
+			done, err := p.mover.Completed(t)
+			if err != nil || !done {
+				return
+			}
 		}
 		p.retire(1)
 	}
@@ -45,10 +46,7 @@ func (p *CPUPagePool) pollFences() {
 
 // retire drops the first n pending reloads, whose copies have completed.
 func (p *CPUPagePool) retire(n int) {
-	for _, r := range p.pending[:n] {
-		p.fenceDone = r.ticket
-		p.freeEvs = append(p.freeEvs, r.ev)
-	}
+	p.fenceDone = p.pending[n-1].ticket
 	p.pending = append(p.pending[:0], p.pending[n:]...)
 }
 
@@ -64,8 +62,12 @@ func (p *CPUPagePool) waitTicket(ticket uint64) error {
 		}
 		return fmt.Errorf("%w: agent asks to fence reload %d, which this client never made", ErrProtocol, ticket)
 	}
-	if err := p.dev.EventSynchronize(p.pending[n-1].ev); err != nil {
-		return err
+	// Reloads share one copy stream and their copy tickets never decrease
+	// along p.pending, so the n-th completing means the first n have.
+	if t := p.pending[n-1].copy; t != 0 {
+		if err := p.mover.WaitFor(t); err != nil {
+			return err
+		}
 	}
 	p.retire(n)
 	return nil
@@ -108,7 +110,7 @@ func (p *CPUPagePool) OffloadStream(rid, label string, gpuPages []int32, storedL
 	if !p.offRep.Ok {
 		return false, nil
 	}
-	if err := p.enqueue(cudart.DeviceToHost, gpuPages, p.offRep.HostPages); err != nil {
+	if _, err := p.enqueue(cudart.DeviceToHost, gpuPages, p.offRep.HostPages); err != nil {
 		// Nothing was copied: give the pages back so the call changes nothing.
 		if _, derr := p.roundTrip(wire.OpDiscard, p.fence(), &wire.Stream{Rid: rid, Label: label}, nil); derr != nil {
 			err = errors.Join(err, derr)
@@ -138,89 +140,60 @@ func (p *CPUPagePool) ReloadStream(rid, label string, gpuPages []int32) (Offload
 	if len(r.HostPages) == 0 {
 		return out, nil
 	}
-	// The host pages were written by offload copies on the D2H stream.
-	if err := p.dev.EventRecord(p.d2hEv, p.d2h); err != nil {
-		return out, err
-	}
-	if err := p.dev.StreamWaitEvent(p.h2d, p.d2hEv); err != nil {
-		return out, err
-	}
-	cerr := p.enqueue(cudart.HostToDevice, gpuPages, r.HostPages)
-	// Record the ticket's event even when the copy failed: the pages must
-	// be fenced either way, and an event after no work completes at once.
-	ev, err := p.event()
-	if err == nil {
-		err = p.dev.EventRecord(ev, p.h2d)
-	}
+	t, err := p.enqueue(cudart.HostToDevice, gpuPages, r.HostPages)
 	if err != nil {
-		p.dev.StreamSynchronize(p.h2d)
-		p.fenceDone = r.Ticket
-		p.pending = p.pending[:0]
-	} else {
-		p.pending = append(p.pending, pendingReload{ticket: r.Ticket, ev: ev})
+		// Nothing of this reload is in flight; its pages may be fenced
+		// once the reloads before it have completed.
+		t = p.lastReload
 	}
-	if cerr != nil {
-		return out, fmt.Errorf("kvpool reload %q/%q: the stream was released but its copy failed: %w", rid, label, cerr)
+	p.pending = append(p.pending, pendingReload{ticket: r.Ticket, copy: t})
+	if err != nil {
+		return out, fmt.Errorf("kvpool reload %q/%q: the stream was released but its copy failed: %w", rid, label, err)
 	}
-	return out, err
+	return out, nil
 }
 
-func (p *CPUPagePool) event() (cudart.Event, error) {
-	if n := len(p.freeEvs); n > 0 {
-		ev := p.freeEvs[n-1]
-		p.freeEvs = p.freeEvs[:n-1]
-		return ev, nil
-	}
-	return p.dev.EventCreate()
-}
-
-// enqueue orders dir's stream behind p.o.Order and enqueues one batch
-// copying device pages dev to host pages host (or back), merging runs that
-// are contiguous on both sides.
-func (p *CPUPagePool) enqueue(dir cudart.Direction, dev, host []int32) error {
+// enqueue copies device pages dev to host pages host (or back) on the
+// mover's stream for dir, after the work on p.o.Order, merging runs that
+// are contiguous on both sides. A reload also follows every offload so
+// far: the host pages it reads were written by one of them. It returns
+// the batch's ticket; when it fails, nothing of the batch is in flight.
+func (p *CPUPagePool) enqueue(dir cudart.Direction, dev, host []int32) (cudart.Ticket, error) {
 	if len(dev) != len(host) {
-		return fmt.Errorf("%w: %d device pages but %d host pages", ErrProtocol, len(dev), len(host))
+		return 0, fmt.Errorf("%w: %d device pages but %d host pages", ErrProtocol, len(dev), len(host))
 	}
 	if len(dev) == 0 {
-		return nil
+		return 0, nil
 	}
-	s := p.d2h
-	if dir == cudart.HostToDevice {
-		s = p.h2d
-	}
-	cs := p.copies[:0]
-	for ri, r := range p.o.Regions {
-		off := p.offsets[ri]
-		for i, dp := range dev {
-			hp := host[i]
-			if dp < 0 || int(dp) >= p.devPages {
-				return fmt.Errorf("kvpool: device page %d outside [0, %d)", dp, p.devPages)
-			}
-			if hp < 0 || int(hp) >= p.capacity {
-				return fmt.Errorf("%w: host page %d outside [0, %d)", ErrProtocol, hp, p.capacity)
-			}
-			ch := &p.chunks[int(hp)/p.ppc]
-			h := ch.base + uintptr(uint64(int(hp)%p.ppc)*p.pageSize+off)
-			d := uintptr(r.Base) + uintptr(uint64(dp)*r.Stride)
-			c := cudart.Copy{Dst: h, Src: d, Bytes: r.BytesPerPage}
-			if dir == cudart.HostToDevice {
-				c.Dst, c.Src = d, h
-			}
-			if n := len(cs); n > 0 && cs[n-1].Dst+uintptr(cs[n-1].Bytes) == c.Dst && cs[n-1].Src+uintptr(cs[n-1].Bytes) == c.Src {
-				cs[n-1].Bytes += c.Bytes
-				continue
-			}
-			cs = append(cs, c)
+	p.devIdx, p.hostAddr = p.devIdx[:0], p.hostAddr[:0]
+	for i, dp := range dev {
+		hp := host[i]
+		if hp < 0 || int(hp) >= p.capacity {
+			return 0, fmt.Errorf("%w: host page %d outside [0, %d)", ErrProtocol, hp, p.capacity)
 		}
+		ch := &p.chunks[int(hp)/p.ppc]
+		p.devIdx = append(p.devIdx, int(dp))
+		p.hostAddr = append(p.hostAddr, ch.base+uintptr(uint64(int(hp)%p.ppc)*p.pageSize))
 	}
-	p.copies = cs
-	if err := p.dev.EventRecord(p.orderEv, p.o.Order); err != nil {
-		return err
+	copies, err := p.layout.Copies(dir, p.devIdx, p.hostAddr)
+	if err != nil {
+		return 0, fmt.Errorf("kvpool: %w", err)
 	}
-	if err := p.dev.StreamWaitEvent(s, p.orderEv); err != nil {
-		return err
+	copies = cudart.MergeRuns(copies)
+	if dir == cudart.DeviceToHost {
+		t, err := p.mover.Offload(p.o.Order, copies)
+		if err != nil {
+			return 0, err
+		}
+		p.lastOffload = t
+		return t, nil
 	}
-	return p.dev.MemcpyBatchAsync(cs, dir, s)
+	t, err := p.mover.Reload(p.o.Order, copies, p.lastOffload)
+	if err != nil {
+		return 0, err
+	}
+	p.lastReload = t
+	return t, nil
 }
 
 // Discard drops a stream whose offload was abandoned after the copy: the
@@ -318,18 +291,7 @@ func (p *CPUPagePool) Sync(s cudart.Stream) error {
 	if p.closed {
 		return errors.New("kvpool: pool is closed")
 	}
-	for _, x := range []struct {
-		ev cudart.Event
-		st cudart.Stream
-	}{{p.syncD2H, p.d2h}, {p.syncH2D, p.h2d}} {
-		if err := p.dev.EventRecord(x.ev, x.st); err != nil {
-			return err
-		}
-		if err := p.dev.StreamWaitEvent(s, x.ev); err != nil {
-			return err
-		}
-	}
-	return nil
+	return p.mover.Sync(s)
 }
 
 // Synchronize blocks until every copy enqueued so far has completed and
@@ -340,10 +302,7 @@ func (p *CPUPagePool) Synchronize() error {
 	if p.closed {
 		return errors.New("kvpool: pool is closed")
 	}
-	if err := p.dev.StreamSynchronize(p.d2h); err != nil {
-		return err
-	}
-	if err := p.dev.StreamSynchronize(p.h2d); err != nil {
+	if err := p.mover.Wait(); err != nil {
 		return err
 	}
 	p.pollFences()
@@ -380,12 +339,15 @@ func (p *CPUPagePool) Close() error {
 		return nil
 	}
 	p.closed = true
-	var err error
+	// The copies touch the session's host pages: they finish before the
+	// agent may hand those pages to anyone else.
+	err := p.mover.Wait()
 	if p.wc != nil {
-		_, err = p.roundTrip(wire.OpClose, 0, nil, nil)
+		_, cerr := p.roundTrip(wire.OpClose, 0, nil, nil)
+		err = errors.Join(err, cerr)
 		p.dropConn()
 	}
-	p.destroyStreams()
+	err = errors.Join(err, p.mover.Close())
 	p.unmapChunks()
 	return err
 }

@@ -106,7 +106,7 @@ func TestGPUEventOrdering(t *testing.T) {
 	defer m.Close()
 	engine, err := dev.StreamCreate()
 	must(t, err)
-	must(t, m.Reload(engine, []Copy{{Dst: uintptr(dp), Src: addr(host.b), Bytes: big}}))
+	must1(t)(m.Reload(engine, []Copy{{Dst: uintptr(dp), Src: addr(host.b), Bytes: big}}))
 	must(t, m.Sync(engine))
 	ran := make(chan bool, 1)
 	// The host function sees the last byte of the reload only if the

@@ -42,14 +42,14 @@ func (l Layout) Validate() error {
 	var total uint64
 	for i, r := range l.Regions {
 		switch {
-		case r.Base == 0:
-			return fmt.Errorf("cudart: region %d: zero base address", i)
 		case r.PageBytes == 0:
 			return fmt.Errorf("cudart: region %d: zero bytes per page", i)
 		case r.Stride < r.PageBytes:
 			return fmt.Errorf("cudart: region %d: stride %d is less than the %d bytes per page", i, r.Stride, r.PageBytes)
 		case r.Pages <= 0:
 			return fmt.Errorf("cudart: region %d: %d pages", i, r.Pages)
+		case r.Base == 0:
+			return fmt.Errorf("cudart: region %d: zero base address", i)
 		case uint64(r.Pages-1) > (math.MaxUint64-uint64(r.Base)-r.PageBytes)/r.Stride:
 			return fmt.Errorf("cudart: region %d: %d pages of stride %d from %#x overflow the address space", i, r.Pages, r.Stride, uintptr(r.Base))
 		}

@@ -6,9 +6,10 @@ import (
 	"sync"
 )
 
-// Ticket names one offload batch of a Mover, so that a later reload of the
-// same host pages can be ordered after it without waiting for every other
-// offload. The zero Ticket names nothing.
+// Ticket names one batch of a Mover. An offload's ticket lets a later
+// reload of the same host pages be ordered after it without waiting for
+// every other offload; a reload's tells when its host pages may be reused
+// (Completed, WaitFor). The zero Ticket names nothing.
 type Ticket uint64
 
 // Mover moves pages between device memory and registered host memory on
@@ -69,67 +70,125 @@ func NewMover(dev Device) (*Mover, error) {
 var ErrMoverClosed = errors.New("cudart: mover is closed")
 
 // Offload enqueues device-to-host copies after the work on caller and
-// returns the batch's ticket. Nothing is enqueued when it fails.
+// returns the batch's ticket. When it fails, no copy of the batch is left
+// in flight.
 func (m *Mover) Offload(caller Stream, copies []Copy) (Ticket, error) {
+	return m.batch("offload", DeviceToHost, caller, copies, nil)
+}
+
+// Reload enqueues host-to-device copies after the work on caller and after
+// the offload batches in after (tickets that completed or never existed
+// add no wait), and returns the batch's ticket, which Completed and WaitFor
+// accept: a reload's host pages may be reused once it has completed. When
+// it fails, no copy of the batch is left in flight.
+func (m *Mover) Reload(caller Stream, copies []Copy, after ...Ticket) (Ticket, error) {
+	return m.batch("reload", HostToDevice, caller, copies, after)
+}
+
+// batch enqueues copies on dir's stream after the work on caller and the
+// batches named by after, and tracks them under a new ticket.
+func (m *Mover) batch(op string, dir Direction, caller Stream, copies []Copy, after []Ticket) (Ticket, error) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if m.closed {
 		return 0, ErrMoverClosed
 	}
-	ev, err := m.event()
+	s, last, used := m.d2h, m.lastD2H, &m.d2hUsed
+	if dir == HostToDevice {
+		s, last, used = m.h2d, m.lastH2D, &m.h2dUsed
+	}
+	ev, err := m.event(op)
 	if err != nil {
 		return 0, err
 	}
 	// Record and wait before the copies: a failed wait leaves nothing
 	// behind on the copy stream but an ordering that is harmless.
-	if err := m.after(m.d2h, caller); err != nil {
+	if err := m.after(s, caller); err != nil {
 		m.free = append(m.free, ev)
 		return 0, err
 	}
-	if err := m.dev.MemcpyBatchAsync(copies, DeviceToHost, m.d2h); err != nil {
+	for _, t := range after {
+		if pev, ok := m.pending[t]; ok {
+			if err := m.dev.StreamWaitEvent(s, pev); err != nil {
+				m.free = append(m.free, ev)
+				return 0, fmt.Errorf("%s: wait for batch %d: %w", op, t, err)
+			}
+		}
+	}
+	if err := m.dev.MemcpyBatchAsync(copies, dir, s); err != nil {
 		m.free = append(m.free, ev)
-		return 0, fmt.Errorf("offload: %w", err)
+		return 0, fmt.Errorf("%s: %w", op, err)
 	}
-	if err := m.dev.EventRecord(ev, m.d2h); err != nil {
+	*used = true
+	err = m.dev.EventRecord(ev, s)
+	if err == nil {
+		err = m.dev.EventRecord(last, s)
+	}
+	if err != nil {
+		// The copies are enqueued but cannot be tracked: let them finish,
+		// so that the caller may treat their pages as free.
 		m.free = append(m.free, ev)
-		return 0, fmt.Errorf("offload: %w", err)
+		return 0, errors.Join(fmt.Errorf("%s: %w", op, err), m.dev.StreamSynchronize(s))
 	}
-	if err := m.dev.EventRecord(m.lastD2H, m.d2h); err != nil {
-		return 0, fmt.Errorf("offload: %w", err)
-	}
-	m.d2hUsed = true
 	m.next++
 	m.pending[m.next] = ev
 	return m.next, nil
 }
 
-// Reload enqueues host-to-device copies after the work on caller and after
-// the offload batches in after (tickets that completed or never existed
-// add no wait). Nothing is enqueued when it fails.
-func (m *Mover) Reload(caller Stream, copies []Copy, after ...Ticket) error {
+// Completed reports whether the batch of ticket t, offload or reload, has
+// completed. Batches of one direction complete in the order they were
+// enqueued. A ticket this Mover never returned is an error.
+func (m *Mover) Completed(t Ticket) (bool, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.closed {
+		return false, ErrMoverClosed
+	}
+	ev, ok, err := m.lookup(t)
+	if !ok || err != nil {
+		return !ok && err == nil, err
+	}
+	done, err := m.dev.EventQuery(ev)
+	if err != nil {
+		return false, fmt.Errorf("completed %d: %w", t, err)
+	}
+	if done {
+		m.retire(t, ev)
+	}
+	return done, nil
+}
+
+// WaitFor blocks until the batch of ticket t has completed.
+func (m *Mover) WaitFor(t Ticket) error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if m.closed {
 		return ErrMoverClosed
 	}
-	if err := m.after(m.h2d, caller); err != nil {
+	ev, ok, err := m.lookup(t)
+	if !ok || err != nil {
 		return err
 	}
-	for _, t := range after {
-		if ev, ok := m.pending[t]; ok {
-			if err := m.dev.StreamWaitEvent(m.h2d, ev); err != nil {
-				return fmt.Errorf("reload: wait for offload %d: %w", t, err)
-			}
-		}
+	if err := m.dev.EventSynchronize(ev); err != nil {
+		return fmt.Errorf("wait for %d: %w", t, err)
 	}
-	if err := m.dev.MemcpyBatchAsync(copies, HostToDevice, m.h2d); err != nil {
-		return fmt.Errorf("reload: %w", err)
-	}
-	if err := m.dev.EventRecord(m.lastH2D, m.h2d); err != nil {
-		return fmt.Errorf("reload: %w", err)
-	}
-	m.h2dUsed = true
+	m.retire(t, ev)
 	return nil
+}
+
+// lookup returns the event of ticket t while its batch may be running; ok
+// is false when it is known to have completed.
+func (m *Mover) lookup(t Ticket) (ev Event, ok bool, err error) {
+	if t == 0 || t > m.next {
+		return 0, false, fmt.Errorf("mover: unknown ticket %d", t)
+	}
+	ev, ok = m.pending[t]
+	return ev, ok, nil
+}
+
+func (m *Mover) retire(t Ticket, ev Event) {
+	delete(m.pending, t)
+	m.free = append(m.free, ev)
 }
 
 // Sync makes later work on caller wait for every copy enqueued so far in
@@ -217,17 +276,16 @@ func (m *Mover) after(s, caller Stream) error {
 	return nil
 }
 
-// event returns an event for a new offload batch, first recycling the
-// events of batches that have completed.
-func (m *Mover) event() (Event, error) {
+// event returns an event for a new batch, first recycling the events of
+// batches that have completed.
+func (m *Mover) event(op string) (Event, error) {
 	for t, ev := range m.pending {
 		done, err := m.dev.EventQuery(ev)
 		if err != nil {
-			return 0, fmt.Errorf("offload: %w", err)
+			return 0, fmt.Errorf("%s: %w", op, err)
 		}
 		if done {
-			delete(m.pending, t)
-			m.free = append(m.free, ev)
+			m.retire(t, ev)
 		}
 	}
 	if n := len(m.free); n > 0 {
@@ -237,7 +295,7 @@ func (m *Mover) event() (Event, error) {
 	}
 	ev, err := m.dev.EventCreate()
 	if err != nil {
-		return 0, fmt.Errorf("offload: %w", err)
+		return 0, fmt.Errorf("%s: %w", op, err)
 	}
 	return ev, nil
 }

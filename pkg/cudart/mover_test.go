@@ -61,8 +61,8 @@ func TestSyncIsWhatOrders(t *testing.T) {
 	defer m.Close()
 	// A first reload (of another page) holds the reload stream for one
 	// delay, so the real one lands a full delay after the engine's read.
-	must(t, m.Reload(engine, []Copy{{Dst: uintptr(dp) + page, Src: addr(host.b), Bytes: page}}))
-	must(t, m.Reload(engine, []Copy{{Dst: uintptr(dp), Src: addr(host.b), Bytes: page}}))
+	must1(t)(m.Reload(engine, []Copy{{Dst: uintptr(dp) + page, Src: addr(host.b), Bytes: page}}))
+	must1(t)(m.Reload(engine, []Copy{{Dst: uintptr(dp), Src: addr(host.b), Bytes: page}}))
 	// No Sync here.
 	must(t, dev.MemcpyBatchAsync([]Copy{{Dst: addr(host.b[page:]), Src: uintptr(dp), Bytes: page}}, DeviceToHost, engine))
 	must(t, dev.StreamSynchronize(engine))
@@ -192,7 +192,7 @@ func TestMoverMisuse(t *testing.T) {
 	if _, err := m.Offload(Stream(12345), []Copy{{1, 2, 3}}); !errors.Is(err, ErrInvalidHandle) {
 		t.Errorf("Offload(unknown caller stream) = %v", err)
 	}
-	if err := m.Reload(engine, []Copy{{1, 2, 3}}); !errors.Is(err, ErrInvalidValue) {
+	if _, err := m.Reload(engine, []Copy{{1, 2, 3}}); !errors.Is(err, ErrInvalidValue) {
 		t.Errorf("Reload(unregistered) = %v", err)
 	}
 	if err := m.Done(nil); err == nil {
@@ -252,7 +252,7 @@ func TestMoverConcurrent(t *testing.T) {
 					if err != nil {
 						return err
 					}
-					if err := m.Reload(engine, in, tk); err != nil {
+					if _, err := m.Reload(engine, in, tk); err != nil {
 						return err
 					}
 					if err := m.Sync(engine); err != nil {
@@ -277,5 +277,81 @@ func TestMoverConcurrent(t *testing.T) {
 		if err := <-errs; err != nil {
 			t.Error(err)
 		}
+	}
+}
+
+// TestMoverReloadTicket checks that a reload's ticket reports completion
+// only once its copies have landed: the reload is held behind a host
+// function on the caller's stream that blocks until released.
+func TestMoverReloadTicket(t *testing.T) {
+	dev := simDev(t, 0)
+	const page = 4096
+	dp, err := dev.MemAlloc(2 * page)
+	must(t, err)
+	host := newPinned(t, dev, 2*page)
+	fill(host.b[:page], 7)
+	fill(host.b[page:], 8)
+	engine, err := dev.StreamCreate()
+	must(t, err)
+	m, err := NewMover(dev)
+	must(t, err)
+	defer m.Close()
+
+	for _, bad := range []Ticket{0, 1} {
+		if _, err := m.Completed(bad); err == nil {
+			t.Errorf("Completed(%d) before any batch succeeded", bad)
+		}
+		if err := m.WaitFor(bad); err == nil {
+			t.Errorf("WaitFor(%d) before any batch succeeded", bad)
+		}
+	}
+
+	release := make(chan struct{})
+	must(t, dev.LaunchHostFunc(engine, func() { <-release }))
+	first := must1(t)(m.Reload(engine, []Copy{{Dst: uintptr(dp), Src: addr(host.b), Bytes: page}}))
+	second := must1(t)(m.Reload(engine, []Copy{{Dst: uintptr(dp) + page, Src: addr(host.b[page:]), Bytes: page}}))
+	if first == 0 || second <= first {
+		t.Fatalf("tickets %d then %d, want increasing and non-zero", first, second)
+	}
+	for _, tk := range []Ticket{first, second} {
+		if done, err := m.Completed(tk); err != nil || done {
+			t.Fatalf("Completed(%d) = %v, %v while the caller's stream holds the reload", tk, done, err)
+		}
+	}
+	if _, err := m.Completed(second + 1); err == nil {
+		t.Error("Completed of a ticket not yet handed out succeeded")
+	}
+	// A failed reload hands out no ticket and leaves no batch behind.
+	if _, err := m.Reload(engine, []Copy{{1, 2, 3}}); !errors.Is(err, ErrInvalidValue) {
+		t.Fatalf("Reload(unregistered) = %v", err)
+	}
+	if len(m.pending) != 2 {
+		t.Fatalf("%d pending batches, want the 2 reloads", len(m.pending))
+	}
+
+	close(release)
+	must(t, m.WaitFor(second))
+	// The second reload completing implies the first did: one stream.
+	for _, tk := range []Ticket{first, second} {
+		if done, err := m.Completed(tk); err != nil || !done {
+			t.Fatalf("Completed(%d) = %v, %v after WaitFor(%d)", tk, done, err, second)
+		}
+	}
+	got := make([]byte, 2*page)
+	must(t, dev.MemcpyDtoH(got, dp))
+	if got[0] != 7 || got[page-1] != 7 || got[page] != 8 || got[2*page-1] != 8 {
+		t.Fatalf("after WaitFor the device holds %d..%d, %d..%d", got[0], got[page-1], got[page], got[2*page-1])
+	}
+	// Completed batches give their events back for reuse.
+	if len(m.pending) != 0 {
+		t.Fatalf("%d pending batches after both completed", len(m.pending))
+	}
+	must(t, m.WaitFor(first))
+	must(t, m.Close())
+	if _, err := m.Completed(first); !errors.Is(err, ErrMoverClosed) {
+		t.Errorf("Completed after Close = %v", err)
+	}
+	if err := m.WaitFor(first); !errors.Is(err, ErrMoverClosed) {
+		t.Errorf("WaitFor after Close = %v", err)
 	}
 }

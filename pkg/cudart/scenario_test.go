@@ -63,6 +63,15 @@ func must(t testing.TB, err error) {
 	}
 }
 
+// must1 is must for calls that also return a ticket.
+func must1(t testing.TB) func(Ticket, error) Ticket {
+	return func(tk Ticket, err error) Ticket {
+		t.Helper()
+		must(t, err)
+		return tk
+	}
+}
+
 // pick returns k distinct values in [0, n) in random order.
 func pick(r *rand.Rand, n, k int) []int {
 	return r.Perm(n)[:k]
@@ -183,7 +192,7 @@ func scenarioRoundTrip(t *testing.T, dev Device, lc layoutCase, devPages, hostPa
 
 	in, err := layout.Copies(HostToDevice, dst, hostAddr)
 	must(t, err)
-	must(t, m.Reload(engine, in, ticket))
+	must1(t)(m.Reload(engine, in, ticket))
 	must(t, m.Sync(engine))
 	// Right after Sync, a copy on the engine's stream must see the new
 	// bytes.
@@ -261,7 +270,7 @@ func scenarioBackToBack(t *testing.T, dev Device, pageBytes uint64, k int, seed 
 	must(t, err)
 	ticket, err := m.Offload(engine, out)
 	must(t, err)
-	must(t, m.Reload(engine, in, ticket))
+	must1(t)(m.Reload(engine, in, ticket))
 	must(t, m.Sync(engine))
 	must(t, dev.StreamSynchronize(engine))
 	got := make([]byte, len(data))

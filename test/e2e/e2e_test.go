@@ -30,18 +30,15 @@ func goTool(t *testing.T) string {
 	return p
 }
 
-// build compiles the commands into dir, the kvclient without cgo as it
-// ships.
+// build compiles the commands into dir as they ship (Dockerfile): the agent
+// with cgo (NVML needs it), the kvclient without.
 func build(t *testing.T, dir string) (agent, kvclient string) {
 	t.Helper()
 	agent, kvclient = filepath.Join(dir, "agent"), filepath.Join(dir, "kvclient")
-	for _, b := range []struct{ out, pkg string }{{agent, "./cmd/agent"}, {kvclient, "./cmd/kvclient"}} {
+	for _, b := range []struct{ out, pkg, cgo string }{{agent, "./cmd/agent", "1"}, {kvclient, "./cmd/kvclient", "0"}} {
 		cmd := exec.Command(goTool(t), "build", "-o", b.out, b.pkg)
 		cmd.Dir = "../.."
-		cmd.Env = os.Environ()
-		if b.pkg == "./cmd/kvclient" { // the agent links NVML, which needs cgo
-			cmd.Env = append(cmd.Env, "CGO_ENABLED=0")
-		}
+		cmd.Env = append(os.Environ(), "CGO_ENABLED="+b.cgo)
 		if out, err := cmd.CombinedOutput(); err != nil {
 			t.Fatalf("build %s: %v\n%s", b.pkg, err, out)
 		}
