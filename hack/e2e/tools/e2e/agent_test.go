@@ -17,7 +17,11 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/client-go/dynamic"
 	podresourcesv1 "k8s.io/kubelet/pkg/apis/podresources/v1"
 )
 
@@ -65,8 +69,10 @@ type agent struct {
 	log  string
 }
 
-// startAgent runs the agent with the simulator backend as a kubelet device
-// plugin. The default arguments are the flags cmd/agent has today;
+// startAgent runs the agent in cluster mode with simulated GPUs: it reads
+// its Node through the API server ($KUBECONFIG, NODE_NAME), registers with
+// the kubelet and posts Node events. KVPOOL_E2E_AGENT_ARGS replaces the
+// arguments
 // KVPOOL_E2E_AGENT_ARGS replaces them (space separated; {config} stands for
 // the AgentConfig file written here, {run} for the run directory, {kubelet}
 // for the kubelet root directory).
@@ -80,7 +86,7 @@ func (c *cluster) startAgent(t *testing.T) *agent {
 	if err := os.WriteFile(cfg, []byte(agentConfig(c.Run, c.KubeletDir)), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	args := strings.Fields("--standalone --device-plugin --resource-name " + resourceName +
+	args := strings.Fields("--simulate-gpus 2 --resource-name " + resourceName +
 		" --kubelet-dir {kubelet} --socket-dir {run}/sock --state-dir {run}/state" +
 		" --reclaim-grace-period " + gracePeriod.String() + " --reclaim-interval " + reconcile.String())
 	if s := os.Getenv("KVPOOL_E2E_AGENT_ARGS"); s != "" {
@@ -345,12 +351,59 @@ func TestAgent(t *testing.T) {
 		}
 	}
 	c.waitNodeReady(t, 90*time.Second)
+	// The status object's CRD, as helm install puts it in place first.
+	c.installCRDs(t, filepath.Join(c.Repo, "config", "crd"))
 	a := c.startAgent(t)
 	sock := filepath.Join(c.Run, "sock", "kvpool.sock")
 	parent := t // pods that outlive one subtest
 
 	t.Run("capacity", func(t *testing.T) {
 		c.waitCapacity(t, a, poolChunks, 60*time.Second)
+	})
+
+	t.Run("agent reads its Node and posts events", func(t *testing.T) {
+		eventually(t, 30*time.Second, "agent log names the Node's allocatable memory", func() (bool, string, error) {
+			a.exited(t)
+			data, err := os.ReadFile(a.log)
+			if err != nil {
+				return false, "", err
+			}
+			for _, line := range strings.Split(string(data), "\n") {
+				if strings.Contains(line, "connected to the API server") && strings.Contains(line, "node="+c.Node) &&
+					!strings.Contains(line, "allocatable=0") {
+					return true, line, nil
+				}
+			}
+			return false, "no line yet", nil
+		})
+		eventually(t, 30*time.Second, "KVPoolReady event on the Node", func() (bool, string, error) {
+			evs, err := c.cs.CoreV1().Events(metav1.NamespaceAll).List(context.Background(), metav1.ListOptions{
+				FieldSelector: "involvedObject.kind=Node,involvedObject.name=" + c.Node + ",reason=KVPoolReady"})
+			if err != nil {
+				return false, "", err
+			}
+			if len(evs.Items) == 0 {
+				return false, "none yet", nil
+			}
+			return true, evs.Items[0].Message, nil
+		})
+		dyn, err := dynamic.NewForConfig(c.cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		res := schema.GroupVersionResource{Group: "kvpool.io", Version: "v1alpha1", Resource: "kvpoolnodes"}
+		eventually(t, 45*time.Second, "KVPoolNode status with the pool's capacity", func() (bool, string, error) {
+			u, err := dyn.Resource(res).Get(context.Background(), c.Node, metav1.GetOptions{})
+			if err != nil {
+				return false, err.Error(), nil
+			}
+			capacity, _, _ := unstructured.NestedString(u.Object, "status", "capacity")
+			health, _, _ := unstructured.NestedString(u.Object, "status", "health")
+			want := resource.NewQuantity(poolChunks*chunkBytes, resource.BinarySI)
+			got, err := resource.ParseQuantity(capacity)
+			return err == nil && got.Cmp(*want) == 0 && health != "",
+				fmt.Sprintf("capacity %q (want %s), health %q", capacity, want, health), nil
+		})
 	})
 
 	// What the pods can check depends on what the agent serves.
