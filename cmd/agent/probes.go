@@ -33,10 +33,13 @@ func (e statusError) Unwrap() error {
 
 // serverHooks reports every request the socket server answers to obs.
 func serverHooks(obs observe.Observer) server.Hooks {
-	return server.Hooks{Request: func(op wire.Op, st wire.Status, took time.Duration) {
-		o := observe.Op{Name: op.String(), GPU: -1, Duration: took}
-		if st != wire.StatusOK {
-			o.Err = statusError(st)
+	return server.Hooks{Request: func(r server.Request) {
+		o := observe.Op{Name: r.Op.String(), GPU: r.GPU, Duration: r.Took, Pages: r.Pages, Bytes: r.Bytes}
+		switch {
+		case r.Full:
+			o.Err = pool.ErrFull // a refusal, counted apart from errors
+		case r.Status != wire.StatusOK:
+			o.Err = statusError(r.Status)
 		}
 		obs.Op(o)
 	}}

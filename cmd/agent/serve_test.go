@@ -332,6 +332,19 @@ func TestClusterModeAllocateAndClient(t *testing.T) {
 	if !re.Match(body) {
 		t.Errorf("metrics count no offloads:\n%s", grepLines(string(body), "op_duration_seconds_count"))
 	}
+	// kvclient's offloads ran on GPU 1 and its contract check fills the
+	// pool once: pages, bytes and the refusal are attributed to that GPU.
+	for _, want := range []string{
+		`(?m)^kvpool_offloads_total\{gpu="1"\} [1-9]`,
+		`(?m)^kvpool_pages_moved_total\{direction="offload",gpu="1"\} [1-9]`,
+		`(?m)^kvpool_pages_moved_total\{direction="reload",gpu="1"\} [1-9]`,
+		`(?m)^kvpool_client_copied_bytes_total\{direction="offload",gpu="1"\} [1-9]`,
+		`(?m)^kvpool_offload_rejects_total\{gpu="1",reason="full"\} [1-9]`,
+	} {
+		if !regexp.MustCompile(want).Match(body) {
+			t.Errorf("metrics lack %s:\n%s", want, grepLines(string(body), "kvpool_"))
+		}
+	}
 
 	a.stop(t)
 	if _, err := os.Stat(hostSock); !os.IsNotExist(err) {

@@ -538,7 +538,7 @@ func TestFenceRidesAlong(t *testing.T) {
 	ops := map[wire.Op]int{}
 	a, err := standalone.Start(standalone.Config{GPUs: 1, ChunksPerGPU: 1, ChunkBytes: 1 << 20, Tokens: []string{"tok"},
 		Socket: filepath.Join(t.TempDir(), "kv.sock"), Logger: quiet,
-		Hooks: server.Hooks{Request: func(op wire.Op, st wire.Status, d time.Duration) { mu.Lock(); ops[op]++; mu.Unlock() }}})
+		Hooks: server.Hooks{Request: func(r server.Request) { mu.Lock(); ops[r.Op]++; mu.Unlock() }}})
 	if err != nil {
 		t.Fatal(err)
 	}

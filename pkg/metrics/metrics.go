@@ -122,7 +122,7 @@ func New(src status.Source, opts Options) *Metrics {
 		}, []string{"gpu", "direction"}),
 		clientBytes: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: Namespace, Name: "client_copied_bytes_total",
-			Help: "Bytes clients report they copied between GPU and host pages.",
+			Help: "Bytes clients copied between GPU and host pages: host pages offloaded or reloaded times the session's host page size.",
 		}, []string{"gpu", "direction"}),
 		errors: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: Namespace, Name: "errors_total",

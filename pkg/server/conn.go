@@ -104,6 +104,8 @@ func (s *Server) newConn(uc *net.UnixConn) *conn {
 // reply is an operation's outcome: a body for StatusOK, or a status and an
 // error for the Error body.
 type reply struct {
+	pages  int  // host pages moved, for Hooks.Request
+	full   bool // offload refused: pool full
 	st     wire.Status
 	body   proto.Message
 	err    error
@@ -149,7 +151,12 @@ func (c *conn) serve() {
 			return
 		}
 		if hk := c.s.o.Hooks.Request; hk != nil {
-			hk(h.Op, r.st, time.Since(start))
+			req := Request{Op: h.Op, Status: r.st, Took: time.Since(start), GPU: -1, Pages: r.pages, Full: r.full}
+			if c.e != nil {
+				spec := c.e.ps.Spec()
+				req.GPU, req.Bytes = spec.GPU, int64(r.pages)*spec.PageSize
+			}
+			hk(req)
 		}
 		if h.Op == wire.OpHello && r.st == wire.StatusVersion {
 			return
@@ -236,12 +243,12 @@ func (c *conn) handle(h wire.Header, body []byte) reply {
 		rep.Ok, rep.HostPages = err == nil, c.pages
 		if errors.Is(err, pool.ErrFull) {
 			rep.HostPages = rep.HostPages[:0]
-			return reply{body: rep}
+			return reply{body: rep, full: true}
 		}
 		if err != nil {
 			return errReply(err)
 		}
-		return reply{body: rep}
+		return reply{body: rep, pages: len(rep.HostPages)}
 	case wire.OpReload:
 		m := &c.reload
 		if err := wire.DecodeBody(body, m); err != nil {
@@ -255,7 +262,7 @@ func (c *conn) handle(h wire.Header, body []byte) reply {
 		rep := &c.relRep
 		rep.HostPages, rep.StoredLen, rep.Position, rep.Released, rep.Ticket =
 			rl.Pages, rl.Meta.StoredLen, rl.Meta.Position, rl.Meta.Released, rl.Ticket
-		return reply{body: rep}
+		return reply{body: rep, pages: len(rl.Pages)}
 	case wire.OpDiscard:
 		m := &c.stream
 		if err := wire.DecodeBody(body, m); err != nil {

@@ -60,12 +60,22 @@ func StaticTokens(m map[string]string) Authorizer {
 
 // Hooks observe the server, for metrics. Each may be nil; they must not block.
 type Hooks struct {
-	// Request is called after every request with its op, outcome and the
-	// time from receiving the packet to sending the reply.
-	Request func(op wire.Op, st wire.Status, took time.Duration)
+	// Request is called after every request with what it did.
+	Request func(Request)
 	// Session is called when a session opens, resumes, is replaced or
 	// closes, and when its client connects or disconnects.
 	Session func(ev SessionEvent, info SessionInfo)
+}
+
+// Request describes one answered request, for Hooks.Request.
+type Request struct {
+	Op     wire.Op
+	Status wire.Status
+	Took   time.Duration // from receiving the packet to sending the reply
+	GPU    int           // the session's GPU; -1 before a session is open
+	Pages  int           // host pages an offload took or a reload gave back
+	Bytes  int64         // Pages times the session's host page size: what the client copies
+	Full   bool          // an offload refused because the pool is full (its reply is ok=false)
 }
 
 // SessionEvent names what happened to a session.
