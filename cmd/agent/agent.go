@@ -138,7 +138,7 @@ func bootAgent(ctx context.Context, s *serveSetup, log *slog.Logger) (_ *agent, 
 		ResourceName: cfg.ResourceName, KubeletDir: cfg.KubeletDir, SocketDir: cfg.SocketDir, StateDir: cfg.StateDir,
 		GracePeriod: cfg.Reclaim.GracePeriod.Duration, Interval: cfg.Reclaim.Interval.Duration,
 	}
-	if a.plug, err = newPlugin(pcfg, a.pool, a.zero, log); err != nil {
+	if a.plug, err = newPlugin(pcfg, a.pool, a.zero, a.events, log); err != nil {
 		return nil, err
 	}
 

@@ -5,6 +5,7 @@ import (
 	"log/slog"
 	"time"
 
+	"github.com/kvpool/kvpool/pkg/events"
 	"github.com/kvpool/kvpool/pkg/plugin"
 	"github.com/kvpool/kvpool/pkg/pool"
 )
@@ -59,7 +60,7 @@ func (r *pluginRun) Running() bool {
 // newPlugin builds the kubelet device plugin over p (restoring its
 // checkpoint), or returns nil when cfg does not enable it. zero clears a
 // chunk's bytes before the chunk goes to another pod (hostmem.Chunk.Zero).
-func newPlugin(cfg pluginConfig, p *pool.Pool, zero func(id string) error, log *slog.Logger) (*pluginRun, error) {
+func newPlugin(cfg pluginConfig, p *pool.Pool, zero func(id string) error, ev events.Events, log *slog.Logger) (*pluginRun, error) {
 	if !cfg.Enabled {
 		return nil, nil
 	}
@@ -75,9 +76,17 @@ func newPlugin(cfg pluginConfig, p *pool.Pool, zero func(id string) error, log *
 		Pool:         p,
 		Devices:      feed,
 		Zero:         zero,
-		GracePeriod:  cfg.GracePeriod,
-		Interval:     cfg.Interval,
-		Logger:       log,
+		Reclaimed:    ev.ChunksReclaimed,
+		ChunkHealth: func(id string, healthy bool, reason string) {
+			if healthy {
+				ev.ChunkRecovered(id)
+			} else {
+				ev.ChunkUnhealthy(id, reason)
+			}
+		},
+		GracePeriod: cfg.GracePeriod,
+		Interval:    cfg.Interval,
+		Logger:      log,
 	})
 	if err != nil {
 		return nil, err

@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -63,6 +64,19 @@ type env struct {
 	mu     sync.Mutex
 	zeroed map[string]int
 	zeroFn func(id string) error
+	hooks  []string // what Reclaimed and ChunkHealth were told, in order
+}
+
+func (e *env) hook(format string, args ...any) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	e.hooks = append(e.hooks, fmt.Sprintf(format, args...))
+}
+
+func (e *env) hookLog() []string {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return slices.Clone(e.hooks)
 }
 
 // testChunks: gpu0 on NUMA 0 and gpu1 on NUMA 1, four chunks each.
@@ -141,6 +155,8 @@ func (e *env) options(p Pool) Options {
 		Pool:        p,
 		Devices:     e.feed,
 		Zero:        e.zero,
+		Reclaimed:   func(pod string, devices []string) { e.hook("reclaimed %q %v", pod, devices) },
+		ChunkHealth: func(id string, healthy bool, reason string) { e.hook("%s healthy=%v %s", id, healthy, reason) },
 		GracePeriod: testGrace,
 		Interval:    time.Hour, // tests call Reconcile themselves
 		Watch:       20 * time.Millisecond,

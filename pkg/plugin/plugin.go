@@ -80,6 +80,14 @@ type Options struct {
 	// Holders overrides the PodResources client dialled from KubeletDir.
 	Holders Holders
 
+	// Reclaimed, when set, is told of each allocation taken back: the pod
+	// that last held it ("" if none was seen) and its chunk IDs.
+	Reclaimed func(pod string, devices []string)
+	// ChunkHealth, when set, is told when zeroing a chunk fails (healthy
+	// false, with the error) and when a chunk that failed is zeroed at last.
+	// Both hooks run under the plugin's lock and must not block.
+	ChunkHealth func(id string, healthy bool, reason string)
+
 	GracePeriod time.Duration // an unheld allocation lives this long; default 2m
 	Interval    time.Duration // reconcile period; default 10s
 	Watch       time.Duration // kubelet socket poll period; default 1s
@@ -151,8 +159,10 @@ type Plugin struct {
 	allocs   map[string]*alloc // by token
 	byDevice map[string]*alloc
 	dirty    map[string]bool // revoked chunks whose zeroing failed
-	withheld map[string]bool // devices advertised unhealthy: held by a gone pod, or dirty
-	overlay  chan struct{}   // closed when withheld changes
+	// scrubFailed: chunks reported unhealthy to Options.ChunkHealth
+	scrubFailed map[string]bool
+	withheld    map[string]bool // devices advertised unhealthy: held by a gone pod, or dirty
+	overlay     chan struct{}   // closed when withheld changes
 
 	registrations atomic.Int64
 	registered    atomic.Bool
@@ -175,13 +185,14 @@ func New(o Options) (*Plugin, error) {
 		return nil, err
 	}
 	p := &Plugin{
-		o:        o,
-		log:      o.Logger.With("component", "plugin", "resource", o.ResourceName),
-		allocs:   make(map[string]*alloc),
-		byDevice: make(map[string]*alloc),
-		dirty:    make(map[string]bool),
-		withheld: make(map[string]bool),
-		overlay:  make(chan struct{}),
+		o:           o,
+		log:         o.Logger.With("component", "plugin", "resource", o.ResourceName),
+		allocs:      make(map[string]*alloc),
+		byDevice:    make(map[string]*alloc),
+		dirty:       make(map[string]bool),
+		scrubFailed: make(map[string]bool),
+		withheld:    make(map[string]bool),
+		overlay:     make(chan struct{}),
 	}
 	recs, err := LoadCheckpoint(o.StateDir)
 	if errors.Is(err, ErrCorruptCheckpoint) {
@@ -579,8 +590,25 @@ func (p *Plugin) reclaimLocked(a *alloc) error {
 	for _, c := range chunks {
 		p.dirty[c.ID] = true
 	}
+	if p.o.Reclaimed != nil {
+		p.o.Reclaimed(a.Pod, slices.Clone(a.Devices))
+	}
 	p.scrubLocked()
 	return nil
+}
+
+// chunkHealth reports a chunk's scrub outcome to Options.ChunkHealth once
+// per change: the first failure, and the recovery of a chunk that failed.
+func (p *Plugin) chunkHealth(id string, healthy bool, reason string) {
+	if p.o.ChunkHealth == nil || p.scrubFailed[id] == !healthy {
+		return
+	}
+	if healthy {
+		delete(p.scrubFailed, id)
+	} else {
+		p.scrubFailed[id] = true
+	}
+	p.o.ChunkHealth(id, healthy, reason)
 }
 
 // scrubLocked zeroes and releases every dirty chunk it can.
@@ -588,13 +616,16 @@ func (p *Plugin) scrubLocked() {
 	for _, id := range slices.Sorted(maps.Keys(p.dirty)) {
 		if err := p.o.Zero(id); err != nil {
 			p.log.Error("zero chunk", "chunk", id, "err", err)
+			p.chunkHealth(id, false, "zeroing failed: "+err.Error())
 			continue
 		}
 		if err := p.o.Pool.Scrubbed(id); err != nil && !errors.Is(err, pool.ErrUnknownChunk) {
 			p.log.Error("mark chunk scrubbed", "chunk", id, "err", err)
+			p.chunkHealth(id, false, "marking it scrubbed failed: "+err.Error())
 			continue
 		}
 		delete(p.dirty, id)
+		p.chunkHealth(id, true, "")
 	}
 }
 

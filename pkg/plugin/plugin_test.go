@@ -366,6 +366,9 @@ func TestReclaimAfterPodGone(t *testing.T) {
 	if n := len(e.p.Allocations()); n != 0 {
 		t.Errorf("%d allocations left", n)
 	}
+	if got, want := e.hookLog(), []string{`reclaimed "default/web-0" [gpu1-numa1-0 gpu1-numa1-1]`}; !slices.Equal(got, want) {
+		t.Errorf("hooks told %q, want %q", got, want)
+	}
 	e.kubelet.WaitList(func(l []*pluginapi.Device) bool { return healthOf(l, ids[0]) == pluginapi.Healthy })
 	// Another pod can now get the chunks, with a new token.
 	if t2 := e.mustAllocate(ids...); t2 == token {
@@ -416,6 +419,12 @@ func TestZeroFailureKeepsChunkOut(t *testing.T) {
 	e.reconcile()
 	if st := chunkStates(e.pool)["gpu0-numa0-0"]; st != "free/" {
 		t.Fatalf("chunk is %s after a successful retry", st)
+	}
+	// One report per change: reclaimed, unhealthy once (however many
+	// retries fail), healthy again.
+	want := []string{`reclaimed "" [gpu0-numa0-0]`, "gpu0-numa0-0 healthy=false zeroing failed: boom", "gpu0-numa0-0 healthy=true "}
+	if got := e.hookLog(); !slices.Equal(got, want) {
+		t.Errorf("hooks told %q, want %q", got, want)
 	}
 	e.kubelet.WaitList(func(l []*pluginapi.Device) bool { return healthOf(l, "gpu0-numa0-0") == pluginapi.Healthy })
 }
