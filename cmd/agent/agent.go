@@ -285,26 +285,13 @@ func (a *agent) prepareTokens() error {
 	if a.setup.randomToken {
 		toks = []string{standalone.NewToken()}
 	}
-	seen := map[string]bool{}
-	for _, t := range toks {
-		if t == "" || seen[t] || strings.ContainsAny(t, " \t\n,") {
-			return fmt.Errorf("standalone tokens must be non-empty, distinct and without spaces or commas, got %q", toks)
-		}
-		seen[t] = true
+	gpus := make([][]string, len(a.plan.GPUs))
+	for i, g := range a.plan.GPUs {
+		gpus[i] = g.ChunkIDs()
 	}
-	static := map[string]string{}
-	chunks := map[string][]string{}
-	for i, t := range toks {
-		static[t] = fmt.Sprintf("standalone-%d", i)
-	}
-	for _, g := range a.plan.GPUs {
-		if g.Chunks < len(toks) {
-			return fmt.Errorf("%d standalone tokens need at least as many chunks per GPU; GPU %d has %d", len(toks), g.GPU, g.Chunks)
-		}
-		for i, id := range g.ChunkIDs() {
-			t := toks[i%len(toks)]
-			chunks[t] = append(chunks[t], id)
-		}
+	static, chunks, err := standalone.Allocations(toks, gpus)
+	if err != nil {
+		return err
 	}
 	a.static, a.tokenChunks = static, chunks
 	return nil

@@ -14,8 +14,6 @@
 package config
 
 import (
-	"io"
-	"log/slog"
 	"path/filepath"
 	"time"
 )
@@ -217,17 +215,3 @@ func (c *Config) SocketPath() string { return filepath.Join(c.SocketDir, SocketF
 // ContainerSocketPath is the socket's path inside a container, the value
 // of EnvSocket.
 func ContainerSocketPath() string { return ContainerSocketDir + "/" + SocketFile }
-
-// NewLogger returns a slog logger writing to w in the configured format at
-// the configured level (an unknown level logs at info).
-func (l Log) NewLogger(w io.Writer) *slog.Logger {
-	var lv slog.Level
-	if err := lv.UnmarshalText([]byte(l.Level)); err != nil {
-		lv = slog.LevelInfo
-	}
-	o := &slog.HandlerOptions{Level: lv}
-	if l.Format == "json" {
-		return slog.New(slog.NewJSONHandler(w, o))
-	}
-	return slog.New(slog.NewTextHandler(w, o))
-}

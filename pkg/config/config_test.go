@@ -398,17 +398,6 @@ func TestRegisterFlagsCoversEveryField(t *testing.T) {
 	}
 }
 
-func TestNewLogger(t *testing.T) {
-	var b strings.Builder
-	l := Log{Level: "warn", Format: "json"}.NewLogger(&b)
-	l.Info("hidden")
-	l.Warn("shown", "k", 1)
-	out := b.String()
-	if strings.Contains(out, "hidden") || !strings.Contains(out, `"msg":"shown"`) {
-		t.Errorf("logger output %q", out)
-	}
-}
-
 // TestSampleConfig keeps config/agent.yaml, the documented sample,
 // equal to the built-in defaults.
 func TestSampleConfig(t *testing.T) {

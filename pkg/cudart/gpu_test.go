@@ -127,14 +127,6 @@ func TestGPUEventOrdering(t *testing.T) {
 
 // bench helpers
 
-type benchRow struct {
-	size  string
-	dir   string
-	path  string
-	gbps  float64
-	floor float64
-}
-
 func median(xs []float64) float64 {
 	s := slices.Clone(xs)
 	slices.Sort(s)

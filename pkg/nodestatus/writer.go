@@ -98,7 +98,7 @@ func (w *Writer) Run(ctx context.Context) error {
 		case <-resync:
 			force = true
 		}
-		if wait := last.Add(w.opts.MinInterval).Sub(time.Now()); wait > 0 && !last.IsZero() {
+		if wait := time.Until(last.Add(w.opts.MinInterval)); wait > 0 && !last.IsZero() {
 			t := time.NewTimer(wait)
 			select {
 			case <-ctx.Done():

@@ -1,7 +1,8 @@
-// Package standalone assembles an agent without Kubernetes: memfd chunks for
-// a number of simulated GPUs, a pool granting them to fixed allocation
-// tokens, and the copy API server on a local socket. cmd/agent --standalone,
-// agent bench and the tests run it.
+// Package standalone holds what an agent without Kubernetes needs: the
+// default socket path, random tokens, the split of chunks among fixed tokens
+// (Allocations, shared with `agent --standalone`), and Start, a minimal
+// in-process agent (memfd chunks, fixed tokens, the copy API server) that
+// `agent bench` and the client tests embed.
 package standalone
 
 import (
@@ -14,6 +15,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"strings"
 
 	"github.com/kvpool/kvpool/pkg/hostmem"
 	"github.com/kvpool/kvpool/pkg/pool"
@@ -59,6 +61,33 @@ func NewToken() string {
 	return "kvp-" + hex.EncodeToString(b)
 }
 
+// Allocations splits each GPU's chunk IDs among tokens: token i gets
+// chunks i, i+n, i+2n, ... of every GPU (n tokens), as pool allocation
+// "standalone-<i>". It returns each token's allocation and chunk IDs.
+func Allocations(tokens []string, gpus [][]string) (alloc map[string]string, chunks map[string][]string, err error) {
+	if len(tokens) == 0 {
+		return nil, nil, errors.New("standalone: no tokens")
+	}
+	alloc = make(map[string]string, len(tokens))
+	for i, t := range tokens {
+		if _, dup := alloc[t]; t == "" || dup || strings.ContainsAny(t, " \t\n,") {
+			return nil, nil, fmt.Errorf("standalone tokens must be non-empty, distinct and without spaces or commas, got %q", tokens)
+		}
+		alloc[t] = fmt.Sprintf("standalone-%d", i)
+	}
+	chunks = make(map[string][]string, len(tokens))
+	for g, ids := range gpus {
+		if len(ids) < len(tokens) {
+			return nil, nil, fmt.Errorf("%d standalone tokens need at least as many chunks per GPU; GPU %d has %d", len(tokens), g, len(ids))
+		}
+		for i, id := range ids {
+			t := tokens[i%len(tokens)]
+			chunks[t] = append(chunks[t], id)
+		}
+	}
+	return alloc, chunks, nil
+}
+
 // Start allocates the chunks, grants them and listens on the socket. Serve
 // runs the server; Close frees everything.
 func Start(c Config) (*Agent, error) {
@@ -85,21 +114,20 @@ func Start(c Config) (*Agent, error) {
 		return nil, fmt.Errorf("standalone: %d GPUs, want 1 to 64", c.GPUs)
 	case c.ChunksPerGPU < 0 || c.ChunksPerGPU > 4096:
 		return nil, fmt.Errorf("standalone: %d chunks per GPU, want 1 to 4096", c.ChunksPerGPU)
-	case c.ChunksPerGPU < len(c.Tokens):
-		return nil, fmt.Errorf("standalone: %d tokens need at least as many chunks per GPU, have %d", len(c.Tokens), c.ChunksPerGPU)
 	}
-	seen := map[string]bool{}
-	for _, t := range c.Tokens {
-		if t == "" || seen[t] {
-			return nil, fmt.Errorf("standalone: tokens must be non-empty and distinct, got %q", c.Tokens)
+	gpus := make([][]string, c.GPUs)
+	for g := range gpus {
+		for i := range c.ChunksPerGPU {
+			gpus[g] = append(gpus[g], fmt.Sprintf("gpu%d-numaX-%d", g, i))
 		}
-		seen[t] = true
 	}
-	a := &Agent{Pool: pool.New(), Socket: c.Socket, Tokens: map[string][]string{}, chunks: map[string]*hostmem.Chunk{}}
-	allocOf := map[string]string{}
-	for g := 0; g < c.GPUs; g++ {
-		for i := 0; i < c.ChunksPerGPU; i++ {
-			id := fmt.Sprintf("gpu%d-numaX-%d", g, i)
+	allocOf, tokenChunks, err := Allocations(c.Tokens, gpus)
+	if err != nil {
+		return nil, err
+	}
+	a := &Agent{Pool: pool.New(), Socket: c.Socket, Tokens: tokenChunks, chunks: map[string]*hostmem.Chunk{}}
+	for g, ids := range gpus {
+		for _, id := range ids {
 			hc, err := hostmem.Alloc(hostmem.Options{Size: c.ChunkBytes, Name: "kvpool-" + id})
 			if err != nil {
 				a.Close()
@@ -110,17 +138,13 @@ func Start(c Config) (*Agent, error) {
 				a.Close()
 				return nil, err
 			}
-			tok := c.Tokens[i%len(c.Tokens)]
-			a.Tokens[tok] = append(a.Tokens[tok], id)
 		}
 	}
-	for i, tok := range c.Tokens {
-		alloc := fmt.Sprintf("standalone-%d", i)
-		if err := a.Pool.Grant(alloc, a.Tokens[tok]); err != nil {
+	for tok, alloc := range allocOf {
+		if err := a.Pool.Grant(alloc, tokenChunks[tok]); err != nil {
 			a.Close()
 			return nil, err
 		}
-		allocOf[tok] = alloc
 	}
 	srv, err := server.New(server.Options{
 		Pool:      a.Pool,
