@@ -86,3 +86,36 @@ func BenchmarkOffloadReload64(b *testing.B) { benchOffloadReload64(b, 16384, 0) 
 // BenchmarkOffloadReload64LargePool is the same in a pool of 1,000,000 pages
 // that holds 100,000 other streams of 8 pages.
 func BenchmarkOffloadReload64LargePool(b *testing.B) { benchOffloadReload64(b, 1_000_000, 100_000) }
+
+// BenchmarkOffloadManyLabels is an offload and a reload of a one-page stream
+// of a request that already holds `labels` other streams: with the stream
+// index the cost does not grow with the request's stream count (it walked
+// every stream of the request before).
+func BenchmarkOffloadManyLabels(b *testing.B) {
+	for _, labels := range []int{1, 60000} {
+		b.Run(fmt.Sprint("labels=", labels), func(b *testing.B) {
+			s, _ := benchSession(b, 1<<17, 0)
+			for i := range labels {
+				if _, err := s.Offload("rid", fmt.Sprint("l", i), []int32{0}, Meta{}, nil); err != nil {
+					b.Fatal(err)
+				}
+			}
+			dev, dst := []int32{1}, make([]int32, 0, 1)
+			b.ReportAllocs()
+			for b.Loop() {
+				var err error
+				if dst, err = s.Offload("rid", "new", dev, Meta{}, dst[:0]); err != nil {
+					b.Fatal(err)
+				}
+				r, err := s.Reload("rid", "new", dev, dst[:0])
+				if err != nil {
+					b.Fatal(err)
+				}
+				if err := s.Fence(r.Ticket); err != nil {
+					b.Fatal(err)
+				}
+				dst = r.Pages
+			}
+		})
+	}
+}

@@ -44,23 +44,37 @@ func (s *Session) Check() error {
 		return err
 	}
 	used, streams := 0, 0
-	for rid, slot := range s.rids {
-		if slot == nilPage {
+	for rid, l := range s.rids {
+		if l.first == nilPage || l.last == nilPage {
 			return fmt.Errorf("request %q has no streams", rid)
 		}
 		labels := map[string]bool{}
-		for ; slot != nilPage; slot = s.at(slot).next {
+		prev := int32(nilPage)
+		for slot := l.first; slot != nilPage; slot = s.at(slot).next {
 			st := s.at(slot)
 			if labels[st.label] {
 				return fmt.Errorf("stream %q/%q listed twice", rid, st.label)
 			}
 			labels[st.label] = true
+			if st.prev != prev {
+				return fmt.Errorf("stream %q/%q: back link %d, want %d", rid, st.label, st.prev, prev)
+			}
+			if s.index[streamKey{rid, st.label}] != slot {
+				return fmt.Errorf("stream %q/%q: not indexed at slot %d", rid, st.label, slot)
+			}
 			if err := walk(fmt.Sprintf("stream %q/%q", rid, st.label), st.head, st.tail, int(st.n)); err != nil {
 				return err
 			}
 			used += int(st.n)
 			streams++
+			prev = slot
 		}
+		if prev != l.last {
+			return fmt.Errorf("request %q: last stream %d, list ends at %d", rid, l.last, prev)
+		}
+	}
+	if len(s.index) != streams {
+		return fmt.Errorf("%d streams indexed, %d listed", len(s.index), streams)
 	}
 	if used != s.used || streams != s.nstreams {
 		return fmt.Errorf("streams hold %d pages in %d streams, counters say %d in %d", used, streams, s.used, s.nstreams)

@@ -16,6 +16,10 @@ var (
 	// ErrPending reports that an offload fits only once earlier reloads'
 	// copies complete; see PendingError.
 	ErrPending = errors.New("host pages still pending release")
+	// ErrNoPages reports an offload of zero pages. Like ErrFull it is the
+	// seed API's "offload returned False" (the engine then discards what it
+	// claimed), not a misuse: nothing is recorded.
+	ErrNoPages = errors.New("offload of zero pages")
 
 	ErrUnknownStream   = errors.New("unknown stream")
 	ErrDuplicateStream = errors.New("stream already offloaded")

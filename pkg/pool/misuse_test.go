@@ -39,7 +39,7 @@ func stateOf(s *Session) sessionState {
 		return out
 	}
 	for _, rid := range rids {
-		for slot := s.rids[rid]; slot != nilPage; slot = s.at(slot).next {
+		for slot := s.first(rid); slot != nilPage; slot = s.at(slot).next {
 			x := s.at(slot)
 			st.Streams = append(st.Streams, fmt.Sprintf("%s/%s %v %+v", rid, x.label, chain(x.head), x.meta))
 		}
@@ -129,10 +129,14 @@ func TestSessionMisuse(t *testing.T) {
 		{"reload device page past end", func(s *Session) error { _, err := s.Reload("r1", "b", []int32{9, 99}, nil); return err }, ErrOutOfRange},
 		{"reload duplicate device page", func(s *Session) error { _, err := s.Reload("r1", "b", []int32{9, 9}, nil); return err }, ErrDuplicateIndex},
 		{"reload empty rid", func(s *Session) error { _, err := s.Reload("", "b", []int32{9, 10}, nil); return err }, ErrBadName},
-		{"discard unknown stream", func(s *Session) error { return s.Discard("r9", "a") }, ErrUnknownStream},
+		{"offload of zero pages", func(s *Session) error { _, err := s.Offload("r3", "a", nil, Meta{}, nil); return err }, ErrNoPages},
+		{"offload of zero pages to a new label of a stored request", func(s *Session) error {
+			_, err := s.Offload("r1", "c", []int32{}, Meta{StoredLen: 1}, nil)
+			return err
+		}, ErrNoPages},
+		{"offload of zero pages to an existing stream", func(s *Session) error { _, err := s.Offload("r1", "a", nil, Meta{}, nil); return err }, ErrDuplicateStream},
 		{"discard empty rid", func(s *Session) error { return s.Discard("", "a") }, ErrBadName},
 		{"fence unissued ticket", func(s *Session) error { return s.Fence(2) }, ErrBadFence},
-		{"num_pages unknown stream", func(s *Session) error { _, err := s.NumPages("r1", "c"); return err }, ErrUnknownStream},
 		{"remove_request empty rid", func(s *Session) error { _, err := s.RemoveRequest(""); return err }, ErrBadName},
 		{"remove_request long rid", func(s *Session) error { _, err := s.RemoveRequest(long); return err }, ErrBadName},
 	}
@@ -152,6 +156,45 @@ func TestSessionMisuse(t *testing.T) {
 			}
 			must(t, s.Check())
 			must(t, s.pool.Check())
+		})
+	}
+}
+
+// TestSeedSemantics checks the calls the seed's engine makes where its doc
+// is silent: discard of a stream that does not exist is a no-op, num_pages
+// of one is 0. Neither is an error and neither changes anything.
+func TestSeedSemantics(t *testing.T) {
+	cases := []struct {
+		name string
+		call func(s *Session) error
+	}{
+		{"discard unknown label of a stored request", func(s *Session) error { return s.Discard("r1", "zz") }},
+		{"discard unknown request", func(s *Session) error { return s.Discard("r9", "a") }},
+		{"discard a stream already reloaded", func(s *Session) error { return s.Discard("r2", "x") }},
+		{"num_pages unknown label", func(s *Session) error {
+			if n, err := s.NumPages("r1", "c"); n != 0 || err != nil {
+				return fmt.Errorf("num_pages = %d, %v; want 0, nil", n, err)
+			}
+			return nil
+		}},
+		{"num_pages unknown request", func(s *Session) error {
+			if n, err := s.NumPages("r9", ""); n != 0 || err != nil {
+				return fmt.Errorf("num_pages = %d, %v; want 0, nil", n, err)
+			}
+			return nil
+		}},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			s := misuseSession(t)
+			before := stateOf(s)
+			if err := c.call(s); err != nil {
+				t.Fatal(err)
+			}
+			if after := stateOf(s); !reflect.DeepEqual(before, after) {
+				t.Fatalf("state changed:\nbefore %+v\nafter  %+v", before, after)
+			}
+			must(t, s.Check())
 		})
 	}
 }

@@ -68,7 +68,8 @@ type Session struct {
 	npending int
 	ticket   uint64 // last ticket issued
 
-	rids     map[string]int32 // request ID -> slot of its first stream
+	rids     map[string]ridList   // request ID -> its streams, in offload order
+	index    map[streamKey]int32 // (request ID, label) -> slot
 	slab     []*slabBlock
 	freeSlot int32 // free slots, linked through stream.next
 	nstreams int
@@ -102,15 +103,23 @@ type release struct {
 	n          int32
 }
 
-// stream is one (rid, label) entry. Streams of one request are linked through
-// next in the order they were offloaded.
+// stream is one (rid, label) entry. Streams of one request are linked
+// through next and prev in the order they were offloaded, so that labels
+// come in that order while finding and removing a stream stays O(1) however
+// many streams a request has.
 type stream struct {
 	label      string
 	meta       Meta
 	head, tail int32 // host page chain
 	n          int32 // pages
 	next       int32 // next stream of the same request, or next free slot
+	prev       int32 // previous stream of the same request
 }
+
+// ridList is a request's list of streams.
+type ridList struct{ first, last int32 }
+
+type streamKey struct{ rid, label string }
 
 const slabShift = 9
 
@@ -122,7 +131,8 @@ func newSession(p *Pool, a *allocation, spec Spec, chunks []*chunk, ppc, capacit
 		next:     make([]int32, capacity),
 		freeHead: nilPage,
 		nfree:    capacity,
-		rids:     make(map[string]int32),
+		rids:     make(map[string]ridList),
+		index:    make(map[streamKey]int32),
 		freeSlot: nilPage,
 		seen:     make([]uint64, (spec.DevicePages+63)/64),
 		labels:   make(map[string]string),
@@ -185,35 +195,52 @@ func (s *Session) freeSlotAt(slot int32) {
 	s.freeSlot = slot
 }
 
-// find returns the slot of (rid, label) and of the stream before it in the
-// request's list (nilPage when it is the first), or slot nilPage when absent.
-func (s *Session) find(rid, label string) (slot, prev int32) {
-	slot, ok := s.rids[rid]
-	if !ok {
-		return nilPage, nilPage
+// find returns the slot of (rid, label), or nilPage when there is none.
+func (s *Session) find(rid, label string) int32 {
+	if slot, ok := s.index[streamKey{rid, label}]; ok {
+		return slot
 	}
-	prev = nilPage
-	for slot != nilPage {
-		st := s.at(slot)
-		if st.label == label {
-			return slot, prev
-		}
-		prev, slot = slot, st.next
-	}
-	return nilPage, nilPage
+	return nilPage
 }
 
-// unlink removes slot from its request's list and frees the slot.
-func (s *Session) unlink(rid string, slot, prev int32) {
+// link appends a new stream in slot to rid's list and indexes it.
+func (s *Session) link(rid string, slot int32) {
 	st := s.at(slot)
-	switch {
-	case prev != nilPage:
-		s.at(prev).next = st.next
-	case st.next != nilPage:
-		s.rids[rid] = st.next
-	default:
-		delete(s.rids, rid)
+	st.next = nilPage
+	if l, ok := s.rids[rid]; ok {
+		st.prev = l.last
+		s.at(l.last).next = slot
+		s.rids[rid] = ridList{first: l.first, last: slot}
+	} else {
+		st.prev = nilPage
+		s.rids[rid] = ridList{first: slot, last: slot}
 	}
+	s.index[streamKey{rid, st.label}] = slot
+	s.nstreams++
+	s.used += int(st.n)
+}
+
+// unlink removes slot from its request's list and the index, and frees the
+// slot.
+func (s *Session) unlink(rid string, slot int32) {
+	st := s.at(slot)
+	l := s.rids[rid]
+	if st.prev != nilPage {
+		s.at(st.prev).next = st.next
+	} else {
+		l.first = st.next
+	}
+	if st.next != nilPage {
+		s.at(st.next).prev = st.prev
+	} else {
+		l.last = st.prev
+	}
+	if l.first == nilPage {
+		delete(s.rids, rid)
+	} else {
+		s.rids[rid] = l
+	}
+	delete(s.index, streamKey{rid, st.label})
 	s.used -= int(st.n)
 	s.nstreams--
 	s.freeSlotAt(slot)
@@ -257,7 +284,10 @@ func (s *Session) checkDevicePages(pages []int32) error {
 // device page in gpuPages, and appends the host pages to dst in the same
 // order. It is all or nothing: when the pool cannot hold every page it returns
 // ErrFull (or a *PendingError when pages pending release would make room) and
-// nothing changes.
+// nothing changes. An offload of zero pages returns ErrNoPages and records
+// nothing (the seed's engine treats it as "offload returned False"). A second
+// offload of an existing (rid, label) is ErrDuplicateStream: the old stream
+// stays as it was.
 func (s *Session) Offload(rid, label string, gpuPages []int32, m Meta, dst []int32) ([]int32, error) {
 	if err := checkNames(rid, label); err != nil {
 		return dst, streamErr("offload", rid, label, err)
@@ -273,10 +303,13 @@ func (s *Session) Offload(rid, label string, gpuPages []int32, m Meta, dst []int
 	if err := s.checkDevicePages(gpuPages); err != nil {
 		return dst, streamErr("offload", rid, label, err)
 	}
-	if slot, _ := s.find(rid, label); slot != nilPage {
+	if s.find(rid, label) != nilPage {
 		return dst, streamErr("offload", rid, label, ErrDuplicateStream)
 	}
 	n := len(gpuPages)
+	if n == 0 {
+		return dst, streamErr("offload", rid, label, ErrNoPages)
+	}
 	if n > s.nfree {
 		if n > s.nfree+s.npending {
 			return dst, streamErr("offload", rid, label,
@@ -300,18 +333,8 @@ func (s *Session) Offload(rid, label string, gpuPages []int32, m Meta, dst []int
 	s.nfree -= n
 
 	slot := s.newSlot()
-	*s.at(slot) = stream{label: s.intern(label), meta: m, head: head, tail: tail, n: int32(n), next: nilPage}
-	if first, ok := s.rids[rid]; ok {
-		last := first
-		for s.at(last).next != nilPage {
-			last = s.at(last).next
-		}
-		s.at(last).next = slot
-	} else {
-		s.rids[rid] = slot
-	}
-	s.nstreams++
-	s.used += n
+	*s.at(slot) = stream{label: s.intern(label), meta: m, head: head, tail: tail, n: int32(n)}
+	s.link(rid, slot)
 	return dst, nil
 }
 
@@ -344,7 +367,7 @@ func (s *Session) Reload(rid, label string, gpuPages []int32, dst []int32) (Relo
 	if err := s.checkDevicePages(gpuPages); err != nil {
 		return Reloaded{Pages: dst}, streamErr("reload", rid, label, err)
 	}
-	slot, prev := s.find(rid, label)
+	slot := s.find(rid, label)
 	if slot == nilPage {
 		return Reloaded{Pages: dst}, streamErr("reload", rid, label, ErrUnknownStream)
 	}
@@ -363,7 +386,7 @@ func (s *Session) Reload(rid, label string, gpuPages []int32, dst []int32) (Relo
 		s.pending = append(s.pending, release{ticket: s.ticket, head: st.head, tail: st.tail, n: st.n})
 		s.npending += int(st.n)
 	}
-	s.unlink(rid, slot, prev)
+	s.unlink(rid, slot)
 	return out, nil
 }
 
@@ -408,7 +431,9 @@ func (s *Session) freeChain(st *stream) {
 }
 
 // Discard drops a stream whose offload was abandoned after the copy; its host
-// pages return to the pool at once.
+// pages return to the pool at once. Discarding a stream that does not exist
+// is a no-op: the seed's engine discards every label it claimed after an
+// offload returned false, including the one that was refused.
 func (s *Session) Discard(rid, label string) error {
 	if err := checkNames(rid, label); err != nil {
 		return streamErr("discard", rid, label, err)
@@ -418,12 +443,12 @@ func (s *Session) Discard(rid, label string) error {
 	if s.closed {
 		return streamErr("discard", rid, label, ErrClosed)
 	}
-	slot, prev := s.find(rid, label)
+	slot := s.find(rid, label)
 	if slot == nilPage {
-		return streamErr("discard", rid, label, ErrUnknownStream)
+		return nil
 	}
 	s.freeChain(s.at(slot))
-	s.unlink(rid, slot, prev)
+	s.unlink(rid, slot)
 	return nil
 }
 
@@ -440,10 +465,11 @@ func (s *Session) RemoveRequest(rid string) (int, error) {
 		return 0, fmt.Errorf("remove_request %q: %w", rid, ErrClosed)
 	}
 	removed := 0
-	for slot, ok := s.rids[rid]; ok && slot != nilPage; {
+	for slot := s.first(rid); slot != nilPage; {
 		st := s.at(slot)
 		next := st.next
 		s.freeChain(st)
+		delete(s.index, streamKey{rid, st.label})
 		s.used -= int(st.n)
 		s.nstreams--
 		s.freeSlotAt(slot)
@@ -467,22 +493,31 @@ func (s *Session) Labels(rid string) []string {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	var out []string
-	for slot, ok := s.rids[rid]; ok && slot != nilPage; slot = s.at(slot).next {
+	for slot := s.first(rid); slot != nilPage; slot = s.at(slot).next {
 		out = append(out, s.at(slot).label)
 	}
 	return out
 }
 
-// NumPages returns the number of host pages the stream holds.
+// first returns the slot of rid's first stream, or nilPage.
+func (s *Session) first(rid string) int32 {
+	if l, ok := s.rids[rid]; ok {
+		return l.first
+	}
+	return nilPage
+}
+
+// NumPages returns the number of host pages the stream holds: 0 for a
+// stream that does not exist, as in the seed.
 func (s *Session) NumPages(rid, label string) (int, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
 		return 0, streamErr("num_pages", rid, label, ErrClosed)
 	}
-	slot, _ := s.find(rid, label)
+	slot := s.find(rid, label)
 	if slot == nilPage {
-		return 0, streamErr("num_pages", rid, label, ErrUnknownStream)
+		return 0, nil
 	}
 	return int(s.at(slot).n), nil
 }
@@ -524,7 +559,8 @@ func (s *Session) Closed() bool {
 
 // dropAll forgets every stream and pending release. Called with s.mu held.
 func (s *Session) dropAll() {
-	s.rids = make(map[string]int32)
+	s.rids = make(map[string]ridList)
+	s.index = make(map[streamKey]int32)
 	s.slab, s.freeSlot = nil, nilPage
 	s.pending, s.phead = nil, 0
 	s.used, s.nstreams, s.npending, s.nfree = 0, 0, 0, 0
