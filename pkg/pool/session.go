@@ -68,7 +68,7 @@ type Session struct {
 	npending int
 	ticket   uint64 // last ticket issued
 
-	rids     map[string]ridList   // request ID -> its streams, in offload order
+	rids     map[string]ridList  // request ID -> its streams, in offload order
 	index    map[streamKey]int32 // (request ID, label) -> slot
 	slab     []*slabBlock
 	freeSlot int32 // free slots, linked through stream.next
