@@ -151,7 +151,12 @@ func bootAgent(ctx context.Context, s *serveSetup, log *slog.Logger) (_ *agent, 
 		}
 	}
 
+	uuids := make(map[string]int, len(a.plan.GPUs))
+	for _, g := range a.plan.GPUs {
+		uuids[g.UUID] = g.GPU
+	}
 	srv, err := server.New(server.Options{
+		GPUs:      uuids,
 		Pool:      a.pool,
 		Chunks:    a.chunk,
 		Authorize: a.authorize,

@@ -152,7 +152,14 @@ var statusErrs = []struct {
 	{wire.StatusClosed, pool.ErrClosed},
 	{wire.StatusNoCapacity, pool.ErrNoCapacity},
 	{wire.StatusPending, pool.ErrPending},
+	{wire.StatusNoGPUChunks, pool.ErrNoGPUChunks},
+	{wire.StatusUnknownGPU, ErrUnknownGPU},
 }
+
+// ErrUnknownGPU reports an Open for a GPU the agent does not serve: its UUID
+// is not in the node's plan (a GPU of another node, or a device the agent
+// could not see).
+var ErrUnknownGPU = errors.New("kvpool: GPU is not one of the agent's")
 
 var (
 	instanceOnce sync.Once
@@ -293,7 +300,11 @@ func (p *CPUPagePool) connect(ctx context.Context) error {
 		p.dropConn()
 		return err
 	}
-	req := &wire.Open{Token: p.o.Token, Gpu: uint32(p.dev.Ordinal()), InstanceId: p.o.InstanceID, MaxPages: uint32(p.o.MaxPages)}
+	if hr.Version != wire.Version {
+		p.dropConn()
+		return fmt.Errorf("kvpool: the agent speaks protocol version %d, this client needs version %d: upgrade the agent", hr.Version, wire.Version)
+	}
+	req := &wire.Open{Token: p.o.Token, GpuUuid: p.dev.UUID(), InstanceId: p.o.InstanceID, MaxPages: uint32(p.o.MaxPages)}
 	for _, r := range p.o.Regions {
 		req.Regions = append(req.Regions, &wire.Region{BytesPerPage: r.BytesPerPage, PageCount: uint32(r.Pages)})
 	}

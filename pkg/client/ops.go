@@ -50,7 +50,9 @@ func (p *CPUPagePool) retire(n int) {
 	p.pending = append(p.pending[:0], p.pending[n:]...)
 }
 
-// waitTicket blocks until the reload of ticket has completed.
+// waitTicket blocks until the reload of ticket has completed. Called with
+// p.mu held, it lets go of p.mu while it waits, so that the pool's other
+// calls (from other threads of the engine) go on meanwhile.
 func (p *CPUPagePool) waitTicket(ticket uint64) error {
 	n := 0
 	for n < len(p.pending) && p.pending[n].ticket <= ticket {
@@ -65,12 +67,88 @@ func (p *CPUPagePool) waitTicket(ticket uint64) error {
 	// Reloads share one copy stream and their copy tickets never decrease
 	// along p.pending, so the n-th completing means the first n have.
 	if t := p.pending[n-1].copy; t != 0 {
-		if err := p.mover.WaitFor(t); err != nil {
+		session, mover := p.session, p.mover
+		p.mu.Unlock()
+		err := mover.WaitFor(t)
+		p.mu.Lock()
+		if err != nil {
 			return err
 		}
+		if p.closed {
+			return errors.New("kvpool: pool is closed")
+		}
+		if p.session != session {
+			return nil // a new session: its tickets are not these
+		}
 	}
-	p.retire(n)
+	// Other calls may have retired some of them meanwhile.
+	n = 0
+	for n < len(p.pending) && p.pending[n].ticket <= ticket {
+		n++
+	}
+	if n > 0 {
+		p.retire(n)
+	}
 	return nil
+}
+
+// stagePages sends the device pages of a long offload or reload that do
+// not fit in its own packet as OpPages packets (the first carries the
+// fence), and returns the pages the offload or reload itself carries.
+func (p *CPUPagePool) stagePages(pages []int32) ([]int32, error) {
+	if len(pages) <= wire.MaxPagesPerPacket {
+		return pages, nil
+	}
+	last := len(pages) % wire.MaxPagesPerPacket
+	if last == 0 {
+		last = wire.MaxPagesPerPacket
+	}
+	head := pages[:len(pages)-last]
+	for off := 0; off < len(head); off += wire.MaxPagesPerPacket {
+		part := head[off:min(len(head), off+wire.MaxPagesPerPacket)]
+		if _, err := p.roundTrip(wire.OpPages, p.fence(), &wire.Pages{GpuPages: part}, nil); err != nil {
+			return nil, err
+		}
+	}
+	return pages[len(head):], nil
+}
+
+// longPages returns the host pages of a reply: first when total is 0, else
+// first followed by the rest, fetched with OpMore. When the connection
+// drops while fetching, it reconnects once and, if the agent resumed the
+// same session, fetches the rest from there (the agent keeps it for the
+// session until its next request).
+func (p *CPUPagePool) longPages(op wire.Op, first []int32, total uint32) ([]int32, error) {
+	if total == 0 {
+		return first, nil
+	}
+	if int(total) < len(first) {
+		return nil, fmt.Errorf("%w: %s reply of %d host pages says it has %d", ErrProtocol, op, len(first), total)
+	}
+	all := make([]int32, len(first), total)
+	copy(all, first)
+	reconnected := false
+	for len(all) < int(total) {
+		var rep wire.MoreReply
+		_, err := p.roundTrip(wire.OpMore, 0, &wire.More{Offset: uint32(len(all))}, &rep)
+		if errors.Is(err, ErrDisconnected) && !reconnected {
+			reconnected = true
+			session := p.session
+			if cerr := p.connect(context.Background()); cerr != nil || p.session != session {
+				return nil, fmt.Errorf("kvpool %s: reply cut off after %d of %d host pages and the session could not be resumed: %w", op, len(all), total, errors.Join(err, cerr))
+			}
+			continue
+		}
+		if err != nil {
+			return nil, fmt.Errorf("kvpool %s: host pages %d to %d: %w", op, len(all), total, err)
+		}
+		if len(rep.HostPages) == 0 || len(all)+len(rep.HostPages) > int(total) {
+			p.dropConn()
+			return nil, fmt.Errorf("%w: more of %s: %d host pages after %d of %d", ErrProtocol, op, len(rep.HostPages), len(all), total)
+		}
+		all = append(all, rep.HostPages...)
+	}
+	return all, nil
 }
 
 func (p *CPUPagePool) fence() uint64 {
@@ -87,16 +165,21 @@ func (p *CPUPagePool) fence() uint64 {
 func (p *CPUPagePool) OffloadStream(rid, label string, gpuPages []int32, storedLen, position, released int64) (bool, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if err := p.begin(); err != nil {
-		return false, err
-	}
 	m := &p.offReq
-	m.Rid, m.Label, m.GpuPages, m.StoredLen, m.Position, m.Released = rid, label, gpuPages, storedLen, position, released
 	defer func() { m.GpuPages = nil }()
 	for try := 0; ; try++ {
-		_, err := p.roundTrip(wire.OpOffload, p.fence(), m, &p.offRep)
+		if err := p.begin(); err != nil {
+			return false, err
+		}
+		tail, err := p.stagePages(gpuPages)
+		if err == nil {
+			m.Rid, m.Label, m.GpuPages, m.StoredLen, m.Position, m.Released = rid, label, tail, storedLen, position, released
+			_, err = p.roundTrip(wire.OpOffload, p.fence(), m, &p.offRep)
+		}
 		var e *Error
 		if errors.As(err, &e) && e.Status == wire.StatusPending && try <= len(p.pending) {
+			// Only pages still read by reload copies would make room: wait
+			// for the oldest such copy, without holding up other calls.
 			if werr := p.waitTicket(e.Ticket); werr != nil {
 				return false, fmt.Errorf("kvpool offload %q/%q: wait for reload %d: %w", rid, label, e.Ticket, werr)
 			}
@@ -110,7 +193,11 @@ func (p *CPUPagePool) OffloadStream(rid, label string, gpuPages []int32, storedL
 	if !p.offRep.Ok {
 		return false, nil
 	}
-	if _, err := p.enqueue(cudart.DeviceToHost, gpuPages, p.offRep.HostPages); err != nil {
+	host, err := p.longPages(wire.OpOffload, p.offRep.HostPages, p.offRep.Total)
+	if err == nil {
+		_, err = p.enqueue(cudart.DeviceToHost, gpuPages, host)
+	}
+	if err != nil {
 		// Nothing was copied: give the pages back so the call changes nothing.
 		if _, derr := p.roundTrip(wire.OpDiscard, p.fence(), &wire.Stream{Rid: rid, Label: label}, nil); derr != nil {
 			err = errors.Join(err, derr)
@@ -130,23 +217,38 @@ func (p *CPUPagePool) ReloadStream(rid, label string, gpuPages []int32) (Offload
 		return OffloadedStream{}, err
 	}
 	m := &p.relReq
-	m.Rid, m.Label, m.GpuPages = rid, label, gpuPages
 	defer func() { m.GpuPages = nil }()
+	tail, err := p.stagePages(gpuPages)
+	if err != nil {
+		return OffloadedStream{}, err
+	}
+	m.Rid, m.Label, m.GpuPages = rid, label, tail
 	if _, err := p.roundTrip(wire.OpReload, p.fence(), m, &p.relRep); err != nil {
 		return OffloadedStream{}, err
 	}
 	r := &p.relRep
-	out := OffloadedStream{CPUPageIndices: append([]int32(nil), r.HostPages...), StoredLen: r.StoredLen, Position: r.Position, Released: r.Released}
-	if len(r.HostPages) == 0 {
+	out := OffloadedStream{StoredLen: r.StoredLen, Position: r.Position, Released: r.Released}
+	ticket := r.Ticket
+	host, err := p.longPages(wire.OpReload, r.HostPages, r.Total)
+	if err != nil {
+		// The agent released the stream; its pages wait for a fence that
+		// comes once the reloads before it complete.
+		if ticket != 0 {
+			p.pending = append(p.pending, pendingReload{ticket: ticket, copy: p.lastReload})
+		}
+		return out, fmt.Errorf("kvpool reload %q/%q: the stream was released but its host pages did not all arrive: %w", rid, label, err)
+	}
+	out.CPUPageIndices = append([]int32(nil), host...)
+	if len(host) == 0 {
 		return out, nil
 	}
-	t, err := p.enqueue(cudart.HostToDevice, gpuPages, r.HostPages)
+	t, err := p.enqueue(cudart.HostToDevice, gpuPages, host)
 	if err != nil {
 		// Nothing of this reload is in flight; its pages may be fenced
 		// once the reloads before it have completed.
 		t = p.lastReload
 	}
-	p.pending = append(p.pending, pendingReload{ticket: r.Ticket, copy: t})
+	p.pending = append(p.pending, pendingReload{ticket: ticket, copy: t})
 	if err != nil {
 		return out, fmt.Errorf("kvpool reload %q/%q: the stream was released but its copy failed: %w", rid, label, err)
 	}
@@ -241,8 +343,26 @@ func (p *CPUPagePool) Labels(rid string) ([]string, error) {
 		return nil, err
 	}
 	var rep wire.LabelsReply
-	_, err := p.roundTrip(wire.OpLabels, p.fence(), &wire.Request{Rid: rid}, &rep)
-	return rep.Labels, err
+	if _, err := p.roundTrip(wire.OpLabels, p.fence(), &wire.Request{Rid: rid}, &rep); err != nil {
+		return nil, err
+	}
+	labels := rep.Labels
+	if rep.Total != 0 && int(rep.Total) < len(labels) {
+		p.dropConn()
+		return nil, fmt.Errorf("%w: labels reply of %d labels says it has %d", ErrProtocol, len(labels), rep.Total)
+	}
+	for len(labels) < int(rep.Total) {
+		var more wire.MoreReply
+		if _, err := p.roundTrip(wire.OpMore, 0, &wire.More{Offset: uint32(len(labels))}, &more); err != nil {
+			return nil, err
+		}
+		if len(more.Labels) == 0 || len(labels)+len(more.Labels) > int(rep.Total) {
+			p.dropConn()
+			return nil, fmt.Errorf("%w: more labels: %d after %d of %d", ErrProtocol, len(more.Labels), len(labels), rep.Total)
+		}
+		labels = append(labels, more.Labels...)
+	}
+	return labels, nil
 }
 
 // NumPages returns the host pages the stream (rid, label) holds.

@@ -163,6 +163,10 @@ func (d *cudaDriver) Open(ordinal int) (Device, error) {
 	if r := C.kv_device_get(d.api, C.int(ordinal), &dev); r != 0 {
 		return nil, d.err("cuDeviceGet", r)
 	}
+	var uuid [16]byte
+	if r := C.kv_device_uuid(d.api, dev, (*C.uchar)(unsafe.Pointer(&uuid[0]))); r != 0 {
+		return nil, d.err("cuDeviceGetUuid", r)
+	}
 	var ctx C.kv_context
 	if r := C.kv_ctx_retain(d.api, dev, &ctx); r != 0 {
 		return nil, d.err("cuDevicePrimaryCtxRetain", r)
@@ -170,6 +174,7 @@ func (d *cudaDriver) Open(ordinal int) (Device, error) {
 	h := &cudaDevice{
 		drv:     d,
 		ordinal: ordinal,
+		uuid:    FormatUUID(uuid),
 		dev:     dev,
 		ctx:     ctx,
 		allocs:  map[DevicePtr]bool{},
@@ -192,6 +197,7 @@ type cudaReg struct {
 type cudaDevice struct {
 	drv     *cudaDriver
 	ordinal int
+	uuid    string
 	dev     C.kv_device
 	ctx     C.kv_context
 
@@ -204,6 +210,8 @@ type cudaDevice struct {
 }
 
 func (d *cudaDevice) Ordinal() int { return d.ordinal }
+
+func (d *cudaDevice) UUID() string { return d.uuid }
 
 func (d *cudaDevice) err(call string, r C.kv_result) error { return d.drv.err(call, r) }
 

@@ -95,6 +95,9 @@ kv_result kv_bind(kv_api *a, const char **failed, int *status) {
 	KV_BIND(deviceGetCount, "cuDeviceGetCount", 12000);
 	KV_BIND(deviceGet, "cuDeviceGet", 12000);
 	KV_BIND(deviceGetName, "cuDeviceGetName", 12000);
+	// At 12000 cuGetProcAddress hands back cuDeviceGetUuid_v2 (11.4 on),
+	// whose UUID is the one NVML and nvidia-smi report.
+	KV_BIND(deviceGetUuid, "cuDeviceGetUuid", 12000);
 	KV_BIND(primaryCtxRetain, "cuDevicePrimaryCtxRetain", 12000);
 	KV_BIND(primaryCtxRelease, "cuDevicePrimaryCtxRelease", 12000);
 	KV_BIND(ctxGetCurrent, "cuCtxGetCurrent", 12000);
@@ -160,6 +163,10 @@ kv_result kv_device_get(kv_api *a, int ordinal, kv_device *d) {
 
 kv_result kv_device_name(kv_api *a, kv_device d, char *buf, int n) {
 	return ((kv_result(*)(char *, int, kv_device))a->deviceGetName)(buf, n, d);
+}
+
+kv_result kv_device_uuid(kv_api *a, kv_device d, unsigned char *out) {
+	return ((kv_result(*)(unsigned char *, kv_device))a->deviceGetUuid)(out, d);
 }
 
 kv_result kv_ctx_retain(kv_api *a, kv_device d, kv_context *ctx) {

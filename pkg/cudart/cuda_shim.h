@@ -39,6 +39,7 @@ typedef struct {
 	void *deviceGetCount;
 	void *deviceGet;
 	void *deviceGetName;
+	void *deviceGetUuid;
 	void *primaryCtxRetain;
 	void *primaryCtxRelease;
 	void *ctxGetCurrent;
@@ -82,6 +83,8 @@ kv_result kv_init(kv_api *a);
 kv_result kv_device_count(kv_api *a, int *n);
 kv_result kv_device_get(kv_api *a, int ordinal, kv_device *d);
 kv_result kv_device_name(kv_api *a, kv_device d, char *buf, int n);
+// kv_device_uuid writes the device's 16-byte UUID (CUuuid) to out.
+kv_result kv_device_uuid(kv_api *a, kv_device d, unsigned char *out);
 kv_result kv_ctx_retain(kv_api *a, kv_device d, kv_context *ctx);
 kv_result kv_ctx_release(kv_api *a, kv_device d);
 

@@ -199,6 +199,26 @@ func openFake(t *testing.T, defs ...string) (fake, *cudaDevice) {
 	return f, dev.(*cudaDevice)
 }
 
+// TestFakeUUID: Open reads each device's UUID through cuDeviceGetUuid and
+// formats it as NVML does.
+func TestFakeUUID(t *testing.T) {
+	f := buildFake(t, "FAKE_DEVICES=2")
+	drv, _, err := Load(Options{Backend: "cuda", Library: f.lib, Logger: quietLog()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, want := range []string{"GPU-66616b65-6375-6461-0000-000000000000", "GPU-66616b65-6375-6461-0000-000000000001"} {
+		dev, err := drv.Open(i)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if dev.UUID() != want {
+			t.Errorf("device %d: UUID %q, want %q", i, dev.UUID(), want)
+		}
+		dev.Close()
+	}
+}
+
 // TestFakeRoundTrip runs scattered pages host -> device -> host through the
 // real binding on each driver ABI, and checks from the fake's call log that
 // the right copy entry point was used with merged runs.

@@ -19,6 +19,7 @@
 package cudart
 
 import (
+	"encoding/hex"
 	"errors"
 	"fmt"
 )
@@ -79,6 +80,10 @@ type Driver interface {
 // concurrent use.
 type Device interface {
 	Ordinal() int
+	// UUID names the GPU as NVML and nvidia-smi do ("GPU-" and 32 hex
+	// digits, cuDeviceGetUuid): unlike the ordinal, it is the same inside
+	// a container and on the host, so the agent knows which GPU it is.
+	UUID() string
 
 	// MemAlloc and MemFree manage device memory (cuMemAlloc, cuMemFree).
 	MemAlloc(bytes uint64) (DevicePtr, error)
@@ -120,6 +125,18 @@ type Device interface {
 	// Close releases what the handle created.
 	Close() error
 }
+
+// FormatUUID writes a CUuuid as NVML does: GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx.
+func FormatUUID(b [16]byte) string {
+	h := hex.EncodeToString(b[:])
+	return "GPU-" + h[0:8] + "-" + h[8:12] + "-" + h[12:16] + "-" + h[16:20] + "-" + h[20:32]
+}
+
+// SimulatedUUID is the UUID of simulated GPU index, "GPU-sim-%08d". The
+// simulator's devices and pkg/gpu's simulated GPUs (the agent's plan in
+// standalone mode or with --simulate-gpus) both use it, so a client on
+// simulated device i names the agent's simulated GPU i.
+func SimulatedUUID(index int) string { return fmt.Sprintf("GPU-sim-%08d", index) }
 
 // Error is a failed CUDA call: the call's name and the driver's error.
 type Error struct {

@@ -16,6 +16,10 @@ type SimOptions struct {
 	// CopyDelay is slept before each batch of copies runs, so that code
 	// which reads before waiting sees stale bytes instead of passing by luck.
 	CopyDelay time.Duration
+	// UUIDs names the devices in ordinal order (as a container sees the
+	// host's GPUs 4 and 5 as its ordinals 0 and 1); a device past the end
+	// of the list is SimulatedUUID(ordinal).
+	UUIDs []string
 }
 
 // Sim is a Driver whose devices live in host memory. Copies are queued on
@@ -105,6 +109,13 @@ func newSimDevice(ordinal int, o SimOptions) *simDevice {
 }
 
 func (d *simDevice) Ordinal() int { return d.ordinal }
+
+func (d *simDevice) UUID() string {
+	if d.ordinal < len(d.opts.UUIDs) {
+		return d.opts.UUIDs[d.ordinal]
+	}
+	return SimulatedUUID(d.ordinal)
+}
 
 func (d *simDevice) checkOpen(call string) error {
 	if d.closed {

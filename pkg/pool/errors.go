@@ -37,6 +37,9 @@ var (
 	ErrUnknownAllocation = errors.New("unknown allocation")
 	ErrAllocationExists  = errors.New("allocation already holds other chunks")
 	ErrNoCapacity        = errors.New("allocation has too few unbound chunks")
+	// ErrNoGPUChunks reports a session for a GPU of which the allocation
+	// holds no chunk: a session binds only chunks of its own GPU.
+	ErrNoGPUChunks = errors.New("allocation holds no chunk of this GPU")
 )
 
 // PendingError is returned by Offload when the free pages alone are too few

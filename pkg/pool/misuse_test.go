@@ -321,6 +321,7 @@ func TestPoolMisuse(t *testing.T) {
 // TestPoolLifecycle walks a chunk through grant, use, revoke, scrub and a
 // second grant, and checks that a repeated Grant is idempotent.
 func TestPoolLifecycle(t *testing.T) {
+	t.Run("sessions bind only their own GPU's chunks", testOwnGPU)
 	p := testPool(t)
 	ids := []string{"gpu0-c0", "gpu0-c1"}
 	must(t, p.Grant("A", ids))
@@ -333,9 +334,13 @@ func TestPoolLifecycle(t *testing.T) {
 	if _, err := s.Offload("r", "l", []int32{0, 1, 2}, Meta{StoredLen: 3}, nil); err != nil {
 		t.Fatal(err)
 	}
-	// Another session on A cannot bind: both chunks are taken.
-	if _, err := p.Open("A", Spec{GPU: 1, PageSize: 16 << 10, DevicePages: 8}); !errors.Is(err, ErrNoCapacity) {
+	// Another session on A cannot bind: both chunks are taken; and a
+	// session for GPU 1 never binds GPU 0's chunks.
+	if _, err := p.Open("A", Spec{GPU: 0, PageSize: 16 << 10, DevicePages: 8}); !errors.Is(err, ErrNoCapacity) {
 		t.Fatalf("second open: %v", err)
+	}
+	if _, err := p.Open("A", Spec{GPU: 1, PageSize: 16 << 10, DevicePages: 8}); !errors.Is(err, ErrNoGPUChunks) {
+		t.Fatalf("open for a GPU without chunks: %v", err)
 	}
 	chunks, err := p.Revoke("A")
 	must(t, err)
@@ -358,6 +363,40 @@ func TestPoolLifecycle(t *testing.T) {
 	p.Close(s2)
 	if _, err := p.Open("B", Spec{GPU: 0, PageSize: 16 << 10, DevicePages: 8}); err != nil {
 		t.Fatalf("reopen after close: %v", err)
+	}
+	must(t, p.Check())
+}
+
+// testOwnGPU: an allocation holding chunks of host GPUs 4 and 5 (of 6),
+// one session per GPU with MaxPages 0: each binds exactly its GPU's
+// chunks, and a session for GPU 0 is refused.
+func testOwnGPU(t *testing.T) {
+	p := New()
+	var ids []string
+	for gpu := range 6 {
+		for i := range 2 {
+			id := fmt.Sprintf("gpu%d-c%d", gpu, i)
+			must(t, p.AddChunk(Chunk{ID: id, GPU: gpu, NUMA: gpu / 3, Size: 64 << 10}))
+			if gpu >= 4 {
+				ids = append(ids, id)
+			}
+		}
+	}
+	must(t, p.Grant("pod", ids))
+	for _, gpu := range []int{4, 5} {
+		s, err := p.Open("pod", Spec{GPU: gpu, PageSize: 4 << 10, DevicePages: 8})
+		must(t, err)
+		for _, c := range s.Chunks() {
+			if c.GPU != gpu {
+				t.Fatalf("session of GPU %d bound chunk %s of GPU %d", gpu, c.ID, c.GPU)
+			}
+		}
+		if len(s.Chunks()) != 2 || s.Capacity() != 32 {
+			t.Fatalf("session of GPU %d: %d chunks, capacity %d", gpu, len(s.Chunks()), s.Capacity())
+		}
+	}
+	if _, err := p.Open("pod", Spec{GPU: 0, PageSize: 4 << 10, DevicePages: 8}); !errors.Is(err, ErrNoGPUChunks) {
+		t.Fatalf("open for GPU 0: %v", err)
 	}
 	must(t, p.Check())
 }

@@ -364,7 +364,7 @@ func TestModel(t *testing.T) {
 			}{
 				{"A", Spec{GPU: 0, PageSize: 4 << 10, DevicePages: 40, MaxPages: 20}},
 				{"A", Spec{GPU: 1, PageSize: 8 << 10, DevicePages: 24, MaxPages: 0}},
-				{"B", Spec{GPU: 1, PageSize: 16 << 10, DevicePages: 8, MaxPages: 7}},
+				{"B", Spec{GPU: 1, PageSize: 16 << 10, DevicePages: 8, MaxPages: 3}},
 			}
 			var wg sync.WaitGroup
 			for i, sp := range specs {

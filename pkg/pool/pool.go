@@ -53,10 +53,10 @@ func (s ChunkState) String() string {
 
 // Spec is a session's geometry.
 type Spec struct {
-	GPU         int   // the GPU the session copies to and from; chunks of its pool are preferred
+	GPU         int   // the GPU the session copies to and from; only chunks of its pool are bound
 	PageSize    int64 // bytes per host page
 	DevicePages int   // valid device page indices are [0, DevicePages)
-	MaxPages    int   // host pages wanted; 0 binds every unbound chunk of the allocation
+	MaxPages    int   // host pages wanted; 0 binds every unbound chunk of the GPU in the allocation
 }
 
 // Pool tracks chunks, allocations and sessions.
@@ -229,9 +229,11 @@ func (p *Pool) Revoke(alloc string) ([]Chunk, error) {
 }
 
 // Open starts a session on an allocation, binding enough of its unbound
-// chunks to hold spec.MaxPages pages of spec.PageSize bytes. Chunks of the
-// session's own GPU are taken first, then chunks on the NUMA node of that
-// GPU's pool, then any.
+// chunks of spec.GPU to hold spec.MaxPages pages of spec.PageSize bytes
+// (every unbound chunk of that GPU when MaxPages is 0). Chunks of other GPUs
+// are never bound: each rank of a pod takes its own GPU's chunks. An
+// allocation with no chunk of the GPU gets ErrNoGPUChunks; one whose chunks
+// of the GPU are all bound, or too few, ErrNoCapacity.
 func (p *Pool) Open(alloc string, spec Spec) (*Session, error) {
 	switch {
 	case spec.PageSize <= 0:
@@ -248,13 +250,21 @@ func (p *Pool) Open(alloc string, spec Spec) (*Session, error) {
 		return nil, fmt.Errorf("open on %s: %w", alloc, ErrUnknownAllocation)
 	}
 	var unbound []*chunk
+	mine := 0
 	for _, ch := range a.chunks {
+		if ch.GPU != spec.GPU {
+			continue
+		}
+		mine++
 		if ch.session == nil {
 			unbound = append(unbound, ch)
 		}
 	}
+	if mine == 0 {
+		return nil, fmt.Errorf("open on %s for GPU %d: %w (its %d chunks are of other GPUs)", alloc, spec.GPU, ErrNoGPUChunks, len(a.chunks))
+	}
 	if len(unbound) == 0 {
-		return nil, fmt.Errorf("open on %s: %w: every chunk is bound to another session", alloc, ErrNoCapacity)
+		return nil, fmt.Errorf("open on %s for GPU %d: %w: its %d chunks of this GPU are bound to another session", alloc, spec.GPU, ErrNoCapacity, mine)
 	}
 	// All chunks of one allocation should share a size; the smallest decides
 	// the pages per chunk so that every chunk holds the same count.
@@ -270,14 +280,14 @@ func (p *Pool) Open(alloc string, spec Spec) (*Session, error) {
 	if spec.MaxPages > 0 {
 		want = (spec.MaxPages + ppc - 1) / ppc
 		if want > len(unbound) {
-			return nil, fmt.Errorf("open on %s: %w: %d pages of %d bytes need %d chunks, %d unbound",
-				alloc, ErrNoCapacity, spec.MaxPages, spec.PageSize, want, len(unbound))
+			return nil, fmt.Errorf("open on %s for GPU %d: %w: %d pages of %d bytes need %d chunks, %d of this GPU unbound",
+				alloc, spec.GPU, ErrNoCapacity, spec.MaxPages, spec.PageSize, want, len(unbound))
 		}
 	}
 	if int64(want)*int64(ppc) > maxPages {
 		return nil, fmt.Errorf("open on %s: %w: %d pages exceed the limit of %d", alloc, ErrBadSize, int64(want)*int64(ppc), maxPages)
 	}
-	chosen := pickChunks(unbound, spec.GPU, want)
+	chosen := unbound[:want:want]
 	capacity := want * ppc
 	if spec.MaxPages > 0 {
 		capacity = spec.MaxPages
@@ -288,36 +298,6 @@ func (p *Pool) Open(alloc string, spec Spec) (*Session, error) {
 	}
 	a.sessions[s] = struct{}{}
 	return s, nil
-}
-
-// pickChunks takes n chunks, those of gpu first, then those on its NUMA node,
-// then the rest, each group in allocation order.
-func pickChunks(unbound []*chunk, gpu, n int) []*chunk {
-	numa := -1
-	for _, ch := range unbound {
-		if ch.GPU == gpu {
-			numa = ch.NUMA
-			break
-		}
-	}
-	rank := func(ch *chunk) int {
-		switch {
-		case ch.GPU == gpu:
-			return 0
-		case numa >= 0 && ch.NUMA == numa:
-			return 1
-		}
-		return 2
-	}
-	out := make([]*chunk, 0, n)
-	for r := 0; r < 3 && len(out) < n; r++ {
-		for _, ch := range unbound {
-			if rank(ch) == r && len(out) < n {
-				out = append(out, ch)
-			}
-		}
-	}
-	return out
 }
 
 // Close ends a session: its streams are dropped and its chunks go back to the

@@ -82,7 +82,7 @@ func newBenchClient(b *testing.B, a *agent) *benchClient {
 	r := dial(b, a)
 	r.hello()
 	var rep wire.OpenReply
-	if st, msg := r.do(wire.OpOpen, 0, &wire.Open{Token: "tok-a", Gpu: 0, InstanceId: []byte("bench-instance"),
+	if st, msg := r.do(wire.OpOpen, 0, &wire.Open{Token: "tok-a", GpuUuid: gpuUUID(0), InstanceId: []byte("bench-instance"),
 		Regions: []*wire.Region{{BytesPerPage: 4096, PageCount: 256}}}, &rep); st != 0 {
 		b.Fatal(st, msg)
 	}

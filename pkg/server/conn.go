@@ -9,6 +9,7 @@ import (
 	"os"
 	"time"
 
+	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/kvpool/kvpool/pkg/pool"
@@ -25,6 +26,7 @@ const (
 	MinInstanceID = 8
 	MaxInstanceID = 64
 	maxPageBytes  = 1 << 40
+	maxUUID       = 128
 )
 
 type layout struct {
@@ -79,6 +81,7 @@ type conn struct {
 
 	in, out []byte
 	pages   []int32
+	staged  []int32 // device pages of OpPages packets, for the next offload or reload
 
 	// reused request and reply bodies of the hot path
 	offload wire.Offload
@@ -87,8 +90,14 @@ type conn struct {
 	relRep  wire.ReloadReply
 	stream  wire.Stream
 	request wire.Request
+	pagesIn wire.Pages
+	moreIn  wire.More
 	errBody wire.Error
 }
+
+// maxKeep bounds the page buffers a connection keeps between requests; a
+// long stream's buffers are dropped after use.
+const maxKeep = 4 * wire.MaxPagesPerPacket
 
 func (s *Server) newConn(uc *net.UnixConn) *conn {
 	c := &conn{s: s, wc: wire.NewConn(uc), id: connIDs.Add(1), in: make([]byte, wire.MaxMessage+1)}
@@ -224,45 +233,78 @@ func (c *conn) handle(h wire.Header, body []byte) reply {
 	if c.e == nil {
 		return fail(wire.StatusNoSession, fmt.Errorf("%s before a session was opened on this connection", h.Op))
 	}
-	ps := c.e.ps
+	e := c.e
+	ps := e.ps
+	if h.Op != wire.OpMore && e.hasMore.Load() {
+		e.setMore(moreReply{})
+	}
+	if len(c.staged) > 0 && h.Op != wire.OpPages && h.Op != wire.OpOffload && h.Op != wire.OpReload {
+		c.dropStaged()
+	}
 	if h.Fence != 0 {
 		if err := ps.Fence(h.Fence); err != nil {
+			c.dropStaged()
 			return errReply(err)
 		}
 	}
 	switch h.Op {
+	case wire.OpPages:
+		m := &c.pagesIn
+		if err := wire.DecodeBody(body, m); err != nil {
+			c.dropStaged()
+			return fail(wire.StatusBadRequest, err)
+		}
+		if dev := ps.Spec().DevicePages; len(c.staged)+len(m.GpuPages) > dev {
+			n := len(c.staged) + len(m.GpuPages)
+			c.dropStaged()
+			return errReply(fmt.Errorf("pages: %w: %d device pages named, the device has %d", pool.ErrPageCount, n, dev))
+		}
+		c.staged = append(c.staged, m.GpuPages...)
+		return reply{}
 	case wire.OpOffload:
 		m := &c.offload
 		if err := wire.DecodeBody(body, m); err != nil {
+			c.dropStaged()
 			return fail(wire.StatusBadRequest, err)
 		}
 		var err error
-		c.pages, err = ps.Offload(m.Rid, m.Label, m.GpuPages,
+		c.pages, err = ps.Offload(m.Rid, m.Label, c.withStaged(m.GpuPages),
 			pool.Meta{StoredLen: m.StoredLen, Position: m.Position, Released: m.Released}, c.pages[:0])
+		c.dropStaged()
 		rep := &c.offRep
-		rep.Ok, rep.HostPages = err == nil, c.pages
-		if errors.Is(err, pool.ErrFull) {
+		rep.Ok, rep.HostPages, rep.Total = err == nil, c.pages, 0
+		if errors.Is(err, pool.ErrFull) || errors.Is(err, pool.ErrNoPages) {
 			rep.HostPages = rep.HostPages[:0]
-			return reply{body: rep, full: true}
+			return reply{body: rep, full: errors.Is(err, pool.ErrFull)}
 		}
 		if err != nil {
 			return errReply(err)
 		}
-		return reply{body: rep, pages: len(rep.HostPages)}
+		n := len(rep.HostPages)
+		rep.HostPages, rep.Total = c.longPages(wire.OpOffload)
+		return reply{body: rep, pages: n}
 	case wire.OpReload:
 		m := &c.reload
 		if err := wire.DecodeBody(body, m); err != nil {
+			c.dropStaged()
 			return fail(wire.StatusBadRequest, err)
 		}
-		rl, err := ps.Reload(m.Rid, m.Label, m.GpuPages, c.pages[:0])
+		rl, err := ps.Reload(m.Rid, m.Label, c.withStaged(m.GpuPages), c.pages[:0])
+		c.dropStaged()
 		c.pages = rl.Pages
 		if err != nil {
 			return errReply(err)
 		}
 		rep := &c.relRep
-		rep.HostPages, rep.StoredLen, rep.Position, rep.Released, rep.Ticket =
-			rl.Pages, rl.Meta.StoredLen, rl.Meta.Position, rl.Meta.Released, rl.Ticket
+		rep.StoredLen, rep.Position, rep.Released, rep.Ticket = rl.Meta.StoredLen, rl.Meta.Position, rl.Meta.Released, rl.Ticket
+		rep.HostPages, rep.Total = c.longPages(wire.OpReload)
 		return reply{body: rep, pages: len(rl.Pages)}
+	case wire.OpMore:
+		m := &c.moreIn
+		if err := wire.DecodeBody(body, m); err != nil {
+			return fail(wire.StatusBadRequest, err)
+		}
+		return e.nextPart(m.Offset)
 	case wire.OpDiscard:
 		m := &c.stream
 		if err := wire.DecodeBody(body, m); err != nil {
@@ -303,7 +345,13 @@ func (c *conn) handle(h wire.Header, body []byte) reply {
 			if ps.Closed() {
 				return errReply(pool.ErrClosed)
 			}
-			return reply{body: &wire.LabelsReply{Labels: ps.Labels(m.Rid)}}
+			labels := ps.Labels(m.Rid)
+			n := labelsFitting(labels)
+			if n == len(labels) {
+				return reply{body: &wire.LabelsReply{Labels: labels}}
+			}
+			e.setMore(moreReply{op: wire.OpLabels, labels: labels})
+			return reply{body: &wire.LabelsReply{Labels: labels[:n], Total: uint32(len(labels))}}
 		}
 	case wire.OpUsage, wire.OpFence, wire.OpClose:
 		if err := wire.DecodeBody(body, nil); err != nil {
@@ -325,6 +373,85 @@ func (c *conn) handle(h wire.Header, body []byte) reply {
 	return fail(wire.StatusUnknownOp, fmt.Errorf("unknown op %d", uint8(h.Op)))
 }
 
+// withStaged returns the device pages of an offload or reload: those of
+// the OpPages packets before it, then its own.
+func (c *conn) withStaged(pages []int32) []int32 {
+	if len(c.staged) == 0 {
+		return pages
+	}
+	if len(c.staged)+len(pages) > 1<<31-2 {
+		return c.staged // the pool refuses it: more than any device has
+	}
+	c.staged = append(c.staged, pages...)
+	return c.staged
+}
+
+func (c *conn) dropStaged() {
+	if cap(c.staged) > maxKeep {
+		c.staged = nil
+	}
+	c.staged = c.staged[:0]
+}
+
+// longPages returns the host pages of c.pages that go in the first reply
+// packet and, when they are not all of them, the whole count; the pages
+// then move to the session for OpMore to hand out.
+func (c *conn) longPages(op wire.Op) ([]int32, uint32) {
+	pages := c.pages
+	if len(pages) <= wire.MaxPagesPerPacket {
+		if cap(pages) > maxKeep {
+			c.pages = nil
+		}
+		return pages, 0
+	}
+	c.e.setMore(moreReply{op: op, pages: pages})
+	c.pages = nil
+	return pages[:wire.MaxPagesPerPacket], uint32(len(pages))
+}
+
+// labelsFitting returns how many of labels fit in one reply.
+func labelsFitting(labels []string) int {
+	size := 0
+	for i, l := range labels {
+		size += 1 + protowire.SizeVarint(uint64(len(l))) + len(l)
+		if size > wire.MaxLabelBytes {
+			return i
+		}
+	}
+	return len(labels)
+}
+
+func (e *entry) setMore(m moreReply) {
+	e.moreMu.Lock()
+	e.more = m
+	e.hasMore.Store(m.op != 0)
+	e.moreMu.Unlock()
+}
+
+// nextPart answers OpMore: the part of the session's last long reply from
+// offset on.
+func (e *entry) nextPart(offset uint32) reply {
+	e.moreMu.Lock()
+	m := e.more
+	e.moreMu.Unlock()
+	off := int(offset)
+	switch {
+	case m.op == 0:
+		return fail(wire.StatusBadRequest, errors.New("more: the session has no long reply to continue (the next request after it ends it)"))
+	case m.op == wire.OpLabels:
+		if off > len(m.labels) {
+			return fail(wire.StatusBadRequest, fmt.Errorf("more: offset %d past the %d labels", off, len(m.labels)))
+		}
+		rest := m.labels[off:]
+		return reply{body: &wire.MoreReply{Labels: rest[:labelsFitting(rest)]}}
+	}
+	if off > len(m.pages) {
+		return fail(wire.StatusBadRequest, fmt.Errorf("more: offset %d past the %d host pages of the %s", off, len(m.pages), m.op))
+	}
+	end := min(len(m.pages), off+wire.MaxPagesPerPacket)
+	return reply{body: &wire.MoreReply{HostPages: m.pages[off:end]}}
+}
+
 func (c *conn) handleHello(body []byte) reply {
 	if c.hello {
 		return fail(wire.StatusBadRequest, errors.New("hello sent twice"))
@@ -333,8 +460,9 @@ func (c *conn) handleHello(body []byte) reply {
 	if err := wire.DecodeBody(body, &m); err != nil {
 		return fail(wire.StatusBadRequest, err)
 	}
-	if m.Version < 1 {
-		return fail(wire.StatusVersion, fmt.Errorf("client speaks version %d, server speaks %d", m.Version, wire.Version))
+	if m.Version < wire.Version {
+		return fail(wire.StatusVersion, fmt.Errorf("client speaks protocol version %d; this agent speaks version %d only "+
+			"(GPUs named by UUID, page lists of any length): upgrade the kvpool client", m.Version, wire.Version))
 	}
 	c.hello = true
 	c.log = c.log.With("client", m.Client)
@@ -352,8 +480,12 @@ func (c *conn) handleOpen(body []byte) reply {
 	if n := len(m.InstanceId); n < MinInstanceID || n > MaxInstanceID {
 		return fail(wire.StatusBadRequest, fmt.Errorf("instance ID of %d bytes, want %d to %d", n, MinInstanceID, MaxInstanceID))
 	}
-	if m.Gpu > 1<<16 {
-		return fail(wire.StatusBadRequest, fmt.Errorf("GPU ordinal %d out of range", m.Gpu))
+	if m.GpuUuid == "" || len(m.GpuUuid) > maxUUID {
+		return fail(wire.StatusBadRequest, fmt.Errorf("open: GPU UUID of %d bytes, want 1 to %d (the UUID the CUDA driver reports, \"GPU-...\")", len(m.GpuUuid), maxUUID))
+	}
+	gpu, ok := c.s.o.GPUs[m.GpuUuid]
+	if !ok {
+		return fail(wire.StatusUnknownGPU, fmt.Errorf("open: GPU %s is not one of this node's %d GPUs in the agent's plan", m.GpuUuid, len(c.s.o.GPUs)))
 	}
 	lay, err := parseLayout(&m)
 	if err != nil {
@@ -363,7 +495,7 @@ func (c *conn) handleOpen(body []byte) reply {
 	if err != nil {
 		return fail(wire.StatusUnauthorized, fmt.Errorf("open: token: %w", err))
 	}
-	e, ev, r := c.s.attach(c, key{alloc: alloc, gpu: int(m.Gpu)}, instanceString(m.InstanceId), lay)
+	e, ev, r := c.s.attach(c, key{alloc: alloc, gpu: gpu}, m.GpuUuid, instanceString(m.InstanceId), lay)
 	if e == nil {
 		return r
 	}
@@ -392,7 +524,7 @@ func (c *conn) handleOpen(body []byte) reply {
 
 // attach finds or creates the session of k for instance inst and makes c its
 // connection.
-func (s *Server) attach(c *conn, k key, inst string, lay layout) (*entry, SessionEvent, reply) {
+func (s *Server) attach(c *conn, k key, uuid, inst string, lay layout) (*entry, SessionEvent, reply) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	e := s.sessions[k]
@@ -421,7 +553,7 @@ func (s *Server) attach(c *conn, k key, inst string, lay layout) (*entry, Sessio
 		s.o.Pool.Close(e.ps)
 		delete(s.sessions, k)
 	}
-	ps, err := s.o.Pool.Open(k.alloc, pool.Spec{GPU: k.gpu, PageSize: lay.pageSize, DevicePages: lay.devicePages, MaxPages: s.defaultPages(k, lay)})
+	ps, err := s.o.Pool.Open(k.alloc, pool.Spec{GPU: k.gpu, PageSize: lay.pageSize, DevicePages: lay.devicePages, MaxPages: lay.maxPages})
 	if replaced != nil {
 		// Hooks run under s.mu here; they must not block (documented).
 		s.hookSessionLocked(SessionReplaced, *replaced)
@@ -432,35 +564,10 @@ func (s *Server) attach(c *conn, k key, inst string, lay layout) (*entry, Sessio
 		return nil, "", r
 	}
 	s.nextID++
-	e = &entry{id: s.nextID, key: k, instance: inst, ps: ps, layout: lay, opened: time.Now(), conn: c, peer: c.peer}
+	e = &entry{id: s.nextID, key: k, uuid: uuid, instance: inst, ps: ps, layout: lay, opened: time.Now(), conn: c, peer: c.peer}
 	s.sessions[k] = e
 	c.e = e
 	return e, SessionOpened, reply{}
-}
-
-// defaultPages is the MaxPages a session asks of the pool. A client that
-// names none gets every unbound chunk of its own GPU in the allocation, so
-// that the first rank of a tensor-parallel group does not take the chunks
-// meant for the others; when the allocation has no unbound chunk of that GPU
-// it gets every unbound chunk.
-func (s *Server) defaultPages(k key, lay layout) int {
-	if lay.maxPages > 0 {
-		return lay.maxPages
-	}
-	var size int64
-	n := 0
-	for _, ch := range s.o.Pool.Chunks() {
-		if ch.Allocation == k.alloc && !ch.Bound && ch.GPU == k.gpu {
-			if n == 0 || ch.Size < size {
-				size = ch.Size
-			}
-			n++
-		}
-	}
-	if n == 0 || lay.pageSize > size {
-		return 0
-	}
-	return n * int(size/lay.pageSize)
 }
 
 func (s *Server) hookSessionLocked(ev SessionEvent, info SessionInfo) { s.hookSession(ev, info) }
@@ -520,5 +627,6 @@ var statusMap = []struct {
 	{pool.ErrBadFence, wire.StatusBadFence},
 	{pool.ErrClosed, wire.StatusClosed},
 	{pool.ErrNoCapacity, wire.StatusNoCapacity},
+	{pool.ErrNoGPUChunks, wire.StatusNoGPUChunks},
 	{pool.ErrUnknownAllocation, wire.StatusUnauthorized},
 }

@@ -100,6 +100,10 @@ type Options struct {
 	// MaxConns bounds concurrent connections (default 1024); a connection
 	// over the limit is closed at once, and the others go on.
 	MaxConns int
+	// GPUs maps each GPU of the node's plan, by UUID ("GPU-..."), to its
+	// host index (NVML's), which is how the pool keys chunks. An Open
+	// naming a UUID not in it gets StatusUnknownGPU.
+	GPUs map[string]int
 }
 
 // Server serves the copy API. Create it with New.
@@ -132,6 +136,22 @@ type entry struct {
 	conn     *conn // nil while disconnected; guarded by Server.mu
 	peer     Peer
 	lastSeen time.Time
+	uuid     string
+
+	// more is the rest of the session's last long reply, for OpMore. It
+	// lives on the session, not the connection, so that a client whose
+	// connection dropped mid-reply resumes and fetches the rest.
+	moreMu  sync.Mutex
+	more    moreReply
+	hasMore atomic.Bool
+}
+
+// moreReply is a long reply being fetched: every host page (or label) of
+// it, the first part included; a client asks for them from an offset.
+type moreReply struct {
+	op     wire.Op
+	pages  []int32
+	labels []string
 }
 
 // Peer is the credentials of a connected client (SO_PEERCRED).
@@ -145,7 +165,8 @@ type Peer struct {
 type SessionInfo struct {
 	ID         uint64
 	Allocation string
-	GPU        int
+	GPU        int    // host index of the GPU whose chunks the session holds
+	GPUUUID    string // as the client named it
 	Instance   string // hex
 	Connected  bool
 	Peer       Peer // of the current or last connection
@@ -277,7 +298,7 @@ func (s *Server) Sessions() []SessionInfo {
 
 func (e *entry) infoLocked() SessionInfo {
 	return SessionInfo{
-		ID: e.id, Allocation: e.key.alloc, GPU: e.key.gpu, Instance: e.instance,
+		ID: e.id, Allocation: e.key.alloc, GPU: e.key.gpu, GPUUUID: e.uuid, Instance: e.instance,
 		Connected: e.conn != nil, Peer: e.peer, PageSize: e.layout.pageSize,
 		Opened: e.opened, LastSeen: e.lastSeen, Usage: e.ps.Usage(),
 	}

@@ -3,6 +3,7 @@ package server_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"os"
@@ -53,7 +54,7 @@ func startServer(t testing.TB) *agent {
 	if err := a.pool.Grant("A", ids); err != nil {
 		t.Fatal(err)
 	}
-	srv, err := server.New(server.Options{Pool: a.pool, Logger: quiet,
+	srv, err := server.New(server.Options{Pool: a.pool, Logger: quiet, GPUs: testGPUs,
 		Chunks:    func(id string) (*hostmem.Chunk, bool) { c, ok := a.chunks[id]; return c, ok },
 		Authorize: server.StaticTokens(map[string]string{"tok-a": "A", "tok-b": "B"})})
 	if err != nil {
@@ -174,13 +175,19 @@ func (r *raw) reply(op wire.Op, rep proto.Message) (wire.Status, string) {
 
 func (r *raw) hello() {
 	r.t.Helper()
-	if st, msg := r.do(wire.OpHello, 0, &wire.Hello{Version: 1, Client: "test"}, &wire.HelloReply{}); st != 0 {
+	if st, msg := r.do(wire.OpHello, 0, &wire.Hello{Version: wire.Version, Client: "test"}, &wire.HelloReply{}); st != 0 {
 		r.t.Fatalf("hello: %s %s", st, msg)
 	}
 }
 
+// testGPUs is the node's plan in these tests: GPUs 0 and 1 have chunks,
+// GPU 2 has none.
+var testGPUs = map[string]int{gpuUUID(0): 0, gpuUUID(1): 1, gpuUUID(2): 2}
+
+func gpuUUID(g uint32) string { return fmt.Sprintf("GPU-0000000%d-test", g) }
+
 func openMsg(token string, gpu uint32, inst string) *wire.Open {
-	return &wire.Open{Token: token, Gpu: gpu, InstanceId: []byte(inst),
+	return &wire.Open{Token: token, GpuUuid: gpuUUID(gpu), InstanceId: []byte(inst),
 		Regions: []*wire.Region{{BytesPerPage: 3000, PageCount: 32}, {BytesPerPage: 1000, PageCount: 40}}}
 }
 
@@ -277,7 +284,7 @@ func TestBadInput(t *testing.T) {
 		{"oversized", "open", append(hdr(wire.OpUsage, 0), make([]byte, wire.MaxMessage)...), nil, closed},
 		{"hello version 0", "", withBody(wire.OpHello, &wire.Hello{Version: 0}), nil, wire.StatusVersion},
 		{"op before hello", "", withBody(wire.OpUsage, nil), nil, wire.StatusVersion},
-		{"hello twice", "hello", withBody(wire.OpHello, &wire.Hello{Version: 1}), nil, wire.StatusBadRequest},
+		{"hello twice", "hello", withBody(wire.OpHello, &wire.Hello{Version: wire.Version}), nil, wire.StatusBadRequest},
 		{"unknown op", "hello", hdr(99, 0), nil, wire.StatusUnknownOp},
 		{"op zero", "hello", hdr(0, 0), nil, wire.StatusUnknownOp},
 		{"status in request", "hello", hdr(wire.OpUsage, wire.StatusBusy), nil, wire.StatusBadRequest},
@@ -288,16 +295,27 @@ func TestBadInput(t *testing.T) {
 		{"empty token", "hello", withBody(wire.OpOpen, openMsg("", 0, "instance-x")), nil, wire.StatusUnauthorized},
 		{"token of allocation not granted", "hello", withBody(wire.OpOpen, openMsg("tok-b", 0, "instance-x")), nil, wire.StatusUnauthorized},
 		{"short instance id", "hello", withBody(wire.OpOpen, openMsg("tok-a", 0, "x")), nil, wire.StatusBadRequest},
-		{"no regions", "hello", withBody(wire.OpOpen, &wire.Open{Token: "tok-a", InstanceId: []byte("instance-x")}), nil, wire.StatusBadSize},
-		{"zero bytes per page", "hello", withBody(wire.OpOpen, &wire.Open{Token: "tok-a", Gpu: 1, InstanceId: []byte("instance-x"),
+		{"no regions", "hello", withBody(wire.OpOpen, &wire.Open{Token: "tok-a", GpuUuid: gpuUUID(1), InstanceId: []byte("instance-x")}), nil, wire.StatusBadSize},
+		{"hello of version 1", "", withBody(wire.OpHello, &wire.Hello{Version: 1, Client: "old"}), nil, wire.StatusVersion},
+		{"no GPU UUID", "hello", withBody(wire.OpOpen, &wire.Open{Token: "tok-a", InstanceId: []byte("instance-x"),
+			Regions: []*wire.Region{{BytesPerPage: 4096, PageCount: 4}}}), nil, wire.StatusBadRequest},
+		{"GPU not in the plan", "hello", withBody(wire.OpOpen, openMsg("tok-a", 7, "instance-x")), nil, wire.StatusUnknownGPU},
+		{"GPU UUID of another node", "hello", withBody(wire.OpOpen, &wire.Open{Token: "tok-a", GpuUuid: "GPU-19999", InstanceId: []byte("instance-x"),
+			Regions: []*wire.Region{{BytesPerPage: 4096, PageCount: 4}}}), nil, wire.StatusUnknownGPU},
+		{"GPU without chunks in the allocation", "hello", withBody(wire.OpOpen, openMsg("tok-a", 2, "instance-x")), nil, wire.StatusNoGPUChunks},
+		{"more with no long reply", "open", withBody(wire.OpMore, &wire.More{}), nil, wire.StatusBadRequest},
+		{"more before open", "hello", withBody(wire.OpMore, &wire.More{}), nil, wire.StatusNoSession},
+		{"pages beyond the device", "open", withBody(wire.OpPages, &wire.Pages{GpuPages: make([]int32, 33)}), nil, wire.StatusPageCount},
+		{"pages with a bad body", "open", append(hdr(wire.OpPages, 0), 0x0a, 0x05, 0x01), nil, wire.StatusBadRequest},
+		{"zero bytes per page", "hello", withBody(wire.OpOpen, &wire.Open{Token: "tok-a", GpuUuid: gpuUUID(1), InstanceId: []byte("instance-x"),
 			Regions: []*wire.Region{{BytesPerPage: 0, PageCount: 4}}}), nil, wire.StatusBadSize},
-		{"zero page count", "hello", withBody(wire.OpOpen, &wire.Open{Token: "tok-a", Gpu: 1, InstanceId: []byte("instance-x"),
+		{"zero page count", "hello", withBody(wire.OpOpen, &wire.Open{Token: "tok-a", GpuUuid: gpuUUID(1), InstanceId: []byte("instance-x"),
 			Regions: []*wire.Region{{BytesPerPage: 4096, PageCount: 0}}}), nil, wire.StatusBadSize},
-		{"page larger than chunk", "hello", withBody(wire.OpOpen, &wire.Open{Token: "tok-a", Gpu: 1, InstanceId: []byte("instance-x"),
+		{"page larger than chunk", "hello", withBody(wire.OpOpen, &wire.Open{Token: "tok-a", GpuUuid: gpuUUID(1), InstanceId: []byte("instance-x"),
 			Regions: []*wire.Region{{BytesPerPage: 1 << 20, PageCount: 4}}}), nil, wire.StatusBadSize},
-		{"huge page size", "hello", withBody(wire.OpOpen, &wire.Open{Token: "tok-a", Gpu: 1, InstanceId: []byte("instance-x"),
+		{"huge page size", "hello", withBody(wire.OpOpen, &wire.Open{Token: "tok-a", GpuUuid: gpuUUID(1), InstanceId: []byte("instance-x"),
 			Regions: []*wire.Region{{BytesPerPage: 1 << 62, PageCount: 4}, {BytesPerPage: 1 << 62, PageCount: 4}}}), nil, wire.StatusBadSize},
-		{"more pages than the allocation", "hello", withBody(wire.OpOpen, &wire.Open{Token: "tok-a", Gpu: 1, InstanceId: []byte("instance-x"),
+		{"more pages than the allocation", "hello", withBody(wire.OpOpen, &wire.Open{Token: "tok-a", GpuUuid: gpuUUID(1), InstanceId: []byte("instance-x"),
 			Regions: []*wire.Region{{BytesPerPage: 4096, PageCount: 4}}, MaxPages: 100000}), nil, wire.StatusNoCapacity},
 		{"GPU held by a live session", "hello", withBody(wire.OpOpen, openMsg("tok-a", 0, "instance-x")), nil, wire.StatusBusy},
 		{"pool op before open", "hello", withBody(wire.OpOffload, &wire.Offload{Rid: "r", Label: "l", GpuPages: []int32{1}}), nil, wire.StatusNoSession},
@@ -310,7 +328,6 @@ func TestBadInput(t *testing.T) {
 		{"empty rid", "open", withBody(wire.OpOffload, &wire.Offload{Label: "l", GpuPages: []int32{1}}), nil, wire.StatusBadName},
 		{"long label", "open", withBody(wire.OpOffload, &wire.Offload{Rid: "q", Label: strings.Repeat("x", 2000), GpuPages: []int32{1}}), nil, wire.StatusBadName},
 		{"reload unknown", "open", withBody(wire.OpReload, &wire.Reload{Rid: "q", Label: "l", GpuPages: []int32{1}}), nil, wire.StatusUnknownStream},
-		{"discard unknown", "open", withBody(wire.OpDiscard, &wire.Stream{Rid: "q", Label: "l"}), nil, wire.StatusUnknownStream},
 		{"fence never issued", "open", wire.AppendHeader(nil, wire.Header{Op: wire.OpFence, Seq: 1, Fence: 99}), nil, wire.StatusBadFence},
 		{"body on usage", "open", append(hdr(wire.OpUsage, 0), 0x08, 0x01), nil, wire.StatusBadRequest},
 	}
@@ -456,7 +473,7 @@ func TestMaxConns(t *testing.T) {
 	r1.hello()
 	r2.hello()
 	r3 := dial(t, a)
-	hello, _ := wire.AppendPacket(nil, wire.Header{Op: wire.OpHello, Seq: 1}, &wire.Hello{Version: 1})
+	hello, _ := wire.AppendPacket(nil, wire.Header{Op: wire.OpHello, Seq: 1}, &wire.Hello{Version: wire.Version})
 	if err := r3.c.Send(hello, nil); err == nil {
 		if _, _, _, ok := r3.recv(); ok {
 			t.Fatal("a third connection was served over a limit of two")

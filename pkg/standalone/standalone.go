@@ -17,6 +17,7 @@ import (
 	"path/filepath"
 	"strings"
 
+	"github.com/kvpool/kvpool/pkg/cudart"
 	"github.com/kvpool/kvpool/pkg/hostmem"
 	"github.com/kvpool/kvpool/pkg/pool"
 	"github.com/kvpool/kvpool/pkg/server"
@@ -24,7 +25,7 @@ import (
 
 // Config of a standalone agent. Zero fields take the defaults.
 type Config struct {
-	GPUs         int      // simulated GPUs (default 2)
+	GPUs         int      // simulated GPUs (default 2), named cudart.SimulatedUUID(i) as the simulator names its devices
 	ChunksPerGPU int      // default 4
 	ChunkBytes   int64    // default 64 MiB
 	Tokens       []string // allocation tokens (default one random token)
@@ -146,7 +147,12 @@ func Start(c Config) (*Agent, error) {
 			return nil, err
 		}
 	}
+	uuids := make(map[string]int, c.GPUs)
+	for g := range c.GPUs {
+		uuids[cudart.SimulatedUUID(g)] = g
+	}
 	srv, err := server.New(server.Options{
+		GPUs:      uuids,
 		Pool:      a.Pool,
 		Chunks:    func(id string) (*hostmem.Chunk, bool) { hc, ok := a.chunks[id]; return hc, ok },
 		Authorize: server.StaticTokens(allocOf),

@@ -16,8 +16,8 @@ func seedPackets(f *testing.F, reply bool) {
 		f.Add(b)
 	}
 	if !reply {
-		add(Header{Op: OpHello, Seq: 1}, &Hello{Version: 1, Client: "fuzz"})
-		add(Header{Op: OpOpen, Seq: 2}, &Open{Token: "t", Gpu: 1, InstanceId: []byte("0123456789abcdef"),
+		add(Header{Op: OpHello, Seq: 1}, &Hello{Version: Version, Client: "fuzz"})
+		add(Header{Op: OpOpen, Seq: 2}, &Open{Token: "t", GpuUuid: "GPU-00000000-0000-0000-0000-000000000001", InstanceId: []byte("0123456789abcdef"),
 			Regions: []*Region{{BytesPerPage: 1 << 18, PageCount: 1024}, {BytesPerPage: 100, PageCount: 7}}, MaxPages: 64})
 		add(Header{Op: OpOffload, Seq: 3, Fence: 9}, &Offload{Rid: "req-1", Label: "kv", GpuPages: []int32{0, 5, 1 << 30, -1}, StoredLen: 1, Position: 2, Released: 3})
 		add(Header{Op: OpReload, Seq: 4}, &Reload{Rid: "req-1", Label: "kv", GpuPages: []int32{7, 7}})
@@ -25,8 +25,10 @@ func seedPackets(f *testing.F, reply bool) {
 		add(Header{Op: OpLabels, Seq: 6}, &Request{Rid: "r"})
 		add(Header{Op: OpUsage, Seq: 7}, nil)
 		add(Header{Op: OpFence, Seq: 8, Fence: 3}, nil)
+		add(Header{Op: OpPages, Seq: 9}, &Pages{GpuPages: []int32{1 << 14, 1<<21 - 1, 1 << 21, 0}})
+		add(Header{Op: OpMore, Seq: 10}, &More{Offset: MaxPagesPerPacket})
 	} else {
-		add(Header{Op: OpHello, Seq: 1}, &HelloReply{Version: 1, Server: "s", MaxMessage: MaxMessage})
+		add(Header{Op: OpHello, Seq: 1}, &HelloReply{Version: Version, Server: "s", MaxMessage: MaxMessage})
 		add(Header{Op: OpOpen, Seq: 2}, &OpenReply{Session: 1, PageSize: 4096, PagesPerChunk: 16, Capacity: 32,
 			Chunks: []*ChunkGrant{{Id: "gpu0-numa0-0", Size: 65536}, {Id: "gpu0-numa0-1", Size: 65536}}})
 		add(Header{Op: OpOffload, Seq: 3}, &OffloadReply{Ok: true, HostPages: []int32{0, 1, 2}})
@@ -34,6 +36,10 @@ func seedPackets(f *testing.F, reply bool) {
 		add(Header{Op: OpLabels, Seq: 5}, &LabelsReply{Labels: []string{"a", "b"}})
 		add(Header{Op: OpUsage, Seq: 6}, &UsageReply{Capacity: 10, Used: 3, Free: 7})
 		add(Header{Op: OpOffload, Seq: 7, Status: StatusPending}, &Error{Message: "pending", Ticket: 7})
+		add(Header{Op: OpOffload, Seq: 8}, &OffloadReply{Ok: true, HostPages: []int32{1 << 21}, Total: 30000})
+		add(Header{Op: OpReload, Seq: 9}, &ReloadReply{HostPages: []int32{1 << 14}, Ticket: 2, Total: 30000})
+		add(Header{Op: OpLabels, Seq: 10}, &LabelsReply{Labels: []string{"a"}, Total: 3})
+		add(Header{Op: OpMore, Seq: 11}, &MoreReply{HostPages: []int32{5, 6}, Labels: []string{"x"}})
 	}
 	f.Add([]byte{})
 	f.Add(make([]byte, HeaderSize))

@@ -71,7 +71,8 @@ func appendOffloadReply(b []byte, m *OffloadReply) []byte {
 	if m.Ok {
 		b = appendVarintField(b, 1, 1)
 	}
-	return appendPacked(b, 2, m.HostPages)
+	b = appendPacked(b, 2, m.HostPages)
+	return appendVarintField(b, 3, uint64(m.Total))
 }
 
 func appendReloadReply(b []byte, m *ReloadReply) []byte {
@@ -79,7 +80,8 @@ func appendReloadReply(b []byte, m *ReloadReply) []byte {
 	b = appendVarintField(b, 2, uint64(m.StoredLen))
 	b = appendVarintField(b, 3, uint64(m.Position))
 	b = appendVarintField(b, 4, uint64(m.Released))
-	return appendVarintField(b, 5, m.Ticket)
+	b = appendVarintField(b, 5, m.Ticket)
+	return appendVarintField(b, 6, uint64(m.Total))
 }
 
 // field is one decoded field: its number and, by wire type, its varint
@@ -218,6 +220,8 @@ func decodeOffloadReply(b []byte, m *OffloadReply) error {
 			m.Ok = f.v != 0
 		case f.num == 2 && (f.typ == protowire.BytesType || f.typ == protowire.VarintType):
 			m.HostPages, err = f.int32s(m.HostPages)
+		case f.num == 3 && f.typ == protowire.VarintType:
+			m.Total = uint32(f.v)
 		}
 		if err != nil {
 			return err
@@ -247,9 +251,32 @@ func decodeReloadReply(b []byte, m *ReloadReply) error {
 			m.Released = int64(f.v)
 		case f.num == 5 && f.typ == protowire.VarintType:
 			m.Ticket = f.v
+		case f.num == 6 && f.typ == protowire.VarintType:
+			m.Total = uint32(f.v)
 		}
 		if err != nil {
 			return err
+		}
+	}
+	return nil
+}
+
+// decodePages appends to m.GpuPages (keeping its capacity), so that a server
+// reusing one Pages message does not allocate per packet.
+func decodePages(b []byte, m *Pages) error {
+	pages := m.GpuPages[:0]
+	m.Reset()
+	m.GpuPages = pages
+	for len(b) > 0 {
+		f, rest, err := nextField(b)
+		if err != nil {
+			return err
+		}
+		b = rest
+		if f.num == 1 && (f.typ == protowire.BytesType || f.typ == protowire.VarintType) {
+			if m.GpuPages, err = f.int32s(m.GpuPages); err != nil {
+				return err
+			}
 		}
 	}
 	return nil

@@ -13,15 +13,17 @@ import (
 // It then checks that the hand encoder writes protobuf-go's bytes.
 func hotPair(t *testing.T, k uint8, body []byte) {
 	var hand, ref proto.Message
-	switch k % 4 {
+	switch k % 5 {
 	case 0:
 		hand, ref = &Offload{Rid: "stale", GpuPages: []int32{9, 9, 9}}, new(Offload)
 	case 1:
 		hand, ref = &Reload{Label: "stale", GpuPages: []int32{9}}, new(Reload)
 	case 2:
 		hand, ref = &OffloadReply{Ok: true, HostPages: []int32{9}}, new(OffloadReply)
+	case 3:
+		hand, ref = &ReloadReply{Ticket: 9, HostPages: []int32{9}, Total: 9}, new(ReloadReply)
 	default:
-		hand, ref = &ReloadReply{Ticket: 9, HostPages: []int32{9}}, new(ReloadReply)
+		hand, ref = &Pages{GpuPages: []int32{9, 9}}, new(Pages)
 	}
 	herr := DecodeBody(body, hand)
 	rerr := proto.Unmarshal(body, ref)
@@ -53,7 +55,8 @@ func FuzzHotCodec(f *testing.F) {
 		&Offload{Rid: "r", Label: "l", GpuPages: []int32{0, 1, -1, 1 << 30}, StoredLen: -5, Position: 1 << 40, Released: 3},
 		&Reload{Rid: "r", GpuPages: []int32{7, 8}},
 		&OffloadReply{Ok: true, HostPages: []int32{1, 2, 3}},
-		&ReloadReply{HostPages: []int32{4}, StoredLen: 1, Position: 2, Released: 3, Ticket: 1 << 63},
+		&ReloadReply{HostPages: []int32{4}, StoredLen: 1, Position: 2, Released: 3, Ticket: 1 << 63, Total: 70000},
+		&Pages{GpuPages: []int32{1 << 14, 1 << 21, -1}},
 	} {
 		b, _ := proto.Marshal(m)
 		f.Add(uint8(k), b)
@@ -70,8 +73,9 @@ func TestHotCodecMatchesProtobuf(t *testing.T) {
 	for k, m := range []proto.Message{
 		&Offload{}, &Offload{Rid: "é", Label: "x", GpuPages: []int32{-2147483648, 2147483647}, StoredLen: -1},
 		&Reload{Rid: "r", Label: "l"}, &OffloadReply{}, &ReloadReply{Ticket: 1},
+		&OffloadReply{Ok: true, HostPages: []int32{1}, Total: 1 << 20}, &ReloadReply{Total: 1<<31 - 2}, &Pages{}, &Pages{GpuPages: []int32{0}},
 	} {
 		b, _ := proto.Marshal(m)
-		hotPair(t, uint8([]int{0, 0, 1, 2, 3}[k]), b)
+		hotPair(t, uint8([]int{0, 0, 1, 2, 3, 2, 3, 4, 4}[k]), b)
 	}
 }

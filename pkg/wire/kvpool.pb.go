@@ -195,10 +195,10 @@ func (x *Region) GetPageCount() uint32 {
 type Open struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Token         string                 `protobuf:"bytes,1,opt,name=token,proto3" json:"token,omitempty"`                             // allocation token (KVPOOL_TOKEN)
-	Gpu           uint32                 `protobuf:"varint,2,opt,name=gpu,proto3" json:"gpu,omitempty"`                                // GPU ordinal the session serves
 	InstanceId    []byte                 `protobuf:"bytes,3,opt,name=instance_id,json=instanceId,proto3" json:"instance_id,omitempty"` // 16 random bytes, fixed for the client process
 	Regions       []*Region              `protobuf:"bytes,4,rep,name=regions,proto3" json:"regions,omitempty"`
-	MaxPages      uint32                 `protobuf:"varint,5,opt,name=max_pages,json=maxPages,proto3" json:"max_pages,omitempty"` // host pages wanted; 0 = all the chunks it can bind
+	MaxPages      uint32                 `protobuf:"varint,5,opt,name=max_pages,json=maxPages,proto3" json:"max_pages,omitempty"` // host pages wanted; 0 = every chunk of this GPU it can bind
+	GpuUuid       string                 `protobuf:"bytes,6,opt,name=gpu_uuid,json=gpuUuid,proto3" json:"gpu_uuid,omitempty"`     // the GPU the session serves, as its driver names it ("GPU-...")
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -240,13 +240,6 @@ func (x *Open) GetToken() string {
 	return ""
 }
 
-func (x *Open) GetGpu() uint32 {
-	if x != nil {
-		return x.Gpu
-	}
-	return 0
-}
-
 func (x *Open) GetInstanceId() []byte {
 	if x != nil {
 		return x.InstanceId
@@ -266,6 +259,13 @@ func (x *Open) GetMaxPages() uint32 {
 		return x.MaxPages
 	}
 	return 0
+}
+
+func (x *Open) GetGpuUuid() string {
+	if x != nil {
+		return x.GpuUuid
+	}
+	return ""
 }
 
 type ChunkGrant struct {
@@ -491,8 +491,9 @@ func (x *Offload) GetReleased() int64 {
 
 type OffloadReply struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
-	Ok            bool                   `protobuf:"varint,1,opt,name=ok,proto3" json:"ok,omitempty"` // false: pool full, nothing changed
+	Ok            bool                   `protobuf:"varint,1,opt,name=ok,proto3" json:"ok,omitempty"` // false: pool full (or no pages), nothing changed
 	HostPages     []int32                `protobuf:"varint,2,rep,packed,name=host_pages,json=hostPages,proto3" json:"host_pages,omitempty"`
+	Total         uint32                 `protobuf:"varint,3,opt,name=total,proto3" json:"total,omitempty"` // set when host_pages is only the first part: the whole count; fetch the rest with More
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -539,6 +540,13 @@ func (x *OffloadReply) GetHostPages() []int32 {
 		return x.HostPages
 	}
 	return nil
+}
+
+func (x *OffloadReply) GetTotal() uint32 {
+	if x != nil {
+		return x.Total
+	}
+	return 0
 }
 
 type Reload struct {
@@ -608,6 +616,7 @@ type ReloadReply struct {
 	Position      int64                  `protobuf:"varint,3,opt,name=position,proto3" json:"position,omitempty"`
 	Released      int64                  `protobuf:"varint,4,opt,name=released,proto3" json:"released,omitempty"`
 	Ticket        uint64                 `protobuf:"varint,5,opt,name=ticket,proto3" json:"ticket,omitempty"` // fence this once the copy reading host_pages is done
+	Total         uint32                 `protobuf:"varint,6,opt,name=total,proto3" json:"total,omitempty"`   // set when host_pages is only the first part: the whole count; fetch the rest with More
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -677,6 +686,157 @@ func (x *ReloadReply) GetTicket() uint64 {
 	return 0
 }
 
+func (x *ReloadReply) GetTotal() uint32 {
+	if x != nil {
+		return x.Total
+	}
+	return 0
+}
+
+// Pages carries the first device pages of an offload or reload too long
+// for one packet; the offload or reload that follows appends its own.
+type Pages struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	GpuPages      []int32                `protobuf:"varint,1,rep,packed,name=gpu_pages,json=gpuPages,proto3" json:"gpu_pages,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Pages) Reset() {
+	*x = Pages{}
+	mi := &file_kvpool_proto_msgTypes[10]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Pages) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Pages) ProtoMessage() {}
+
+func (x *Pages) ProtoReflect() protoreflect.Message {
+	mi := &file_kvpool_proto_msgTypes[10]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Pages.ProtoReflect.Descriptor instead.
+func (*Pages) Descriptor() ([]byte, []int) {
+	return file_kvpool_proto_rawDescGZIP(), []int{10}
+}
+
+func (x *Pages) GetGpuPages() []int32 {
+	if x != nil {
+		return x.GpuPages
+	}
+	return nil
+}
+
+// More asks for the continuation of the last long reply of the session,
+// from position offset of its host_pages (or labels).
+type More struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Offset        uint32                 `protobuf:"varint,1,opt,name=offset,proto3" json:"offset,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *More) Reset() {
+	*x = More{}
+	mi := &file_kvpool_proto_msgTypes[11]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *More) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*More) ProtoMessage() {}
+
+func (x *More) ProtoReflect() protoreflect.Message {
+	mi := &file_kvpool_proto_msgTypes[11]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use More.ProtoReflect.Descriptor instead.
+func (*More) Descriptor() ([]byte, []int) {
+	return file_kvpool_proto_rawDescGZIP(), []int{11}
+}
+
+func (x *More) GetOffset() uint32 {
+	if x != nil {
+		return x.Offset
+	}
+	return 0
+}
+
+type MoreReply struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	HostPages     []int32                `protobuf:"varint,1,rep,packed,name=host_pages,json=hostPages,proto3" json:"host_pages,omitempty"`
+	Labels        []string               `protobuf:"bytes,2,rep,name=labels,proto3" json:"labels,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *MoreReply) Reset() {
+	*x = MoreReply{}
+	mi := &file_kvpool_proto_msgTypes[12]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *MoreReply) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*MoreReply) ProtoMessage() {}
+
+func (x *MoreReply) ProtoReflect() protoreflect.Message {
+	mi := &file_kvpool_proto_msgTypes[12]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use MoreReply.ProtoReflect.Descriptor instead.
+func (*MoreReply) Descriptor() ([]byte, []int) {
+	return file_kvpool_proto_rawDescGZIP(), []int{12}
+}
+
+func (x *MoreReply) GetHostPages() []int32 {
+	if x != nil {
+		return x.HostPages
+	}
+	return nil
+}
+
+func (x *MoreReply) GetLabels() []string {
+	if x != nil {
+		return x.Labels
+	}
+	return nil
+}
+
 // Stream names a stream for Discard and NumPages.
 type Stream struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
@@ -688,7 +848,7 @@ type Stream struct {
 
 func (x *Stream) Reset() {
 	*x = Stream{}
-	mi := &file_kvpool_proto_msgTypes[10]
+	mi := &file_kvpool_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -700,7 +860,7 @@ func (x *Stream) String() string {
 func (*Stream) ProtoMessage() {}
 
 func (x *Stream) ProtoReflect() protoreflect.Message {
-	mi := &file_kvpool_proto_msgTypes[10]
+	mi := &file_kvpool_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -713,7 +873,7 @@ func (x *Stream) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Stream.ProtoReflect.Descriptor instead.
 func (*Stream) Descriptor() ([]byte, []int) {
-	return file_kvpool_proto_rawDescGZIP(), []int{10}
+	return file_kvpool_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *Stream) GetRid() string {
@@ -740,7 +900,7 @@ type Request struct {
 
 func (x *Request) Reset() {
 	*x = Request{}
-	mi := &file_kvpool_proto_msgTypes[11]
+	mi := &file_kvpool_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -752,7 +912,7 @@ func (x *Request) String() string {
 func (*Request) ProtoMessage() {}
 
 func (x *Request) ProtoReflect() protoreflect.Message {
-	mi := &file_kvpool_proto_msgTypes[11]
+	mi := &file_kvpool_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -765,7 +925,7 @@ func (x *Request) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Request.ProtoReflect.Descriptor instead.
 func (*Request) Descriptor() ([]byte, []int) {
-	return file_kvpool_proto_rawDescGZIP(), []int{11}
+	return file_kvpool_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *Request) GetRid() string {
@@ -784,7 +944,7 @@ type RemoveRequestReply struct {
 
 func (x *RemoveRequestReply) Reset() {
 	*x = RemoveRequestReply{}
-	mi := &file_kvpool_proto_msgTypes[12]
+	mi := &file_kvpool_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -796,7 +956,7 @@ func (x *RemoveRequestReply) String() string {
 func (*RemoveRequestReply) ProtoMessage() {}
 
 func (x *RemoveRequestReply) ProtoReflect() protoreflect.Message {
-	mi := &file_kvpool_proto_msgTypes[12]
+	mi := &file_kvpool_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -809,7 +969,7 @@ func (x *RemoveRequestReply) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RemoveRequestReply.ProtoReflect.Descriptor instead.
 func (*RemoveRequestReply) Descriptor() ([]byte, []int) {
-	return file_kvpool_proto_rawDescGZIP(), []int{12}
+	return file_kvpool_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *RemoveRequestReply) GetRemoved() uint32 {
@@ -828,7 +988,7 @@ type IsOffloadedReply struct {
 
 func (x *IsOffloadedReply) Reset() {
 	*x = IsOffloadedReply{}
-	mi := &file_kvpool_proto_msgTypes[13]
+	mi := &file_kvpool_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -840,7 +1000,7 @@ func (x *IsOffloadedReply) String() string {
 func (*IsOffloadedReply) ProtoMessage() {}
 
 func (x *IsOffloadedReply) ProtoReflect() protoreflect.Message {
-	mi := &file_kvpool_proto_msgTypes[13]
+	mi := &file_kvpool_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -853,7 +1013,7 @@ func (x *IsOffloadedReply) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use IsOffloadedReply.ProtoReflect.Descriptor instead.
 func (*IsOffloadedReply) Descriptor() ([]byte, []int) {
-	return file_kvpool_proto_rawDescGZIP(), []int{13}
+	return file_kvpool_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *IsOffloadedReply) GetOffloaded() bool {
@@ -866,13 +1026,14 @@ func (x *IsOffloadedReply) GetOffloaded() bool {
 type LabelsReply struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Labels        []string               `protobuf:"bytes,1,rep,name=labels,proto3" json:"labels,omitempty"`
+	Total         uint32                 `protobuf:"varint,2,opt,name=total,proto3" json:"total,omitempty"` // set when labels is only the first part: the whole count; fetch the rest with More
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *LabelsReply) Reset() {
 	*x = LabelsReply{}
-	mi := &file_kvpool_proto_msgTypes[14]
+	mi := &file_kvpool_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -884,7 +1045,7 @@ func (x *LabelsReply) String() string {
 func (*LabelsReply) ProtoMessage() {}
 
 func (x *LabelsReply) ProtoReflect() protoreflect.Message {
-	mi := &file_kvpool_proto_msgTypes[14]
+	mi := &file_kvpool_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -897,7 +1058,7 @@ func (x *LabelsReply) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LabelsReply.ProtoReflect.Descriptor instead.
 func (*LabelsReply) Descriptor() ([]byte, []int) {
-	return file_kvpool_proto_rawDescGZIP(), []int{14}
+	return file_kvpool_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *LabelsReply) GetLabels() []string {
@@ -905,6 +1066,13 @@ func (x *LabelsReply) GetLabels() []string {
 		return x.Labels
 	}
 	return nil
+}
+
+func (x *LabelsReply) GetTotal() uint32 {
+	if x != nil {
+		return x.Total
+	}
+	return 0
 }
 
 type NumPagesReply struct {
@@ -916,7 +1084,7 @@ type NumPagesReply struct {
 
 func (x *NumPagesReply) Reset() {
 	*x = NumPagesReply{}
-	mi := &file_kvpool_proto_msgTypes[15]
+	mi := &file_kvpool_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -928,7 +1096,7 @@ func (x *NumPagesReply) String() string {
 func (*NumPagesReply) ProtoMessage() {}
 
 func (x *NumPagesReply) ProtoReflect() protoreflect.Message {
-	mi := &file_kvpool_proto_msgTypes[15]
+	mi := &file_kvpool_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -941,7 +1109,7 @@ func (x *NumPagesReply) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NumPagesReply.ProtoReflect.Descriptor instead.
 func (*NumPagesReply) Descriptor() ([]byte, []int) {
-	return file_kvpool_proto_rawDescGZIP(), []int{15}
+	return file_kvpool_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *NumPagesReply) GetPages() uint32 {
@@ -965,7 +1133,7 @@ type UsageReply struct {
 
 func (x *UsageReply) Reset() {
 	*x = UsageReply{}
-	mi := &file_kvpool_proto_msgTypes[16]
+	mi := &file_kvpool_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -977,7 +1145,7 @@ func (x *UsageReply) String() string {
 func (*UsageReply) ProtoMessage() {}
 
 func (x *UsageReply) ProtoReflect() protoreflect.Message {
-	mi := &file_kvpool_proto_msgTypes[16]
+	mi := &file_kvpool_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -990,7 +1158,7 @@ func (x *UsageReply) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UsageReply.ProtoReflect.Descriptor instead.
 func (*UsageReply) Descriptor() ([]byte, []int) {
-	return file_kvpool_proto_rawDescGZIP(), []int{16}
+	return file_kvpool_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *UsageReply) GetCapacity() uint32 {
@@ -1046,7 +1214,7 @@ type Error struct {
 
 func (x *Error) Reset() {
 	*x = Error{}
-	mi := &file_kvpool_proto_msgTypes[17]
+	mi := &file_kvpool_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1058,7 +1226,7 @@ func (x *Error) String() string {
 func (*Error) ProtoMessage() {}
 
 func (x *Error) ProtoReflect() protoreflect.Message {
-	mi := &file_kvpool_proto_msgTypes[17]
+	mi := &file_kvpool_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1071,7 +1239,7 @@ func (x *Error) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Error.ProtoReflect.Descriptor instead.
 func (*Error) Descriptor() ([]byte, []int) {
-	return file_kvpool_proto_rawDescGZIP(), []int{17}
+	return file_kvpool_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *Error) GetMessage() string {
@@ -1105,14 +1273,14 @@ const file_kvpool_proto_rawDesc = "" +
 	"\x06Region\x12$\n" +
 	"\x0ebytes_per_page\x18\x01 \x01(\x04R\fbytesPerPage\x12\x1d\n" +
 	"\n" +
-	"page_count\x18\x02 \x01(\rR\tpageCount\"\x9e\x01\n" +
+	"page_count\x18\x02 \x01(\rR\tpageCount\"\xad\x01\n" +
 	"\x04Open\x12\x14\n" +
-	"\x05token\x18\x01 \x01(\tR\x05token\x12\x10\n" +
-	"\x03gpu\x18\x02 \x01(\rR\x03gpu\x12\x1f\n" +
+	"\x05token\x18\x01 \x01(\tR\x05token\x12\x1f\n" +
 	"\vinstance_id\x18\x03 \x01(\fR\n" +
 	"instanceId\x120\n" +
 	"\aregions\x18\x04 \x03(\v2\x16.kvpool.wire.v1.RegionR\aregions\x12\x1b\n" +
-	"\tmax_pages\x18\x05 \x01(\rR\bmaxPages\"0\n" +
+	"\tmax_pages\x18\x05 \x01(\rR\bmaxPages\x12\x19\n" +
+	"\bgpu_uuid\x18\x06 \x01(\tR\agpuUuidJ\x04\b\x02\x10\x03\"0\n" +
 	"\n" +
 	"ChunkGrant\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x12\n" +
@@ -1131,15 +1299,16 @@ const file_kvpool_proto_rawDesc = "" +
 	"\n" +
 	"stored_len\x18\x04 \x01(\x03R\tstoredLen\x12\x1a\n" +
 	"\bposition\x18\x05 \x01(\x03R\bposition\x12\x1a\n" +
-	"\breleased\x18\x06 \x01(\x03R\breleased\"=\n" +
+	"\breleased\x18\x06 \x01(\x03R\breleased\"S\n" +
 	"\fOffloadReply\x12\x0e\n" +
 	"\x02ok\x18\x01 \x01(\bR\x02ok\x12\x1d\n" +
 	"\n" +
-	"host_pages\x18\x02 \x03(\x05R\thostPages\"M\n" +
+	"host_pages\x18\x02 \x03(\x05R\thostPages\x12\x14\n" +
+	"\x05total\x18\x03 \x01(\rR\x05total\"M\n" +
 	"\x06Reload\x12\x10\n" +
 	"\x03rid\x18\x01 \x01(\tR\x03rid\x12\x14\n" +
 	"\x05label\x18\x02 \x01(\tR\x05label\x12\x1b\n" +
-	"\tgpu_pages\x18\x03 \x03(\x05R\bgpuPages\"\x9b\x01\n" +
+	"\tgpu_pages\x18\x03 \x03(\x05R\bgpuPages\"\xb1\x01\n" +
 	"\vReloadReply\x12\x1d\n" +
 	"\n" +
 	"host_pages\x18\x01 \x03(\x05R\thostPages\x12\x1d\n" +
@@ -1147,7 +1316,16 @@ const file_kvpool_proto_rawDesc = "" +
 	"stored_len\x18\x02 \x01(\x03R\tstoredLen\x12\x1a\n" +
 	"\bposition\x18\x03 \x01(\x03R\bposition\x12\x1a\n" +
 	"\breleased\x18\x04 \x01(\x03R\breleased\x12\x16\n" +
-	"\x06ticket\x18\x05 \x01(\x04R\x06ticket\"0\n" +
+	"\x06ticket\x18\x05 \x01(\x04R\x06ticket\x12\x14\n" +
+	"\x05total\x18\x06 \x01(\rR\x05total\"$\n" +
+	"\x05Pages\x12\x1b\n" +
+	"\tgpu_pages\x18\x01 \x03(\x05R\bgpuPages\"\x1e\n" +
+	"\x04More\x12\x16\n" +
+	"\x06offset\x18\x01 \x01(\rR\x06offset\"B\n" +
+	"\tMoreReply\x12\x1d\n" +
+	"\n" +
+	"host_pages\x18\x01 \x03(\x05R\thostPages\x12\x16\n" +
+	"\x06labels\x18\x02 \x03(\tR\x06labels\"0\n" +
 	"\x06Stream\x12\x10\n" +
 	"\x03rid\x18\x01 \x01(\tR\x03rid\x12\x14\n" +
 	"\x05label\x18\x02 \x01(\tR\x05label\"\x1b\n" +
@@ -1156,9 +1334,10 @@ const file_kvpool_proto_rawDesc = "" +
 	"\x12RemoveRequestReply\x12\x18\n" +
 	"\aremoved\x18\x01 \x01(\rR\aremoved\"0\n" +
 	"\x10IsOffloadedReply\x12\x1c\n" +
-	"\toffloaded\x18\x01 \x01(\bR\toffloaded\"%\n" +
+	"\toffloaded\x18\x01 \x01(\bR\toffloaded\";\n" +
 	"\vLabelsReply\x12\x16\n" +
-	"\x06labels\x18\x01 \x03(\tR\x06labels\"%\n" +
+	"\x06labels\x18\x01 \x03(\tR\x06labels\x12\x14\n" +
+	"\x05total\x18\x02 \x01(\rR\x05total\"%\n" +
 	"\rNumPagesReply\x12\x14\n" +
 	"\x05pages\x18\x01 \x01(\rR\x05pages\"\xa0\x01\n" +
 	"\n" +
@@ -1185,7 +1364,7 @@ func file_kvpool_proto_rawDescGZIP() []byte {
 	return file_kvpool_proto_rawDescData
 }
 
-var file_kvpool_proto_msgTypes = make([]protoimpl.MessageInfo, 18)
+var file_kvpool_proto_msgTypes = make([]protoimpl.MessageInfo, 21)
 var file_kvpool_proto_goTypes = []any{
 	(*Hello)(nil),              // 0: kvpool.wire.v1.Hello
 	(*HelloReply)(nil),         // 1: kvpool.wire.v1.HelloReply
@@ -1197,14 +1376,17 @@ var file_kvpool_proto_goTypes = []any{
 	(*OffloadReply)(nil),       // 7: kvpool.wire.v1.OffloadReply
 	(*Reload)(nil),             // 8: kvpool.wire.v1.Reload
 	(*ReloadReply)(nil),        // 9: kvpool.wire.v1.ReloadReply
-	(*Stream)(nil),             // 10: kvpool.wire.v1.Stream
-	(*Request)(nil),            // 11: kvpool.wire.v1.Request
-	(*RemoveRequestReply)(nil), // 12: kvpool.wire.v1.RemoveRequestReply
-	(*IsOffloadedReply)(nil),   // 13: kvpool.wire.v1.IsOffloadedReply
-	(*LabelsReply)(nil),        // 14: kvpool.wire.v1.LabelsReply
-	(*NumPagesReply)(nil),      // 15: kvpool.wire.v1.NumPagesReply
-	(*UsageReply)(nil),         // 16: kvpool.wire.v1.UsageReply
-	(*Error)(nil),              // 17: kvpool.wire.v1.Error
+	(*Pages)(nil),              // 10: kvpool.wire.v1.Pages
+	(*More)(nil),               // 11: kvpool.wire.v1.More
+	(*MoreReply)(nil),          // 12: kvpool.wire.v1.MoreReply
+	(*Stream)(nil),             // 13: kvpool.wire.v1.Stream
+	(*Request)(nil),            // 14: kvpool.wire.v1.Request
+	(*RemoveRequestReply)(nil), // 15: kvpool.wire.v1.RemoveRequestReply
+	(*IsOffloadedReply)(nil),   // 16: kvpool.wire.v1.IsOffloadedReply
+	(*LabelsReply)(nil),        // 17: kvpool.wire.v1.LabelsReply
+	(*NumPagesReply)(nil),      // 18: kvpool.wire.v1.NumPagesReply
+	(*UsageReply)(nil),         // 19: kvpool.wire.v1.UsageReply
+	(*Error)(nil),              // 20: kvpool.wire.v1.Error
 }
 var file_kvpool_proto_depIdxs = []int32{
 	2, // 0: kvpool.wire.v1.Open.regions:type_name -> kvpool.wire.v1.Region
@@ -1227,7 +1409,7 @@ func file_kvpool_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvpool_proto_rawDesc), len(file_kvpool_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   18,
+			NumMessages:   21,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

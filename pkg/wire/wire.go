@@ -16,8 +16,10 @@ import (
 	"google.golang.org/protobuf/proto"
 )
 
-// Version is the protocol version this package speaks.
-const Version = 1
+// Version is the protocol version this package speaks. Version 2 names
+// GPUs by UUID in Open and carries page lists and label lists of any length
+// (OpPages, OpMore); a version 1 peer is refused at hello.
+const Version = 2
 
 const (
 	// HeaderSize is the size of the fixed header at the start of every packet.
@@ -27,6 +29,14 @@ const (
 	MaxMessage = 128 << 10
 	// MaxFDs is the most file descriptors one packet may carry.
 	MaxFDs = 1024
+	// MaxPagesPerPacket is the most page indices one packet carries. At
+	// the widest (5 bytes a page, 1 KiB names, every other field) such a
+	// packet stays under MaxMessage; longer lists go in several packets
+	// (OpPages before an offload or reload, OpMore after its reply).
+	MaxPagesPerPacket = 24576
+	// MaxLabelBytes bounds the encoded labels of one LabelsReply or
+	// MoreReply; longer lists continue with OpMore.
+	MaxLabelBytes = MaxMessage - HeaderSize - 64
 )
 
 // Op names an operation. A reply carries the op of its request.
@@ -45,12 +55,15 @@ const (
 	OpUsage         Op = 10
 	OpFence         Op = 11
 	OpClose         Op = 12
+	OpPages         Op = 13 // the first device pages of a long offload or reload
+	OpMore          Op = 14 // the rest of a long reply
 )
 
 var opNames = [...]string{
 	OpHello: "hello", OpOpen: "open", OpOffload: "offload", OpReload: "reload",
 	OpDiscard: "discard", OpRemoveRequest: "remove_request", OpIsOffloaded: "is_offloaded",
 	OpLabels: "labels", OpNumPages: "num_pages", OpUsage: "usage", OpFence: "fence", OpClose: "close",
+	OpPages: "pages", OpMore: "more",
 }
 
 func (o Op) String() string {
@@ -61,7 +74,7 @@ func (o Op) String() string {
 }
 
 // Valid reports whether o is an operation of this version.
-func (o Op) Valid() bool { return o >= OpHello && o <= OpClose }
+func (o Op) Valid() bool { return o >= OpHello && o <= OpMore }
 
 // Status is the outcome of a request, carried in the reply's header. Every
 // status but StatusOK comes with an Error body.
@@ -88,13 +101,15 @@ const (
 	StatusNoCapacity      Status = 17 // the allocation cannot hold the session
 	StatusUnexpectedFDs   Status = 18 // a request carried file descriptors
 	StatusInternal        Status = 19
+	StatusUnknownGPU      Status = 20 // Open names a GPU that is not in the node's plan
+	StatusNoGPUChunks     Status = 21 // the allocation holds no chunk of the session's GPU
 )
 
 var statusNames = [...]string{
 	"ok", "bad request", "unknown op", "version", "unauthorized", "no session", "busy",
 	"pending", "unknown stream", "duplicate stream", "page count", "out of range",
 	"duplicate index", "bad size", "bad name", "bad fence", "closed", "no capacity",
-	"unexpected fds", "internal",
+	"unexpected fds", "internal", "unknown gpu", "no chunks of this gpu",
 }
 
 func (s Status) String() string {
@@ -167,6 +182,10 @@ func NewRequest(op Op) (proto.Message, error) {
 		return new(Stream), nil
 	case OpRemoveRequest, OpIsOffloaded, OpLabels:
 		return new(Request), nil
+	case OpPages:
+		return new(Pages), nil
+	case OpMore:
+		return new(More), nil
 	case OpUsage, OpFence, OpClose:
 		return nil, nil
 	}
@@ -197,7 +216,9 @@ func NewReply(op Op, st Status) (proto.Message, error) {
 		return new(NumPagesReply), nil
 	case OpUsage:
 		return new(UsageReply), nil
-	case OpDiscard, OpFence, OpClose:
+	case OpMore:
+		return new(MoreReply), nil
+	case OpDiscard, OpFence, OpClose, OpPages:
 		return nil, nil
 	}
 	return nil, fmt.Errorf("%w: unknown op %d", ErrMalformed, uint8(op))
@@ -223,6 +244,8 @@ func DecodeBody(body []byte, m proto.Message) error {
 		err = decodeOffloadReply(body, x)
 	case *ReloadReply:
 		err = decodeReloadReply(body, x)
+	case *Pages:
+		err = decodePages(body, x)
 	default:
 		err = proto.Unmarshal(body, m)
 	}
@@ -249,6 +272,8 @@ func AppendPacket(b []byte, h Header, m proto.Message) ([]byte, error) {
 		b = appendOffloadReply(b, x)
 	case *ReloadReply:
 		b = appendReloadReply(b, x)
+	case *Pages:
+		b = appendPacked(b, 1, x.GpuPages)
 	default:
 		b, err = (proto.MarshalOptions{}).MarshalAppend(b, m)
 	}

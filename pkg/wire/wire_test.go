@@ -53,7 +53,7 @@ func TestBodiesRoundTrip(t *testing.T) {
 		req proto.Message
 	}{
 		{OpHello, &Hello{Version: 1, Client: "t"}},
-		{OpOpen, &Open{Token: "x", Gpu: 3, InstanceId: []byte("12345678"), Regions: []*Region{{BytesPerPage: 4096, PageCount: 9}}}},
+		{OpOpen, &Open{Token: "x", GpuUuid: "GPU-3", InstanceId: []byte("12345678"), Regions: []*Region{{BytesPerPage: 4096, PageCount: 9}}}},
 		{OpOffload, &Offload{Rid: "r", Label: "l", GpuPages: []int32{1, 2, 3}, StoredLen: 4, Position: 5, Released: 6}},
 		{OpReload, &Reload{Rid: "r", Label: "l", GpuPages: []int32{7}}},
 		{OpDiscard, &Stream{Rid: "r", Label: "l"}},

@@ -164,6 +164,16 @@ static CUresult fake_device_name(char *buf, int n, int d) {
 	return OK;
 }
 
+// fake_device_uuid gives device d the bytes "fakecuda" followed by d,
+// big-endian: GPU-66616b65-6375-6461-0000-00000000000<d>.
+static CUresult fake_device_uuid(unsigned char *uuid, int d) {
+	if (!initialized) return NOT_INITIALIZED;
+	if (d < 0 || d >= FAKE_DEVICES) return INVALID_DEVICE;
+	memcpy(uuid, "fakecuda", 8);
+	for (int i = 0; i < 8; i++) uuid[8 + i] = (unsigned char)((uint64_t)d >> (8 * (7 - i)));
+	return OK;
+}
+
 static CUresult fake_retain(void **ctx, int d) {
 	if (!initialized) return NOT_INITIALIZED;
 	if (d < 0 || d >= FAKE_DEVICES) return INVALID_DEVICE;
@@ -466,6 +476,7 @@ __attribute__((unused)) static const struct {
     {"cuDeviceGetCount", (void *)fake_device_count},
     {"cuDeviceGet", (void *)fake_device_get},
     {"cuDeviceGetName", (void *)fake_device_name},
+    {"cuDeviceGetUuid", (void *)fake_device_uuid},
     {"cuDevicePrimaryCtxRetain", (void *)fake_retain},
     {"cuDevicePrimaryCtxRelease", (void *)fake_release},
     {"cuCtxGetCurrent", (void *)fake_get_current},
