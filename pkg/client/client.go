@@ -410,6 +410,9 @@ func (p *CPUPagePool) roundTrip(op wire.Op, fence uint64, req, rep proto.Message
 		start := time.Now()
 		defer func() { p.o.Trace(op, time.Since(start)) }()
 	}
+	if p.wc == nil {
+		return nil, fmt.Errorf("%w: %s: the connection was dropped", ErrDisconnected, op)
+	}
 	p.seq++
 	var err error
 	p.out, err = wire.AppendPacket(p.out[:0], wire.Header{Op: op, Seq: p.seq, Fence: fence}, req)

@@ -268,8 +268,7 @@ func TestMisuse(t *testing.T) {
 		{"unknown reload", func() error { _, err := p.ReloadStream("zz", "l", []int32{4}); return err }, pool.ErrUnknownStream},
 		{"wrong count", func() error { _, err := p.ReloadStream("r", "l", []int32{4}); return err }, pool.ErrPageCount},
 		{"reload dup index", func() error { _, err := p.ReloadStream("r", "l", []int32{4, 4}); return err }, pool.ErrDuplicateIndex},
-		{"unknown discard", func() error { return p.Discard("r", "other") }, pool.ErrUnknownStream},
-		{"unknown num_pages", func() error { _, err := p.NumPages("zz", "l"); return err }, pool.ErrUnknownStream},
+		{"offload duplicate stream of zero pages", func() error { _, err := p.OffloadStream("r", "l", nil, 0, 0, 0); return err }, pool.ErrDuplicateStream},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -780,7 +779,7 @@ func fakeAgent(t *testing.T, rep *wire.OpenReply, fds []int) string {
 				return
 			}
 			h, _, _ := wire.ParseHeader(pkt)
-			var body proto.Message = &wire.HelloReply{Version: 1}
+			var body proto.Message = &wire.HelloReply{Version: wire.Version}
 			var pass []int
 			if op == wire.OpOpen {
 				body, pass = rep, fds

@@ -28,6 +28,11 @@ func FuzzClientReply(f *testing.F) {
 	f.Add(enc(&wire.OffloadReply{Ok: true, HostPages: []int32{0}}), enc(&wire.ReloadReply{}))
 	f.Add(enc(&wire.OffloadReply{Ok: false}), []byte{0xff})
 	f.Add([]byte{0x12, 0x03, 0x80, 0x80, 0x80}, []byte{})
+	// Long replies: totals past what the first part holds, continued by
+	// more replies that are the reload body again.
+	f.Add(enc(&wire.OffloadReply{Ok: true, HostPages: []int32{0}, Total: 2}), enc(&wire.MoreReply{HostPages: []int32{1}}))
+	f.Add(enc(&wire.OffloadReply{Ok: true, HostPages: []int32{0}, Total: 3}), enc(&wire.ReloadReply{HostPages: []int32{1}, Ticket: 1, Total: 2}))
+	f.Add(enc(&wire.OffloadReply{Ok: true, HostPages: []int32{0, 1}, Total: 1}), enc(&wire.ReloadReply{HostPages: []int32{0}, Ticket: 1, Total: 1 << 31}))
 
 	hc, err := hostmem.Alloc(hostmem.Options{Size: 64 << 10})
 	if err != nil {
@@ -57,14 +62,15 @@ func FuzzClientReply(f *testing.F) {
 				var fds []int
 				switch h.Op {
 				case wire.OpHello:
-					out, _ = wire.AppendPacket(nil, wire.Header{Op: h.Op, Seq: h.Seq}, &wire.HelloReply{Version: 1})
+					out, _ = wire.AppendPacket(nil, wire.Header{Op: h.Op, Seq: h.Seq}, &wire.HelloReply{Version: wire.Version})
 				case wire.OpOpen:
 					out, _ = wire.AppendPacket(nil, wire.Header{Op: h.Op, Seq: h.Seq}, &wire.OpenReply{Session: 1, PageSize: 4096,
 						PagesPerChunk: 16, Capacity: 16, Chunks: []*wire.ChunkGrant{{Id: "c", Size: 64 << 10}}})
 					fds = []int{int(hc.File.Fd())}
 				case wire.OpOffload:
 					out = append(wire.AppendHeader(nil, wire.Header{Op: h.Op, Seq: h.Seq}), offBody...)
-				case wire.OpReload:
+				case wire.OpReload, wire.OpMore:
+					// A long reply's continuation gets the reload body too.
 					out = append(wire.AppendHeader(nil, wire.Header{Op: h.Op, Seq: h.Seq}), relBody...)
 				default:
 					out = wire.AppendHeader(nil, wire.Header{Op: h.Op, Seq: h.Seq})

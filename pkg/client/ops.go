@@ -118,12 +118,13 @@ func (p *CPUPagePool) stagePages(pages []int32) ([]int32, error) {
 // drops while fetching, it reconnects once and, if the agent resumed the
 // same session, fetches the rest from there (the agent keeps it for the
 // session until its next request).
-func (p *CPUPagePool) longPages(op wire.Op, first []int32, total uint32) ([]int32, error) {
+func (p *CPUPagePool) longPages(op wire.Op, first []int32, total uint32, want int) ([]int32, error) {
 	if total == 0 {
 		return first, nil
 	}
-	if int(total) < len(first) {
-		return nil, fmt.Errorf("%w: %s reply of %d host pages says it has %d", ErrProtocol, op, len(first), total)
+	if int(total) != want || len(first) > want {
+		p.dropConn()
+		return nil, fmt.Errorf("%w: %s reply of %d host pages says it has %d, for %d device pages", ErrProtocol, op, len(first), total, want)
 	}
 	all := make([]int32, len(first), total)
 	copy(all, first)
@@ -193,13 +194,18 @@ func (p *CPUPagePool) OffloadStream(rid, label string, gpuPages []int32, storedL
 	if !p.offRep.Ok {
 		return false, nil
 	}
-	host, err := p.longPages(wire.OpOffload, p.offRep.HostPages, p.offRep.Total)
+	host, err := p.longPages(wire.OpOffload, p.offRep.HostPages, p.offRep.Total, len(gpuPages))
 	if err == nil {
 		_, err = p.enqueue(cudart.DeviceToHost, gpuPages, host)
 	}
 	if err != nil {
-		// Nothing was copied: give the pages back so the call changes nothing.
-		if _, derr := p.roundTrip(wire.OpDiscard, p.fence(), &wire.Stream{Rid: rid, Label: label}, nil); derr != nil {
+		// Nothing was copied: give the pages back so the call changes
+		// nothing (reconnecting first if the connection was dropped).
+		derr := p.begin()
+		if derr == nil {
+			_, derr = p.roundTrip(wire.OpDiscard, p.fence(), &wire.Stream{Rid: rid, Label: label}, nil)
+		}
+		if derr != nil {
 			err = errors.Join(err, derr)
 		}
 		return false, fmt.Errorf("kvpool offload %q/%q: %w", rid, label, err)
@@ -229,7 +235,7 @@ func (p *CPUPagePool) ReloadStream(rid, label string, gpuPages []int32) (Offload
 	r := &p.relRep
 	out := OffloadedStream{StoredLen: r.StoredLen, Position: r.Position, Released: r.Released}
 	ticket := r.Ticket
-	host, err := p.longPages(wire.OpReload, r.HostPages, r.Total)
+	host, err := p.longPages(wire.OpReload, r.HostPages, r.Total, len(gpuPages))
 	if err != nil {
 		// The agent released the stream; its pages wait for a fence that
 		// comes once the reloads before it complete.
