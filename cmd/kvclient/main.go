@@ -46,7 +46,7 @@ func run(args []string) error {
 	var cfg workload.Config
 	fs.StringVar(&cfg.Socket, "socket", os.Getenv(client.EnvSocket), "agent socket (default $KVPOOL_SOCKET, then "+client.DefaultSocket+")")
 	fs.StringVar(&cfg.Token, "token", os.Getenv(client.EnvToken), "allocation token (default $KVPOOL_TOKEN)")
-	fs.IntVar(&cfg.GPU, "gpu", envInt("KVCLIENT_GPU", 0), "GPU ordinal of the session ($KVCLIENT_GPU)")
+	fs.IntVar(&cfg.GPU, "gpu", envInt("KVCLIENT_GPU", -1), "simulated GPU of the session, named like the agent's simulated GPU of that index; -1: the first one the allocation has chunks of ($KVCLIENT_GPU)")
 	fs.IntVar(&cfg.DevicePages, "device-pages", 256, "pages of the simulated device KV cache")
 	page := fs.Int("page-bytes", 16<<10, "bytes per page in each of the K and V regions")
 	fs.IntVar(&cfg.MaxPages, "max-pages", envInt("KVCLIENT_MAX_PAGES", 128), "host pages to ask the agent for ($KVCLIENT_MAX_PAGES)")
@@ -75,7 +75,7 @@ func run(args []string) error {
 	start := time.Now()
 	res, err := workload.Run(ctx, cfg)
 	if res != nil {
-		log.Info("kvclient result", "pid", os.Getpid(), "gpu", cfg.GPU, "capacity", res.Capacity, "elapsed", time.Since(start).Round(time.Millisecond), "summary", res.Summary())
+		log.Info("kvclient result", "pid", os.Getpid(), "gpu", res.GPU, "capacity", res.Capacity, "elapsed", time.Since(start).Round(time.Millisecond), "summary", res.Summary())
 	}
 	if err != nil {
 		return err

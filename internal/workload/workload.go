@@ -6,6 +6,7 @@ package workload
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
@@ -15,13 +16,18 @@ import (
 
 	"github.com/kvpool/kvpool/pkg/client"
 	"github.com/kvpool/kvpool/pkg/cudart"
+	"github.com/kvpool/kvpool/pkg/pool"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
 
 // Config of a workload run.
 type Config struct {
 	Socket, Token string
-	GPU           int    // simulated GPU ordinal (the session's GPU)
+	// GPU is the simulated GPU of the session, named like the agent's
+	// simulated GPU of that index (cudart.SimulatedUUID). Negative: the
+	// first simulated GPU of which the allocation holds chunks (a pod does
+	// not know which GPU's chunks kubelet gave it).
+	GPU int
 	DevicePages   int    // device KV cache pages (default 256)
 	PageBytes     uint64 // bytes per page in each of the two regions, K and V (default 16 KiB)
 	MaxPages      int    // host pages to ask for (default 128; 0 in Options means all)
@@ -84,6 +90,7 @@ type Result struct {
 	Checks      int // assertions that held
 	Elapsed     time.Duration
 	Capacity    int
+	GPU         int // the simulated GPU the session served
 }
 
 func (r *Result) op(o Op) *OpStats {
@@ -132,33 +139,28 @@ type runner struct {
 // mismatch or unexpected outcome.
 func Run(ctx context.Context, cfg Config) (*Result, error) {
 	cfg.defaults()
-	sim := cudart.NewSim(cudart.SimOptions{Devices: cfg.GPU + 1, MemoryBytes: 2*uint64(cfg.DevicePages)*cfg.PageBytes + 1<<20, CopyDelay: cfg.CopyDelay})
-	dev, err := sim.Open(cfg.GPU)
-	if err != nil {
-		return nil, err
+	gpus := []int{cfg.GPU}
+	if cfg.GPU < 0 {
+		gpus = make([]int, maxAutoGPU)
+		for i := range gpus {
+			gpus[i] = i
+		}
 	}
-	defer dev.Close()
-	r := &runner{cfg: cfg, rng: rand.New(rand.NewPCG(cfg.Seed, 0x6b76)), dev: dev, res: &Result{Ops: map[Op]*OpStats{}},
-		buf: make([]byte, 2*cfg.PageBytes), want: make([]byte, 2*cfg.PageBytes), poison: bytes.Repeat([]byte{0xA5}, int(2*cfg.PageBytes))}
-	size := uint64(cfg.DevicePages) * cfg.PageBytes
-	if r.k, err = dev.MemAlloc(size); err != nil {
-		return nil, err
+	var r *runner
+	for _, g := range gpus {
+		var err error
+		r, err = open(ctx, cfg, g)
+		if err == nil {
+			break
+		}
+		if cfg.GPU >= 0 || !errors.Is(err, pool.ErrNoGPUChunks) {
+			return nil, err
+		}
 	}
-	if r.v, err = dev.MemAlloc(size); err != nil {
-		return nil, err
+	if r == nil {
+		return nil, fmt.Errorf("workload: the allocation holds no chunk of simulated GPUs 0 to %d", maxAutoGPU-1)
 	}
-	r.p, err = client.Open(ctx, client.Options{
-		Socket: cfg.Socket, Token: cfg.Token, Device: dev, MaxPages: cfg.MaxPages, InstanceID: cfg.InstanceID,
-		Name: "kvpool-workload", Logger: cfg.Logger,
-		Regions: []client.Region{
-			{Base: r.k, Stride: cfg.PageBytes, BytesPerPage: cfg.PageBytes, Pages: cfg.DevicePages},
-			{Base: r.v, Stride: cfg.PageBytes, BytesPerPage: cfg.PageBytes, Pages: cfg.DevicePages},
-		},
-		Trace: func(op wire.Op, d time.Duration) { r.lastRTT = d },
-	})
-	if err != nil {
-		return nil, err
-	}
+	defer r.dev.Close()
 	defer r.p.Close()
 	_, r.capacity, _ = r.p.Session()
 	r.res.Capacity = r.capacity
@@ -171,6 +173,45 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 	}
 	r.res.Elapsed = time.Since(start)
 	return r.res, nil
+}
+
+// maxAutoGPU bounds the simulated GPUs a negative Config.GPU tries.
+const maxAutoGPU = 64
+
+// open makes simulated device gpu (a device named like the agent's
+// simulated GPU gpu), its KV cache and a session on it.
+func open(ctx context.Context, cfg Config, gpu int) (*runner, error) {
+	sim := cudart.NewSim(cudart.SimOptions{Devices: 1, UUIDs: []string{cudart.SimulatedUUID(gpu)},
+		MemoryBytes: 2*uint64(cfg.DevicePages)*cfg.PageBytes + 1<<20, CopyDelay: cfg.CopyDelay})
+	dev, err := sim.Open(0)
+	if err != nil {
+		return nil, err
+	}
+	r := &runner{cfg: cfg, rng: rand.New(rand.NewPCG(cfg.Seed, 0x6b76)), dev: dev, res: &Result{Ops: map[Op]*OpStats{}, GPU: gpu},
+		buf: make([]byte, 2*cfg.PageBytes), want: make([]byte, 2*cfg.PageBytes), poison: bytes.Repeat([]byte{0xA5}, int(2*cfg.PageBytes))}
+	size := uint64(cfg.DevicePages) * cfg.PageBytes
+	if r.k, err = dev.MemAlloc(size); err != nil {
+		dev.Close()
+		return nil, err
+	}
+	if r.v, err = dev.MemAlloc(size); err != nil {
+		dev.Close()
+		return nil, err
+	}
+	r.p, err = client.Open(ctx, client.Options{
+		Socket: cfg.Socket, Token: cfg.Token, Device: dev, MaxPages: cfg.MaxPages, InstanceID: cfg.InstanceID,
+		Name: "kvpool-workload", Logger: cfg.Logger,
+		Regions: []client.Region{
+			{Base: r.k, Stride: cfg.PageBytes, BytesPerPage: cfg.PageBytes, Pages: cfg.DevicePages},
+			{Base: r.v, Stride: cfg.PageBytes, BytesPerPage: cfg.PageBytes, Pages: cfg.DevicePages},
+		},
+		Trace: func(op wire.Op, d time.Duration) { r.lastRTT = d },
+	})
+	if err != nil {
+		dev.Close()
+		return nil, err
+	}
+	return r, nil
 }
 
 func (r *runner) probe(before bool) {

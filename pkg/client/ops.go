@@ -161,8 +161,18 @@ func (p *CPUPagePool) fence() uint64 {
 
 // OffloadStream copies the device pages gpuPages into fresh host pages and
 // records the stream (rid, label) with its metadata. It returns false, having
-// changed nothing, when the pool cannot hold every page. The device pages may
-// be reused once Sync has ordered the reuse behind the copy.
+// changed nothing, when the pool cannot hold every page, and for an offload
+// of zero pages (as the seed's engine expects). A second offload of an
+// existing (rid, label) is an error (pool.ErrDuplicateStream) and leaves the
+// existing stream as it was: the seed's Python pool would silently leak the
+// old stream's pages instead; reload or discard it first. A stream may be of
+// any length up to the session's capacity (long page lists travel in several
+// packets). The device pages may be reused once Sync has ordered the reuse
+// behind the copy.
+//
+// When only pages still being read by earlier reloads' copies would make
+// room, it waits for the oldest such copy; other calls of the pool go on
+// while it waits.
 func (p *CPUPagePool) OffloadStream(rid, label string, gpuPages []int32, storedLen, position, released int64) (bool, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -305,7 +315,9 @@ func (p *CPUPagePool) enqueue(dir cudart.Direction, dev, host []int32) (cudart.T
 }
 
 // Discard drops a stream whose offload was abandoned after the copy: the
-// device pages stay live and the host pages go back to the pool.
+// device pages stay live and the host pages go back to the pool. Discarding
+// a stream that does not exist is a no-op, as the seed's engine expects (it
+// discards every label it claimed after an offload returned false).
 func (p *CPUPagePool) Discard(rid, label string) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -371,7 +383,8 @@ func (p *CPUPagePool) Labels(rid string) ([]string, error) {
 	return labels, nil
 }
 
-// NumPages returns the host pages the stream (rid, label) holds.
+// NumPages returns the host pages the stream (rid, label) holds: 0 when
+// there is no such stream.
 func (p *CPUPagePool) NumPages(rid, label string) (int, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()

@@ -30,7 +30,7 @@ func socketpair(t testing.TB) (*net.UnixConn, *net.UnixConn) {
 }
 
 // FuzzServerPacket feeds one arbitrary packet to a live server connection
-// after hello and open, then checks that the server either answered it and
+// after hello, open, an offload and a pages packet, then checks that the server either answered it and
 // still answers, or closed that connection; and that the pool's invariants
 // hold either way.
 func FuzzServerPacket(f *testing.F) {
@@ -47,6 +47,9 @@ func FuzzServerPacket(f *testing.F) {
 		{wire.OpFence, nil},
 		{wire.OpClose, nil},
 		{wire.OpOpen, []byte{0x0a, 0x05, 't', 'o', 'k', '-', 'a'}},
+		{wire.OpPages, []byte{0x0a, 0x02, 0x01, 0x02}},
+		{wire.OpMore, []byte{0x08, 0x01}},
+		{wire.OpMore, nil},
 		{77, nil},
 	} {
 		f.Add(append(wire.AppendHeader(nil, wire.Header{Op: m.op, Seq: 9}), m.body...))
@@ -61,6 +64,9 @@ func FuzzServerPacket(f *testing.F) {
 		r.open(0, "fuzz-instance")
 		var off wire.OffloadReply
 		r.do(wire.OpOffload, 0, &wire.Offload{Rid: "r", Label: "l", GpuPages: []int32{5, 6}}, &off)
+		// Staged pages, which a fuzzed offload or reload takes first and
+		// any other request drops.
+		r.do(wire.OpPages, 0, &wire.Pages{GpuPages: []int32{7, 8}}, nil)
 		if len(pkt) > wire.MaxMessage {
 			pkt = pkt[:wire.MaxMessage]
 		}
