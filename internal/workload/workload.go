@@ -27,17 +27,17 @@ type Config struct {
 	// simulated GPU of that index (cudart.SimulatedUUID). Negative: the
 	// first simulated GPU of which the allocation holds chunks (a pod does
 	// not know which GPU's chunks kubelet gave it).
-	GPU int
-	DevicePages   int    // device KV cache pages (default 256)
-	PageBytes     uint64 // bytes per page in each of the two regions, K and V (default 16 KiB)
-	MaxPages      int    // host pages to ask for (default 128; 0 in Options means all)
-	MaxStream     int    // most pages in one stream (default 16)
-	Ops           int    // mixed operations after the checks (default 2000)
-	Duration      time.Duration
-	Seed          uint64
-	InstanceID    []byte // default the process's
-	CopyDelay     time.Duration
-	Logger        *slog.Logger
+	GPU         int
+	DevicePages int    // device KV cache pages (default 256)
+	PageBytes   uint64 // bytes per page in each of the two regions, K and V (default 16 KiB)
+	MaxPages    int    // host pages to ask for (default 128; 0 in Options means all)
+	MaxStream   int    // most pages in one stream (default 16)
+	Ops         int    // mixed operations after the checks (default 2000)
+	Duration    time.Duration
+	Seed        uint64
+	InstanceID  []byte // default the process's
+	CopyDelay   time.Duration
+	Logger      *slog.Logger
 	// Progress is called about every 100 operations.
 	Progress func(done int)
 	// Probe, when set, is called right before (before true) and right
