@@ -59,7 +59,7 @@ func (s *Session) Check() error {
 			if st.prev != prev {
 				return fmt.Errorf("stream %q/%q: back link %d, want %d", rid, st.label, st.prev, prev)
 			}
-			if s.index[streamKey{rid, st.label}] != slot {
+			if l.byLabel != nil && l.byLabel[st.label] != slot {
 				return fmt.Errorf("stream %q/%q: not indexed at slot %d", rid, st.label, slot)
 			}
 			if err := walk(fmt.Sprintf("stream %q/%q", rid, st.label), st.head, st.tail, int(st.n)); err != nil {
@@ -69,12 +69,12 @@ func (s *Session) Check() error {
 			streams++
 			prev = slot
 		}
-		if prev != l.last {
-			return fmt.Errorf("request %q: last stream %d, list ends at %d", rid, l.last, prev)
+		if prev != l.last || int(l.n) != len(labels) {
+			return fmt.Errorf("request %q: last stream %d, count %d; list ends at %d after %d", rid, l.last, l.n, prev, len(labels))
 		}
-	}
-	if len(s.index) != streams {
-		return fmt.Errorf("%d streams indexed, %d listed", len(s.index), streams)
+		if (l.byLabel == nil && l.n > indexFrom) || (l.byLabel != nil && len(l.byLabel) != len(labels)) {
+			return fmt.Errorf("request %q: %d streams, label index of %d", rid, l.n, len(l.byLabel))
+		}
 	}
 	if used != s.used || streams != s.nstreams {
 		return fmt.Errorf("streams hold %d pages in %d streams, counters say %d in %d", used, streams, s.used, s.nstreams)

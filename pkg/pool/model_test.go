@@ -80,7 +80,17 @@ type driver struct {
 	m    *model
 	name string
 	dev  int
-	long bool // offloads of up to every device page, not just a dozen
+	long bool     // offloads of up to every device page, not just a dozen
+	many []string // labels to use instead of the default four
+}
+
+// labelSet is the labels the driver draws from: with more than indexFrom,
+// requests switch to their label index and back.
+func (d *driver) labelSet() []string {
+	if d.many != nil {
+		return d.many
+	}
+	return labels
 }
 
 var (
@@ -141,12 +151,22 @@ func (d *driver) wantErr(op string, got, want error) {
 
 func (d *driver) step() {
 	rid := rids[d.rng.IntN(len(rids))]
-	label := labels[d.rng.IntN(len(labels))]
-	switch op := d.rng.IntN(10); op {
+	if d.many != nil && !d.long {
+		rid = rids[d.rng.IntN(2)] // many streams in few requests
+	}
+	label := d.labelSet()[d.rng.IntN(len(d.labelSet()))]
+	op := d.rng.IntN(10)
+	if d.many != nil && !d.long && op >= 3 && op <= 6 && d.rng.IntN(2) == 0 {
+		op = 0 // let requests grow past indexFrom streams
+	}
+	switch op {
 	case 0, 1, 2: // offload
 		n := d.rng.IntN(min(d.dev, 12) + 1)
 		if d.long && d.rng.IntN(2) == 0 {
 			n = d.rng.IntN(d.dev + 1)
+		}
+		if d.many != nil && !d.long && d.rng.IntN(4) != 0 {
+			n = 1
 		}
 		gpu := d.devicePages(n)
 		meta := Meta{StoredLen: d.rng.Int64N(1000), Position: d.rng.Int64N(1000), Released: d.rng.Int64N(4)}
@@ -306,7 +326,7 @@ func (d *driver) verify() {
 		if got := d.s.IsOffloaded(rid); got != (len(want) > 0) {
 			d.fail("is_offloaded(%s) = %v", rid, got)
 		}
-		for _, label := range labels {
+		for _, label := range d.labelSet() {
 			n, err := d.s.NumPages(rid, label)
 			if i := d.m.find(rid, label); i >= 0 {
 				if err != nil || n != len(d.m.streams[rid][i].pages) {
@@ -374,6 +394,12 @@ func TestModel(t *testing.T) {
 				}
 				d := &driver{t: t, rng: rand.New(rand.NewPCG(seed, uint64(i))), s: s,
 					m: newModel(s.Capacity()), name: fmt.Sprintf("session %d", i), dev: sp.spec.DevicePages}
+				if i == 0 && seed%2 == 1 {
+					// Requests of up to 20 one-page streams: past indexFrom.
+					for l := range 20 {
+						d.many = append(d.many, fmt.Sprint("m", l))
+					}
+				}
 				wg.Go(func() {
 					for range steps {
 						d.step()
@@ -439,6 +465,11 @@ func TestModelLong(t *testing.T) {
 			}
 			d := &driver{t: t, rng: rand.New(rand.NewPCG(seed, 99)), s: s, m: newModel(s.Capacity()),
 				name: "long", dev: spec.DevicePages, long: true}
+			if seed == 1 {
+				for i := range 3 * indexFrom {
+					d.many = append(d.many, fmt.Sprint("L", i))
+				}
+			}
 			for range steps {
 				d.step()
 				d.verify()

@@ -68,8 +68,7 @@ type Session struct {
 	npending int
 	ticket   uint64 // last ticket issued
 
-	rids     map[string]ridList  // request ID -> its streams, in offload order
-	index    map[streamKey]int32 // (request ID, label) -> slot
+	rids     map[string]ridList // request ID -> its streams, in offload order
 	slab     []*slabBlock
 	freeSlot int32 // free slots, linked through stream.next
 	nstreams int
@@ -116,10 +115,17 @@ type stream struct {
 	prev       int32 // previous stream of the same request
 }
 
-// ridList is a request's list of streams.
-type ridList struct{ first, last int32 }
+// ridList is a request's list of streams. A request with more than
+// indexFrom streams also indexes them by label, so that finding one stays
+// O(1) however many a request has; below that a walk of the list is faster
+// than a map and costs the hot path nothing.
+type ridList struct {
+	first, last int32
+	n           int32
+	byLabel     map[string]int32 // label -> slot; nil until n exceeds indexFrom
+}
 
-type streamKey struct{ rid, label string }
+const indexFrom = 8
 
 const slabShift = 9
 
@@ -132,7 +138,6 @@ func newSession(p *Pool, a *allocation, spec Spec, chunks []*chunk, ppc, capacit
 		freeHead: nilPage,
 		nfree:    capacity,
 		rids:     make(map[string]ridList),
-		index:    make(map[streamKey]int32),
 		freeSlot: nilPage,
 		seen:     make([]uint64, (spec.DevicePages+63)/64),
 		labels:   make(map[string]string),
@@ -195,36 +200,58 @@ func (s *Session) freeSlotAt(slot int32) {
 	s.freeSlot = slot
 }
 
-// find returns the slot of (rid, label), or nilPage when there is none.
-func (s *Session) find(rid, label string) int32 {
-	if slot, ok := s.index[streamKey{rid, label}]; ok {
-		return slot
+// find returns the slot of (rid, label), or nilPage when there is none,
+// and rid's list.
+func (s *Session) find(rid, label string) (int32, ridList) {
+	l, ok := s.rids[rid]
+	if !ok {
+		return nilPage, l
 	}
-	return nilPage
+	if l.byLabel != nil {
+		if slot, ok := l.byLabel[label]; ok {
+			return slot, l
+		}
+		return nilPage, l
+	}
+	for slot := l.first; slot != nilPage; slot = s.at(slot).next {
+		if s.at(slot).label == label {
+			return slot, l
+		}
+	}
+	return nilPage, l
 }
 
-// link appends a new stream in slot to rid's list and indexes it.
-func (s *Session) link(rid string, slot int32) {
+// link appends a new stream in slot to rid's list l (zero when rid has no
+// stream yet).
+func (s *Session) link(rid string, l ridList, slot int32) {
 	st := s.at(slot)
 	st.next = nilPage
-	if l, ok := s.rids[rid]; ok {
+	if l.n > 0 {
 		st.prev = l.last
 		s.at(l.last).next = slot
-		s.rids[rid] = ridList{first: l.first, last: slot}
+		l.last = slot
 	} else {
 		st.prev = nilPage
-		s.rids[rid] = ridList{first: slot, last: slot}
+		l.first, l.last = slot, slot
 	}
-	s.index[streamKey{rid, st.label}] = slot
+	l.n++
+	switch {
+	case l.byLabel != nil:
+		l.byLabel[st.label] = slot
+	case l.n > indexFrom:
+		l.byLabel = make(map[string]int32, 2*indexFrom)
+		for x := l.first; x != nilPage; x = s.at(x).next {
+			l.byLabel[s.at(x).label] = x
+		}
+	}
+	s.rids[rid] = l
 	s.nstreams++
 	s.used += int(st.n)
 }
 
-// unlink removes slot from its request's list and the index, and frees the
-// slot.
-func (s *Session) unlink(rid string, slot int32) {
+// unlink removes slot from rid's list l and frees the slot.
+func (s *Session) unlink(rid string, l ridList, slot int32) {
 	st := s.at(slot)
-	l := s.rids[rid]
 	if st.prev != nilPage {
 		s.at(st.prev).next = st.next
 	} else {
@@ -235,12 +262,15 @@ func (s *Session) unlink(rid string, slot int32) {
 	} else {
 		l.last = st.prev
 	}
-	if l.first == nilPage {
+	l.n--
+	if l.byLabel != nil {
+		delete(l.byLabel, st.label)
+	}
+	if l.n == 0 {
 		delete(s.rids, rid)
 	} else {
 		s.rids[rid] = l
 	}
-	delete(s.index, streamKey{rid, st.label})
 	s.used -= int(st.n)
 	s.nstreams--
 	s.freeSlotAt(slot)
@@ -303,7 +333,8 @@ func (s *Session) Offload(rid, label string, gpuPages []int32, m Meta, dst []int
 	if err := s.checkDevicePages(gpuPages); err != nil {
 		return dst, streamErr("offload", rid, label, err)
 	}
-	if s.find(rid, label) != nilPage {
+	found, list := s.find(rid, label)
+	if found != nilPage {
 		return dst, streamErr("offload", rid, label, ErrDuplicateStream)
 	}
 	n := len(gpuPages)
@@ -334,7 +365,7 @@ func (s *Session) Offload(rid, label string, gpuPages []int32, m Meta, dst []int
 
 	slot := s.newSlot()
 	*s.at(slot) = stream{label: s.intern(label), meta: m, head: head, tail: tail, n: int32(n)}
-	s.link(rid, slot)
+	s.link(rid, list, slot)
 	return dst, nil
 }
 
@@ -367,7 +398,7 @@ func (s *Session) Reload(rid, label string, gpuPages []int32, dst []int32) (Relo
 	if err := s.checkDevicePages(gpuPages); err != nil {
 		return Reloaded{Pages: dst}, streamErr("reload", rid, label, err)
 	}
-	slot := s.find(rid, label)
+	slot, list := s.find(rid, label)
 	if slot == nilPage {
 		return Reloaded{Pages: dst}, streamErr("reload", rid, label, ErrUnknownStream)
 	}
@@ -386,7 +417,7 @@ func (s *Session) Reload(rid, label string, gpuPages []int32, dst []int32) (Relo
 		s.pending = append(s.pending, release{ticket: s.ticket, head: st.head, tail: st.tail, n: st.n})
 		s.npending += int(st.n)
 	}
-	s.unlink(rid, slot)
+	s.unlink(rid, list, slot)
 	return out, nil
 }
 
@@ -443,12 +474,12 @@ func (s *Session) Discard(rid, label string) error {
 	if s.closed {
 		return streamErr("discard", rid, label, ErrClosed)
 	}
-	slot := s.find(rid, label)
+	slot, list := s.find(rid, label)
 	if slot == nilPage {
 		return nil
 	}
 	s.freeChain(s.at(slot))
-	s.unlink(rid, slot)
+	s.unlink(rid, list, slot)
 	return nil
 }
 
@@ -469,7 +500,6 @@ func (s *Session) RemoveRequest(rid string) (int, error) {
 		st := s.at(slot)
 		next := st.next
 		s.freeChain(st)
-		delete(s.index, streamKey{rid, st.label})
 		s.used -= int(st.n)
 		s.nstreams--
 		s.freeSlotAt(slot)
@@ -515,7 +545,7 @@ func (s *Session) NumPages(rid, label string) (int, error) {
 	if s.closed {
 		return 0, streamErr("num_pages", rid, label, ErrClosed)
 	}
-	slot := s.find(rid, label)
+	slot, _ := s.find(rid, label)
 	if slot == nilPage {
 		return 0, nil
 	}
@@ -560,7 +590,6 @@ func (s *Session) Closed() bool {
 // dropAll forgets every stream and pending release. Called with s.mu held.
 func (s *Session) dropAll() {
 	s.rids = make(map[string]ridList)
-	s.index = make(map[streamKey]int32)
 	s.slab, s.freeSlot = nil, nilPage
 	s.pending, s.phead = nil, 0
 	s.used, s.nstreams, s.npending, s.nfree = 0, 0, 0, 0
