@@ -49,7 +49,7 @@ func run(args []string) error {
 	fs.IntVar(&cfg.GPU, "gpu", envInt("KVCLIENT_GPU", -1), "simulated GPU of the session, named like the agent's simulated GPU of that index; -1: the first one the allocation has chunks of ($KVCLIENT_GPU)")
 	fs.IntVar(&cfg.DevicePages, "device-pages", 256, "pages of the simulated device KV cache")
 	page := fs.Int("page-bytes", 16<<10, "bytes per page in each of the K and V regions")
-	fs.IntVar(&cfg.MaxPages, "max-pages", envInt("KVCLIENT_MAX_PAGES", 128), "host pages to ask the agent for ($KVCLIENT_MAX_PAGES)")
+	fs.IntVar(&cfg.MaxPages, "max-pages", envInt("KVCLIENT_MAX_PAGES", 128), "host pages to ask the agent for; -1: every chunk of the GPU in the allocation ($KVCLIENT_MAX_PAGES)")
 	fs.IntVar(&cfg.MaxStream, "max-stream", 16, "most pages in one stream")
 	fs.IntVar(&cfg.Ops, "ops", envInt("KVCLIENT_OPS", 2000), "mixed operations after the checks ($KVCLIENT_OPS)")
 	fs.DurationVar(&cfg.Duration, "duration", 0, "run the mixed workload for this long instead of -ops")

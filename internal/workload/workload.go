@@ -30,7 +30,7 @@ type Config struct {
 	GPU         int
 	DevicePages int    // device KV cache pages (default 256)
 	PageBytes   uint64 // bytes per page in each of the two regions, K and V (default 16 KiB)
-	MaxPages    int    // host pages to ask for (default 128; 0 in Options means all)
+	MaxPages    int    // host pages to ask for (default 128; negative: all the chunks of the GPU, Options.MaxPages 0)
 	MaxStream   int    // most pages in one stream (default 16)
 	Ops         int    // mixed operations after the checks (default 2000)
 	Duration    time.Duration
@@ -199,7 +199,7 @@ func open(ctx context.Context, cfg Config, gpu int) (*runner, error) {
 		return nil, err
 	}
 	r.p, err = client.Open(ctx, client.Options{
-		Socket: cfg.Socket, Token: cfg.Token, Device: dev, MaxPages: cfg.MaxPages, InstanceID: cfg.InstanceID,
+		Socket: cfg.Socket, Token: cfg.Token, Device: dev, MaxPages: max(cfg.MaxPages, 0), InstanceID: cfg.InstanceID,
 		Name: "kvpool-workload", Logger: cfg.Logger,
 		Regions: []client.Region{
 			{Base: r.k, Stride: cfg.PageBytes, BytesPerPage: cfg.PageBytes, Pages: cfg.DevicePages},

@@ -292,6 +292,11 @@ func (c *cluster) checkpointHolders(t *testing.T) (holders map[string][]string, 
 type podCheck struct {
 	socket bool // the agent serves its socket: it must be in the container
 	client bool // run the kvclient against it
+	// ranks, when not zero, runs one kvclient per GPU 0..ranks-1 at once
+	// (a tensor-parallel pod), each asking for all of its GPU's chunks
+	// (-max-pages -1), and wants each to get rankPages host pages; and one
+	// more on a GPU the node does not have, which must be refused.
+	ranks, rankPages int
 }
 
 // script checks the container contract (socket directory mounted,
@@ -316,6 +321,20 @@ fail() { echo "FAIL: $*" >/dev/termination-log; exit 1; }
 	args := os.Getenv("KVPOOL_E2E_KVCLIENT_ARGS")
 	if args == "" {
 		args = "-ops 500"
+	}
+	if pc.ranks > 0 {
+		for g := range pc.ranks {
+			s += fmt.Sprintf("/kvclient %s -gpu %d -max-pages -1 >/tmp/rank%d 2>&1 & pid%d=$!\n", args, g, g, g)
+		}
+		stranger := pc.ranks + 8
+		s += fmt.Sprintf("/kvclient -ops 10 -gpu %d >/tmp/stranger 2>&1 && fail \"a kvclient on GPU %d, which the node does not have, was served\"\n", stranger, stranger)
+		s += "grep -q 'unknown gpu' /tmp/stranger || fail \"stranger: $(tail -c 300 /tmp/stranger)\"\n"
+		for g := range pc.ranks {
+			s += fmt.Sprintf("wait $pid%d || fail \"rank %d: $(tail -c 800 /tmp/rank%d)\"\n", g, g, g)
+			s += fmt.Sprintf("grep -q 'kvclient result.* gpu=%d capacity=%d ' /tmp/rank%d || fail \"rank %d did not get its GPU's %d pages: $(grep 'kvclient result' /tmp/rank%d)\"\n",
+				g, pc.rankPages, g, g, pc.rankPages, g)
+		}
+		return s + `printf 'contract ok; ranks ok\n%s\n' "$(grep -h 'kvclient result' /tmp/rank*)" | tail -c 3500 >/dev/termination-log`
 	}
 	return s + `out=$(/kvclient ` + args + ` 2>&1); rc=$?
 printf 'contract ok\n%s\n' "$out" | tail -c 3500 >/dev/termination-log
@@ -477,8 +496,15 @@ func TestAgent(t *testing.T) {
 		})
 		t.Logf("holder's %d chunks reclaimed %v after deletion (limit %v)", len(held), time.Since(deleted).Round(100*time.Millisecond), limit)
 
-		// The pool hands out every chunk again: a pod takes all of them.
-		c.runPod(t, "all", poolChunks, pc)
+		// The pool hands out every chunk again: a pod takes all of them,
+		// and runs one rank per GPU (GPU 1 is a non-zero-based host GPU):
+		// each rank, asking for all it can bind, binds only its own GPU's
+		// chunks (poolChunks/2 chunks of 8 MiB in 32 KiB host pages).
+		all := pc
+		if pc.client {
+			all.ranks, all.rankPages = 2, poolChunks/2*chunkBytes/(32<<10)
+		}
+		c.runPod(t, "all", poolChunks, all)
 		c.deletePod(t, "all")
 		if len(files) == 0 {
 			t.Skip("reclaim checked through the agent's checkpoint; the agent's chunks are not memfds in this build (simulated chunks hold no bytes), so zeroing was not observable")
