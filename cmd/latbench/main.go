@@ -34,6 +34,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"runtime/pprof"
 	"slices"
 	"strconv"
 	"strings"
@@ -77,8 +78,20 @@ func run(args []string) error {
 	role := fs.String("role", "", "internal: agent or client")
 	socket := fs.String("socket", "", "internal: agent socket")
 	token := fs.String("token", "", "internal: allocation token")
+	profile := fs.String("profile-dir", "", "write CPU profiles of the agent and client processes (agent-*.pprof, client-*.pprof) here")
 	if err := fs.Parse(args); err != nil {
 		return err
+	}
+	if *profile != "" && *role != "" {
+		f, err := os.Create(filepath.Join(*profile, fmt.Sprintf("%s-%d.pprof", *role, os.Getpid())))
+		if err != nil {
+			return err
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			return err
+		}
+		defer pprof.StopCPUProfile()
 	}
 	switch *role {
 	case "agent":
@@ -120,7 +133,7 @@ func run(args []string) error {
 		if !slices.Contains(strings.Split(*only, ","), key) {
 			continue
 		}
-		r, err := runPlacement(dir, echo, pl.name, pl.agent, pl.clientC, sizes, *n, *warm, *rounds, *pages, *pageBytes)
+		r, err := runPlacement(dir, echo, pl.name, pl.agent, pl.clientC, sizes, *n, *warm, *rounds, *pages, *pageBytes, *profile)
 		if err != nil {
 			return fmt.Errorf("%s: %w", pl.name, err)
 		}
@@ -269,7 +282,7 @@ type placementReport struct {
 	Rows           []row
 }
 
-func runPlacement(dir, echo, name string, agentCPUs, clientCPUs []int, sz sizes, n, warm, rounds, pages, pageBytes int) (placementReport, error) {
+func runPlacement(dir, echo, name string, agentCPUs, clientCPUs []int, sz sizes, n, warm, rounds, pages, pageBytes int, profile string) (placementReport, error) {
 	rep := placementReport{Placement: name, AgentCPUs: agentCPUs, ClientCPUs: clientCPUs}
 	self, err := os.Executable()
 	if err != nil {
@@ -280,7 +293,7 @@ func runPlacement(dir, echo, name string, agentCPUs, clientCPUs []int, sz sizes,
 	os.Remove(sock)
 	os.Remove(esock)
 
-	agent := exec.Command(self, "-role", "agent", "-socket", sock)
+	agent := exec.Command(self, "-role", "agent", "-socket", sock, "-profile-dir", profile)
 	agent.Stderr = os.Stderr
 	aout, _ := agent.StdoutPipe()
 	ain, _ := agent.StdinPipe()
@@ -306,7 +319,7 @@ func runPlacement(dir, echo, name string, agentCPUs, clientCPUs []int, sz sizes,
 	}
 
 	cl := exec.Command(self, "-role", "client", "-socket", sock, "-token", tok,
-		"-pages", strconv.Itoa(pages), "-page-bytes", strconv.Itoa(pageBytes))
+		"-pages", strconv.Itoa(pages), "-page-bytes", strconv.Itoa(pageBytes), "-profile-dir", profile)
 	cl.Stderr = os.Stderr
 	cin, _ := cl.StdinPipe()
 	cout, _ := cl.StdoutPipe()
