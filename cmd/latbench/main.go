@@ -24,12 +24,14 @@ import (
 	"bufio"
 	"context"
 	_ "embed"
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -98,6 +100,8 @@ func run(args []string) error {
 		return agentMain(*socket)
 	case "client":
 		return clientMain(*socket, *token, *pages, *pageBytes)
+	case "echo":
+		return echoMain(*socket)
 	case "":
 	default:
 		return fmt.Errorf("unknown role %q", *role)
@@ -318,6 +322,20 @@ func runPlacement(dir, echo, name string, agentCPUs, clientCPUs []int, sz sizes,
 		return rep, fmt.Errorf("echo server did not start: %q %v", line, err)
 	}
 
+	gsock := filepath.Join(dir, "goecho.sock")
+	os.Remove(gsock)
+	gsrv := exec.Command(self, "-role", "echo", "-socket", gsock)
+	gsrv.Stderr = os.Stderr
+	gout, _ := gsrv.StdoutPipe()
+	gin, _ := gsrv.StdinPipe()
+	if err := startPinned(gsrv, agentCPUs); err != nil {
+		return rep, err
+	}
+	defer func() { gin.Close(); gsrv.Wait() }()
+	if line, err := bufio.NewReader(gout).ReadString('\n'); err != nil || strings.TrimSpace(line) != "ready" {
+		return rep, fmt.Errorf("Go echo server did not start: %q %v", line, err)
+	}
+
 	cl := exec.Command(self, "-role", "client", "-socket", sock, "-token", tok,
 		"-pages", strconv.Itoa(pages), "-page-bytes", strconv.Itoa(pageBytes), "-profile-dir", profile)
 	cl.Stderr = os.Stderr
@@ -336,7 +354,7 @@ func runPlacement(dir, echo, name string, agentCPUs, clientCPUs []int, sz sizes,
 	rep.ClientMaxProcs, _ = strconv.Atoi(mp)
 
 	goCall := func(kind string, count int) ([]int64, error) {
-		fmt.Fprintf(cin, "%s %d %d\n", kind, count, warm)
+		fmt.Fprintf(cin, "%s %d %d %s %d %d\n", kind, count, warm, gsock, sz.isOffReq, sz.isOffRep)
 		line, err := cr.ReadString('\n')
 		if err != nil {
 			return nil, fmt.Errorf("client: %w", err)
@@ -371,6 +389,25 @@ func runPlacement(dir, echo, name string, agentCPUs, clientCPUs []int, sz sizes,
 		{fmt.Sprintf("offload+reload, %d pages", pages), "offrel", []int{sz.offReq, sz.offRep, sz.relReq, sz.relRep}},
 	}
 	per := n / rounds
+	// The transport alone: a bare echo between two Go processes over
+	// wire.Conn, with is_offloaded's packet sizes.
+	{
+		var fl, kv []int64
+		for range rounds {
+			f, err := cCall(per, sz.isOffReq, sz.isOffRep)
+			if err != nil {
+				return rep, err
+			}
+			g, err := goCall("wecho", per)
+			if err != nil {
+				return rep, err
+			}
+			fl, kv = append(fl, f...), append(kv, g...)
+		}
+		r := row{What: "Go echo over wire.Conn (no kvpool)", Floor: summarize(fl), KVPool: summarize(kv)}
+		r.Ratio = [3]float64{r.KVPool.P50 / r.Floor.P50, r.KVPool.P90 / r.Floor.P90, r.KVPool.P99 / r.Floor.P99}
+		rep.Rows = append(rep.Rows, r)
+	}
 	for _, k := range kinds {
 		var fl, kv []int64
 		for range rounds {
@@ -514,14 +551,33 @@ func clientMain(socket, token string, pages, pageBytes int) error {
 	out := bufio.NewWriter(os.Stdout)
 	var lat []int64
 	for in.Scan() {
-		var kind string
-		var count, warm int
-		if _, err := fmt.Sscan(in.Text(), &kind, &count, &warm); err != nil || count < 1 || warm < 0 {
+		var kind, esock string
+		var count, warm, q, r int
+		if _, err := fmt.Sscan(in.Text(), &kind, &count, &warm, &esock, &q, &r); err != nil || count < 1 || warm < 0 || q < 4 || r < 1 {
 			return fmt.Errorf("bad command %q", in.Text())
 		}
-		f := isoff
-		if kind == "offrel" {
+		f, done := isoff, func() {}
+		switch kind {
+		case "offrel":
 			f = offrel
+		case "wecho":
+			ec, err := wire.Dial(esock)
+			if err != nil {
+				return err
+			}
+			done = func() { ec.Close() } // a second Conn would take the first off the direct path
+			req, buf := make([]byte, q), make([]byte, wire.MaxMessage+1)
+			binary.LittleEndian.PutUint32(req, uint32(r))
+			f = func() error {
+				if err := ec.Send(req, nil); err != nil {
+					return err
+				}
+				pkt, _, err := ec.Recv(buf)
+				if err == nil && len(pkt) != r {
+					err = fmt.Errorf("echo of %d bytes, want %d", len(pkt), r)
+				}
+				return err
+			}
 		}
 		lat = lat[:0]
 		var ferr error
@@ -536,6 +592,7 @@ func clientMain(socket, token string, pages, pageBytes int) error {
 				lat = append(lat, d.Nanoseconds())
 			}
 		}
+		done()
 		if ferr != nil {
 			fmt.Fprintf(out, "error %v\n", ferr)
 		} else {
@@ -552,6 +609,47 @@ func clientMain(socket, token string, pages, pageBytes int) error {
 		}
 	}
 	return in.Err()
+}
+
+// echoMain serves a bare echo over wire.Conn until stdin closes: the
+// request's first 4 bytes give the reply's size, as testdata/echo.c.
+func echoMain(socket string) error {
+	l, err := net.ListenUnix(wire.Network, &net.UnixAddr{Name: socket, Net: wire.Network})
+	if err != nil {
+		return err
+	}
+	go func() {
+		io.Copy(io.Discard, os.Stdin)
+		l.Close()
+	}()
+	fmt.Println("ready")
+	for {
+		uc, err := l.AcceptUnix()
+		if err != nil {
+			return nil
+		}
+		go func() {
+			c := wire.NewConn(uc)
+			defer c.Close()
+			buf := make([]byte, wire.MaxMessage+1)
+			for {
+				pkt, files, err := c.Recv(buf)
+				for _, f := range files {
+					f.Close()
+				}
+				if err != nil || len(pkt) < 4 {
+					return
+				}
+				n := int(binary.LittleEndian.Uint32(pkt))
+				if n < 1 || n > wire.MaxMessage || n > len(buf) {
+					n = len(pkt)
+				}
+				if c.Send(buf[:n], nil) != nil {
+					return
+				}
+			}
+		}()
+	}
 }
 
 func contextWithCancel() (context.Context, context.CancelFunc) {
