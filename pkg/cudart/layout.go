@@ -3,6 +3,7 @@ package cudart
 import (
 	"fmt"
 	"math"
+	"slices"
 )
 
 // Region describes one array of pages in device memory, in whatever layout
@@ -85,18 +86,16 @@ func (l Layout) Copies(dir Direction, devPages []int, hostPages []uintptr) ([]Co
 	for _, r := range l.Regions[1:] {
 		limit = min(limit, r.Pages)
 	}
-	seen := make(map[int]bool, len(devPages))
 	for i, p := range devPages {
 		if p < 0 || p >= limit {
 			return nil, fmt.Errorf("cudart: device page %d (position %d) is out of range [0, %d)", p, i, limit)
 		}
-		if seen[p] {
-			return nil, fmt.Errorf("cudart: device page %d appears twice", p)
-		}
-		seen[p] = true
 		if hostPages[i] == 0 {
 			return nil, fmt.Errorf("cudart: host page at position %d has address 0", i)
 		}
+	}
+	if p, ok := duplicate(devPages); ok {
+		return nil, fmt.Errorf("cudart: device page %d appears twice", p)
 	}
 	out := make([]Copy, 0, len(devPages)*len(l.Regions))
 	var off uintptr
@@ -113,4 +112,28 @@ func (l Layout) Copies(dir Direction, devPages []int, hostPages []uintptr) ([]Co
 		off += uintptr(r.PageBytes)
 	}
 	return out, nil
+}
+
+// duplicate returns a page that appears twice in pages. It is on every
+// batch's path, so it allocates nothing for short lists (the usual batch)
+// and one sorted copy for long ones, instead of a map.
+func duplicate(pages []int) (int, bool) {
+	if len(pages) <= 48 {
+		for i := 1; i < len(pages); i++ {
+			for _, q := range pages[:i] {
+				if q == pages[i] {
+					return q, true
+				}
+			}
+		}
+		return 0, false
+	}
+	s := slices.Clone(pages)
+	slices.Sort(s)
+	for i := 1; i < len(s); i++ {
+		if s[i] == s[i-1] {
+			return s[i], true
+		}
+	}
+	return 0, false
 }

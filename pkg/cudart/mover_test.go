@@ -3,6 +3,7 @@ package cudart
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -353,5 +354,23 @@ func TestMoverReloadTicket(t *testing.T) {
 	}
 	if err := m.WaitFor(first); !errors.Is(err, ErrMoverClosed) {
 		t.Errorf("WaitFor after Close = %v", err)
+	}
+}
+
+func TestLayoutCopiesFindsDuplicatesInLongLists(t *testing.T) {
+	l := Layout{Regions: []Region{{Base: 0x1000, Stride: 16, PageBytes: 16, Pages: 1000}}}
+	for _, n := range []int{2, 47, 48, 49, 64, 500} {
+		dev, host := make([]int, n), make([]uintptr, n)
+		for i := range dev {
+			dev[i], host[i] = (i*37)%1000, uintptr(0x100000+i*16)
+		}
+		if _, err := l.Copies(DeviceToHost, dev, host); err != nil {
+			t.Fatalf("%d distinct pages: %v", n, err)
+		}
+		dev[n-1] = dev[0]
+		want := fmt.Sprintf("device page %d appears twice", dev[0])
+		if _, err := l.Copies(DeviceToHost, dev, host); err == nil || !strings.Contains(err.Error(), want) {
+			t.Fatalf("%d pages with a duplicate: %v, want %q", n, err, want)
+		}
 	}
 }

@@ -6,6 +6,12 @@ import (
 	"io"
 	"net"
 	"os"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -19,17 +25,93 @@ const Network = "unixpacket"
 // unknown.
 var ErrTooLarge = errors.New("packet exceeds the maximum message size")
 
+// BlockWindow is how long Recv waits for a packet inside the kernel, in a
+// plain blocking recvmsg on the calling thread, before it parks the
+// goroutine on Go's network poller. See Conn.
+const BlockWindow = 200 * time.Microsecond
+
 // Conn sends and receives packets on a SOCK_SEQPACKET Unix connection. A
 // Conn is not safe for concurrent use by several readers or several
 // writers; one reader and one writer may run at once.
+//
+// The hot path is a request and its reply, a few µs of work apart, between
+// two processes that may share one CPU. Go's network poller costs such an
+// exchange a wasted EAGAIN, two epoll_wait calls and often a wake-up of a
+// second thread that spins on the CPU the peer needs; a blocking syscall
+// made the usual way lets the runtime's monitor hand the P to another
+// thread when the wait outlasts 20 µs. So Recv first waits the way a plain
+// C program does: one recvmsg that blocks in the kernel (the socket is put
+// in blocking mode with SO_RCVTIMEO = BlockWindow), made without telling
+// the scheduler, so the peer's send wakes this very thread. When no packet
+// comes within BlockWindow, or a signal (a preemption request of the
+// garbage collector) interrupts the wait, Recv falls back to the poller,
+// which neither holds a P nor delays a stop of the world. Send never blocks
+// in the kernel (MSG_DONTWAIT; the poller waits for room).
+//
+// A thread waiting that way keeps its P. So that the process's other
+// goroutines always find one, a Conn waits in the kernel only while the
+// process has at most max(1, GOMAXPROCS-1) open Conns; beyond that every
+// Conn uses the poller alone. Deadlines set on UnixConn() hold for Send
+// and Recv, up to BlockWindow late.
 type Conn struct {
 	uc  *net.UnixConn
+	rc  syscall.RawConn
 	oob []byte
+
+	direct bool // the socket is blocking with SO_RCVTIMEO = BlockWindow
+
+	// Send and Recv keep their syscall arguments here, under their own
+	// lock (uncontended: one reader and one writer), so that the hot path
+	// allocates nothing.
+	wmu    sync.Mutex
+	wmsg   unix.Msghdr
+	wiov   unix.Iovec
+	wn     uintptr
+	werrno syscall.Errno
+	writeF func(fd uintptr) bool
+
+	rmu    sync.Mutex
+	rmsg   unix.Msghdr
+	riov   unix.Iovec
+	rn     uintptr
+	rerrno syscall.Errno
+	rblock bool
+	readF  func(fd uintptr) bool
+
+	closed atomic.Bool
 }
+
+// open counts the Conns of this process that may wait in the kernel.
+var open atomic.Int32
+
+// blockLimit is the most open Conns with which Recv still waits in the
+// kernel; a variable for tests.
+var blockLimit = func() int { return max(1, runtime.GOMAXPROCS(0)-1) }
+
+// parked counts Recvs that fell back to the poller, for tests.
+var parked atomic.Int64
 
 // NewConn wraps a connected unixpacket socket.
 func NewConn(uc *net.UnixConn) *Conn {
-	return &Conn{uc: uc, oob: make([]byte, unix.CmsgSpace(4*MaxFDs))}
+	c := &Conn{uc: uc, oob: make([]byte, unix.CmsgSpace(4*MaxFDs))}
+	c.writeF, c.readF = c.sendStep, c.recvStep
+	rc, err := uc.SyscallConn()
+	if err != nil {
+		return c // Send and Recv return the error
+	}
+	c.rc = rc
+	var serr error
+	err = rc.Control(func(fd uintptr) {
+		tv := unix.NsecToTimeval(BlockWindow.Nanoseconds())
+		if serr = unix.SetsockoptTimeval(int(fd), unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv); serr == nil {
+			serr = unix.SetNonblock(int(fd), false)
+		}
+	})
+	if err == nil && serr == nil {
+		c.direct = true
+		open.Add(1)
+	}
+	return c
 }
 
 // Dial connects to the socket at path.
@@ -41,11 +123,30 @@ func Dial(path string) (*Conn, error) {
 	return NewConn(uc), nil
 }
 
-// UnixConn returns the underlying connection.
+// UnixConn returns the underlying connection. Its socket is in blocking
+// mode; read and write it through the Conn.
 func (c *Conn) UnixConn() *net.UnixConn { return c.uc }
 
-// Close closes the connection.
-func (c *Conn) Close() error { return c.uc.Close() }
+// Close closes the connection. A Recv waiting in another goroutine returns
+// at once.
+func (c *Conn) Close() error {
+	if c.closed.CompareAndSwap(false, true) {
+		if c.direct {
+			open.Add(-1)
+		}
+		if c.rc != nil {
+			// Wake a reader blocked in recvmsg: the file is closed only
+			// once it has returned.
+			c.rc.Control(func(fd uintptr) { unix.Shutdown(int(fd), unix.SHUT_RDWR) })
+		}
+	}
+	return c.uc.Close()
+}
+
+// mayBlock reports whether Recv may wait in the kernel now.
+func (c *Conn) mayBlock() bool {
+	return c.direct && int(open.Load()) <= blockLimit()
+}
 
 // Send writes one packet, passing fds by SCM_RIGHTS when there are any. The
 // caller keeps ownership of fds.
@@ -56,18 +157,72 @@ func (c *Conn) Send(pkt []byte, fds []int) error {
 	if len(fds) > MaxFDs {
 		return fmt.Errorf("wire: send %d fds, at most %d", len(fds), MaxFDs)
 	}
+	if c.rc == nil {
+		return fmt.Errorf("wire: send: %w", net.ErrClosed)
+	}
 	var oob []byte
 	if len(fds) > 0 {
 		oob = unix.UnixRights(fds...)
 	}
-	n, _, err := c.uc.WriteMsgUnix(pkt, oob, nil)
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	m := &c.wmsg
+	*m = unix.Msghdr{}
+	if len(pkt) > 0 {
+		c.wiov.Base = &pkt[0]
+		c.wiov.SetLen(len(pkt))
+		m.Iov = &c.wiov
+		m.SetIovlen(1)
+	}
+	if len(oob) > 0 {
+		m.Control = &oob[0]
+		m.SetControllen(len(oob))
+	}
+	c.wn, c.werrno = 0, 0
+	err := c.rc.Write(c.writeF)
+	n, errno := c.wn, c.werrno
+	c.wiov.Base, m.Iov, m.Control = nil, nil, nil
+	if err == nil && errno != 0 {
+		err = os.NewSyscallError("sendmsg", errno)
+	}
 	if err != nil {
 		return fmt.Errorf("wire: send: %w", err)
 	}
-	if n != len(pkt) {
+	if int(n) != len(pkt) {
 		return fmt.Errorf("wire: send: short write %d of %d bytes", n, len(pkt))
 	}
 	return nil
+}
+
+// sendStep is the write step of Send: it never blocks in the kernel.
+func (c *Conn) sendStep(fd uintptr) bool {
+	c.wn, _, c.werrno = syscall.RawSyscall(unix.SYS_SENDMSG, fd, uintptr(unsafe.Pointer(&c.wmsg)), unix.MSG_DONTWAIT|unix.MSG_NOSIGNAL)
+	return c.werrno != unix.EAGAIN && c.werrno != unix.EINTR
+}
+
+// recvStep is the read step of Recv: while c.rblock it waits in the
+// kernel, up to BlockWindow.
+func (c *Conn) recvStep(fd uintptr) bool {
+	m := &c.rmsg
+	m.SetControllen(len(c.oob))
+	m.Flags = 0
+	flags := uintptr(unix.MSG_CMSG_CLOEXEC)
+	if !c.rblock {
+		flags |= unix.MSG_DONTWAIT
+	}
+	// RawSyscall: the wait is short (SO_RCVTIMEO) and a signal ends it
+	// (EINTR), so the P is not handed to another thread meanwhile.
+	c.rn, _, c.rerrno = syscall.RawSyscall(unix.SYS_RECVMSG, fd, uintptr(unsafe.Pointer(m)), flags)
+	if c.rerrno == unix.EAGAIN || c.rerrno == unix.EINTR {
+		// Nothing within the window: wait on the poller, then take the
+		// packet without blocking.
+		if c.rblock {
+			parked.Add(1)
+		}
+		c.rblock = false
+		return false
+	}
+	return true
 }
 
 // Recv reads one packet into buf (which should have room for MaxMessage+1
@@ -77,19 +232,45 @@ func (c *Conn) Send(pkt []byte, fds []int) error {
 // ErrTooLarge; the connection should then be closed. io.EOF means the peer
 // closed the connection.
 func (c *Conn) Recv(buf []byte) ([]byte, []*os.File, error) {
-	n, oobn, flags, _, err := c.uc.ReadMsgUnix(buf, c.oob)
+	if c.rc == nil {
+		return nil, nil, fmt.Errorf("wire: recv: %w", net.ErrClosed)
+	}
+	c.rmu.Lock()
+	defer c.rmu.Unlock()
+	m := &c.rmsg
+	*m = unix.Msghdr{}
+	if len(buf) > 0 {
+		c.riov.Base = &buf[0]
+		c.riov.SetLen(len(buf))
+		m.Iov = &c.riov
+		m.SetIovlen(1)
+	}
+	m.Control = &c.oob[0]
+	c.rn, c.rerrno, c.rblock = 0, 0, c.mayBlock()
+	err := c.rc.Read(c.readF)
+	n, errno := c.rn, c.rerrno
+	c.riov.Base, m.Iov = nil, nil
+	if err == nil && errno != 0 {
+		err = os.NewSyscallError("recvmsg", errno)
+	}
+	if err != nil {
+		if c.closed.Load() {
+			err = fmt.Errorf("%w: %w", net.ErrClosed, err)
+		}
+		return nil, nil, fmt.Errorf("wire: recv: %w", err)
+	}
+	oobn, flags := int(m.Controllen), int(m.Flags)
 	var files []*os.File
 	if oobn > 0 {
-		var perr error
-		files, perr = parseRights(c.oob[:oobn])
-		if err == nil {
-			err = perr
-		}
+		files, err = parseRights(c.oob[:oobn])
 	}
 	if err == nil && n == 0 {
 		err = io.EOF
+		if c.closed.Load() {
+			err = fmt.Errorf("wire: recv: %w", net.ErrClosed)
+		}
 	}
-	if err == nil && (flags&unix.MSG_TRUNC != 0 || n > MaxMessage) {
+	if err == nil && (flags&unix.MSG_TRUNC != 0 || int(n) > MaxMessage) {
 		err = fmt.Errorf("wire: recv: %w (limit %d)", ErrTooLarge, MaxMessage)
 	}
 	if err == nil && flags&unix.MSG_CTRUNC != 0 {

@@ -1,0 +1,657 @@
+// Command latbench measures the cross-process round trip of kvpool calls
+// against a blocking echo floor measured in the same run.
+//
+//	go run ./cmd/latbench [-n 20000] [-cpus 0,1] [-json]
+//
+// It compiles testdata/echo.c (a plain blocking SOCK_SEQPACKET echo in C)
+// with $CC, cc or gcc, starts an embedded standalone agent in a child
+// process and a Go client (pkg/client over the simulator) in another, and
+// for each CPU placement times, in alternating rounds:
+//
+//   - is_offloaded through the client against one echo exchange of the same
+//     packet sizes;
+//   - an offload of 64 pages followed by their reload against two echo
+//     exchanges of those packets' sizes.
+//
+// Placements: "one CPU" (both processes pinned to the first CPU, as taskset
+// -c 0 would), "two CPUs" (the agent on the first, the client on the
+// second) and "shared" (both allowed on both). The C client and server are
+// pinned exactly as the Go ones. Each child computes its GOMAXPROCS from
+// the CPUs it may use, as under taskset.
+package main
+
+import (
+	"bufio"
+	"context"
+	_ "embed"
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"runtime/pprof"
+	"slices"
+	"strconv"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"golang.org/x/sys/unix"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/kvpool/kvpool/pkg/client"
+	"github.com/kvpool/kvpool/pkg/cudart"
+	"github.com/kvpool/kvpool/pkg/standalone"
+	"github.com/kvpool/kvpool/pkg/wire"
+)
+
+//go:embed testdata/echo.c
+var echoC []byte
+
+const (
+	rid   = "request-000001"
+	label = "layer-group-0"
+)
+
+func main() {
+	if err := run(os.Args[1:]); err != nil {
+		fmt.Fprintln(os.Stderr, "latbench:", err)
+		os.Exit(1)
+	}
+}
+
+func run(args []string) error {
+	fs := flag.NewFlagSet("latbench", flag.ContinueOnError)
+	n := fs.Int("n", 20000, "timed calls of each kind per placement")
+	warm := fs.Int("warmup", 2000, "untimed calls before each timed batch")
+	rounds := fs.Int("rounds", 4, "alternating floor/kvpool rounds the calls are split into")
+	pages := fs.Int("pages", 64, "pages per offload and reload")
+	pageBytes := fs.Int("page-bytes", 128, "bytes per page in each of the K and V regions (the simulator copies them)")
+	cpus := fs.String("cpus", "", "two CPUs to place the processes on (default: the first two this process may use)")
+	only := fs.String("placements", "one,two,shared", "placements to run")
+	asJSON := fs.Bool("json", false, "print JSON")
+	role := fs.String("role", "", "internal: agent or client")
+	socket := fs.String("socket", "", "internal: agent socket")
+	token := fs.String("token", "", "internal: allocation token")
+	profile := fs.String("profile-dir", "", "write CPU profiles of the agent and client processes (agent-*.pprof, client-*.pprof) here")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if *profile != "" && *role != "" {
+		f, err := os.Create(filepath.Join(*profile, fmt.Sprintf("%s-%d.pprof", *role, os.Getpid())))
+		if err != nil {
+			return err
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			return err
+		}
+		defer pprof.StopCPUProfile()
+	}
+	switch *role {
+	case "agent":
+		return agentMain(*socket)
+	case "client":
+		return clientMain(*socket, *token, *pages, *pageBytes)
+	case "echo":
+		return echoMain(*socket)
+	case "":
+	default:
+		return fmt.Errorf("unknown role %q", *role)
+	}
+	if *n < 100 || *rounds < 1 || *n/(*rounds) < 1 || *pages < 1 || *pageBytes < 1 || *warm < 0 {
+		return errors.New("-n at least 100, -rounds, -pages and -page-bytes positive")
+	}
+	cpuA, cpuB, err := pickCPUs(*cpus)
+	if err != nil {
+		return err
+	}
+	dir, err := os.MkdirTemp("", "kvpool-latbench-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(dir)
+	echo, cc, err := buildEcho(dir)
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(os.Stderr, "latbench: echo floor built with %s; CPUs %d and %d\n", cc, cpuA, cpuB)
+	sizes := packetSizes(*pages)
+	var reps []placementReport
+	for _, pl := range []struct {
+		name           string
+		agent, clientC []int
+	}{
+		{"one CPU", []int{cpuA}, []int{cpuA}},
+		{"two CPUs", []int{cpuA}, []int{cpuB}},
+		{"shared", []int{cpuA, cpuB}, []int{cpuA, cpuB}},
+	} {
+		key := strings.Fields(pl.name)[0]
+		if !slices.Contains(strings.Split(*only, ","), key) {
+			continue
+		}
+		r, err := runPlacement(dir, echo, pl.name, pl.agent, pl.clientC, sizes, *n, *warm, *rounds, *pages, *pageBytes, *profile)
+		if err != nil {
+			return fmt.Errorf("%s: %w", pl.name, err)
+		}
+		reps = append(reps, r)
+	}
+	if *asJSON {
+		e := json.NewEncoder(os.Stdout)
+		e.SetIndent("", "  ")
+		return e.Encode(reps)
+	}
+	printReports(os.Stdout, reps)
+	return nil
+}
+
+// pickCPUs returns the two CPUs to use.
+func pickCPUs(spec string) (int, int, error) {
+	if spec != "" {
+		f := strings.Split(spec, ",")
+		if len(f) != 2 {
+			return 0, 0, fmt.Errorf("-cpus %q: want two CPUs, A,B", spec)
+		}
+		a, err1 := strconv.Atoi(f[0])
+		b, err2 := strconv.Atoi(f[1])
+		if err1 != nil || err2 != nil || a < 0 || b < 0 {
+			return 0, 0, fmt.Errorf("-cpus %q: want two CPU numbers", spec)
+		}
+		return a, b, nil
+	}
+	var s unix.CPUSet
+	if err := unix.SchedGetaffinity(0, &s); err != nil {
+		return 0, 0, err
+	}
+	var got []int
+	for c := 0; c < 1024 && len(got) < 2; c++ {
+		if s.IsSet(c) {
+			got = append(got, c)
+		}
+	}
+	if len(got) < 2 {
+		return 0, 0, errors.New("fewer than two CPUs available; pass -placements one")
+	}
+	return got[0], got[1], nil
+}
+
+// buildEcho compiles the C echo floor.
+func buildEcho(dir string) (string, string, error) {
+	src := filepath.Join(dir, "echo.c")
+	if err := os.WriteFile(src, echoC, 0o600); err != nil {
+		return "", "", err
+	}
+	var tried []string
+	for _, cc := range []string{os.Getenv("CC"), "cc", "gcc", "clang"} {
+		if cc == "" {
+			continue
+		}
+		path, err := exec.LookPath(cc)
+		if err != nil {
+			tried = append(tried, cc)
+			continue
+		}
+		bin := filepath.Join(dir, "echo")
+		out, err := exec.Command(path, "-O2", "-o", bin, src).CombinedOutput()
+		if err != nil {
+			return "", "", fmt.Errorf("compile the echo floor with %s: %v: %s", cc, err, out)
+		}
+		return bin, cc, nil
+	}
+	return "", "", fmt.Errorf("no C compiler to build the echo floor (tried %s); install gcc or set $CC", strings.Join(tried, ", "))
+}
+
+// sizes are the packet sizes of the measured calls, encoded as the client
+// and the agent encode them.
+type sizes struct {
+	isOffReq, isOffRep int
+	offReq, offRep     int
+	relReq, relRep     int
+}
+
+func packetSizes(n int) sizes {
+	dev, host := make([]int32, n), make([]int32, n)
+	for i := range dev {
+		dev[i], host[i] = int32(i*37%(2*n)), int32(i)
+	}
+	enc := func(op wire.Op, m proto.Message) int {
+		pkt, err := wire.AppendPacket(nil, wire.Header{Op: op, Seq: 1 << 20, Fence: 1 << 20}, m)
+		if err != nil {
+			panic(err)
+		}
+		return len(pkt)
+	}
+	return sizes{
+		isOffReq: enc(wire.OpIsOffloaded, &wire.Request{Rid: rid}),
+		isOffRep: enc(wire.OpIsOffloaded, &wire.IsOffloadedReply{Offloaded: true}),
+		offReq:   enc(wire.OpOffload, &wire.Offload{Rid: rid, Label: label, GpuPages: dev, StoredLen: int64(n) * 16, Position: int64(n) * 16}),
+		offRep:   enc(wire.OpOffload, &wire.OffloadReply{Ok: true, HostPages: host}),
+		relReq:   enc(wire.OpReload, &wire.Reload{Rid: rid, Label: label, GpuPages: dev}),
+		relRep:   enc(wire.OpReload, &wire.ReloadReply{HostPages: host, StoredLen: int64(n) * 16, Position: int64(n) * 16, Ticket: 1 << 20}),
+	}
+}
+
+// startPinned starts cmd allowed only on cpus: the child inherits the
+// affinity of the thread that forks it.
+func startPinned(cmd *exec.Cmd, cpus []int) error {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	var old, set unix.CPUSet
+	if err := unix.SchedGetaffinity(0, &old); err != nil {
+		return err
+	}
+	for _, c := range cpus {
+		set.Set(c)
+	}
+	if err := unix.SchedSetaffinity(0, &set); err != nil {
+		return fmt.Errorf("pin to CPUs %v: %w", cpus, err)
+	}
+	err := cmd.Start()
+	if rerr := unix.SchedSetaffinity(0, &old); err == nil {
+		err = rerr
+	}
+	return err
+}
+
+type stats struct {
+	P50, P90, P99 float64 // µs
+	N             int
+}
+
+func summarize(ns []int64) stats {
+	slices.Sort(ns)
+	q := func(p float64) float64 { return float64(ns[int(p*float64(len(ns)-1))]) / 1e3 }
+	return stats{P50: q(.5), P90: q(.9), P99: q(.99), N: len(ns)}
+}
+
+type row struct {
+	What   string
+	Floor  stats
+	KVPool stats
+	Ratio  [3]float64 // p50, p90, p99
+}
+
+type placementReport struct {
+	Placement      string
+	AgentCPUs      []int
+	ClientCPUs     []int
+	ClientMaxProcs int
+	Rows           []row
+}
+
+func runPlacement(dir, echo, name string, agentCPUs, clientCPUs []int, sz sizes, n, warm, rounds, pages, pageBytes int, profile string) (placementReport, error) {
+	rep := placementReport{Placement: name, AgentCPUs: agentCPUs, ClientCPUs: clientCPUs}
+	self, err := os.Executable()
+	if err != nil {
+		return rep, err
+	}
+	sock := filepath.Join(dir, "kv.sock")
+	esock := filepath.Join(dir, "echo.sock")
+	os.Remove(sock)
+	os.Remove(esock)
+
+	agent := exec.Command(self, "-role", "agent", "-socket", sock, "-profile-dir", profile)
+	agent.Stderr = os.Stderr
+	aout, _ := agent.StdoutPipe()
+	ain, _ := agent.StdinPipe()
+	if err := startPinned(agent, agentCPUs); err != nil {
+		return rep, err
+	}
+	defer func() { ain.Close(); agent.Wait() }()
+	ar := bufio.NewReader(aout)
+	line, err := ar.ReadString('\n')
+	tok, ok := strings.CutPrefix(strings.TrimSpace(line), "ready ")
+	if err != nil || !ok {
+		return rep, fmt.Errorf("agent did not start: %q %v", line, err)
+	}
+
+	srv := exec.Command(echo, "serve", esock)
+	sout, _ := srv.StdoutPipe()
+	if err := startPinned(srv, agentCPUs); err != nil {
+		return rep, err
+	}
+	defer func() { srv.Process.Kill(); srv.Wait() }()
+	if line, err := bufio.NewReader(sout).ReadString('\n'); err != nil || strings.TrimSpace(line) != "ready" {
+		return rep, fmt.Errorf("echo server did not start: %q %v", line, err)
+	}
+
+	gsock := filepath.Join(dir, "goecho.sock")
+	os.Remove(gsock)
+	gsrv := exec.Command(self, "-role", "echo", "-socket", gsock)
+	gsrv.Stderr = os.Stderr
+	gout, _ := gsrv.StdoutPipe()
+	gin, _ := gsrv.StdinPipe()
+	if err := startPinned(gsrv, agentCPUs); err != nil {
+		return rep, err
+	}
+	defer func() { gin.Close(); gsrv.Wait() }()
+	if line, err := bufio.NewReader(gout).ReadString('\n'); err != nil || strings.TrimSpace(line) != "ready" {
+		return rep, fmt.Errorf("Go echo server did not start: %q %v", line, err)
+	}
+
+	cl := exec.Command(self, "-role", "client", "-socket", sock, "-token", tok,
+		"-pages", strconv.Itoa(pages), "-page-bytes", strconv.Itoa(pageBytes), "-profile-dir", profile)
+	cl.Stderr = os.Stderr
+	cin, _ := cl.StdinPipe()
+	cout, _ := cl.StdoutPipe()
+	if err := startPinned(cl, clientCPUs); err != nil {
+		return rep, err
+	}
+	defer func() { cin.Close(); cl.Wait() }()
+	cr := bufio.NewReader(cout)
+	line, err = cr.ReadString('\n')
+	mp, ok := strings.CutPrefix(strings.TrimSpace(line), "ready ")
+	if err != nil || !ok {
+		return rep, fmt.Errorf("client did not start: %q %v", line, err)
+	}
+	rep.ClientMaxProcs, _ = strconv.Atoi(mp)
+
+	goCall := func(kind string, count int) ([]int64, error) {
+		fmt.Fprintf(cin, "%s %d %d %s %d %d\n", kind, count, warm, gsock, sz.isOffReq, sz.isOffRep)
+		line, err := cr.ReadString('\n')
+		if err != nil {
+			return nil, fmt.Errorf("client: %w", err)
+		}
+		return parseLatencies(line)
+	}
+	cCall := func(count int, pairs ...int) ([]int64, error) {
+		args := []string{"call", esock, strconv.Itoa(count + warm)}
+		for _, p := range pairs {
+			args = append(args, strconv.Itoa(p))
+		}
+		c := exec.Command(echo, args...)
+		var out strings.Builder
+		c.Stdout, c.Stderr = &out, os.Stderr
+		if err := startPinned(c, clientCPUs); err != nil {
+			return nil, err
+		}
+		if err := c.Wait(); err != nil {
+			return nil, fmt.Errorf("echo client: %w", err)
+		}
+		l, err := parseLatencies(strings.ReplaceAll(out.String(), "\n", " "))
+		if err != nil {
+			return nil, err
+		}
+		return l[warm:], nil
+	}
+	kinds := []struct {
+		what, kind string
+		pairs      []int
+	}{
+		{"is_offloaded", "isoff", []int{sz.isOffReq, sz.isOffRep}},
+		{fmt.Sprintf("offload+reload, %d pages", pages), "offrel", []int{sz.offReq, sz.offRep, sz.relReq, sz.relRep}},
+	}
+	per := n / rounds
+	// The transport alone: a bare echo between two Go processes over
+	// wire.Conn, with is_offloaded's packet sizes.
+	{
+		var fl, kv []int64
+		for range rounds {
+			f, err := cCall(per, sz.isOffReq, sz.isOffRep)
+			if err != nil {
+				return rep, err
+			}
+			g, err := goCall("wecho", per)
+			if err != nil {
+				return rep, err
+			}
+			fl, kv = append(fl, f...), append(kv, g...)
+		}
+		r := row{What: "Go echo over wire.Conn (no kvpool)", Floor: summarize(fl), KVPool: summarize(kv)}
+		r.Ratio = [3]float64{r.KVPool.P50 / r.Floor.P50, r.KVPool.P90 / r.Floor.P90, r.KVPool.P99 / r.Floor.P99}
+		rep.Rows = append(rep.Rows, r)
+	}
+	for _, k := range kinds {
+		var fl, kv []int64
+		for range rounds {
+			f, err := cCall(per, k.pairs...)
+			if err != nil {
+				return rep, err
+			}
+			g, err := goCall(k.kind, per)
+			if err != nil {
+				return rep, err
+			}
+			fl, kv = append(fl, f...), append(kv, g...)
+		}
+		r := row{What: k.what, Floor: summarize(fl), KVPool: summarize(kv)}
+		r.Ratio = [3]float64{r.KVPool.P50 / r.Floor.P50, r.KVPool.P90 / r.Floor.P90, r.KVPool.P99 / r.Floor.P99}
+		rep.Rows = append(rep.Rows, r)
+	}
+	return rep, nil
+}
+
+func parseLatencies(line string) ([]int64, error) {
+	if msg, ok := strings.CutPrefix(line, "error "); ok {
+		return nil, errors.New(strings.TrimSpace(msg))
+	}
+	f := strings.Fields(line)
+	out := make([]int64, len(f))
+	for i, s := range f {
+		v, err := strconv.ParseInt(s, 10, 64)
+		if err != nil {
+			return nil, fmt.Errorf("bad latency %q", s)
+		}
+		out[i] = v
+	}
+	if len(out) == 0 {
+		return nil, errors.New("no latencies")
+	}
+	return out, nil
+}
+
+func printReports(w io.Writer, reps []placementReport) {
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "placement\tcall\tkvpool p50/p90/p99 µs\tC echo floor p50/p90/p99 µs\tratio p50/p90/p99")
+	for _, r := range reps {
+		for _, x := range r.Rows {
+			fmt.Fprintf(tw, "%s (agent %v, client %v, client GOMAXPROCS %d)\t%s\t%.1f / %.1f / %.1f\t%.1f / %.1f / %.1f\t%.2f / %.2f / %.2f\n",
+				r.Placement, r.AgentCPUs, r.ClientCPUs, r.ClientMaxProcs, x.What,
+				x.KVPool.P50, x.KVPool.P90, x.KVPool.P99, x.Floor.P50, x.Floor.P90, x.Floor.P99, x.Ratio[0], x.Ratio[1], x.Ratio[2])
+		}
+	}
+	tw.Flush()
+}
+
+// agentMain runs an embedded standalone agent until stdin closes.
+func agentMain(socket string) error {
+	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	a, err := standalone.Start(standalone.Config{GPUs: 1, ChunksPerGPU: 1, ChunkBytes: 64 << 20, Socket: socket, Logger: log})
+	if err != nil {
+		return err
+	}
+	defer a.Close()
+	done := make(chan error, 1)
+	ctx, cancel := contextWithCancel()
+	go func() { done <- a.Serve(ctx) }()
+	for t := range a.Tokens {
+		fmt.Printf("ready %s\n", t)
+		break
+	}
+	io.Copy(io.Discard, os.Stdin)
+	cancel()
+	return <-done
+}
+
+// clientMain opens a session and answers "KIND COUNT WARMUP" lines on
+// stdin with one line of round-trip times in ns.
+func clientMain(socket, token string, pages, pageBytes int) error {
+	devPages := 2 * pages
+	sim := cudart.NewSim(cudart.SimOptions{MemoryBytes: 2*uint64(devPages*pageBytes) + 1<<20})
+	dev, err := sim.Open(0)
+	if err != nil {
+		return err
+	}
+	defer dev.Close()
+	size := uint64(devPages * pageBytes)
+	k, err := dev.MemAlloc(size)
+	if err != nil {
+		return err
+	}
+	v, err := dev.MemAlloc(size)
+	if err != nil {
+		return err
+	}
+	ctx, cancel := contextWithCancel()
+	defer cancel()
+	var p *client.CPUPagePool
+	inst := []byte(fmt.Sprintf("latbench-%d", os.Getpid()))
+	for try := 0; ; try++ {
+		p, err = client.Open(ctx, client.Options{Socket: socket, Token: token, Device: dev, InstanceID: inst, MaxPages: 4 * pages,
+			Name: "kvpool-latbench", Regions: []client.Region{
+				{Base: k, Stride: uint64(pageBytes), BytesPerPage: uint64(pageBytes), Pages: devPages},
+				{Base: v, Stride: uint64(pageBytes), BytesPerPage: uint64(pageBytes), Pages: devPages},
+			}})
+		var ce *client.Error
+		if err == nil || try == 50 || !errors.As(err, &ce) || ce.Status != wire.StatusBusy {
+			break
+		}
+		time.Sleep(20 * time.Millisecond) // the previous placement's session is still going away
+	}
+	if err != nil {
+		return err
+	}
+	defer p.Close()
+	gpu := make([]int32, pages)
+	for i := range gpu {
+		gpu[i] = int32(i * 37 % devPages)
+	}
+	isoff := func() error {
+		ok, err := p.IsOffloaded(rid)
+		if err == nil && ok {
+			err = errors.New("is_offloaded: true for a request never offloaded")
+		}
+		return err
+	}
+	offrel := func() error {
+		ok, err := p.OffloadStream(rid, label, gpu, int64(pages)*16, int64(pages)*16, 0)
+		if err == nil && !ok {
+			err = errors.New("offload refused: pool full")
+		}
+		if err == nil {
+			_, err = p.ReloadStream(rid, label, gpu)
+		}
+		return err
+	}
+	settle := func() error {
+		if err := p.Sync(0); err != nil {
+			return err
+		}
+		return dev.StreamSynchronize(0)
+	}
+	fmt.Printf("ready %d\n", runtime.GOMAXPROCS(0))
+	in := bufio.NewScanner(os.Stdin)
+	out := bufio.NewWriter(os.Stdout)
+	var lat []int64
+	for in.Scan() {
+		var kind, esock string
+		var count, warm, q, r int
+		if _, err := fmt.Sscan(in.Text(), &kind, &count, &warm, &esock, &q, &r); err != nil || count < 1 || warm < 0 || q < 4 || r < 1 {
+			return fmt.Errorf("bad command %q", in.Text())
+		}
+		f, done := isoff, func() {}
+		switch kind {
+		case "offrel":
+			f = offrel
+		case "wecho":
+			ec, err := wire.Dial(esock)
+			if err != nil {
+				return err
+			}
+			done = func() { ec.Close() } // a second Conn would take the first off the direct path
+			req, buf := make([]byte, q), make([]byte, wire.MaxMessage+1)
+			binary.LittleEndian.PutUint32(req, uint32(r))
+			f = func() error {
+				if err := ec.Send(req, nil); err != nil {
+					return err
+				}
+				pkt, _, err := ec.Recv(buf)
+				if err == nil && len(pkt) != r {
+					err = fmt.Errorf("echo of %d bytes, want %d", len(pkt), r)
+				}
+				return err
+			}
+		}
+		lat = lat[:0]
+		var ferr error
+		for i := 0; i < warm+count && ferr == nil; i++ {
+			t := time.Now()
+			ferr = f()
+			d := time.Since(t)
+			if ferr == nil && kind == "offrel" {
+				ferr = settle()
+			}
+			if i >= warm {
+				lat = append(lat, d.Nanoseconds())
+			}
+		}
+		done()
+		if ferr != nil {
+			fmt.Fprintf(out, "error %v\n", ferr)
+		} else {
+			for i, d := range lat {
+				if i > 0 {
+					out.WriteByte(' ')
+				}
+				out.WriteString(strconv.FormatInt(d, 10))
+			}
+			out.WriteByte('\n')
+		}
+		if err := out.Flush(); err != nil {
+			return err
+		}
+	}
+	return in.Err()
+}
+
+// echoMain serves a bare echo over wire.Conn until stdin closes: the
+// request's first 4 bytes give the reply's size, as testdata/echo.c.
+func echoMain(socket string) error {
+	l, err := net.ListenUnix(wire.Network, &net.UnixAddr{Name: socket, Net: wire.Network})
+	if err != nil {
+		return err
+	}
+	go func() {
+		io.Copy(io.Discard, os.Stdin)
+		l.Close()
+	}()
+	fmt.Println("ready")
+	for {
+		uc, err := l.AcceptUnix()
+		if err != nil {
+			return nil
+		}
+		go func() {
+			c := wire.NewConn(uc)
+			defer c.Close()
+			buf := make([]byte, wire.MaxMessage+1)
+			for {
+				pkt, files, err := c.Recv(buf)
+				for _, f := range files {
+					f.Close()
+				}
+				if err != nil || len(pkt) < 4 {
+					return
+				}
+				n := int(binary.LittleEndian.Uint32(pkt))
+				if n < 1 || n > wire.MaxMessage || n > len(buf) {
+					n = len(pkt)
+				}
+				if c.Send(buf[:n], nil) != nil {
+					return
+				}
+			}
+		}()
+	}
+}
+
+func contextWithCancel() (context.Context, context.CancelFunc) {
+	return context.WithCancel(context.Background())
+}

@@ -1,0 +1,72 @@
+package main
+
+import (
+	"encoding/json"
+	"os"
+	"os/exec"
+	"slices"
+	"testing"
+)
+
+// TestMain lets the test binary serve as the agent, client and echo
+// children that latbench starts from its own executable.
+func TestMain(m *testing.M) {
+	if slices.Contains(os.Args, "-role") {
+		if err := run(os.Args[1:]); err != nil {
+			os.Stderr.WriteString(err.Error() + "\n")
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
+	os.Exit(m.Run())
+}
+
+func TestLatbenchRuns(t *testing.T) {
+	if _, err := exec.LookPath("cc"); err != nil {
+		if _, err := exec.LookPath("gcc"); err != nil {
+			t.Skip("no C compiler for the echo floor")
+		}
+	}
+	out, err := os.CreateTemp(t.TempDir(), "out")
+	if err != nil {
+		t.Fatal(err)
+	}
+	stdout := os.Stdout
+	os.Stdout = out
+	err = run([]string{"-n", "200", "-rounds", "2", "-warmup", "20", "-placements", "one", "-json"})
+	os.Stdout = stdout
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := os.ReadFile(out.Name())
+	if err != nil {
+		t.Fatal(err)
+	}
+	var reps []placementReport
+	if err := json.Unmarshal(b, &reps); err != nil {
+		t.Fatalf("%v: %s", err, b)
+	}
+	if len(reps) != 1 || reps[0].ClientMaxProcs != 1 || len(reps[0].Rows) != 3 {
+		t.Fatalf("want one placement on one CPU (GOMAXPROCS 1) with 3 rows: %s", b)
+	}
+	for _, r := range reps[0].Rows {
+		if r.Floor.N != 200 || r.KVPool.N != 200 || r.Floor.P50 <= 0 || r.KVPool.P50 <= 0 || r.KVPool.P99 < r.KVPool.P50 {
+			t.Errorf("%s: %+v", r.What, r)
+		}
+	}
+}
+
+func TestLatbenchRejects(t *testing.T) {
+	for _, args := range [][]string{
+		{"-n", "10"},
+		{"-rounds", "0"},
+		{"-pages", "0"},
+		{"-cpus", "0"},
+		{"-cpus", "a,b"},
+		{"-role", "nope"},
+	} {
+		if err := run(args); err == nil {
+			t.Errorf("%v: no error", args)
+		}
+	}
+}
