@@ -457,12 +457,18 @@ func TestMaxConns(t *testing.T) {
 	r2.hello()
 	r3 := dial(t, a)
 	hello, _ := wire.AppendPacket(nil, wire.Header{Op: wire.OpHello, Seq: 1}, &wire.Hello{Version: 1})
-	if err := r3.c.Send(hello, nil); err == nil {
-		if _, _, _, ok := r3.recv(); ok {
-			t.Fatal("a third connection was served over a limit of two")
-		}
-	} else if !errors.Is(err, syscall.EPIPE) && !errors.Is(err, syscall.ECONNRESET) {
+	if err := r3.c.Send(hello, nil); err != nil {
 		t.Fatal(err)
+	}
+	// The refusal answers the hello with StatusLimit and a message, then
+	// closes the connection.
+	h, body, _, ok := r3.recv()
+	var e wire.Error
+	if !ok || h.Status != wire.StatusLimit || h.Seq != 1 || wire.DecodeBody(body, &e) != nil || !strings.Contains(e.Message, "at most 2 connections") {
+		t.Fatalf("a third connection over a limit of two: ok %v status %s seq %d message %q", ok, h.Status, h.Seq, e.Message)
+	}
+	if _, _, _, ok := r3.recv(); ok {
+		t.Fatal("the refused connection stayed open")
 	}
 	r1.usageNoSession(t)
 	r1.c.Close()
