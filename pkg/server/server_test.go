@@ -34,6 +34,14 @@ type agent struct {
 // yet.
 func startServer(t testing.TB) *agent {
 	t.Helper()
+	// No sweep: these tests look at revoked sessions before it would drop
+	// them.
+	return startServerWith(t, func(o *server.Options) { o.SweepInterval = time.Hour })
+}
+
+// startServerWith is startServer with the options edited by edit.
+func startServerWith(t testing.TB, edit func(*server.Options)) *agent {
+	t.Helper()
 	a := &agent{pool: pool.New(), chunks: map[string]*hostmem.Chunk{}}
 	var ids []string
 	for g := 0; g < 2; g++ {
@@ -53,9 +61,11 @@ func startServer(t testing.TB) *agent {
 	if err := a.pool.Grant("A", ids); err != nil {
 		t.Fatal(err)
 	}
-	srv, err := server.New(server.Options{Pool: a.pool, Logger: quiet,
+	o := server.Options{Pool: a.pool, Logger: quiet,
 		Chunks:    func(id string) (*hostmem.Chunk, bool) { c, ok := a.chunks[id]; return c, ok },
-		Authorize: server.StaticTokens(map[string]string{"tok-a": "A", "tok-b": "B"})})
+		Authorize: server.StaticTokens(map[string]string{"tok-a": "A", "tok-b": "B"})}
+	edit(&o)
+	srv, err := server.New(o)
 	if err != nil {
 		t.Fatal(err)
 	}
