@@ -115,6 +115,7 @@ type agentProc struct {
 	metrics string
 	done    chan struct{}
 	err     error // Wait's, once done is closed
+	cluster bool  // ready means "pool ready", not "standalone tokens granted"
 
 	mu    sync.Mutex
 	log   bytes.Buffer
@@ -139,9 +140,15 @@ func startAgent(t testing.TB, extra ...string) *agentProc {
 // launch starts the agent binary with args and collects its log.
 func launch(t testing.TB, args ...string) *agentProc {
 	t.Helper()
+	return launchEnv(t, nil, args...)
+}
+
+// launchEnv is launch with env added to the agent's environment.
+func launchEnv(t testing.TB, env []string, args ...string) *agentProc {
+	t.Helper()
 	a := &agentProc{t: t, done: make(chan struct{})}
 	a.cmd = exec.Command(bins.agent, args...)
-	a.cmd.Env = []string{"PATH=" + os.Getenv("PATH"), "HOME=" + os.Getenv("HOME")}
+	a.cmd.Env = append([]string{"PATH=" + os.Getenv("PATH"), "HOME=" + os.Getenv("HOME")}, env...)
 	stderr, err := a.cmd.StderrPipe()
 	if err != nil {
 		t.Fatal(err)
@@ -245,7 +252,11 @@ func (a *agentProc) waitReady() {
 		t.Fatalf("the agent never logged its addresses:\n%s", a.logText())
 	}
 	for time.Now().Before(end) {
-		if len(a.records("standalone tokens granted", nil)) > 0 && a.probe("/readyz") == 200 {
+		ready := "standalone tokens granted"
+		if a.cluster {
+			ready = "pool ready"
+		}
+		if len(a.records(ready, nil)) > 0 && a.probe("/readyz") == 200 {
 			return
 		}
 		time.Sleep(20 * time.Millisecond)
