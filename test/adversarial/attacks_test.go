@@ -481,6 +481,7 @@ func TestRow05DescriptorExhaustion(t *testing.T) {
 	a.alive()
 	runGood(t, a)
 	a.waitFDs(base+fdSlack, 5*time.Second)
+	t.Logf("accept failures logged: %d lines, counted: %v", len(a.records("accept failed; retrying", nil)), a.rejects("accept_temporary"))
 	if len(a.records("accept failed; retrying", nil)) == 0 {
 		t.Log("accept never failed: the kernel refused the fds before the agent ran out (CTRUNC), which closed those connections instead")
 	}

@@ -120,7 +120,7 @@ func TestRow13ForeignSocketDir(t *testing.T) {
 		if !strings.Contains(out.String(), sockDir) {
 			t.Errorf("the refusal does not name %s:\n%s", sockDir, out.String())
 		}
-	case <-time.After(5 * time.Second):
+	case <-time.After(3 * time.Second):
 		cmd.Process.Kill()
 		<-done
 		t.Skip("needs branch i14-mem (standalone checks the owner and mode of its socket directory): the agent serves from a 0777 directory here")
