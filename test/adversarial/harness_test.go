@@ -17,6 +17,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
+	"flag"
 	"fmt"
 	"io"
 	"net/http"
@@ -45,6 +46,11 @@ var bins struct {
 func TestMain(m *testing.M) {
 	if role := os.Getenv("KVPOOL_ADV_ROLE"); role != "" {
 		os.Exit(runHelper(role))
+	}
+	flag.Parse()
+	if testing.Short() {
+		fmt.Println("test/adversarial: skipped with -short (it builds and starts agent processes)")
+		os.Exit(0)
 	}
 	dir, err := os.MkdirTemp("", "kvpool-adversarial")
 	if err != nil {
