@@ -62,15 +62,23 @@ type agent struct {
 	ln         *net.UnixListener
 	serveDone  chan error
 	background sync.WaitGroup
+	// cancel ends the context every goroutine of the agent runs under:
+	// on a signal, a fatal error of the socket server, or a failed start.
+	cancel context.CancelFunc
 }
 
 // bootAgent brings the agent up in start-up order: node and GPUs, the
 // sizing plan, the socket server, observability, the device plugin, then
 // the chunks in the background. It returns once the socket is listening.
-func bootAgent(ctx context.Context, s *serveSetup, log *slog.Logger) (_ *agent, err error) {
+//
+// Every goroutine it starts runs under a context of its own, which a failed
+// start cancels before releasing what it got to: a failed start returns its
+// error at once instead of waiting on loops nothing would stop.
+func bootAgent(parent context.Context, s *serveSetup, log *slog.Logger) (_ *agent, err error) {
 	cfg := s.cfg
+	ctx, cancel := context.WithCancel(parent)
 	a := &agent{log: log, cfg: cfg, setup: s, mode: "cluster", socket: s.socket, pool: pool.New(),
-		hmem: map[string]*hostmem.Chunk{}, events: events.Nop}
+		hmem: map[string]*hostmem.Chunk{}, events: events.Nop, cancel: cancel}
 	if s.flags.standalone {
 		a.mode = "standalone"
 	}
@@ -80,6 +88,7 @@ func bootAgent(ctx context.Context, s *serveSetup, log *slog.Logger) (_ *agent, 
 	}
 	defer func() {
 		if err != nil {
+			cancel()
 			a.abort()
 		}
 	}()
@@ -161,8 +170,10 @@ func bootAgent(ctx context.Context, s *serveSetup, log *slog.Logger) (_ *agent, 
 		Chunks:    a.chunk,
 		Authorize: a.authorize,
 		Logger:    log,
-		Hooks:     serverHooks(a.obs.Observer),
+		Hooks:     serverHooks(a.obs.Observer, a.obs.limitRejects),
 		Name:      "kvpool-agent " + version + " (" + a.mode + ")",
+		Limits:    serverLimits(cfg.Limits),
+		ProbePID:  os.Getpid(),
 	})
 	if err != nil {
 		return nil, err
@@ -474,18 +485,38 @@ func (a *agent) logServing() {
 // wait serves until ctx ends, then shuts down: the server stops accepting
 // and closes its connections, the plugin unregisters, the allocation stops,
 // and the chunks are freed.
+//
+// When the socket server stops on its own (a fatal accept error), wait logs
+// why, stops everything else and returns the error, so that the process
+// exits non-zero and kubelet restarts it.
 func (a *agent) wait(ctx context.Context) error {
 	var err error
 	select {
 	case err = <-a.serveDone:
 		if ctx.Err() == nil {
+			if err == nil {
+				err = errors.New("stopped without an error")
+			}
 			err = fmt.Errorf("socket server stopped: %w", err)
+			a.log.Error("fatal: shutting down", "err", err)
 		}
 	case <-ctx.Done():
 		err = <-a.serveDone
 	}
+	a.cancel()
 	a.abort()
 	return err
+}
+
+// serverLimits turns the configured limits into the server's.
+func serverLimits(l config.Limits) server.Limits {
+	return server.Limits{
+		MaxConns: l.MaxConns, MaxConnsPerUID: l.MaxConnsPerUID, MaxConnsPerPID: l.MaxConnsPerPID,
+		ProbeConns: l.ProbeConns, HelloTimeout: l.HelloTimeout.Duration, OpenTimeout: l.OpenTimeout.Duration,
+		MaxSessions: l.MaxSessions, MaxSessionsPerAllocation: l.MaxSessionsPerAllocation,
+		MaxStreamsPerSession: l.MaxStreamsPerSession, MaxNameBytesPerSession: int64(l.MaxNameBytesPerSession),
+		MaxDevicePages: l.MaxDevicePages, MaxClientName: l.MaxClientName,
+	}
 }
 
 // abort releases whatever start-up got to. The caller's ctx must be done

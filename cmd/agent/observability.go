@@ -9,10 +9,13 @@ import (
 	"net/http"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/kvpool/kvpool/pkg/health"
 	"github.com/kvpool/kvpool/pkg/metrics"
 	"github.com/kvpool/kvpool/pkg/observe"
 	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/server"
 	"github.com/kvpool/kvpool/pkg/status"
 )
 
@@ -26,6 +29,10 @@ type observability struct {
 	Report  *status.Reporter
 	// Observer is what the socket server reports each operation to.
 	Observer observe.Observer
+
+	// limitRejects counts the socket server's refusals by reason
+	// (kvpool_limit_rejects_total).
+	limitRejects *prometheus.CounterVec
 
 	metricsAddr, healthAddr net.Addr
 }
@@ -46,6 +53,14 @@ func newObservability(p *pool.Pool, o obsOptions) *observability {
 		Errors:  status.NewRing(64),
 	}
 	obs.Observer = observe.Multi(obs.Metrics, obs.Errors)
+	obs.limitRejects = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: metrics.Namespace, Name: "limit_rejects_total",
+		Help: "Connections and requests the socket server refused by a per-tenant bound, a bad token, a resume by another process, or a temporary accept failure, by reason.",
+	}, []string{"reason"})
+	for _, r := range server.RefusalReasons {
+		obs.limitRejects.WithLabelValues(r)
+	}
+	obs.Metrics.Registry().MustRegister(obs.limitRejects)
 	obs.Health.AddReadiness("chunks", health.ChunksReady(p))
 	obs.Report = &status.Reporter{
 		Pool: p, Errors: obs.Errors, Targets: o.Targets,

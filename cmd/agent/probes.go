@@ -8,6 +8,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/kvpool/kvpool/pkg/health"
 	"github.com/kvpool/kvpool/pkg/observe"
 	"github.com/kvpool/kvpool/pkg/pool"
@@ -31,9 +33,10 @@ func (e statusError) Unwrap() error {
 	return nil
 }
 
-// serverHooks reports every request the socket server answers to obs.
-func serverHooks(obs observe.Observer) server.Hooks {
-	return server.Hooks{Request: func(r server.Request) {
+// serverHooks reports every request the socket server answers to obs, and
+// counts every refusal by a limit in rejects (by reason).
+func serverHooks(obs observe.Observer, rejects *prometheus.CounterVec) server.Hooks {
+	return server.Hooks{Refused: func(reason string) { rejects.WithLabelValues(reason).Inc() }, Request: func(r server.Request) {
 		o := observe.Op{Name: r.Op.String(), GPU: r.GPU, Duration: r.Took, Pages: r.Pages, Bytes: r.Bytes}
 		switch {
 		case r.Full:

@@ -85,6 +85,9 @@ type Config struct {
 	Sizing Sizing `json:"sizing"`
 	// Reclaim says when chunks of pods that are gone return to the pool.
 	Reclaim Reclaim `json:"reclaim"`
+	// Limits bound what one tenant can make the agent hold
+	// (docs/security.md).
+	Limits Limits `json:"limits"`
 	// Metrics is the Prometheus endpoint.
 	Metrics Metrics `json:"metrics"`
 	// Health is the liveness and readiness endpoint.
@@ -140,6 +143,47 @@ type Reclaim struct {
 	// Interval is how often PodResources is polled. Default "10s".
 	// Positive.
 	Interval Duration `json:"interval"`
+}
+
+// Limits bound every per-tenant resource of the socket server. A request
+// over a bound is refused with status "limit" and a message naming the
+// bound; docs/security.md derives the memory they bound.
+type Limits struct {
+	// MaxConns bounds the tenants' connections together (the agent's own
+	// probes have ProbeConns apart). Default 1024.
+	MaxConns int `json:"maxConns"`
+	// MaxConnsPerUID bounds one peer user's connections. Default 512.
+	MaxConnsPerUID int `json:"maxConnsPerUID"`
+	// MaxConnsPerPID bounds one peer process's connections (a peer whose
+	// PID the agent cannot see counts against its UID only). Default 64.
+	MaxConnsPerPID int `json:"maxConnsPerPID"`
+	// ProbeConns are connections only the agent's own process may use:
+	// its health probes never compete with tenants. Default 8.
+	ProbeConns int `json:"probeConns"`
+	// HelloTimeout is how long a new connection may take to say hello.
+	// Default "5s".
+	HelloTimeout Duration `json:"helloTimeout"`
+	// OpenTimeout is how long, from connecting, a connection may take to
+	// open a session. At least HelloTimeout. Default "15s".
+	OpenTimeout Duration `json:"openTimeout"`
+	// MaxSessions bounds the agent's sessions. Default 1024.
+	MaxSessions int `json:"maxSessions"`
+	// MaxSessionsPerAllocation bounds one allocation's sessions. At most
+	// MaxSessions. Default 64.
+	MaxSessionsPerAllocation int `json:"maxSessionsPerAllocation"`
+	// MaxStreamsPerSession bounds one session's streams. Default 131072.
+	MaxStreamsPerSession int `json:"maxStreamsPerSession"`
+	// MaxNameBytesPerSession bounds the bytes of request IDs and labels
+	// one session holds, counted once per stream. At least 2Ki (one stream
+	// of the longest names). Default "16Mi".
+	MaxNameBytesPerSession Bytes `json:"maxNameBytesPerSession"`
+	// MaxDevicePages bounds the device pages of a session's layout; the
+	// agent keeps one bit per device page per session. 1 to 2147483646.
+	// Default 16777216 (a 2 MiB bitmap).
+	MaxDevicePages int `json:"maxDevicePages"`
+	// MaxClientName bounds the client name of a hello, in bytes. 16 to
+	// 2048. Default 256.
+	MaxClientName int `json:"maxClientName"`
 }
 
 // Metrics configures the Prometheus endpoint.
@@ -201,6 +245,13 @@ func Default() Config {
 		Reclaim: Reclaim{
 			GracePeriod: Duration{2 * time.Minute},
 			Interval:    Duration{10 * time.Second},
+		},
+		Limits: Limits{
+			MaxConns: 1024, MaxConnsPerUID: 512, MaxConnsPerPID: 64, ProbeConns: 8,
+			HelloTimeout: Duration{5 * time.Second}, OpenTimeout: Duration{15 * time.Second},
+			MaxSessions: 1024, MaxSessionsPerAllocation: 64,
+			MaxStreamsPerSession: 1 << 17, MaxNameBytesPerSession: 16 * MiB,
+			MaxDevicePages: 1 << 24, MaxClientName: 256,
 		},
 		Metrics:    Metrics{Address: ":9464"},
 		Health:     Health{Address: ":8081"},

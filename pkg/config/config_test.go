@@ -111,7 +111,11 @@ func TestParseFullFile(t *testing.T) {
 		ResourceName: "example.com/kv", SocketDir: "/run/kvp/sock", KubeletDir: "/data/kubelet", StateDir: "/data/kvpool/state",
 		Sizing: Sizing{PoolBytes: 64 * GiB, Fraction: 0.25, ReserveBytes: 16 * GiB, CgroupHeadroomBytes: GiB,
 			Split: SplitMemory, MinPerGPU: 4 * GiB, MaxPerGPU: 32 * GiB, ChunkBytes: 2 * GiB, HugePages: HugePagesRequire},
-		Reclaim:    Reclaim{GracePeriod: Duration{5 * time.Minute}, Interval: Duration{30 * time.Second}},
+		Reclaim: Reclaim{GracePeriod: Duration{5 * time.Minute}, Interval: Duration{30 * time.Second}},
+		Limits: Limits{MaxConns: 2000, MaxConnsPerUID: 1000, MaxConnsPerPID: 100, ProbeConns: 4,
+			HelloTimeout: Duration{2 * time.Second}, OpenTimeout: Duration{10 * time.Second},
+			MaxSessions: 500, MaxSessionsPerAllocation: 16, MaxStreamsPerSession: 65536,
+			MaxNameBytesPerSession: 8 * MiB, MaxDevicePages: 1 << 20, MaxClientName: 128},
 		Metrics:    Metrics{Address: "127.0.0.1:9000"},
 		Health:     Health{Address: ":9001"},
 		Log:        Log{Level: "debug", Format: "json"},
@@ -200,6 +204,15 @@ func TestParseErrors(t *testing.T) {
 		{"too many gpus", head + "standalone:\n  gpus: 65\n", "standalone.gpus: is 65"},
 		{"zero standalone pool", head + "standalone:\n  poolBytes: 0\n", "standalone.poolBytes: is 0"},
 		{"zero interval", head + "reclaim:\n  interval: 0s\n", "reclaim.interval: is 0s, want a positive duration"},
+		{"zero conns", head + "limits:\n  maxConns: 0\n", "limits.maxConns: is 0, want a positive count"},
+		{"per-uid over total", head + "limits:\n  maxConns: 10\n  maxConnsPerUID: 11\n  maxConnsPerPID: 5\n", "limits.maxConnsPerUID: 11 is more than limits.maxConns 10"},
+		{"per-pid over per-uid", head + "limits:\n  maxConnsPerPID: 600\n", "limits.maxConnsPerPID: 600 is more than limits.maxConnsPerUID 512"},
+		{"per-allocation over total", head + "limits:\n  maxSessionsPerAllocation: 2000\n", "limits.maxSessionsPerAllocation: 2000 is more than limits.maxSessions 1024"},
+		{"open before hello", head + "limits:\n  helloTimeout: 20s\n", "limits.openTimeout: 15s is less than limits.helloTimeout 20s"},
+		{"zero hello", head + "limits:\n  helloTimeout: 0s\n", "limits.helloTimeout: is 0s"},
+		{"tiny name budget", head + "limits:\n  maxNameBytesPerSession: 1Ki\n", "limits.maxNameBytesPerSession: is 1Ki, want at least 2Ki"},
+		{"huge device pages", head + "limits:\n  maxDevicePages: 2147483647\n", "limits.maxDevicePages: is 2147483647, want 1 to 2147483646"},
+		{"long client name", head + "limits:\n  maxClientName: 4096\n", "limits.maxClientName: is 4096, want 16 to 2048"},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {

@@ -47,6 +47,18 @@ func qty(p func(*Config) *Bytes) accessor {
 		}}
 }
 
+func integer(p func(*Config) *int) accessor {
+	return accessor{func(c *Config) string { return strconv.Itoa(*p(c)) },
+		func(c *Config, s string) error {
+			v, err := strconv.Atoi(strings.TrimSpace(s))
+			if err != nil {
+				return fmt.Errorf("%q is not an integer", s)
+			}
+			*p(c) = v
+			return nil
+		}}
+}
+
 func dur(p func(*Config) *Duration) accessor {
 	return accessor{func(c *Config) string { return p(c).String() },
 		func(c *Config, s string) error {
@@ -88,6 +100,19 @@ var settings = func() []setting {
 	add("sizing.hugePages", "huge-pages", "KVPOOL_HUGE_PAGES", "huge page policy: never, prefer or require", str(func(c *Config) *string { return &c.Sizing.HugePages }))
 	add("reclaim.gracePeriod", "reclaim-grace-period", "KVPOOL_RECLAIM_GRACE_PERIOD", "how long an allocation may lack a pod before its chunks return", dur(func(c *Config) *Duration { return &c.Reclaim.GracePeriod }))
 	add("reclaim.interval", "reclaim-interval", "KVPOOL_RECLAIM_INTERVAL", "how often PodResources is polled", dur(func(c *Config) *Duration { return &c.Reclaim.Interval }))
+	lim := func(c *Config) *Limits { return &c.Limits }
+	add("limits.maxConns", "max-conns", "KVPOOL_MAX_CONNS", "tenants' socket connections in all", integer(func(c *Config) *int { return &lim(c).MaxConns }))
+	add("limits.maxConnsPerUID", "max-conns-per-uid", "KVPOOL_MAX_CONNS_PER_UID", "socket connections of one peer user", integer(func(c *Config) *int { return &lim(c).MaxConnsPerUID }))
+	add("limits.maxConnsPerPID", "max-conns-per-pid", "KVPOOL_MAX_CONNS_PER_PID", "socket connections of one peer process", integer(func(c *Config) *int { return &lim(c).MaxConnsPerPID }))
+	add("limits.probeConns", "probe-conns", "KVPOOL_PROBE_CONNS", "socket connections kept for the agent's own probes", integer(func(c *Config) *int { return &lim(c).ProbeConns }))
+	add("limits.helloTimeout", "hello-timeout", "KVPOOL_HELLO_TIMEOUT", "time from connecting to hello", dur(func(c *Config) *Duration { return &lim(c).HelloTimeout }))
+	add("limits.openTimeout", "open-timeout", "KVPOOL_OPEN_TIMEOUT", "time from connecting to an open session", dur(func(c *Config) *Duration { return &lim(c).OpenTimeout }))
+	add("limits.maxSessions", "max-sessions", "KVPOOL_MAX_SESSIONS", "sessions in all", integer(func(c *Config) *int { return &lim(c).MaxSessions }))
+	add("limits.maxSessionsPerAllocation", "max-sessions-per-allocation", "KVPOOL_MAX_SESSIONS_PER_ALLOCATION", "sessions of one allocation", integer(func(c *Config) *int { return &lim(c).MaxSessionsPerAllocation }))
+	add("limits.maxStreamsPerSession", "max-streams-per-session", "KVPOOL_MAX_STREAMS_PER_SESSION", "streams one session may hold", integer(func(c *Config) *int { return &lim(c).MaxStreamsPerSession }))
+	add("limits.maxNameBytesPerSession", "max-name-bytes-per-session", "KVPOOL_MAX_NAME_BYTES_PER_SESSION", "bytes of request IDs and labels one session may hold", qty(func(c *Config) *Bytes { return &lim(c).MaxNameBytesPerSession }))
+	add("limits.maxDevicePages", "max-device-pages", "KVPOOL_MAX_DEVICE_PAGES", "device pages a session's layout may name", integer(func(c *Config) *int { return &lim(c).MaxDevicePages }))
+	add("limits.maxClientName", "max-client-name", "KVPOOL_MAX_CLIENT_NAME", "bytes of a client's name in its hello", integer(func(c *Config) *int { return &lim(c).MaxClientName }))
 	add("metrics.address", "metrics-address", "KVPOOL_METRICS_ADDRESS", "host:port for /metrics (empty: off)", str(func(c *Config) *string { return &c.Metrics.Address }))
 	add("health.address", "health-address", "KVPOOL_HEALTH_ADDRESS", "host:port for /livez, /readyz and /status (empty: off)", str(func(c *Config) *string { return &c.Health.Address }))
 	add("log.level", "log-level", "KVPOOL_LOG_LEVEL", "debug, info, warn or error", str(func(c *Config) *string { return &c.Log.Level }))

@@ -101,6 +101,40 @@ func (c *Config) Validate() error {
 	if c.Reclaim.Interval.Duration <= 0 {
 		bad("reclaim.interval", "is %v, want a positive duration such as 10s", c.Reclaim.Interval.Duration)
 	}
+	lim := &c.Limits
+	for _, f := range []struct {
+		name string
+		v    int
+	}{{"limits.maxConns", lim.MaxConns}, {"limits.maxConnsPerUID", lim.MaxConnsPerUID}, {"limits.maxConnsPerPID", lim.MaxConnsPerPID},
+		{"limits.probeConns", lim.ProbeConns}, {"limits.maxSessions", lim.MaxSessions},
+		{"limits.maxSessionsPerAllocation", lim.MaxSessionsPerAllocation}, {"limits.maxStreamsPerSession", lim.MaxStreamsPerSession}} {
+		if f.v <= 0 {
+			bad(f.name, "is %d, want a positive count", f.v)
+		}
+	}
+	switch {
+	case lim.MaxConnsPerUID > lim.MaxConns:
+		bad("limits.maxConnsPerUID", "%d is more than limits.maxConns %d", lim.MaxConnsPerUID, lim.MaxConns)
+	case lim.MaxConnsPerPID > lim.MaxConnsPerUID:
+		bad("limits.maxConnsPerPID", "%d is more than limits.maxConnsPerUID %d", lim.MaxConnsPerPID, lim.MaxConnsPerUID)
+	}
+	if lim.MaxSessionsPerAllocation > lim.MaxSessions {
+		bad("limits.maxSessionsPerAllocation", "%d is more than limits.maxSessions %d", lim.MaxSessionsPerAllocation, lim.MaxSessions)
+	}
+	if lim.HelloTimeout.Duration <= 0 {
+		bad("limits.helloTimeout", "is %v, want a positive duration such as 5s", lim.HelloTimeout.Duration)
+	} else if lim.OpenTimeout.Duration < lim.HelloTimeout.Duration {
+		bad("limits.openTimeout", "%v is less than limits.helloTimeout %v", lim.OpenTimeout.Duration, lim.HelloTimeout.Duration)
+	}
+	if lim.MaxNameBytesPerSession < 2*KiB {
+		bad("limits.maxNameBytesPerSession", "is %s, want at least 2Ki (one stream with the longest request ID and label)", lim.MaxNameBytesPerSession)
+	}
+	if lim.MaxDevicePages <= 0 || lim.MaxDevicePages > 1<<31-2 {
+		bad("limits.maxDevicePages", "is %d, want 1 to %d", lim.MaxDevicePages, 1<<31-2)
+	}
+	if lim.MaxClientName < 16 || lim.MaxClientName > 2048 {
+		bad("limits.maxClientName", "is %d, want 16 to 2048", lim.MaxClientName)
+	}
 	if msg := checkAddress(c.Metrics.Address); msg != "" {
 		bad("metrics.address", "%s", msg)
 	}

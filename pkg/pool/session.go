@@ -73,6 +73,7 @@ type Session struct {
 	freeSlot int32 // free slots, linked through stream.next
 	nstreams int
 	used     int
+	names    int64 // bytes of request IDs and labels, counted once per stream
 
 	seen []uint64 // scratch bitmap over device pages for duplicate checks
 
@@ -273,6 +274,7 @@ func (s *Session) unlink(rid string, l ridList, slot int32) {
 	}
 	s.used -= int(st.n)
 	s.nstreams--
+	s.names -= int64(len(rid) + len(st.label))
 	s.freeSlotAt(slot)
 }
 
@@ -366,6 +368,7 @@ func (s *Session) Offload(rid, label string, gpuPages []int32, m Meta, dst []int
 	slot := s.newSlot()
 	*s.at(slot) = stream{label: s.intern(label), meta: m, head: head, tail: tail, n: int32(n)}
 	s.link(rid, list, slot)
+	s.names += int64(len(rid) + len(label))
 	return dst, nil
 }
 
@@ -502,6 +505,7 @@ func (s *Session) RemoveRequest(rid string) (int, error) {
 		s.freeChain(st)
 		s.used -= int(st.n)
 		s.nstreams--
+		s.names -= int64(len(rid) + len(st.label))
 		s.freeSlotAt(slot)
 		removed++
 		slot = next
@@ -559,6 +563,9 @@ type Usage struct {
 	Pending  int // released by reloads, waiting for their fence
 	Streams  int
 	Requests int
+	// NameBytes is the length of every stream's request ID plus label,
+	// summed over its streams: what the server bounds per session.
+	NameBytes int64
 }
 
 // Free is what the seed API calls num_free_pages: the pages no stream holds,
@@ -570,7 +577,7 @@ func (u Usage) Free() int { return u.Capacity - u.Used }
 func (s *Session) Usage() Usage {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return Usage{Capacity: s.capacity, Used: s.used, Pending: s.npending, Streams: s.nstreams, Requests: len(s.rids)}
+	return Usage{Capacity: s.capacity, Used: s.used, Pending: s.npending, Streams: s.nstreams, Requests: len(s.rids), NameBytes: s.names}
 }
 
 // NumFreePages is the seed API's num_free_pages (see Usage.Free).
@@ -592,7 +599,8 @@ func (s *Session) dropAll() {
 	s.rids = make(map[string]ridList)
 	s.slab, s.freeSlot = nil, nilPage
 	s.pending, s.phead = nil, 0
-	s.used, s.nstreams, s.npending, s.nfree = 0, 0, 0, 0
+	s.used, s.nstreams, s.npending, s.nfree, s.names = 0, 0, 0, 0, 0
+	s.seen = nil
 	s.next, s.freeHead = nil, nilPage
 	s.labels = nil
 }

@@ -77,7 +77,8 @@ type conn struct {
 	log  *slog.Logger
 
 	hello bool
-	e     *entry // the session this connection serves, nil before open
+	e     *entry    // the session this connection serves, nil before open
+	since time.Time // connected; the hello and open deadlines count from it
 
 	in, out []byte
 	pages   []int32
@@ -99,13 +100,13 @@ type conn struct {
 // long stream's buffers are dropped after use.
 const maxKeep = 4 * wire.MaxPagesPerPacket
 
-func (s *Server) newConn(uc *net.UnixConn) *conn {
-	c := &conn{s: s, wc: wire.NewConn(uc), id: connIDs.Add(1), in: make([]byte, wire.MaxMessage+1)}
-	peer, err := peerCred(uc)
-	if err != nil {
-		s.log.Warn("peer credentials unavailable", "err", err)
-	}
-	c.peer = peer
+// helloBuffer is the receive buffer of a connection until its hello: a
+// larger first packet closes the connection (ErrTooLarge). The full
+// MaxMessage buffer comes with the hello.
+const helloBuffer = 4096
+
+func (s *Server) newConn(uc *net.UnixConn, peer Peer) *conn {
+	c := &conn{s: s, wc: wire.NewConn(uc), id: connIDs.Add(1), in: make([]byte, helloBuffer), peer: peer, since: time.Now()}
 	c.log = s.log.With("conn", c.id, "pid", peer.PID)
 	return c
 }
@@ -126,11 +127,12 @@ func fail(st wire.Status, err error) reply { return reply{st: st, err: err} }
 
 func (c *conn) serve() {
 	defer c.finish()
+	c.stage()
 	for {
 		pkt, files, err := c.wc.Recv(c.in)
 		if err != nil {
-			if !errors.Is(err, io.EOF) && !errors.Is(err, net.ErrClosed) {
-				c.log.Warn("closing connection", "err", err)
+			if !c.timedOut(err) && !errors.Is(err, io.EOF) && !errors.Is(err, net.ErrClosed) {
+				c.s.rlog.Log(slog.LevelWarn, "recv", "closing connection", "conn", c.id, "pid", c.peer.PID, "err", err)
 			}
 			return
 		}
@@ -138,7 +140,7 @@ func (c *conn) serve() {
 		h, body, err := wire.ParseHeader(pkt)
 		if err != nil {
 			closeFiles(files)
-			c.log.Warn("closing connection: bad header", "err", err)
+			c.s.rlog.Log(slog.LevelWarn, "header", "closing connection: bad header", "conn", c.id, "pid", c.peer.PID, "err", err)
 			return
 		}
 		var r reply
@@ -156,7 +158,7 @@ func (c *conn) serve() {
 			r = c.handle(h, body)
 		}
 		if err := c.send(h, r); err != nil {
-			c.log.Warn("closing connection: send reply", "op", h.Op, "err", err)
+			c.s.rlog.Log(slog.LevelWarn, "send", "closing connection: send reply", "conn", c.id, "pid", c.peer.PID, "op", h.Op, "err", err)
 			return
 		}
 		if hk := c.s.o.Hooks.Request; hk != nil {
@@ -208,6 +210,7 @@ func (c *conn) finish() {
 	s := c.s
 	s.mu.Lock()
 	delete(s.conns, c)
+	s.releaseLocked(c.peer)
 	var info SessionInfo
 	detached := false
 	if e := c.e; e != nil && e.conn == c {
@@ -266,6 +269,9 @@ func (c *conn) handle(h wire.Header, body []byte) reply {
 		if err := wire.DecodeBody(body, m); err != nil {
 			c.dropStaged()
 			return fail(wire.StatusBadRequest, err)
+		}
+		if r, ok := c.checkStreams(ps, m.Rid, m.Label); !ok {
+			return r
 		}
 		var err error
 		c.pages, err = ps.Offload(m.Rid, m.Label, c.withStaged(m.GpuPages),
@@ -460,12 +466,17 @@ func (c *conn) handleHello(body []byte) reply {
 	if err := wire.DecodeBody(body, &m); err != nil {
 		return fail(wire.StatusBadRequest, err)
 	}
+	if r, ok := c.checkClientName(m.Client); !ok {
+		return r
+	}
 	if m.Version < wire.Version {
 		return fail(wire.StatusVersion, fmt.Errorf("client speaks protocol version %d; this agent speaks version %d only "+
 			"(GPUs named by UUID, page lists of any length): upgrade the kvpool client", m.Version, wire.Version))
 	}
 	c.hello = true
-	c.log = c.log.With("client", m.Client)
+	c.in = make([]byte, wire.MaxMessage+1)
+	c.stage()
+	c.log = c.log.With("client", logName(m.Client))
 	return reply{body: &wire.HelloReply{Version: min(m.Version, wire.Version), Server: c.s.o.Name, MaxMessage: wire.MaxMessage}}
 }
 
@@ -491,14 +502,19 @@ func (c *conn) handleOpen(body []byte) reply {
 	if err != nil {
 		return fail(wire.StatusBadSize, fmt.Errorf("open: layout: %w", err))
 	}
+	if r, ok := c.checkLayout(lay); !ok {
+		return r
+	}
 	alloc, err := c.s.o.Authorize(m.Token)
 	if err != nil {
+		c.unauthorized(err)
 		return fail(wire.StatusUnauthorized, fmt.Errorf("open: token: %w", err))
 	}
 	e, ev, r := c.s.attach(c, key{alloc: alloc, gpu: gpu}, m.GpuUuid, instanceString(m.InstanceId), lay)
 	if e == nil {
 		return r
 	}
+	c.stage()
 	// Build the reply outside the server lock: chunk lookups may be slow.
 	chunks := e.ps.Chunks()
 	rep := &wire.OpenReply{
@@ -534,7 +550,13 @@ func (s *Server) attach(c *conn, k key, uuid, inst string, lay layout) (*entry, 
 	}
 	var replaced *SessionInfo
 	if e != nil {
-		if e.instance == inst {
+		owner := sameProcess(e.peer, c.peer)
+		if e.instance == inst && !owner {
+			// The owner's ID from another process is never a resume: that
+			// process counts as another instance.
+			s.refused(RefusedNotOwner, c.peer, "resume refused: instance ID of another process", "session", e.id, "owner", e.peer.PID)
+		}
+		if e.instance == inst && owner {
 			if e.layout != lay {
 				return nil, "", fail(wire.StatusBadSize, fmt.Errorf("open: resuming session %d with a different layout", e.id))
 			}
@@ -553,6 +575,12 @@ func (s *Server) attach(c *conn, k key, uuid, inst string, lay layout) (*entry, 
 		s.o.Pool.Close(e.ps)
 		delete(s.sessions, k)
 	}
+	if r, ok := s.checkSessionsLocked(c, k); !ok {
+		if replaced != nil {
+			s.hookSessionLocked(SessionReplaced, *replaced)
+		}
+		return nil, "", r
+	}
 	ps, err := s.o.Pool.Open(k.alloc, pool.Spec{GPU: k.gpu, PageSize: lay.pageSize, DevicePages: lay.devicePages, MaxPages: lay.maxPages})
 	if replaced != nil {
 		// Hooks run under s.mu here; they must not block (documented).
@@ -564,7 +592,7 @@ func (s *Server) attach(c *conn, k key, uuid, inst string, lay layout) (*entry, 
 		return nil, "", r
 	}
 	s.nextID++
-	e = &entry{id: s.nextID, key: k, uuid: uuid, instance: inst, ps: ps, layout: lay, opened: time.Now(), conn: c, peer: c.peer}
+	e = &entry{id: s.nextID, key: k, uuid: uuid, instance: inst, short: shortID(inst), ps: ps, layout: lay, opened: time.Now(), conn: c, peer: c.peer}
 	s.sessions[k] = e
 	c.e = e
 	return e, SessionOpened, reply{}

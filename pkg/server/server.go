@@ -6,7 +6,9 @@
 // Sessions outlive connections. A session is keyed by (allocation, GPU) and
 // owned by one client instance (a random ID the client process picks once):
 //
-//   - the same instance reconnecting resumes its session, streams and all;
+//   - the same instance reconnecting from the same process (peer UID and
+//     PID) resumes its session, streams and all; the instance ID presented
+//     by another process counts as another instance;
 //   - a different instance opening the same (allocation, GPU) while the owner
 //     is disconnected replaces it: the old session closes and its pages go
 //     back; while the owner is connected the newcomer gets StatusBusy;
@@ -14,7 +16,10 @@
 //     (pool.Revoke), never because a socket closed.
 //
 // One connection's bad input gets an error reply, or closes that connection
-// alone; nothing else is affected.
+// alone; nothing else is affected. Every per-tenant resource is bounded
+// (Limits); a refusal is wire.StatusLimit with a message, counted by
+// Hooks.Refused and logged at a bounded rate. Sessions whose allocation was
+// revoked leave the table (and their connections close) within a second.
 package server
 
 import (
@@ -65,6 +70,10 @@ type Hooks struct {
 	// Session is called when a session opens, resumes, is replaced or
 	// closes, and when its client connects or disconnects.
 	Session func(ev SessionEvent, info SessionInfo)
+	// Refused is called for every refusal by a bound of Limits, a refused
+	// token, an instance presented by a process that does not own it and
+	// a temporary accept failure, with one of the Refused* reasons.
+	Refused func(reason string)
 }
 
 // Request describes one answered request, for Hooks.Request.
@@ -87,6 +96,7 @@ const (
 	SessionReplaced     SessionEvent = "replaced" // a new instance reaped it
 	SessionClosed       SessionEvent = "closed"   // the client closed it
 	SessionDisconnected SessionEvent = "disconnected"
+	SessionRevoked      SessionEvent = "revoked" // its allocation was revoked
 )
 
 // Options configure a Server.
@@ -97,25 +107,41 @@ type Options struct {
 	Logger    *slog.Logger // default slog.Default()
 	Hooks     Hooks
 	Name      string // sent in HelloReply; default "kvpool-agent"
-	// MaxConns bounds concurrent connections (default 1024); a connection
-	// over the limit is closed at once, and the others go on.
+	// MaxConns bounds concurrent connections; it overrides
+	// Limits.MaxConns when set. A connection over the limit is refused, and
+	// the others go on.
 	MaxConns int
 	// GPUs maps each GPU of the node's plan, by UUID ("GPU-..."), to its
 	// host index (NVML's), which is how the pool keys chunks. An Open
 	// naming a UUID not in it gets StatusUnknownGPU.
 	GPUs map[string]int
+	// Limits bound every per-tenant resource; zero fields take
+	// DefaultLimits.
+	Limits Limits
+	// ProbePID is the PID of the agent's own process, whose connections
+	// (its health probes) are counted against Limits.ProbeConns, never
+	// against the tenants' bounds. 0: none is set apart (embedders whose
+	// clients share the server's process).
+	ProbePID int
+	// SweepInterval is how often sessions of revoked allocations are
+	// dropped; default 1s.
+	SweepInterval time.Duration
 }
 
 // Server serves the copy API. Create it with New.
 type Server struct {
-	o   Options
-	log *slog.Logger
+	o        Options
+	log      *slog.Logger
+	lim      Limits
+	rlog     *rateLog
+	refusing atomic.Int32 // connections being refused now
 
 	mu       sync.Mutex
 	sessions map[key]*entry
 	conns    map[*conn]struct{}
 	closing  bool // Serve is shutting down
 	nextID   uint64
+	counts   connCounts
 
 	wg sync.WaitGroup
 }
@@ -129,7 +155,8 @@ type key struct {
 type entry struct {
 	id       uint64
 	key      key
-	instance string
+	instance string // the whole ID, compared on resume; never logged
+	short    string // ShortID(instance)
 	ps       *pool.Session
 	layout   layout
 	opened   time.Time
@@ -167,7 +194,7 @@ type SessionInfo struct {
 	Allocation string
 	GPU        int    // host index of the GPU whose chunks the session holds
 	GPUUUID    string // as the client named it
-	Instance   string // hex
+	Instance   string // ShortID of the instance: never the whole ID
 	Connected  bool
 	Peer       Peer // of the current or last connection
 	PageSize   int64
@@ -187,10 +214,16 @@ func New(o Options) (*Server, error) {
 	if o.Name == "" {
 		o.Name = "kvpool-agent"
 	}
-	if o.MaxConns <= 0 {
-		o.MaxConns = 1024
+	if o.MaxConns > 0 {
+		o.Limits.MaxConns = o.MaxConns
 	}
-	return &Server{o: o, log: o.Logger, sessions: make(map[key]*entry), conns: make(map[*conn]struct{})}, nil
+	if o.SweepInterval <= 0 {
+		o.SweepInterval = time.Second
+	}
+	s := &Server{o: o, log: o.Logger, lim: o.Limits.withDefaults(), sessions: make(map[key]*entry), conns: make(map[*conn]struct{}),
+		counts: connCounts{uid: map[uint32]int{}, pid: map[int32]int{}}}
+	s.rlog = newRateLog(o.Logger, 10, 1)
+	return s, nil
 }
 
 // Listen creates the socket at path with a unixpacket listener: its
@@ -227,24 +260,47 @@ func Listen(path string) (*net.UnixListener, error) {
 // Serve accepts connections on l until ctx ends, then closes l and every
 // connection and waits for their goroutines. Sessions survive: a later Serve
 // on a new listener (the same Server) lets clients resume.
+//
+// A temporary accept error (out of file descriptors or memory, an aborted
+// connection) is logged, at a bounded rate, and retried after a backoff of
+// 5 ms doubling to 1 s; any other ends Serve with that error, logged, for
+// the caller to exit on.
 func (s *Server) Serve(ctx context.Context, l *net.UnixListener) error {
 	stop := context.AfterFunc(ctx, func() { l.Close() })
 	defer stop()
+	sweepCtx, endSweep := context.WithCancel(ctx)
+	s.wg.Go(func() { s.sweepLoop(sweepCtx) })
 	var err error
+	var backoff time.Duration
 	for {
 		uc, aerr := l.AcceptUnix()
 		if aerr != nil {
-			if ctx.Err() == nil {
-				err = fmt.Errorf("server: accept: %w", aerr)
+			if ctx.Err() != nil {
+				break
 			}
+			if temporaryAccept(aerr) {
+				backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
+				s.refused(RefusedAcceptTemporary, Peer{}, "accept failed; retrying", "err", aerr, "retryIn", backoff)
+				t := time.NewTimer(backoff)
+				select {
+				case <-t.C:
+				case <-ctx.Done():
+					t.Stop()
+				}
+				continue
+			}
+			err = fmt.Errorf("server: accept: %w", aerr)
+			s.log.Error("socket server stopped", "err", err)
 			break
 		}
+		backoff = 0
 		s.wg.Add(1)
 		go func() {
 			defer s.wg.Done()
 			s.ServeConn(uc)
 		}()
 	}
+	endSweep()
 	l.Close()
 	s.mu.Lock()
 	s.closing = true
@@ -262,21 +318,70 @@ func (s *Server) Serve(ctx context.Context, l *net.UnixListener) error {
 // ServeConn serves one already connected unixpacket connection until it
 // closes. Serve calls it for every accepted connection; tests and embedders
 // with a socketpair may call it directly.
+//
+// Admission comes first, from the peer's credentials alone: a connection
+// over a bound of Limits costs no buffer and no slot; its first request is
+// answered with StatusLimit and it is closed.
 func (s *Server) ServeConn(uc *net.UnixConn) {
-	c := s.newConn(uc)
+	peer, err := peerCred(uc)
+	if err != nil {
+		s.rlog.Log(slog.LevelWarn, "peercred", "peer credentials unavailable", "err", err)
+	}
 	s.mu.Lock()
-	if s.closing || len(s.conns) >= s.o.MaxConns {
-		full := !s.closing
+	if s.closing {
 		s.mu.Unlock()
 		uc.Close()
-		if full {
-			c.log.Warn("connection refused: too many connections", "limit", s.o.MaxConns)
-		}
 		return
 	}
+	if reason, msg := s.admitLocked(peer); reason != "" {
+		s.mu.Unlock()
+		s.refused(reason, peer, "connection refused: "+msg)
+		s.refuseConn(uc, msg)
+		return
+	}
+	c := s.newConn(uc, peer)
 	s.conns[c] = struct{}{}
 	s.mu.Unlock()
 	c.serve()
+}
+
+// sweepLoop drops the sessions of revoked allocations every SweepInterval
+// until ctx ends, and flushes the counts of suppressed log lines.
+func (s *Server) sweepLoop(ctx context.Context) {
+	t := time.NewTicker(s.o.SweepInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			s.Sweep()
+			s.rlog.Flush()
+		}
+	}
+}
+
+// Sweep drops from the table every session whose pool session was closed
+// behind the server's back (its allocation was revoked), so that nothing of
+// it stays in memory, and closes the connection that served it: that
+// client's next call reconnects and learns that its token is gone.
+func (s *Server) Sweep() {
+	var gone []SessionInfo
+	s.mu.Lock()
+	for k, e := range s.sessions {
+		if !e.ps.Closed() {
+			continue
+		}
+		gone = append(gone, e.infoLocked())
+		delete(s.sessions, k)
+		if e.conn != nil {
+			e.conn.wc.Close()
+		}
+	}
+	s.mu.Unlock()
+	for _, info := range gone {
+		s.hookSession(SessionRevoked, info)
+	}
 }
 
 // Sessions lists every session the server tracks, ordered by ID. Sessions
@@ -298,7 +403,7 @@ func (s *Server) Sessions() []SessionInfo {
 
 func (e *entry) infoLocked() SessionInfo {
 	return SessionInfo{
-		ID: e.id, Allocation: e.key.alloc, GPU: e.key.gpu, GPUUUID: e.uuid, Instance: e.instance,
+		ID: e.id, Allocation: e.key.alloc, GPU: e.key.gpu, GPUUUID: e.uuid, Instance: e.short,
 		Connected: e.conn != nil, Peer: e.peer, PageSize: e.layout.pageSize,
 		Opened: e.opened, LastSeen: e.lastSeen, Usage: e.ps.Usage(),
 	}

@@ -105,6 +105,14 @@ const (
 	StatusNoGPUChunks     Status = 21 // the allocation holds no chunk of the session's GPU
 )
 
+// Statuses 23 to 27 are the tenant bounds' (docs/security.md).
+const (
+	// StatusLimit: a per-tenant bound refused the request (connections,
+	// sessions, streams, name bytes, layout size, client name); the
+	// Error message names the bound and its value.
+	StatusLimit Status = 23
+)
+
 var statusNames = [...]string{
 	"ok", "bad request", "unknown op", "version", "unauthorized", "no session", "busy",
 	"pending", "unknown stream", "duplicate stream", "page count", "out of range",
@@ -113,6 +121,9 @@ var statusNames = [...]string{
 }
 
 func (s Status) String() string {
+	if s == StatusLimit {
+		return "limit"
+	}
 	if int(s) < len(statusNames) {
 		return statusNames[s]
 	}

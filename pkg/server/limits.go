@@ -1,0 +1,358 @@
+package server
+
+import (
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/wire"
+)
+
+// Limits bound what one tenant (a local process with or without a token)
+// can make the server hold. A request over a bound gets wire.StatusLimit
+// with a message naming the bound; a connection over a bound gets that
+// status in reply to its first request and is closed. Zero fields take the
+// defaults of DefaultLimits. docs/security.md derives the heap they bound.
+type Limits struct {
+	// MaxConns bounds the tenants' connections together (the agent's own
+	// probe connections are counted apart, see Options.ProbePID).
+	MaxConns int
+	// MaxConnsPerUID and MaxConnsPerPID bound one peer user's and one peer
+	// process's connections (SO_PEERCRED). A peer in a PID namespace the
+	// agent cannot see has PID 0: only its UID's bound applies.
+	MaxConnsPerUID int
+	MaxConnsPerPID int
+	// ProbeConns bounds the connections of the agent's own process, which
+	// no tenant can take.
+	ProbeConns int
+	// HelloTimeout is how long a new connection may take to say hello;
+	// OpenTimeout how long, from connecting, it may take to open a session.
+	// A connection that misses either is closed.
+	HelloTimeout time.Duration
+	OpenTimeout  time.Duration
+	// MaxSessions bounds the server's sessions; MaxSessionsPerAllocation
+	// one allocation's.
+	MaxSessions              int
+	MaxSessionsPerAllocation int
+	// MaxStreamsPerSession and MaxNameBytesPerSession bound one session's
+	// stream table: its streams, and the bytes of their request IDs and
+	// labels (counted once per stream).
+	MaxStreamsPerSession   int
+	MaxNameBytesPerSession int64
+	// MaxDevicePages bounds a layout's device pages (the smallest region's
+	// page count): the pool keeps a duplicate-check bitmap of one bit per
+	// device page for each session.
+	MaxDevicePages int
+	// MaxClientName bounds the client name a hello carries, in bytes.
+	MaxClientName int
+}
+
+// DefaultLimits are the bounds a zero Limits field takes.
+var DefaultLimits = Limits{
+	MaxConns:                 1024,
+	MaxConnsPerUID:           512,
+	MaxConnsPerPID:           64,
+	ProbeConns:               8,
+	HelloTimeout:             5 * time.Second,
+	OpenTimeout:              15 * time.Second,
+	MaxSessions:              1024,
+	MaxSessionsPerAllocation: 64,
+	MaxStreamsPerSession:     1 << 17,
+	MaxNameBytesPerSession:   16 << 20,
+	MaxDevicePages:           1 << 24,
+	MaxClientName:            256,
+}
+
+func (l Limits) withDefaults() Limits {
+	d := DefaultLimits
+	set := func(v *int, def int) {
+		if *v <= 0 {
+			*v = def
+		}
+	}
+	set(&l.MaxConns, d.MaxConns)
+	set(&l.MaxConnsPerUID, d.MaxConnsPerUID)
+	set(&l.MaxConnsPerPID, d.MaxConnsPerPID)
+	set(&l.ProbeConns, d.ProbeConns)
+	set(&l.MaxSessions, d.MaxSessions)
+	set(&l.MaxSessionsPerAllocation, d.MaxSessionsPerAllocation)
+	set(&l.MaxStreamsPerSession, d.MaxStreamsPerSession)
+	set(&l.MaxDevicePages, d.MaxDevicePages)
+	set(&l.MaxClientName, d.MaxClientName)
+	if l.HelloTimeout <= 0 {
+		l.HelloTimeout = d.HelloTimeout
+	}
+	if l.OpenTimeout <= 0 {
+		l.OpenTimeout = d.OpenTimeout
+	}
+	if l.MaxNameBytesPerSession <= 0 {
+		l.MaxNameBytesPerSession = d.MaxNameBytesPerSession
+	}
+	return l
+}
+
+// Refusal reasons, as Hooks.Refused and the kvpool_limit_rejects_total
+// metric name them.
+const (
+	RefusedConns           = "conns"
+	RefusedConnsPerUID     = "conns_per_uid"
+	RefusedConnsPerPID     = "conns_per_pid"
+	RefusedProbeConns      = "probe_conns"
+	RefusedHelloTimeout    = "hello_timeout"
+	RefusedOpenTimeout     = "open_timeout"
+	RefusedSessions        = "sessions"
+	RefusedAllocSessions   = "sessions_per_allocation"
+	RefusedStreams         = "streams"
+	RefusedNameBytes       = "name_bytes"
+	RefusedDevicePages     = "device_pages"
+	RefusedClientName      = "client_name"
+	RefusedUnauthorized    = "unauthorized"
+	RefusedNotOwner        = "not_owner"
+	RefusedAcceptTemporary = "accept_temporary"
+)
+
+// RefusalReasons lists every reason, for metrics that start at zero.
+var RefusalReasons = []string{RefusedConns, RefusedConnsPerUID, RefusedConnsPerPID, RefusedProbeConns,
+	RefusedHelloTimeout, RefusedOpenTimeout, RefusedSessions, RefusedAllocSessions, RefusedStreams,
+	RefusedNameBytes, RefusedDevicePages, RefusedClientName, RefusedUnauthorized, RefusedNotOwner,
+	RefusedAcceptTemporary}
+
+// refused counts a refusal and logs it, rate-limited per reason.
+func (s *Server) refused(reason string, peer Peer, msg string, args ...any) {
+	if h := s.o.Hooks.Refused; h != nil {
+		h(reason)
+	}
+	args = append(args, "reason", reason, "pid", peer.PID, "uid", peer.UID)
+	s.rlog.Log(slog.LevelWarn, reason, msg, args...)
+}
+
+// connCounts are the live connections by peer, guarded by Server.mu.
+type connCounts struct {
+	total, probes int
+	uid           map[uint32]int
+	pid           map[int32]int
+}
+
+func (s *Server) isProbe(p Peer) bool { return s.o.ProbePID > 0 && int(p.PID) == s.o.ProbePID }
+
+// admitLocked decides whether a connection from peer may be served. It
+// returns the refusal reason and message, or "" when admitted (and then
+// counts the connection).
+func (s *Server) admitLocked(p Peer) (string, string) {
+	n, l := &s.counts, &s.lim
+	if s.isProbe(p) {
+		if n.probes >= l.ProbeConns {
+			return RefusedProbeConns, fmt.Sprintf("the agent's own connections are at their limit of %d", l.ProbeConns)
+		}
+		n.probes++
+		return "", ""
+	}
+	switch {
+	case n.total >= l.MaxConns:
+		return RefusedConns, fmt.Sprintf("the agent serves at most %d connections", l.MaxConns)
+	case n.uid[p.UID] >= l.MaxConnsPerUID:
+		return RefusedConnsPerUID, fmt.Sprintf("uid %d holds %d connections, the limit", p.UID, l.MaxConnsPerUID)
+	case p.PID != 0 && n.pid[p.PID] >= l.MaxConnsPerPID:
+		return RefusedConnsPerPID, fmt.Sprintf("pid %d holds %d connections, the limit", p.PID, l.MaxConnsPerPID)
+	}
+	n.total++
+	n.uid[p.UID]++
+	if p.PID != 0 {
+		n.pid[p.PID]++
+	}
+	return "", ""
+}
+
+// releaseLocked undoes admitLocked when a connection ends.
+func (s *Server) releaseLocked(p Peer) {
+	n := &s.counts
+	if s.isProbe(p) {
+		n.probes--
+		return
+	}
+	n.total--
+	if n.uid[p.UID]--; n.uid[p.UID] <= 0 {
+		delete(n.uid, p.UID)
+	}
+	if p.PID != 0 {
+		if n.pid[p.PID]--; n.pid[p.PID] <= 0 {
+			delete(n.pid, p.PID)
+		}
+	}
+}
+
+// maxRefusers bounds the connections being refused at once; beyond it a
+// refused connection is closed without a reply.
+const maxRefusers = 32
+
+// refuseTimeout bounds how long a refused connection is waited on for the
+// request its refusal answers.
+const refuseTimeout = time.Second
+
+// refuseConn answers the first request of a connection the server will not
+// serve with StatusLimit and msg, then closes it. It holds no connection
+// slot and at most a small buffer.
+func (s *Server) refuseConn(uc *net.UnixConn, msg string) {
+	defer uc.Close()
+	if s.refusing.Add(1) > maxRefusers {
+		s.refusing.Add(-1)
+		return
+	}
+	defer s.refusing.Add(-1)
+	uc.SetDeadline(time.Now().Add(refuseTimeout))
+	var buf [512]byte
+	n, oobn, _, _, err := uc.ReadMsgUnix(buf[:], nil)
+	if err != nil || n < wire.HeaderSize || oobn != 0 {
+		return
+	}
+	h, _, err := wire.ParseHeader(buf[:n])
+	if err != nil {
+		return
+	}
+	pkt, err := wire.AppendPacket(nil, wire.Header{Op: h.Op, Status: wire.StatusLimit, Seq: h.Seq},
+		&wire.Error{Message: "connection refused: " + msg})
+	if err == nil {
+		uc.Write(pkt)
+	}
+}
+
+// stage moves a connection's deadline along its life: HelloTimeout from
+// connecting until hello, OpenTimeout from connecting until open, none once
+// a session is open.
+func (c *conn) stage() {
+	l := c.s.lim
+	uc := c.wc.UnixConn()
+	switch {
+	case c.e != nil:
+		uc.SetReadDeadline(time.Time{})
+	case c.hello:
+		uc.SetReadDeadline(c.since.Add(l.OpenTimeout))
+	default:
+		uc.SetReadDeadline(c.since.Add(l.HelloTimeout))
+	}
+}
+
+// timedOut reports (and counts) a receive that failed because the
+// connection missed its hello or open deadline.
+func (c *conn) timedOut(err error) bool {
+	var ne net.Error
+	if !errors.As(err, &ne) || !ne.Timeout() || c.e != nil {
+		return false
+	}
+	if c.hello {
+		c.s.refused(RefusedOpenTimeout, c.peer, "closing connection: no session opened in time", "limit", c.s.lim.OpenTimeout)
+	} else {
+		c.s.refused(RefusedHelloTimeout, c.peer, "closing connection: no hello in time", "limit", c.s.lim.HelloTimeout)
+	}
+	return true
+}
+
+// checkClientName bounds a hello's client name.
+func (c *conn) checkClientName(name string) (reply, bool) {
+	if max := c.s.lim.MaxClientName; len(name) > max {
+		c.s.refused(RefusedClientName, c.peer, "hello refused: client name too long", "bytes", len(name), "client", logName(name))
+		return fail(wire.StatusLimit, fmt.Errorf("client name of %d bytes, at most %d", len(name), max)), false
+	}
+	return reply{}, true
+}
+
+// checkLayout bounds an Open's layout beyond parseLayout's own checks.
+func (c *conn) checkLayout(lay layout) (reply, bool) {
+	if max := c.s.lim.MaxDevicePages; lay.devicePages > max {
+		c.s.refused(RefusedDevicePages, c.peer, "open refused: too many device pages", "pages", lay.devicePages)
+		return fail(wire.StatusLimit, fmt.Errorf("open: layout of %d device pages, at most %d (limits.maxDevicePages)", lay.devicePages, max)), false
+	}
+	return reply{}, true
+}
+
+// unauthorized logs and counts a refused token.
+func (c *conn) unauthorized(err error) {
+	c.s.refused(RefusedUnauthorized, c.peer, "open refused: bad token", "err", err)
+}
+
+// checkStreams bounds the session's stream table before an offload adds
+// (rid, label) to it.
+func (c *conn) checkStreams(ps *pool.Session, rid, label string) (reply, bool) {
+	u := ps.Usage()
+	l := &c.s.lim
+	if u.Streams >= l.MaxStreamsPerSession {
+		c.s.refused(RefusedStreams, c.peer, "offload refused: too many streams", "session", c.e.id)
+		return fail(wire.StatusLimit, fmt.Errorf("offload: the session holds %d streams, the limit (limits.maxStreamsPerSession)", u.Streams)), false
+	}
+	if n := u.NameBytes + int64(len(rid)+len(label)); n > l.MaxNameBytesPerSession {
+		c.s.refused(RefusedNameBytes, c.peer, "offload refused: too many name bytes", "session", c.e.id)
+		return fail(wire.StatusLimit, fmt.Errorf("offload: request IDs and labels would take %d bytes, more than the session's %d (limits.maxNameBytesPerSession)", n, l.MaxNameBytesPerSession)), false
+	}
+	return reply{}, true
+}
+
+// checkSessionsLocked bounds the sessions before attach opens one for k.
+func (s *Server) checkSessionsLocked(c *conn, k key) (reply, bool) {
+	l := &s.lim
+	if len(s.sessions) >= l.MaxSessions {
+		s.refused(RefusedSessions, c.peer, "open refused: too many sessions")
+		return fail(wire.StatusLimit, fmt.Errorf("open: the agent holds %d sessions, the limit", len(s.sessions))), false
+	}
+	n := 0
+	for sk := range s.sessions {
+		if sk.alloc == k.alloc {
+			n++
+		}
+	}
+	if n >= l.MaxSessionsPerAllocation {
+		s.refused(RefusedAllocSessions, c.peer, "open refused: too many sessions of one allocation", "allocation", k.alloc)
+		return fail(wire.StatusLimit, fmt.Errorf("open: the allocation holds %d sessions, the limit (limits.maxSessionsPerAllocation)", n)), false
+	}
+	return reply{}, true
+}
+
+// sameProcess reports whether two peers are the same process as the agent
+// can tell: same UID and same PID. Peers whose PID the agent cannot see
+// (PID 0, another PID namespace) match on UID alone; the instance ID, a
+// 128-bit secret of the process, then stands between them.
+func sameProcess(a, b Peer) bool { return a.UID == b.UID && a.PID == b.PID }
+
+// temporaryAccept reports whether an accept error is one to retry: out of
+// file descriptors or memory, or a connection aborted before it was taken.
+func temporaryAccept(err error) bool {
+	for _, e := range []syscall.Errno{syscall.EMFILE, syscall.ENFILE, syscall.ENOBUFS, syscall.ENOMEM,
+		syscall.ECONNABORTED, syscall.EINTR, syscall.EAGAIN, syscall.EPROTO, syscall.EPERM} {
+		if errors.Is(err, e) {
+			return true
+		}
+	}
+	return false
+}
+
+// shortID is how logs and listings name a client instance (given in hex):
+// the first 8 hex digits of the SHA-256 of that hex text, enough to tell
+// instances apart, useless to resume one.
+func shortID(instance string) string {
+	h := sha256.Sum256([]byte(instance))
+	return hex.EncodeToString(h[:4])
+}
+
+// logName makes a client-chosen name safe to log: printable ASCII only, at
+// most 64 bytes, the rest replaced or cut with a note of the length.
+func logName(s string) string {
+	const max = 64
+	var b strings.Builder
+	for i := 0; i < len(s) && b.Len() < max; i++ {
+		if c := s[i]; c >= 0x20 && c < 0x7f {
+			b.WriteByte(c)
+		} else {
+			b.WriteByte('?')
+		}
+	}
+	if len(s) > max {
+		fmt.Fprintf(&b, "...(%d bytes)", len(s))
+	}
+	return b.String()
+}
