@@ -24,6 +24,10 @@ type Chunk struct {
 	PageSize int64 // the page size actually used
 	Node     int   // the NUMA node the memory is bound to; -1 when unbound
 	Locked   bool  // mlock succeeded
+	// Sealed: the memfd carries F_SEAL_SHRINK|F_SEAL_GROW|F_SEAL_SEAL, so
+	// no holder of the fd can change its size (always true for a chunk
+	// Alloc returns).
+	Sealed bool
 	// Warnings lists the fallbacks taken (4 KiB pages instead of huge
 	// pages, no NUMA binding, not locked), one sentence each.
 	Warnings []string
@@ -114,9 +118,16 @@ func Alloc(o Options) (*Chunk, error) {
 	return c, nil
 }
 
-// create makes the memfd and maps it.
+// Seals is what Alloc seals every chunk's memfd with before it returns:
+// the size can neither shrink (a tenant's ftruncate would make the agent's
+// own mapping fault with SIGBUS) nor grow (ftruncate or fallocate beyond the
+// end would charge memory to the agent that outlives the tenant), and the
+// seals themselves are final. Writes stay allowed: that is what a chunk is for.
+const Seals = unix.F_SEAL_SHRINK | unix.F_SEAL_GROW | unix.F_SEAL_SEAL
+
+// create makes the memfd, sizes it, seals it and maps it.
 func (c *Chunk) create(name string, ps int64) error {
-	flags := unix.MFD_CLOEXEC
+	flags := unix.MFD_CLOEXEC | unix.MFD_ALLOW_SEALING
 	if ps == hugePage2M {
 		flags |= unix.MFD_HUGETLB | unix.MFD_HUGE_2MB
 	} else if ps == hugePage1G {
@@ -135,6 +146,11 @@ func (c *Chunk) create(name string, ps int64) error {
 		f.Close()
 		return fmt.Errorf("hostmem: size memfd %q to %d bytes: %w", name, c.Size, err)
 	}
+	if err := seal(f); err != nil {
+		f.Close()
+		return fmt.Errorf("hostmem: seal memfd %q: %w", name, err)
+	}
+	c.Sealed = true
 	mem, err := Map(f, c.Size)
 	if err != nil {
 		f.Close()
@@ -246,9 +262,25 @@ func Map(f *os.File, size int64) ([]byte, error) {
 	return mem, nil
 }
 
-// Zero clears the chunk, so that a chunk leaving one allocation carries no
-// bytes to the next.
-func (c *Chunk) Zero() { clear(c.Mem) }
+// seal adds Seals to f. Kernels since 3.17 seal memfds and since 4.16
+// hugetlb memfds as well; there is no fallback: a chunk that a tenant could
+// resize is refused.
+func seal(f *os.File) error {
+	if _, err := unix.FcntlInt(f.Fd(), unix.F_ADD_SEALS, Seals); err != nil {
+		if errors.Is(err, unix.EINVAL) {
+			return fmt.Errorf("%w (the kernel cannot seal this kind of memfd; hugetlb memfds need Linux 4.16 or later)", err)
+		}
+		return err
+	}
+	got, err := unix.FcntlInt(f.Fd(), unix.F_GET_SEALS, 0)
+	if err != nil {
+		return err
+	}
+	if got&Seals != Seals {
+		return fmt.Errorf("seals %#x after adding %#x", got, Seals)
+	}
+	return nil
+}
 
 // Close unmaps the chunk and closes its file; the memory is freed once no
 // other process maps it or holds its fd.
