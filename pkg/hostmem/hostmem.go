@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"os"
 	"sync"
+	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -280,6 +281,40 @@ func seal(f *os.File) error {
 		return fmt.Errorf("seals %#x after adding %#x", got, Seals)
 	}
 	return nil
+}
+
+// Drop retires a chunk that tenants had: the agent's mapping goes first
+// (the agent never touches tenant memory again, so nothing a tenant did to it
+// can fault the agent), then every page of the file is released at once
+// (FALLOC_FL_PUNCH_HOLE, allowed under the size seals), so the memory is
+// back before a fresh chunk takes its place, whoever still maps the file or
+// holds its fd. Pages a device driver still pins are freed when it lets go.
+// A process that kept a mapping sees zeros, or what it writes itself, in
+// memory no other tenant is ever given. The file is closed after closeAfter,
+// so that a descriptor number a concurrent reply may still be sending is
+// not reused for another file in the meantime.
+func (c *Chunk) Drop(closeAfter time.Duration) error {
+	var err error
+	if c.Mem != nil {
+		err = unix.Munmap(c.Mem)
+		c.Mem = nil
+	}
+	f := c.File
+	c.File = nil
+	if f == nil {
+		return err
+	}
+	if perr := unix.Fallocate(int(f.Fd()), unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, 0, c.Size); perr != nil && err == nil {
+		err = fmt.Errorf("hostmem: release the pages of %s: %w", f.Name(), perr)
+	}
+	if closeAfter <= 0 {
+		if cerr := f.Close(); err == nil {
+			err = cerr
+		}
+	} else {
+		time.AfterFunc(closeAfter, func() { f.Close() })
+	}
+	return err
 }
 
 // Close unmaps the chunk and closes its file; the memory is freed once no

@@ -359,7 +359,12 @@ func (c *conn) handleOpen(body []byte) reply {
 	if err != nil {
 		return fail(wire.StatusBadSize, fmt.Errorf("open: layout: %w", err))
 	}
-	alloc, err := c.s.o.Authorize(m.Token)
+	var alloc string
+	if c.s.o.AuthorizePeer != nil {
+		alloc, err = c.s.o.AuthorizePeer(m.Token, c.peer)
+	} else {
+		alloc, err = c.s.o.Authorize(m.Token)
+	}
 	if err != nil {
 		return fail(wire.StatusUnauthorized, fmt.Errorf("open: token: %w", err))
 	}
