@@ -298,3 +298,52 @@ func TestReclaimRenewsChunksAgainstHostileTenant(t *testing.T) {
 	}
 	a.stop(t)
 }
+
+// In cluster mode (tokenBinding pod, the default) a token works only from a
+// process in the pod that holds its allocation: this test's tenant process
+// is in no pod, so its valid token is refused, and the refusal says why.
+func TestClusterModeTokenBoundToPod(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts processes")
+	}
+	root, err := os.MkdirTemp("", "kvb")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(root) })
+	kdir := filepath.Join(root, "kubelet")
+	for _, d := range []string{"device-plugins", "pod-resources"} {
+		os.MkdirAll(filepath.Join(kdir, d), 0o755)
+	}
+	k := kubelettest.NewKubelet(t, filepath.Join(kdir, "device-plugins"))
+	prs := kubelettest.NewPodResources(t, filepath.Join(kdir, "pod-resources", "kubelet.sock"))
+	sockDir := filepath.Join(root, "sock")
+	a := spawnAgent(t, []string{"NODE_NAME=node-a", "KVPOOL_LOG_FORMAT=json"},
+		"--simulate-gpus", "2", "--kubelet-dir", kdir, "--socket-dir", sockDir, "--state-dir", filepath.Join(root, "state"),
+		"--pool-bytes", "128Mi", "--chunk-bytes", "32Mi", "--reserve-bytes", "64Mi", "--huge-pages", "never",
+		"--metrics-address", "", "--health-address", "127.0.0.1:0", "--pod-logs-dir", filepath.Join(root, "pods"))
+	k.WaitRegister(20 * time.Second)
+	waitReady(t, a)
+	var ids []string
+	for _, l := range a.log.all("pool plan gpu") {
+		if l["gpu"] == float64(1) {
+			g := sizing.GPUPlan{GPU: 1, NUMA: int(l["numa"].(float64)), Chunks: int(l["chunks"].(float64))}
+			ids = g.ChunkIDs()
+		}
+	}
+	k.WaitList(func(l []*pluginapi.Device) bool { return len(l) == 4 })
+	resp, err := allocate(t, k, ids...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	prs.SetPods(map[string]map[string][]string{"a": {config.DefaultResourceName: ids}})
+	_, opened := startTenant(t, filepath.Join(sockDir, plugin.SocketName), resp.Envs[plugin.EnvToken])
+	if !strings.Contains(opened, "unauthorized") {
+		t.Errorf("tenant outside any pod: %q, want unauthorized", opened)
+	}
+	a.log.wait(t, "token refused", nil)
+	if l := a.log.find("token refused", nil); l == nil || !strings.Contains(fmt.Sprint(l["err"]), "not in a Kubernetes pod") {
+		t.Errorf("refusal logged as %v, want the reason (not in a Kubernetes pod)", l)
+	}
+	a.stop(t)
+}
