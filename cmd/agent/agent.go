@@ -7,7 +7,9 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"path/filepath"
 	"runtime"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -58,6 +60,8 @@ type agent struct {
 	static      map[string]string
 	tokenChunks map[string][]string
 	granted     atomic.Bool
+	// refused counts pod-binding refusals since the last logged one.
+	refused, refusedLogged atomic.Int64
 
 	ln         *net.UnixListener
 	serveDone  chan error
@@ -146,8 +150,9 @@ func bootAgent(parent context.Context, s *serveSetup, log *slog.Logger) (_ *agen
 		Enabled:      !s.flags.standalone || s.flags.devicePlugin,
 		ResourceName: cfg.ResourceName, KubeletDir: cfg.KubeletDir, SocketDir: cfg.SocketDir, StateDir: cfg.StateDir,
 		GracePeriod: cfg.Reclaim.GracePeriod.Duration, Interval: cfg.Reclaim.Interval.Duration,
+		BindPods: cfg.TokenBinding == config.TokenBindingPod, PodLogsDir: cfg.PodLogsDir,
 	}
-	if a.plug, err = newPlugin(pcfg, a.pool, a.zero, a.events, log); err != nil {
+	if a.plug, err = newPlugin(pcfg, a.pool, a.renew, a.events, log); err != nil {
 		return nil, err
 	}
 
@@ -169,14 +174,22 @@ func bootAgent(parent context.Context, s *serveSetup, log *slog.Logger) (_ *agen
 		Pool:      a.pool,
 		Chunks:    a.chunk,
 		Authorize: a.authorize,
-		Logger:    log,
-		Hooks:     serverHooks(a.obs.Observer, a.obs.limitRejects),
-		Name:      "kvpool-agent " + version + " (" + a.mode + ")",
-		Limits:    serverLimits(cfg.Limits),
-		ProbePID:  os.Getpid(),
+		AuthorizePeer: func(token string, peer server.Peer) (string, error) {
+			return a.authorizePeer(ctx, token, peer)
+		},
+		Logger:   log,
+		Hooks:    serverHooks(a.obs.Observer, a.obs.limitRejects),
+		Name:     "kvpool-agent " + version + " (" + a.mode + ")",
+		Limits:   serverLimits(cfg.Limits),
+		ProbePID: os.Getpid(),
 	})
 	if err != nil {
 		return nil, err
+	}
+	if s.flags.standalone {
+		if err := standalone.CheckSocketDir(filepath.Dir(a.socket)); err != nil {
+			return nil, err
+		}
 	}
 	if a.ln, err = server.Listen(a.socket); err != nil {
 		return nil, err
@@ -332,6 +345,31 @@ func (a *agent) authorize(token string) (string, error) {
 	return "", server.ErrUnknownToken
 }
 
+// authorizePeer is authorize with the client's credentials: a token the
+// device plugin handed out works only from its pod when tokenBinding is
+// "pod" (plugin.Plugin.AuthorizePeer).
+func (a *agent) authorizePeer(ctx context.Context, token string, peer server.Peer) (string, error) {
+	if _, ok := a.static[token]; ok || a.plug == nil {
+		return a.authorize(token)
+	}
+	alloc, err := a.plug.Plugin.AuthorizePeer(ctx, token, peer.PID)
+	if err != nil {
+		if errors.Is(err, plugin.ErrUnknownToken) {
+			return "", fmt.Errorf("%w: %v", server.ErrUnknownToken, err)
+		}
+		// At most one line a second: a pod retrying in a loop must not
+		// flood the log.
+		n := a.refused.Add(1)
+		if now := time.Now().UnixNano(); now-a.refusedLogged.Load() >= int64(time.Second) {
+			a.refusedLogged.Store(now)
+			a.refused.Store(0)
+			a.log.Warn("token refused", "pid", peer.PID, "uid", peer.UID, "refusedSinceLastLine", n, "err", err)
+		}
+		return "", err
+	}
+	return alloc, nil
+}
+
 // chunk is the server's ChunkSource.
 func (a *agent) chunk(id string) (*hostmem.Chunk, bool) {
 	a.mu.RLock()
@@ -340,13 +378,53 @@ func (a *agent) chunk(id string) (*hostmem.Chunk, bool) {
 	return c, ok
 }
 
-// zero clears a chunk before it goes to another pod.
-func (a *agent) zero(id string) error {
-	c, ok := a.chunk(id)
-	if !ok {
-		return fmt.Errorf("zero: no chunk %q", id)
+// renewCloseDelay keeps a dropped chunk's (emptied) file open a little
+// longer, in case a reply that looked the chunk up just before the reclaim is
+// still sending its descriptor.
+const renewCloseDelay = 10 * time.Second
+
+// renew replaces a reclaimed chunk: the old one is dropped (unmapped, its
+// pages released even where a pod still maps them) and a fresh one, made as
+// at start (bound, pre-faulted, locked, sealed), takes its ID. The plugin
+// calls it and keeps the chunk unhealthy until it succeeds.
+func (a *agent) renew(id string) error {
+	var spec *hostmem.Spec
+	for i := range a.specs {
+		if a.specs[i].ID == id {
+			spec = &a.specs[i]
+		}
 	}
-	c.Zero()
+	if spec == nil {
+		return fmt.Errorf("renew: no planned chunk %q", id)
+	}
+	g := -1
+	for _, p := range a.plan.GPUs {
+		if slices.Contains(p.ChunkIDs(), id) {
+			g = p.GPU
+		}
+	}
+	a.mu.Lock()
+	old := a.hmem[id]
+	delete(a.hmem, id)
+	a.mu.Unlock()
+	start := time.Now()
+	if old != nil {
+		if err := old.Drop(renewCloseDelay); err != nil {
+			a.log.Warn("dropping reclaimed chunk", "chunk", id, "err", err)
+		}
+	}
+	c, err := hostmem.Alloc(spec.Options)
+	if err != nil {
+		err = fmt.Errorf("renew chunk %s: %w", id, err)
+		a.obs.Metrics.ChunkRenewFailed(g, err)
+		return err
+	}
+	took := time.Since(start)
+	a.mu.Lock()
+	a.hmem[id] = c
+	a.mu.Unlock()
+	a.obs.Metrics.ChunkRenewed(g, took)
+	a.log.Info("chunk renewed", "chunk", id, "took", took.Round(time.Microsecond), "pageSize", c.PageSize, "node", c.Node, "locked", c.Locked)
 	return nil
 }
 

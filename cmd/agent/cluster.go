@@ -21,6 +21,8 @@ type pluginConfig struct {
 	StateDir     string
 	GracePeriod  time.Duration
 	Interval     time.Duration
+	BindPods     bool   // tokenBinding "pod"
+	PodLogsDir   string // kubelet's pod log directory
 }
 
 // pluginRun is a device plugin, built by newPlugin and registered with
@@ -58,9 +60,9 @@ func (r *pluginRun) Running() bool {
 }
 
 // newPlugin builds the kubelet device plugin over p (restoring its
-// checkpoint), or returns nil when cfg does not enable it. zero clears a
-// chunk's bytes before the chunk goes to another pod (hostmem.Chunk.Zero).
-func newPlugin(cfg pluginConfig, p *pool.Pool, zero func(id string) error, ev events.Events, log *slog.Logger) (*pluginRun, error) {
+// checkpoint), or returns nil when cfg does not enable it. renew replaces a
+// reclaimed chunk with fresh memory (plugin.Options.Renew).
+func newPlugin(cfg pluginConfig, p *pool.Pool, renew func(id string) error, ev events.Events, log *slog.Logger) (*pluginRun, error) {
 	if !cfg.Enabled {
 		return nil, nil
 	}
@@ -75,7 +77,7 @@ func newPlugin(cfg pluginConfig, p *pool.Pool, zero func(id string) error, ev ev
 		StateDir:     cfg.StateDir,
 		Pool:         p,
 		Devices:      feed,
-		Zero:         zero,
+		Renew:        renew,
 		Reclaimed:    ev.ChunksReclaimed,
 		ChunkHealth: func(id string, healthy bool, reason string) {
 			if healthy {
@@ -86,6 +88,8 @@ func newPlugin(cfg pluginConfig, p *pool.Pool, zero func(id string) error, ev ev
 		},
 		GracePeriod: cfg.GracePeriod,
 		Interval:    cfg.Interval,
+		BindPods:    cfg.BindPods,
+		PodLogsDir:  cfg.PodLogsDir,
 		Logger:      log,
 	})
 	if err != nil {

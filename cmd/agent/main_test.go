@@ -11,6 +11,9 @@ import (
 // agent, its arguments taken from KVPOOL_TEST_AGENT_ARGS when set, else from
 // its own command line.
 func TestMain(m *testing.M) {
+	if os.Getenv("KVPOOL_TEST_TENANT") == "1" {
+		os.Exit(tenantMain())
+	}
 	if os.Getenv("KVPOOL_TEST_AGENT") == "1" || os.Getenv("KVPOOL_TEST_RUN_MAIN") == "1" {
 		if a, ok := os.LookupEnv("KVPOOL_TEST_AGENT_ARGS"); ok {
 			os.Args = append([]string{"agent"}, strings.Fields(a)...)

@@ -124,6 +124,7 @@ func resolveServe(args []string, getenv func(string) string) (*serveSetup, error
 	sources := map[string][2]string{ // field: flag, environment variable
 		"socketDir":            {"socket-dir", "KVPOOL_SOCKET_DIR"},
 		"stateDir":             {"state-dir", "KVPOOL_STATE_DIR"},
+		"tokenBinding":         {"token-binding", "KVPOOL_TOKEN_BINDING"},
 		"metrics.address":      {"metrics-address", "KVPOOL_METRICS_ADDRESS"},
 		"health.address":       {"health-address", "KVPOOL_HEALTH_ADDRESS"},
 		"standalone.tokens":    {"standalone-tokens", "KVPOOL_STANDALONE_TOKENS"},
@@ -194,7 +195,13 @@ func resolveServe(args []string, getenv func(string) string) (*serveSetup, error
 		cfg.Standalone.PoolBytes = cfg.Sizing.PoolBytes
 	}
 	if !s.explicit("stateDir") {
-		cfg.StateDir = filepath.Join(base, "state")
+		cfg.StateDir = standalone.DefaultStateDir()
+	}
+	if !s.explicit("tokenBinding") {
+		cfg.TokenBinding = config.TokenBindingNone // no pods to bind to
+	}
+	if err := config.CheckDirs(cfg.SocketDir, cfg.StateDir); err != nil {
+		return nil, fmt.Errorf("stateDir: %w", err)
 	}
 	if !s.explicit("metrics.address") {
 		cfg.Metrics.Address = "127.0.0.1:0"

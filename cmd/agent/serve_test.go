@@ -263,7 +263,7 @@ func TestClusterModeAllocateAndClient(t *testing.T) {
 		"--simulate-gpus", "2", "--kubelet-dir", kdir, "--socket-dir", sockDir, "--state-dir", filepath.Join(root, "state"),
 		"--pool-bytes", "256Mi", "--chunk-bytes", "32Mi", "--reserve-bytes", "64Mi", "--huge-pages", "never",
 		"--metrics-address", "127.0.0.1:0", "--health-address", "127.0.0.1:0",
-		"--reclaim-interval", "100ms", "--reclaim-grace-period", "1h")
+		"--reclaim-interval", "100ms", "--reclaim-grace-period", "1h", "--token-binding", "none")
 	reg := k.WaitRegister(20 * time.Second)
 	if reg.ResourceName != config.DefaultResourceName {
 		t.Errorf("registered %q", reg.ResourceName)
@@ -438,6 +438,9 @@ func TestResolveServe(t *testing.T) {
 		{"invalid file", []string{"--config", bad}, nil, "socketDir"},
 		{"bad environment", nil, map[string]string{"KVPOOL_POOL_BYTES": "lots"}, "KVPOOL_POOL_BYTES"},
 		{"bad flag value", []string{"--standalone", "--split", "odd"}, nil, "split"},
+		{"state inside socket dir", []string{"--standalone", "--socket", "/run/kq/kvpool.sock", "--state-dir", "/run/kq/state"}, nil, `stateDir: "/run/kq/state" is inside the socket directory "/run/kq"`},
+		{"state is socket dir", []string{"--standalone", "--device-plugin", "--socket-dir", "/run/kq", "--state-dir", "/run/kq"}, nil, "is also the socket directory"},
+		{"cluster state inside socket dir", []string{"--socket-dir", "/run/kq", "--state-dir", "/run/kq/s"}, nil, "inside the socket directory"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			_, err := resolveServe(c.args, env(c.env))
@@ -452,7 +455,7 @@ func TestResolveServe(t *testing.T) {
 		t.Fatal(err)
 	}
 	if !s.randomToken || s.socket != standalone.DefaultSocket() || s.cfg.Metrics.Address != "127.0.0.1:0" ||
-		s.cfg.Health.Address != "127.0.0.1:0" || s.cfg.StateDir != filepath.Join(filepath.Dir(standalone.DefaultSocket()), "state") {
+		s.cfg.Health.Address != "127.0.0.1:0" || s.cfg.StateDir != filepath.Dir(standalone.DefaultSocket())+"-state" {
 		t.Errorf("standalone defaults: random %v socket %s metrics %s health %s state %s", s.randomToken, s.socket,
 			s.cfg.Metrics.Address, s.cfg.Health.Address, s.cfg.StateDir)
 	}

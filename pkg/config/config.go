@@ -79,6 +79,17 @@ type Config struct {
 	// StateDir holds the agent's checkpoint across restarts. Default
 	// "/var/lib/kvpool/state". Absolute.
 	StateDir string `json:"stateDir"`
+	// TokenBinding says from where an allocation token works: "pod" (the
+	// default) accepts it only from a process in the pod kubelet assigned
+	// the allocation to (the agent needs the host's PID namespace and
+	// PodLogsDir; see docs/security.md); "none" from any process that can
+	// reach the socket. Standalone mode, which has no pods, uses "none"
+	// unless set.
+	TokenBinding string `json:"tokenBinding"`
+	// PodLogsDir is kubelet's pod log directory (its podLogsDir setting),
+	// where <namespace>_<name>_<uid> directories tie pod names to UIDs for
+	// TokenBinding "pod". Default "/var/log/pods". Absolute.
+	PodLogsDir string `json:"podLogsDir"`
 
 	// Sizing decides how much host memory the pool takes and how it is
 	// split into per-GPU pools and chunks.
@@ -225,6 +236,12 @@ type Standalone struct {
 	PoolBytes Bytes `json:"poolBytes"`
 }
 
+// TokenBinding values.
+const (
+	TokenBindingPod  = "pod"
+	TokenBindingNone = "none"
+)
+
 // Default returns the built-in configuration.
 func Default() Config {
 	return Config{
@@ -234,6 +251,8 @@ func Default() Config {
 		SocketDir:    "/var/lib/kvpool/sock",
 		KubeletDir:   "/var/lib/kubelet",
 		StateDir:     "/var/lib/kvpool/state",
+		TokenBinding: TokenBindingPod,
+		PodLogsDir:   "/var/log/pods",
 		Sizing: Sizing{
 			Fraction:            0.5,
 			ReserveBytes:        8 * GiB,

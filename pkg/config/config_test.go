@@ -109,6 +109,7 @@ func TestParseFullFile(t *testing.T) {
 	want := Config{
 		APIVersion: APIVersion, Kind: Kind,
 		ResourceName: "example.com/kv", SocketDir: "/run/kvp/sock", KubeletDir: "/data/kubelet", StateDir: "/data/kvpool/state",
+		TokenBinding: TokenBindingNone, PodLogsDir: "/data/pod-logs",
 		Sizing: Sizing{PoolBytes: 64 * GiB, Fraction: 0.25, ReserveBytes: 16 * GiB, CgroupHeadroomBytes: GiB,
 			Split: SplitMemory, MinPerGPU: 4 * GiB, MaxPerGPU: 32 * GiB, ChunkBytes: 2 * GiB, HugePages: HugePagesRequire},
 		Reclaim: Reclaim{GracePeriod: Duration{5 * time.Minute}, Interval: Duration{30 * time.Second}},
@@ -184,6 +185,12 @@ func TestParseErrors(t *testing.T) {
 		{"relative socketDir", head + "socketDir: run/kvpool\n", `socketDir: "run/kvpool" is not an absolute path`},
 		{"relative stateDir", head + "stateDir: state\n", "stateDir:"},
 		{"empty kubeletDir", head + "kubeletDir: \"\"\n", "kubeletDir:"},
+		{"state is socket dir", head + "socketDir: /var/lib/kvpool\nstateDir: /var/lib/kvpool/\n", `stateDir: "/var/lib/kvpool/" is also the socket directory`},
+		{"state inside socket dir", head + "socketDir: /var/lib/kvpool\nstateDir: /var/lib/kvpool/state\n", `stateDir: "/var/lib/kvpool/state" is inside the socket directory "/var/lib/kvpool", which pods mount`},
+		{"state inside socket dir, unclean", head + "socketDir: /run/kv\nstateDir: /run/x/../kv/./s\n", "is inside the socket directory"},
+		{"socket dir inside state", head + "socketDir: /var/lib/kvpool/state/sock\nstateDir: /var/lib/kvpool/state\n", `contains the socket directory`},
+		{"token binding", head + "tokenBinding: uid\n", `tokenBinding: is "uid", want "pod" or "none"`},
+		{"relative podLogsDir", head + "podLogsDir: logs\n", `podLogsDir: "logs" is not an absolute path`},
 		{"long socketDir", head + "socketDir: /" + strings.Repeat("d", 100) + "\n", "longer than a Unix socket address allows"},
 		{"resource no slash", head + "resourceName: hostkv\n", "is not of the form domain/name"},
 		{"resource empty", head + "resourceName: \"\"\n", "resourceName: is empty"},
@@ -439,6 +446,29 @@ func TestDocsListEverySetting(t *testing.T) {
 		row := "| `" + s.field + "` | `--" + s.flag + "` | `" + s.env + "` |"
 		if !strings.Contains(doc, row) {
 			t.Errorf("docs/sizing.md lacks the row for %s: %s", s.field, row)
+		}
+	}
+}
+
+func TestCheckDirs(t *testing.T) {
+	for _, c := range []struct {
+		sock, state string
+		ok          bool
+	}{
+		{"/var/lib/kvpool/sock", "/var/lib/kvpool/state", true},
+		{"/run/kvpool", "/run/kvpool-state", true}, // a shared prefix is not nesting
+		{"/run/kvpool-state", "/run/kvpool", true},
+		{"/run/kvpool", "/run/..kvpool", true},
+		{"/", "/x", false},
+		{"/x", "/", false},
+		{"/run/kvpool", "/run/kvpool", false},
+		{"/run/kvpool/", "/run//kvpool", false},
+		{"/run/kvpool", "/run/kvpool/a/b", false},
+		{"/run/kvpool/a/b", "/run/kvpool", false},
+	} {
+		err := CheckDirs(c.sock, c.state)
+		if (err == nil) != c.ok {
+			t.Errorf("CheckDirs(%q, %q) = %v, want ok %v", c.sock, c.state, err, c.ok)
 		}
 	}
 }

@@ -45,10 +45,18 @@ func (c *Config) Validate() error {
 		bad("resourceName", "%s", msg)
 	}
 	for _, d := range []struct{ field, dir string }{
-		{"socketDir", c.SocketDir}, {"kubeletDir", c.KubeletDir}, {"stateDir", c.StateDir},
+		{"socketDir", c.SocketDir}, {"kubeletDir", c.KubeletDir}, {"stateDir", c.StateDir}, {"podLogsDir", c.PodLogsDir},
 	} {
 		if !filepath.IsAbs(d.dir) {
 			bad(d.field, "%q is not an absolute path", d.dir)
+		}
+	}
+	if c.TokenBinding != TokenBindingPod && c.TokenBinding != TokenBindingNone {
+		bad("tokenBinding", "is %q, want %q or %q", c.TokenBinding, TokenBindingPod, TokenBindingNone)
+	}
+	if filepath.IsAbs(c.SocketDir) && filepath.IsAbs(c.StateDir) {
+		if err := CheckDirs(c.SocketDir, c.StateDir); err != nil {
+			bad("stateDir", "%s", err.Error())
 		}
 	}
 	if filepath.IsAbs(c.SocketDir) && len(c.SocketPath()) > maxSunPath {
@@ -173,6 +181,29 @@ func (c *Config) Validate() error {
 		bad("standalone.poolBytes", "is %s, want a positive size such as 512Mi", st.PoolBytes)
 	}
 	return errors.Join(errs...)
+}
+
+// CheckDirs refuses a state directory (which holds every allocation token)
+// that is the socket directory (which pods mount), inside it, or holds it:
+// either way a pod, or whoever can write the socket directory, would reach
+// the tokens, or the agent's checkpoint writes would land where pods look.
+// Both paths must be absolute; they are compared cleaned, without following
+// symbolic links.
+func CheckDirs(socketDir, stateDir string) error {
+	sock, state := filepath.Clean(socketDir), filepath.Clean(stateDir)
+	within := func(dir, parent string) bool {
+		rel, err := filepath.Rel(parent, dir)
+		return err == nil && rel != ".." && !strings.HasPrefix(rel, "../")
+	}
+	switch {
+	case sock == state:
+		return fmt.Errorf("%q is also the socket directory; the tokens must not be where pods mount", stateDir)
+	case within(state, sock):
+		return fmt.Errorf("%q is inside the socket directory %q, which pods mount: they would read every allocation token", stateDir, socketDir)
+	case within(sock, state):
+		return fmt.Errorf("%q contains the socket directory %q; keep them apart (pods mount the socket directory)", stateDir, socketDir)
+	}
+	return nil
 }
 
 func checkResourceName(name string) string {

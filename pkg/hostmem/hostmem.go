@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"os"
 	"sync"
+	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -24,6 +25,10 @@ type Chunk struct {
 	PageSize int64 // the page size actually used
 	Node     int   // the NUMA node the memory is bound to; -1 when unbound
 	Locked   bool  // mlock succeeded
+	// Sealed: the memfd carries F_SEAL_SHRINK|F_SEAL_GROW|F_SEAL_SEAL, so
+	// no holder of the fd can change its size (always true for a chunk
+	// Alloc returns).
+	Sealed bool
 	// Warnings lists the fallbacks taken (4 KiB pages instead of huge
 	// pages, no NUMA binding, not locked), one sentence each.
 	Warnings []string
@@ -114,9 +119,16 @@ func Alloc(o Options) (*Chunk, error) {
 	return c, nil
 }
 
-// create makes the memfd and maps it.
+// Seals is what Alloc seals every chunk's memfd with before it returns:
+// the size can neither shrink (a tenant's ftruncate would make the agent's
+// own mapping fault with SIGBUS) nor grow (ftruncate or fallocate beyond the
+// end would charge memory to the agent that outlives the tenant), and the
+// seals themselves are final. Writes stay allowed: that is what a chunk is for.
+const Seals = unix.F_SEAL_SHRINK | unix.F_SEAL_GROW | unix.F_SEAL_SEAL
+
+// create makes the memfd, sizes it, seals it and maps it.
 func (c *Chunk) create(name string, ps int64) error {
-	flags := unix.MFD_CLOEXEC
+	flags := unix.MFD_CLOEXEC | unix.MFD_ALLOW_SEALING
 	if ps == hugePage2M {
 		flags |= unix.MFD_HUGETLB | unix.MFD_HUGE_2MB
 	} else if ps == hugePage1G {
@@ -135,6 +147,11 @@ func (c *Chunk) create(name string, ps int64) error {
 		f.Close()
 		return fmt.Errorf("hostmem: size memfd %q to %d bytes: %w", name, c.Size, err)
 	}
+	if err := seal(f); err != nil {
+		f.Close()
+		return fmt.Errorf("hostmem: seal memfd %q: %w", name, err)
+	}
+	c.Sealed = true
 	mem, err := Map(f, c.Size)
 	if err != nil {
 		f.Close()
@@ -246,9 +263,59 @@ func Map(f *os.File, size int64) ([]byte, error) {
 	return mem, nil
 }
 
-// Zero clears the chunk, so that a chunk leaving one allocation carries no
-// bytes to the next.
-func (c *Chunk) Zero() { clear(c.Mem) }
+// seal adds Seals to f. Kernels since 3.17 seal memfds and since 4.16
+// hugetlb memfds as well; there is no fallback: a chunk that a tenant could
+// resize is refused.
+func seal(f *os.File) error {
+	if _, err := unix.FcntlInt(f.Fd(), unix.F_ADD_SEALS, Seals); err != nil {
+		if errors.Is(err, unix.EINVAL) {
+			return fmt.Errorf("%w (the kernel cannot seal this kind of memfd; hugetlb memfds need Linux 4.16 or later)", err)
+		}
+		return err
+	}
+	got, err := unix.FcntlInt(f.Fd(), unix.F_GET_SEALS, 0)
+	if err != nil {
+		return err
+	}
+	if got&Seals != Seals {
+		return fmt.Errorf("seals %#x after adding %#x", got, Seals)
+	}
+	return nil
+}
+
+// Drop retires a chunk that tenants had: the agent's mapping goes first
+// (the agent never touches tenant memory again, so nothing a tenant did to it
+// can fault the agent), then every page of the file is released at once
+// (FALLOC_FL_PUNCH_HOLE, allowed under the size seals), so the memory is
+// back before a fresh chunk takes its place, whoever still maps the file or
+// holds its fd. Pages a device driver still pins are freed when it lets go.
+// A process that kept a mapping sees zeros, or what it writes itself, in
+// memory no other tenant is ever given. The file is closed after closeAfter,
+// so that a descriptor number a concurrent reply may still be sending is
+// not reused for another file in the meantime.
+func (c *Chunk) Drop(closeAfter time.Duration) error {
+	var err error
+	if c.Mem != nil {
+		err = unix.Munmap(c.Mem)
+		c.Mem = nil
+	}
+	f := c.File
+	c.File = nil
+	if f == nil {
+		return err
+	}
+	if perr := unix.Fallocate(int(f.Fd()), unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, 0, c.Size); perr != nil && err == nil {
+		err = fmt.Errorf("hostmem: release the pages of %s: %w", f.Name(), perr)
+	}
+	if closeAfter <= 0 {
+		if cerr := f.Close(); err == nil {
+			err = cerr
+		}
+	} else {
+		time.AfterFunc(closeAfter, func() { f.Close() })
+	}
+	return err
+}
 
 // Close unmaps the chunk and closes its file; the memory is freed once no
 // other process maps it or holds its fd.

@@ -28,6 +28,10 @@ func TestMain(m *testing.M) {
 		os.Exit(child())
 	case "memlock":
 		os.Exit(memlockChild())
+	case "resize":
+		os.Exit(resizeChild())
+	case "keep":
+		os.Exit(keepChild())
 	}
 	os.Exit(m.Run())
 }
@@ -147,10 +151,8 @@ func TestCompatibleDefaults(t *testing.T) {
 	if grew := status(t, "RssShmem") - shm0; grew >= 32*mib {
 		t.Errorf("plain chunk already resident (%d bytes)", grew)
 	}
-	c.Mem[5] = 7
-	c.Zero()
-	if c.Mem[5] != 0 {
-		t.Error("Zero left bytes")
+	if !c.Sealed {
+		t.Error("chunk not sealed")
 	}
 }
 
@@ -299,6 +301,10 @@ func TestHugePages(t *testing.T) {
 	if string(c.Mem[:4]) != "huge" {
 		t.Error("huge page chunk not writable")
 	}
+	if !c.Sealed {
+		t.Error("hugetlb chunk not sealed")
+	}
+	checkResizeRefused(t, c)
 }
 
 func TestHugePagesFallback(t *testing.T) {
@@ -459,5 +465,175 @@ func TestMemlockLimit(t *testing.T) {
 		if !strings.Contains(s, want) {
 			t.Errorf("child output lacks %q:\n%s", want, s)
 		}
+	}
+}
+
+// resizeChild is a tenant that tries to change the size of the chunk it was
+// given as fd 3 every way it can, and to take the seals off. It prints one
+// line per attempt: the name and the errno (or "ok").
+func resizeChild() int {
+	size, _ := strconv.ParseInt(os.Getenv("HOSTMEM_SIZE"), 10, 64)
+	fd := 3
+	try := func(name string, err error) {
+		if err == nil {
+			fmt.Printf("%s ok\n", name)
+			return
+		}
+		fmt.Printf("%s %s\n", name, unix.ErrnoName(err.(unix.Errno)))
+	}
+	try("shrink", unix.Ftruncate(fd, 0))
+	try("grow", unix.Ftruncate(fd, size+1<<30))
+	try("fallocate-grow", unix.Fallocate(fd, 0, size, 256<<20))
+	_, err := unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, unix.F_SEAL_WRITE)
+	try("add-seal", err)
+	mem, err := unix.Mmap(fd, 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	try("map", err)
+	if err == nil {
+		mem[len(mem)-1] = 0x5A
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		fmt.Println("fstat", err)
+		return 2
+	}
+	fmt.Printf("size %d\n", st.Size)
+	return 0
+}
+
+// checkResizeRefused runs resizeChild on c and checks that every resize was
+// refused with EPERM, the size is unchanged and the agent's own mapping
+// still reads every page (a shrink would have made it fault).
+func checkResizeRefused(t *testing.T, c *Chunk) {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), "HOSTMEM_CHILD=resize", fmt.Sprintf("HOSTMEM_SIZE=%d", c.Size))
+	cmd.ExtraFiles = []*os.File{c.File}
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("child: %v\n%s", err, out)
+	}
+	want := fmt.Sprintf("shrink EPERM\ngrow EPERM\nfallocate-grow EPERM\nadd-seal EPERM\nmap ok\nsize %d\n", c.Size)
+	if string(out) != want {
+		t.Errorf("tenant's resize attempts:\n%s\nwant:\n%s", out, want)
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(int(c.File.Fd()), &st); err != nil || st.Size != c.Size {
+		t.Errorf("chunk size now %d (%v), want %d", st.Size, err, c.Size)
+	}
+	for i := 0; i < len(c.Mem); i += int(c.PageSize) {
+		_ = c.Mem[i] // a page the tenant cut off would fault here (SIGBUS)
+	}
+	if got := c.Mem[len(c.Mem)-1]; got != 0x5A {
+		t.Errorf("last byte %#x, want the child's 0x5a", got)
+	}
+}
+
+func TestSealedAgainstTenant(t *testing.T) {
+	c, err := Alloc(Options{Size: 8 * mib, Name: "sealed-test", Prefault: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if !c.Sealed {
+		t.Fatal("chunk not sealed")
+	}
+	got, err := unix.FcntlInt(c.File.Fd(), unix.F_GET_SEALS, 0)
+	if err != nil || got != Seals {
+		t.Fatalf("seals %#x (%v), want exactly %#x (writes must stay allowed)", got, err, Seals)
+	}
+	checkResizeRefused(t, c)
+}
+
+// keepChild is a tenant that maps the chunk (fd 3), touches every page,
+// says "mapped", and on each line from stdin reports how many bytes of its
+// mapping are not zero.
+func keepChild() int {
+	size, _ := strconv.ParseInt(os.Getenv("HOSTMEM_SIZE"), 10, 64)
+	mem, err := unix.Mmap(3, 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		fmt.Println(err)
+		return 2
+	}
+	sum := 0
+	for i := 0; i < len(mem); i += 4096 {
+		sum += int(mem[i])
+	}
+	fmt.Println("mapped", sum > 0)
+	sc := bufio.NewScanner(os.Stdin)
+	for sc.Scan() {
+		n := 0
+		for _, b := range mem {
+			if b != 0 {
+				n++
+			}
+		}
+		fmt.Println("nonzero", n)
+	}
+	return 0
+}
+
+// pidStatus reads a "Key: N kB" field of /proc/<pid>/status in bytes.
+func pidStatus(t *testing.T, pid int, key string) int64 {
+	t.Helper()
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if k, v, ok := strings.Cut(line, ":"); ok && k == key {
+			n, _ := strconv.ParseInt(strings.Fields(v)[0], 10, 64)
+			return n << 10
+		}
+	}
+	t.Fatalf("no %s in /proc/%d/status", key, pid)
+	return 0
+}
+
+// A tenant that keeps its mapping across Drop loses the pages at once: its
+// resident shared memory falls to nothing, and its mapping reads zeros.
+func TestDropReleasesWhatATenantMaps(t *testing.T) {
+	const size = 8 * mib
+	c, err := Alloc(Options{Size: size, Name: "drop-test", Prefault: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range c.Mem {
+		c.Mem[i] = 0xC3
+	}
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), "HOSTMEM_CHILD=keep", fmt.Sprintf("HOSTMEM_SIZE=%d", size))
+	cmd.ExtraFiles = []*os.File{c.File}
+	in, _ := cmd.StdinPipe()
+	outp, _ := cmd.StdoutPipe()
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer cmd.Wait()
+	defer in.Close()
+	out := bufio.NewScanner(outp)
+	line := func() string {
+		if !out.Scan() {
+			t.Fatalf("child ended: %v", out.Err())
+		}
+		return out.Text()
+	}
+	if l := line(); l != "mapped true" {
+		t.Fatalf("child: %q", l)
+	}
+	if rss := pidStatus(t, cmd.Process.Pid, "RssShmem"); rss < size {
+		t.Fatalf("child maps %d bytes resident, want at least %d", rss, size)
+	}
+	if err := c.Drop(0); err != nil {
+		t.Fatal(err)
+	}
+	if c.Mem != nil || c.File != nil {
+		t.Error("dropped chunk still has memory or a file")
+	}
+	if rss := pidStatus(t, cmd.Process.Pid, "RssShmem"); rss > size/8 {
+		t.Errorf("child still maps %d bytes resident after Drop", rss)
+	}
+	fmt.Fprintln(in)
+	if l := line(); l != "nonzero 0" {
+		t.Errorf("child's mapping after Drop: %s, want all zero", l)
 	}
 }

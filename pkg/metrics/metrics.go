@@ -48,6 +48,8 @@ type Metrics struct {
 	errors      *prometheus.CounterVec
 	pinSeconds  *prometheus.HistogramVec
 	pinFailures *prometheus.CounterVec
+	renewSecs   *prometheus.HistogramVec
+	renewFails  *prometheus.CounterVec
 	fillSeconds *prometheus.GaugeVec
 
 	// Series the hot path uses, resolved once: WithLabelValues hashes its
@@ -138,13 +140,22 @@ func New(src status.Source, opts Options) *Metrics {
 			Namespace: Namespace, Name: "chunk_pin_failures_total",
 			Help: "Chunks that could not be allocated, pre-faulted or locked.",
 		}, []string{"gpu"}),
+		renewSecs: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Namespace: Namespace, Name: "chunk_renew_seconds",
+			Help:    "Time to replace a reclaimed chunk with fresh memory (drop the old, allocate, bind, pre-fault, lock and seal the new).",
+			Buckets: prometheus.ExponentialBuckets(0.01, 2, 13),
+		}, []string{"gpu"}),
+		renewFails: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: Namespace, Name: "chunk_renew_failures_total",
+			Help: "Failed attempts to replace a reclaimed chunk (the chunk stays unhealthy and is retried).",
+		}, []string{"gpu"}),
 		fillSeconds: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Namespace: Namespace, Name: "pool_fill_seconds",
 			Help: "Seconds from agent start until the GPU's pool reached its planned size; absent until it has.",
 		}, []string{"gpu"}),
 	}
 	m.reg.MustRegister(m.opDuration, m.offloads, m.reloads, m.discards, m.rejects, m.pagesMoved,
-		m.clientBytes, m.errors, m.pinSeconds, m.pinFailures, m.fillSeconds,
+		m.clientBytes, m.errors, m.pinSeconds, m.pinFailures, m.renewSecs, m.renewFails, m.fillSeconds,
 		newPoolCollector(src, opts.Targets, opts.Now))
 	if !opts.NoRuntime {
 		m.reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
@@ -219,6 +230,17 @@ func (m *Metrics) ChunkPinFailed(gpu int, err error) {
 	m.Error("allocation", err)
 }
 
+// ChunkRenewed records a reclaimed chunk replaced by fresh memory in d.
+func (m *Metrics) ChunkRenewed(gpu int, d time.Duration) {
+	m.renewSecs.WithLabelValues(gpuLabel(gpu)).Observe(d.Seconds())
+}
+
+// ChunkRenewFailed counts a failed replacement of a reclaimed chunk.
+func (m *Metrics) ChunkRenewFailed(gpu int, err error) {
+	m.renewFails.WithLabelValues(gpuLabel(gpu)).Inc()
+	m.Error("allocation", err)
+}
+
 // PoolFilled records that gpu's pool reached its planned size d after start.
 func (m *Metrics) PoolFilled(gpu int, d time.Duration) {
 	m.fillSeconds.WithLabelValues(gpuLabel(gpu)).Set(d.Seconds())
@@ -233,4 +255,5 @@ func (m *Metrics) InitGPU(gpu int) {
 		m.rejects.WithLabelValues(g, r)
 	}
 	m.pinFailures.WithLabelValues(g)
+	m.renewFails.WithLabelValues(g)
 }

@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	"slices"
@@ -108,15 +109,30 @@ func DecodeCheckpoint(data []byte) ([]Record, error) {
 	return recs, nil
 }
 
+// MaxCheckpointBytes bounds the checkpoint read at start: far more than
+// any node's allocations take (one record is about 200 bytes, and a node
+// has at most a few thousand chunks), far less than the agent's headroom.
+const MaxCheckpointBytes = 16 << 20
+
 // LoadCheckpoint reads the checkpoint in dir. A missing file is an empty
-// checkpoint, not an error.
+// checkpoint, not an error; a file over MaxCheckpointBytes is corrupt
+// (ErrCorruptCheckpoint) and is not read.
 func LoadCheckpoint(dir string) ([]Record, error) {
-	data, err := os.ReadFile(filepath.Join(dir, CheckpointFile))
+	path := filepath.Join(dir, CheckpointFile)
+	f, err := os.Open(path)
 	if errors.Is(err, os.ErrNotExist) {
 		return nil, nil
 	}
 	if err != nil {
 		return nil, fmt.Errorf("load checkpoint: %w", err)
+	}
+	defer f.Close()
+	data, err := io.ReadAll(io.LimitReader(f, MaxCheckpointBytes+1))
+	if err != nil {
+		return nil, fmt.Errorf("load checkpoint: %w", err)
+	}
+	if len(data) > MaxCheckpointBytes {
+		return nil, fmt.Errorf("load checkpoint %s: %w: larger than %d bytes", path, ErrCorruptCheckpoint, MaxCheckpointBytes)
 	}
 	recs, err := DecodeCheckpoint(data)
 	if err != nil {

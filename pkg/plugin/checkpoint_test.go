@@ -8,6 +8,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/kvpool/kvpool/pkg/pool"
 )
 
 func sampleRecords() []Record {
@@ -157,5 +159,34 @@ func TestFeedSetRejects(t *testing.T) {
 	}
 	if now, _ := f.Devices(); !slices.Equal(now, before) {
 		t.Errorf("snapshot changed to %v", now)
+	}
+}
+
+// A checkpoint over the size limit is not read into memory: it is corrupt,
+// and New moves it aside and starts empty.
+func TestCheckpointSizeLimit(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, CheckpointFile)
+	f, err := os.Create(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Sparse: MaxCheckpointBytes+1 bytes without writing them.
+	if err := f.Truncate(MaxCheckpointBytes + 1); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	if _, err := LoadCheckpoint(dir); !errors.Is(err, ErrCorruptCheckpoint) || !strings.Contains(err.Error(), "larger than") {
+		t.Fatalf("oversized checkpoint: %v", err)
+	}
+	p, err := New(Options{Pool: pool.New(), Devices: NewFeed(), Renew: func(string) error { return nil }, StateDir: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(p.Allocations()) != 0 {
+		t.Error("allocations from an oversized checkpoint")
+	}
+	if _, err := os.Stat(path); !os.IsNotExist(err) {
+		t.Errorf("oversized checkpoint left in place: %v", err)
 	}
 }

@@ -154,7 +154,7 @@ func (e *env) options(p Pool) Options {
 		StateDir:    filepath.Join(e.root, "state"),
 		Pool:        p,
 		Devices:     e.feed,
-		Zero:        e.zero,
+		Renew:       e.zero,
 		Reclaimed:   func(pod string, devices []string) { e.hook("reclaimed %q %v", pod, devices) },
 		ChunkHealth: func(id string, healthy bool, reason string) { e.hook("%s healthy=%v %s", id, healthy, reason) },
 		GracePeriod: testGrace,

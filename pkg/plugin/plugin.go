@@ -1,7 +1,9 @@
 // Package plugin is kvpool's kubelet device plugin: it advertises the pool's
 // ready chunks as devices of one extended resource, hands each container an
 // allocation token bound to exactly the chunks kubelet assigned to it, and
-// reclaims the chunks of pods that are gone, zeroing them before reuse.
+// reclaims the chunks of pods that are gone: a reclaimed chunk's memory is
+// dropped and a fresh one put behind the same device ID before the device is
+// offered again, so no byte and no mapping passes from one pod to the next.
 //
 // The agent feeds the plugin full device snapshots through a Source; the
 // plugin diffs them and streams them to kubelet. Allocations (token, chunk
@@ -66,7 +68,7 @@ type Holders interface {
 	Held(ctx context.Context, resource string) (map[string]string, error)
 }
 
-// Options configure a Plugin. Pool, Devices and Zero are required.
+// Options configure a Plugin. Pool, Devices and Renew are required.
 type Options struct {
 	ResourceName string // default DefaultResourceName
 	KubeletDir   string // default DefaultKubeletDir; device-plugins/ and pod-resources/ live inside
@@ -75,18 +77,33 @@ type Options struct {
 
 	Pool    Pool
 	Devices Source
-	// Zero clears a chunk's bytes before it goes to another pod.
-	Zero func(id string) error
+	// Renew drops a reclaimed chunk's memory (the agent closes and unmaps
+	// it; a pod that still maps it or holds its fd keeps only that old
+	// memory) and puts a fresh chunk (new memfd, bound, pre-faulted, locked,
+	// sealed) behind the same ID. The device stays listed, advertised
+	// unhealthy, until Renew succeeds; a failure is retried with backoff.
+	// It is called without the plugin's lock, one chunk at a time, and may
+	// take as long as allocating the chunk takes.
+	Renew func(id string) error
 	// Holders overrides the PodResources client dialled from KubeletDir.
 	Holders Holders
 
 	// Reclaimed, when set, is told of each allocation taken back: the pod
 	// that last held it ("" if none was seen) and its chunk IDs.
 	Reclaimed func(pod string, devices []string)
-	// ChunkHealth, when set, is told when zeroing a chunk fails (healthy
-	// false, with the error) and when a chunk that failed is zeroed at last.
+	// ChunkHealth, when set, is told when renewing a chunk fails (healthy
+	// false, with the error) and when a chunk that failed is renewed at last.
 	// Both hooks run under the plugin's lock and must not block.
 	ChunkHealth func(id string, healthy bool, reason string)
+
+	// BindPods makes AuthorizePeer accept a token only from a process in
+	// the pod that holds the allocation (cluster mode). ProcRoot (default
+	// /proc) is where the clients' /proc/<pid>/cgroup are read; PodLogsDir
+	// (default /var/log/pods, kubelet's podLogsDir) is where kubelet's
+	// <namespace>_<name>_<uid> directories tie pod names to UIDs.
+	BindPods   bool
+	ProcRoot   string
+	PodLogsDir string
 
 	GracePeriod time.Duration // an unheld allocation lives this long; default 2m
 	Interval    time.Duration // reconcile period; default 10s
@@ -96,8 +113,8 @@ type Options struct {
 }
 
 func (o *Options) setDefaults() error {
-	if o.Pool == nil || o.Devices == nil || o.Zero == nil {
-		return errors.New("plugin: Options need Pool, Devices and Zero")
+	if o.Pool == nil || o.Devices == nil || o.Renew == nil {
+		return errors.New("plugin: Options need Pool, Devices and Renew")
 	}
 	def := func(s *string, v string) {
 		if *s == "" {
@@ -108,6 +125,8 @@ func (o *Options) setDefaults() error {
 	def(&o.KubeletDir, DefaultKubeletDir)
 	def(&o.SocketDir, DefaultSocketDir)
 	def(&o.StateDir, DefaultStateDir)
+	def(&o.ProcRoot, DefaultProcRoot)
+	def(&o.PodLogsDir, DefaultPodLogsDir)
 	if err := validResourceName(o.ResourceName); err != nil {
 		return err
 	}
@@ -155,10 +174,15 @@ type Plugin struct {
 	o   Options
 	log *slog.Logger
 
+	// renewMu serializes renewals; taken before mu, never after.
+	renewMu sync.Mutex
+	kick    chan struct{} // wakes the renew loop
+
 	mu       sync.Mutex
 	allocs   map[string]*alloc // by token
 	byDevice map[string]*alloc
-	dirty    map[string]bool // revoked chunks whose zeroing failed
+	dirty    map[string]bool // revoked chunks not yet renewed
+	retry    map[string]retry
 	// scrubFailed: chunks reported unhealthy to Options.ChunkHealth
 	scrubFailed map[string]bool
 	withheld    map[string]bool // devices advertised unhealthy: held by a gone pod, or dirty
@@ -190,6 +214,8 @@ func New(o Options) (*Plugin, error) {
 		allocs:      make(map[string]*alloc),
 		byDevice:    make(map[string]*alloc),
 		dirty:       make(map[string]bool),
+		retry:       make(map[string]retry),
+		kick:        make(chan struct{}, 1),
 		scrubFailed: make(map[string]bool),
 		withheld:    make(map[string]bool),
 		overlay:     make(chan struct{}),
@@ -421,6 +447,8 @@ func (p *Plugin) Allocate(ctx context.Context, req *pluginapi.AllocateRequest) (
 		sets[i] = slices.Sorted(slices.Values(ids))
 	}
 
+	p.renewMu.Lock() // settleConflictsLocked may renew chunks
+	defer p.renewMu.Unlock()
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if err := p.settleConflictsLocked(ctx, sets); err != nil {
@@ -499,7 +527,7 @@ func (p *Plugin) settleConflictsLocked(ctx context.Context, sets [][]string) err
 	for _, ids := range sets {
 		for _, id := range ids {
 			if p.dirty[id] {
-				return status.Errorf(codes.FailedPrecondition, "allocate: device %s has not been zeroed since its last pod", id)
+				return status.Errorf(codes.FailedPrecondition, "allocate: device %s has not been renewed since its last pod", id)
 			}
 			a := p.byDevice[id]
 			if a == nil {
@@ -554,13 +582,20 @@ func (p *Plugin) settleConflictsLocked(ctx context.Context, sets [][]string) err
 			p.log.Error("save checkpoint after reclaim", "err", err)
 		}
 	}
+	// Kubelet wants these chunks now: renew them here rather than in the
+	// background (the caller holds renewMu).
 	for _, ids := range sets {
 		for _, id := range ids {
 			if p.dirty[id] {
-				return status.Errorf(codes.FailedPrecondition, "allocate: device %s could not be zeroed", id)
+				p.renewedLocked(id, p.o.Renew(id))
+			}
+			if p.dirty[id] {
+				p.setWithheldLocked()
+				return status.Errorf(codes.FailedPrecondition, "allocate: device %s could not be renewed after its last pod", id)
 			}
 		}
 	}
+	p.setWithheldLocked()
 	return nil
 }
 
@@ -574,14 +609,15 @@ func (p *Plugin) dropLocked(a *alloc) {
 }
 
 // reclaimLocked ends an allocation: the pool closes its sessions and drops
-// its streams, each chunk is zeroed and then marked scrubbed. A chunk whose
-// zeroing fails stays dirty (advertised unhealthy) and is retried.
+// its streams, and each chunk stays dirty (advertised unhealthy, never
+// granted) until Renew has put fresh memory behind it.
 func (p *Plugin) reclaimLocked(a *alloc) error {
 	p.dropLocked(a)
 	chunks, err := p.o.Pool.Revoke(a.ID())
 	if errors.Is(err, pool.ErrUnknownAllocation) {
 		// Restored from the checkpoint but never granted in this process:
-		// no client has touched these chunks since they were allocated.
+		// the chunks are the ones this process allocated; no client has
+		// had them.
 		return nil
 	}
 	if err != nil {
@@ -589,15 +625,19 @@ func (p *Plugin) reclaimLocked(a *alloc) error {
 	}
 	for _, c := range chunks {
 		p.dirty[c.ID] = true
+		delete(p.retry, c.ID)
 	}
 	if p.o.Reclaimed != nil {
 		p.o.Reclaimed(a.Pod, slices.Clone(a.Devices))
 	}
-	p.scrubLocked()
+	select {
+	case p.kick <- struct{}{}:
+	default:
+	}
 	return nil
 }
 
-// chunkHealth reports a chunk's scrub outcome to Options.ChunkHealth once
+// chunkHealth reports a chunk's renewal outcome to Options.ChunkHealth once
 // per change: the first failure, and the recovery of a chunk that failed.
 func (p *Plugin) chunkHealth(id string, healthy bool, reason string) {
 	if p.o.ChunkHealth == nil || p.scrubFailed[id] == !healthy {
@@ -611,22 +651,83 @@ func (p *Plugin) chunkHealth(id string, healthy bool, reason string) {
 	p.o.ChunkHealth(id, healthy, reason)
 }
 
-// scrubLocked zeroes and releases every dirty chunk it can.
-func (p *Plugin) scrubLocked() {
-	for _, id := range slices.Sorted(maps.Keys(p.dirty)) {
-		if err := p.o.Zero(id); err != nil {
-			p.log.Error("zero chunk", "chunk", id, "err", err)
-			p.chunkHealth(id, false, "zeroing failed: "+err.Error())
-			continue
-		}
-		if err := p.o.Pool.Scrubbed(id); err != nil && !errors.Is(err, pool.ErrUnknownChunk) {
-			p.log.Error("mark chunk scrubbed", "chunk", id, "err", err)
-			p.chunkHealth(id, false, "marking it scrubbed failed: "+err.Error())
-			continue
-		}
-		delete(p.dirty, id)
-		p.chunkHealth(id, true, "")
+// Renewal backoff: the first retry after RenewRetryMin, doubling up to
+// RenewRetryMax.
+const (
+	RenewRetryMin = time.Second
+	RenewRetryMax = time.Minute
+)
+
+type retry struct {
+	failures int
+	next     time.Time
+}
+
+// renewedLocked records the outcome of renewing a dirty chunk: on success
+// the pool may grant it again; on failure it stays dirty and is retried
+// after a backoff.
+func (p *Plugin) renewedLocked(id string, err error) {
+	if !p.dirty[id] {
+		return
 	}
+	if err == nil {
+		if serr := p.o.Pool.Scrubbed(id); serr != nil && !errors.Is(serr, pool.ErrUnknownChunk) {
+			err = fmt.Errorf("marking it clean in the pool: %w", serr)
+		}
+	}
+	if err != nil {
+		r := p.retry[id]
+		wait := min(RenewRetryMin<<min(r.failures, 16), RenewRetryMax)
+		r.failures++
+		r.next = p.o.Now().Add(wait)
+		p.retry[id] = r
+		p.log.Error("renew chunk", "chunk", id, "failures", r.failures, "retryIn", wait, "err", err)
+		p.chunkHealth(id, false, "renewing failed: "+err.Error())
+		return
+	}
+	delete(p.dirty, id)
+	delete(p.retry, id)
+	p.chunkHealth(id, true, "")
+}
+
+// renewDirty renews every dirty chunk whose retry is due, each outside the
+// plugin's lock, and returns when the earliest remaining retry is due (zero
+// when none is left).
+func (p *Plugin) renewDirty() time.Time {
+	p.renewMu.Lock()
+	defer p.renewMu.Unlock()
+	p.mu.Lock()
+	now := p.o.Now()
+	var due []string
+	for _, id := range slices.Sorted(maps.Keys(p.dirty)) {
+		if r, ok := p.retry[id]; !ok || !now.Before(r.next) {
+			due = append(due, id)
+		}
+	}
+	p.mu.Unlock()
+	for _, id := range due {
+		err := p.o.Renew(id)
+		p.mu.Lock()
+		p.renewedLocked(id, err)
+		p.mu.Unlock()
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.setWithheldLocked()
+	var next time.Time
+	for id := range p.dirty {
+		if t := p.retry[id].next; next.IsZero() || t.Before(next) {
+			next = t
+		}
+	}
+	return next
+}
+
+// Dirty lists the chunks waiting for renewal.
+func (p *Plugin) Dirty() []string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return slices.Sorted(maps.Keys(p.dirty))
 }
 
 // Reconcile compares the allocations with what PodResources lists: an
@@ -641,6 +742,12 @@ func (p *Plugin) Reconcile(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("reconcile: %w", err)
 	}
+	err = p.reconcileLocked(held)
+	p.renewDirty()
+	return err
+}
+
+func (p *Plugin) reconcileLocked(held map[string]string) error {
 	now := p.o.Now()
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -673,7 +780,6 @@ func (p *Plugin) Reconcile(ctx context.Context) error {
 		}
 		changed = true
 	}
-	p.scrubLocked()
 	p.setWithheldLocked()
 	if changed {
 		if err := p.saveLocked(); err != nil {

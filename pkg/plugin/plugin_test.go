@@ -29,7 +29,7 @@ func TestRegistrationAndFirstList(t *testing.T) {
 	feed.Set([]Device{{ID: "gpu0-numa1-0", NUMA: 1, Healthy: true}, {ID: "gpu1-numaX-0", NUMA: -1, Healthy: true}})
 	p, err := New(Options{
 		ResourceName: "example.com/kv", KubeletDir: root, SocketDir: "/run/kvp", StateDir: filepath.Join(root, "state"),
-		Pool: pool.New(), Devices: feed, Zero: func(string) error { return nil },
+		Pool: pool.New(), Devices: feed, Renew: func(string) error { return nil },
 		Holders: staticHolders{}, Watch: 20 * time.Millisecond, Interval: time.Hour, Logger: quietLogger(),
 	})
 	if err != nil {
@@ -400,12 +400,28 @@ func TestReclaimNeverListedAllocation(t *testing.T) {
 	}
 }
 
-func TestZeroFailureKeepsChunkOut(t *testing.T) {
+func TestRenewFailureKeepsChunkOut(t *testing.T) {
 	e := newEnv(t)
 	e.mustAllocate("gpu0-numa0-0")
-	e.zeroFn = func(string) error { return errBoom }
+	tries := 0
+	e.zeroFn = func(string) error { tries++; return errBoom }
 	e.clock.Advance(testGrace)
 	e.reconcile()
+	// Retried with backoff: not before RenewRetryMin, then after it.
+	e.reconcile()
+	if tries != 1 {
+		t.Errorf("renewed %d times before the backoff ended, want 1", tries)
+	}
+	e.clock.Advance(RenewRetryMin)
+	e.reconcile()
+	if tries != 2 {
+		t.Errorf("renewed %d times after the first backoff, want 2", tries)
+	}
+	e.clock.Advance(RenewRetryMin)
+	e.reconcile()
+	if tries != 2 {
+		t.Errorf("renewed %d times before the doubled backoff ended, want 2", tries)
+	}
 	if st := chunkStates(e.pool)["gpu0-numa0-0"]; st != "dirty/" {
 		t.Fatalf("chunk is %s, want dirty", st)
 	}
@@ -416,13 +432,14 @@ func TestZeroFailureKeepsChunkOut(t *testing.T) {
 	e.mu.Lock()
 	e.zeroFn = nil
 	e.mu.Unlock()
+	e.clock.Advance(RenewRetryMin)
 	e.reconcile()
 	if st := chunkStates(e.pool)["gpu0-numa0-0"]; st != "free/" {
 		t.Fatalf("chunk is %s after a successful retry", st)
 	}
 	// One report per change: reclaimed, unhealthy once (however many
 	// retries fail), healthy again.
-	want := []string{`reclaimed "" [gpu0-numa0-0]`, "gpu0-numa0-0 healthy=false zeroing failed: boom", "gpu0-numa0-0 healthy=true "}
+	want := []string{`reclaimed "" [gpu0-numa0-0]`, "gpu0-numa0-0 healthy=false renewing failed: boom", "gpu0-numa0-0 healthy=true "}
 	if got := e.hookLog(); !slices.Equal(got, want) {
 		t.Errorf("hooks told %q, want %q", got, want)
 	}
@@ -565,14 +582,14 @@ func TestCorruptCheckpointStartsEmpty(t *testing.T) {
 }
 
 func TestOptionsErrors(t *testing.T) {
-	ok := Options{Pool: pool.New(), Devices: NewFeed(), Zero: func(string) error { return nil }, StateDir: t.TempDir()}
+	ok := Options{Pool: pool.New(), Devices: NewFeed(), Renew: func(string) error { return nil }, StateDir: t.TempDir()}
 	cases := []struct {
 		name string
 		edit func(*Options)
 		want string
 	}{
 		{"no pool", func(o *Options) { o.Pool = nil }, "need Pool"},
-		{"no zero", func(o *Options) { o.Zero = nil }, "need Pool"},
+		{"no renew", func(o *Options) { o.Renew = nil }, "need Pool"},
 		{"no domain", func(o *Options) { o.ResourceName = "host-kv" }, "extended resource name"},
 		{"kubernetes domain", func(o *Options) { o.ResourceName = "kubernetes.io/kv" }, "extended resource name"},
 		{"bad char", func(o *Options) { o.ResourceName = "kvpool.io/host kv" }, "character"},

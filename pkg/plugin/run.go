@@ -46,12 +46,16 @@ func (p *Plugin) Run(ctx context.Context) error {
 		defer c.Close()
 		p.o.Holders = c
 	}
-	done := make(chan struct{})
+	done := make(chan struct{}, 2)
 	go func() {
-		defer close(done)
+		defer func() { done <- struct{}{} }()
 		p.reconcileLoop(ctx)
 	}()
-	defer func() { <-done }()
+	go func() {
+		defer func() { done <- struct{}{} }()
+		p.renewLoop(ctx)
+	}()
+	defer func() { <-done; <-done }()
 	for {
 		err := p.serveOnce(ctx)
 		if ctx.Err() != nil {
@@ -72,6 +76,24 @@ func (p *Plugin) reconcileLoop(ctx context.Context) {
 		}
 		if err := p.Reconcile(ctx); err != nil && ctx.Err() == nil {
 			p.log.Warn("reconcile", "err", err)
+		}
+	}
+}
+
+// renewLoop renews reclaimed chunks as soon as they are reclaimed, and
+// retries failed renewals when their backoff ends.
+func (p *Plugin) renewLoop(ctx context.Context) {
+	var timer <-chan time.Time
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-p.kick:
+		case <-timer:
+		}
+		timer = nil
+		if next := p.renewDirty(); !next.IsZero() {
+			timer = time.After(max(next.Sub(p.o.Now()), 10*time.Millisecond))
 		}
 	}
 }

@@ -505,7 +505,12 @@ func (c *conn) handleOpen(body []byte) reply {
 	if r, ok := c.checkLayout(lay); !ok {
 		return r
 	}
-	alloc, err := c.s.o.Authorize(m.Token)
+	var alloc string
+	if c.s.o.AuthorizePeer != nil {
+		alloc, err = c.s.o.AuthorizePeer(m.Token, c.peer)
+	} else {
+		alloc, err = c.s.o.Authorize(m.Token)
+	}
 	if err != nil {
 		c.unauthorized(err)
 		return fail(wire.StatusUnauthorized, fmt.Errorf("open: token: %w", err))

@@ -104,9 +104,12 @@ type Options struct {
 	Pool      *pool.Pool
 	Chunks    ChunkSource
 	Authorize Authorizer
-	Logger    *slog.Logger // default slog.Default()
-	Hooks     Hooks
-	Name      string // sent in HelloReply; default "kvpool-agent"
+	// AuthorizePeer, when set, is used instead of Authorize and also gets
+	// the client's credentials (the agent binds tokens to pods with it).
+	AuthorizePeer func(token string, peer Peer) (allocation string, err error)
+	Logger        *slog.Logger // default slog.Default()
+	Hooks         Hooks
+	Name          string // sent in HelloReply; default "kvpool-agent"
 	// MaxConns bounds concurrent connections; it overrides
 	// Limits.MaxConns when set. A connection over the limit is refused, and
 	// the others go on.

@@ -16,6 +16,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 
 	"github.com/kvpool/kvpool/pkg/cudart"
 	"github.com/kvpool/kvpool/pkg/hostmem"
@@ -41,6 +42,44 @@ func DefaultSocket() string {
 		return filepath.Join(d, "kvpool", "kvpool.sock")
 	}
 	return filepath.Join(os.TempDir(), fmt.Sprintf("kvpool-%d", os.Getuid()), "kvpool.sock")
+}
+
+// DefaultStateDir is the standalone agent's state directory: next to the
+// socket's directory, never inside it ($XDG_RUNTIME_DIR/kvpool-state, or
+// /tmp/kvpool-<uid>-state), so that a pod mounting the socket directory
+// cannot read the tokens.
+func DefaultStateDir() string {
+	d := filepath.Dir(DefaultSocket())
+	return d + "-state"
+}
+
+// CheckSocketDir refuses a socket directory that someone else could
+// tamper with: one that exists but is not a directory (a symbolic link
+// included), is owned by another user than the agent's, or is writable by
+// group or others (they could move the socket away and put their own in its
+// place). A directory that does not exist yet is fine: Listen creates it.
+func CheckSocketDir(dir string) error {
+	fi, err := os.Lstat(dir)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("socket directory %s: %w", dir, err)
+	}
+	if !fi.IsDir() {
+		return fmt.Errorf("socket directory %s is not a directory (%s); remove it or choose another with --socket", dir, fi.Mode().Type())
+	}
+	st, ok := fi.Sys().(*syscall.Stat_t)
+	if !ok {
+		return fmt.Errorf("socket directory %s: no owner information", dir)
+	}
+	if uid := os.Getuid(); int(st.Uid) != uid {
+		return fmt.Errorf("socket directory %s is owned by uid %d, not by the agent's uid %d: another user could replace the socket; remove it or choose another with --socket", dir, st.Uid, uid)
+	}
+	if perm := fi.Mode().Perm(); perm&0o022 != 0 {
+		return fmt.Errorf("socket directory %s has mode %04o: group or others may write it and replace the socket; chmod go-w %s, or choose another with --socket", dir, perm, dir)
+	}
+	return nil
 }
 
 // Agent is a running standalone agent.
@@ -165,6 +204,10 @@ func Start(c Config) (*Agent, error) {
 		return nil, err
 	}
 	a.Server = srv
+	if err := CheckSocketDir(filepath.Dir(c.Socket)); err != nil {
+		a.Close()
+		return nil, fmt.Errorf("standalone: %w", err)
+	}
 	l, err := server.Listen(c.Socket)
 	if err != nil {
 		a.Close()

@@ -1,6 +1,8 @@
 package standalone
 
 import (
+	"os"
+	"path/filepath"
 	"reflect"
 	"strings"
 	"testing"
@@ -39,5 +41,59 @@ func TestAllocations(t *testing.T) {
 				t.Fatalf("got %v, %v, %v; want nothing and an error containing %q", alloc, chunks, err, c.want)
 			}
 		})
+	}
+}
+
+func TestCheckSocketDir(t *testing.T) {
+	root := t.TempDir()
+	mk := func(name string, mode os.FileMode) string {
+		p := filepath.Join(root, name)
+		if err := os.Mkdir(p, mode); err != nil {
+			t.Fatal(err)
+		}
+		os.Chmod(p, mode) // past the umask
+		return p
+	}
+	own := mk("own", 0o700)
+	shared := mk("shared", 0o755)
+	world := mk("world", 0o777)
+	group := mk("group", 0o770)
+	sticky := mk("sticky", 0o1777)
+	file := filepath.Join(root, "file")
+	os.WriteFile(file, nil, 0o600)
+	link := filepath.Join(root, "link")
+	os.Symlink(own, link)
+	other := mk("other", 0o700)
+	chowned := os.Chown(other, 65534, 65534) == nil
+
+	for _, c := range []struct {
+		dir, want string
+	}{
+		{filepath.Join(root, "absent"), ""},
+		{own, ""},
+		{shared, ""},
+		{world, "mode 0777: group or others may write it"},
+		{group, "mode 0770"},
+		{sticky, "mode 0777"},
+		{file, "is not a directory"},
+		{link, "is not a directory (L"},
+	} {
+		err := CheckSocketDir(c.dir)
+		if c.want == "" && err != nil || c.want != "" && (err == nil || !strings.Contains(err.Error(), c.want)) {
+			t.Errorf("CheckSocketDir(%s) = %v, want %q", filepath.Base(c.dir), err, c.want)
+		}
+	}
+	if chowned && os.Getuid() != 65534 {
+		if err := CheckSocketDir(other); err == nil || !strings.Contains(err.Error(), "is owned by uid 65534") {
+			t.Errorf("directory of another user: %v", err)
+		}
+	}
+	// Start refuses it before listening.
+	if _, err := Start(Config{GPUs: 1, ChunksPerGPU: 1, ChunkBytes: 2 << 20, Socket: filepath.Join(world, "kvpool.sock")}); err == nil ||
+		!strings.Contains(err.Error(), "group or others may write it") {
+		t.Errorf("Start in a world-writable directory: %v", err)
+	}
+	if _, err := os.Stat(filepath.Join(world, "kvpool.sock")); !os.IsNotExist(err) {
+		t.Errorf("socket created in the refused directory: %v", err)
 	}
 }

@@ -8,8 +8,10 @@ import (
 	"testing"
 
 	"helm.sh/helm/v4/pkg/action"
+	admissionv1 "k8s.io/api/admissionregistration/v1"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	"sigs.k8s.io/yaml"
@@ -29,6 +31,8 @@ type valueSet struct {
 	serviceMonitor bool
 	dashboard      bool
 	rbac           bool
+	tokenBinding   string // security.tokenBinding
+	netPolicy      bool
 	tolerations    []corev1.Toleration
 	nodeSelector   map[string]string
 }
@@ -41,6 +45,7 @@ func defaults() valueSet {
 		kubeletDir:   "/var/lib/kubelet",
 		stateDir:     "/var/lib/kvpool/state",
 		rbac:         true,
+		tokenBinding: "pod",
 		tolerations: []corev1.Toleration{
 			{Key: "nvidia.com/gpu", Operator: corev1.TolerationOpExists, Effect: corev1.TaintEffectNoSchedule},
 		},
@@ -103,7 +108,20 @@ tolerations:
 	norbac.values = "serviceAccount: {create: false, name: kv-agent}\nrbac: {create: false}"
 	norbac.rbac = false
 
-	return []valueSet{def, hp2, hp1, custom, sm, dash, tol, norbac}
+	open := defaults()
+	open.name = "no-token-binding-with-network-policy"
+	open.values = `
+security:
+  tokenBinding: none
+  goMemLimitPercent: 50
+  networkPolicy:
+    enabled: true
+    metricsFrom: [{namespaceSelector: {matchLabels: {kubernetes.io/metadata.name: monitoring}}}]
+    healthFrom: [{ipBlock: {cidr: 10.0.0.0/16}}]
+`
+	open.tokenBinding, open.netPolicy = "none", true
+
+	return []valueSet{def, hp2, hp1, custom, sm, dash, tol, norbac, open}
 }
 
 func parseValues(t testing.TB, s string) map[string]any {
@@ -125,6 +143,9 @@ type rendered struct {
 	svc       *corev1.Service
 	role      *rbacv1.ClusterRole
 	binding   *rbacv1.ClusterRoleBinding
+	vap       *admissionv1.ValidatingAdmissionPolicy
+	vapb      *admissionv1.ValidatingAdmissionPolicyBinding
+	netpol    *networkingv1.NetworkPolicy
 	evRole    *rbacv1.Role
 	evBinding *rbacv1.RoleBinding
 	serviceMo map[string]any
@@ -165,6 +186,12 @@ func renderSet(t *testing.T, vs valueSet) rendered {
 			r.evRole = obj
 		case *rbacv1.RoleBinding:
 			r.evBinding = obj
+		case *admissionv1.ValidatingAdmissionPolicy:
+			r.vap = obj
+		case *admissionv1.ValidatingAdmissionPolicyBinding:
+			r.vapb = obj
+		case *networkingv1.NetworkPolicy:
+			r.netpol = obj
 		default:
 			t.Errorf("%s: unexpected kind %T", o.source, obj)
 		}
@@ -188,6 +215,7 @@ func TestRender(t *testing.T) {
 			checkRBAC(t, vs, r)
 			checkMonitoring(t, vs, r)
 			checkConfig(t, vs, r.cm)
+			checkTenantBoundary(t, vs, r)
 		})
 	}
 }
@@ -197,7 +225,8 @@ func checkNamespaces(t *testing.T, r rendered) {
 	for _, o := range r.objs {
 		md, _ := o.fields["metadata"].(map[string]any)
 		ns, _ := md["namespace"].(string)
-		clusterScoped := o.kind == "ClusterRole" || o.kind == "ClusterRoleBinding"
+		clusterScoped := o.kind == "ClusterRole" || o.kind == "ClusterRoleBinding" ||
+			o.kind == "ValidatingAdmissionPolicy" || o.kind == "ValidatingAdmissionPolicyBinding"
 		// Events about a Node live in "default"; so do the rights to write them.
 		eventRights := o.kind == "Role" || o.kind == "RoleBinding"
 		switch {
@@ -233,7 +262,7 @@ func checkDaemonSet(t *testing.T, vs valueSet, ds *appsv1.DaemonSet) {
 	if ms := us.RollingUpdate.MaxSurge; ms == nil || ms.String() != "0" {
 		t.Errorf("maxSurge = %v, want 0 (two agents must never share a node)", ms)
 	}
-	if spec.HostNetwork || spec.HostPID || spec.HostIPC {
+	if spec.HostNetwork || spec.HostPID != (vs.tokenBinding == "pod") || spec.HostIPC {
 		t.Errorf("host namespaces shared: network=%v pid=%v ipc=%v", spec.HostNetwork, spec.HostPID, spec.HostIPC)
 	}
 	sel := ds.Spec.Selector.MatchLabels
@@ -322,6 +351,9 @@ func checkMounts(t *testing.T, vs valueSet, r rendered) {
 		vs.kubeletDir + "/pod-resources":  {vs.kubeletDir + "/pod-resources", corev1.HostPathDirectory, true},
 		vs.socketDir:                      {vs.socketDir, corev1.HostPathDirectoryOrCreate, false},
 		vs.stateDir:                       {vs.stateDir, corev1.HostPathDirectoryOrCreate, false},
+	}
+	if vs.tokenBinding == "pod" {
+		wantHost["/var/log/pods"] = want{"/var/log/pods", corev1.HostPathDirectory, true}
 	}
 	seenHost := map[string]bool{}
 	var configMounted, tmpMounted bool
@@ -656,6 +688,12 @@ func TestRejectsBadValues(t *testing.T) {
 		name, values, wantErr string
 	}{
 		{"unknown top-level key", "pooll: {bytes: 1Gi}", "pooll"},
+		{"state dir is the socket dir", "paths: {socketDir: /var/lib/kvpool, stateDir: /var/lib/kvpool/}", "must not overlap"},
+		{"state dir inside the socket dir", "paths: {socketDir: /var/lib/kvpool/sock, stateDir: /var/lib/kvpool/sock/state}", "must not overlap"},
+		{"socket dir inside the state dir", "paths: {socketDir: /var/lib/kvpool/state/sock, stateDir: /var/lib/kvpool/state}", "must not overlap"},
+		{"token binding unknown", "security: {tokenBinding: uid}", "tokenBinding"},
+		{"GOMEMLIMIT share too small", "security: {goMemLimitPercent: 5}", "goMemLimitPercent"},
+		{"relative pod logs dir", "security: {podLogsDir: var/log/pods}", "podLogsDir"},
 		{"unknown pool key", "pool: {size: 1Gi}", "size"},
 		{"pool bytes not a quantity", "pool: {bytes: lots}", "bytes"},
 		{"pool bytes with a unit Kubernetes lacks", "pool: {bytes: 16GB}", "bytes"},
