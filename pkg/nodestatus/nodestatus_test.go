@@ -323,7 +323,7 @@ func TestStoppedWritesFinalStatus(t *testing.T) {
 	if err := w.Sync(ctx, false); err != nil {
 		t.Fatal(err)
 	}
-	if obj := get(t, c, "n1"); obj.Status.Health != v1alpha1.HealthHealthy || obj.Status.Sessions == 0 {
+	if obj := get(t, c, "n1"); obj.Status.Health != v1alpha1.HealthHealthy || obj.Status.Ready.IsZero() {
 		t.Fatalf("before stop: %+v", obj.Status)
 	}
 	clock = clock.Add(time.Second) // within MinInterval: Stopped writes anyway
@@ -340,8 +340,12 @@ func TestStoppedWritesFinalStatus(t *testing.T) {
 		}
 	}
 	for _, cond := range st.Conditions {
-		if cond.Status != metav1.ConditionFalse || cond.Reason != "AgentStopped" || !cond.LastTransitionTime.Time.Equal(clock) {
+		if cond.Status != metav1.ConditionFalse || cond.Reason != "AgentStopped" {
 			t.Errorf("condition %s after stop: %+v", cond.Type, cond)
+		}
+		// Ready was True: its transition time moves to the stop.
+		if cond.Type == v1alpha1.ConditionReady && !cond.LastTransitionTime.Time.Equal(clock) {
+			t.Errorf("Ready's transition time %s, want the stop %s", cond.LastTransitionTime, clock)
 		}
 	}
 }
