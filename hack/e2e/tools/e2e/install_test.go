@@ -304,12 +304,12 @@ func TestChartInstall(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	var agent *corev1.Pod
+	var apod *corev1.Pod
 	t.Run("agent pod Ready", func(t *testing.T) {
-		agent = c.waitAgentPod(t, "", 120*time.Second)
-		t.Logf("agent pod %s Ready, image %s", agent.Name, agent.Spec.Containers[0].Image)
+		apod = c.waitAgentPod(t, "", 120*time.Second)
+		t.Logf("agent pod %s Ready, image %s", apod.Name, apod.Spec.Containers[0].Image)
 	})
-	if agent == nil {
+	if apod == nil {
 		t.FailNow()
 	}
 
@@ -322,7 +322,7 @@ func TestChartInstall(t *testing.T) {
 
 	t.Run("agent uses the API with its own service account", func(t *testing.T) {
 		eventually(t, 30*time.Second, "agent log: connected through the in-cluster service account", func() (bool, string, error) {
-			l := containerLog(agent, "agent", 1<<20)
+			l := containerLog(apod, "agent", 1<<20)
 			return strings.Contains(l, "connected to the API server") && strings.Contains(l, "in-cluster service account"), "not yet", nil
 		})
 		eventually(t, 45*time.Second, "KVPoolNode written by this agent", func() (bool, string, error) {
@@ -383,8 +383,12 @@ func TestChartInstall(t *testing.T) {
 			return false, describePod(p), nil
 		})
 		time.Sleep(3 * time.Second)
-		if p, err := c.cs.CoreV1().Pods(namespace).Get(ctx(t), "chart-greedy", metav1.GetOptions{}); err != nil || p.Status.Phase != corev1.PodPending || p.Spec.NodeName != "" {
-			t.Fatalf("chart-greedy is not Pending and unbound: %v %s node=%q", err, describePod(p), p.Spec.NodeName)
+		p, err := c.cs.CoreV1().Pods(namespace).Get(ctx(t), "chart-greedy", metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if p.Status.Phase != corev1.PodPending || p.Spec.NodeName != "" {
+			t.Fatalf("chart-greedy is not Pending and unbound: %s node=%q", describePod(p), p.Spec.NodeName)
 		}
 		c.deletePod(t, "chart-greedy")
 	})
@@ -414,8 +418,8 @@ func TestChartInstall(t *testing.T) {
 		old := c.agentPod(t)
 		c.helm(t, helmBin, "upgrade", c.chartValues(image, "podAnnotations: {kvpool.io/e2e-upgrade: \"2\"}\n"))
 		rolled := time.Now()
-		agent = c.waitAgentPod(t, old.UID, 120*time.Second)
-		t.Logf("agent rolled from %s to %s in %v", old.Name, agent.Name, time.Since(rolled).Round(100*time.Millisecond))
+		apod = c.waitAgentPod(t, old.UID, 120*time.Second)
+		t.Logf("agent rolled from %s to %s in %v", old.Name, apod.Name, time.Since(rolled).Round(100*time.Millisecond))
 		// The old agent said it stopped (final status), before the new one
 		// reported again.
 		eventually(t, 10*time.Second, "final status of the old agent seen", func() (bool, string, error) {
