@@ -59,6 +59,7 @@ const (
 // +kubebuilder:printcolumn:name="Used",type=string,JSONPath=`.status.used`,description="Memory holding offloaded streams",priority=1
 // +kubebuilder:printcolumn:name="Sessions",type=integer,JSONPath=`.status.sessions`,priority=1
 // +kubebuilder:printcolumn:name="Health",type=string,JSONPath=`.status.health`
+// +kubebuilder:printcolumn:name="Heartbeat",type=date,JSONPath=`.status.lastUpdateTime`,description="Time since the agent last wrote this status; it rewrites it every 10s, so over 30s means no agent is running"
 // +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`
 type KVPoolNode struct {
 	metav1.TypeMeta   `json:",inline"`
@@ -116,7 +117,11 @@ type KVPoolNodeStatus struct {
 	// +listMapKey=type
 	Conditions []metav1.Condition `json:"conditions,omitempty"`
 
-	// LastUpdateTime is when the agent last wrote this status.
+	// LastUpdateTime is when the agent last wrote this status: its
+	// heartbeat. The agent rewrites the status at least every 10 seconds;
+	// one older than 30 seconds is from an agent that is not running, and
+	// its Health no longer describes the node. On a graceful stop the agent
+	// writes a final status (Unhealthy, Ready False, reason AgentStopped).
 	LastUpdateTime metav1.Time `json:"lastUpdateTime,omitempty"`
 }
 

@@ -609,6 +609,7 @@ func (a *agent) abort() {
 	}
 	a.background.Wait()
 	if a.kube != nil {
+		a.kube.stopped()
 		a.kube.close()
 	}
 	a.mu.Lock()

@@ -146,6 +146,25 @@ func (k *kubeParts) startStatus(ctx context.Context, a *agent, wg *sync.WaitGrou
 	}()
 }
 
+// stopped writes the final KVPoolNode status of a stopping agent (not
+// Ready, nothing serving), so readers know within seconds instead of after
+// nodestatus.StaleAfter. The status loop has ended; this has its own short
+// deadline, because the agent's context is already done. On `helm
+// uninstall` the agent's ServiceAccount may be gone first; the write then
+// fails and the heartbeat going stale tells the same.
+func (k *kubeParts) stopped() {
+	if k.writer == nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := k.writer.Stopped(ctx, "agent stopped"); err != nil {
+		k.log.Warn("final KVPoolNode status not written", "err", err)
+		return
+	}
+	k.log.Info("final KVPoolNode status written: not ready (agent stopped)")
+}
+
 func (k *kubeParts) close() {
 	if k.stopEvents != nil {
 		k.stopEvents()

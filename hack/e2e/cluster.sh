@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # cluster.sh: a one-node Kubernetes "cluster" made of host processes
-# (etcd, kube-apiserver, containerd, kubelet), all private to one run
-# directory and on non-default ports, so nothing else on the machine is
-# touched.
+# (etcd, kube-apiserver, kube-controller-manager, kube-scheduler, containerd,
+# kubelet), all private to one run directory and on free ports outside the
+# kernel's ephemeral range, so nothing else on the machine is touched.
 #
 #   hack/e2e/cluster.sh up               start everything, wait for health
 #   hack/e2e/cluster.sh down             stop everything, remove mounts, cgroups, links
 #   hack/e2e/cluster.sh restart-kubelet  stop the kubelet and start it again
 #   hack/e2e/cluster.sh env              print the variables the e2e test reads
 #
-# Binaries come from $KVPOOL_E2E_BIN (kube-apiserver, kubelet, built by
-# run.sh) and from the Debian packages etcd-server, containerd, runc,
+# Binaries come from $KVPOOL_E2E_BIN (kube-apiserver, kube-controller-manager,
+# kube-scheduler, kubelet, built by run.sh) and from the Debian packages etcd-server, containerd, runc,
 # containernetworking-plugins.
 set -euo pipefail
 
@@ -18,10 +18,20 @@ E2E_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 BIN="${KVPOOL_E2E_BIN:-$E2E_DIR/_work/bin}"
 RUN="${KVPOOL_E2E_RUN:-/tmp/kvpool-e2e}"
 NODE="${KVPOOL_E2E_NODE:-kvpool-e2e-node}"
-ETCD_PORT="${KVPOOL_E2E_ETCD_PORT:-32379}"
-API_PORT="${KVPOOL_E2E_API_PORT:-36443}"
-KUBELET_PORT="${KVPOOL_E2E_KUBELET_PORT:-30250}"
-KUBELET_HEALTHZ_PORT="${KVPOOL_E2E_KUBELET_HEALTHZ_PORT:-30248}"
+# Ports: each component gets the first free port at or above its default,
+# all below the ephemeral range (32768-60999) so that no outgoing connection
+# can hold them. up writes the choice to $RUN/ports.env; the other commands
+# read it back. KVPOOL_E2E_<NAME>_PORT pins one.
+PORT_NAMES="ETCD ETCD_PEER API KUBELET KUBELET_HEALTHZ SCHEDULER CONTROLLER_MANAGER"
+declare -A PORT_DEFAULT=([ETCD]=23790 [ETCD_PEER]=23791 [API]=26443 [KUBELET]=30250
+  [KUBELET_HEALTHZ]=30248 [SCHEDULER]=30259 [CONTROLLER_MANAGER]=30257)
+# The pod network. The bridge and its gateway address exist before the
+# apiserver starts: the apiserver listens on the gateway address, which pods
+# reach through their default route (there is no kube-proxy).
+POD_SUBNET=10.244.77.0/24
+GATEWAY_IP=10.244.77.1
+SERVICE_CIDR=10.0.0.0/24
+SERVICE_IP=10.0.0.1
 TOKEN="${KVPOOL_E2E_TOKEN:-kvpool-e2e-admin-token}"
 BRIDGE="kvpoole2e0"
 CNI_BIN="${KVPOOL_E2E_CNI_BIN:-/usr/lib/cni}"
@@ -34,6 +44,41 @@ KUBELET_ROOT=/var/lib/kubelet
 
 log() { printf '[cluster %s] %s\n' "$(date -u +%T)" "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
+
+port_in_use() { ss -Htan "( sport = :$1 )" 2>/dev/null | grep -q .; }
+
+# pick_ports chooses a free port for each component and saves them.
+pick_ports() {
+  local name p taken=" " var
+  : >"$RUN/ports.env"
+  for name in $PORT_NAMES; do
+    var="KVPOOL_E2E_${name}_PORT"
+    if [ -n "${!var:-}" ]; then
+      p=${!var}
+    else
+      p=${PORT_DEFAULT[$name]}
+      while port_in_use "$p" || [[ $taken == *" $p "* ]]; do
+        p=$((p + 1))
+        [ "$p" -lt 32768 ] || die "no free port for $name below the ephemeral range"
+      done
+    fi
+    taken+="$p "
+    echo "${name}_PORT=$p" >>"$RUN/ports.env"
+  done
+  log "ports: $(tr '\n' ' ' <"$RUN/ports.env")"
+}
+
+load_ports() {
+  if [ -f "$RUN/ports.env" ]; then
+    # shellcheck disable=SC1091
+    . "$RUN/ports.env"
+  fi
+  local name var
+  for name in $PORT_NAMES; do
+    var="${name}_PORT"
+    [ -n "${!var:-}" ] || printf -v "$var" '%s' "${PORT_DEFAULT[$name]}"
+  done
+}
 
 # start NAME CMD...: run CMD in the background with its log under $RUN/logs
 # and its pid in $RUN/pids/NAME.
@@ -89,6 +134,20 @@ write_configs() {
     openssl genrsa -out "$RUN/pki/sa.key" 2048 2>/dev/null
     openssl rsa -in "$RUN/pki/sa.key" -pubout -out "$RUN/pki/sa.pub" 2>/dev/null
   fi
+  # A CA of the run and the apiserver's serving certificate, valid for every
+  # name a client uses: the pod network's gateway (host and pods) and the
+  # kubernetes Service. The controller-manager publishes the CA as
+  # kube-root-ca.crt, so service-account clients verify the apiserver.
+  if [ ! -f "$RUN/pki/apiserver.crt" ]; then
+    openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj "/CN=kvpool-e2e-ca" \
+      -keyout "$RUN/pki/ca.key" -out "$RUN/pki/ca.crt" 2>/dev/null
+    openssl req -newkey rsa:2048 -nodes -subj "/CN=kube-apiserver" \
+      -keyout "$RUN/pki/apiserver.key" -out "$RUN/pki/apiserver.csr" 2>/dev/null
+    printf 'subjectAltName=IP:127.0.0.1,IP:%s,IP:%s,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc\nextendedKeyUsage=serverAuth\n' \
+      "$GATEWAY_IP" "$SERVICE_IP" >"$RUN/pki/apiserver.ext"
+    openssl x509 -req -in "$RUN/pki/apiserver.csr" -CA "$RUN/pki/ca.crt" -CAkey "$RUN/pki/ca.key" -CAcreateserial \
+      -days 2 -extfile "$RUN/pki/apiserver.ext" -out "$RUN/pki/apiserver.crt" 2>/dev/null
+  fi
   echo "$TOKEN,admin,admin,system:masters" >"$RUN/pki/tokens.csv"
 
   cat >"$RUN/kubeconfig" <<EOF
@@ -97,8 +156,8 @@ kind: Config
 clusters:
 - name: e2e
   cluster:
-    server: https://127.0.0.1:$API_PORT
-    insecure-skip-tls-verify: true
+    server: https://$GATEWAY_IP:$API_PORT
+    certificate-authority: $RUN/pki/ca.crt
 users:
 - name: admin
   user:
@@ -149,7 +208,7 @@ EOF
       "ipam": {
         "type": "host-local",
         "dataDir": "$RUN/cni/ipam",
-        "ranges": [[{"subnet": "10.244.77.0/24"}]],
+        "ranges": [[{"subnet": "$POD_SUBNET", "gateway": "$GATEWAY_IP"}]],
         "routes": [{"dst": "0.0.0.0/0"}]
       }
     },
@@ -189,24 +248,56 @@ EOF
 }
 
 up() {
-  for b in "$BIN/kube-apiserver" "$BIN/kubelet"; do [ -x "$b" ] || die "missing $b (run hack/e2e/run.sh, which builds it)"; done
-  for c in etcd containerd runc ctr openssl curl; do command -v "$c" >/dev/null || die "missing $c (apt-get install etcd-server containerd runc openssl curl)"; done
+  local b c img
+  for b in kube-apiserver kube-controller-manager kube-scheduler kubelet; do
+    [ -x "$BIN/$b" ] || die "missing $BIN/$b (run hack/e2e/run.sh, which builds it)"
+  done
+  for c in etcd containerd runc ctr openssl curl ss ip; do command -v "$c" >/dev/null || die "missing $c (apt-get install etcd-server containerd runc openssl curl iproute2)"; done
   [ -x "$CNI_BIN/bridge" ] || die "missing $CNI_BIN/bridge (apt-get install containernetworking-plugins)"
+  mkdir -p "$RUN"
+  pick_ports
+  load_ports
   write_configs
+
+  # The pod network's bridge with its gateway address, before anything
+  # listens on it (the CNI bridge plugin adopts it).
+  ip link show "$BRIDGE" >/dev/null 2>&1 || ip link add "$BRIDGE" type bridge
+  ip addr replace "$GATEWAY_IP/${POD_SUBNET#*/}" dev "$BRIDGE"
+  ip link set "$BRIDGE" up
 
   start etcd etcd --name kvpool-e2e --data-dir "$RUN/etcd" \
     --listen-client-urls "http://127.0.0.1:$ETCD_PORT" --advertise-client-urls "http://127.0.0.1:$ETCD_PORT" \
-    --listen-peer-urls "http://127.0.0.1:$((ETCD_PORT + 1))" --initial-advertise-peer-urls "http://127.0.0.1:$((ETCD_PORT + 1))" \
-    --initial-cluster "kvpool-e2e=http://127.0.0.1:$((ETCD_PORT + 1))"
+    --listen-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" --initial-advertise-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" \
+    --initial-cluster "kvpool-e2e=http://127.0.0.1:$ETCD_PEER_PORT"
   wait_for etcd 30 curl -fsS "http://127.0.0.1:$ETCD_PORT/health"
 
+  # It listens on the pod network's gateway address only: pods reach it
+  # there through their default route (there is no kube-proxy; the chart is
+  # installed with KUBERNETES_SERVICE_HOST/PORT naming it), and so does the
+  # host. ServiceAccount admission is on, so pods get tokens.
   start kube-apiserver "$BIN/kube-apiserver" --etcd-servers="http://127.0.0.1:$ETCD_PORT" \
-    --cert-dir="$RUN/pki" --secure-port="$API_PORT" --bind-address=127.0.0.1 --endpoint-reconciler-type=none \
+    --cert-dir="$RUN/pki" --tls-cert-file="$RUN/pki/apiserver.crt" --tls-private-key-file="$RUN/pki/apiserver.key" \
+    --secure-port="$API_PORT" --bind-address="$GATEWAY_IP" --advertise-address="$GATEWAY_IP" \
     --service-account-issuer=https://kubernetes.default.svc \
     --service-account-key-file="$RUN/pki/sa.pub" --service-account-signing-key-file="$RUN/pki/sa.key" \
     --token-auth-file="$RUN/pki/tokens.csv" --authorization-mode=RBAC \
-    --service-cluster-ip-range=10.0.0.0/24 --disable-admission-plugins=ServiceAccount
-  wait_for kube-apiserver 90 curl -fsSk -H "Authorization: Bearer $TOKEN" "https://127.0.0.1:$API_PORT/readyz"
+    --service-cluster-ip-range="$SERVICE_CIDR"
+  wait_for kube-apiserver 90 curl -fsS --cacert "$RUN/pki/ca.crt" -H "Authorization: Bearer $TOKEN" "https://$GATEWAY_IP:$API_PORT/readyz"
+
+  # The controllers the chart needs: DaemonSet pods, garbage collection of
+  # what helm uninstall deletes, the Node's not-ready taint, service
+  # accounts, their tokens and kube-root-ca.crt (the CA in token volumes).
+  start kube-controller-manager "$BIN/kube-controller-manager" \
+    --kubeconfig="$RUN/kubeconfig" --authentication-kubeconfig="$RUN/kubeconfig" --authorization-kubeconfig="$RUN/kubeconfig" \
+    --bind-address=127.0.0.1 --secure-port="$CONTROLLER_MANAGER_PORT" --cert-dir="$RUN/pki/controller-manager" \
+    --leader-elect=false --use-service-account-credentials=false \
+    --service-account-private-key-file="$RUN/pki/sa.key" --root-ca-file="$RUN/pki/ca.crt" \
+    --controllers=daemonset-controller,garbage-collector-controller,node-lifecycle-controller,serviceaccount-controller,serviceaccount-token-controller,root-ca-certificate-publisher-controller
+  wait_for kube-controller-manager 60 curl -fsSk "https://127.0.0.1:$CONTROLLER_MANAGER_PORT/healthz"
+  start kube-scheduler "$BIN/kube-scheduler" \
+    --kubeconfig="$RUN/kubeconfig" --authentication-kubeconfig="$RUN/kubeconfig" --authorization-kubeconfig="$RUN/kubeconfig" \
+    --bind-address=127.0.0.1 --secure-port="$SCHEDULER_PORT" --cert-dir="$RUN/pki/scheduler" --leader-elect=false
+  wait_for kube-scheduler 60 curl -fsSk "https://127.0.0.1:$SCHEDULER_PORT/healthz"
 
   ls /run/netns 2>/dev/null >"$RUN/netns-before" || true
   start containerd containerd --config "$RUN/containerd/config.toml"
@@ -223,6 +314,9 @@ up() {
     touch "$RUN/created-kubelet-root"
   fi
   start_kubelet
+  # Pods of the default namespace need its ServiceAccount (admission checks).
+  wait_for kube-controller-manager 60 curl -fsS --cacert "$RUN/pki/ca.crt" -H "Authorization: Bearer $TOKEN" \
+    "https://$GATEWAY_IP:$API_PORT/api/v1/namespaces/default/serviceaccounts/default"
 }
 
 start_kubelet() {
@@ -264,6 +358,8 @@ down() {
       kill -KILL "${p#/proc/}" 2>/dev/null || true
     fi
   done
+  stop kube-scheduler
+  stop kube-controller-manager
   stop kube-apiserver
   stop etcd
   # Mounts (pod volumes, overlay rootfs, netns, shm) under the run dir, deepest first.
@@ -299,6 +395,8 @@ down() {
 print_env() {
   cat <<EOF
 KUBECONFIG=$RUN/kubeconfig
+KVPOOL_E2E_API_HOST=$GATEWAY_IP
+KVPOOL_E2E_API_PORT=$API_PORT
 KVPOOL_E2E_RUN=$RUN
 KVPOOL_E2E_NODE=$NODE
 KVPOOL_E2E_KUBELET_DIR=$KUBELET_ROOT
@@ -308,6 +406,7 @@ EOF
 
 [ "${BASH_SOURCE[0]}" = "$0" ] || return 0  # sourced: functions only
 
+load_ports
 case "${1:-}" in
   up) up ;;
   down) down ;;

@@ -128,27 +128,45 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 echo "[e2e] $(etcd --version | head -1); $(containerd --version | cut -d' ' -f3); runc $(runc --version | head -1 | cut -d' ' -f3)"
 
-# ----------------------------------------------------- kube-apiserver, kubelet
+# ------------------------------------------- the Kubernetes binaries, cached
+# kube-apiserver, kube-controller-manager, kube-scheduler and kubelet come
+# from one `go build` (shared packages compile once). The result is kept in
+# a cache outside the clone, keyed on what decides it (tools/go.sum, the Go
+# version, the Kubernetes version and the binary list), so a fresh clone on
+# the same machine reuses it; KVPOOL_E2E_CACHE moves it.
 step build-kubernetes
 mkdir -p "$KVPOOL_E2E_BIN"
-stamp=$(cat "$TOOLS/go.mod" "$TOOLS/go.sum" | sha256sum | cut -c1-16)
-if [ -x "$KVPOOL_E2E_BIN/kube-apiserver" ] && [ -x "$KVPOOL_E2E_BIN/kubelet" ] &&
-  [ "$(cat "$KVPOOL_E2E_BIN/.k8s-stamp" 2>/dev/null)" = "$stamp" ]; then
-  echo "[e2e] cached kube-apiserver and kubelet ($stamp) in $KVPOOL_E2E_BIN"
+K8S_BINS=(kube-apiserver kube-controller-manager kube-scheduler kubelet)
+k8sver=$(cd "$TOOLS" && go list -m -f '{{.Version}}' k8s.io/kubernetes)
+CACHE="${KVPOOL_E2E_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvpool-e2e}"
+key=$({ cat "$TOOLS/go.sum"; go version; echo "$k8sver ${K8S_BINS[*]} v1"; } | sha256sum | cut -c1-16)
+kdir="$CACHE/k8s-$key"
+have=1
+for b in "${K8S_BINS[@]}"; do [ -x "$kdir/$b" ] || have=0; done
+if [ $have = 1 ]; then
+  echo "[e2e] cached Kubernetes $k8sver binaries ($key) in $kdir"
 else
-  k8sver=$(cd "$TOOLS" && go list -m -f '{{.Version}}' k8s.io/kubernetes)
   minor=$(echo "$k8sver" | cut -d. -f2)
-  (cd "$TOOLS" && go build -trimpath -o "$KVPOOL_E2E_BIN/" \
+  rm -rf "$kdir.tmp" && mkdir -p "$kdir.tmp"
+  pkgs=()
+  for b in "${K8S_BINS[@]}"; do pkgs+=("k8s.io/kubernetes/cmd/$b"); done
+  (cd "$TOOLS" && go build -trimpath -o "$kdir.tmp/" \
     -ldflags="-s -w -X k8s.io/component-base/version.gitVersion=$k8sver -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$minor" \
-    k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kubelet)
-  echo "$stamp" >"$KVPOOL_E2E_BIN/.k8s-stamp"
-  echo "[e2e] built kube-apiserver and kubelet $k8sver"
+    "${pkgs[@]}")
+  rm -rf "$kdir" && mv "$kdir.tmp" "$kdir"
+  # Older keys are of no use once the inputs changed.
+  find "$CACHE" -maxdepth 1 -name 'k8s-*' ! -name "k8s-$key" -exec rm -rf {} + 2>/dev/null || true
+  echo "[e2e] built Kubernetes $k8sver binaries into $kdir"
 fi
+for b in "${K8S_BINS[@]}"; do ln -sfn "$kdir/$b" "$KVPOOL_E2E_BIN/$b"; done
 
 # ------------------------------------------------------------ our binaries
 step build-kvpool
 (cd "$TOOLS" && CGO_ENABLED=0 go build -trimpath -ldflags="-s -w" -o "$KVPOOL_E2E_BIN/" ./cmd/pause ./cmd/ociimage)
-(cd "$ROOT" && go build -o "$KVPOOL_E2E_BIN/agent" ./cmd/agent)
+# The agent as the Dockerfile builds it (cgo: go-nvml dlopens NVML through
+# glibc), with the compile flags of `go build ./...` so CI's build cache
+# serves it; -s -w only change the link.
+(cd "$ROOT" && CGO_ENABLED=1 go build -ldflags="-s -w" -o "$KVPOOL_E2E_BIN/agent" ./cmd/agent)
 if [ -d "$ROOT/cmd/kvclient" ]; then
   (cd "$ROOT" && CGO_ENABLED=0 go build -trimpath -ldflags="-s -w" -o "$KVPOOL_E2E_BIN/kvclient" ./cmd/kvclient)
 else
@@ -159,13 +177,13 @@ fi
 # manifests are read from.
 export KVPOOL_E2E_REPO="${KVPOOL_E2E_REPO:-$ROOT}"
 if [ -f "$KVPOOL_E2E_REPO/charts/kvpool/Chart.yaml" ]; then
-  (cd "$E2E_DIR/chart" && go build -o "$KVPOOL_E2E_BIN/render-chart" .)
+  (cd "$E2E_DIR/chart" && go build -o "$KVPOOL_E2E_BIN/kvpool-helm" . && go vet . && go test -count=1 .)
 else
-  rm -f "$KVPOOL_E2E_BIN/render-chart"
+  rm -f "$KVPOOL_E2E_BIN/kvpool-helm"
   echo "[e2e] charts/kvpool is not in this tree yet: no chart to render"
 fi
 (cd "$TOOLS" && go test -c -o "$KVPOOL_E2E_BIN/e2e.test" ./e2e && go vet ./cmd/... ./e2e && env -u KVPOOL_E2E_RUN -u KUBECONFIG go test -count=1 ./cmd/... ./e2e)  # no node yet: only the node-free tests run
-ls -la "$KVPOOL_E2E_BIN" | sed 's/^/[e2e]   /'
+ls -laL "$KVPOOL_E2E_BIN" | sed 's/^/[e2e]   /'
 
 # ------------------------------------------------------------------ images
 step images
@@ -179,6 +197,17 @@ for app in sh cat ls test env sleep grep stat wc head tail printf; do files+=(-l
 [ -x "$KVPOOL_E2E_BIN/kvclient" ] && files+=(-file /kvclient="$KVPOOL_E2E_BIN/kvclient")
 "$KVPOOL_E2E_BIN/ociimage" -o "$RUN/images/e2e.tar" -entrypoint /pause \
   -name kvpool.local/pause:e2e -name kvpool.local/e2e:dev "${files[@]}"
+# The agent image the chart installs, as the Dockerfile's runtime has it:
+# the binary at the same path plus the shared libraries it is linked
+# against (glibc and its loader, found with ldd), at the paths the binary
+# names. No shell, nothing else.
+files=(-file /usr/local/bin/kvpool-agent="$KVPOOL_E2E_BIN/agent")
+while read -r lib; do
+  files+=(-file "$lib=$(readlink -f "$lib")")
+done < <(ldd "$KVPOOL_E2E_BIN/agent" | grep -o '/[^ ]*' | sort -u)
+"$KVPOOL_E2E_BIN/ociimage" -o "$RUN/images/agent.tar" -entrypoint /usr/local/bin/kvpool-agent \
+  -name kvpool.local/kvpool-agent:e2e "${files[@]}"
+printf '[e2e] agent image: %s\n' "${files[*]}"
 ls -la "$RUN/images" | sed 's/^/[e2e]   /'
 
 # ---------------------------------------------------------------- node up
@@ -192,15 +221,18 @@ eval "$("$E2E_DIR/cluster.sh" env)"
 set +a
 export KVPOOL_E2E_AGENT="$KVPOOL_E2E_BIN/agent"
 [ -x "$KVPOOL_E2E_BIN/kvclient" ] && export KVPOOL_E2E_KVCLIENT="$KVPOOL_E2E_BIN/kvclient"
-[ -x "$KVPOOL_E2E_BIN/render-chart" ] && export KVPOOL_E2E_RENDER_CHART="$KVPOOL_E2E_BIN/render-chart"
-(cd "$TOOLS/e2e" && "$KVPOOL_E2E_BIN/e2e.test" -test.v -test.timeout 8m ${KVPOOL_E2E_TEST_ARGS:-})
+[ -x "$KVPOOL_E2E_BIN/kvpool-helm" ] && export KVPOOL_E2E_HELM="$KVPOOL_E2E_BIN/kvpool-helm"
+export KVPOOL_E2E_AGENT_IMAGE=kvpool.local/kvpool-agent:e2e
+(cd "$TOOLS/e2e" && "$KVPOOL_E2E_BIN/e2e.test" -test.v -test.timeout 15m ${KVPOOL_E2E_TEST_ARGS:-})
 
 # The chart's own server-side dry run of every value set (test/chart, issue
 # 7) against this apiserver, when the tree has it and kubectl is installed.
 if [ -z "${KVPOOL_E2E_TEST_ARGS:-}" ] && [ -f "$ROOT/test/chart/dryrun_test.go" ]; then
   step chart-dry-run
   if command -v kubectl >/dev/null; then
-    (cd "$ROOT" && KVPOOL_DRYRUN_KUBECONFIG="$KUBECONFIG" go test -race -count=1 -run DryRun ./test/chart)
+    # No race detector: the dry run only renders and hands manifests to
+    # kubectl; nothing of ours runs concurrently.
+    (cd "$ROOT" && KVPOOL_DRYRUN_KUBECONFIG="$KUBECONFIG" go test -count=1 -run DryRun ./test/chart)
   else
     echo "[e2e] kubectl is not installed: test/chart's dry run is skipped (TestChartServerDryRun above covered the chart's defaults and the examples)"
   fi

@@ -307,3 +307,69 @@ func TestFeedFollowsPool(t *testing.T) {
 		t.Errorf("unchanged pool caused %d writes", after-before)
 	}
 }
+
+// Stopped writes at once a status that no longer claims a serving agent;
+// before any status was set it writes nothing.
+func TestStoppedWritesFinalStatus(t *testing.T) {
+	ctx := context.Background()
+	var n counts
+	c := newClient(t, &n, interceptor.Funcs{}, node("n1"))
+	clock := time.Date(2026, 11, 29, 8, 0, 0, 0, time.UTC)
+	w := NewWriter(c, "n1", Options{Now: func() time.Time { return clock }})
+	if err := w.Stopped(ctx, "agent stopped"); err != nil || n.creates.Load() != 0 || n.updates.Load() != 0 {
+		t.Fatalf("Stopped before any status: %v, %d creates, %d updates", err, n.creates.Load(), n.updates.Load())
+	}
+	w.Set(Build("n1", Input{Snapshot: snapshot(t), Ready: true}))
+	if err := w.Sync(ctx, false); err != nil {
+		t.Fatal(err)
+	}
+	if obj := get(t, c, "n1"); obj.Status.Health != v1alpha1.HealthHealthy || obj.Status.Ready.IsZero() {
+		t.Fatalf("before stop: %+v", obj.Status)
+	}
+	clock = clock.Add(time.Second) // within MinInterval: Stopped writes anyway
+	if err := w.Stopped(ctx, "agent stopped (SIGTERM)"); err != nil {
+		t.Fatal(err)
+	}
+	st := get(t, c, "n1").Status
+	if st.Health != v1alpha1.HealthUnhealthy || st.Message != "agent stopped (SIGTERM)" || !st.Ready.IsZero() || st.Sessions != 0 || !st.LastUpdateTime.Time.Equal(clock) {
+		t.Errorf("after stop: health %s %q ready %s sessions %d updated %s", st.Health, st.Message, st.Ready.String(), st.Sessions, st.LastUpdateTime)
+	}
+	for _, g := range st.GPUs {
+		if !g.Ready.IsZero() {
+			t.Errorf("GPU %d still has %s ready", g.Index, g.Ready.String())
+		}
+	}
+	for _, cond := range st.Conditions {
+		if cond.Status != metav1.ConditionFalse || cond.Reason != "AgentStopped" {
+			t.Errorf("condition %s after stop: %+v", cond.Type, cond)
+		}
+		// Ready was True: its transition time moves to the stop.
+		if cond.Type == v1alpha1.ConditionReady && !cond.LastTransitionTime.Time.Equal(clock) {
+			t.Errorf("Ready's transition time %s, want the stop %s", cond.LastTransitionTime, clock)
+		}
+	}
+}
+
+// An unchanged status is rewritten every Resync (the heartbeat), so its
+// lastUpdateTime moves while the agent lives.
+func TestHeartbeatRefreshesUnchangedStatus(t *testing.T) {
+	if Heartbeat > 30*time.Second || StaleAfter < 2*Heartbeat {
+		t.Fatalf("Heartbeat %v, StaleAfter %v: readers need a short heartbeat and room for one missed write", Heartbeat, StaleAfter)
+	}
+	var n counts
+	c := newClient(t, &n, interceptor.Funcs{}, node("n1"))
+	w := NewWriter(c, "n1", Options{MinInterval: 10 * time.Millisecond, Resync: 30 * time.Millisecond})
+	w.Set(Build("n1", Input{Snapshot: snapshot(t), Ready: true}))
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- w.Run(ctx) }()
+	deadline := time.Now().Add(10 * time.Second)
+	for n.updates.Load() < 4 {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d writes of an unchanged status in 10s, want a heartbeat every 30ms", n.updates.Load())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	cancel()
+	<-done
+}

@@ -23,8 +23,9 @@ type Options struct {
 	// Changes within it are coalesced: only the latest is written.
 	MinInterval time.Duration
 	// Resync rewrites an unchanged status this often, refreshing
-	// LastUpdateTime so readers can tell a live agent from a dead one;
-	// default 5m, negative disables it.
+	// LastUpdateTime: the agent's heartbeat. A status whose LastUpdateTime
+	// is older than StaleAfter is from an agent that is not running.
+	// Default Heartbeat; negative disables it.
 	Resync time.Duration
 	// Log receives write failures; default slog.Default().
 	Log *slog.Logger
@@ -33,6 +34,17 @@ type Options struct {
 	// Now is the clock; default time.Now.
 	Now func() time.Time
 }
+
+// Heartbeat is how often the agent refreshes its KVPoolNode's
+// lastUpdateTime when nothing changed, and StaleAfter the age past which a
+// reader must take the status as that of an agent that is not running (a
+// crash, a kill -9, a node that lost the API server): three heartbeats, so
+// one slow or failed write does not look like a dead agent. A graceful stop
+// does not wait for it: the agent writes a final not-Ready status (Stop).
+const (
+	Heartbeat  = 10 * time.Second
+	StaleAfter = 3 * Heartbeat
+)
 
 // Writer keeps the node's KVPoolNode in step with the latest status given to
 // Set, writing on change at a bounded rate. The object is named after the
@@ -57,7 +69,7 @@ func NewWriter(c client.Client, node string, opts Options) *Writer {
 		opts.MinInterval = 10 * time.Second
 	}
 	if opts.Resync == 0 {
-		opts.Resync = 5 * time.Minute
+		opts.Resync = Heartbeat
 	}
 	if opts.Log == nil {
 		opts.Log = slog.Default()
@@ -206,6 +218,36 @@ func (w *Writer) owner(ctx context.Context) (*metav1.OwnerReference, error) {
 	w.nodeRef = ref
 	w.mu.Unlock()
 	return ref, nil
+}
+
+// Stopped marks the latest status as that of a stopped agent and writes it
+// at once (ignoring MinInterval): Health Unhealthy with reason as its
+// message, the Ready condition False ("AgentStopped"), nothing ready and no
+// sessions (the agent's memory and connections go with it). The agent calls
+// it on SIGTERM, after Run has returned, with a context of its own: the
+// status then stops claiming a serving agent within seconds instead of
+// after StaleAfter. It does nothing when no status was ever set.
+func (w *Writer) Stopped(ctx context.Context, reason string) error {
+	w.mu.Lock()
+	if w.pending == nil {
+		w.mu.Unlock()
+		return nil
+	}
+	st := w.pending.DeepCopy()
+	st.Health, st.Message = v1alpha1.HealthUnhealthy, reason
+	st.Ready = bytesQ(0)
+	st.Sessions = 0
+	for i := range st.GPUs {
+		st.GPUs[i].Ready = bytesQ(0)
+	}
+	for i := range st.Conditions {
+		st.Conditions[i].Status = metav1.ConditionFalse
+		st.Conditions[i].Reason = "AgentStopped"
+		st.Conditions[i].Message = reason
+	}
+	w.pending = st
+	w.mu.Unlock()
+	return w.Sync(ctx, true)
 }
 
 // LastWrite is when the status was last written, zero if never.

@@ -149,6 +149,15 @@ func SaveCheckpoint(dir string, recs []Record) error {
 	if err != nil {
 		return err
 	}
+	if len(recs) == 0 {
+		// No allocations: no file (a missing checkpoint loads as empty), so
+		// an agent that stops with nothing allocated, as on uninstall,
+		// leaves nothing in the state directory.
+		if err := os.Remove(filepath.Join(dir, CheckpointFile)); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return fmt.Errorf("save checkpoint: %w", err)
+		}
+		return syncDir(dir)
+	}
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return fmt.Errorf("save checkpoint: %w", err)
 	}
@@ -171,7 +180,15 @@ func SaveCheckpoint(dir string, recs []Record) error {
 	if err := os.Rename(tmp.Name(), filepath.Join(dir, CheckpointFile)); err != nil {
 		return fmt.Errorf("save checkpoint: %w", err)
 	}
+	return syncDir(dir)
+}
+
+// syncDir makes a rename or removal in dir durable.
+func syncDir(dir string) error {
 	d, err := os.Open(dir)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
 	if err != nil {
 		return fmt.Errorf("save checkpoint: open dir: %w", err)
 	}

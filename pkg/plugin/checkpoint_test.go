@@ -50,6 +50,14 @@ func TestCheckpointRoundTrip(t *testing.T) {
 	if got, err := LoadCheckpoint(dir); err != nil || len(got) != 0 {
 		t.Errorf("empty checkpoint: %v, %v", got, err)
 	}
+	// Nothing allocated leaves nothing in the directory (an uninstalled
+	// agent leaves no state behind).
+	if left, _ := os.ReadDir(dir); len(left) != 0 {
+		t.Errorf("an empty checkpoint left files: %v", left)
+	}
+	if err := SaveCheckpoint(dir, nil); err != nil {
+		t.Errorf("saving an empty checkpoint twice: %v", err)
+	}
 }
 
 func TestDecodeCheckpointRejects(t *testing.T) {

@@ -185,8 +185,12 @@ type Plugin struct {
 	retry    map[string]retry
 	// scrubFailed: chunks reported unhealthy to Options.ChunkHealth
 	scrubFailed map[string]bool
-	withheld    map[string]bool // devices advertised unhealthy: held by a gone pod, or dirty
+	withheld    map[string]bool // devices advertised unhealthy: dirty (not yet scrubbed)
 	overlay     chan struct{}   // closed when withheld changes
+	// stopping is closed when the agent stops: ListAndWatch then sends an
+	// empty device list, so kubelet drops the capacity at once.
+	stopping chan struct{}
+	stopOnce sync.Once
 
 	registrations atomic.Int64
 	registered    atomic.Bool
@@ -196,7 +200,6 @@ type alloc struct {
 	Record
 	granted  bool      // the pool holds the grant
 	lastSeen time.Time // last time a pod held it; FirstSeen until then
-	gone     bool      // a pod held it and the latest listing shows none
 }
 
 // New builds a Plugin and restores the allocations of its checkpoint. A
@@ -219,6 +222,7 @@ func New(o Options) (*Plugin, error) {
 		scrubFailed: make(map[string]bool),
 		withheld:    make(map[string]bool),
 		overlay:     make(chan struct{}),
+		stopping:    make(chan struct{}),
 	}
 	recs, err := LoadCheckpoint(o.StateDir)
 	if errors.Is(err, ErrCorruptCheckpoint) {
@@ -364,9 +368,18 @@ func sameList(a, b []*pluginapi.Device) bool {
 	})
 }
 
-// ListAndWatch sends the full device list at once and again on every change.
+// ListAndWatch sends the full device list at once and again on every change;
+// when the agent stops (Withdraw), an empty list.
 func (p *Plugin) ListAndWatch(_ *pluginapi.Empty, stream pluginapi.DevicePlugin_ListAndWatchServer) error {
 	return p.listAndWatch(stream)
+}
+
+// Withdraw makes every ListAndWatch stream send an empty device list and
+// end: kubelet then reports the resource's capacity as 0 at once, instead
+// of keeping the stopped plugin's devices in capacity (as unhealthy) for its
+// endpoint grace period of 5 minutes. Run calls it when its context ends.
+func (p *Plugin) Withdraw() {
+	p.stopOnce.Do(func() { close(p.stopping) })
 }
 
 func (p *Plugin) listAndWatch(stream pluginapi.DevicePlugin_ListAndWatchServer) error {
@@ -386,22 +399,28 @@ func (p *Plugin) listAndWatch(stream pluginapi.DevicePlugin_ListAndWatchServer) 
 		case <-ovCh:
 		case <-stream.Context().Done():
 			return nil
+		case <-p.stopping:
+			if err := stream.Send(&pluginapi.ListAndWatchResponse{Devices: []*pluginapi.Device{}}); err != nil {
+				return err
+			}
+			p.log.Info("withdrew every device from kubelet (agent stopping)")
+			return nil
 		}
 	}
 }
 
-// setWithheldLocked recomputes the devices advertised unhealthy.
+// setWithheldLocked recomputes the devices advertised unhealthy: only the
+// dirty ones (a reclaimed chunk whose scrub failed), because only they must
+// not go to a pod. A chunk whose pod is gone stays healthy during the grace
+// period: kubelet frees a pod's devices only once the pod is no longer active
+// (the same test PodResources lists by), and when it hands them to a new pod,
+// Allocate reclaims the old allocation (sessions closed, chunks scrubbed)
+// before it grants them. Advertising them unhealthy would only make kubelet
+// refuse pods bound in that window (UnexpectedAdmissionError) for nothing.
 func (p *Plugin) setWithheldLocked() {
 	w := make(map[string]bool)
 	for id := range p.dirty {
 		w[id] = true
-	}
-	for _, a := range p.allocs {
-		if a.gone {
-			for _, d := range a.Devices {
-				w[d] = true
-			}
-		}
 	}
 	if maps.Equal(w, p.withheld) {
 		return
@@ -767,10 +786,9 @@ func (p *Plugin) reconcileLocked(held map[string]string) error {
 				a.Pod = holder
 				changed = true
 			}
-			a.lastSeen, a.gone = now, false
+			a.lastSeen = now
 			continue
 		}
-		a.gone = a.Pod != ""
 		if now.Sub(a.lastSeen) < p.o.GracePeriod {
 			continue
 		}

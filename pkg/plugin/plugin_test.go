@@ -331,15 +331,17 @@ func TestReclaimAfterPodGone(t *testing.T) {
 	if recs := e.p.Allocations(); len(recs) != 1 || recs[0].Pod != "default/web-0" {
 		t.Fatalf("allocations = %+v", recs)
 	}
-	// The pod goes. During the grace period the chunks stay granted (and
-	// are advertised unhealthy so kubelet does not hand them out yet).
+	// The pod goes. During the grace period the chunks stay granted, and
+	// stay advertised healthy: kubelet has freed them, and a pod it gives
+	// them to is admitted (Allocate reclaims first; see
+	// TestAllocateReassignedByKubelet).
 	e.prs.SetPods(nil)
 	e.reconcile()
-	e.kubelet.WaitList(func(l []*pluginapi.Device) bool {
-		return healthOf(l, ids[0]) == pluginapi.Unhealthy && healthOf(l, ids[1]) == pluginapi.Unhealthy && healthOf(l, "gpu1-numa1-2") == pluginapi.Healthy
-	})
 	e.clock.Advance(testGrace - time.Second)
 	e.reconcile()
+	if l, _, _ := e.p.snapshot(); healthOf(l, ids[0]) != pluginapi.Healthy || healthOf(l, ids[1]) != pluginapi.Healthy {
+		t.Fatalf("a gone pod's chunks are advertised %s/%s during the grace period, want Healthy", healthOf(l, ids[0]), healthOf(l, ids[1]))
+	}
 	if _, err := e.pool.Allocation(AllocationID(token)); err != nil || s.Closed() || e.zeroCount(ids[0]) != 0 {
 		t.Fatalf("reclaimed during the grace period: %v closed=%v zeroed=%d", err, s.Closed(), e.zeroCount(ids[0]))
 	}
@@ -373,6 +375,40 @@ func TestReclaimAfterPodGone(t *testing.T) {
 	// Another pod can now get the chunks, with a new token.
 	if t2 := e.mustAllocate(ids...); t2 == token {
 		t.Error("token reused for a new pod")
+	}
+}
+
+// When the agent stops, kubelet gets an empty device list before the stream
+// ends, so the node's capacity drops to zero at once (not after kubelet's
+// 5-minute endpoint grace period).
+func TestStopWithdrawsDevices(t *testing.T) {
+	root := shortDir(t)
+	for _, d := range []string{"kubelet/device-plugins", "kubelet/pod-resources", "sock", "state"} {
+		if err := os.MkdirAll(filepath.Join(root, d), 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	e := &env{t: t, root: root, pool: newPool(t), feed: NewFeed(), clock: &fakeClock{now: time.Now()}, zeroed: map[string]int{}}
+	if err := e.feed.Set(PoolDevices(e.pool.Chunks())); err != nil {
+		t.Fatal(err)
+	}
+	e.prs = kubelettest.NewPodResources(t, filepath.Join(root, "kubelet/pod-resources/kubelet.sock"))
+	e.kubelet = kubelettest.NewKubelet(t, filepath.Join(root, "kubelet/device-plugins"))
+	e.p = e.newPlugin(e.pool)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- e.p.Run(ctx) }()
+	e.kubelet.WaitRegister(5 * time.Second)
+	e.kubelet.WaitList(func(l []*pluginapi.Device) bool { return len(l) == len(testChunks()) })
+	cancel()
+	e.kubelet.WaitList(func(l []*pluginapi.Device) bool { return len(l) == 0 })
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Errorf("Run: %v", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("Run did not return after its context ended")
 	}
 }
 

@@ -135,6 +135,17 @@ func (p *Plugin) serveOnce(ctx context.Context) error {
 	go func() { serveErr <- srv.Serve(lis) }()
 	defer func() {
 		p.registered.Store(false)
+		if ctx.Err() != nil {
+			// Stopping for good: tell kubelet there are no devices left
+			// (Withdraw), and give the streams a moment to send that.
+			p.Withdraw()
+			stopped := make(chan struct{})
+			go func() { srv.GracefulStop(); close(stopped) }()
+			select {
+			case <-stopped:
+			case <-time.After(2 * time.Second):
+			}
+		}
 		srv.Stop()
 		<-serveErr
 		if cur, ok := statSock(sock); ok && cur.fi.Mode()&os.ModeSocket != 0 {

@@ -49,7 +49,6 @@ func defaults() valueSet {
 		tolerations: []corev1.Toleration{
 			{Key: "nvidia.com/gpu", Operator: corev1.TolerationOpExists, Effect: corev1.TaintEffectNoSchedule},
 		},
-		nodeSelector: map[string]string{"nvidia.com/gpu.present": "true"},
 	}
 }
 
@@ -90,9 +89,8 @@ paths: {socketDir: /run/kv/sock, kubeletDir: /data/kubelet/, stateDir: /data/kvp
 
 	tol := defaults()
 	tol.name = "custom-tolerations"
-	// Helm merges maps with the chart's defaults: null removes the default key.
 	tol.values = `
-nodeSelector: {node.kubernetes.io/instance-type: p5.48xlarge, nvidia.com/gpu.present: null}
+nodeSelector: {node.kubernetes.io/instance-type: p5.48xlarge}
 tolerations:
   - {key: dedicated, operator: Equal, value: inference, effect: NoSchedule}
   - {key: nvidia.com/gpu, operator: Exists, effect: NoExecute}
@@ -246,7 +244,7 @@ func checkDaemonSet(t *testing.T, vs valueSet, ds *appsv1.DaemonSet) {
 	if got := spec.PriorityClassName; got != "system-node-critical" {
 		t.Errorf("priorityClassName = %q", got)
 	}
-	if !reflect.DeepEqual(spec.NodeSelector, vs.nodeSelector) {
+	if len(spec.NodeSelector) != len(vs.nodeSelector) || (len(vs.nodeSelector) > 0 && !reflect.DeepEqual(spec.NodeSelector, vs.nodeSelector)) {
 		t.Errorf("nodeSelector = %v, want %v", spec.NodeSelector, vs.nodeSelector)
 	}
 	if !reflect.DeepEqual(spec.Tolerations, vs.tolerations) {
@@ -719,11 +717,20 @@ func TestRejectsBadValues(t *testing.T) {
 		{"reclaim grace not a duration", "reclaim: {gracePeriod: soon}", "gracePeriod"},
 		{"toleration operator", "tolerations: [{key: a, operator: In}]", "operator"},
 		{"toleration unknown field", "tolerations: [{key: a, opertor: Exists}]", "opertor"},
-		{"maxUnavailable zero", "updateStrategy: {maxUnavailable: 0}", "maxUnavailable"},
+		{"maxUnavailable zero", "updateStrategy: {rollingUpdate: {maxUnavailable: 0}}", "maxUnavailable"},
+		{"maxSurge", "updateStrategy: {rollingUpdate: {maxSurge: 1}}", "maxSurge"},
+		{"update strategy type", "updateStrategy: {type: Recreate}", "type"},
+		{"memory in resources", "resources: {limits: {memory: 1Gi}}", "memory"},
+		{"huge pages in resources", "resources: {requests: {hugepages-2Mi: 1Gi}}", "hugepages-2Mi"},
+		{"simulated GPUs negative", "simulateGPUs: -1", "simulateGPUs"},
+		{"extra args not strings", "extraArgs: [{a: b}]", "extraArgs"},
+		{"extra env without name", "extraEnv: [{value: x}]", "name"},
+		{"pod monitor interval", "metrics: {podMonitor: {enabled: true, interval: often}}", "interval"},
 		{"image digest malformed", "image: {digest: sha256:abc}", "digest"},
 		{"pull policy", "image: {pullPolicy: Sometimes}", "pullPolicy"},
 		{"service monitor flag not boolean", "metrics: {serviceMonitor: {enabled: \"yes\"}}", "enabled"},
-		{"cpu request", "cpu: {request: lots}", "request"},
+		{"cpu request", "resources: {requests: {cpu: lots}}", "cpu"},
+		{"old cpu value", "cpu: {request: 100m}", "cpu"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {

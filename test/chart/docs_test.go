@@ -28,6 +28,10 @@ func valuePaths(m map[string]any, prefix string) []string {
 // freeForm values are maps passed through as a whole (labels, probe timing).
 var freeForm = map[string]bool{
 	"nodeSelector":            true,
+	"affinity":                true,
+	"resources":               true,
+	"podSecurityContext":      true,
+	"securityContext":         true,
 	"grafanaDashboard.labels": true,
 	"health.livenessProbe":    true,
 	"health.readinessProbe":   true,

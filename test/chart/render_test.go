@@ -144,6 +144,10 @@ func decodeDoc(t testing.TB, source string, doc []byte) object {
 		checkServiceMonitorFields(t, source, fields)
 		return o
 	}
+	if apiVersion == "monitoring.coreos.com/v1" && o.kind == "PodMonitor" {
+		checkPodMonitorFields(t, source, fields)
+		return o
+	}
 	obj, gvk, err := strictDecoder.Decode(doc, nil, nil)
 	if err != nil {
 		t.Fatalf("%s: strict decode of %s %q: %v", source, o.kind, o.name, err)
@@ -198,6 +202,40 @@ func checkServiceMonitorFields(t testing.TB, source string, m map[string]any) {
 				t.Errorf("%s: ServiceMonitor endpoint %d has unknown field %s", source, i, k)
 			}
 		}
+	}
+}
+
+// checkPodMonitorFields checks a PodMonitor against the fields of
+// monitoring.coreos.com/v1 the chart uses.
+func checkPodMonitorFields(t testing.TB, source string, m map[string]any) {
+	t.Helper()
+	allowed := map[string][]string{
+		"":         {"apiVersion", "kind", "metadata", "spec"},
+		"metadata": {"name", "namespace", "labels", "annotations"},
+		"spec":     {"selector", "namespaceSelector", "podMetricsEndpoints", "jobLabel", "podTargetLabels"},
+	}
+	endpointFields := []string{"port", "path", "scheme", "interval", "scrapeTimeout", "honorLabels", "relabelings", "metricRelabelings"}
+	check := func(path string, v any, fields []string) {
+		obj, ok := v.(map[string]any)
+		if !ok {
+			t.Fatalf("%s: PodMonitor %s is not an object", source, path)
+		}
+		for k := range obj {
+			if !contains(fields, k) {
+				t.Errorf("%s: PodMonitor has unknown field %s.%s", source, path, k)
+			}
+		}
+	}
+	check("", m, allowed[""])
+	check("metadata", m["metadata"], allowed["metadata"])
+	spec, _ := m["spec"].(map[string]any)
+	check("spec", spec, allowed["spec"])
+	eps, ok := spec["podMetricsEndpoints"].([]any)
+	if !ok || len(eps) == 0 {
+		t.Fatalf("%s: PodMonitor has no podMetricsEndpoints", source)
+	}
+	for i, ep := range eps {
+		check(fmt.Sprintf("podMetricsEndpoints[%d]", i), ep, endpointFields)
 	}
 }
 

@@ -1,15 +1,21 @@
-// Command render-chart renders a Helm chart the way `helm install` would and
-// writes the manifests to stdout as one multi-document YAML stream, in the
-// order of their template paths. The e2e test sends them to a real
-// kube-apiserver with a server-side dry run.
+// Command kvpool-helm is the Helm SDK for the e2e stage, without the helm
+// binary:
+//
+//	kvpool-helm render -chart charts/kvpool [-namespace NS] [-values extra.yaml]
+//	kvpool-helm install|upgrade -chart charts/kvpool [-namespace NS] [-values extra.yaml]
+//	kvpool-helm uninstall [-name kvpool] [-namespace NS]
+//
+// render writes the manifests `helm install` would create to stdout as one
+// multi-document YAML stream, in the order of their template paths (the e2e
+// test sends them to the apiserver with a server-side dry run); install,
+// upgrade and uninstall are those Helm actions against $KUBECONFIG.
 //
 // It lives in its own module so that the Helm SDK does not change the
 // dependency versions that kube-apiserver and the kubelet are built with.
-//
-//	render-chart -chart charts/kvpool -namespace kvpool-system [-values extra.yaml]
 package main
 
 import (
+	"errors"
 	"flag"
 	"fmt"
 	"os"
@@ -25,15 +31,43 @@ import (
 )
 
 func main() {
-	dir := flag.String("chart", "", "chart directory")
-	name := flag.String("name", "kvpool", "release name")
-	ns := flag.String("namespace", "kvpool-system", "release namespace")
-	valuesFile := flag.String("values", "", "optional values file merged over the chart's defaults")
-	flag.Parse()
-	if err := run(*dir, *name, *ns, *valuesFile); err != nil {
-		fmt.Fprintln(os.Stderr, "render-chart:", err)
+	if len(os.Args) < 2 {
+		fmt.Fprintln(os.Stderr, errUsage)
+		os.Exit(2)
+	}
+	cmd, args := os.Args[1], os.Args[2:]
+	var err error
+	switch cmd {
+	case "render":
+		err = render(args)
+	case "install", "upgrade", "uninstall":
+		err = runRelease(cmd, args)
+	default:
+		fmt.Fprintln(os.Stderr, errUsage)
+		os.Exit(2)
+	}
+	if errors.Is(err, flag.ErrHelp) {
+		os.Exit(0)
+	}
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "kvpool-helm %s: %v\n", cmd, err)
 		os.Exit(1)
 	}
+}
+
+func render(args []string) error {
+	fs := flag.NewFlagSet("render", flag.ContinueOnError)
+	dir := fs.String("chart", "", "chart directory")
+	name := fs.String("name", "kvpool", "release name")
+	ns := fs.String("namespace", "kvpool-system", "release namespace")
+	valuesFile := fs.String("values", "", "optional values file merged over the chart's defaults")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	return run(*dir, *name, *ns, *valuesFile)
 }
 
 func run(dir, name, ns, valuesFile string) error {

@@ -6,6 +6,9 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
+	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -35,7 +38,25 @@ const (
 	reconcile    = 2 * time.Second
 )
 
-func agentConfig(run, kubeletDir string) string {
+// freePort asks the kernel for a free TCP port on the loopback interface.
+// (Another process could take it before the agent binds it; the agent then
+// fails to start and says so, which the readiness bound turns into a test
+// failure with its log, not a hang.)
+func freePort(t *testing.T) int {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatalf("free port: %v", err)
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port
+}
+
+// agentReadyWithin bounds how long a started agent may take to pass its
+// readiness check; past it the test fails with the agent's log tail.
+const agentReadyWithin = 90 * time.Second
+
+func agentConfig(run, kubeletDir string, metricsPort, healthPort int) string {
 	return fmt.Sprintf(`apiVersion: kvpool.io/v1alpha1
 kind: AgentConfig
 resourceName: %s
@@ -50,23 +71,24 @@ reclaim:
   gracePeriod: %s
   interval: %s
 metrics:
-  address: 127.0.0.1:39464
+  address: 127.0.0.1:%d
 health:
-  address: 127.0.0.1:38081
+  address: 127.0.0.1:%d
 log:
   level: debug
 standalone:
   gpus: 2
 `, resourceName, filepath.Join(run, "sock"), kubeletDir, filepath.Join(run, "state"),
-		poolChunks*chunkBytes, chunkBytes, gracePeriod, reconcile)
+		poolChunks*chunkBytes, chunkBytes, gracePeriod, reconcile, metricsPort, healthPort)
 }
 
 // agent is the kvpool agent running on the node as a host process, the way
 // the DaemonSet runs it but without the container.
 type agent struct {
-	cmd  *exec.Cmd
-	done chan error
-	log  string
+	cmd    *exec.Cmd
+	done   chan error
+	log    string
+	health string // http://127.0.0.1:PORT
 }
 
 // startAgent runs the agent in cluster mode with simulated GPUs: it reads
@@ -83,7 +105,8 @@ func (c *cluster) startAgent(t *testing.T) *agent {
 		t.Fatal(err)
 	}
 	cfg := filepath.Join(dir, "config.yaml")
-	if err := os.WriteFile(cfg, []byte(agentConfig(c.Run, c.KubeletDir)), 0o644); err != nil {
+	healthPort := freePort(t)
+	if err := os.WriteFile(cfg, []byte(agentConfig(c.Run, c.KubeletDir, freePort(t), healthPort)), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	args := strings.Fields("--simulate-gpus 2 --resource-name " + resourceName +
@@ -107,11 +130,52 @@ func (c *cluster) startAgent(t *testing.T) *agent {
 	if err := cmd.Start(); err != nil {
 		t.Fatalf("start agent %s %v: %v", c.Agent, args, err)
 	}
-	a := &agent{cmd: cmd, done: make(chan error, 1), log: logPath}
+	a := &agent{cmd: cmd, done: make(chan error, 1), log: logPath, health: fmt.Sprintf("http://127.0.0.1:%d", healthPort)}
 	go func() { a.done <- cmd.Wait(); logf.Close() }()
 	t.Logf("agent started: pid %d, %s %s (log %s)", cmd.Process.Pid, c.Agent, strings.Join(args, " "), logPath)
 	t.Cleanup(func() { a.stop(t) })
+	a.waitReady(t, agentReadyWithin)
 	return a
+}
+
+// waitReady waits for the agent's /readyz (chunks ready, socket answering,
+// registered with the kubelet). An agent that exits, or is alive but not
+// ready within the bound (a hung agent looks alive), fails the test with its
+// log tail instead of letting later checks fail for misleading reasons.
+func (a *agent) waitReady(t *testing.T, within time.Duration) {
+	t.Helper()
+	hc := &http.Client{Timeout: 2 * time.Second}
+	start := time.Now()
+	last := "no answer yet"
+	for time.Since(start) < within {
+		a.exited(t)
+		resp, err := hc.Get(a.health + "/readyz")
+		if err == nil {
+			body, _ := io.ReadAll(io.LimitReader(resp.Body, 2048))
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				t.Logf("agent ready after %v", time.Since(start).Round(100*time.Millisecond))
+				return
+			}
+			last = fmt.Sprintf("%s: %s", resp.Status, strings.TrimSpace(string(body)))
+		} else {
+			last = err.Error()
+		}
+		time.Sleep(250 * time.Millisecond)
+	}
+	t.Fatalf("agent not ready within %v (last /readyz: %s); log tail:\n%s", within, last, logTail(a.log, 4000))
+}
+
+// logTail is the last n bytes of a log file.
+func logTail(path string, n int) string {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return fmt.Sprintf("(cannot read %s: %v)", path, err)
+	}
+	if len(b) > n {
+		b = b[len(b)-n:]
+	}
+	return string(b)
 }
 
 func (a *agent) stop(t *testing.T) {
@@ -137,11 +201,7 @@ func (a *agent) exited(t *testing.T) {
 	select {
 	case err := <-a.done:
 		a.done <- err
-		tail, _ := os.ReadFile(a.log)
-		if len(tail) > 4000 {
-			tail = tail[len(tail)-4000:]
-		}
-		t.Fatalf("agent exited (%v); log tail:\n%s", err, tail)
+		t.Fatalf("agent exited (%v); log tail:\n%s", err, logTail(a.log, 4000))
 	default:
 	}
 }

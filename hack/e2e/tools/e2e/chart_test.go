@@ -153,15 +153,15 @@ func TestChartServerDryRun(t *testing.T) {
 	if _, err := os.Stat(filepath.Join(chart, "Chart.yaml")); err != nil {
 		t.Skip("charts/kvpool (issue 7) is not in this tree yet")
 	}
-	render := os.Getenv("KVPOOL_E2E_RENDER_CHART")
+	render := os.Getenv("KVPOOL_E2E_HELM")
 	if render == "" {
-		t.Fatal("KVPOOL_E2E_RENDER_CHART is unset: run.sh builds hack/e2e/chart when the chart exists")
+		t.Fatal("KVPOOL_E2E_HELM is unset: run.sh builds hack/e2e/chart (kvpool-helm) when the chart exists")
 	}
 	c.ensureNamespace(t, chartNamespace)
 	c.installCRDs(t, filepath.Join(chart, "crds"))
 
 	var stderr bytes.Buffer
-	cmd := exec.Command(render, "-chart", chart, "-namespace", chartNamespace)
+	cmd := exec.Command(render, "render", "-chart", chart, "-namespace", chartNamespace)
 	cmd.Stderr = &stderr
 	out, err := cmd.Output()
 	if err != nil {
