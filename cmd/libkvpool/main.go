@@ -26,6 +26,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"os"
 	"strings"
 	"sync"
@@ -107,8 +108,9 @@ func statusOf(err error) C.int {
 		return errOther
 	}
 	var cu *cudart.Error
+	var op *net.OpError
 	switch {
-	case errors.Is(err, client.ErrDisconnected):
+	case errors.Is(err, client.ErrDisconnected), errors.As(err, &op):
 		return errDisconnected
 	case errors.Is(err, client.ErrProtocol):
 		return errProtocol
