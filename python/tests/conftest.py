@@ -70,6 +70,7 @@ class Agent:
         e["KVPOOL_SOCKET"] = self.socket
         e["KVPOOL_TOKEN"] = token or self.tokens[0]
         e["PYTHONPATH"] = PYROOT + os.pathsep + e.get("PYTHONPATH", "")
+        e["KVPOOL_TESTS_NUMPY_ONLY"] = "1"
         e.update(extra)
         return e
 

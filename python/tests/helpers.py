@@ -8,10 +8,12 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import numpy as np  # noqa: E402
 
-try:
-    import torch  # noqa: E402
-except ImportError:  # numpy stands in
-    torch = None
+torch = None
+if not os.environ.get("KVPOOL_TESTS_NUMPY_ONLY"):  # client processes skip torch's import time
+    try:
+        import torch  # noqa: E402
+    except ImportError:  # numpy stands in
+        pass
 
 # Every pool of one process shares the simulator, so they share its options.
 # The copy delay makes a missing sync show up as wrong bytes.
