@@ -26,7 +26,7 @@ func pythonExe() string {
 
 // goBuild builds pkg into out without the test's flags: a c-shared library
 // cannot be built with -race, and the agent needs none.
-func goBuild(t *testing.T, ctx context.Context, out string, args ...string) {
+func goBuild(t testing.TB, ctx context.Context, out string, args ...string) {
 	t.Helper()
 	gobin := filepath.Join(os.Getenv("GOROOT"), "bin", "go")
 	if _, err := os.Stat(gobin); err != nil {
