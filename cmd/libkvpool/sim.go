@@ -94,3 +94,4 @@ func (h *handle) unregisterLocked() {
 	}
 	h.spans = nil
 }
+
