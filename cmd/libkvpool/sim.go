@@ -94,4 +94,3 @@ func (h *handle) unregisterLocked() {
 	}
 	h.spans = nil
 }
-
