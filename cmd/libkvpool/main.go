@@ -389,7 +389,8 @@ func kvpool_offload(hd C.kvpool_handle, rid *C.char, ridLen C.size_t, label *C.c
 	if err != nil {
 		return fail(errInvalid, err)
 	}
-	ok, err := h.pool.OffloadStream(r, l, pages, int64(storedLen), int64(position), int64(released))
+	var ok bool
+	do(func() { ok, err = h.pool.OffloadStream(r, l, pages, int64(storedLen), int64(position), int64(released)) })
 	if err != nil {
 		return failErr(err)
 	}
@@ -428,7 +429,8 @@ func kvpool_reload(hd C.kvpool_handle, rid *C.char, ridLen C.size_t, label *C.ch
 	if err != nil {
 		return fail(errInvalid, err)
 	}
-	s, err := h.pool.ReloadStream(r, l, pages)
+	var s client.OffloadedStream
+	do(func() { s, err = h.pool.ReloadStream(r, l, pages) })
 	if len(s.CPUPageIndices) > len(out) {
 		// The agent's page count check makes this impossible.
 		return fail(errProtocol, fmt.Errorf("kvpool: reload: the agent returned %d host pages for %d device pages", len(s.CPUPageIndices), len(pages)))
@@ -456,7 +458,7 @@ func kvpool_discard(hd C.kvpool_handle, rid *C.char, ridLen C.size_t, label *C.c
 	if err != nil {
 		return fail(errInvalid, err)
 	}
-	if err := h.pool.Discard(r, l); err != nil {
+	if do(func() { err = h.pool.Discard(r, l) }); err != nil {
 		return failErr(err)
 	}
 	return statusOK
@@ -472,7 +474,7 @@ func kvpool_remove_request(hd C.kvpool_handle, rid *C.char, ridLen C.size_t) C.i
 	if err != nil {
 		return fail(errInvalid, err)
 	}
-	if err := h.pool.RemoveRequest(r); err != nil {
+	if do(func() { err = h.pool.RemoveRequest(r) }); err != nil {
 		return failErr(err)
 	}
 	return statusOK
@@ -488,7 +490,8 @@ func kvpool_is_offloaded(hd C.kvpool_handle, rid *C.char, ridLen C.size_t) C.int
 	if err != nil {
 		return fail(errInvalid, err)
 	}
-	ok, err := h.pool.IsOffloaded(r)
+	var ok bool
+	do(func() { ok, err = h.pool.IsOffloaded(r) })
 	if err != nil {
 		return failErr(err)
 	}
@@ -515,7 +518,8 @@ func kvpool_labels(hd C.kvpool_handle, rid *C.char, ridLen C.size_t, buf *C.char
 	if (buf == nil && capacity > 0) || (ends == nil && endsCap > 0) {
 		return invalid("labels: NULL buffer with a capacity")
 	}
-	labels, err := h.pool.Labels(r)
+	var labels []string
+	do(func() { labels, err = h.pool.Labels(r) })
 	if err != nil {
 		return failErr(err)
 	}
@@ -558,7 +562,8 @@ func kvpool_num_pages(hd C.kvpool_handle, rid *C.char, ridLen C.size_t, label *C
 	if out == nil {
 		return invalid("num_pages: NULL out")
 	}
-	n, err := h.pool.NumPages(r, l)
+	var n int
+	do(func() { n, err = h.pool.NumPages(r, l) })
 	if err != nil {
 		return failErr(err)
 	}
@@ -575,7 +580,9 @@ func kvpool_num_free_pages(hd C.kvpool_handle, out *C.int64_t) C.int {
 	if out == nil {
 		return invalid("num_free_pages: NULL out")
 	}
-	n, err := h.pool.NumFreePages()
+	var n int
+	var err error
+	do(func() { n, err = h.pool.NumFreePages() })
 	if err != nil {
 		return failErr(err)
 	}
@@ -589,7 +596,8 @@ func kvpool_sync(hd C.kvpool_handle, stream C.uint64_t) C.int {
 	if h == nil {
 		return st
 	}
-	if err := h.pool.Sync(cudart.Stream(stream)); err != nil {
+	var err error
+	if do(func() { err = h.pool.Sync(cudart.Stream(stream)) }); err != nil {
 		return failErr(err)
 	}
 	return statusOK
@@ -601,7 +609,8 @@ func kvpool_synchronize(hd C.kvpool_handle) C.int {
 	if h == nil {
 		return st
 	}
-	if err := h.pool.Synchronize(); err != nil {
+	var err error
+	if do(func() { err = h.pool.Synchronize() }); err != nil {
 		return failErr(err)
 	}
 	return statusOK
