@@ -54,8 +54,18 @@ def main():
     for _ in range(n):
         f()
     noop = (time.perf_counter() - t1) / n * 1e9
+    # The Python layer's own work for one call, without the library:
+    # argument conversion and the layout identity check.
+    from kvpool.pool import _name, _pages
+    t1 = time.perf_counter()
+    for _ in range(n // 10):
+        _name("bench", "rid")
+        _name("kv", "label")
+        pool._same_layout(kv)
+        _pages(pages)
+    prep = (time.perf_counter() - t1) / (n // 10) * 1e9
     pool.close()
-    print(json.dumps({"iters": a.iters, "ns_per_pair": dt / a.iters * 1e9, "cpu_ns_per_pair": dc / a.iters * 1e9, "tensors": kind, "noop_call_ns": noop}))
+    print(json.dumps({"iters": a.iters, "ns_per_pair": dt / a.iters * 1e9, "cpu_ns_per_pair": dc / a.iters * 1e9, "tensors": kind, "noop_call_ns": noop, "prep_ns": prep}))
 
 
 if __name__ == "__main__":

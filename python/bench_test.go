@@ -30,7 +30,10 @@ import (
 //	go test -run XXX -bench PythonOverhead -benchtime 3000x ./python
 //
 // ns/op is the Python pair; go-us/call and py-us/call are per call (half
-// a pair), overhead-us/call their difference and py/go their ratio. Goal
+// a pair), overhead-us/call their difference and py/go their ratio; the
+// -cpu- metrics are the same from each process's CPU time (steadier on a
+// shared machine), noop-call-us is a ctypes call into the library that does
+// nothing, py-prep-us/call the Python layer's own argument work. Goal
 // (issue 15): overhead under 15 µs per call.
 func BenchmarkPythonOverhead(b *testing.B) {
 	py := pythonExe()
@@ -84,6 +87,7 @@ func BenchmarkPythonOverhead(b *testing.B) {
 		NsPerPair    float64 `json:"ns_per_pair"`
 		CPUNsPerPair float64 `json:"cpu_ns_per_pair"`
 		NoopNs       float64 `json:"noop_call_ns"`
+		PrepNs       float64 `json:"prep_ns"`
 		Tensors      string  `json:"tensors"`
 	}
 	if err := json.Unmarshal(firstJSONLine(res), &r); err != nil {
@@ -101,6 +105,7 @@ func BenchmarkPythonOverhead(b *testing.B) {
 	b.ReportMetric(pyCPU, "py-cpu-us/call")
 	b.ReportMetric(pyCPU-goCPU, "overhead-cpu-us/call")
 	b.ReportMetric(r.NoopNs/1e3, "noop-call-us")
+	b.ReportMetric(r.PrepNs/1e3, "py-prep-us/call")
 	b.Logf("Python side: %s tensors", r.Tensors)
 }
 
