@@ -390,7 +390,9 @@ func kvpool_offload(hd C.kvpool_handle, rid *C.char, ridLen C.size_t, label *C.c
 		return fail(errInvalid, err)
 	}
 	var ok bool
-	do(func() { ok, err = h.pool.OffloadStream(r, l, pages, int64(storedLen), int64(position), int64(released)) })
+	do(func() {
+		ok, err = h.pool.OffloadStream(r, l, pages, int64(storedLen), int64(position), int64(released))
+	})
 	if err != nil {
 		return failErr(err)
 	}
