@@ -63,8 +63,9 @@ func (s *Sim) Open(ordinal int) (Device, error) {
 const simAlign = 512
 
 type devAlloc struct {
-	base uintptr
-	mem  []byte
+	base     uintptr
+	mem      []byte
+	external bool // RegisterDeviceMemory: the caller's memory, not MemAlloc's
 }
 
 type hostReg struct {
@@ -136,12 +137,12 @@ func (d *simDevice) MemAlloc(n uint64) (DevicePtr, error) {
 	if n > d.opts.MemoryBytes-d.used {
 		return 0, callErr("cuMemAlloc", ErrOutOfMemory, "%d bytes requested, %d of %d free", n, d.opts.MemoryBytes-d.used, d.opts.MemoryBytes)
 	}
-	base := d.next
-	d.allocs = append(d.allocs, devAlloc{base: base, mem: make([]byte, n)})
+	base := d.skipExternal(d.next, n)
+	d.insertAlloc(devAlloc{base: base, mem: make([]byte, n)})
 	d.used += n
 	// Leave a gap after each allocation so that overruns do not land in
 	// a neighbour.
-	d.next += (uintptr(n)+simAlign-1)/simAlign*simAlign + 64<<10
+	d.next = base + (uintptr(n)+simAlign-1)/simAlign*simAlign + 64<<10
 	return DevicePtr(base), nil
 }
 
@@ -152,7 +153,7 @@ func (d *simDevice) MemFree(p DevicePtr) error {
 		return err
 	}
 	i := sort.Search(len(d.allocs), func(i int) bool { return d.allocs[i].base >= uintptr(p) })
-	if i == len(d.allocs) || d.allocs[i].base != uintptr(p) {
+	if i == len(d.allocs) || d.allocs[i].base != uintptr(p) || d.allocs[i].external {
 		return callErr("cuMemFree", ErrInvalidValue, "%#x is not the start of an allocation", uintptr(p))
 	}
 	d.used -= uint64(len(d.allocs[i].mem))

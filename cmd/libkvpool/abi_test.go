@@ -1,0 +1,108 @@
+package main
+
+import (
+	"context"
+	"io"
+	"log/slog"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/kvpool/kvpool/pkg/client"
+	"github.com/kvpool/kvpool/pkg/cudart"
+	"github.com/kvpool/kvpool/pkg/standalone"
+)
+
+// TestCProgram builds libkvpool.so (without -race: a c-shared library
+// cannot have it), compiles testdata/smoke.c against kvpool.h with -Wall
+// -Werror, and runs it against an in-process agent: the ABI as a C engine
+// sees it, every function of the header linked and called.
+func TestCProgram(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: builds the shared library")
+	}
+	cc, err := exec.LookPath("gcc")
+	if err != nil {
+		t.Skip("no gcc to compile the C program")
+	}
+	dir := t.TempDir()
+	lib := filepath.Join(dir, "libkvpool.so")
+	gobin, err := exec.LookPath("go")
+	if err != nil {
+		t.Skip("no go command to build the library")
+	}
+	build := exec.Command(gobin, "build", "-buildmode=c-shared", "-o", lib, ".")
+	build.Env = append(os.Environ(), "GOFLAGS=")
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("build: %v\n%s", err, out)
+	}
+	prog := filepath.Join(dir, "smoke")
+	for _, std := range []string{"-std=c11", "-std=c99"} {
+		cmd := exec.Command(cc, std, "-Wall", "-Wextra", "-Werror", "-I.", "-o", prog, "testdata/smoke.c", "-L"+dir, "-lkvpool", "-Wl,-rpath,"+dir)
+		if out, err := cmd.CombinedOutput(); err != nil {
+			t.Fatalf("compile smoke.c %s: %v\n%s", std, err, out)
+		}
+	}
+	// The header is C++ too.
+	if cxx, err := exec.LookPath("g++"); err == nil {
+		src := filepath.Join(dir, "h.cc")
+		os.WriteFile(src, []byte("#include \"kvpool.h\"\nint main() { kvpool_options o{}; o.struct_size = sizeof o; o.backend = \"sim\"; return kvpool_abi_version() == KVPOOL_ABI_VERSION ? 0 : 1; }\n"), 0o644)
+		cmd := exec.Command(cxx, "-Wall", "-Werror", "-I.", "-o", filepath.Join(dir, "hcc"), src, "-L"+dir, "-lkvpool", "-Wl,-rpath,"+dir)
+		if out, err := cmd.CombinedOutput(); err != nil {
+			t.Fatalf("compile as C++: %v\n%s", err, out)
+		}
+		if out, err := exec.Command(filepath.Join(dir, "hcc")).CombinedOutput(); err != nil {
+			t.Fatalf("C++ program: %v\n%s", err, out)
+		}
+	}
+
+	a, err := standalone.Start(standalone.Config{GPUs: 1, ChunksPerGPU: 1, ChunkBytes: 4 << 20, Tokens: []string{"c-abi"},
+		Socket: filepath.Join(dir, "kv.sock"), Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- a.Serve(ctx) }()
+	defer func() { cancel(); <-done; a.Close() }()
+	run := exec.Command(prog)
+	run.Env = append(os.Environ(), "KVPOOL_SOCKET="+a.Socket, "KVPOOL_TOKEN=c-abi")
+	out, err := run.CombinedOutput()
+	if err != nil || !strings.Contains(string(out), "C ABI: OK") {
+		t.Fatalf("smoke: %v\n%s", err, out)
+	}
+}
+
+func TestSpansOf(t *testing.T) {
+	// Regions that overlap (K and V interleaved in one tensor) register as
+	// one range; separate tensors as their own.
+	rs := []struct{ base, stride, page, pages uint64 }{{0x1000, 64, 32, 4}, {0x1020, 64, 32, 4}, {0x9000, 16, 16, 2}}
+	var regions []regionArg
+	for _, r := range rs {
+		regions = append(regions, regionArg(r))
+	}
+	got, err := spansOf(0, toRegions(regions))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []span{{0, 0x1000, 3*64 + 32 + 32}, {0, 0x9000, 32}}
+	if len(got) != len(want) || got[0] != want[0] || got[1] != want[1] {
+		t.Fatalf("spans %+v, want %+v", got, want)
+	}
+	if _, err := spansOf(0, toRegions([]regionArg{{0x1000, 8, 16, 2}})); err == nil {
+		t.Fatal("a stride below the page size was accepted")
+	}
+}
+
+// regionArg and toRegions let tests build regions without the C types.
+type regionArg struct{ base, stride, page, pages uint64 }
+
+func toRegions(rs []regionArg) []client.Region {
+	out := make([]client.Region, len(rs))
+	for i, r := range rs {
+		out[i] = client.Region{Base: cudart.DevicePtr(r.base), Stride: r.stride, BytesPerPage: r.page, Pages: int(r.pages)}
+	}
+	return out
+}

@@ -1,0 +1,659 @@
+// Command libkvpool is the C ABI of the kvpool client: build it with
+//
+//	go build -buildmode=c-shared -o libkvpool.so ./cmd/libkvpool
+//
+// and include kvpool.h. It is a thin layer over pkg/client: handles in
+// place of *client.CPUPagePool, C buffers in place of slices, status codes
+// in place of errors. The Python package (python/kvpool) loads it with
+// ctypes; C and C++ engines link it directly. docs/c-abi.md describes the
+// functions and what a host process must know (one Go runtime per process,
+// fork, signals, threads).
+package main
+
+/*
+#define KVPOOL_NO_PROTOTYPES
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include "kvpool.h"
+
+static inline void *kv_ptr(uint64_t a) { return (void *)(uintptr_t)a; }
+*/
+import "C"
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"strings"
+	"sync"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/kvpool/kvpool/pkg/client"
+	"github.com/kvpool/kvpool/pkg/cudart"
+	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/wire"
+)
+
+func main() {}
+
+// abiVersion is KVPOOL_ABI_VERSION of the kvpool.h this library implements.
+const abiVersion = 1
+
+// Status codes of kvpool.h.
+const (
+	statusOK               = 0
+	errInvalid             = -1
+	errBadHandle           = -2
+	errUnknownStream       = -3
+	errDuplicateStream     = -4
+	errPageCount           = -5
+	errOutOfRange          = -6
+	errDuplicateIndex      = -7
+	errBadName             = -8
+	errBadSize             = -9
+	errClosed              = -10
+	errDisconnected        = -11
+	errProtocol            = -12
+	errCUDA                = -13
+	errUnauthorized        = -14
+	errBusy                = -15
+	errNoCapacity          = -16
+	errBufferTooSmall      = -17
+	errOther               = -99
+	defaultOpenTimeout     = 30 * time.Second
+	defaultSimDevices      = 2
+	envLogLevel            = "KVPOOL_LOG_LEVEL"
+	defaultClientName      = "kvpool-c-abi"
+	maxPagesPerCall        = 1<<31 - 1
+	optionsSizeVersion1    = C.sizeof_kvpool_options
+	maxRegionsPerLayout    = 1 << 16
+	maxStringArgumentBytes = 1 << 20
+)
+
+// statusOf maps an error to its kvpool.h status.
+func statusOf(err error) C.int {
+	var ce *client.Error
+	if errors.As(err, &ce) {
+		switch ce.Status {
+		case wire.StatusUnknownStream:
+			return errUnknownStream
+		case wire.StatusDuplicateStream:
+			return errDuplicateStream
+		case wire.StatusPageCount:
+			return errPageCount
+		case wire.StatusOutOfRange:
+			return errOutOfRange
+		case wire.StatusDuplicateIndex:
+			return errDuplicateIndex
+		case wire.StatusBadName:
+			return errBadName
+		case wire.StatusBadSize:
+			return errBadSize
+		case wire.StatusClosed:
+			return errClosed
+		case wire.StatusUnauthorized:
+			return errUnauthorized
+		case wire.StatusBusy:
+			return errBusy
+		case wire.StatusNoCapacity:
+			return errNoCapacity
+		}
+		return errOther
+	}
+	var cu *cudart.Error
+	var op *net.OpError
+	switch {
+	case errors.Is(err, client.ErrDisconnected), errors.As(err, &op):
+		return errDisconnected
+	case errors.Is(err, client.ErrProtocol):
+		return errProtocol
+	case errors.Is(err, pool.ErrUnknownStream):
+		return errUnknownStream
+	case errors.As(err, &cu):
+		return errCUDA
+	}
+	return errOther
+}
+
+// Per-thread error messages, as errno: a failed call stores its message
+// under the OS thread that made it (an exported function runs on the
+// caller's thread), and kvpool_last_error reads it back on that thread.
+var lastErrors sync.Map // tid -> string
+
+func fail(code C.int, err error) C.int {
+	lastErrors.Store(unix.Gettid(), err.Error())
+	return code
+}
+
+func failErr(err error) C.int { return fail(statusOf(err), err) }
+
+func invalid(format string, args ...any) C.int {
+	return fail(errInvalid, fmt.Errorf("kvpool: "+format, args...))
+}
+
+//export kvpool_abi_version
+func kvpool_abi_version() C.int { return abiVersion }
+
+//export kvpool_last_error
+func kvpool_last_error(buf *C.char, capacity C.size_t) C.size_t {
+	v, ok := lastErrors.Load(unix.Gettid())
+	if !ok {
+		if buf != nil && capacity > 0 {
+			*buf = 0
+		}
+		return 0
+	}
+	msg := v.(string)
+	if buf != nil && capacity > 0 {
+		n := min(len(msg), int(capacity)-1)
+		dst := unsafe.Slice((*byte)(unsafe.Pointer(buf)), int(capacity))
+		copy(dst, msg[:n])
+		dst[n] = 0
+	}
+	return C.size_t(len(msg))
+}
+
+// handle is one open pool.
+type handle struct {
+	pool    *client.CPUPagePool
+	ordinal int
+	sim     *cudart.Sim // nil on the CUDA driver
+	dev     cudart.Device
+	spans   []span // simulated device memory this handle registered
+}
+
+var (
+	handlesMu sync.RWMutex
+	handles   = map[uint64]*handle{}
+	nextID    uint64
+)
+
+func lookup(h C.kvpool_handle) (*handle, C.int) {
+	handlesMu.RLock()
+	p := handles[uint64(h)]
+	handlesMu.RUnlock()
+	if p == nil {
+		return nil, fail(errBadHandle, fmt.Errorf("kvpool: %d is not an open handle", uint64(h)))
+	}
+	return p, statusOK
+}
+
+// Drivers are loaded once per process and shared by every handle: the
+// simulator's device memory and the CUDA primary context are per process.
+var (
+	driverMu   sync.Mutex
+	cudaDriver cudart.Driver
+	cudaErr    error
+	cudaTried  bool
+	simDriver  *cudart.Sim
+	simOpts    cudart.SimOptions
+)
+
+func logger() *slog.Logger {
+	level := slog.LevelWarn
+	switch strings.ToLower(os.Getenv(envLogLevel)) {
+	case "debug":
+		level = slog.LevelDebug
+	case "info":
+		level = slog.LevelInfo
+	case "error":
+		level = slog.LevelError
+	}
+	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
+}
+
+func loadDriver(backend string, so cudart.SimOptions) (cudart.Driver, *cudart.Sim, error) {
+	driverMu.Lock()
+	defer driverMu.Unlock()
+	sim := func() (cudart.Driver, *cudart.Sim, error) {
+		if simDriver == nil {
+			simDriver, simOpts = cudart.NewSim(so), so
+		} else if simOpts.Devices != so.Devices || simOpts.CopyDelay != so.CopyDelay {
+			return nil, nil, fmt.Errorf("kvpool: the simulator of this process runs with %d devices and a copy delay of %v; asked for %d and %v",
+				simOpts.Devices, simOpts.CopyDelay, so.Devices, so.CopyDelay)
+		}
+		return simDriver, simDriver, nil
+	}
+	switch backend {
+	case "", cudart.BackendAuto, cudart.BackendCUDA:
+	case cudart.BackendSim:
+		return sim()
+	default:
+		return nil, nil, fmt.Errorf("kvpool: unknown backend %q (want %q, %q or %q)", backend, cudart.BackendAuto, cudart.BackendCUDA, cudart.BackendSim)
+	}
+	if !cudaTried {
+		cudaTried = true
+		cudaDriver, _, cudaErr = cudart.Load(cudart.Options{Backend: cudart.BackendCUDA, Logger: logger()})
+	}
+	if cudaDriver != nil {
+		return cudaDriver, nil, nil
+	}
+	if backend == cudart.BackendCUDA {
+		return nil, nil, cudaErr
+	}
+	return sim()
+}
+
+func goString(p *C.char, n C.size_t, what string) (string, error) {
+	if n > maxStringArgumentBytes {
+		return "", fmt.Errorf("kvpool: %s of %d bytes", what, uint64(n))
+	}
+	if p == nil && n > 0 {
+		return "", fmt.Errorf("kvpool: %s is NULL with length %d", what, uint64(n))
+	}
+	return C.GoStringN(p, C.int(n)), nil
+}
+
+func cString(p *C.char) string {
+	if p == nil {
+		return ""
+	}
+	return C.GoString(p)
+}
+
+func int32s(p *C.int32_t, n C.int64_t, what string) ([]int32, error) {
+	if n < 0 || n > maxPagesPerCall {
+		return nil, fmt.Errorf("kvpool: %s: count %d", what, int64(n))
+	}
+	if n == 0 {
+		return []int32{}, nil
+	}
+	if p == nil {
+		return nil, fmt.Errorf("kvpool: %s is NULL with count %d", what, int64(n))
+	}
+	return unsafe.Slice((*int32)(unsafe.Pointer(p)), int(n)), nil
+}
+
+//export kvpool_open
+func kvpool_open(opts *C.kvpool_options, out *C.kvpool_handle) C.int {
+	if opts == nil || out == nil {
+		return invalid("open: NULL options or handle pointer")
+	}
+	if opts.struct_size != optionsSizeVersion1 {
+		return invalid("open: options struct_size %d, this library (ABI %d) has %d", uint32(opts.struct_size), abiVersion, optionsSizeVersion1)
+	}
+	if opts.n_regions <= 0 || opts.n_regions > maxRegionsPerLayout || opts.regions == nil {
+		return invalid("open: %d regions (NULL: %v)", int32(opts.n_regions), opts.regions == nil)
+	}
+	if opts.device < 0 {
+		return invalid("open: device %d", int32(opts.device))
+	}
+	if opts.max_pages < 0 || opts.max_pages > maxPagesPerCall {
+		return invalid("open: max_pages %d", int64(opts.max_pages))
+	}
+	if opts.timeout_ms < 0 || opts.sim_copy_delay_us < 0 || opts.sim_devices < 0 {
+		return invalid("open: negative timeout, simulator copy delay or simulator devices")
+	}
+	cregs := unsafe.Slice(opts.regions, int(opts.n_regions))
+	regions := make([]client.Region, len(cregs))
+	for i, r := range cregs {
+		if r.pages <= 0 || r.pages > maxPagesPerCall {
+			return invalid("open: region %d: %d pages", i, int64(r.pages))
+		}
+		regions[i] = client.Region{Base: cudart.DevicePtr(r.base), Stride: uint64(r.stride), BytesPerPage: uint64(r.page_bytes), Pages: int(r.pages)}
+	}
+	so := cudart.SimOptions{Devices: int(opts.sim_devices), CopyDelay: time.Duration(opts.sim_copy_delay_us) * time.Microsecond}
+	if so.Devices == 0 {
+		so.Devices = defaultSimDevices
+	}
+	drv, sim, err := loadDriver(cString(opts.backend), so)
+	if err != nil {
+		return failErr(err)
+	}
+	ordinal := int(opts.device)
+	dev, err := drv.Open(ordinal)
+	if err != nil {
+		return failErr(fmt.Errorf("kvpool: open device %d: %w", ordinal, err))
+	}
+	h := &handle{ordinal: ordinal, sim: sim, dev: dev}
+	if sim != nil {
+		// The caller's KV cache is host memory standing in for the device.
+		if err := h.registerSpans(regions); err != nil {
+			return failErr(err)
+		}
+	}
+	timeout := time.Duration(opts.timeout_ms) * time.Millisecond
+	if timeout == 0 {
+		timeout = defaultOpenTimeout
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	name := cString(opts.name)
+	if name == "" {
+		name = defaultClientName
+	}
+	p, err := client.Open(ctx, client.Options{
+		Socket:   cString(opts.socket),
+		Token:    cString(opts.token),
+		Device:   dev,
+		Regions:  regions,
+		MaxPages: int(opts.max_pages),
+		Order:    cudart.Stream(opts.order_stream),
+		Name:     name,
+		Logger:   logger(),
+	})
+	if err != nil {
+		h.unregisterSpans()
+		return failErr(err)
+	}
+	h.pool = p
+	handlesMu.Lock()
+	nextID++
+	id := nextID
+	handles[id] = h
+	handlesMu.Unlock()
+	*out = C.kvpool_handle(id)
+	return statusOK
+}
+
+//export kvpool_close
+func kvpool_close(hd C.kvpool_handle) C.int {
+	handlesMu.Lock()
+	h := handles[uint64(hd)]
+	delete(handles, uint64(hd))
+	handlesMu.Unlock()
+	if h == nil {
+		return fail(errBadHandle, fmt.Errorf("kvpool: %d is not an open handle", uint64(hd)))
+	}
+	err := h.pool.Close()
+	h.unregisterSpans()
+	if err != nil {
+		return failErr(err)
+	}
+	return statusOK
+}
+
+//export kvpool_offload
+func kvpool_offload(hd C.kvpool_handle, rid *C.char, ridLen C.size_t, label *C.char, labelLen C.size_t,
+	gpuPages *C.int32_t, n C.int64_t, storedLen, position, released C.int64_t) C.int {
+	h, st := lookup(hd)
+	if h == nil {
+		return st
+	}
+	r, err := goString(rid, ridLen, "rid")
+	if err != nil {
+		return fail(errInvalid, err)
+	}
+	l, err := goString(label, labelLen, "label")
+	if err != nil {
+		return fail(errInvalid, err)
+	}
+	pages, err := int32s(gpuPages, n, "gpu_pages")
+	if err != nil {
+		return fail(errInvalid, err)
+	}
+	var ok bool
+	do(func() {
+		ok, err = h.pool.OffloadStream(r, l, pages, int64(storedLen), int64(position), int64(released))
+	})
+	if err != nil {
+		return failErr(err)
+	}
+	if ok {
+		return 1
+	}
+	return 0
+}
+
+//export kvpool_reload
+func kvpool_reload(hd C.kvpool_handle, rid *C.char, ridLen C.size_t, label *C.char, labelLen C.size_t,
+	gpuPages *C.int32_t, n C.int64_t, hostPages *C.int32_t, capacity C.int64_t, meta *C.kvpool_stream_meta) C.int {
+	h, st := lookup(hd)
+	if h == nil {
+		return st
+	}
+	r, err := goString(rid, ridLen, "rid")
+	if err != nil {
+		return fail(errInvalid, err)
+	}
+	l, err := goString(label, labelLen, "label")
+	if err != nil {
+		return fail(errInvalid, err)
+	}
+	pages, err := int32s(gpuPages, n, "gpu_pages")
+	if err != nil {
+		return fail(errInvalid, err)
+	}
+	if meta == nil {
+		return invalid("reload: NULL meta")
+	}
+	if capacity < n {
+		return fail(errBufferTooSmall, fmt.Errorf("kvpool: reload: host page buffer holds %d, the stream needs %d", int64(capacity), int64(n)))
+	}
+	out, err := int32s(hostPages, capacity, "host_pages")
+	if err != nil {
+		return fail(errInvalid, err)
+	}
+	var s client.OffloadedStream
+	do(func() { s, err = h.pool.ReloadStream(r, l, pages) })
+	if len(s.CPUPageIndices) > len(out) {
+		// The agent's page count check makes this impossible.
+		return fail(errProtocol, fmt.Errorf("kvpool: reload: the agent returned %d host pages for %d device pages", len(s.CPUPageIndices), len(pages)))
+	}
+	copy(out, s.CPUPageIndices)
+	meta.stored_len, meta.position, meta.released = C.int64_t(s.StoredLen), C.int64_t(s.Position), C.int64_t(s.Released)
+	meta.num_pages = C.int64_t(len(s.CPUPageIndices))
+	if err != nil {
+		return failErr(err)
+	}
+	return statusOK
+}
+
+//export kvpool_discard
+func kvpool_discard(hd C.kvpool_handle, rid *C.char, ridLen C.size_t, label *C.char, labelLen C.size_t) C.int {
+	h, st := lookup(hd)
+	if h == nil {
+		return st
+	}
+	r, err := goString(rid, ridLen, "rid")
+	if err != nil {
+		return fail(errInvalid, err)
+	}
+	l, err := goString(label, labelLen, "label")
+	if err != nil {
+		return fail(errInvalid, err)
+	}
+	if do(func() { err = h.pool.Discard(r, l) }); err != nil {
+		return failErr(err)
+	}
+	return statusOK
+}
+
+//export kvpool_remove_request
+func kvpool_remove_request(hd C.kvpool_handle, rid *C.char, ridLen C.size_t) C.int {
+	h, st := lookup(hd)
+	if h == nil {
+		return st
+	}
+	r, err := goString(rid, ridLen, "rid")
+	if err != nil {
+		return fail(errInvalid, err)
+	}
+	if do(func() { err = h.pool.RemoveRequest(r) }); err != nil {
+		return failErr(err)
+	}
+	return statusOK
+}
+
+//export kvpool_is_offloaded
+func kvpool_is_offloaded(hd C.kvpool_handle, rid *C.char, ridLen C.size_t) C.int {
+	h, st := lookup(hd)
+	if h == nil {
+		return st
+	}
+	r, err := goString(rid, ridLen, "rid")
+	if err != nil {
+		return fail(errInvalid, err)
+	}
+	var ok bool
+	do(func() { ok, err = h.pool.IsOffloaded(r) })
+	if err != nil {
+		return failErr(err)
+	}
+	if ok {
+		return 1
+	}
+	return 0
+}
+
+//export kvpool_labels
+func kvpool_labels(hd C.kvpool_handle, rid *C.char, ridLen C.size_t, buf *C.char, capacity C.size_t,
+	ends *C.size_t, endsCap C.size_t, nLabels *C.size_t, nBytes *C.size_t) C.int {
+	h, st := lookup(hd)
+	if h == nil {
+		return st
+	}
+	r, err := goString(rid, ridLen, "rid")
+	if err != nil {
+		return fail(errInvalid, err)
+	}
+	if nLabels == nil || nBytes == nil {
+		return invalid("labels: NULL size pointers")
+	}
+	if (buf == nil && capacity > 0) || (ends == nil && endsCap > 0) {
+		return invalid("labels: NULL buffer with a capacity")
+	}
+	var labels []string
+	do(func() { labels, err = h.pool.Labels(r) })
+	if err != nil {
+		return failErr(err)
+	}
+	total := 0
+	for _, l := range labels {
+		total += len(l)
+	}
+	*nLabels, *nBytes = C.size_t(len(labels)), C.size_t(total)
+	if uint64(endsCap) < uint64(len(labels)) || uint64(capacity) < uint64(total) {
+		return fail(errBufferTooSmall, fmt.Errorf("kvpool: labels: need %d labels of %d bytes in all, buffers hold %d and %d",
+			len(labels), total, uint64(endsCap), uint64(capacity)))
+	}
+	if len(labels) == 0 {
+		return statusOK
+	}
+	dst := unsafe.Slice((*byte)(unsafe.Pointer(buf)), int(capacity))
+	endv := unsafe.Slice((*C.size_t)(unsafe.Pointer(ends)), int(endsCap))
+	off := 0
+	for i, l := range labels {
+		off += copy(dst[off:], l)
+		endv[i] = C.size_t(off)
+	}
+	return statusOK
+}
+
+//export kvpool_num_pages
+func kvpool_num_pages(hd C.kvpool_handle, rid *C.char, ridLen C.size_t, label *C.char, labelLen C.size_t, out *C.int64_t) C.int {
+	h, st := lookup(hd)
+	if h == nil {
+		return st
+	}
+	r, err := goString(rid, ridLen, "rid")
+	if err != nil {
+		return fail(errInvalid, err)
+	}
+	l, err := goString(label, labelLen, "label")
+	if err != nil {
+		return fail(errInvalid, err)
+	}
+	if out == nil {
+		return invalid("num_pages: NULL out")
+	}
+	var n int
+	do(func() { n, err = h.pool.NumPages(r, l) })
+	if err != nil {
+		return failErr(err)
+	}
+	*out = C.int64_t(n)
+	return statusOK
+}
+
+//export kvpool_num_free_pages
+func kvpool_num_free_pages(hd C.kvpool_handle, out *C.int64_t) C.int {
+	h, st := lookup(hd)
+	if h == nil {
+		return st
+	}
+	if out == nil {
+		return invalid("num_free_pages: NULL out")
+	}
+	var n int
+	var err error
+	do(func() { n, err = h.pool.NumFreePages() })
+	if err != nil {
+		return failErr(err)
+	}
+	*out = C.int64_t(n)
+	return statusOK
+}
+
+//export kvpool_sync
+func kvpool_sync(hd C.kvpool_handle, stream C.uint64_t) C.int {
+	h, st := lookup(hd)
+	if h == nil {
+		return st
+	}
+	var err error
+	if do(func() { err = h.pool.Sync(cudart.Stream(stream)) }); err != nil {
+		return failErr(err)
+	}
+	return statusOK
+}
+
+//export kvpool_synchronize
+func kvpool_synchronize(hd C.kvpool_handle) C.int {
+	h, st := lookup(hd)
+	if h == nil {
+		return st
+	}
+	var err error
+	if do(func() { err = h.pool.Synchronize() }); err != nil {
+		return failErr(err)
+	}
+	return statusOK
+}
+
+//export kvpool_stream_synchronize
+func kvpool_stream_synchronize(hd C.kvpool_handle, stream C.uint64_t) C.int {
+	h, st := lookup(hd)
+	if h == nil {
+		return st
+	}
+	if err := h.dev.StreamSynchronize(cudart.Stream(stream)); err != nil {
+		return failErr(err)
+	}
+	return statusOK
+}
+
+//export kvpool_info_get
+func kvpool_info_get(hd C.kvpool_handle, out *C.kvpool_info) C.int {
+	h, st := lookup(hd)
+	if h == nil {
+		return st
+	}
+	if out == nil {
+		return invalid("info: NULL out")
+	}
+	session, capacity, pageSize := h.pool.Session()
+	out.session, out.capacity, out.host_page_bytes = C.uint64_t(session), C.int64_t(capacity), C.uint64_t(pageSize)
+	out.device, out.simulated = C.int32_t(h.ordinal), 0
+	if h.sim != nil {
+		out.simulated = 1
+	}
+	return statusOK
+}
+
+//export kvpool_disconnect
+func kvpool_disconnect(hd C.kvpool_handle) C.int {
+	h, st := lookup(hd)
+	if h == nil {
+		return st
+	}
+	h.pool.Disconnect()
+	return statusOK
+}

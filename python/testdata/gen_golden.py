@@ -1,0 +1,115 @@
+"""Writes golden.json: layouts with the regions they must yield, and one
+scenario with every outcome and the SHA-256 of the device bytes it must
+leave. Computed here with plain numpy (no kvpool), read by the Python suite
+(tests/test_golden.py) and the Go suite (golden_test.go), each running the
+scenario against a real agent. Run: python3 python/testdata/gen_golden.py"""
+
+import hashlib
+import json
+import os
+
+import numpy as np
+
+
+def regions(shape, strides, itemsize, axis):
+    """The regions by the rule docs/python.md states, computed directly."""
+    lead = shape[:axis]
+    page_bytes = itemsize
+    for d in shape[axis + 1:]:
+        page_bytes *= d
+    out = []
+    for idx in np.ndindex(*lead) if lead else [()]:
+        off = sum(i * s for i, s in zip(idx, strides))
+        out.append({"offset": off, "stride": strides[axis], "page_bytes": page_bytes, "pages": shape[axis]})
+    return out
+
+
+def c_strides(shape, itemsize):
+    s, out = itemsize, []
+    for d in reversed(shape):
+        out.append(s)
+        s *= d
+    return list(reversed(out))
+
+
+LAYOUTS = []
+for name, shape, itemsize, axis, strides in [
+    ("layer_major_f16", [3, 8, 4, 16], 2, 1, None),
+    ("kv_split_u8", [2, 2, 16, 4, 8], 1, 2, None),
+    ("page_major_f32", [8, 3, 32], 4, 0, None),
+    ("padded_bf16", [2, 8, 32], 2, 1, [8 * 48 * 2, 48 * 2, 2]),  # a [:, :, :32] view of [2, 8, 48]
+]:
+    st = strides or c_strides(shape, itemsize)
+    span = sum((d - 1) * s for d, s in zip(shape, st)) + itemsize
+    LAYOUTS.append({"name": name, "shape": shape, "itemsize": itemsize, "page_axis": axis, "byte_strides": st,
+                    "buffer_bytes": span, "regions": regions(shape, st, itemsize, axis)})
+
+SCENARIO_LAYOUT = "kv_split_u8"
+OPS = [
+    {"op": "offload", "rid": "r1", "label": "k", "pages": [0, 1, 2], "stored_len": 30, "position": 31, "released": 0, "want": True},
+    {"op": "num_free_pages", "want": 5},
+    {"op": "offload", "rid": "r1", "label": "v", "pages": [5, 6], "stored_len": 20, "position": 21, "released": 1, "want": True},
+    {"op": "offload", "rid": "r2", "label": "k", "pages": [7, 8, 9, 10], "stored_len": 1, "position": 1, "released": 0, "want": False},
+    {"op": "num_free_pages", "want": 3},
+    {"op": "num_pages", "rid": "r2", "label": "k", "want": 0},
+    {"op": "num_pages", "rid": "r1", "label": "k", "want": 3},
+    {"op": "labels", "rid": "r1", "want": ["k", "v"]},
+    {"op": "is_offloaded", "rid": "r2", "want": False},
+    {"op": "offload", "rid": "r1", "label": "k", "pages": [3], "stored_len": 0, "position": 0, "released": 0, "error": "duplicate_stream"},
+    {"op": "offload", "rid": "r3", "label": "k", "pages": [16], "stored_len": 0, "position": 0, "released": 0, "error": "out_of_range"},
+    {"op": "reload", "rid": "r1", "label": "x", "pages": [4], "error": "unknown_stream"},
+    {"op": "reload", "rid": "r1", "label": "k", "pages": [4], "error": "page_count"},
+    {"op": "discard", "rid": "r1", "label": "v"},
+    {"op": "discard", "rid": "r1", "label": "v"},
+    {"op": "num_free_pages", "want": 5},
+    {"op": "synchronize"},
+    {"op": "poison", "pages": [0, 1, 2], "byte": 238},
+    {"op": "reload", "rid": "r1", "label": "k", "pages": [12, 13, 14], "want": {"stored_len": 30, "position": 31, "released": 0, "num_pages": 3}},
+    {"op": "reload", "rid": "r1", "label": "k", "pages": [12, 13, 14], "error": "unknown_stream"},
+    {"op": "offload", "rid": "r3", "label": "a", "pages": [], "stored_len": 0, "position": 0, "released": 0, "want": False},
+    {"op": "is_offloaded", "rid": "r3", "want": False},
+    {"op": "remove_request", "rid": "r1"},
+    {"op": "is_offloaded", "rid": "r1", "want": False},
+    {"op": "synchronize"},
+    {"op": "num_free_pages", "want": 8},
+]
+
+
+def fill(n):
+    i = np.arange(n, dtype=np.uint64)
+    return ((i * 7 + i // 251) & 0xFF).astype(np.uint8)
+
+
+def expected_digest():
+    lay = next(l for l in LAYOUTS if l["name"] == SCENARIO_LAYOUT)
+    buf = fill(lay["buffer_bytes"])
+    held = {}
+    for op in OPS:
+        if "error" in op:
+            continue
+        if op["op"] == "offload" and op["want"]:
+            held[(op["rid"], op["label"])] = [
+                [buf[r["offset"] + p * r["stride"]:][:r["page_bytes"]].copy() for r in lay["regions"]] for p in op["pages"]]
+        elif op["op"] in ("discard",):
+            held.pop((op["rid"], op["label"]), None)
+        elif op["op"] == "poison":
+            for p in op["pages"]:
+                for r in lay["regions"]:
+                    buf[r["offset"] + p * r["stride"]:][:r["page_bytes"]] = op["byte"]
+        elif op["op"] == "reload":
+            pages = held.pop((op["rid"], op["label"]))
+            for dst, saved in zip(op["pages"], pages):
+                for r, b in zip(lay["regions"], saved):
+                    buf[r["offset"] + dst * r["stride"]:][:r["page_bytes"]] = b
+    return hashlib.sha256(buf.tobytes()).hexdigest()
+
+
+doc = {
+    "comment": "Generated by gen_golden.py; read by python/tests/test_golden.py and python/golden_test.go. "
+               "Device buffer bytes start as (i*7 + i//251) & 255; regions' offsets are from its start.",
+    "layouts": LAYOUTS,
+    "scenario": {"layout": SCENARIO_LAYOUT, "max_pages": 8, "ops": OPS, "sha256": expected_digest()},
+}
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden.json"), "w") as f:
+    json.dump(doc, f, indent=1)
+    f.write("\n")
