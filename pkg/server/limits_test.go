@@ -59,10 +59,10 @@ func TestLimits(t *testing.T) {
 	})
 	t.Run("client name", func(t *testing.T) {
 		r := dial(t, a)
-		st, msg := r.do(wire.OpHello, 0, &wire.Hello{Version: 1, Client: strings.Repeat("x", 17)}, &wire.HelloReply{})
+		st, msg := r.do(wire.OpHello, 0, &wire.Hello{Version: wire.Version, Client: strings.Repeat("x", 17)}, &wire.HelloReply{})
 		wantLimit(t, st, msg, "client name of 17 bytes, at most 16")
 		// Refused, the connection may still say hello properly.
-		if st, msg := r.do(wire.OpHello, 0, &wire.Hello{Version: 1, Client: strings.Repeat("x", 16)}, &wire.HelloReply{}); st != 0 {
+		if st, msg := r.do(wire.OpHello, 0, &wire.Hello{Version: wire.Version, Client: strings.Repeat("x", 16)}, &wire.HelloReply{}); st != 0 {
 			t.Fatalf("hello with a 16-byte name: %s %s", st, msg)
 		}
 		if ref.count(server.RefusedClientName) != 1 {
@@ -144,7 +144,7 @@ func TestConnsPerPID(t *testing.T) {
 	r1.hello()
 	r2.hello()
 	r3 := dial(t, a)
-	st, msg := r3.do(wire.OpHello, 0, &wire.Hello{Version: 1}, &wire.HelloReply{})
+	st, msg := r3.do(wire.OpHello, 0, &wire.Hello{Version: wire.Version}, &wire.HelloReply{})
 	wantLimit(t, st, msg, "connections, the limit")
 	if _, _, _, ok := r3.recv(); ok {
 		t.Fatal("refused connection left open")
@@ -156,7 +156,7 @@ func TestConnsPerPID(t *testing.T) {
 	waitFor(t, func() bool {
 		r := dial(t, a)
 		r.seq++
-		pkt, _ := wire.AppendPacket(nil, wire.Header{Op: wire.OpHello, Seq: r.seq}, &wire.Hello{Version: 1})
+		pkt, _ := wire.AppendPacket(nil, wire.Header{Op: wire.OpHello, Seq: r.seq}, &wire.Hello{Version: wire.Version})
 		r.sendPacket(pkt, nil)
 		h, _, _, ok := r.recv()
 		r.c.Close()

@@ -144,18 +144,21 @@ func TestTenantBoundary(t *testing.T) {
 	})
 
 	// Row 7 (scale: names until the session's name budget, 1 MiB, then
-	// zero-page streams to the stream bound of 10,000; the was
+	// one-page streams to the stream bound of 10,000; the was
 	// 380,000 streams): each refused with status limit, nothing else
 	// affected.
 	row("row07-streams-and-names", func(t *testing.T) {
 		r := dialRaw(t, a)
-		_, files := r.open(evilToken, 1, "evil-instance-07", layout(64), 16)
+		// One host page a stream: an offload of zero pages records nothing
+		// (the seed's semantics), so each stream holds a 256-byte page.
+		small := []*wire.Region{{BytesPerPage: 256, PageCount: 64}}
+		_, files := r.open(evilToken, 1, "evil-instance-07", small, 0)
 		closeAll(files)
 		name := strings.Repeat("n", 1000)
 		var rep wire.OffloadReply
 		n := 0
 		for ; n < limNameBytes; n++ {
-			st, msg, _, _ := r.do(wire.OpOffload, &wire.Offload{Rid: fmt.Sprintf("%s-%d", name, n), Label: name}, &rep)
+			st, msg, _, _ := r.do(wire.OpOffload, &wire.Offload{Rid: fmt.Sprintf("%s-%d", name, n), Label: name, GpuPages: []int32{0}}, &rep)
 			if st == wire.StatusLimit {
 				if !strings.Contains(msg, "maxNameBytesPerSession") {
 					t.Fatalf("refusal %q does not name the bound", msg)
@@ -173,17 +176,17 @@ func TestTenantBoundary(t *testing.T) {
 			t.Fatalf("remove: %s %s", st, msg)
 		}
 		// Freed names make room again.
-		if st, msg, _, _ := r.do(wire.OpOffload, &wire.Offload{Rid: "x", Label: "y"}, &rep); st != 0 {
+		if st, msg, _, _ := r.do(wire.OpOffload, &wire.Offload{Rid: "x", Label: "y", GpuPages: []int32{0}}, &rep); st != 0 {
 			t.Fatalf("offload after a remove: %s %s", st, msg)
 		}
 		if st, _, _, _ := r.do(wire.OpClose, nil, nil); st != 0 {
 			t.Fatal(st)
 		}
 		r = dialRaw(t, a)
-		_, files = r.open(evilToken, 1, "evil-instance-07b", layout(64), 16)
+		_, files = r.open(evilToken, 1, "evil-instance-07b", small, 0)
 		closeAll(files)
 		for i := 0; ; i++ {
-			st, msg, _, _ := r.do(wire.OpOffload, &wire.Offload{Rid: "r", Label: fmt.Sprint(i)}, &rep)
+			st, msg, _, _ := r.do(wire.OpOffload, &wire.Offload{Rid: "r", Label: fmt.Sprint(i), GpuPages: []int32{0}}, &rep)
 			if st == wire.StatusLimit {
 				if i != limStreams {
 					t.Fatalf("stream limit after %d streams, want %d: %s", i, limStreams, msg)
@@ -224,8 +227,14 @@ func TestTenantBoundary(t *testing.T) {
 		if rep.Resumed {
 			t.Fatal("another process resumed the owner's session")
 		}
-		if st, _, _, _ := r.do(wire.OpNumPages, &wire.Stream{Rid: "secret", Label: "k"}, &wire.NumPagesReply{}); st != wire.StatusUnknownStream {
-			t.Fatalf("the owner's stream is visible to another process: %s", st)
+		// num_pages of an unknown stream is 0 (the seed's semantics).
+		var np wire.NumPagesReply
+		if st, msg, _, _ := r.do(wire.OpNumPages, &wire.Stream{Rid: "secret", Label: "k"}, &np); st != wire.StatusOK || np.Pages != 0 {
+			t.Fatalf("the owner's stream is visible to another process: %s %q, %d pages", st, msg, np.Pages)
+		}
+		var off wire.IsOffloadedReply
+		if st, _, _, _ := r.do(wire.OpIsOffloaded, &wire.Request{Rid: "secret"}, &off); st != wire.StatusOK || off.Offloaded {
+			t.Fatalf("the owner's request is visible to another process: %s offloaded=%v", st, off.Offloaded)
 		}
 		r.do(wire.OpClose, nil, nil)
 		for _, id := range []string{inst, hex.EncodeToString([]byte(inst))} {
@@ -276,7 +285,7 @@ func TestTenantBoundary(t *testing.T) {
 		r := dialRaw(t, a)
 		r.hello()
 		for i := range 500 {
-			st, _, _, _ := r.do(wire.OpOpen, &wire.Open{Token: fmt.Sprintf("guess-%d", i), InstanceId: []byte("guessing-instance"), Regions: layout(64)}, nil)
+			st, _, _, _ := r.do(wire.OpOpen, &wire.Open{Token: fmt.Sprintf("guess-%d", i), GpuUuid: cudart.SimulatedUUID(0), InstanceId: []byte("guessing-instance"), Regions: layout(64)}, nil)
 			if st != wire.StatusUnauthorized {
 				t.Fatalf("bad token %d: %s", i, st)
 			}

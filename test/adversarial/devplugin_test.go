@@ -43,7 +43,7 @@ func startClusterAgent(t *testing.T, extra ...string) *clusterAgent {
 	c := &clusterAgent{kubelet: kubelettest.NewKubelet(t, filepath.Join(kdir, "device-plugins")),
 		pods: kubelettest.NewPodResources(t, filepath.Join(kdir, "pod-resources", "kubelet.sock")), chunks: map[int][]string{}}
 	sock := filepath.Join(root, "sock")
-	args := append([]string{"--simulate-gpus", "2", "--log-format", "json", "--kubelet-dir", kdir, "--socket-dir", sock,
+	args := append([]string{"--simulate-gpus", "2", "--token-binding", "none", "--log-format", "json", "--kubelet-dir", kdir, "--socket-dir", sock,
 		"--state-dir", filepath.Join(root, "state"), "--pool-bytes", "256Mi", "--chunk-bytes", "32Mi",
 		"--reserve-bytes", "64Mi", "--huge-pages", "never", "--metrics-address", "127.0.0.1:0",
 		"--health-address", "127.0.0.1:0", "--reclaim-interval", "100ms", "--reclaim-grace-period", "200ms"}, extra...)
