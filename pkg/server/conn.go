@@ -88,6 +88,7 @@ type conn struct {
 	stream  wire.Stream
 	request wire.Request
 	errBody wire.Error
+	jop     SessionOp
 }
 
 func (s *Server) newConn(uc *net.UnixConn) *conn {
@@ -104,7 +105,9 @@ func (s *Server) newConn(uc *net.UnixConn) *conn {
 // reply is an operation's outcome: a body for StatusOK, or a status and an
 // error for the Error body.
 type reply struct {
-	pages  int  // host pages moved, for Hooks.Request
+	raw    []byte // a kept answer sent again: the body of a StatusOK reply
+	change bool   // the op changed the session (journal it)
+	pages  int    // host pages moved, for Hooks.Request
 	full   bool // offload refused: pool full
 	st     wire.Status
 	body   proto.Message
@@ -143,8 +146,18 @@ func (c *conn) serve() {
 			r = fail(wire.StatusUnknownOp, fmt.Errorf("unknown op %d (protocol version %d)", uint8(h.Op), wire.Version))
 		case !c.hello && h.Op != wire.OpHello:
 			r = fail(wire.StatusVersion, fmt.Errorf("%s before hello; the first request must be hello", h.Op))
+		case h.Op == wire.OpHello && c.s.notReady.Load():
+			r = fail(wire.StatusUnavailable, errors.New("the agent is restoring its books after a restart; retry"))
 		default:
+			e := c.e
 			r = c.handle(h, body)
+			if e != nil && c.s.o.Journal != nil {
+				if err := c.journal(e, h, r); err != nil {
+					c.log.Error("closing connection: the books cannot record a change", "op", h.Op, "err", err)
+					c.send(h, fail(wire.StatusInternal, fmt.Errorf("the agent cannot record this change: %w", err)))
+					return
+				}
+			}
 		}
 		if err := c.send(h, r); err != nil {
 			c.log.Warn("closing connection: send reply", "op", h.Op, "err", err)
@@ -165,6 +178,19 @@ func (c *conn) serve() {
 }
 
 func (c *conn) send(h wire.Header, r reply) error {
+	if r.raw != nil {
+		c.out = append(wire.AppendHeader(c.out[:0], wire.Header{Op: h.Op, Seq: h.Seq}), r.raw...)
+		return c.wc.Send(c.out, nil)
+	}
+	var err error
+	if c.out, err = c.encode(h, r); err != nil {
+		return err
+	}
+	return c.wc.Send(c.out, r.fds)
+}
+
+// encode builds the reply packet in c.out.
+func (c *conn) encode(h wire.Header, r reply) ([]byte, error) {
 	body := r.body
 	if r.st != wire.StatusOK {
 		c.errBody.Reset()
@@ -179,11 +205,65 @@ func (c *conn) send(h wire.Header, r reply) error {
 		c.errBody.Reset()
 		c.errBody.Message = err.Error()
 		c.out, err = wire.AppendPacket(c.out[:0], wire.Header{Op: h.Op, Status: wire.StatusInternal, Seq: h.Seq}, &c.errBody)
+	}
+	return c.out, err
+}
+
+// journal records what request h did to session e, with its answer,
+// before the answer is sent. A request that changed nothing but carried a
+// new fence is recorded as the fence alone.
+func (c *conn) journal(e *entry, h wire.Header, r reply) error {
+	change := r.change && r.st == wire.StatusOK && r.raw == nil
+	if !change && (h.Fence == 0 || h.Fence <= e.fenced) {
+		return nil
+	}
+	op := &c.jop
+	*op = SessionOp{Session: e.id, Seq: h.Seq, Fence: h.Fence}
+	if change {
+		out, err := c.encode(h, r)
 		if err != nil {
 			return err
 		}
+		c.out = out
+		op.Op, op.Status, op.Reply = h.Op, r.st, out[wire.HeaderSize:]
+		switch h.Op {
+		case wire.OpOffload:
+			m := &c.offload
+			op.Rid, op.Label, op.Pages = m.Rid, m.Label, c.offRep.HostPages
+			op.Meta = pool.Meta{StoredLen: m.StoredLen, Position: m.Position, Released: m.Released}
+		case wire.OpReload:
+			op.Rid, op.Label, op.Pages, op.Ticket = c.reload.Rid, c.reload.Label, c.relRep.HostPages, c.relRep.Ticket
+		case wire.OpDiscard:
+			op.Rid, op.Label = c.stream.Rid, c.stream.Label
+		case wire.OpRemoveRequest:
+			op.Rid = c.request.Rid
+		}
 	}
-	return c.wc.Send(c.out, r.fds)
+	if err := c.s.o.Journal.Session(*op); err != nil {
+		return err
+	}
+	if h.Fence > e.fenced {
+		e.fenced = h.Fence
+	}
+	if change && replayable(h.Op) {
+		e.last.mu.Lock()
+		e.last.Seq, e.last.Op, e.last.Status = h.Seq, h.Op, r.st
+		e.last.Body = append(e.last.Body[:0], op.Reply...)
+		e.last.mu.Unlock()
+	}
+	return nil
+}
+
+// cached returns the kept answer when seq and op are those of the
+// session's last changing request: the client resends a request whose
+// answer it never got (the agent restarted in between).
+func (e *entry) cached(seq uint32, op wire.Op) ([]byte, bool) {
+	e.last.mu.Lock()
+	defer e.last.mu.Unlock()
+	if e.last.Op == 0 || e.last.Seq != seq || e.last.Op != op {
+		return nil, false
+	}
+	return append([]byte{}, e.last.Body...), true
 }
 
 func closeFiles(fs []*os.File) {
@@ -230,6 +310,11 @@ func (c *conn) handle(h wire.Header, body []byte) reply {
 			return errReply(err)
 		}
 	}
+	if replayable(h.Op) {
+		if body, ok := c.e.cached(h.Seq, h.Op); ok {
+			return reply{raw: body}
+		}
+	}
 	switch h.Op {
 	case wire.OpOffload:
 		m := &c.offload
@@ -248,7 +333,7 @@ func (c *conn) handle(h wire.Header, body []byte) reply {
 		if err != nil {
 			return errReply(err)
 		}
-		return reply{body: rep, pages: len(rep.HostPages)}
+		return reply{body: rep, pages: len(rep.HostPages), change: true}
 	case wire.OpReload:
 		m := &c.reload
 		if err := wire.DecodeBody(body, m); err != nil {
@@ -262,7 +347,7 @@ func (c *conn) handle(h wire.Header, body []byte) reply {
 		rep := &c.relRep
 		rep.HostPages, rep.StoredLen, rep.Position, rep.Released, rep.Ticket =
 			rl.Pages, rl.Meta.StoredLen, rl.Meta.Position, rl.Meta.Released, rl.Ticket
-		return reply{body: rep, pages: len(rl.Pages)}
+		return reply{body: rep, pages: len(rl.Pages), change: true}
 	case wire.OpDiscard:
 		m := &c.stream
 		if err := wire.DecodeBody(body, m); err != nil {
@@ -271,7 +356,7 @@ func (c *conn) handle(h wire.Header, body []byte) reply {
 		if err := ps.Discard(m.Rid, m.Label); err != nil {
 			return errReply(err)
 		}
-		return reply{}
+		return reply{change: true}
 	case wire.OpNumPages:
 		m := &c.stream
 		if err := wire.DecodeBody(body, m); err != nil {
@@ -293,7 +378,7 @@ func (c *conn) handle(h wire.Header, body []byte) reply {
 			if err != nil {
 				return errReply(err)
 			}
-			return reply{body: &wire.RemoveRequestReply{Removed: uint32(n)}}
+			return reply{body: &wire.RemoveRequestReply{Removed: uint32(n)}, change: n > 0}
 		case wire.OpIsOffloaded:
 			if ps.Closed() {
 				return errReply(pool.ErrClosed)
@@ -319,6 +404,7 @@ func (c *conn) handle(h wire.Header, body []byte) reply {
 				Pending: uint32(u.Pending), Streams: uint32(u.Streams), Requests: uint32(u.Requests), Free: uint32(u.Free())}}
 		case wire.OpClose:
 			c.closeSession()
+			return reply{change: true}
 		}
 		return reply{}
 	}
@@ -360,6 +446,9 @@ func (c *conn) handleOpen(body []byte) reply {
 		return fail(wire.StatusBadSize, fmt.Errorf("open: layout: %w", err))
 	}
 	alloc, err := c.s.o.Authorize(m.Token)
+	if errors.Is(err, pool.ErrNotReady) {
+		return fail(wire.StatusUnavailable, fmt.Errorf("open: %w", err))
+	}
 	if err != nil {
 		return fail(wire.StatusUnauthorized, fmt.Errorf("open: token: %w", err))
 	}
@@ -431,8 +520,21 @@ func (s *Server) attach(c *conn, k key, inst string, lay layout) (*entry, Sessio
 		r.err = fmt.Errorf("open: %w", err)
 		return nil, "", r
 	}
-	s.nextID++
-	e = &entry{id: s.nextID, key: k, instance: inst, ps: ps, layout: lay, opened: time.Now(), conn: c, peer: c.peer}
+	e = &entry{id: ps.ID(), key: k, instance: inst, ps: ps, layout: lay, opened: time.Now(), conn: c, peer: c.peer}
+	if j := s.o.Journal; j != nil {
+		info := &OpenInfo{Allocation: k.alloc, Instance: inst, Layout: lay.export(), Image: pool.SessionImage{
+			ID: ps.ID(), Allocation: k.alloc, Spec: ps.Spec(), PPC: ps.PagesPerChunk(), Capacity: ps.Capacity()}}
+		if replaced != nil {
+			info.Replaces = replaced.ID
+		}
+		for _, ch := range ps.Chunks() {
+			info.Image.Chunks = append(info.Image.Chunks, ch.ID)
+		}
+		if err := j.Session(SessionOp{Session: ps.ID(), Op: wire.OpOpen, Open: info}); err != nil {
+			s.o.Pool.Close(ps)
+			return nil, "", fail(wire.StatusInternal, fmt.Errorf("open: the agent cannot record the session: %w", err))
+		}
+	}
 	s.sessions[k] = e
 	c.e = e
 	return e, SessionOpened, reply{}
@@ -521,4 +623,5 @@ var statusMap = []struct {
 	{pool.ErrClosed, wire.StatusClosed},
 	{pool.ErrNoCapacity, wire.StatusNoCapacity},
 	{pool.ErrUnknownAllocation, wire.StatusUnauthorized},
+	{pool.ErrNotReady, wire.StatusUnavailable},
 }

@@ -100,6 +100,9 @@ type Options struct {
 	// MaxConns bounds concurrent connections (default 1024); a connection
 	// over the limit is closed at once, and the others go on.
 	MaxConns int
+	// Journal, when set, records every session change before its answer
+	// is sent (pkg/books), so that sessions survive an agent restart.
+	Journal Journal
 }
 
 // Server serves the copy API. Create it with New.
@@ -111,7 +114,7 @@ type Server struct {
 	sessions map[key]*entry
 	conns    map[*conn]struct{}
 	closing  bool // Serve is shutting down
-	nextID   uint64
+	notReady atomic.Bool
 
 	wg sync.WaitGroup
 }
@@ -132,6 +135,8 @@ type entry struct {
 	conn     *conn // nil while disconnected; guarded by Server.mu
 	peer     Peer
 	lastSeen time.Time
+	last     lastReply // the answer to the last changing request
+	fenced   uint64    // the highest fence journaled; guarded by the connection serving it
 }
 
 // Peer is the credentials of a connected client (SO_PEERCRED).

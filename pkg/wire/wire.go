@@ -88,6 +88,10 @@ const (
 	StatusNoCapacity      Status = 17 // the allocation cannot hold the session
 	StatusUnexpectedFDs   Status = 18 // a request carried file descriptors
 	StatusInternal        Status = 19
+	// StatusUnavailable: the agent is starting or restoring its books
+	// after a restart; nothing was done; retry the same request shortly.
+	// Distinct from StatusUnauthorized, which means the allocation is gone.
+	StatusUnavailable Status = 28
 )
 
 var statusNames = [...]string{
@@ -98,6 +102,9 @@ var statusNames = [...]string{
 }
 
 func (s Status) String() string {
+	if s == StatusUnavailable {
+		return "unavailable, retry"
+	}
 	if int(s) < len(statusNames) {
 		return statusNames[s]
 	}
