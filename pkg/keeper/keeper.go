@@ -63,12 +63,12 @@ type Item struct {
 
 // Stat is what the keeper holds.
 type Stat struct {
-	Chunks     int   `json:"chunks"`
-	Bytes      int64 `json:"bytes"`
-	Books      bool  `json:"books"`
-	BooksBytes int64 `json:"booksBytes"`
+	Chunks     int    `json:"chunks"`
+	Bytes      int64  `json:"bytes"`
+	Books      bool   `json:"books"`
+	BooksBytes int64  `json:"booksBytes"`
 	BooksGen   uint64 `json:"booksGen"`
-	Agent      bool  `json:"agent"` // an agent is connected
+	Agent      bool   `json:"agent"` // an agent is connected
 }
 
 type message struct {

@@ -121,7 +121,7 @@ func TestRestoreRefusesBrokenImages(t *testing.T) {
 		return q.Export()
 	}
 	cases := []struct {
-		name  string
+		name   string
 		break_ func(*Image)
 	}{
 		{"duplicate chunk", func(m *Image) { m.Chunks = append(m.Chunks, m.Chunks[0]) }},

@@ -61,11 +61,11 @@ type Spec struct {
 
 // Pool tracks chunks, allocations and sessions.
 type Pool struct {
-	mu     sync.Mutex
-	chunks map[string]*chunk
-	order  []*chunk // in AddChunk order, for stable listings
-	allocs map[string]*allocation
-	lastID uint64  // the last session ID handed out
+	mu      sync.Mutex
+	chunks  map[string]*chunk
+	order   []*chunk // in AddChunk order, for stable listings
+	allocs  map[string]*allocation
+	lastID  uint64  // the last session ID handed out
 	journal Journal // nil: no books
 }
 

@@ -108,7 +108,7 @@ type reply struct {
 	raw    []byte // a kept answer sent again: the body of a StatusOK reply
 	change bool   // the op changed the session (journal it)
 	pages  int    // host pages moved, for Hooks.Request
-	full   bool // offload refused: pool full
+	full   bool   // offload refused: pool full
 	st     wire.Status
 	body   proto.Message
 	err    error
