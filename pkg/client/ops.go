@@ -1,7 +1,6 @@
 package client
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"unsafe"
@@ -21,11 +20,6 @@ func hostmemUnmap(b []byte) { unix.Munmap(b) }
 func (p *CPUPagePool) begin() error {
 	if p.closed {
 		return errors.New("kvpool: pool is closed")
-	}
-	if p.wc == nil {
-		if err := p.connect(context.Background()); err != nil {
-			return fmt.Errorf("kvpool: reconnect: %w", err)
-		}
 	}
 	p.pollFences()
 	return nil
@@ -94,13 +88,18 @@ func (p *CPUPagePool) OffloadStream(rid, label string, gpuPages []int32, storedL
 	m.Rid, m.Label, m.GpuPages, m.StoredLen, m.Position, m.Released = rid, label, gpuPages, storedLen, position, released
 	defer func() { m.GpuPages = nil }()
 	for try := 0; ; try++ {
-		_, err := p.roundTrip(wire.OpOffload, p.fence(), m, &p.offRep)
+		_, err := p.call(wire.OpOffload, m, &p.offRep)
 		var e *Error
 		if errors.As(err, &e) && e.Status == wire.StatusPending && try <= len(p.pending) {
 			if werr := p.waitTicket(e.Ticket); werr != nil {
 				return false, fmt.Errorf("kvpool offload %q/%q: wait for reload %d: %w", rid, label, e.Ticket, werr)
 			}
 			continue
+		}
+		if errors.Is(err, ErrUnavailable) {
+			// Fail safe: the engine keeps its device pages.
+			p.log.Warn("kvpool: offload refused: the agent is unavailable", "rid", rid, "label", label, "err", err)
+			return false, nil
 		}
 		if err != nil {
 			return false, err
@@ -112,7 +111,7 @@ func (p *CPUPagePool) OffloadStream(rid, label string, gpuPages []int32, storedL
 	}
 	if _, err := p.enqueue(cudart.DeviceToHost, gpuPages, p.offRep.HostPages); err != nil {
 		// Nothing was copied: give the pages back so the call changes nothing.
-		if _, derr := p.roundTrip(wire.OpDiscard, p.fence(), &wire.Stream{Rid: rid, Label: label}, nil); derr != nil {
+		if _, derr := p.call(wire.OpDiscard, &wire.Stream{Rid: rid, Label: label}, nil); derr != nil {
 			err = errors.Join(err, derr)
 		}
 		return false, fmt.Errorf("kvpool offload %q/%q: %w", rid, label, err)
@@ -132,7 +131,7 @@ func (p *CPUPagePool) ReloadStream(rid, label string, gpuPages []int32) (Offload
 	m := &p.relReq
 	m.Rid, m.Label, m.GpuPages = rid, label, gpuPages
 	defer func() { m.GpuPages = nil }()
-	if _, err := p.roundTrip(wire.OpReload, p.fence(), m, &p.relRep); err != nil {
+	if _, err := p.call(wire.OpReload, m, &p.relRep); err != nil {
 		return OffloadedStream{}, err
 	}
 	r := &p.relRep
@@ -204,7 +203,7 @@ func (p *CPUPagePool) Discard(rid, label string) error {
 	if err := p.begin(); err != nil {
 		return err
 	}
-	_, err := p.roundTrip(wire.OpDiscard, p.fence(), &wire.Stream{Rid: rid, Label: label}, nil)
+	_, err := p.call(wire.OpDiscard, &wire.Stream{Rid: rid, Label: label}, nil)
 	return err
 }
 
@@ -217,7 +216,7 @@ func (p *CPUPagePool) RemoveRequest(rid string) error {
 		return err
 	}
 	var rep wire.RemoveRequestReply
-	_, err := p.roundTrip(wire.OpRemoveRequest, p.fence(), &wire.Request{Rid: rid}, &rep)
+	_, err := p.call(wire.OpRemoveRequest, &wire.Request{Rid: rid}, &rep)
 	return err
 }
 
@@ -229,7 +228,7 @@ func (p *CPUPagePool) IsOffloaded(rid string) (bool, error) {
 		return false, err
 	}
 	var rep wire.IsOffloadedReply
-	_, err := p.roundTrip(wire.OpIsOffloaded, p.fence(), &wire.Request{Rid: rid}, &rep)
+	_, err := p.call(wire.OpIsOffloaded, &wire.Request{Rid: rid}, &rep)
 	return rep.Offloaded, err
 }
 
@@ -241,7 +240,7 @@ func (p *CPUPagePool) Labels(rid string) ([]string, error) {
 		return nil, err
 	}
 	var rep wire.LabelsReply
-	_, err := p.roundTrip(wire.OpLabels, p.fence(), &wire.Request{Rid: rid}, &rep)
+	_, err := p.call(wire.OpLabels, &wire.Request{Rid: rid}, &rep)
 	return rep.Labels, err
 }
 
@@ -253,7 +252,7 @@ func (p *CPUPagePool) NumPages(rid, label string) (int, error) {
 		return 0, err
 	}
 	var rep wire.NumPagesReply
-	_, err := p.roundTrip(wire.OpNumPages, p.fence(), &wire.Stream{Rid: rid, Label: label}, &rep)
+	_, err := p.call(wire.OpNumPages, &wire.Stream{Rid: rid, Label: label}, &rep)
 	return int(rep.Pages), err
 }
 
@@ -270,7 +269,7 @@ func (p *CPUPagePool) Usage() (Usage, error) {
 		return Usage{}, err
 	}
 	var r wire.UsageReply
-	if _, err := p.roundTrip(wire.OpUsage, p.fence(), nil, &r); err != nil {
+	if _, err := p.call(wire.OpUsage, nil, &r); err != nil {
 		return Usage{}, err
 	}
 	return Usage{Capacity: int(r.Capacity), Used: int(r.Used), Pending: int(r.Pending), Streams: int(r.Streams),
@@ -307,7 +306,7 @@ func (p *CPUPagePool) Synchronize() error {
 	}
 	p.pollFences()
 	if f := p.fence(); f != 0 && p.wc != nil {
-		if _, err := p.roundTrip(wire.OpFence, f, nil, nil); err != nil {
+		if _, err := p.call(wire.OpFence, nil, nil); err != nil {
 			return err
 		}
 	}
