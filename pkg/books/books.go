@@ -13,6 +13,7 @@
 //	12    4  reserved, zero
 //	16    8  generation: each compaction writes a new memfd of the next
 //	24    8  capacity of the log in bytes
+//	32    8  last sign of life of the writer (Unix nanoseconds)
 //	4096 ... records, each 4-byte aligned:
 //	         u32 payload length, u32 CRC-32C of the payload, payload,
 //	         zero padding to 4 bytes, u32 commit word (written last)
@@ -33,6 +34,7 @@ import (
 	"os"
 	"sync"
 	"sync/atomic"
+	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -65,24 +67,40 @@ type Store interface {
 	PutBooks(gen uint64, f *os.File) error
 }
 
-// Load replays the books in f and returns the state and the generation.
+// Info describes loaded books.
+type Info struct {
+	Gen       uint64
+	LastAlive time.Time // the last sign of life of the agent that wrote them
+}
+
+// Load replays the books in f and returns the state, the generation and
+// the last sign of life of their writer.
 // Records after the first one without its commit word are ignored (their
 // writer died before committing them). A file of another format version
 // is refused with ErrIncompatible.
-func Load(f *os.File) (*State, uint64, error) {
+func Load(f *os.File) (*State, Info, error) {
+	var info Info
 	var st unix.Stat_t
 	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
-		return nil, 0, fmt.Errorf("books: fstat: %w", err)
+		return nil, info, fmt.Errorf("books: fstat: %w", err)
 	}
 	if st.Size < headerSize {
-		return nil, 0, fmt.Errorf("books: %d bytes, shorter than the header", st.Size)
+		return nil, info, fmt.Errorf("%w: %d bytes, shorter than the header", ErrCorrupt, st.Size)
 	}
 	mem, err := unix.Mmap(int(f.Fd()), 0, int(st.Size), unix.PROT_READ, unix.MAP_SHARED)
 	if err != nil {
-		return nil, 0, fmt.Errorf("books: map: %w", err)
+		return nil, info, fmt.Errorf("books: map: %w", err)
 	}
 	defer unix.Munmap(mem)
-	return replay(mem)
+	state, gen, err := replay(mem)
+	if err != nil {
+		return nil, info, err
+	}
+	info.Gen = gen
+	if ns := int64(binary.LittleEndian.Uint64(mem[32:])); ns > 0 {
+		info.LastAlive = time.Unix(0, ns)
+	}
+	return state, info, nil
 }
 
 // replay reads books from mem.
@@ -202,6 +220,7 @@ func (b *Books) compactLocked(extra int) error {
 		b.f.Close()
 	}
 	b.f, b.mem, b.gen, b.off, b.end = f, mem, b.gen+1, off, headerSize+capacity
+	b.touchLocked()
 	b.compactions.Add(1)
 	return nil
 }
@@ -241,7 +260,22 @@ func (b *Books) appendLocked() error {
 	}
 	b.off = writeRecord(b.mem, b.off, rec)
 	b.records.Add(1)
+	b.touchLocked()
 	return nil
+}
+
+func (b *Books) touchLocked() {
+	if b.mem != nil {
+		atomic.StoreInt64((*int64)(unsafe.Pointer(&b.mem[32])), time.Now().UnixNano())
+	}
+}
+
+// Touch records a sign of life, so that the next agent can tell how long
+// the pool went unserved. Call it periodically.
+func (b *Books) Touch() {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.touchLocked()
 }
 
 // Record implements pool.Journal.

@@ -218,8 +218,9 @@ func appendSnapshot(e enc, st *State) enc {
 	e = append(e, recSnapshot).u(st.lastSession)
 	e = e.u(uint64(len(st.chunks)))
 	for _, c := range st.chunks {
+		g := st.gens[c.ID]
 		e = e.str(c.ID).i(int64(c.GPU)).i(int64(c.NUMA)).i(c.Size)
-		e = append(e, byte(c.State)).u(c.Gen).i(int64(c.Seals))
+		e = append(e, byte(c.State)).u(g.gen).i(int64(g.seals))
 	}
 	ids := sortedKeys(st.allocs)
 	e = e.u(uint64(len(ids)))
@@ -253,10 +254,12 @@ func (d *dec) snapshot() *State {
 	for range d.n() {
 		c := &Chunk{}
 		c.Chunk = pool.Chunk{ID: d.str(), GPU: d.int(), NUMA: d.int(), Size: d.i()}
-		c.State, c.Gen, c.Seals = pool.ChunkState(d.byte()), d.u(), d.int()
+		c.State = pool.ChunkState(d.byte())
+		g := gen{gen: d.u(), seals: d.int()}
 		if d.err != nil {
 			return nil
 		}
+		st.gens[c.ID] = g
 		if _, dup := st.byID[c.ID]; dup {
 			d.fail("chunk listed twice")
 			return nil

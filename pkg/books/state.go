@@ -19,13 +19,22 @@ type State struct {
 	allocs      map[string][]string
 	sessions    map[uint64]*Session
 	lastSession uint64
+	// gens: the memfd generation and seals of each chunk, recorded before
+	// the chunk joins the pool (so a chunk the pool never saw has one too).
+	gens map[string]gen
 	// Skipped counts records that named something already gone (a session
 	// op recorded after a revoke that closed the session, say).
 	Skipped int
 }
 
+type gen struct {
+	gen   uint64
+	seals int
+}
+
 // Chunk is one chunk of the books: where it stands in the pool and which
-// memfd (generation, seals) holds it.
+// memfd (generation, seals) holds it. (Gen and Seals are filled in by
+// Chunks and Chunk.)
 type Chunk struct {
 	pool.ChunkImage
 	Gen   uint64
@@ -51,16 +60,21 @@ type stream struct {
 
 // NewState returns empty books.
 func NewState() *State {
-	return &State{byID: map[string]*Chunk{}, allocs: map[string][]string{}, sessions: map[uint64]*Session{}}
+	return &State{byID: map[string]*Chunk{}, allocs: map[string][]string{}, sessions: map[uint64]*Session{}, gens: map[string]gen{}}
 }
 
 // Chunks lists the chunks in the order they were added.
 func (st *State) Chunks() []Chunk {
 	out := make([]Chunk, len(st.chunks))
 	for i, c := range st.chunks {
-		out[i] = *c
+		out[i] = st.chunk(c)
 	}
 	return out
+}
+
+func (st *State) chunk(c *Chunk) Chunk {
+	g := st.gens[c.ID]
+	return Chunk{ChunkImage: c.ChunkImage, Gen: g.gen, Seals: g.seals}
 }
 
 // Chunk returns the chunk id.
@@ -69,7 +83,7 @@ func (st *State) Chunk(id string) (Chunk, bool) {
 	if !ok {
 		return Chunk{}, false
 	}
-	return *c, true
+	return st.chunk(c), true
 }
 
 // Sessions is the number of open sessions.
@@ -139,6 +153,7 @@ func (st *State) Restored(sessions []*pool.Session) []server.RestoredSession {
 // lost it, or the plan no longer has it). The allocation holding it is
 // revoked, with its sessions.
 func (st *State) Forget(id string) {
+	delete(st.gens, id)
 	c, ok := st.byID[id]
 	if !ok {
 		return
@@ -149,14 +164,13 @@ func (st *State) Forget(id string) {
 		}
 	}
 	delete(st.byID, id)
+	delete(st.gens, id)
 	st.chunks = slices.DeleteFunc(st.chunks, func(x *Chunk) bool { return x == c })
 }
 
 // SetGen records the memfd generation and seals of chunk id.
-func (st *State) SetGen(id string, gen uint64, seals int) {
-	if c, ok := st.byID[id]; ok {
-		c.Gen, c.Seals = gen, seals
-	}
+func (st *State) SetGen(id string, g uint64, seals int) {
+	st.gens[id] = gen{gen: g, seals: seals}
 }
 
 func (st *State) revoke(alloc string) {

@@ -79,6 +79,12 @@ type Config struct {
 	// StateDir holds the agent's checkpoint across restarts. Default
 	// "/var/lib/kvpool/state". Absolute.
 	StateDir string `json:"stateDir"`
+	// KeeperSocket is the Unix socket of the keeper (`agent keeper`), the
+	// small process that holds the pool's memory and books while the agent
+	// restarts, so that a restart or upgrade loses no session or stream.
+	// Empty (the default): no keeper; a restart then drops every session
+	// and stream. Absolute when set.
+	KeeperSocket string `json:"keeperSocket"`
 
 	// Sizing decides how much host memory the pool takes and how it is
 	// split into per-GPU pools and chunks.

@@ -68,6 +68,7 @@ var settings = func() []setting {
 	add("resourceName", "resource-name", "KVPOOL_RESOURCE_NAME", "extended resource advertised to kubelet, one unit per chunk", str(func(c *Config) *string { return &c.ResourceName }))
 	add("socketDir", "socket-dir", "KVPOOL_SOCKET_DIR", "host directory of the agent socket (mounted into pods)", str(func(c *Config) *string { return &c.SocketDir }))
 	add("kubeletDir", "kubelet-dir", "KVPOOL_KUBELET_DIR", "kubelet root directory", str(func(c *Config) *string { return &c.KubeletDir }))
+	add("keeperSocket", "keeper-socket", "KVPOOL_KEEPER_SOCKET", "the keeper's socket, which keeps the pool across agent restarts (empty: none)", str(func(c *Config) *string { return &c.KeeperSocket }))
 	add("stateDir", "state-dir", "KVPOOL_STATE_DIR", "directory for the agent checkpoint", str(func(c *Config) *string { return &c.StateDir }))
 	add("sizing.poolBytes", "pool-bytes", "KVPOOL_POOL_BYTES", "whole pool size, e.g. 64Gi (0: use --pool-fraction)", qty(func(c *Config) *Bytes { return &c.Sizing.PoolBytes }))
 	add("sizing.fraction", "pool-fraction", "KVPOOL_POOL_FRACTION", "share of usable memory for the pool, in (0, 1]", accessor{func(c *Config) string { return strconv.FormatFloat(c.Sizing.Fraction, 'g', -1, 64) },
