@@ -94,10 +94,10 @@ func (s *syncBuf) String() string { return string(s.Bytes()) }
 
 // clientResult is what a chaosclient prints (its Result).
 type clientResult struct {
-	Ops, Offloads, Refused, Reloads, Removes, Checks int
+	Ops, Offloads, Refused, Reloads, Removes, Checks      int
 	Lost, Corrupt, ErrorCount, Final, SlowCalls, Sessions int
-	Errors      []string
-	LongestCall float64
+	Errors                                                []string
+	LongestCall                                           float64
 }
 
 func TestAgentRestartChaos(t *testing.T) {

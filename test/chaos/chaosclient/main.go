@@ -28,14 +28,14 @@ import (
 // Result is what a client reports.
 type Result struct {
 	Ops, Offloads, Refused, Reloads, Removes, Checks int
-	Lost        int      // streams the agent no longer knows
-	Corrupt     int      // streams whose bytes or metadata came back wrong
-	Errors      []string // unexpected errors (the first 20)
-	ErrorCount  int
-	Final       int     // streams verified at the end
-	SlowCalls   int     // calls that took over 100 ms (they waited for a restart)
-	LongestCall float64 // seconds
-	Sessions    int     // distinct session IDs seen (1: the session was never lost)
+	Lost                                             int      // streams the agent no longer knows
+	Corrupt                                          int      // streams whose bytes or metadata came back wrong
+	Errors                                           []string // unexpected errors (the first 20)
+	ErrorCount                                       int
+	Final                                            int     // streams verified at the end
+	SlowCalls                                        int     // calls that took over 100 ms (they waited for a restart)
+	LongestCall                                      float64 // seconds
+	Sessions                                         int     // distinct session IDs seen (1: the session was never lost)
 }
 
 const (
