@@ -1,0 +1,190 @@
+package server_test
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"reflect"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/kvpool/kvpool/pkg/books"
+	"github.com/kvpool/kvpool/pkg/hostmem"
+	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/server"
+	"github.com/kvpool/kvpool/pkg/wire"
+)
+
+// fdStore keeps the latest books memfd, as the keeper does.
+type fdStore struct{ f *os.File }
+
+func (s *fdStore) PutBooks(_ uint64, f *os.File) error {
+	fd, err := unix.Dup(int(f.Fd()))
+	if err != nil {
+		return err
+	}
+	if s.f != nil {
+		s.f.Close()
+	}
+	s.f = os.NewFile(uintptr(fd), "books")
+	return nil
+}
+
+// journaled starts a server over p with books, on a fresh socket.
+func journaled(t *testing.T, p *pool.Pool, chunks map[string]*hostmem.Chunk, j server.Journal, restore []server.RestoredSession) (*agent, *server.Server) {
+	t.Helper()
+	a := &agent{pool: p, chunks: chunks}
+	srv, err := server.New(server.Options{Pool: p, Logger: quiet, Journal: j,
+		Chunks: func(id string) (*hostmem.Chunk, bool) { c, ok := chunks[id]; return c, ok },
+		Authorize: func(tok string) (string, error) {
+			switch tok {
+			case "tok-a":
+				return "A", nil
+			case "tok-wait":
+				return "", fmt.Errorf("%w: chunks still coming", pool.ErrNotReady)
+			}
+			return "", server.ErrUnknownToken
+		}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := srv.Restore(restore); err != nil {
+		t.Fatal(err)
+	}
+	a.srv = srv
+	a.socket = filepath.Join(t.TempDir(), "kv.sock")
+	l, err := server.Listen(a.socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- srv.Serve(ctx, l) }()
+	t.Cleanup(func() { cancel(); <-done })
+	return a, srv
+}
+
+// sendSeq sends op with an explicit sequence number and returns the raw
+// reply packet.
+func (r *raw) sendSeq(op wire.Op, seq uint32, m *wire.Offload) []byte {
+	r.t.Helper()
+	pkt, err := wire.AppendPacket(nil, wire.Header{Op: op, Seq: seq}, m)
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	r.sendPacket(pkt, nil)
+	r.c.UnixConn().SetReadDeadline(timeIn5s())
+	got, _, err := r.c.Recv(r.buf)
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	return bytes.Clone(got)
+}
+
+func TestRestartResumesAndReplays(t *testing.T) {
+	p := pool.New()
+	store := &fdStore{}
+	b, err := books.Start(books.NewState(), 0, store, func(err error) { t.Errorf("books: %v", err) })
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.SetJournal(b)
+	chunks := map[string]*hostmem.Chunk{}
+	var ids []string
+	for i := range 2 {
+		id := fmt.Sprintf("c%d", i)
+		hc, err := hostmem.Alloc(hostmem.Options{Size: 256 << 10})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { hc.Close() })
+		chunks[id] = hc
+		if err := p.AddChunk(pool.Chunk{ID: id, GPU: 0, Size: 256 << 10}); err != nil {
+			t.Fatal(err)
+		}
+		ids = append(ids, id)
+	}
+	if err := p.Grant("A", ids); err != nil {
+		t.Fatal(err)
+	}
+	a1, _ := journaled(t, p, chunks, b, nil)
+
+	r := dial(t, a1)
+	first := r.open(0, "instance-1")
+	off := &wire.Offload{Rid: "r", Label: "l", GpuPages: []int32{3, 4, 5}, StoredLen: 7}
+	rep1 := r.sendSeq(wire.OpOffload, 100, off)
+	if h, _, _ := wire.ParseHeader(rep1); h.Status != wire.StatusOK {
+		t.Fatalf("offload: %s", h.Status)
+	}
+	// The same request again (same seq): the same answer, not "duplicate".
+	if again := r.sendSeq(wire.OpOffload, 100, off); !bytes.Equal(again, rep1) {
+		t.Fatalf("resent offload answered %x, first %x", again, rep1)
+	}
+	// A new request for the same stream is a duplicate.
+	if h, _, _ := wire.ParseHeader(r.sendSeq(wire.OpOffload, 101, off)); h.Status != wire.StatusDuplicateStream {
+		t.Fatalf("new offload of the same stream: %s", h.Status)
+	}
+	before := p.Export()
+	b.Close()
+
+	// The agent restarts: the books rebuild the pool, and the server takes
+	// the sessions back.
+	st, _, err := books.Load(store.f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p2 := pool.New()
+	ss, err := p2.Restore(st.Image())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := p2.Export(); !reflect.DeepEqual(got, before) {
+		t.Fatalf("restored pool:\n%+v\nwant\n%+v", got, before)
+	}
+	b2, err := books.Start(st, 0, store, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b2.Close()
+	p2.SetJournal(b2)
+	a2, srv2 := journaled(t, p2, chunks, b2, st.Restored(ss))
+
+	// Not ready yet: hello says "unavailable, retry" (28), not "unauthorized".
+	srv2.SetReady(false)
+	r2 := dial(t, a2)
+	if stt, msg := r2.do(wire.OpHello, 0, &wire.Hello{Version: 1}, &wire.HelloReply{}); stt != wire.StatusUnavailable {
+		t.Fatalf("hello while restoring: %s %s", stt, msg)
+	}
+	srv2.SetReady(true)
+	r2 = dial(t, a2)
+	res := r2.open(0, "instance-1")
+	if !res.Resumed || res.Session != first.Session || res.Capacity != first.Capacity {
+		t.Fatalf("after the restart: %+v, first %+v", res, first)
+	}
+	// The client resends the request it never had answered.
+	if again := r2.sendSeq(wire.OpOffload, 100, off); !bytes.Equal(again, rep1) {
+		t.Fatalf("resent offload after the restart answered %x, first %x", again, rep1)
+	}
+	var rl wire.ReloadReply
+	if stt, msg := r2.do(wire.OpReload, 0, &wire.Reload{Rid: "r", Label: "l", GpuPages: []int32{0, 1, 2}}, &rl); stt != 0 || rl.StoredLen != 7 || len(rl.HostPages) != 3 {
+		t.Fatalf("reload after the restart: %s %s %+v", stt, msg, &rl)
+	}
+	// A token whose chunks are not ready: 28, distinct from 4.
+	r3 := dial(t, a2)
+	r3.hello()
+	if stt, _ := r3.do(wire.OpOpen, 0, openMsg("tok-wait", 0, "instance-3"), &wire.OpenReply{}); stt != wire.StatusUnavailable {
+		t.Fatalf("open with a token not ready: %s", stt)
+	}
+	if stt, _ := r3.do(wire.OpOpen, 0, openMsg("tok-gone", 0, "instance-3"), &wire.OpenReply{}); stt != wire.StatusUnauthorized {
+		t.Fatalf("open with an unknown token: %s", stt)
+	}
+	if got := wire.StatusUnavailable.String(); got != "unavailable, retry" {
+		t.Fatal(got)
+	}
+}
+
+func timeIn5s() time.Time { return time.Now().Add(5 * time.Second) }
