@@ -150,9 +150,16 @@ func (c *conn) serve() {
 			r = fail(wire.StatusUnavailable, errors.New("the agent is restoring its books after a restart; retry"))
 		default:
 			e := c.e
+			if e != nil && c.s.o.Journal != nil {
+				// A change and its record are one step: a half-open
+				// connection of the same session cannot interleave.
+				e.opMu.Lock()
+			}
 			r = c.handle(h, body)
 			if e != nil && c.s.o.Journal != nil {
-				if err := c.journal(e, h, r); err != nil {
+				err := c.journal(e, h, r)
+				e.opMu.Unlock()
+				if err != nil {
 					c.log.Error("closing connection: the books cannot record a change", "op", h.Op, "err", err)
 					c.send(h, fail(wire.StatusInternal, fmt.Errorf("the agent cannot record this change: %w", err)))
 					return

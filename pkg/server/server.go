@@ -135,8 +135,9 @@ type entry struct {
 	conn     *conn // nil while disconnected; guarded by Server.mu
 	peer     Peer
 	lastSeen time.Time
-	last     lastReply // the answer to the last changing request
-	fenced   uint64    // the highest fence journaled; guarded by the connection serving it
+	opMu     sync.Mutex // held from a change to its record in the journal
+	last     lastReply  // the answer to the last changing request
+	fenced   uint64     // the highest fence journaled; guarded by the connection serving it
 }
 
 // Peer is the credentials of a connected client (SO_PEERCRED).
