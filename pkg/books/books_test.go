@@ -251,7 +251,7 @@ func TestTornRecordIsIgnored(t *testing.T) {
 	}
 }
 
-func snapshotMem(t *testing.T, f *os.File) []byte {
+func snapshotMem(t testing.TB, f *os.File) []byte {
 	fi, err := f.Stat()
 	must(t, err)
 	mem := make([]byte, fi.Size())
@@ -343,6 +343,28 @@ func FuzzDecodeRecord(f *testing.F) {
 			if again.Streams() != got.Streams() || again.Sessions() != got.Sessions() {
 				t.Fatal("snapshot round trip lost streams or sessions")
 			}
+		}
+	})
+}
+
+// FuzzReplay feeds replay whole books images: it must refuse or replay,
+// never panic or read out of bounds.
+func FuzzReplay(f *testing.F) {
+	old := minLog
+	minLog = 4 << 10
+	r := newRig(f, 8)
+	for i := range 6 {
+		r.step(i)
+	}
+	img := snapshotMem(f, r.store.f)
+	minLog = old
+	img = img[:r.b.Stats().LogBytes+8] // the used part: header and records
+	f.Add(img)
+	f.Add(img[:headerSize+64])
+	f.Fuzz(func(t *testing.T, mem []byte) {
+		st, _, err := replay(mem)
+		if err == nil && st == nil {
+			t.Fatal("no state and no error")
 		}
 	})
 }
