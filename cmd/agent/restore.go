@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -26,7 +27,8 @@ const keeperWait = 30 * time.Second
 type restart struct {
 	keeper   *keeper.Client
 	books    *books.Books
-	gens     map[string]uint64 // memfd generation of each chunk the agent holds
+	genMu    sync.Mutex
+	gens     map[string]uint64 // memfd generation of each chunk the agent holds; genMu
 	adopted  map[string]bool
 	sessions []server.RestoredSession
 	streams  int
@@ -187,12 +189,16 @@ func fileSize(f *os.File) int64 {
 }
 
 // keep hands a new chunk's memfd to the keeper and records its generation
-// in the books before the chunk is used. Without a keeper it does nothing.
+// in the books before the chunk is used: a freshly allocated chunk, or a
+// fresh memfd that replaces a chunk at reclaim (the keeper then drops the
+// old one). Without a keeper it does nothing. Safe for concurrent use.
 func (a *agent) keep(id string, c *hostmem.Chunk) error {
 	r := a.restart
 	if r == nil {
 		return nil
 	}
+	r.genMu.Lock()
+	defer r.genMu.Unlock()
 	seals, err := keeper.Seals(c.File)
 	if err != nil {
 		return fmt.Errorf("seals of chunk %s: %w", id, err)
