@@ -35,7 +35,7 @@ func (s *fdStore) PutBooks(_ uint64, f *os.File) error {
 }
 
 // journaled starts a server over p with books, on a fresh socket.
-func journaled(t *testing.T, p *pool.Pool, chunks map[string]*hostmem.Chunk, j server.Journal, restore []server.RestoredSession) (*agent, *server.Server) {
+func journaled(t testing.TB, p *pool.Pool, chunks map[string]*hostmem.Chunk, j server.Journal, restore []server.RestoredSession) (*agent, *server.Server) {
 	t.Helper()
 	a := &agent{pool: p, chunks: chunks}
 	srv, err := server.New(server.Options{Pool: p, Logger: quiet, Journal: j,
@@ -85,7 +85,9 @@ func (r *raw) sendSeq(op wire.Op, seq uint32, m *wire.Offload) []byte {
 	return bytes.Clone(got)
 }
 
-func TestRestartResumesAndReplays(t *testing.T) {
+// booksPool is a pool of two 256 KiB chunks on GPU 0, granted to "A",
+// journaled into books kept by store.
+func booksPool(t testing.TB) (*pool.Pool, map[string]*hostmem.Chunk, *books.Books, *fdStore) {
 	p := pool.New()
 	store := &fdStore{}
 	b, err := books.Start(books.NewState(), 0, store, func(err error) { t.Errorf("books: %v", err) })
@@ -111,6 +113,11 @@ func TestRestartResumesAndReplays(t *testing.T) {
 	if err := p.Grant("A", ids); err != nil {
 		t.Fatal(err)
 	}
+	return p, chunks, b, store
+}
+
+func TestRestartResumesAndReplays(t *testing.T) {
+	p, chunks, b, store := booksPool(t)
 	a1, _ := journaled(t, p, chunks, b, nil)
 
 	r := dial(t, a1)
