@@ -83,6 +83,10 @@ func (in *KVPoolNodeStatus) DeepCopyInto(out *KVPoolNodeStatus) {
 			in.Conditions[i].DeepCopyInto(&out.Conditions[i])
 		}
 	}
+	if in.Restart != nil {
+		out.Restart = new(RestartStatus)
+		*out.Restart = *in.Restart
+	}
 	in.LastUpdateTime.DeepCopyInto(&out.LastUpdateTime)
 }
 

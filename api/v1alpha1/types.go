@@ -117,12 +117,32 @@ type KVPoolNodeStatus struct {
 	// +listMapKey=type
 	Conditions []metav1.Condition `json:"conditions,omitempty"`
 
+	// Restart says what the running agent took over from the keeper when
+	// it started; absent without a keeper.
+	Restart *RestartStatus `json:"restart,omitempty"`
+
 	// LastUpdateTime is when the agent last wrote this status: its
 	// heartbeat. The agent rewrites the status at least every 10 seconds;
 	// one older than 30 seconds is from an agent that is not running, and
 	// its Health no longer describes the node. On a graceful stop the agent
 	// writes a final status (Unhealthy, Ready False, reason AgentStopped).
 	LastUpdateTime metav1.Time `json:"lastUpdateTime,omitempty"`
+}
+
+// RestartStatus is what an agent took over from the keeper at start.
+type RestartStatus struct {
+	// AdoptedChunks is how many chunks the agent adopted: the previous
+	// agent's memory, not pinned again.
+	// +kubebuilder:validation:Minimum=0
+	AdoptedChunks int32 `json:"adoptedChunks"`
+	// FreshChunks is how many chunks the agent allocated and pinned itself.
+	// +kubebuilder:validation:Minimum=0
+	FreshChunks int32 `json:"freshChunks"`
+	// LastGapMilliseconds is how long the pool went unserved before this
+	// agent served: from the previous agent's last sign of life (0 on a
+	// first start).
+	// +kubebuilder:validation:Minimum=0
+	LastGapMilliseconds int64 `json:"lastGapMilliseconds"`
 }
 
 // ChunkCounts counts chunks by state.

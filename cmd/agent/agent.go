@@ -63,6 +63,9 @@ type agent struct {
 	// refused counts pod-binding refusals since the last logged one.
 	refused, refusedLogged atomic.Int64
 
+	// restart is what the agent took over from the keeper; nil without one.
+	restart *restart
+
 	ln         *net.UnixListener
 	serveDone  chan error
 	background sync.WaitGroup
@@ -120,6 +123,11 @@ func bootAgent(parent context.Context, s *serveSetup, log *slog.Logger) (_ *agen
 		return nil, err
 	}
 	a.logPlan(source)
+	if cfg.KeeperSocket != "" {
+		if err := a.restore(); err != nil {
+			return nil, err
+		}
+	}
 	if s.flags.standalone || cfg.Sizing.HugePages == config.HugePagesPrefer {
 		for _, w := range a.plan.Warnings {
 			if strings.Contains(w, "huge pages") {
@@ -143,6 +151,8 @@ func bootAgent(parent context.Context, s *serveSetup, log *slog.Logger) (_ *agen
 	for _, g := range a.plan.GPUs {
 		a.obs.Metrics.InitGPU(g.GPU)
 	}
+	a.obs.Report.Restart = a.restartStatus
+	a.obs.Metrics.Restart(a.restartStatus)
 
 	// The device plugin is built (not yet registered) before the server,
 	// whose Authorize resolves the tokens it hands out.
@@ -155,6 +165,7 @@ func bootAgent(parent context.Context, s *serveSetup, log *slog.Logger) (_ *agen
 	if a.plug, err = newPlugin(pcfg, a.pool, a.renew, a.events, log); err != nil {
 		return nil, err
 	}
+	a.settleRestored()
 
 	// Standalone tokens name their chunks up front: allocate before the
 	// socket appears, so a client that finds the socket finds its chunks.
@@ -179,6 +190,7 @@ func bootAgent(parent context.Context, s *serveSetup, log *slog.Logger) (_ *agen
 		},
 		Logger:   log,
 		Hooks:    serverHooks(a.obs.Observer, a.obs.limitRejects),
+		Journal:  a.journal(),
 		Name:     "kvpool-agent " + version + " (" + a.mode + ")",
 		Limits:   serverLimits(cfg.Limits),
 		ProbePID: os.Getpid(),
@@ -191,8 +203,25 @@ func bootAgent(parent context.Context, s *serveSetup, log *slog.Logger) (_ *agen
 			return nil, err
 		}
 	}
+	if a.restart != nil {
+		if err := srv.Restore(a.restart.sessions); err != nil {
+			return nil, err
+		}
+	}
 	if a.ln, err = server.Listen(a.socket); err != nil {
 		return nil, err
+	}
+	if r := a.restart; r != nil {
+		if !r.lastAlive.IsZero() {
+			r.gap = time.Since(r.lastAlive)
+			a.log.Info("serving again after a restart", "gap", r.gap.Round(time.Millisecond),
+				"adoptedChunks", len(r.adopted), "sessions", len(r.sessions), "streams", r.streams)
+		}
+		a.background.Add(1)
+		go func() {
+			defer a.background.Done()
+			a.heartbeat(ctx)
+		}()
 	}
 	a.serveDone = make(chan error, 1)
 	go func() { a.serveDone <- srv.Serve(ctx, a.ln) }()
@@ -331,12 +360,15 @@ func (a *agent) prepareTokens() error {
 func (a *agent) authorize(token string) (string, error) {
 	if alloc, ok := a.static[token]; ok {
 		if !a.granted.Load() {
-			return "", fmt.Errorf("%w: the pool is still being allocated", server.ErrUnknownToken)
+			return "", fmt.Errorf("%w: the pool is still being allocated", pool.ErrNotReady)
 		}
 		return alloc, nil
 	}
 	if a.plug != nil {
 		alloc, err := a.plug.Plugin.Authorize(token)
+		if errors.Is(err, pool.ErrNotReady) {
+			return "", err
+		}
 		if err != nil {
 			return "", fmt.Errorf("%w: %v", server.ErrUnknownToken, err)
 		}
@@ -354,6 +386,9 @@ func (a *agent) authorizePeer(ctx context.Context, token string, peer server.Pee
 	}
 	alloc, err := a.plug.Plugin.AuthorizePeer(ctx, token, peer.PID)
 	if err != nil {
+		if errors.Is(err, pool.ErrNotReady) {
+			return "", err // restored, its chunks not yet back: "retry"
+		}
 		if errors.Is(err, plugin.ErrUnknownToken) {
 			return "", fmt.Errorf("%w: %v", server.ErrUnknownToken, err)
 		}
@@ -419,6 +454,14 @@ func (a *agent) renew(id string) error {
 		a.obs.Metrics.ChunkRenewFailed(g, err)
 		return err
 	}
+	if err := a.keep(id, c); err != nil {
+		// The keeper must hold every chunk a session may use, or a
+		// restart would lose it.
+		c.Close()
+		err = fmt.Errorf("renew chunk %s: hand it to the keeper: %w", id, err)
+		a.obs.Metrics.ChunkRenewFailed(g, err)
+		return err
+	}
 	took := time.Since(start)
 	a.mu.Lock()
 	a.hmem[id] = c
@@ -441,13 +484,19 @@ func (a *agent) allocate(ctx context.Context) {
 			gpuOf[id] = g.GPU
 		}
 	}
+	var specs []hostmem.Spec
 	for _, s := range a.specs {
 		wantPage[s.ID] = s.PageSize
+		if a.restart != nil && a.restart.adopted[s.ID] {
+			left[gpuOf[s.ID]]-- // adopted from the keeper: already in the pool
+			continue
+		}
+		specs = append(specs, s)
 	}
 	last := start
 	fellBack := false
-	ready, total := 0, len(a.specs)
-	for r := range hostmem.AllocateAll(ctx, a.specs, a.log) {
+	ready, total := len(a.specs)-len(specs), len(a.specs)
+	for r := range hostmem.AllocateAll(ctx, specs, a.log) {
 		g := gpuOf[r.ID]
 		if r.Err != nil {
 			a.obs.Metrics.ChunkPinFailed(g, r.Err)
@@ -465,6 +514,15 @@ func (a *agent) allocate(ctx context.Context) {
 		if c.Node < 0 {
 			pc.NUMA = a.numaOf(g)
 		}
+		if err := a.keep(r.ID, c); err != nil {
+			// A chunk the keeper does not hold would be lost by a restart
+			// with everything written to it: not used.
+			c.Close()
+			a.obs.Metrics.Error("keeper", err)
+			a.obs.Errors.Error("keeper", fmt.Errorf("chunk %s: %w", r.ID, err))
+			a.log.Error("pool allocation stopped: the keeper does not take the chunk", "chunk", r.ID, "err", err)
+			break
+		}
 		a.mu.Lock()
 		a.hmem[r.ID] = c
 		a.mu.Unlock()
@@ -474,6 +532,9 @@ func (a *agent) allocate(ctx context.Context) {
 			continue
 		}
 		ready++
+		if a.restart != nil {
+			a.restart.fresh.Add(1)
+		}
 		a.obs.Metrics.ChunkPinned(g, now.Sub(last))
 		last = now
 		if left[g]--; left[g] == 0 {
@@ -483,6 +544,7 @@ func (a *agent) allocate(ctx context.Context) {
 			if err := a.plug.Feed.Set(plugin.PoolDevices(a.pool.Chunks())); err != nil {
 				a.log.Error("device list", "err", err)
 			}
+			a.plug.Plugin.GrantPending()
 		}
 	}
 	if ctx.Err() != nil {
@@ -612,6 +674,13 @@ func (a *agent) abort() {
 		a.kube.stopped()
 		a.kube.close()
 	}
+	if r := a.restart; r != nil {
+		// The keeper keeps the memory and the books for the next agent.
+		if r.books != nil {
+			r.books.Close()
+		}
+		r.keeper.Close()
+	}
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	for id, c := range a.hmem {
@@ -620,4 +689,12 @@ func (a *agent) abort() {
 		}
 		delete(a.hmem, id)
 	}
+}
+
+// journal is the server's journal: the books, when there is a keeper.
+func (a *agent) journal() server.Journal {
+	if a.restart == nil {
+		return nil
+	}
+	return a.restart.books
 }

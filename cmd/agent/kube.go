@@ -141,6 +141,7 @@ func (k *kubeParts) startStatus(ctx context.Context, a *agent, wg *sync.WaitGrou
 				Reason:       r.Reason(),
 				ResourceName: a.cfg.ResourceName,
 				AgentVersion: version,
+				Restart:      a.restartStatus(),
 			})
 		})
 	}()

@@ -25,6 +25,7 @@ var commands = map[string]func(ctx context.Context, args []string) error{
 	"bench":  runBench,
 	"plan":   runPlan,
 	"status": runStatus,
+	"keeper": runKeeper,
 }
 
 func main() {

@@ -120,7 +120,12 @@ func printStatus(out io.Writer, r status.Report) error {
 	if !r.Started.IsZero() {
 		up = r.Time.Sub(r.Started).Round(time.Second).String()
 	}
-	fmt.Fprintf(tw, "Node:\t%s\nMode:\t%s\nVersion:\t%s\nUp:\t%s\nReady:\t%s\n\n", dash(r.Node), dash(r.Mode), dash(r.Version), up, ready)
+	fmt.Fprintf(tw, "Node:\t%s\nMode:\t%s\nVersion:\t%s\nUp:\t%s\nReady:\t%s\n", dash(r.Node), dash(r.Mode), dash(r.Version), up, ready)
+	if rs := r.Restart; rs != nil {
+		fmt.Fprintf(tw, "Restart:\t%d chunks adopted from the keeper, %d fresh; %d sessions and %d streams restored; gap %s\n",
+			rs.AdoptedChunks, rs.FreshChunks, rs.Sessions, rs.Streams, time.Duration(rs.LastGapSeconds*float64(time.Second)).Round(time.Millisecond))
+	}
+	fmt.Fprintln(tw)
 
 	fmt.Fprintln(tw, "GPU\tNUMA\tTARGET\tREADY\tALLOCATED\tUSED\tCHUNKS FREE/GRANTED/DIRTY\tSESSIONS\tSTREAMS\tPAGES USED/PENDING/TOTAL")
 	row := func(name, numa string, g status.GPU) {

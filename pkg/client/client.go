@@ -96,7 +96,23 @@ type Options struct {
 	// without the copies. For benchmarks and metrics.
 	Trace  func(op wire.Op, roundTrip time.Duration)
 	Logger *slog.Logger // default slog.Default()
+	// RetryFor bounds how long a call waits for the agent when the
+	// connection breaks or the agent answers "unavailable, retry" (it is
+	// restarting): the call reconnects, resumes the session and resends
+	// the request it had not had answered, which the agent answers as it
+	// did the first time. Past the bound an offload returns false (as if
+	// the pool were full) and every other call ErrUnavailable. Default
+	// DefaultRetryFor; negative: no retry.
+	RetryFor time.Duration
 }
+
+// DefaultRetryFor is the default Options.RetryFor: longer than an agent
+// restart takes.
+const DefaultRetryFor = 30 * time.Second
+
+// ErrUnavailable reports a call that could not reach the agent within
+// Options.RetryFor.
+var ErrUnavailable = errors.New("kvpool: the agent is unavailable")
 
 // OffloadedStream is the metadata of one (request, label) stream, as the
 // seed API returns it from reload_stream.
@@ -269,16 +285,114 @@ func Open(ctx context.Context, o Options) (*CPUPagePool, error) {
 	if o.Name == "" {
 		o.Name = "kvpool-go-client"
 	}
+	if o.RetryFor == 0 {
+		o.RetryFor = DefaultRetryFor
+	}
 	p := &CPUPagePool{o: o, dev: o.Device, log: o.Logger, layout: layout, in: make([]byte, wire.MaxMessage+1)}
 	var err error
 	if p.mover, err = cudart.NewMover(p.dev); err != nil {
 		return nil, fmt.Errorf("kvpool: %w", err)
 	}
-	if err := p.connect(ctx); err != nil {
+	if err := p.reconnect(ctx, time.Now().Add(max(p.o.RetryFor, 0))); err != nil {
 		p.mover.Close()
 		return nil, err
 	}
 	return p, nil
+}
+
+// retryable says whether err is a passing condition of an agent restart:
+// a broken or refused connection, or the agent's "unavailable, retry".
+func retryable(err error) bool {
+	var e *Error
+	if errors.As(err, &e) {
+		return e.Status == wire.StatusUnavailable
+	}
+	return errors.Is(err, ErrDisconnected) || errors.Is(err, errDial)
+}
+
+// errDial marks a failed dial (no socket yet, or nobody listening).
+var errDial = errors.New("dial")
+
+// backoff waits before the next try, less as the deadline nears.
+func backoff(try int, deadline time.Time) {
+	d := min(time.Duration(1<<min(try, 5))*5*time.Millisecond, 100*time.Millisecond, max(time.Until(deadline), 0))
+	time.Sleep(d)
+}
+
+// reconnect connects and opens (or resumes) the session, retrying what an
+// agent restart causes until deadline.
+func (p *CPUPagePool) reconnect(ctx context.Context, deadline time.Time) error {
+	for try := 0; ; try++ {
+		err := p.connect(ctx)
+		if err == nil {
+			return nil
+		}
+		if !retryable(err) || time.Now().After(deadline) || ctx.Err() != nil {
+			if retryable(err) {
+				return fmt.Errorf("%w: %w", ErrUnavailable, err)
+			}
+			return err
+		}
+		backoff(try, deadline)
+	}
+}
+
+// call sends one request of the session and reads its reply, riding out an
+// agent restart within Options.RetryFor: on a broken connection it
+// reconnects, resumes the session and resends the request with the same
+// sequence number, so that a request the agent had already carried out is
+// answered as it was, not done twice. Called with p.mu held.
+func (p *CPUPagePool) call(op wire.Op, req, rep proto.Message) ([]*os.File, error) {
+	return p.callWith(op, nil, req, rep, nil)
+}
+
+// callWith is call for a request that takes several packets: before, when
+// set, sends what goes ahead of the request on the same connection (its
+// OpPages packets); after, when set, fetches the rest of a long reply (with
+// OpMore). A retry runs all three again on the new connection; the request
+// keeps its sequence number, so the agent answers a resend as it did the
+// first time and makes the rest of that answer fetchable again.
+func (p *CPUPagePool) callWith(op wire.Op, before func() error, req, rep proto.Message, after func() error) ([]*os.File, error) {
+	p.seq++
+	seq := p.seq
+	var deadline time.Time
+	for try := 0; ; try++ {
+		var err error
+		if p.wc == nil {
+			if deadline.IsZero() {
+				deadline = time.Now().Add(max(p.o.RetryFor, 0))
+			}
+			err = p.reconnect(context.Background(), deadline)
+			if err == nil {
+				// The agent may have lost the fences it had not recorded.
+				p.fenceSent = 0
+			}
+		}
+		var files []*os.File
+		if err == nil && before != nil {
+			err = before()
+		}
+		if err == nil {
+			files, err = p.exchange(op, seq, p.fence(), req, rep)
+		}
+		if err == nil && after != nil {
+			if err = after(); err != nil {
+				closeFiles(files)
+				files = nil
+			}
+		}
+		if err == nil || !retryable(err) || errors.Is(err, ErrUnavailable) {
+			return files, err
+		}
+		if deadline.IsZero() {
+			deadline = time.Now().Add(max(p.o.RetryFor, 0))
+		}
+		if time.Now().After(deadline) {
+			return nil, fmt.Errorf("%w: %w", ErrUnavailable, err)
+		}
+		p.log.Debug("kvpool: retrying after an agent restart", "op", op, "err", err)
+		backoff(try, deadline)
+	}
 }
 
 // connect dials, says hello and opens (or resumes) the session. Called with
@@ -286,7 +400,7 @@ func Open(ctx context.Context, o Options) (*CPUPagePool, error) {
 func (p *CPUPagePool) connect(ctx context.Context) error {
 	wc, err := wire.Dial(p.o.Socket)
 	if err != nil {
-		return fmt.Errorf("kvpool: %w", err)
+		return fmt.Errorf("kvpool: %w: %w", errDial, err)
 	}
 	if dl, ok := ctx.Deadline(); ok {
 		wc.UnixConn().SetDeadline(dl)
@@ -406,6 +520,12 @@ func (p *CPUPagePool) dropConn() {
 // agent is returned as *Error; a broken connection as ErrDisconnected, with
 // the connection dropped.
 func (p *CPUPagePool) roundTrip(op wire.Op, fence uint64, req, rep proto.Message) ([]*os.File, error) {
+	p.seq++
+	return p.exchange(op, p.seq, fence, req, rep)
+}
+
+// exchange is roundTrip with the sequence number given.
+func (p *CPUPagePool) exchange(op wire.Op, seq uint32, fence uint64, req, rep proto.Message) ([]*os.File, error) {
 	if p.o.Trace != nil {
 		start := time.Now()
 		defer func() { p.o.Trace(op, time.Since(start)) }()
@@ -413,9 +533,8 @@ func (p *CPUPagePool) roundTrip(op wire.Op, fence uint64, req, rep proto.Message
 	if p.wc == nil {
 		return nil, fmt.Errorf("%w: %s: the connection was dropped", ErrDisconnected, op)
 	}
-	p.seq++
 	var err error
-	p.out, err = wire.AppendPacket(p.out[:0], wire.Header{Op: op, Seq: p.seq, Fence: fence}, req)
+	p.out, err = wire.AppendPacket(p.out[:0], wire.Header{Op: op, Seq: seq, Fence: fence}, req)
 	if err != nil {
 		return nil, fmt.Errorf("kvpool %s: %w", op, err)
 	}
@@ -432,8 +551,8 @@ func (p *CPUPagePool) roundTrip(op wire.Op, fence uint64, req, rep proto.Message
 		return nil, fmt.Errorf("%w: %s: %v", ErrDisconnected, op, err)
 	}
 	h, body, err := wire.ParseHeader(pkt)
-	if err == nil && (h.Seq != p.seq || h.Op != op || h.Fence != 0) {
-		err = fmt.Errorf("reply op %s seq %d fence %d to request op %s seq %d", h.Op, h.Seq, h.Fence, op, p.seq)
+	if err == nil && (h.Seq != seq || h.Op != op || h.Fence != 0) {
+		err = fmt.Errorf("reply op %s seq %d fence %d to request op %s seq %d", h.Op, h.Seq, h.Fence, op, seq)
 	}
 	if err == nil && h.Status != wire.StatusOK {
 		err = wire.DecodeBody(body, &p.errRep)

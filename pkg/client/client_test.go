@@ -116,7 +116,7 @@ func (c *kv) poison(t testing.TB, p int32) {
 func openPool(t testing.TB, a *standalone.Agent, dev cudart.Device, c *kv, inst []byte, maxPages int) *client.CPUPagePool {
 	t.Helper()
 	p, err := client.Open(context.Background(), client.Options{Socket: a.Socket, Token: "tok", Device: dev,
-		Regions: c.regions, InstanceID: inst, MaxPages: maxPages, Logger: quiet})
+		Regions: c.regions, InstanceID: inst, MaxPages: maxPages, Logger: quiet, RetryFor: time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -462,11 +462,22 @@ func TestAgentRestart(t *testing.T) {
 	}
 	sync(t, p, dev)
 	stop1()
-	if _, err := p.IsOffloaded("r"); !errors.Is(err, client.ErrDisconnected) {
-		t.Fatalf("call to a stopped agent: %v, want ErrDisconnected", err)
+	// Past Options.RetryFor: calls fail with ErrUnavailable, offloads
+	// return false (the engine keeps its pages).
+	if _, err := p.IsOffloaded("r"); !errors.Is(err, client.ErrUnavailable) {
+		t.Fatalf("call to a stopped agent: %v, want ErrUnavailable", err)
 	}
-	_, stop2 := run()
-	defer stop2()
+	if ok, err := p.OffloadStream("g", "l", []int32{4}, 0, 0, 0); ok || err != nil {
+		t.Fatalf("offload to a stopped agent: %v, %v; want false, nil", ok, err)
+	}
+	// Within the bound a call waits for the agent to come back.
+	stop2 := make(chan func(), 1)
+	go func() {
+		time.Sleep(200 * time.Millisecond)
+		_, stop := run()
+		stop2 <- stop
+	}()
+	defer func() { (<-stop2)() }()
 	if off, err := p.IsOffloaded("r"); err != nil || off {
 		t.Fatalf("after the restart: offloaded %v, %v; want a fresh session", off, err)
 	}

@@ -1,7 +1,6 @@
 package client
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"unsafe"
@@ -21,11 +20,6 @@ func hostmemUnmap(b []byte) { unix.Munmap(b) }
 func (p *CPUPagePool) begin() error {
 	if p.closed {
 		return errors.New("kvpool: pool is closed")
-	}
-	if p.wc == nil {
-		if err := p.connect(context.Background()); err != nil {
-			return fmt.Errorf("kvpool: reconnect: %w", err)
-		}
 	}
 	p.pollFences()
 	return nil
@@ -114,10 +108,9 @@ func (p *CPUPagePool) stagePages(pages []int32) ([]int32, error) {
 }
 
 // longPages returns the host pages of a reply: first when total is 0, else
-// first followed by the rest, fetched with OpMore. When the connection
-// drops while fetching, it reconnects once and, if the agent resumed the
-// same session, fetches the rest from there (the agent keeps it for the
-// session until its next request).
+// first followed by the rest, fetched with OpMore. A dropped connection is
+// the caller's to retry (callWith resends the request, whose answer the
+// agent keeps, and fetches again).
 func (p *CPUPagePool) longPages(op wire.Op, first []int32, total uint32, want int) ([]int32, error) {
 	if total == 0 {
 		return first, nil
@@ -128,19 +121,9 @@ func (p *CPUPagePool) longPages(op wire.Op, first []int32, total uint32, want in
 	}
 	all := make([]int32, len(first), total)
 	copy(all, first)
-	reconnected := false
 	for len(all) < int(total) {
 		var rep wire.MoreReply
-		_, err := p.roundTrip(wire.OpMore, 0, &wire.More{Offset: uint32(len(all))}, &rep)
-		if errors.Is(err, ErrDisconnected) && !reconnected {
-			reconnected = true
-			session := p.session
-			if cerr := p.connect(context.Background()); cerr != nil || p.session != session {
-				return nil, fmt.Errorf("kvpool %s: reply cut off after %d of %d host pages and the session could not be resumed: %w", op, len(all), total, errors.Join(err, cerr))
-			}
-			continue
-		}
-		if err != nil {
+		if _, err := p.roundTrip(wire.OpMore, 0, &wire.More{Offset: uint32(len(all))}, &rep); err != nil {
 			return nil, fmt.Errorf("kvpool %s: host pages %d to %d: %w", op, len(all), total, err)
 		}
 		if len(rep.HostPages) == 0 || len(all)+len(rep.HostPages) > int(total) {
@@ -178,15 +161,27 @@ func (p *CPUPagePool) OffloadStream(rid, label string, gpuPages []int32, storedL
 	defer p.mu.Unlock()
 	m := &p.offReq
 	defer func() { m.GpuPages = nil }()
+	var host []int32
+	stage := func() error {
+		m.Rid, m.Label, m.StoredLen, m.Position, m.Released = rid, label, storedLen, position, released
+		var err error
+		m.GpuPages, err = p.stagePages(gpuPages)
+		return err
+	}
+	fetch := func() error {
+		host = nil
+		if !p.offRep.Ok {
+			return nil
+		}
+		var err error
+		host, err = p.longPages(wire.OpOffload, p.offRep.HostPages, p.offRep.Total, len(gpuPages))
+		return err
+	}
 	for try := 0; ; try++ {
 		if err := p.begin(); err != nil {
 			return false, err
 		}
-		tail, err := p.stagePages(gpuPages)
-		if err == nil {
-			m.Rid, m.Label, m.GpuPages, m.StoredLen, m.Position, m.Released = rid, label, tail, storedLen, position, released
-			_, err = p.roundTrip(wire.OpOffload, p.fence(), m, &p.offRep)
-		}
+		_, err := p.callWith(wire.OpOffload, stage, m, &p.offRep, fetch)
 		var e *Error
 		if errors.As(err, &e) && e.Status == wire.StatusPending && try <= len(p.pending) {
 			// Only pages still read by reload copies would make room: wait
@@ -196,6 +191,11 @@ func (p *CPUPagePool) OffloadStream(rid, label string, gpuPages []int32, storedL
 			}
 			continue
 		}
+		if errors.Is(err, ErrUnavailable) {
+			// Fail safe: the engine keeps its device pages.
+			p.log.Warn("kvpool: offload refused: the agent is unavailable", "rid", rid, "label", label, "err", err)
+			return false, nil
+		}
 		if err != nil {
 			return false, err
 		}
@@ -204,18 +204,9 @@ func (p *CPUPagePool) OffloadStream(rid, label string, gpuPages []int32, storedL
 	if !p.offRep.Ok {
 		return false, nil
 	}
-	host, err := p.longPages(wire.OpOffload, p.offRep.HostPages, p.offRep.Total, len(gpuPages))
-	if err == nil {
-		_, err = p.enqueue(cudart.DeviceToHost, gpuPages, host)
-	}
-	if err != nil {
-		// Nothing was copied: give the pages back so the call changes
-		// nothing (reconnecting first if the connection was dropped).
-		derr := p.begin()
-		if derr == nil {
-			_, derr = p.roundTrip(wire.OpDiscard, p.fence(), &wire.Stream{Rid: rid, Label: label}, nil)
-		}
-		if derr != nil {
+	if _, err := p.enqueue(cudart.DeviceToHost, gpuPages, host); err != nil {
+		// Nothing was copied: give the pages back so the call changes nothing.
+		if _, derr := p.call(wire.OpDiscard, &wire.Stream{Rid: rid, Label: label}, nil); derr != nil {
 			err = errors.Join(err, derr)
 		}
 		return false, fmt.Errorf("kvpool offload %q/%q: %w", rid, label, err)
@@ -234,19 +225,28 @@ func (p *CPUPagePool) ReloadStream(rid, label string, gpuPages []int32) (Offload
 	}
 	m := &p.relReq
 	defer func() { m.GpuPages = nil }()
-	tail, err := p.stagePages(gpuPages)
-	if err != nil {
-		return OffloadedStream{}, err
+	var host []int32
+	var ticket uint64
+	released := false
+	stage := func() error {
+		m.Rid, m.Label = rid, label
+		var err error
+		m.GpuPages, err = p.stagePages(gpuPages)
+		return err
 	}
-	m.Rid, m.Label, m.GpuPages = rid, label, tail
-	if _, err := p.roundTrip(wire.OpReload, p.fence(), m, &p.relRep); err != nil {
-		return OffloadedStream{}, err
+	fetch := func() error {
+		released, ticket = true, p.relRep.Ticket
+		var err error
+		host, err = p.longPages(wire.OpReload, p.relRep.HostPages, p.relRep.Total, len(gpuPages))
+		return err
 	}
+	_, err := p.callWith(wire.OpReload, stage, m, &p.relRep, fetch)
 	r := &p.relRep
 	out := OffloadedStream{StoredLen: r.StoredLen, Position: r.Position, Released: r.Released}
-	ticket := r.Ticket
-	host, err := p.longPages(wire.OpReload, r.HostPages, r.Total, len(gpuPages))
 	if err != nil {
+		if !released {
+			return OffloadedStream{}, err
+		}
 		// The agent released the stream; its pages wait for a fence that
 		// comes once the reloads before it complete.
 		if ticket != 0 {
@@ -324,7 +324,7 @@ func (p *CPUPagePool) Discard(rid, label string) error {
 	if err := p.begin(); err != nil {
 		return err
 	}
-	_, err := p.roundTrip(wire.OpDiscard, p.fence(), &wire.Stream{Rid: rid, Label: label}, nil)
+	_, err := p.call(wire.OpDiscard, &wire.Stream{Rid: rid, Label: label}, nil)
 	return err
 }
 
@@ -337,7 +337,7 @@ func (p *CPUPagePool) RemoveRequest(rid string) error {
 		return err
 	}
 	var rep wire.RemoveRequestReply
-	_, err := p.roundTrip(wire.OpRemoveRequest, p.fence(), &wire.Request{Rid: rid}, &rep)
+	_, err := p.call(wire.OpRemoveRequest, &wire.Request{Rid: rid}, &rep)
 	return err
 }
 
@@ -349,7 +349,7 @@ func (p *CPUPagePool) IsOffloaded(rid string) (bool, error) {
 		return false, err
 	}
 	var rep wire.IsOffloadedReply
-	_, err := p.roundTrip(wire.OpIsOffloaded, p.fence(), &wire.Request{Rid: rid}, &rep)
+	_, err := p.call(wire.OpIsOffloaded, &wire.Request{Rid: rid}, &rep)
 	return rep.Offloaded, err
 }
 
@@ -361,24 +361,28 @@ func (p *CPUPagePool) Labels(rid string) ([]string, error) {
 		return nil, err
 	}
 	var rep wire.LabelsReply
-	if _, err := p.roundTrip(wire.OpLabels, p.fence(), &wire.Request{Rid: rid}, &rep); err != nil {
-		return nil, err
-	}
-	labels := rep.Labels
-	if rep.Total != 0 && int(rep.Total) < len(labels) {
-		p.dropConn()
-		return nil, fmt.Errorf("%w: labels reply of %d labels says it has %d", ErrProtocol, len(labels), rep.Total)
-	}
-	for len(labels) < int(rep.Total) {
-		var more wire.MoreReply
-		if _, err := p.roundTrip(wire.OpMore, 0, &wire.More{Offset: uint32(len(labels))}, &more); err != nil {
-			return nil, err
-		}
-		if len(more.Labels) == 0 || len(labels)+len(more.Labels) > int(rep.Total) {
+	var labels []string
+	fetch := func() error {
+		labels = rep.Labels
+		if rep.Total != 0 && int(rep.Total) < len(labels) {
 			p.dropConn()
-			return nil, fmt.Errorf("%w: more labels: %d after %d of %d", ErrProtocol, len(more.Labels), len(labels), rep.Total)
+			return fmt.Errorf("%w: labels reply of %d labels says it has %d", ErrProtocol, len(labels), rep.Total)
 		}
-		labels = append(labels, more.Labels...)
+		for len(labels) < int(rep.Total) {
+			var more wire.MoreReply
+			if _, err := p.roundTrip(wire.OpMore, 0, &wire.More{Offset: uint32(len(labels))}, &more); err != nil {
+				return err
+			}
+			if len(more.Labels) == 0 || len(labels)+len(more.Labels) > int(rep.Total) {
+				p.dropConn()
+				return fmt.Errorf("%w: more labels: %d after %d of %d", ErrProtocol, len(more.Labels), len(labels), rep.Total)
+			}
+			labels = append(labels, more.Labels...)
+		}
+		return nil
+	}
+	if _, err := p.callWith(wire.OpLabels, nil, &wire.Request{Rid: rid}, &rep, fetch); err != nil {
+		return nil, err
 	}
 	return labels, nil
 }
@@ -392,7 +396,7 @@ func (p *CPUPagePool) NumPages(rid, label string) (int, error) {
 		return 0, err
 	}
 	var rep wire.NumPagesReply
-	_, err := p.roundTrip(wire.OpNumPages, p.fence(), &wire.Stream{Rid: rid, Label: label}, &rep)
+	_, err := p.call(wire.OpNumPages, &wire.Stream{Rid: rid, Label: label}, &rep)
 	return int(rep.Pages), err
 }
 
@@ -409,7 +413,7 @@ func (p *CPUPagePool) Usage() (Usage, error) {
 		return Usage{}, err
 	}
 	var r wire.UsageReply
-	if _, err := p.roundTrip(wire.OpUsage, p.fence(), nil, &r); err != nil {
+	if _, err := p.call(wire.OpUsage, nil, &r); err != nil {
 		return Usage{}, err
 	}
 	return Usage{Capacity: int(r.Capacity), Used: int(r.Used), Pending: int(r.Pending), Streams: int(r.Streams),
@@ -446,7 +450,7 @@ func (p *CPUPagePool) Synchronize() error {
 	}
 	p.pollFences()
 	if f := p.fence(); f != 0 && p.wc != nil {
-		if _, err := p.roundTrip(wire.OpFence, f, nil, nil); err != nil {
+		if _, err := p.call(wire.OpFence, nil, nil); err != nil {
 			return err
 		}
 	}

@@ -90,6 +90,12 @@ type Config struct {
 	// where <namespace>_<name>_<uid> directories tie pod names to UIDs for
 	// TokenBinding "pod". Default "/var/log/pods". Absolute.
 	PodLogsDir string `json:"podLogsDir"`
+	// KeeperSocket is the Unix socket of the keeper (`agent keeper`), the
+	// small process that holds the pool's memory and books while the agent
+	// restarts, so that a restart or upgrade loses no session or stream.
+	// Empty (the default): no keeper; a restart then drops every session
+	// and stream. Absolute when set.
+	KeeperSocket string `json:"keeperSocket"`
 
 	// Sizing decides how much host memory the pool takes and how it is
 	// split into per-GPU pools and chunks.

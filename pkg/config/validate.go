@@ -59,6 +59,9 @@ func (c *Config) Validate() error {
 			bad("stateDir", "%s", err.Error())
 		}
 	}
+	if k := c.KeeperSocket; k != "" && (!filepath.IsAbs(k) || len(k) > maxSunPath) {
+		bad("keeperSocket", "%q is not an absolute path of at most %d bytes", k, maxSunPath)
+	}
 	if filepath.IsAbs(c.SocketDir) && len(c.SocketPath()) > maxSunPath {
 		bad("socketDir", "socket path %q is %d bytes, longer than a Unix socket address allows (%d)", c.SocketPath(), len(c.SocketPath()), maxSunPath)
 	}

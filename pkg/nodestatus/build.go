@@ -24,6 +24,8 @@ type Input struct {
 	UnhealthyChunks map[int]int
 	// UnhealthyGPUs names GPUs reported unhealthy.
 	UnhealthyGPUs map[int]bool
+	// Restart is what the agent took over from the keeper (nil: no keeper).
+	Restart *status.Restart
 }
 
 func bytesQ(n int64) resource.Quantity { return *resource.NewQuantity(n, resource.BinarySI) }
@@ -41,6 +43,10 @@ func Build(node string, in Input) v1alpha1.KVPoolNodeStatus {
 		Allocated:    bytesQ(tot.AllocatedBytes),
 		Used:         bytesQ(tot.UsedBytes),
 		Sessions:     int32(tot.Sessions),
+	}
+	if r := in.Restart; r != nil {
+		st.Restart = &v1alpha1.RestartStatus{AdoptedChunks: int32(r.AdoptedChunks), FreshChunks: int32(r.FreshChunks),
+			LastGapMilliseconds: int64(r.LastGapSeconds * 1000)}
 	}
 	var sick []string
 	for _, g := range in.Snapshot.GPUs {

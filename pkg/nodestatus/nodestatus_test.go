@@ -373,3 +373,13 @@ func TestHeartbeatRefreshesUnchangedStatus(t *testing.T) {
 	cancel()
 	<-done
 }
+func TestBuildRestart(t *testing.T) {
+	st := Build("n", Input{})
+	if st.Restart != nil {
+		t.Fatalf("restart without a keeper: %+v", st.Restart)
+	}
+	st = Build("n", Input{Restart: &status.Restart{AdoptedChunks: 7, FreshChunks: 1, LastGapSeconds: 0.1234}})
+	if r := st.Restart; r == nil || r.AdoptedChunks != 7 || r.FreshChunks != 1 || r.LastGapMilliseconds != 123 {
+		t.Fatalf("restart %+v", st.Restart)
+	}
+}

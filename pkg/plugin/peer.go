@@ -11,6 +11,8 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+
+	"github.com/kvpool/kvpool/pkg/pool"
 )
 
 // Pod binding: in cluster mode a token works only from the pod its
@@ -152,7 +154,29 @@ func validUID(u string) bool {
 // AuthorizePeer is Authorize for a client whose process ID (as the agent
 // sees it, from SO_PEERCRED) is pid. With Options.BindPods it also checks
 // that the process runs in the pod that holds the allocation's devices.
+// Like Authorize, it returns pool.ErrNotReady for a restored allocation
+// whose chunks have not joined the pool yet (after the pod check).
 func (p *Plugin) AuthorizePeer(ctx context.Context, token string, pid int32) (string, error) {
+	id, err := p.authorizePeer(ctx, token, pid)
+	if err != nil {
+		return "", err
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	a, ok := p.allocs[token]
+	if !ok {
+		return "", ErrUnknownToken // revoked meanwhile
+	}
+	if !a.granted {
+		p.grantLocked(a)
+		if !a.granted {
+			return "", fmt.Errorf("%w: the allocation's chunks are not ready yet", pool.ErrNotReady)
+		}
+	}
+	return id, nil
+}
+
+func (p *Plugin) authorizePeer(ctx context.Context, token string, pid int32) (string, error) {
 	p.mu.Lock()
 	a, ok := p.allocs[token]
 	var id, pod string

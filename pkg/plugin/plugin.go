@@ -316,7 +316,24 @@ func (p *Plugin) Authorize(token string) (string, error) {
 	if !ok {
 		return "", ErrUnknownToken
 	}
+	if !a.granted {
+		p.grantLocked(a)
+		if !a.granted {
+			return "", fmt.Errorf("%w: the allocation's chunks are not ready yet", pool.ErrNotReady)
+		}
+	}
 	return a.ID(), nil
+}
+
+// GrantPending grants the restored allocations whose chunks have become
+// ready; the agent calls it as each chunk joins the pool, so that a
+// restored allocation is usable the moment its chunks are.
+func (p *Plugin) GrantPending() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, a := range p.allocs {
+		p.grantLocked(a)
+	}
 }
 
 func newToken() string {

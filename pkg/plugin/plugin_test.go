@@ -714,3 +714,31 @@ func TestRepeatedAllocateRefreshesGrace(t *testing.T) {
 		t.Errorf("not reclaimed a grace period after the last Allocate: %v", err)
 	}
 }
+
+// A restored allocation is usable the moment its chunks are, not at the
+// next reconcile; before that its token gets "not ready, retry", never
+// "unknown".
+func TestRestoredAllocationUsableWhenChunksJoin(t *testing.T) {
+	e := newEnv(t)
+	token := e.mustAllocate("gpu0-numa0-0", "gpu0-numa0-1")
+	fresh := pool.New()
+	p2 := e.newPlugin(fresh)
+	if _, err := p2.Authorize(token); !errors.Is(err, pool.ErrNotReady) {
+		t.Fatalf("Authorize before the chunks are ready: %v, want ErrNotReady", err)
+	}
+	if _, err := p2.Authorize("not-a-token"); !errors.Is(err, ErrUnknownToken) || errors.Is(err, pool.ErrNotReady) {
+		t.Fatalf("Authorize of an unknown token: %v", err)
+	}
+	for _, c := range testChunks() {
+		if err := fresh.AddChunk(c); err != nil {
+			t.Fatal(err)
+		}
+		p2.GrantPending()
+	}
+	if id, err := p2.Authorize(token); err != nil || id != AllocationID(token) {
+		t.Fatalf("Authorize once the chunks joined: %q, %v", id, err)
+	}
+	if ids, err := fresh.Allocation(AllocationID(token)); err != nil || len(ids) != 2 {
+		t.Fatalf("grant: %v, %v", ids, err)
+	}
+}

@@ -61,10 +61,12 @@ type Spec struct {
 
 // Pool tracks chunks, allocations and sessions.
 type Pool struct {
-	mu     sync.Mutex
-	chunks map[string]*chunk
-	order  []*chunk // in AddChunk order, for stable listings
-	allocs map[string]*allocation
+	mu      sync.Mutex
+	chunks  map[string]*chunk
+	order   []*chunk // in AddChunk order, for stable listings
+	allocs  map[string]*allocation
+	lastID  uint64  // the last session ID handed out
+	journal Journal // nil: no books
 }
 
 type chunk struct {
@@ -101,6 +103,7 @@ func (p *Pool) AddChunk(c Chunk) error {
 	ch := &chunk{Chunk: c}
 	p.chunks[c.ID] = ch
 	p.order = append(p.order, ch)
+	p.record(Event{Kind: EventAddChunk, Chunk: c})
 	return nil
 }
 
@@ -123,6 +126,7 @@ func (p *Pool) RemoveChunk(id string) error {
 			break
 		}
 	}
+	p.record(Event{Kind: EventRemoveChunk, Chunk: ch.Chunk})
 	return nil
 }
 
@@ -139,6 +143,7 @@ func (p *Pool) Scrubbed(id string) error {
 		return fmt.Errorf("scrubbed %s: %w: granted to allocation %s", id, ErrChunkBusy, ch.alloc.id)
 	}
 	ch.state = ChunkFree
+	p.record(Event{Kind: EventScrubbed, Chunk: ch.Chunk})
 	return nil
 }
 
@@ -186,6 +191,7 @@ func (p *Pool) Grant(alloc string, ids []string) error {
 		ch.alloc = a
 	}
 	p.allocs[alloc] = a
+	p.record(Event{Kind: EventGrant, Allocation: alloc, Chunks: append([]string(nil), ids...)})
 	return nil
 }
 
@@ -225,6 +231,7 @@ func (p *Pool) Revoke(alloc string) ([]Chunk, error) {
 		out[i] = ch.Chunk
 	}
 	delete(p.allocs, alloc)
+	p.record(Event{Kind: EventRevoke, Allocation: alloc})
 	return out, nil
 }
 
@@ -293,6 +300,8 @@ func (p *Pool) Open(alloc string, spec Spec) (*Session, error) {
 		capacity = spec.MaxPages
 	}
 	s := newSession(p, a, spec, chosen, ppc, capacity)
+	p.lastID++
+	s.id = p.lastID
 	for _, ch := range chosen {
 		ch.session = s
 	}

@@ -47,6 +47,7 @@ var ErrBadName = errors.New("bad request ID or label")
 
 // Session is one client's view of the pool: its pages and its stream table.
 type Session struct {
+	id       uint64
 	pool     *Pool
 	alloc    *allocation
 	spec     Spec
@@ -153,6 +154,9 @@ func newSession(p *Pool, a *allocation, spec Spec, chunks []*chunk, ppc, capacit
 	}
 	return s
 }
+
+// ID is the session's number, unique in the pool (and across a restore).
+func (s *Session) ID() uint64 { return s.id }
 
 // Spec returns the geometry the session was opened with.
 func (s *Session) Spec() Spec { return s.spec }

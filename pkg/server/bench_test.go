@@ -107,6 +107,20 @@ func BenchmarkRoundTrip(b *testing.B) {
 	}
 }
 
+// BenchmarkRoundTripJournaled is BenchmarkRoundTrip with the books
+// recording every change before it is answered (an agent with a keeper).
+func BenchmarkRoundTripJournaled(b *testing.B) {
+	p, chunks, bk, _ := booksPool(b)
+	defer bk.Close()
+	a, _ := journaled(b, p, chunks, bk, nil)
+	bc := newBenchClient(b, a)
+	b.ReportAllocs()
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		bc.call(b, i)
+	}
+}
+
 // BenchmarkUnixEchoFloor is the floor under BenchmarkRoundTrip: a bare
 // request and reply of the same sizes over a unixpacket connection to a
 // goroutine that answers at once.

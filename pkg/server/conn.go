@@ -94,6 +94,7 @@ type conn struct {
 	pagesIn wire.Pages
 	moreIn  wire.More
 	errBody wire.Error
+	jop     SessionOp
 }
 
 // maxKeep bounds the page buffers a connection keeps between requests; a
@@ -114,8 +115,11 @@ func (s *Server) newConn(uc *net.UnixConn, peer Peer) *conn {
 // reply is an operation's outcome: a body for StatusOK, or a status and an
 // error for the Error body.
 type reply struct {
-	pages  int  // host pages moved, for Hooks.Request
-	full   bool // offload refused: pool full
+	raw    []byte  // a kept answer sent again: the body of a StatusOK reply
+	change bool    // the op changed the session (journal it)
+	pages  int     // host pages moved, for Hooks.Request
+	all    []int32 // offload, reload: every host page, also those left for OpMore
+	full   bool    // offload refused: pool full
 	st     wire.Status
 	body   proto.Message
 	err    error
@@ -154,8 +158,25 @@ func (c *conn) serve() {
 			r = fail(wire.StatusUnknownOp, fmt.Errorf("unknown op %d (protocol version %d)", uint8(h.Op), wire.Version))
 		case !c.hello && h.Op != wire.OpHello:
 			r = fail(wire.StatusVersion, fmt.Errorf("%s before hello; the first request must be hello", h.Op))
+		case h.Op == wire.OpHello && c.s.notReady.Load():
+			r = fail(wire.StatusUnavailable, errors.New("the agent is restoring its books after a restart; retry"))
 		default:
+			e := c.e
+			if e != nil && c.s.o.Journal != nil {
+				// A change and its record are one step: a half-open
+				// connection of the same session cannot interleave.
+				e.opMu.Lock()
+			}
 			r = c.handle(h, body)
+			if e != nil && c.s.o.Journal != nil {
+				err := c.journal(e, h, r)
+				e.opMu.Unlock()
+				if err != nil {
+					c.log.Error("closing connection: the books cannot record a change", "op", h.Op, "err", err)
+					c.send(h, fail(wire.StatusInternal, fmt.Errorf("the agent cannot record this change: %w", err)))
+					return
+				}
+			}
 		}
 		if err := c.send(h, r); err != nil {
 			c.s.rlog.Log(slog.LevelWarn, "send", "closing connection: send reply", "conn", c.id, "pid", c.peer.PID, "op", h.Op, "err", err)
@@ -176,6 +197,19 @@ func (c *conn) serve() {
 }
 
 func (c *conn) send(h wire.Header, r reply) error {
+	if r.raw != nil {
+		c.out = append(wire.AppendHeader(c.out[:0], wire.Header{Op: h.Op, Seq: h.Seq}), r.raw...)
+		return c.wc.Send(c.out, nil)
+	}
+	var err error
+	if c.out, err = c.encode(h, r); err != nil {
+		return err
+	}
+	return c.wc.Send(c.out, r.fds)
+}
+
+// encode builds the reply packet in c.out.
+func (c *conn) encode(h wire.Header, r reply) ([]byte, error) {
 	body := r.body
 	if r.st != wire.StatusOK {
 		c.errBody.Reset()
@@ -190,11 +224,75 @@ func (c *conn) send(h wire.Header, r reply) error {
 		c.errBody.Reset()
 		c.errBody.Message = err.Error()
 		c.out, err = wire.AppendPacket(c.out[:0], wire.Header{Op: h.Op, Status: wire.StatusInternal, Seq: h.Seq}, &c.errBody)
+	}
+	return c.out, err
+}
+
+// journal records what request h did to session e, with its answer,
+// before the answer is sent. A request that changed nothing but carried a
+// new fence is recorded as the fence alone.
+func (c *conn) journal(e *entry, h wire.Header, r reply) error {
+	change := r.change && r.st == wire.StatusOK && r.raw == nil
+	if !change && (h.Fence == 0 || h.Fence <= e.fenced) {
+		return nil
+	}
+	op := &c.jop
+	*op = SessionOp{Session: e.id, Seq: h.Seq, Fence: h.Fence}
+	if change {
+		out, err := c.encode(h, r)
 		if err != nil {
 			return err
 		}
+		c.out = out
+		op.Op, op.Status, op.Reply = h.Op, r.st, out[wire.HeaderSize:]
+		switch h.Op {
+		case wire.OpOffload:
+			m := &c.offload
+			op.Rid, op.Label, op.Pages = m.Rid, m.Label, r.all
+			op.Meta = pool.Meta{StoredLen: m.StoredLen, Position: m.Position, Released: m.Released}
+		case wire.OpReload:
+			op.Rid, op.Label, op.Pages, op.Ticket = c.reload.Rid, c.reload.Label, r.all, c.relRep.Ticket
+		case wire.OpDiscard:
+			op.Rid, op.Label = c.stream.Rid, c.stream.Label
+		case wire.OpRemoveRequest:
+			op.Rid = c.request.Rid
+		}
 	}
-	return c.wc.Send(c.out, r.fds)
+	if err := c.s.o.Journal.Session(*op); err != nil {
+		return err
+	}
+	if h.Fence > e.fenced {
+		e.fenced = h.Fence
+	}
+	if change && replayable(h.Op) {
+		e.last.mu.Lock()
+		e.last.Seq, e.last.Op, e.last.Status = h.Seq, h.Op, r.st
+		e.last.Body = append(e.last.Body[:0], op.Reply...)
+		e.last.Pages = nil
+		if len(r.all) > wire.MaxPagesPerPacket {
+			// The rest of a long reply stays fetchable after a resend:
+			// the slice is the session's (longPages gave it up).
+			e.last.Pages = r.all
+		}
+		e.last.mu.Unlock()
+	}
+	return nil
+}
+
+// cached returns the kept answer when seq and op are those of the
+// session's last changing request: the client resends a request whose
+// answer it never got (the agent restarted in between). The rest of a long
+// reply becomes fetchable with OpMore again.
+func (e *entry) cached(seq uint32, op wire.Op) ([]byte, bool) {
+	e.last.mu.Lock()
+	defer e.last.mu.Unlock()
+	if e.last.Op == 0 || e.last.Seq != seq || e.last.Op != op {
+		return nil, false
+	}
+	if len(e.last.Pages) > 0 {
+		e.setMore(moreReply{op: op, pages: e.last.Pages})
+	}
+	return append([]byte{}, e.last.Body...), true
 }
 
 func closeFiles(fs []*os.File) {
@@ -250,6 +348,12 @@ func (c *conn) handle(h wire.Header, body []byte) reply {
 			return errReply(err)
 		}
 	}
+	if replayable(h.Op) {
+		if body, ok := e.cached(h.Seq, h.Op); ok {
+			c.dropStaged()
+			return reply{raw: body}
+		}
+	}
 	switch h.Op {
 	case wire.OpPages:
 		m := &c.pagesIn
@@ -286,9 +390,9 @@ func (c *conn) handle(h wire.Header, body []byte) reply {
 		if err != nil {
 			return errReply(err)
 		}
-		n := len(rep.HostPages)
+		all := rep.HostPages
 		rep.HostPages, rep.Total = c.longPages(wire.OpOffload)
-		return reply{body: rep, pages: n}
+		return reply{body: rep, pages: len(all), all: all, change: true}
 	case wire.OpReload:
 		m := &c.reload
 		if err := wire.DecodeBody(body, m); err != nil {
@@ -304,7 +408,7 @@ func (c *conn) handle(h wire.Header, body []byte) reply {
 		rep := &c.relRep
 		rep.StoredLen, rep.Position, rep.Released, rep.Ticket = rl.Meta.StoredLen, rl.Meta.Position, rl.Meta.Released, rl.Ticket
 		rep.HostPages, rep.Total = c.longPages(wire.OpReload)
-		return reply{body: rep, pages: len(rl.Pages)}
+		return reply{body: rep, pages: len(rl.Pages), all: rl.Pages, change: true}
 	case wire.OpMore:
 		m := &c.moreIn
 		if err := wire.DecodeBody(body, m); err != nil {
@@ -319,7 +423,7 @@ func (c *conn) handle(h wire.Header, body []byte) reply {
 		if err := ps.Discard(m.Rid, m.Label); err != nil {
 			return errReply(err)
 		}
-		return reply{}
+		return reply{change: true}
 	case wire.OpNumPages:
 		m := &c.stream
 		if err := wire.DecodeBody(body, m); err != nil {
@@ -341,7 +445,7 @@ func (c *conn) handle(h wire.Header, body []byte) reply {
 			if err != nil {
 				return errReply(err)
 			}
-			return reply{body: &wire.RemoveRequestReply{Removed: uint32(n)}}
+			return reply{body: &wire.RemoveRequestReply{Removed: uint32(n)}, change: n > 0}
 		case wire.OpIsOffloaded:
 			if ps.Closed() {
 				return errReply(pool.ErrClosed)
@@ -373,6 +477,7 @@ func (c *conn) handle(h wire.Header, body []byte) reply {
 				Pending: uint32(u.Pending), Streams: uint32(u.Streams), Requests: uint32(u.Requests), Free: uint32(u.Free())}}
 		case wire.OpClose:
 			c.closeSession()
+			return reply{change: true}
 		}
 		return reply{}
 	}
@@ -511,6 +616,9 @@ func (c *conn) handleOpen(body []byte) reply {
 	} else {
 		alloc, err = c.s.o.Authorize(m.Token)
 	}
+	if errors.Is(err, pool.ErrNotReady) {
+		return fail(wire.StatusUnavailable, fmt.Errorf("open: %w", err))
+	}
 	if err != nil {
 		c.unauthorized(err)
 		return fail(wire.StatusUnauthorized, fmt.Errorf("open: token: %w", err))
@@ -596,8 +704,21 @@ func (s *Server) attach(c *conn, k key, uuid, inst string, lay layout) (*entry, 
 		r.err = fmt.Errorf("open: %w", err)
 		return nil, "", r
 	}
-	s.nextID++
-	e = &entry{id: s.nextID, key: k, uuid: uuid, instance: inst, short: shortID(inst), ps: ps, layout: lay, opened: time.Now(), conn: c, peer: c.peer}
+	e = &entry{id: ps.ID(), key: k, uuid: uuid, instance: inst, short: shortID(inst), ps: ps, layout: lay, opened: time.Now(), conn: c, peer: c.peer}
+	if j := s.o.Journal; j != nil {
+		info := &OpenInfo{Allocation: k.alloc, Instance: inst, UUID: uuid, Peer: c.peer, Layout: lay.export(), Image: pool.SessionImage{
+			ID: ps.ID(), Allocation: k.alloc, Spec: ps.Spec(), PPC: ps.PagesPerChunk(), Capacity: ps.Capacity()}}
+		if replaced != nil {
+			info.Replaces = replaced.ID
+		}
+		for _, ch := range ps.Chunks() {
+			info.Image.Chunks = append(info.Image.Chunks, ch.ID)
+		}
+		if err := j.Session(SessionOp{Session: ps.ID(), Op: wire.OpOpen, Open: info}); err != nil {
+			s.o.Pool.Close(ps)
+			return nil, "", fail(wire.StatusInternal, fmt.Errorf("open: the agent cannot record the session: %w", err))
+		}
+	}
 	s.sessions[k] = e
 	c.e = e
 	return e, SessionOpened, reply{}
@@ -662,4 +783,5 @@ var statusMap = []struct {
 	{pool.ErrNoCapacity, wire.StatusNoCapacity},
 	{pool.ErrNoGPUChunks, wire.StatusNoGPUChunks},
 	{pool.ErrUnknownAllocation, wire.StatusUnauthorized},
+	{pool.ErrNotReady, wire.StatusUnavailable},
 }

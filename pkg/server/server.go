@@ -129,6 +129,9 @@ type Options struct {
 	// SweepInterval is how often sessions of revoked allocations are
 	// dropped; default 1s.
 	SweepInterval time.Duration
+	// Journal, when set, records every session change before its answer
+	// is sent (pkg/books), so that sessions survive an agent restart.
+	Journal Journal
 }
 
 // Server serves the copy API. Create it with New.
@@ -143,8 +146,8 @@ type Server struct {
 	sessions map[key]*entry
 	conns    map[*conn]struct{}
 	closing  bool // Serve is shutting down
-	nextID   uint64
 	counts   connCounts
+	notReady atomic.Bool
 
 	wg sync.WaitGroup
 }
@@ -167,6 +170,10 @@ type entry struct {
 	peer     Peer
 	lastSeen time.Time
 	uuid     string
+
+	opMu   sync.Mutex // held from a change to its record in the journal
+	last   lastReply  // the answer to the last changing request
+	fenced uint64     // the highest fence journaled; guarded by the connection serving it
 
 	// more is the rest of the session's last long reply, for OpMore. It
 	// lives on the session, not the connection, so that a client whose

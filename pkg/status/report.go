@@ -17,6 +17,8 @@ type Report struct {
 	Snapshot
 	Errors      []Entry `json:"errors"`
 	ErrorsTotal uint64  `json:"errorsTotal"`
+	// Restart is what the agent took over from the keeper; nil without one.
+	Restart *Restart `json:"restart,omitempty"`
 }
 
 // Reporter assembles Reports. Pool is required; the rest is optional.
@@ -31,6 +33,8 @@ type Reporter struct {
 	Mode      string
 	Started   time.Time
 	Now       func() time.Time // defaults to time.Now
+	// Restart reports what the agent took over from the keeper (nil: no keeper).
+	Restart func() *Restart
 }
 
 // Report takes a snapshot now.
@@ -55,6 +59,9 @@ func (r *Reporter) Report() Report {
 	if r.Errors != nil {
 		rep.Errors = r.Errors.Entries()
 		rep.ErrorsTotal = r.Errors.Total()
+	}
+	if r.Restart != nil {
+		rep.Restart = r.Restart()
 	}
 	return rep
 }

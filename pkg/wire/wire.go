@@ -111,6 +111,11 @@ const (
 	// sessions, streams, name bytes, layout size, client name); the
 	// Error message names the bound and its value.
 	StatusLimit Status = 23
+
+	// StatusUnavailable: the agent is starting or restoring its books
+	// after a restart; nothing was done; retry the same request shortly.
+	// Distinct from StatusUnauthorized, which means the allocation is gone.
+	StatusUnavailable Status = 28
 )
 
 var statusNames = [...]string{
@@ -121,8 +126,11 @@ var statusNames = [...]string{
 }
 
 func (s Status) String() string {
-	if s == StatusLimit {
+	switch s {
+	case StatusLimit:
 		return "limit"
+	case StatusUnavailable:
+		return "unavailable, retry"
 	}
 	if int(s) < len(statusNames) {
 		return statusNames[s]

@@ -135,6 +135,7 @@ func parseValues(t testing.TB, s string) map[string]any {
 type rendered struct {
 	objs      []object
 	ds        *appsv1.DaemonSet
+	keeper    *appsv1.DaemonSet // nil with keeper.enabled false
 	cm        *corev1.ConfigMap
 	dashboard *corev1.ConfigMap
 	sa        *corev1.ServiceAccount
@@ -165,7 +166,11 @@ func renderSet(t *testing.T, vs valueSet) rendered {
 		}
 		switch obj := o.typed.(type) {
 		case *appsv1.DaemonSet:
-			r.ds = obj
+			if strings.HasSuffix(obj.Name, "-keeper") {
+				r.keeper = obj
+			} else {
+				r.ds = obj
+			}
 		case *corev1.ConfigMap:
 			if strings.HasSuffix(obj.Name, "-dashboard") {
 				r.dashboard = obj
@@ -352,6 +357,9 @@ func checkMounts(t *testing.T, vs valueSet, r rendered) {
 	}
 	if vs.tokenBinding == "pod" {
 		wantHost["/var/log/pods"] = want{"/var/log/pods", corev1.HostPathDirectory, true}
+	}
+	if r.keeper != nil {
+		wantHost[keeperDir] = want{keeperDir, corev1.HostPathDirectoryOrCreate, false}
 	}
 	seenHost := map[string]bool{}
 	var configMounted, tmpMounted bool

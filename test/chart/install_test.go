@@ -48,7 +48,7 @@ func TestInstallDryRun(t *testing.T) {
 	}
 	var ds *appsv1.DaemonSet
 	for _, d := range docs[1:] {
-		if o := decodeDoc(t, "manifest", d); o.kind == "DaemonSet" {
+		if o := decodeDoc(t, "manifest", d); o.kind == "DaemonSet" && !strings.HasSuffix(o.name, "-keeper") {
 			ds = o.typed.(*appsv1.DaemonSet)
 		}
 	}

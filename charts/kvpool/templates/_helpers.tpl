@@ -95,3 +95,21 @@ Fractions and exponents are refused: sizes here are whole bytes.
 {{- define "kvpool.podResourcesDir" -}}
 {{- printf "%s/pod-resources" (trimSuffix "/" .Values.paths.kubeletDir) -}}
 {{- end -}}
+
+{{/*
+kvpool.keeperSocket is the keeper's socket, the same path in the keeper's and
+the agent's containers (both mount keeper.socketDir at that path).
+*/}}
+{{- define "kvpool.keeperSocket" -}}
+{{- printf "%s/keeper.sock" (trimSuffix "/" .Values.keeper.socketDir) -}}
+{{- end -}}
+
+{{/*
+kvpool.keeperSelectorLabels select the keeper's pods and never the agent's
+(nor does the agent's selector, or its metrics Service, select the keeper's).
+*/}}
+{{- define "kvpool.keeperSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvpool.name" . }}-keeper
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: keeper
+{{- end -}}

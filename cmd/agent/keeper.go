@@ -1,0 +1,58 @@
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+
+	"github.com/kvpool/kvpool/pkg/keeper"
+	"github.com/kvpool/kvpool/pkg/logging"
+)
+
+// DefaultKeeperSocket is where `agent keeper` listens by default.
+const DefaultKeeperSocket = "/var/lib/kvpool/keeper/keeper.sock"
+
+// runKeeper is `agent keeper`: the fd store that holds the pool's memory
+// and books while the agent restarts. It ends on SIGTERM or SIGINT, and
+// with it the memory (once no process maps it).
+func runKeeper(ctx context.Context, args []string) error {
+	fs := flag.NewFlagSet("keeper", flag.ContinueOnError)
+	fs.SetOutput(flagOutput)
+	socket := fs.String("socket", DefaultKeeperSocket, "the keeper's Unix socket (the agent's keeperSocket); mode 0600")
+	level := fs.String("log-level", "info", "debug, info, warn or error")
+	format := fs.String("log-format", "text", "text or json")
+	fs.Usage = func() {
+		fmt.Fprintf(fs.Output(), `usage: agent keeper [flags]
+
+Holds the pool's chunk memfds and the books memfd for the agent, so that an
+agent restart or upgrade adopts the same memory and loses no session or
+stream. It talks only to the agent, over a socket only its user may open.
+Stopping it frees the pool: a later agent starts fresh.
+
+`)
+		fs.PrintDefaults()
+	}
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	log, _, err := logging.New(logging.Options{Level: *level, Format: *format})
+	if err != nil {
+		return err
+	}
+	l, err := keeper.Listen(*socket)
+	if err != nil {
+		return err
+	}
+	defer os.Remove(*socket)
+	k := keeper.New(log)
+	log.Info("keeper serving", "socket", *socket, "version", version, "protocol", keeper.Version)
+	err = k.Serve(ctx, l)
+	st := k.Stat()
+	k.Close()
+	log.Info("keeper stopped; the pool's memory is released", "chunks", st.Chunks, "bytes", st.Bytes)
+	return err
+}

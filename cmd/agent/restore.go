@@ -1,0 +1,291 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/kvpool/kvpool/pkg/books"
+	"github.com/kvpool/kvpool/pkg/hostmem"
+	"github.com/kvpool/kvpool/pkg/keeper"
+	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/server"
+	"github.com/kvpool/kvpool/pkg/status"
+)
+
+// keeperWait bounds how long the agent waits for the keeper at start (the
+// previous agent's connection may still be closing).
+const keeperWait = 30 * time.Second
+
+// restart is what the agent took over from the keeper at start.
+type restart struct {
+	keeper   *keeper.Client
+	books    *books.Books
+	genMu    sync.Mutex
+	gens     map[string]uint64 // memfd generation of each chunk the agent holds; genMu
+	adopted  map[string]bool
+	sessions []server.RestoredSession
+	streams  int
+	// lastAlive is the previous agent's last sign of life; the gap runs
+	// from it until this agent serves.
+	lastAlive time.Time
+	gap       time.Duration
+	fresh     atomic.Int64 // chunks allocated by this agent
+}
+
+// restore connects to the keeper, replays the books, adopts every kept
+// chunk whose identity matches them and rebuilds the pool, so that no
+// chunk is pinned twice and every committed session and stream is back.
+// Whatever cannot be adopted is dropped and said so; books of another
+// format version are refused, the keeper's state released, and the agent
+// starts fresh.
+func (a *agent) restore() error {
+	path := a.cfg.KeeperSocket
+	kc, held, err := keeper.Connect(path, keeperWait)
+	if err != nil {
+		return fmt.Errorf("keeper: %w (is `agent keeper --socket %s` running?)", err, path)
+	}
+	r := &restart{keeper: kc, gens: map[string]uint64{}, adopted: map[string]bool{}}
+	a.restart = r
+	st := books.NewState()
+	var info books.Info
+	switch {
+	case held.Books != nil:
+		st, info, err = books.Load(held.Books)
+		held.Books.Close()
+		if err != nil {
+			a.log.Error("the kept books cannot be adopted; releasing the keeper's state and starting with a fresh pool",
+				"err", err, "incompatible", errors.Is(err, books.ErrIncompatible), "chunks", len(held.Chunks))
+			a.release(held)
+			st, info = books.NewState(), books.Info{}
+			held = &keeper.State{}
+		}
+	case len(held.Chunks) > 0:
+		a.log.Error("the keeper holds chunks but no books; releasing them and starting with a fresh pool", "chunks", len(held.Chunks))
+		a.release(held)
+		held = &keeper.State{}
+	}
+	r.lastAlive = info.LastAlive
+
+	planned := map[string]hostmem.Spec{}
+	for _, s := range a.specs {
+		planned[s.ID] = s
+	}
+	for _, h := range held.Chunks {
+		c, why := a.adopt(st, h, planned)
+		if why != "" {
+			a.log.Warn("dropping a kept chunk", "chunk", h.ID, "why", why)
+			h.File.Close()
+			st.Forget(h.ID)
+			if err := kc.Drop(h.ID); err != nil {
+				return fmt.Errorf("keeper: %w", err)
+			}
+			continue
+		}
+		a.hmem[h.ID] = c
+		r.gens[h.ID] = h.Gen
+		r.adopted[h.ID] = true
+	}
+	for _, c := range st.Chunks() {
+		if !r.adopted[c.ID] {
+			a.log.Warn("a chunk of the books is not in the keeper; its allocation is revoked", "chunk", c.ID)
+			st.Forget(c.ID)
+		}
+	}
+	sessions, err := a.pool.Restore(st.Image())
+	if err != nil {
+		a.log.Error("the books do not rebuild a consistent pool; releasing the keeper's state and starting fresh", "err", err)
+		for id, c := range a.hmem {
+			c.Close()
+			delete(a.hmem, id)
+		}
+		if err := kc.Reset(); err != nil {
+			return fmt.Errorf("keeper: %w", err)
+		}
+		clear(r.adopted)
+		clear(r.gens)
+		st, sessions = books.NewState(), nil
+	}
+	r.sessions = st.Restored(sessions)
+	r.streams = st.Streams()
+	b, err := books.Start(st, info.Gen, kc, a.booksFailed)
+	if err != nil {
+		return err
+	}
+	r.books = b
+	a.pool.SetJournal(b)
+	if len(held.Chunks) > 0 || len(r.adopted) > 0 {
+		a.log.Info("pool adopted from the keeper", "chunks", len(r.adopted), "sessions", len(r.sessions),
+			"streams", r.streams, "booksGen", info.Gen)
+	}
+	return nil
+}
+
+// release makes the keeper drop everything it holds.
+func (a *agent) release(held *keeper.State) {
+	held.Close()
+	if err := a.restart.keeper.Reset(); err != nil {
+		a.log.Error("keeper reset", "err", err)
+	}
+}
+
+// adopt maps a kept chunk after checking it is the one the books name: same
+// generation (a fresh memfd replaces a chunk at each grant), size and seals,
+// and still in the plan. Mapping and locking pages that are already resident
+// allocates nothing.
+func (a *agent) adopt(st *books.State, h keeper.Held, planned map[string]hostmem.Spec) (*hostmem.Chunk, string) {
+	bc, ok := st.Chunk(h.ID)
+	spec, inPlan := planned[h.ID]
+	seals, serr := keeper.Seals(h.File)
+	switch {
+	case !ok:
+		return nil, "not in the books"
+	case bc.Gen != h.Gen:
+		return nil, fmt.Sprintf("generation %d, the books say %d", h.Gen, bc.Gen)
+	case bc.Size != h.Size || h.Size != fileSize(h.File):
+		return nil, fmt.Sprintf("size %d, the books say %d", h.Size, bc.Size)
+	case serr != nil || seals != bc.Seals:
+		return nil, fmt.Sprintf("seals %#x (%v), the books say %#x", seals, serr, bc.Seals)
+	case !inPlan:
+		return nil, "no longer in the plan"
+	case spec.Size != h.Size:
+		return nil, fmt.Sprintf("the plan's chunk size is now %d", spec.Size)
+	}
+	mem, err := hostmem.Map(h.File, h.Size)
+	if err != nil {
+		return nil, err.Error()
+	}
+	c := &hostmem.Chunk{File: h.File, Mem: mem, Size: h.Size, PageSize: int64(os.Getpagesize()), Node: bc.NUMA}
+	var fst unix.Stat_t
+	if unix.Fstat(int(h.File.Fd()), &fst) == nil && fst.Blksize > 0 {
+		c.PageSize = int64(fst.Blksize)
+	}
+	if spec.Lock {
+		if err := unix.Mlock(mem); err != nil {
+			if !spec.LockFallback {
+				unix.Munmap(mem)
+				return nil, fmt.Sprintf("mlock: %v", err)
+			}
+			c.Warnings = append(c.Warnings, "left unlocked: "+err.Error())
+		} else {
+			c.Locked = true
+		}
+	}
+	return c, ""
+}
+
+func fileSize(f *os.File) int64 {
+	fi, err := f.Stat()
+	if err != nil {
+		return -1
+	}
+	return fi.Size()
+}
+
+// keep hands a new chunk's memfd to the keeper and records its generation
+// in the books before the chunk is used: a freshly allocated chunk, or a
+// fresh memfd that replaces a chunk at reclaim (the keeper then drops the
+// old one). Without a keeper it does nothing. Safe for concurrent use.
+func (a *agent) keep(id string, c *hostmem.Chunk) error {
+	r := a.restart
+	if r == nil {
+		return nil
+	}
+	r.genMu.Lock()
+	defer r.genMu.Unlock()
+	seals, err := keeper.Seals(c.File)
+	if err != nil {
+		return fmt.Errorf("seals of chunk %s: %w", id, err)
+	}
+	gen := r.gens[id] + 1
+	if err := r.keeper.Put(keeper.Item{ID: id, Gen: gen, Size: c.Size, Seals: seals}, c.File); err != nil {
+		return err
+	}
+	if err := r.books.ChunkGen(id, gen, seals); err != nil {
+		return err
+	}
+	r.gens[id] = gen
+	return nil
+}
+
+// booksFailed stops the agent: a change it cannot record would not
+// survive a restart, so it must not be acknowledged.
+func (a *agent) booksFailed(err error) {
+	a.log.Error("the books cannot record changes; stopping the agent so that nothing unrecorded is acknowledged", "err", err)
+	os.Exit(3)
+}
+
+// settleRestored runs once the device plugin knows its allocations: pool
+// allocations the plugin has no token for (the agent died between the
+// grant and the checkpoint) are revoked, and chunks left dirty by a
+// reclaim that was cut short are renewed (fresh memory, as a reclaim does).
+func (a *agent) settleRestored() {
+	if a.restart == nil {
+		return
+	}
+	known := map[string]bool{}
+	for _, id := range a.static {
+		known[id] = true
+	}
+	if a.plug != nil {
+		for _, rec := range a.plug.Plugin.Allocations() {
+			known[rec.ID()] = true
+		}
+	} else if a.static == nil {
+		return
+	}
+	seen := map[string]bool{}
+	for _, c := range a.pool.Chunks() {
+		if c.Allocation == "" || known[c.Allocation] || seen[c.Allocation] {
+			continue
+		}
+		seen[c.Allocation] = true
+		a.log.Warn("revoking a restored allocation no token names", "allocation", c.Allocation)
+		if _, err := a.pool.Revoke(c.Allocation); err != nil {
+			a.log.Error("revoke", "allocation", c.Allocation, "err", err)
+		}
+	}
+	for _, c := range a.pool.Chunks() {
+		if c.State != pool.ChunkDirty {
+			continue
+		}
+		if err := a.renew(c.ID); err != nil {
+			a.log.Error("scrub a restored dirty chunk", "chunk", c.ID, "err", err)
+			continue
+		}
+		if err := a.pool.Scrubbed(c.ID); err != nil {
+			a.log.Error("scrub a restored dirty chunk", "chunk", c.ID, "err", err)
+		}
+	}
+}
+
+// heartbeat leaves a sign of life in the books until ctx ends, so that the
+// next agent can tell how long the pool went unserved.
+func (a *agent) heartbeat(ctx context.Context) {
+	t := time.NewTicker(100 * time.Millisecond)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			a.restart.books.Touch()
+		}
+	}
+}
+
+// restartStatus is the restart section of the status report.
+func (a *agent) restartStatus() *status.Restart {
+	r := a.restart
+	if r == nil {
+		return nil
+	}
+	return &status.Restart{Keeper: a.cfg.KeeperSocket, AdoptedChunks: len(r.adopted), FreshChunks: int(r.fresh.Load()),
+		Sessions: len(r.sessions), Streams: r.streams, LastGapSeconds: r.gap.Seconds()}
+}

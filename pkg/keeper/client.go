@@ -1,0 +1,223 @@
+package keeper
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"sync"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// ErrBusy reports that another agent is connected to the keeper.
+var ErrBusy = errors.New("another agent is connected to this keeper")
+
+// Client is the agent's connection to its keeper. Its methods are safe for
+// concurrent use; requests are serialized.
+type Client struct {
+	mu  sync.Mutex
+	uc  *net.UnixConn
+	buf []byte
+	oob []byte
+}
+
+// Held is one chunk the keeper handed back: the item and its memfd.
+type Held struct {
+	Item
+	File *os.File
+}
+
+// State is what a keeper held when the agent connected.
+type State struct {
+	Books    *os.File // nil when the keeper holds no books
+	BooksGen uint64
+	Chunks   []Held
+}
+
+// Close closes every file of s.
+func (s *State) Close() {
+	if s.Books != nil {
+		s.Books.Close()
+	}
+	for _, h := range s.Chunks {
+		h.File.Close()
+	}
+}
+
+// Connect dials the keeper at path, says hello and receives everything it
+// holds. An ErrBusy keeper (the previous agent's connection is still
+// closing) is retried until wait passes.
+func Connect(path string, wait time.Duration) (*Client, *State, error) {
+	deadline := time.Now().Add(wait)
+	for {
+		c, st, err := connect(path)
+		if err == nil || time.Now().After(deadline) || !(errors.Is(err, ErrBusy) || errors.Is(err, unix.ECONNREFUSED) || errors.Is(err, unix.ENOENT)) {
+			return c, st, err
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+func connect(path string) (*Client, *State, error) {
+	uc, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: path, Net: "unixpacket"})
+	if err != nil {
+		return nil, nil, fmt.Errorf("keeper: dial %s: %w", path, err)
+	}
+	c := &Client{uc: uc, buf: make([]byte, maxPacket), oob: make([]byte, unix.CmsgSpace(4*batch+4))}
+	st, err := c.hello()
+	if err != nil {
+		uc.Close()
+		return nil, nil, err
+	}
+	return c, st, nil
+}
+
+func (c *Client) hello() (*State, error) {
+	if err := send(c.uc, message{V: Version, Op: "hello"}, nil); err != nil {
+		return nil, fmt.Errorf("keeper: hello: %w", err)
+	}
+	m, files, err := c.recv()
+	if err != nil {
+		return nil, err
+	}
+	if m.Op == "error" {
+		closeAll(files)
+		if m.Error == ErrBusy.Error() {
+			return nil, ErrBusy
+		}
+		return nil, fmt.Errorf("keeper: %s", m.Error)
+	}
+	st := &State{BooksGen: m.Gen}
+	if m.Op != "state" || m.V != Version || len(files) != btoi(m.Books) {
+		closeAll(files)
+		return nil, fmt.Errorf("keeper: unexpected answer to hello: %s v%d with %d fds (this agent speaks keeper protocol %d)", m.Op, m.V, len(files), Version)
+	}
+	if m.Books {
+		st.Books = files[0]
+	}
+	for {
+		m, files, err := c.recv()
+		if err != nil {
+			st.Close()
+			return nil, err
+		}
+		if m.Op == "end" {
+			closeAll(files)
+			break
+		}
+		if m.Op != "chunks" || len(files) != len(m.Items) {
+			closeAll(files)
+			st.Close()
+			return nil, fmt.Errorf("keeper: bad chunk batch: %s of %d items with %d fds", m.Op, len(m.Items), len(files))
+		}
+		for i, it := range m.Items {
+			st.Chunks = append(st.Chunks, Held{Item: it, File: files[i]})
+		}
+	}
+	if len(st.Chunks) != m.N {
+		st.Close()
+		return nil, fmt.Errorf("keeper: announced %d chunks, sent %d", m.N, len(st.Chunks))
+	}
+	return st, nil
+}
+
+func btoi(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+func (c *Client) recv() (message, []*os.File, error) {
+	n, oobn, flags, _, err := c.uc.ReadMsgUnix(c.buf, c.oob)
+	if err != nil {
+		return message{}, nil, fmt.Errorf("keeper: receive: %w", err)
+	}
+	if n == 0 {
+		return message{}, nil, errors.New("keeper: connection closed")
+	}
+	files, err := parseFDs(c.oob[:oobn])
+	if err == nil && flags&unix.MSG_CTRUNC != 0 {
+		err = errors.New("keeper: file descriptors truncated")
+	}
+	var m message
+	if err == nil {
+		err = json.Unmarshal(c.buf[:n], &m)
+	}
+	if err != nil {
+		closeAll(files)
+		return message{}, nil, err
+	}
+	return m, files, nil
+}
+
+func (c *Client) call(m message, fds []int) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if err := send(c.uc, m, fds); err != nil {
+		return fmt.Errorf("keeper %s: %w", m.Op, err)
+	}
+	rep, files, err := c.recv()
+	closeAll(files)
+	if err != nil {
+		return fmt.Errorf("keeper %s: %w", m.Op, err)
+	}
+	if rep.Op != "ok" {
+		return fmt.Errorf("keeper %s: %s", m.Op, rep.Error)
+	}
+	return nil
+}
+
+// Put hands the keeper a chunk's memfd, replacing any it holds under the
+// same ID. The agent keeps its own fd.
+func (c *Client) Put(it Item, f *os.File) error {
+	return c.call(message{Op: "put", Items: []Item{it}}, []int{int(f.Fd())})
+}
+
+// Drop makes the keeper close its fd of chunk id (a no-op when it has none).
+func (c *Client) Drop(id string) error {
+	return c.call(message{Op: "drop", Items: []Item{{ID: id}}}, nil)
+}
+
+// PutBooks hands the keeper the books memfd of generation gen, replacing
+// the previous books.
+func (c *Client) PutBooks(gen uint64, f *os.File) error {
+	return c.call(message{Op: "books", Gen: gen}, []int{int(f.Fd())})
+}
+
+// Reset makes the keeper close everything it holds.
+func (c *Client) Reset() error { return c.call(message{Op: "reset"}, nil) }
+
+// Close closes the connection; the keeper keeps what it holds.
+func (c *Client) Close() error { return c.uc.Close() }
+
+// Seals returns the seals of a memfd (F_GET_SEALS).
+func Seals(f *os.File) (int, error) {
+	return unix.FcntlInt(f.Fd(), unix.F_GET_SEALS, 0)
+}
+
+// Query asks the keeper at path what it holds, without claiming the agent's
+// connection.
+func Query(path string) (Stat, error) {
+	uc, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: path, Net: "unixpacket"})
+	if err != nil {
+		return Stat{}, fmt.Errorf("keeper: dial %s: %w", path, err)
+	}
+	defer uc.Close()
+	c := &Client{uc: uc, buf: make([]byte, maxPacket), oob: make([]byte, unix.CmsgSpace(16))}
+	if err := send(uc, message{Op: "stat"}, nil); err != nil {
+		return Stat{}, err
+	}
+	m, files, err := c.recv()
+	closeAll(files)
+	if err != nil {
+		return Stat{}, err
+	}
+	if m.Op != "stat" || m.Stat == nil {
+		return Stat{}, fmt.Errorf("keeper: stat answered %s: %s", m.Op, m.Error)
+	}
+	return *m.Stat, nil
+}

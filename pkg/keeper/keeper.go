@@ -1,0 +1,491 @@
+// Package keeper is the agent's fd store: a small process that holds the
+// pool's chunk memfds and the books memfd while the agent restarts, so that
+// a crash, an OOM kill or an upgrade of the agent loses no memory and pins
+// nothing twice.
+//
+// The keeper talks to the agent alone, over a Unix SOCK_SEQPACKET socket
+// that only its own user may open (mode 0600, and the peer's uid is checked).
+// It parses nothing from tenants and never maps the memory it holds. The
+// protocol is small and versioned: one JSON message per packet, file
+// descriptors by SCM_RIGHTS.
+//
+//	agent -> keeper                     keeper -> agent
+//	hello {v}                           state {v, chunks, books} [+ books fd]
+//	                                    chunks {items} + fds   (batches)
+//	                                    end
+//	put {items:[item]} + 1 fd           ok     (replaces an item of the same ID)
+//	drop {items:[{id}]}                 ok
+//	books {gen} + 1 fd                  ok     (replaces the books)
+//	reset                               ok     (drops everything)
+//	stat                                stat {stat}   (any connection)
+//	anything wrong                      error {error}
+//
+// One agent connection is served at a time; a second is refused until the
+// first closes (its process died or stopped). When the keeper exits, every
+// fd it held closes and the memory is freed once no process maps it.
+package keeper
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"sort"
+	"sync"
+
+	"golang.org/x/sys/unix"
+)
+
+// Version is the keeper protocol version.
+const Version = 1
+
+const (
+	// maxPacket bounds one message.
+	maxPacket = 256 << 10
+	// batch is how many chunk fds one "chunks" message carries.
+	batch = 128
+	// MaxItems bounds the chunks a keeper holds.
+	MaxItems = 1 << 16
+	maxIDLen = 256
+)
+
+// Item names one held memfd.
+type Item struct {
+	ID    string `json:"id"`
+	Gen   uint64 `json:"gen"`   // the agent's generation of the chunk: a fresh memfd per grant gets the next
+	Size  int64  `json:"size"`  // bytes
+	Seals int    `json:"seals"` // F_GET_SEALS when it was put
+}
+
+// Stat is what the keeper holds.
+type Stat struct {
+	Chunks     int    `json:"chunks"`
+	Bytes      int64  `json:"bytes"`
+	Books      bool   `json:"books"`
+	BooksBytes int64  `json:"booksBytes"`
+	BooksGen   uint64 `json:"booksGen"`
+	Agent      bool   `json:"agent"` // an agent is connected
+}
+
+type message struct {
+	V     int    `json:"v,omitempty"`
+	Op    string `json:"op"`
+	Items []Item `json:"items,omitempty"`
+	Gen   uint64 `json:"gen,omitempty"`
+	N     int    `json:"n,omitempty"`
+	Books bool   `json:"books,omitempty"`
+	Stat  *Stat  `json:"stat,omitempty"`
+	Error string `json:"error,omitempty"`
+}
+
+// parseRequest decodes and checks one request and its fd count.
+func parseRequest(pkt []byte, nfds int) (message, error) {
+	var m message
+	if err := json.Unmarshal(pkt, &m); err != nil {
+		return m, fmt.Errorf("malformed request: %v", err)
+	}
+	want := 0
+	switch m.Op {
+	case "hello":
+		if m.V != Version {
+			return m, fmt.Errorf("agent speaks keeper protocol %d, this keeper speaks %d", m.V, Version)
+		}
+	case "put":
+		want = 1
+		if len(m.Items) != 1 {
+			return m, fmt.Errorf("put names %d items, want 1", len(m.Items))
+		}
+		if err := checkItem(m.Items[0]); err != nil {
+			return m, err
+		}
+	case "drop":
+		if len(m.Items) != 1 || m.Items[0].ID == "" || len(m.Items[0].ID) > maxIDLen {
+			return m, errors.New("drop names one item by a non-empty ID")
+		}
+	case "books":
+		want = 1
+	case "reset", "stat":
+	default:
+		return m, fmt.Errorf("unknown op %q", m.Op)
+	}
+	if nfds != want {
+		return m, fmt.Errorf("%s carries %d fds, want %d", m.Op, nfds, want)
+	}
+	return m, nil
+}
+
+func checkItem(it Item) error {
+	if it.ID == "" || len(it.ID) > maxIDLen || it.Size <= 0 {
+		return fmt.Errorf("item %q of %d bytes: want a non-empty ID of at most %d bytes and a positive size", it.ID, it.Size, maxIDLen)
+	}
+	return nil
+}
+
+type held struct {
+	Item
+	f *os.File
+}
+
+// Keeper holds memfds for an agent. Create it with New and run Serve.
+type Keeper struct {
+	log *slog.Logger
+
+	mu       sync.Mutex
+	chunks   map[string]held
+	books    *os.File
+	booksGen uint64
+	agent    *net.UnixConn // the connected agent, nil when none
+}
+
+// New returns an empty keeper.
+func New(log *slog.Logger) *Keeper {
+	if log == nil {
+		log = slog.Default()
+	}
+	return &Keeper{log: log, chunks: map[string]held{}}
+}
+
+// Listen creates the keeper's socket at path, mode 0600, replacing a stale
+// one; another live keeper on it is an error.
+func Listen(path string) (*net.UnixListener, error) {
+	if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
+		return nil, fmt.Errorf("keeper: socket directory: %w", err)
+	}
+	if fi, err := os.Lstat(path); err == nil {
+		if fi.Mode()&os.ModeSocket == 0 {
+			return nil, fmt.Errorf("keeper: %s exists and is not a socket", path)
+		}
+		if c, err := net.Dial("unixpacket", path); err == nil {
+			c.Close()
+			return nil, fmt.Errorf("keeper: another keeper is serving on %s", path)
+		}
+		os.Remove(path)
+	}
+	old := unix.Umask(0o077)
+	l, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: path, Net: "unixpacket"})
+	unix.Umask(old)
+	if err != nil {
+		return nil, fmt.Errorf("keeper: listen on %s: %w", path, err)
+	}
+	if err := os.Chmod(path, 0o600); err != nil {
+		l.Close()
+		return nil, fmt.Errorf("keeper: chmod socket: %w", err)
+	}
+	return l, nil
+}
+
+// Serve accepts connections until ctx ends, then closes l and every
+// connection. The held fds stay with the Keeper until Close.
+func (k *Keeper) Serve(ctx context.Context, l *net.UnixListener) error {
+	stop := context.AfterFunc(ctx, func() { l.Close() })
+	defer stop()
+	var wg sync.WaitGroup
+	conns := map[*net.UnixConn]bool{}
+	var cmu sync.Mutex
+	var err error
+	for {
+		uc, aerr := l.AcceptUnix()
+		if aerr != nil {
+			if ctx.Err() == nil {
+				err = fmt.Errorf("keeper: accept: %w", aerr)
+			}
+			break
+		}
+		cmu.Lock()
+		conns[uc] = true
+		cmu.Unlock()
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			k.serveConn(uc)
+			cmu.Lock()
+			delete(conns, uc)
+			cmu.Unlock()
+		}()
+	}
+	cmu.Lock()
+	for uc := range conns {
+		uc.Close()
+	}
+	cmu.Unlock()
+	wg.Wait()
+	return err
+}
+
+// Close drops every held fd.
+func (k *Keeper) Close() {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	k.resetLocked()
+}
+
+func (k *Keeper) resetLocked() {
+	for id, h := range k.chunks {
+		h.f.Close()
+		delete(k.chunks, id)
+	}
+	if k.books != nil {
+		k.books.Close()
+		k.books, k.booksGen = nil, 0
+	}
+}
+
+// Stat reports what the keeper holds.
+func (k *Keeper) Stat() Stat {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return k.statLocked()
+}
+
+func (k *Keeper) statLocked() Stat {
+	st := Stat{Chunks: len(k.chunks), Books: k.books != nil, BooksGen: k.booksGen, Agent: k.agent != nil}
+	for _, h := range k.chunks {
+		st.Bytes += h.Size
+	}
+	if k.books != nil {
+		if fi, err := k.books.Stat(); err == nil {
+			st.BooksBytes = fi.Size()
+		}
+	}
+	return st
+}
+
+func (k *Keeper) serveConn(uc *net.UnixConn) {
+	defer uc.Close()
+	if cred, err := peerUID(uc); err != nil || cred != uint32(os.Getuid()) {
+		k.log.Warn("keeper: refusing a connection from another user", "uid", cred, "err", err)
+		return
+	}
+	isAgent := false
+	defer func() {
+		if isAgent {
+			k.mu.Lock()
+			k.agent = nil
+			k.mu.Unlock()
+			k.log.Info("keeper: agent disconnected")
+		}
+	}()
+	buf := make([]byte, maxPacket)
+	oob := make([]byte, unix.CmsgSpace(4*4))
+	for {
+		n, oobn, _, _, err := uc.ReadMsgUnix(buf, oob)
+		if err != nil || n == 0 {
+			return
+		}
+		files, ferr := parseFDs(oob[:oobn])
+		m, perr := parseRequest(buf[:n], len(files))
+		if ferr != nil || perr != nil {
+			closeAll(files)
+			if err := send(uc, message{Op: "error", Error: errors.Join(ferr, perr).Error()}, nil); err != nil {
+				return
+			}
+			continue
+		}
+		if m.Op == "stat" {
+			st := k.Stat()
+			if send(uc, message{Op: "stat", Stat: &st}, nil) != nil {
+				return
+			}
+			continue
+		}
+		if !isAgent {
+			if m.Op != "hello" {
+				closeAll(files)
+				if send(uc, message{Op: "error", Error: m.Op + " before hello"}, nil) != nil {
+					return
+				}
+				continue
+			}
+			k.mu.Lock()
+			busy := k.agent != nil
+			if !busy {
+				k.agent, isAgent = uc, true
+			}
+			k.mu.Unlock()
+			if busy {
+				send(uc, message{Op: "error", Error: "another agent is connected to this keeper"}, nil)
+				return
+			}
+			if err := k.sendState(uc); err != nil {
+				k.log.Warn("keeper: sending state", "err", err)
+				return
+			}
+			continue
+		}
+		if err := send(uc, k.apply(m, files), nil); err != nil {
+			return
+		}
+	}
+}
+
+// apply runs one agent request and returns its answer. It takes ownership
+// of files.
+func (k *Keeper) apply(m message, files []*os.File) message {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	switch m.Op {
+	case "hello":
+		closeAll(files)
+		return message{Op: "error", Error: "hello sent twice"}
+	case "put":
+		it, f := m.Items[0], files[0]
+		if err := checkFile(f, it); err != nil {
+			f.Close()
+			return message{Op: "error", Error: err.Error()}
+		}
+		old, had := k.chunks[it.ID]
+		if !had && len(k.chunks) >= MaxItems {
+			f.Close()
+			return message{Op: "error", Error: fmt.Sprintf("the keeper holds its limit of %d chunks", MaxItems)}
+		}
+		if had {
+			old.f.Close()
+		}
+		k.chunks[it.ID] = held{Item: it, f: f}
+	case "drop":
+		if h, ok := k.chunks[m.Items[0].ID]; ok {
+			h.f.Close()
+			delete(k.chunks, m.Items[0].ID)
+		}
+	case "books":
+		f := files[0]
+		if _, err := fileSize(f); err != nil {
+			f.Close()
+			return message{Op: "error", Error: err.Error()}
+		}
+		if k.books != nil {
+			k.books.Close()
+		}
+		k.books, k.booksGen = f, m.Gen
+	case "reset":
+		k.resetLocked()
+	}
+	return message{Op: "ok"}
+}
+
+// sendState sends the books and every held chunk to a new agent.
+func (k *Keeper) sendState(uc *net.UnixConn) error {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	st := message{V: Version, Op: "state", N: len(k.chunks), Books: k.books != nil, Gen: k.booksGen}
+	var fds []int
+	if k.books != nil {
+		fds = []int{int(k.books.Fd())}
+	}
+	if err := send(uc, st, fds); err != nil {
+		return err
+	}
+	ids := make([]string, 0, len(k.chunks))
+	for id := range k.chunks {
+		ids = append(ids, id)
+	}
+	sort.Strings(ids)
+	for len(ids) > 0 {
+		n := min(batch, len(ids))
+		m := message{Op: "chunks"}
+		fds = fds[:0]
+		for _, id := range ids[:n] {
+			h := k.chunks[id]
+			m.Items = append(m.Items, h.Item)
+			fds = append(fds, int(h.f.Fd()))
+		}
+		if err := send(uc, m, fds); err != nil {
+			return err
+		}
+		ids = ids[n:]
+	}
+	return send(uc, message{Op: "end"}, nil)
+}
+
+// checkFile verifies that f is a memory file of the item's size and seals.
+func checkFile(f *os.File, it Item) error {
+	size, err := fileSize(f)
+	if err != nil {
+		return err
+	}
+	if size != it.Size {
+		return fmt.Errorf("chunk %s: the fd is %d bytes, the item says %d", it.ID, size, it.Size)
+	}
+	seals, err := unix.FcntlInt(f.Fd(), unix.F_GET_SEALS, 0)
+	if err != nil {
+		return fmt.Errorf("chunk %s: not a memfd (F_GET_SEALS: %v)", it.ID, err)
+	}
+	if seals != it.Seals {
+		return fmt.Errorf("chunk %s: seals %#x, the item says %#x", it.ID, seals, it.Seals)
+	}
+	return nil
+}
+
+func fileSize(f *os.File) (int64, error) {
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		return 0, fmt.Errorf("fstat: %w", err)
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFREG {
+		return 0, errors.New("the fd is not a regular (memory) file")
+	}
+	return st.Size, nil
+}
+
+func send(uc *net.UnixConn, m message, fds []int) error {
+	b, err := json.Marshal(m)
+	if err != nil {
+		return err
+	}
+	var oob []byte
+	if len(fds) > 0 {
+		oob = unix.UnixRights(fds...)
+	}
+	_, _, err = uc.WriteMsgUnix(b, oob, nil)
+	return err
+}
+
+func parseFDs(oob []byte) ([]*os.File, error) {
+	if len(oob) == 0 {
+		return nil, nil
+	}
+	msgs, err := unix.ParseSocketControlMessage(oob)
+	if err != nil {
+		return nil, fmt.Errorf("control message: %w", err)
+	}
+	var files []*os.File
+	for _, cm := range msgs {
+		fds, err := unix.ParseUnixRights(&cm)
+		if err != nil {
+			continue
+		}
+		for _, fd := range fds {
+			unix.CloseOnExec(fd)
+			files = append(files, os.NewFile(uintptr(fd), "keeper-fd"))
+		}
+	}
+	return files, nil
+}
+
+func closeAll(fs []*os.File) {
+	for _, f := range fs {
+		f.Close()
+	}
+}
+
+func peerUID(uc *net.UnixConn) (uint32, error) {
+	rc, err := uc.SyscallConn()
+	if err != nil {
+		return 0, err
+	}
+	var cred *unix.Ucred
+	var gerr error
+	if err := rc.Control(func(fd uintptr) {
+		cred, gerr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
+	}); err != nil {
+		return 0, err
+	}
+	if gerr != nil {
+		return 0, gerr
+	}
+	return cred.Uid, nil
+}

@@ -1,0 +1,248 @@
+package keeper
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+func start(t *testing.T) (*Keeper, string) {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "keeper.sock")
+	l, err := Listen(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fi, err := os.Stat(path)
+	if err != nil || fi.Mode().Perm() != 0o600 {
+		t.Fatalf("socket mode %v, %v", fi.Mode(), err)
+	}
+	k := New(nil)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- k.Serve(ctx, l) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Error(err)
+		}
+		k.Close()
+	})
+	return k, path
+}
+
+func memfd(t *testing.T, size int64, fill byte) *os.File {
+	t.Helper()
+	fd, err := unix.MemfdCreate("test", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := os.NewFile(uintptr(fd), "test")
+	if err := f.Truncate(size); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.WriteAt([]byte{fill}, 0); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { f.Close() })
+	return f
+}
+
+func first(t *testing.T, f *os.File) byte {
+	b := make([]byte, 1)
+	if _, err := f.ReadAt(b, 0); err != nil {
+		t.Fatal(err)
+	}
+	return b[0]
+}
+
+func TestKeeperHoldsAcrossAgents(t *testing.T) {
+	k, path := start(t)
+	c, st, err := Connect(path, time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.Books != nil || len(st.Chunks) != 0 {
+		t.Fatalf("fresh keeper state %+v", st)
+	}
+	const n = batch*2 + 3 // several batches
+	for i := range n {
+		f := memfd(t, 4096, byte(i))
+		seals, _ := Seals(f)
+		if err := c.Put(Item{ID: fmt.Sprintf("c%03d", i), Gen: 1, Size: 4096, Seals: seals}, f); err != nil {
+			t.Fatal(err)
+		}
+	}
+	books := memfd(t, 8192, 0xbb)
+	if err := c.PutBooks(7, books); err != nil {
+		t.Fatal(err)
+	}
+	// A second agent is refused while the first is connected.
+	if _, _, err := Connect(path, 0); !errors.Is(err, ErrBusy) {
+		t.Fatalf("second agent: %v", err)
+	}
+	// Stat works on any connection.
+	s, err := Query(path)
+	if err != nil || s.Chunks != n || s.Bytes != n*4096 || !s.Books || s.BooksGen != 7 || !s.Agent {
+		t.Fatalf("stat %+v %v", s, err)
+	}
+	c.Close()
+	// The next agent (after the first is gone) gets everything back: the
+	// same memory, not copies.
+	c2, st2, err := Connect(path, 2*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c2.Close()
+	defer st2.Close()
+	if len(st2.Chunks) != n || st2.Books == nil || st2.BooksGen != 7 || first(t, st2.Books) != 0xbb {
+		t.Fatalf("state after reconnect: %d chunks, books %v gen %d", len(st2.Chunks), st2.Books, st2.BooksGen)
+	}
+	for i, h := range st2.Chunks {
+		if h.ID != fmt.Sprintf("c%03d", i) || first(t, h.File) != byte(i) || h.Gen != 1 {
+			t.Fatalf("chunk %d: %+v first byte %d", i, h.Item, first(t, h.File))
+		}
+	}
+	if _, err := st2.Chunks[5].File.WriteAt([]byte{0xee}, 0); err != nil {
+		t.Fatal(err)
+	}
+	if k.Stat().Chunks != n {
+		t.Fatal("count changed")
+	}
+	// Replace and drop.
+	f := memfd(t, 4096, 0x55)
+	if err := c2.Put(Item{ID: "c000", Gen: 2, Size: 4096}, f); err != nil {
+		t.Fatal(err)
+	}
+	if err := c2.Drop("c001"); err != nil {
+		t.Fatal(err)
+	}
+	if err := c2.Drop("nope"); err != nil {
+		t.Fatal(err)
+	}
+	if s := k.Stat(); s.Chunks != n-1 || s.Bytes != (n-1)*4096 {
+		t.Fatalf("after replace and drop: %+v", s)
+	}
+	if err := c2.Reset(); err != nil {
+		t.Fatal(err)
+	}
+	if s := k.Stat(); s.Chunks != 0 || s.Books {
+		t.Fatalf("after reset: %+v", s)
+	}
+}
+
+func TestKeeperRefusesMisuse(t *testing.T) {
+	k, path := start(t)
+	c, _, err := Connect(path, time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	good := memfd(t, 4096, 1)
+	if err := c.Put(Item{ID: "keep", Size: 4096}, good); err != nil {
+		t.Fatal(err)
+	}
+	r, w, _ := os.Pipe()
+	defer r.Close()
+	defer w.Close()
+	sealed := memfd(t, 4096, 1)
+	if _, err := unix.FcntlInt(sealed.Fd(), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK|unix.F_SEAL_GROW); err != nil {
+		t.Fatal(err)
+	}
+	cases := []struct {
+		name string
+		it   Item
+		f    *os.File
+		want string
+	}{
+		{"wrong size", Item{ID: "a", Size: 8192}, good, "bytes"},
+		{"not a file", Item{ID: "a", Size: 4096}, r, "not a regular"},
+		{"empty ID", Item{ID: "", Size: 4096}, good, "non-empty ID"},
+		{"long ID", Item{ID: strings.Repeat("x", 300), Size: 4096}, good, "non-empty ID"},
+		{"zero size", Item{ID: "a", Size: 0}, good, "positive size"},
+		{"seals differ", Item{ID: "a", Size: 4096}, sealed, "seals"},
+		{"replace keep with wrong size", Item{ID: "keep", Size: 1}, good, "bytes"},
+	}
+	for _, tc := range cases {
+		err := c.Put(tc.it, tc.f)
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: %v, want an error with %q", tc.name, err, tc.want)
+		}
+	}
+	if s := k.Stat(); s.Chunks != 1 || s.Bytes != 4096 {
+		t.Fatalf("misuse changed the keeper: %+v", s)
+	}
+	// Raw protocol misuse: requests before hello, bad JSON, fds where none
+	// belong, an old protocol version.
+	uc, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: path, Net: "unixpacket"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer uc.Close()
+	raw := &Client{uc: uc, buf: make([]byte, maxPacket), oob: make([]byte, unix.CmsgSpace(16))}
+	for _, tc := range []struct {
+		pkt  string
+		fds  []int
+		want string
+	}{
+		{`{"op":"reset"}`, nil, "before hello"},
+		{`{not json`, nil, "malformed"},
+		{`{"op":"stat"}`, []int{int(good.Fd())}, "fds"},
+		{`{"op":"frob"}`, nil, "unknown op"},
+		{`{"op":"hello","v":99}`, nil, "protocol 99"},
+	} {
+		var oob []byte
+		if tc.fds != nil {
+			oob = unix.UnixRights(tc.fds...)
+		}
+		if _, _, err := uc.WriteMsgUnix([]byte(tc.pkt), oob, nil); err != nil {
+			t.Fatal(err)
+		}
+		m, files, err := raw.recv()
+		closeAll(files)
+		if err != nil || m.Op != "error" || !strings.Contains(m.Error, tc.want) {
+			t.Errorf("%s: %+v %v, want error %q", tc.pkt, m, err, tc.want)
+		}
+	}
+	if s := k.Stat(); s.Chunks != 1 {
+		t.Fatalf("raw misuse changed the keeper: %+v", s)
+	}
+}
+
+func FuzzParseRequest(f *testing.F) {
+	for _, s := range []string{`{"op":"hello","v":1}`, `{"op":"put","items":[{"id":"a","size":4096}]}`,
+		`{"op":"drop","items":[{"id":"a"}]}`, `{"op":"books","gen":3}`, `{"op":"reset"}`, `{"op":"stat"}`, `[]`, `{"op":1}`} {
+		f.Add([]byte(s), 0)
+		f.Add([]byte(s), 1)
+	}
+	f.Fuzz(func(t *testing.T, pkt []byte, nfds int) {
+		m, err := parseRequest(pkt, nfds)
+		if err != nil {
+			return
+		}
+		switch m.Op {
+		case "put":
+			if len(m.Items) != 1 || checkItem(m.Items[0]) != nil || nfds != 1 {
+				t.Fatalf("accepted bad put %+v with %d fds", m, nfds)
+			}
+		case "books":
+			if nfds != 1 {
+				t.Fatal("books without one fd")
+			}
+		case "hello", "drop", "reset", "stat":
+			if nfds != 0 {
+				t.Fatalf("%s with %d fds", m.Op, nfds)
+			}
+		default:
+			t.Fatalf("accepted op %q", m.Op)
+		}
+	})
+}

@@ -1,0 +1,347 @@
+package pool
+
+import (
+	"cmp"
+	"errors"
+	"fmt"
+	"slices"
+	"sort"
+)
+
+// ErrNotReady reports that the pool (or the agent around it) cannot answer
+// yet but will: it is starting or restoring its books. The caller retries.
+var ErrNotReady = errors.New("not ready yet, retry")
+
+// EventKind names a change of the pool's chunk and allocation table.
+type EventKind uint8
+
+const (
+	EventAddChunk EventKind = iota + 1
+	EventRemoveChunk
+	EventScrubbed
+	EventGrant
+	EventRevoke // the allocation's sessions close with it
+)
+
+// Event is one change of the pool's chunk and allocation table, as a
+// Journal receives it. Session changes (streams, pages, tickets) are not
+// events: whoever drives a session records them with the answer it gives.
+type Event struct {
+	Kind       EventKind
+	Chunk      Chunk    // AddChunk, RemoveChunk, Scrubbed
+	Allocation string   // Grant, Revoke
+	Chunks     []string // Grant: the chunk IDs, in order
+}
+
+// Journal receives every change of the chunk and allocation table after it
+// is made, under the pool's lock, in the order the changes happen. It must
+// not call back into the pool, and it cannot refuse: a journal that can no
+// longer write must stop the process.
+type Journal interface {
+	Record(Event)
+}
+
+// SetJournal makes j receive the pool's events from now on (nil: none).
+func (p *Pool) SetJournal(j Journal) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.journal = j
+}
+
+func (p *Pool) record(ev Event) {
+	if p.journal != nil {
+		p.journal.Record(ev)
+	}
+}
+
+// Image is the pool's whole state in plain values: what Export returns and
+// Restore rebuilds. Page lists name host pages of the session.
+type Image struct {
+	Chunks      []ChunkImage // in AddChunk order
+	Allocations []AllocationImage
+	Sessions    []SessionImage
+	LastSession uint64 // the last session ID handed out
+}
+
+// ChunkImage is a chunk and where it stands.
+type ChunkImage struct {
+	Chunk
+	State ChunkState
+}
+
+// AllocationImage is an allocation and its chunks, in grant order.
+type AllocationImage struct {
+	ID     string
+	Chunks []string
+}
+
+// SessionImage is one open session.
+type SessionImage struct {
+	ID         uint64
+	Allocation string
+	Spec       Spec
+	Chunks     []string // bound, in page order
+	PPC        int      // pages per chunk
+	Capacity   int
+	Ticket     uint64 // the last reload ticket issued
+	Streams    []StreamImage
+	Pending    []PendingImage // oldest first
+}
+
+// StreamImage is one (rid, label) stream. Streams of one request are listed
+// in the order they were offloaded.
+type StreamImage struct {
+	Rid, Label string
+	Meta       Meta
+	Pages      []int32
+}
+
+// PendingImage is a reload whose pages wait for their fence.
+type PendingImage struct {
+	Ticket uint64
+	Pages  []int32
+}
+
+// Export returns the pool's state. Sessions are ordered by ID and streams
+// by request ID, then in offload order.
+func (p *Pool) Export() Image {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	img := Image{LastSession: p.lastID}
+	for _, ch := range p.order {
+		img.Chunks = append(img.Chunks, ChunkImage{Chunk: ch.Chunk, State: ch.state})
+	}
+	ids := make([]string, 0, len(p.allocs))
+	for id := range p.allocs {
+		ids = append(ids, id)
+	}
+	sort.Strings(ids)
+	for _, id := range ids {
+		a := p.allocs[id]
+		ai := AllocationImage{ID: id}
+		for _, ch := range a.chunks {
+			ai.Chunks = append(ai.Chunks, ch.ID)
+		}
+		img.Allocations = append(img.Allocations, ai)
+		for s := range a.sessions {
+			img.Sessions = append(img.Sessions, s.image())
+		}
+	}
+	slices.SortFunc(img.Sessions, func(a, b SessionImage) int { return cmp.Compare(a.ID, b.ID) })
+	return img
+}
+
+func (s *Session) image() SessionImage {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	si := SessionImage{ID: s.id, Allocation: s.alloc.id, Spec: s.spec, PPC: s.ppc, Capacity: s.capacity, Ticket: s.ticket}
+	for _, ch := range s.chunks {
+		si.Chunks = append(si.Chunks, ch.ID)
+	}
+	chain := func(head int32) []int32 {
+		out := []int32{}
+		for p := head; p != nilPage; p = s.next[p] {
+			out = append(out, p)
+		}
+		return out
+	}
+	rids := make([]string, 0, len(s.rids))
+	for rid := range s.rids {
+		rids = append(rids, rid)
+	}
+	sort.Strings(rids)
+	for _, rid := range rids {
+		for slot := s.rids[rid].first; slot != nilPage; slot = s.at(slot).next {
+			st := s.at(slot)
+			si.Streams = append(si.Streams, StreamImage{Rid: rid, Label: st.label, Meta: st.meta, Pages: chain(st.head)})
+		}
+	}
+	for _, r := range s.pending[s.phead:] {
+		si.Pending = append(si.Pending, PendingImage{Ticket: r.ticket, Pages: chain(r.head)})
+	}
+	return si
+}
+
+// Restore rebuilds an empty pool from img and returns its sessions in the
+// order img lists them. It checks every invariant the pool keeps (a page
+// on one list, a chunk in one allocation and bound to one session, counts
+// within capacity); on any error the pool stays empty.
+func (p *Pool) Restore(img Image) ([]*Session, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if len(p.chunks) != 0 || len(p.allocs) != 0 {
+		return nil, errors.New("restore: the pool is not empty")
+	}
+	out, err := p.restoreLocked(img)
+	if err != nil {
+		p.chunks, p.order, p.allocs, p.lastID = make(map[string]*chunk), nil, make(map[string]*allocation), 0
+		return nil, fmt.Errorf("restore: %w", err)
+	}
+	return out, nil
+}
+
+func (p *Pool) restoreLocked(img Image) ([]*Session, error) {
+	for _, c := range img.Chunks {
+		if c.ID == "" || c.Size <= 0 {
+			return nil, fmt.Errorf("%w: chunk %q of %d bytes", ErrBadSize, c.ID, c.Size)
+		}
+		if _, ok := p.chunks[c.ID]; ok {
+			return nil, fmt.Errorf("chunk %s: %w", c.ID, ErrDuplicateChunk)
+		}
+		if c.State > ChunkDirty {
+			return nil, fmt.Errorf("chunk %s: bad state %d", c.ID, c.State)
+		}
+		ch := &chunk{Chunk: c.Chunk, state: c.State}
+		p.chunks[c.ID] = ch
+		p.order = append(p.order, ch)
+	}
+	for _, ai := range img.Allocations {
+		if ai.ID == "" || len(ai.Chunks) == 0 {
+			return nil, fmt.Errorf("%w: allocation %q of %d chunks", ErrBadSize, ai.ID, len(ai.Chunks))
+		}
+		if _, ok := p.allocs[ai.ID]; ok {
+			return nil, fmt.Errorf("allocation %s: %w", ai.ID, ErrAllocationExists)
+		}
+		a := &allocation{id: ai.ID, sessions: make(map[*Session]struct{})}
+		for _, id := range ai.Chunks {
+			ch, ok := p.chunks[id]
+			if !ok {
+				return nil, fmt.Errorf("allocation %s: %w: %s", ai.ID, ErrUnknownChunk, id)
+			}
+			if ch.state != ChunkGranted || ch.alloc != nil {
+				return nil, fmt.Errorf("allocation %s: chunk %s is %s or in another allocation", ai.ID, id, ch.state)
+			}
+			ch.alloc = a
+			a.chunks = append(a.chunks, ch)
+		}
+		p.allocs[ai.ID] = a
+	}
+	for _, ch := range p.order {
+		if ch.state == ChunkGranted && ch.alloc == nil {
+			return nil, fmt.Errorf("chunk %s is granted but in no allocation", ch.ID)
+		}
+	}
+	p.lastID = img.LastSession
+	out := make([]*Session, 0, len(img.Sessions))
+	seen := map[uint64]bool{}
+	for _, si := range img.Sessions {
+		if si.ID == 0 || si.ID > img.LastSession || seen[si.ID] {
+			return nil, fmt.Errorf("session %d: ID zero, repeated or above the last issued %d", si.ID, img.LastSession)
+		}
+		seen[si.ID] = true
+		s, err := p.restoreSession(si)
+		if err != nil {
+			return nil, fmt.Errorf("session %d: %w", si.ID, err)
+		}
+		out = append(out, s)
+	}
+	return out, nil
+}
+
+func (p *Pool) restoreSession(si SessionImage) (*Session, error) {
+	a, ok := p.allocs[si.Allocation]
+	if !ok {
+		return nil, fmt.Errorf("%w: %s", ErrUnknownAllocation, si.Allocation)
+	}
+	spec := si.Spec
+	if spec.PageSize <= 0 || spec.DevicePages <= 0 || spec.MaxPages < 0 || si.PPC <= 0 || si.Capacity < 0 ||
+		len(si.Chunks) == 0 || int64(si.Capacity) > int64(len(si.Chunks))*int64(si.PPC) || si.Capacity > maxPages {
+		return nil, fmt.Errorf("%w: page size %d, %d device pages, %d pages per chunk, capacity %d over %d chunks",
+			ErrBadSize, spec.PageSize, spec.DevicePages, si.PPC, si.Capacity, len(si.Chunks))
+	}
+	chunks := make([]*chunk, len(si.Chunks))
+	for i, id := range si.Chunks {
+		ch, ok := p.chunks[id]
+		if !ok || ch.alloc != a {
+			return nil, fmt.Errorf("chunk %s is not in allocation %s", id, a.id)
+		}
+		if ch.session != nil || slices.Contains(chunks[:i], ch) {
+			return nil, fmt.Errorf("chunk %s is bound twice", id)
+		}
+		if int64(si.PPC)*spec.PageSize > ch.Size {
+			return nil, fmt.Errorf("%w: chunk %s of %d bytes cannot hold %d pages of %d", ErrBadSize, id, ch.Size, si.PPC, spec.PageSize)
+		}
+		chunks[i] = ch
+	}
+	s := newSession(p, a, spec, chunks, si.PPC, si.Capacity)
+	s.id, s.ticket = si.ID, si.Ticket
+	used := make([]bool, si.Capacity)
+	link := func(pages []int32) (head, tail int32, err error) {
+		head, tail = nilPage, nilPage
+		for _, pg := range pages {
+			if pg < 0 || int(pg) >= si.Capacity {
+				return 0, 0, fmt.Errorf("%w: host page %d outside [0, %d)", ErrOutOfRange, pg, si.Capacity)
+			}
+			if used[pg] {
+				return 0, 0, fmt.Errorf("%w: host page %d held twice", ErrDuplicateIndex, pg)
+			}
+			used[pg] = true
+			if tail == nilPage {
+				head = pg
+			} else {
+				s.next[tail] = pg
+			}
+			tail = pg
+		}
+		if tail != nilPage {
+			s.next[tail] = nilPage
+		}
+		return head, tail, nil
+	}
+	for _, st := range si.Streams {
+		if err := checkNames(st.Rid, st.Label); err != nil {
+			return nil, err
+		}
+		if err := st.Meta.validate(); err != nil {
+			return nil, err
+		}
+		if slot, _ := s.find(st.Rid, st.Label); slot != nilPage {
+			return nil, fmt.Errorf("%q/%q: %w", st.Rid, st.Label, ErrDuplicateStream)
+		}
+		head, tail, err := link(st.Pages)
+		if err != nil {
+			return nil, fmt.Errorf("%q/%q: %w", st.Rid, st.Label, err)
+		}
+		slot := s.newSlot()
+		*s.at(slot) = stream{label: s.intern(st.Label), meta: st.Meta, head: head, tail: tail, n: int32(len(st.Pages))}
+		_, l := s.find(st.Rid, st.Label)
+		s.link(st.Rid, l, slot)
+		s.names += int64(len(st.Rid) + len(st.Label))
+	}
+	var last uint64
+	for _, r := range si.Pending {
+		if r.Ticket <= last || r.Ticket > si.Ticket || len(r.Pages) == 0 {
+			return nil, fmt.Errorf("%w: pending reload %d (last issued %d, previous %d, %d pages)", ErrBadFence, r.Ticket, si.Ticket, last, len(r.Pages))
+		}
+		last = r.Ticket
+		head, tail, err := link(r.Pages)
+		if err != nil {
+			return nil, fmt.Errorf("pending reload %d: %w", r.Ticket, err)
+		}
+		s.pending = append(s.pending, release{ticket: r.Ticket, head: head, tail: tail, n: int32(len(r.Pages))})
+		s.npending += len(r.Pages)
+	}
+	// The free list: every other page, ascending.
+	s.freeHead, s.nfree = nilPage, 0
+	prev := int32(nilPage)
+	for pg := range si.Capacity {
+		if used[pg] {
+			continue
+		}
+		if prev == nilPage {
+			s.freeHead = int32(pg)
+		} else {
+			s.next[prev] = int32(pg)
+		}
+		prev = int32(pg)
+		s.nfree++
+	}
+	if prev != nilPage {
+		s.next[prev] = nilPage
+	}
+	for _, ch := range chunks {
+		ch.session = s
+	}
+	a.sessions[s] = struct{}{}
+	return s, nil
+}

@@ -1,0 +1,198 @@
+package pool
+
+import (
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"reflect"
+	"testing"
+)
+
+type eventLog []Event
+
+func (l *eventLog) Record(ev Event) { *l = append(*l, ev) }
+
+// busyPool builds a pool with two allocations, three sessions and a random
+// history of offloads, reloads, fences, discards and removals.
+func busyPool(t *testing.T, seed uint64) *Pool {
+	t.Helper()
+	p := New()
+	for i := range 6 {
+		if err := p.AddChunk(Chunk{ID: fmt.Sprintf("c%d", i), GPU: i % 2, NUMA: 0, Size: 1 << 16}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	must(t, p.Grant("a", []string{"c0", "c1", "c2", "c3"}))
+	must(t, p.Grant("b", []string{"c4"}))
+	var ss []*Session
+	for _, o := range []struct {
+		alloc string
+		gpu   int
+		max   int
+	}{{"a", 0, 100}, {"a", 1, 0}, {"b", 0, 0}} {
+		s, err := p.Open(o.alloc, Spec{GPU: o.gpu, PageSize: 1024, DevicePages: 64, MaxPages: o.max})
+		must(t, err)
+		ss = append(ss, s)
+	}
+	r := rand.New(rand.NewPCG(seed, 7))
+	for i := range 3000 {
+		s := ss[r.IntN(len(ss))]
+		rid, label := fmt.Sprintf("r%d", r.IntN(40)), fmt.Sprintf("l%d", r.IntN(3))
+		switch r.IntN(6) {
+		case 0, 1:
+			n := r.IntN(8)
+			dev := r.Perm(64)[:n]
+			d32 := make([]int32, n)
+			for j, d := range dev {
+				d32[j] = int32(d)
+			}
+			s.Offload(rid, label, d32, Meta{StoredLen: int64(i), Position: int64(n)}, nil)
+		case 2:
+			n, err := s.NumPages(rid, label)
+			if err == nil && n > 0 { // 0: no such stream (the seed's num_pages)
+				d32 := make([]int32, n)
+				for j := range d32 {
+					d32[j] = int32(j)
+				}
+				_, err = s.Reload(rid, label, d32, nil)
+				must(t, err)
+			}
+		case 3:
+			if s.ticket > 0 {
+				must(t, s.Fence(uint64(r.IntN(int(s.ticket)))+1))
+			}
+		case 4:
+			s.Discard(rid, label)
+		case 5:
+			s.RemoveRequest(rid)
+		}
+	}
+	return p
+}
+
+func TestExportRestoreRoundTrip(t *testing.T) {
+	for seed := range uint64(5) {
+		p := busyPool(t, seed)
+		img := p.Export()
+		if len(img.Sessions) != 3 {
+			t.Fatalf("sessions %d", len(img.Sessions))
+		}
+		q := New()
+		ss, err := q.Restore(img)
+		must(t, err)
+		for _, s := range ss {
+			must(t, s.Check())
+		}
+		if got := q.Export(); !reflect.DeepEqual(got, img) {
+			t.Fatalf("seed %d: restored pool exports differently:\n%+v\nwant\n%+v", seed, got, img)
+		}
+		// The restored sessions go on working, and new sessions get new IDs.
+		s := ss[0]
+		before := s.Usage()
+		if before.Pending > 0 {
+			must(t, s.Fence(s.ticket))
+		}
+		u := s.Usage()
+		if u.Pending != 0 || u.Free() != u.Capacity-u.Used {
+			t.Fatalf("usage after fence %+v", u)
+		}
+		q.Close(ss[2])
+		s2, err := q.Open("b", Spec{GPU: 0, PageSize: 1024, DevicePages: 64})
+		must(t, err)
+		if s2.ID() != img.LastSession+1 {
+			t.Fatalf("new session ID %d after restore of last %d", s2.ID(), img.LastSession)
+		}
+	}
+}
+
+func TestRestoreRefusesBrokenImages(t *testing.T) {
+	good := busyPool(t, 9).Export()
+	var withStreams int
+	for i, s := range good.Sessions {
+		if len(s.Streams) > 0 {
+			withStreams = i
+		}
+	}
+	clone := func() Image {
+		q := New()
+		if _, err := q.Restore(good); err != nil {
+			t.Fatal(err)
+		}
+		return q.Export()
+	}
+	cases := []struct {
+		name   string
+		break_ func(*Image)
+	}{
+		{"duplicate chunk", func(m *Image) { m.Chunks = append(m.Chunks, m.Chunks[0]) }},
+		{"granted chunk in no allocation", func(m *Image) { m.Allocations = m.Allocations[1:]; m.Sessions = nil }},
+		{"unknown chunk in allocation", func(m *Image) { m.Allocations[0].Chunks[0] = "nope" }},
+		{"session on unknown allocation", func(m *Image) { m.Sessions[0].Allocation = "zz" }},
+		{"session ID above last", func(m *Image) { m.LastSession = 1 }},
+		{"chunk bound twice", func(m *Image) { m.Sessions[1].Chunks = m.Sessions[0].Chunks }},
+		{"capacity over chunks", func(m *Image) { m.Sessions[0].Capacity = 1 << 20 }},
+		{"page out of range", func(m *Image) {
+			s := &m.Sessions[withStreams]
+			s.Streams[0].Pages = append(s.Streams[0].Pages, int32(s.Capacity))
+		}},
+		{"page held twice", func(m *Image) {
+			s := &m.Sessions[withStreams]
+			s.Streams = append(s.Streams, StreamImage{Rid: "dup", Label: "x", Pages: s.Streams[0].Pages})
+		}},
+		{"duplicate stream", func(m *Image) {
+			s := &m.Sessions[withStreams]
+			s.Streams = append(s.Streams, StreamImage{Rid: s.Streams[0].Rid, Label: s.Streams[0].Label})
+		}},
+		{"pending ticket never issued", func(m *Image) {
+			s := &m.Sessions[0]
+			s.Pending = append(s.Pending, PendingImage{Ticket: s.Ticket + 1, Pages: []int32{0}})
+		}},
+		{"bad name", func(m *Image) { m.Sessions[withStreams].Streams[0].Rid = "" }},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			img := clone()
+			c.break_(&img)
+			q := New()
+			if _, err := q.Restore(img); err == nil {
+				t.Fatal("restore accepted a broken image")
+			}
+			if len(q.Chunks()) != 0 {
+				t.Fatal("a failed restore left chunks behind")
+			}
+			if _, err := q.Restore(good); err != nil {
+				t.Fatalf("restore after a failed one: %v", err)
+			}
+		})
+	}
+	q := New()
+	must(t, q.AddChunk(Chunk{ID: "x", Size: 1}))
+	if _, err := q.Restore(good); err == nil {
+		t.Fatal("restore into a non-empty pool")
+	}
+}
+
+func TestJournalSeesTableChanges(t *testing.T) {
+	p := New()
+	var l eventLog
+	p.SetJournal(&l)
+	must(t, p.AddChunk(Chunk{ID: "c0", Size: 4096}))
+	must(t, p.AddChunk(Chunk{ID: "c1", Size: 4096}))
+	must(t, p.Grant("a", []string{"c0"}))
+	must(t, p.Grant("a", []string{"c0"})) // repeated: no event
+	if err := p.Grant("b", []string{"c0"}); !errors.Is(err, ErrChunkBusy) {
+		t.Fatal(err)
+	}
+	_, err := p.Revoke("a")
+	must(t, err)
+	must(t, p.Scrubbed("c0"))
+	must(t, p.RemoveChunk("c1"))
+	var kinds []EventKind
+	for _, ev := range l {
+		kinds = append(kinds, ev.Kind)
+	}
+	want := []EventKind{EventAddChunk, EventAddChunk, EventGrant, EventRevoke, EventScrubbed, EventRemoveChunk}
+	if !reflect.DeepEqual(kinds, want) {
+		t.Fatalf("events %v, want %v", kinds, want)
+	}
+}

@@ -1,0 +1,356 @@
+// Package chaos kills the agent under a verified workload and checks that
+// nothing committed is lost: a keeper process (agent keeper), an agent
+// process (standalone, with the keeper) and several client processes
+// (chaosclient) that keep a checksum of every stream they offloaded. The
+// agent is killed with SIGKILL and SIGTERM at random points and restarted
+// each time; the clients must end with zero lost or corrupted streams, the
+// pool must be adopted whole every time (no chunk pinned twice), and the
+// agent's memory and fds and the keeper's memfds must stay bounded.
+//
+// KVPOOL_CHAOS_KILLS and KVPOOL_CHAOS_TERMS set the numbers of SIGKILLs
+// and SIGTERMs (default 100 and 20); KVPOOL_CHAOS_MAX_UP the longest the
+// agent runs between two kills (default 400ms).
+package chaos
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"math/rand/v2"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/kvpool/kvpool/pkg/keeper"
+	"github.com/kvpool/kvpool/pkg/wire"
+)
+
+const (
+	gpus         = 2
+	chunksPerGPU = 4
+	chunkMiB     = 4
+	chunks       = gpus * chunksPerGPU
+)
+
+var tokens = []string{"token-a", "token-b"}
+
+func envInt(t *testing.T, name string, def int) int {
+	v := os.Getenv(name)
+	if v == "" {
+		return def
+	}
+	n, err := strconv.Atoi(v)
+	if err != nil {
+		t.Fatalf("%s=%q: %v", name, v, err)
+	}
+	return n
+}
+
+func build(t *testing.T, dir, pkg string) string {
+	t.Helper()
+	out := filepath.Join(dir, filepath.Base(pkg))
+	cmd := exec.Command("go", "build", "-o", out, pkg)
+	cmd.Stderr = os.Stderr
+	if err := cmd.Run(); err != nil {
+		t.Fatalf("build %s: %v", pkg, err)
+	}
+	return out
+}
+
+type agentProc struct {
+	cmd *exec.Cmd
+	log *syncBuf
+}
+
+// syncBuf is a log buffer the test reads while the process writes it.
+type syncBuf struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuf) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuf) Bytes() []byte {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return slices.Clone(s.b.Bytes())
+}
+
+func (s *syncBuf) String() string { return string(s.Bytes()) }
+
+// clientResult is what a chaosclient prints (its Result).
+type clientResult struct {
+	Ops, Offloads, Refused, Reloads, Removes, Checks      int
+	Lost, Corrupt, ErrorCount, Final, SlowCalls, Sessions int
+	Errors                                                []string
+	LongestCall                                           float64
+}
+
+func TestAgentRestartChaos(t *testing.T) {
+	if testing.Short() {
+		t.Skip("chaos test: skipped with -short")
+	}
+	kills := envInt(t, "KVPOOL_CHAOS_KILLS", 100)
+	terms := envInt(t, "KVPOOL_CHAOS_TERMS", 20)
+	maxUp := time.Duration(envInt(t, "KVPOOL_CHAOS_MAX_UP_MS", 400)) * time.Millisecond
+	bin := t.TempDir()
+	agentBin := build(t, bin, "github.com/kvpool/kvpool/cmd/agent")
+	clientBin := build(t, bin, "github.com/kvpool/kvpool/test/chaos/chaosclient")
+	dir := t.TempDir()
+	keeperSock := filepath.Join(dir, "keeper.sock")
+	agentSock := filepath.Join(dir, "kv.sock")
+
+	kp := exec.Command(agentBin, "keeper", "--socket", keeperSock, "--log-level", "warn")
+	keeperLog := &syncBuf{}
+	kp.Stderr = keeperLog
+	if err := kp.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		kp.Process.Signal(syscall.SIGTERM)
+		kp.Wait()
+		if _, err := os.Stat(keeperSock); err == nil {
+			t.Error("the keeper left its socket behind")
+		}
+	}()
+	waitFor(t, func() bool { _, err := keeper.Query(keeperSock); return err == nil })
+
+	args := []string{"--standalone", "--socket", agentSock, "--keeper-socket", keeperSock,
+		"--gpus", strconv.Itoa(gpus), "--chunks-per-gpu", strconv.Itoa(chunksPerGPU), "--chunk-mib", strconv.Itoa(chunkMiB),
+		"--state-dir", filepath.Join(dir, "state"), "--log-level", "info"}
+	for _, tok := range tokens {
+		args = append(args, "--token", tok)
+	}
+	start := func() *agentProc {
+		a := &agentProc{cmd: exec.Command(agentBin, args...), log: &syncBuf{}}
+		a.cmd.Stderr = a.log
+		if err := a.cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		return a
+	}
+	ag := start()
+	defer func() {
+		if ag != nil {
+			ag.cmd.Process.Kill()
+			ag.cmd.Wait()
+		}
+	}()
+	waitFor(t, func() bool { return hello(agentSock) == nil })
+
+	// The clients: every token on every GPU.
+	type clientProc struct {
+		cmd   *exec.Cmd
+		stdin interface{ Close() error }
+		out   bytes.Buffer
+		errb  bytes.Buffer
+	}
+	var clients []*clientProc
+	for i, tok := range tokens {
+		for g := range gpus {
+			c := &clientProc{}
+			c.cmd = exec.Command(clientBin, "--socket", agentSock, "--token", tok, "--gpu", strconv.Itoa(g), "--seed", strconv.Itoa(100+i*gpus+g))
+			c.cmd.Stdout, c.cmd.Stderr = &c.out, &c.errb
+			in, err := c.cmd.StdinPipe()
+			if err != nil {
+				t.Fatal(err)
+			}
+			c.stdin = in
+			if err := c.cmd.Start(); err != nil {
+				t.Fatal(err)
+			}
+			clients = append(clients, c)
+		}
+	}
+	defer func() {
+		for _, c := range clients {
+			if c.cmd.ProcessState == nil {
+				c.cmd.Process.Kill()
+				c.cmd.Wait()
+			}
+		}
+	}()
+
+	signals := slices.Repeat([]syscall.Signal{syscall.SIGKILL}, kills)
+	signals = append(signals, slices.Repeat([]syscall.Signal{syscall.SIGTERM}, terms)...)
+	rng := rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 1))
+	rng.Shuffle(len(signals), func(i, j int) { signals[i], signals[j] = signals[j], signals[i] })
+	t.Logf("%d SIGKILLs and %d SIGTERMs, the agent up for up to %v between them", kills, terms, maxUp)
+
+	var gaps, reported []time.Duration
+	var maxRSS, maxFDs, maxKeeperFDs int64
+	var maxBooks int64
+	sample := func() {
+		rss, fds := procStats(ag.cmd.Process.Pid)
+		maxRSS, maxFDs = max(maxRSS, rss), max(maxFDs, fds)
+		_, kfds := procStats(kp.Process.Pid)
+		maxKeeperFDs = max(maxKeeperFDs, kfds)
+		st, err := keeper.Query(keeperSock)
+		if err != nil {
+			t.Fatalf("keeper: %v", err)
+		}
+		// Pinned memory is never allocated twice: the keeper holds the
+		// planned chunks, no more.
+		if st.Chunks != chunks || st.Bytes != chunks*chunkMiB<<20 {
+			t.Fatalf("the keeper holds %d chunks, %d bytes; want %d, %d", st.Chunks, st.Bytes, chunks, chunks*chunkMiB<<20)
+		}
+		maxBooks = max(maxBooks, st.BooksBytes)
+	}
+	adoptRE := regexp.MustCompile(`pool adopted from the keeper" chunks=(\d+)`)
+	gapRE := regexp.MustCompile(`serving again after a restart" gap=(\S+)`)
+	for i, sig := range signals {
+		up := time.Duration(rng.Int64N(int64(maxUp)))
+		deadline := time.Now().Add(up)
+		for time.Now().Before(deadline) {
+			time.Sleep(min(20*time.Millisecond, time.Until(deadline)))
+			sample()
+		}
+		killed := time.Now()
+		ag.cmd.Process.Signal(sig)
+		ag.cmd.Wait()
+		if sig == syscall.SIGTERM && !ag.cmd.ProcessState.Success() {
+			t.Fatalf("kill %d: SIGTERM: exit %v\n%s", i, ag.cmd.ProcessState, ag.log)
+		}
+		ag = start()
+		waitFor(t, func() bool { return hello(agentSock) == nil })
+		gaps = append(gaps, time.Since(killed))
+		// Every restart adopts the whole pool.
+		waitFor(t, func() bool { return gapRE.Match(ag.log.Bytes()) })
+		m := adoptRE.FindSubmatch(ag.log.Bytes())
+		if m == nil || string(m[1]) != strconv.Itoa(chunks) {
+			t.Fatalf("restart %d (%v): the agent did not adopt all %d chunks:\n%s", i, sig, chunks, ag.log)
+		}
+		if g := gapRE.FindSubmatch(ag.log.Bytes()); g != nil {
+			if d, err := time.ParseDuration(string(g[1])); err == nil {
+				reported = append(reported, d)
+			}
+		}
+		if strings.Contains(ag.log.String(), "level=ERROR") {
+			t.Fatalf("restart %d: the agent logged an error:\n%s", i, ag.log)
+		}
+		sample()
+	}
+	// Let the clients run a little on the last agent, then stop them: each
+	// verifies every stream it still holds.
+	time.Sleep(300 * time.Millisecond)
+	var total clientResult
+	for _, c := range clients {
+		c.stdin.Close()
+	}
+	for i, c := range clients {
+		if err := c.cmd.Wait(); err != nil {
+			t.Fatalf("client %d: %v\n%s", i, err, c.errb.String())
+		}
+		var r clientResult
+		if err := json.Unmarshal(c.out.Bytes(), &r); err != nil {
+			t.Fatalf("client %d: result %q: %v", i, c.out.String(), err)
+		}
+		t.Logf("client %d: %d ops, %d offloads (%d refused), %d reloads, %d removes, %d checks, %d verified at the end; %d calls waited for a restart, the longest %.3fs; sessions %d",
+			i, r.Ops, r.Offloads, r.Refused, r.Reloads, r.Removes, r.Checks, r.Final, r.SlowCalls, r.LongestCall, r.Sessions)
+		if r.Lost != 0 || r.Corrupt != 0 || r.ErrorCount != 0 || r.Sessions != 1 {
+			t.Errorf("client %d: %d lost, %d corrupt, %d errors, %d sessions: %q", i, r.Lost, r.Corrupt, r.ErrorCount, r.Sessions, r.Errors)
+		}
+		total.Offloads += r.Offloads
+		total.Reloads += r.Reloads
+		total.Final += r.Final
+		total.Refused += r.Refused
+	}
+	if total.Offloads < len(signals) || total.Reloads == 0 {
+		t.Errorf("too little work to mean anything: %d offloads, %d reloads", total.Offloads, total.Reloads)
+	}
+	slices.Sort(gaps)
+	slices.Sort(reported)
+	t.Logf("gap from kill to serving (harness): p50 %v, p99 %v, max %v over %d restarts",
+		pct(gaps, 50), pct(gaps, 99), gaps[len(gaps)-1], len(gaps))
+	if len(reported) > 0 {
+		t.Logf("gap the agent reported (last sign of life to serving): p50 %v, p99 %v", pct(reported, 50), pct(reported, 99))
+	}
+	t.Logf("bounded: agent RSS max %d MiB, agent fds max %d, keeper fds max %d, books memfd max %d MiB; keeper held %d chunks of %d MiB throughout",
+		maxRSS>>20, maxFDs, maxKeeperFDs, maxBooks>>20, chunks, chunkMiB)
+	t.Logf("streams: %d offloaded, %d reloaded and verified, %d verified at the end, %d offloads refused", total.Offloads, total.Reloads, total.Final, total.Refused)
+	// Bounds: the chunks the agent maps (32 MiB) plus a Go process; fds:
+	// chunks, books, keeper, sockets and clients; the keeper: chunks and books.
+	if maxRSS > 256<<20 || maxFDs > 64 || maxKeeperFDs > 32 || maxBooks > 64<<20 {
+		t.Errorf("resources not bounded: agent RSS %d MiB, fds %d; keeper fds %d; books %d MiB", maxRSS>>20, maxFDs, maxKeeperFDs, maxBooks>>20)
+	}
+	if strings.Contains(keeperLog.String(), "level=ERROR") {
+		t.Errorf("the keeper logged an error:\n%s", keeperLog.String())
+	}
+}
+
+func pct(d []time.Duration, p int) time.Duration {
+	return d[min(len(d)-1, len(d)*p/100)]
+}
+
+// hello opens the agent's socket and exchanges a protocol greeting.
+func hello(path string) error {
+	c, err := net.DialTimeout(wire.Network, path, time.Second)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(time.Second))
+	pkt, err := wire.AppendPacket(nil, wire.Header{Op: wire.OpHello, Seq: 1}, &wire.Hello{Version: wire.Version, Client: "chaos"})
+	if err != nil {
+		return err
+	}
+	if _, err := c.Write(pkt); err != nil {
+		return err
+	}
+	buf := make([]byte, wire.MaxMessage)
+	n, err := c.Read(buf)
+	if err != nil {
+		return err
+	}
+	h, _, err := wire.ParseHeader(buf[:n])
+	if err != nil {
+		return err
+	}
+	if h.Status != wire.StatusOK {
+		return fmt.Errorf("hello: %s", h.Status)
+	}
+	return nil
+}
+
+func waitFor(t *testing.T, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatal("timed out")
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+}
+
+// procStats returns a process's resident memory and open fds.
+func procStats(pid int) (rss, fds int64) {
+	if f, err := os.Open(fmt.Sprintf("/proc/%d/status", pid)); err == nil {
+		sc := bufio.NewScanner(f)
+		for sc.Scan() {
+			if v, ok := strings.CutPrefix(sc.Text(), "VmRSS:"); ok {
+				kb, _ := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 10, 64)
+				rss = kb << 10
+			}
+		}
+		f.Close()
+	}
+	if ents, err := os.ReadDir(fmt.Sprintf("/proc/%d/fd", pid)); err == nil {
+		fds = int64(len(ents))
+	}
+	return rss, fds
+}
