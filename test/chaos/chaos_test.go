@@ -98,6 +98,7 @@ type clientResult struct {
 	Lost, Corrupt, ErrorCount, Final, SlowCalls, Sessions int
 	Errors                                                []string
 	LongestCall                                           float64
+	LongOffloads                                          int
 }
 
 func TestAgentRestartChaos(t *testing.T) {
@@ -112,7 +113,12 @@ func TestAgentRestartChaos(t *testing.T) {
 	clientBin := build(t, bin, "github.com/kvpool/kvpool/test/chaos/chaosclient")
 	dir := t.TempDir()
 	keeperSock := filepath.Join(dir, "keeper.sock")
-	agentSock := filepath.Join(dir, "kv.sock")
+	// The socket's directory is what pods mount; the state directory
+	// (tokens) must not be inside it.
+	agentSock := filepath.Join(dir, "sock", "kv.sock")
+	if err := os.Mkdir(filepath.Dir(agentSock), 0o755); err != nil {
+		t.Fatal(err)
+	}
 
 	kp := exec.Command(agentBin, "keeper", "--socket", keeperSock, "--log-level", "warn")
 	keeperLog := &syncBuf{}
@@ -163,7 +169,13 @@ func TestAgentRestartChaos(t *testing.T) {
 	for i, tok := range tokens {
 		for g := range gpus {
 			c := &clientProc{}
-			c.cmd = exec.Command(clientBin, "--socket", agentSock, "--token", tok, "--gpu", strconv.Itoa(g), "--seed", strconv.Itoa(100+i*gpus+g))
+			args := []string{"--socket", agentSock, "--token", tok, "--gpu", strconv.Itoa(g), "--seed", strconv.Itoa(100 + i*gpus + g)}
+			if i == len(tokens)-1 && g == gpus-1 {
+				// One client's streams are sometimes longer than a packet's
+				// page list: pages, offload and more, resent across kills.
+				args = append(args, "--long")
+			}
+			c.cmd = exec.Command(clientBin, args...)
 			c.cmd.Stdout, c.cmd.Stderr = &c.out, &c.errb
 			in, err := c.cmd.StdinPipe()
 			if err != nil {
@@ -259,8 +271,11 @@ func TestAgentRestartChaos(t *testing.T) {
 		if err := json.Unmarshal(c.out.Bytes(), &r); err != nil {
 			t.Fatalf("client %d: result %q: %v", i, c.out.String(), err)
 		}
-		t.Logf("client %d: %d ops, %d offloads (%d refused), %d reloads, %d removes, %d checks, %d verified at the end; %d calls waited for a restart, the longest %.3fs; sessions %d",
-			i, r.Ops, r.Offloads, r.Refused, r.Reloads, r.Removes, r.Checks, r.Final, r.SlowCalls, r.LongestCall, r.Sessions)
+		t.Logf("client %d: %d ops, %d offloads (%d refused, %d long), %d reloads, %d removes, %d checks, %d verified at the end; %d calls waited for a restart, the longest %.3fs; sessions %d",
+			i, r.Ops, r.Offloads, r.Refused, r.LongOffloads, r.Reloads, r.Removes, r.Checks, r.Final, r.SlowCalls, r.LongestCall, r.Sessions)
+		if i == len(clients)-1 && r.LongOffloads == 0 {
+			t.Errorf("client %d made no offload longer than one packet", i)
+		}
 		if r.Lost != 0 || r.Corrupt != 0 || r.ErrorCount != 0 || r.Sessions != 1 {
 			t.Errorf("client %d: %d lost, %d corrupt, %d errors, %d sessions: %q", i, r.Lost, r.Corrupt, r.ErrorCount, r.Sessions, r.Errors)
 		}

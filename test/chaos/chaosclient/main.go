@@ -22,6 +22,7 @@ import (
 
 	"github.com/kvpool/kvpool/pkg/client"
 	"github.com/kvpool/kvpool/pkg/cudart"
+	"github.com/kvpool/kvpool/pkg/wire"
 	"github.com/kvpool/kvpool/pkg/pool"
 )
 
@@ -36,11 +37,16 @@ type Result struct {
 	SlowCalls                                        int     // calls that took over 100 ms (they waited for a restart)
 	LongestCall                                      float64 // seconds
 	Sessions                                         int     // distinct session IDs seen (1: the session was never lost)
+	LongOffloads                                     int     // offloads longer than one packet's page list (--long)
 }
 
-const (
-	pageBytes   = 4096 // per region; two regions (K and V)
+// The device layout: two regions (K and V) of devicePages pages of
+// pageBytes each. --long makes pages small and the device large enough for
+// streams longer than one packet's page list (wire.MaxPagesPerPacket).
+var (
+	pageBytes   = 4096
 	devicePages = 64
+	long        bool
 )
 
 type stream struct {
@@ -66,7 +72,11 @@ func main() {
 	token := flag.String("token", "", "allocation token")
 	gpu := flag.Int("gpu", 0, "GPU ordinal")
 	seed := flag.Uint64("seed", 1, "random seed")
+	flag.BoolVar(&long, "long", false, "small pages, and one offload in four longer than one packet's page list")
 	flag.Parse()
+	if long {
+		pageBytes, devicePages = 64, wire.MaxPagesPerPacket+6000
+	}
 	if err := run(*socket, *token, *gpu, *seed); err != nil {
 		fmt.Fprintln(os.Stderr, "chaosclient:", err)
 		os.Exit(1)
@@ -74,24 +84,24 @@ func main() {
 }
 
 func run(socket, token string, gpu int, seed uint64) error {
-	sim := cudart.NewSim(cudart.SimOptions{Devices: gpu + 1, MemoryBytes: 2*devicePages*pageBytes + 1<<20})
+	sim := cudart.NewSim(cudart.SimOptions{Devices: gpu + 1, MemoryBytes: uint64(2*devicePages*pageBytes + 1<<20)})
 	dev, err := sim.Open(gpu)
 	if err != nil {
 		return err
 	}
 	r := &runner{dev: dev, rng: rand.New(rand.NewPCG(seed, 99)), ids: map[uint64]bool{}}
-	if r.k, err = dev.MemAlloc(devicePages * pageBytes); err != nil {
+	if r.k, err = dev.MemAlloc(uint64(devicePages * pageBytes)); err != nil {
 		return err
 	}
-	if r.v, err = dev.MemAlloc(devicePages * pageBytes); err != nil {
+	if r.v, err = dev.MemAlloc(uint64(devicePages * pageBytes)); err != nil {
 		return err
 	}
 	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))
 	r.p, err = client.Open(context.Background(), client.Options{Socket: socket, Token: token, Device: dev, Logger: log,
 		Name: "chaosclient", RetryFor: 30 * time.Second,
 		Regions: []client.Region{
-			{Base: r.k, Stride: pageBytes, BytesPerPage: pageBytes, Pages: devicePages},
-			{Base: r.v, Stride: pageBytes, BytesPerPage: pageBytes, Pages: devicePages},
+			{Base: r.k, Stride: uint64(pageBytes), BytesPerPage: uint64(pageBytes), Pages: devicePages},
+			{Base: r.v, Stride: uint64(pageBytes), BytesPerPage: uint64(pageBytes), Pages: devicePages},
 		}})
 	if err != nil {
 		return err
@@ -149,7 +159,7 @@ func (r *runner) checksum(pages []int32) ([32]byte, error) {
 	buf := make([]byte, pageBytes)
 	for _, p := range pages {
 		for _, base := range []cudart.DevicePtr{r.k, r.v} {
-			if err := r.dev.MemcpyDtoH(buf, base+cudart.DevicePtr(uint64(p)*pageBytes)); err != nil {
+			if err := r.dev.MemcpyDtoH(buf, base+cudart.DevicePtr(uint64(p)*uint64(pageBytes))); err != nil {
 				return [32]byte{}, err
 			}
 			h.Write(buf)
@@ -183,7 +193,11 @@ func (r *runner) step() {
 
 func (r *runner) offload() {
 	r.next++
-	s := &stream{rid: fmt.Sprintf("req-%d", r.next), label: "kv", n: 1 + r.rng.IntN(8),
+	n := 1 + r.rng.IntN(8)
+	if long && r.rng.IntN(4) == 0 {
+		n = wire.MaxPagesPerPacket + 1 + r.rng.IntN(devicePages-wire.MaxPagesPerPacket)
+	}
+	s := &stream{rid: fmt.Sprintf("req-%d", r.next), label: "kv", n: n,
 		meta: [3]int64{r.rng.Int64N(1 << 20), r.rng.Int64N(1 << 20), r.rng.Int64N(8)}}
 	pages := r.devPages(s.n)
 	data := make([]byte, pageBytes)
@@ -192,7 +206,7 @@ func (r *runner) offload() {
 			for i := range data {
 				data[i] = byte(r.rng.Uint32())
 			}
-			if err := r.dev.MemcpyHtoD(base+cudart.DevicePtr(uint64(p)*pageBytes), data); err != nil {
+			if err := r.dev.MemcpyHtoD(base+cudart.DevicePtr(uint64(p)*uint64(pageBytes)), data); err != nil {
 				r.fail("write device: %v", err)
 				return
 			}
@@ -222,6 +236,9 @@ func (r *runner) offload() {
 		return
 	}
 	r.res.Offloads++
+	if s.n > wire.MaxPagesPerPacket {
+		r.res.LongOffloads++
+	}
 	r.held = append(r.held, s)
 }
 
@@ -242,7 +259,7 @@ func (r *runner) reload(i int) {
 	}
 	for _, p := range dst {
 		for _, base := range []cudart.DevicePtr{r.k, r.v} {
-			r.dev.MemcpyHtoD(base+cudart.DevicePtr(uint64(p)*pageBytes), poison)
+			r.dev.MemcpyHtoD(base+cudart.DevicePtr(uint64(p)*uint64(pageBytes)), poison)
 		}
 	}
 	var got client.OffloadedStream
