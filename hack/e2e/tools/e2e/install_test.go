@@ -10,6 +10,7 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"syscall"
 	"sync"
 	"testing"
 	"time"
@@ -50,6 +51,7 @@ func (c *cluster) chartValues(image, extra string) string {
 simulateGPUs: 2
 pool: {bytes: "%d", chunkBytes: "%d", headroom: 256Mi, reserveBytes: 64Mi}
 paths: {socketDir: %q, stateDir: %q, kubeletDir: %q}
+keeper: {socketDir: %q}
 reclaim: {gracePeriod: %s, interval: %s}
 nvidia: {visibleDevices: ""}
 log: {level: debug}
@@ -58,7 +60,7 @@ extraEnv:
   - {name: KUBERNETES_SERVICE_PORT, value: %q}
 %s`, repo, tag, poolChunks*chunkBytes, chunkBytes,
 		filepath.Join(c.Run, "chart", "sock"), filepath.Join(c.Run, "chart", "state"), c.KubeletDir,
-		gracePeriod, reconcile, os.Getenv("KVPOOL_E2E_API_HOST"), os.Getenv("KVPOOL_E2E_API_PORT"), extra)
+		filepath.Join(c.Run, "chart", "keeper"), gracePeriod, reconcile, os.Getenv("KVPOOL_E2E_API_HOST"), os.Getenv("KVPOOL_E2E_API_PORT"), extra)
 }
 
 // helm runs kvpool-helm (the Helm SDK: install, upgrade, uninstall).
@@ -83,7 +85,7 @@ func (c *cluster) helm(t *testing.T, bin, cmd string, values string) {
 func (c *cluster) agentPod(t *testing.T) *corev1.Pod {
 	t.Helper()
 	pods, err := c.cs.CoreV1().Pods(releaseNS).List(ctx(t), metav1.ListOptions{
-		LabelSelector: "app.kubernetes.io/instance=" + release, FieldSelector: "spec.nodeName=" + c.Node})
+		LabelSelector: "app.kubernetes.io/instance=" + release + ",app.kubernetes.io/component=node-agent", FieldSelector: "spec.nodeName=" + c.Node})
 	if err != nil {
 		t.Fatalf("list agent pods: %v", err)
 	}
@@ -295,6 +297,7 @@ func TestChartInstall(t *testing.T) {
 			[]byte(fmt.Sprintf(`{"metadata":{"labels":{%q:null}}}`, nfdGPULabel)), metav1.PatchOptions{})
 	}()
 	sockDir, stateDir := filepath.Join(c.Run, "chart", "sock"), filepath.Join(c.Run, "chart", "state")
+	keeperDir := filepath.Join(c.Run, "chart", "keeper")
 	installed := time.Now().Truncate(time.Second)
 	c.helm(t, helmBin, "install", c.chartValues(image, ""))
 	uninstalled := false
@@ -477,6 +480,75 @@ func TestChartInstall(t *testing.T) {
 		c.deletePod(t, "chart-workload")
 	})
 
+	t.Run("agent killed under a workload", func(t *testing.T) {
+		// A crash: SIGKILL to the agent's process; kubelet restarts the
+		// container, the new agent adopts the keeper's pool and books, and
+		// the workload's clients ride out the gap.
+		script := `i=0; while [ ! -e /tmp/stop ]; do i=$((i+1)); /kvclient -ops 100 >/tmp/out 2>&1; rc=$?; echo "run $i rc=$rc $(tail -n 1 /tmp/out)"; sleep 0.3; done; sleep 3600`
+		c.createPod(t, c.scheduledPod("chart-crash", []string{"sh", "-c", script}, 2))
+		if p := c.waitPod(t, "chart-crash", 120*time.Second, corev1.PodRunning, corev1.PodFailed, corev1.PodSucceeded); p.Status.Phase != corev1.PodRunning {
+			t.Fatalf("chart-crash: %s", describePod(p))
+		}
+		wl := func() *corev1.Pod {
+			p, err := c.cs.CoreV1().Pods(namespace).Get(ctx(t), "chart-crash", metav1.GetOptions{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			return p
+		}
+		eventually(t, 60*time.Second, "workload's first client run", func() (bool, string, error) {
+			return len(clientRuns(wl())) > 0, "no run yet", nil
+		})
+		ap := c.agentPod(t)
+		restarts := int32(0)
+		for _, st := range ap.Status.ContainerStatuses {
+			restarts += st.RestartCount
+		}
+		pid := hostPIDOf(t, ap.UID, "agent")
+		runsAtKill := len(clientRuns(wl()))
+		if err := syscall.Kill(pid, syscall.SIGKILL); err != nil {
+			t.Fatalf("kill the agent (pid %d): %v", pid, err)
+		}
+		killed := time.Now()
+		eventually(t, 90*time.Second, "the agent container restarted and Ready", func() (bool, string, error) {
+			p, err := c.cs.CoreV1().Pods(releaseNS).Get(ctx(t), ap.Name, metav1.GetOptions{})
+			if err != nil {
+				return false, "", err
+			}
+			n := int32(0)
+			for _, st := range p.Status.ContainerStatuses {
+				n += st.RestartCount
+			}
+			return n > restarts && podReady(p), fmt.Sprintf("restarts %d, ready %v", n, podReady(p)), nil
+		})
+		t.Logf("agent container back and Ready %v after SIGKILL", time.Since(killed).Round(100*time.Millisecond))
+		eventually(t, 60*time.Second, "three client runs since the kill", func() (bool, string, error) {
+			n := len(clientRuns(wl())) - runsAtKill
+			return n >= 3, fmt.Sprint(n, " runs"), nil
+		})
+		failed := 0
+		runs := clientRuns(wl())
+		for _, r := range runs[runsAtKill:] {
+			if r.rc != 0 {
+				failed++
+				t.Errorf("client run %d across the agent's crash failed (rc %d): %q", r.n, r.rc, r.last)
+			}
+		}
+		t.Logf("workload: %d client runs since the kill, %d failed", len(runs)-runsAtKill, failed)
+		if log := containerLog(c.agentPod(t), "agent", 1<<20); !strings.Contains(log, "serving again after a restart") {
+			t.Errorf("the restarted agent did not report adopting the pool:\n%s", logTailString(log, 3000))
+		}
+		if cp, al := c.capacity(t); cp != poolChunks || al != poolChunks {
+			t.Errorf("after the crash: capacity %d, allocatable %d; want %d and %d", cp, al, poolChunks, poolChunks)
+		}
+		c.deletePod(t, "chart-crash")
+		c.createPod(t, c.scheduledPod("chart-after-crash", []string{"sh", "-c", podCheck{socket: true, client: true}.script()}, 2))
+		if p := c.waitPod(t, "chart-after-crash", 120*time.Second, corev1.PodSucceeded, corev1.PodFailed); p.Status.Phase != corev1.PodSucceeded {
+			t.Fatalf("a new pod after the crash: %s\n%s", describePod(p), terminationMessage(p))
+		}
+		c.deletePod(t, "chart-after-crash")
+	})
+
 	t.Run("uninstall leaves nothing on the node", func(t *testing.T) {
 		// Pods are gone; their allocations are reclaimed (grace + reconcile)
 		// before the agent goes, so nothing is left to keep.
@@ -510,7 +582,7 @@ func TestChartInstall(t *testing.T) {
 			return zero(cp, hasCap) && zero(al, hasAl), fmt.Sprintf("capacity %v, allocatable %v", cp.String(), al.String()), nil
 		})
 		t.Logf("capacity gone %v after the uninstall", time.Since(gone).Round(100*time.Millisecond))
-		for _, d := range []string{sockDir, stateDir} {
+		for _, d := range []string{sockDir, stateDir, keeperDir} {
 			var left []string
 			_ = filepath.Walk(d, func(p string, info os.FileInfo, err error) error {
 				if err == nil && p != d {
@@ -538,4 +610,33 @@ func TestChartInstall(t *testing.T) {
 			t.Errorf("DaemonSets left: %v %v", err, ds)
 		}
 	})
+}
+
+// hostPIDOf finds the process named comm in the pod with uid, by the pod's
+// cgroup (kubelet names it after the UID, with '-' or '_').
+func hostPIDOf(t *testing.T, uid types.UID, comm string) int {
+	t.Helper()
+	dash, under := string(uid), strings.ReplaceAll(string(uid), "-", "_")
+	procs, _ := filepath.Glob("/proc/[0-9]*")
+	for _, d := range procs {
+		name, err := os.ReadFile(filepath.Join(d, "comm"))
+		if err != nil || strings.TrimSpace(string(name)) != comm {
+			continue
+		}
+		cg, err := os.ReadFile(filepath.Join(d, "cgroup"))
+		if err != nil || !(strings.Contains(string(cg), dash) || strings.Contains(string(cg), under)) {
+			continue
+		}
+		pid, _ := strconv.Atoi(filepath.Base(d))
+		return pid
+	}
+	t.Fatalf("no process %q in pod %s", comm, uid)
+	return 0
+}
+
+func logTailString(s string, n int) string {
+	if len(s) > n {
+		return s[len(s)-n:]
+	}
+	return s
 }
