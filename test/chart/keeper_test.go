@@ -46,8 +46,14 @@ func TestKeeper(t *testing.T) {
 	if got, ok := envOf(r.ds.Spec.Template.Spec.Containers[0], "KVPOOL_KEEPER_SOCKET"); !ok || got != sock {
 		t.Errorf("agent KVPOOL_KEEPER_SOCKET %q (%v), want %q", got, ok, sock)
 	}
-	if !strings.HasSuffix(c.Image, ":"+chartAppVersion(t)) {
-		t.Errorf("keeper image %q: want the chart's appVersion at first install", c.Image)
+	if agentImage := r.ds.Spec.Template.Spec.Containers[0].Image; c.Image != agentImage || !strings.HasSuffix(c.Image, ":"+chartAppVersion(t)) {
+		t.Errorf("keeper image %q: want the agent's (%q, the chart's appVersion by default) at first install", c.Image, agentImage)
+	}
+	// A tag set for the agent is the keeper's too at first install (an
+	// image built for this node, as the e2e stage does).
+	tagged := renderSet(t, valueSet{values: "image: {repository: kvpool.local/kvpool-agent, tag: e2e-1}"})
+	if img := tagged.keeper.Spec.Template.Spec.Containers[0].Image; img != "kvpool.local/kvpool-agent:e2e-1" {
+		t.Errorf("image.tag e2e-1: keeper image %q, want the agent's", img)
 	}
 	sc := c.SecurityContext
 	if sc == nil || sc.Capabilities == nil || len(sc.Capabilities.Add) != 0 || !slices.Contains(sc.Capabilities.Drop, "ALL") ||

@@ -85,7 +85,7 @@ func (c *cluster) helm(t *testing.T, bin, cmd string, values string) {
 func (c *cluster) agentPod(t *testing.T) *corev1.Pod {
 	t.Helper()
 	pods, err := c.cs.CoreV1().Pods(releaseNS).List(ctx(t), metav1.ListOptions{
-		LabelSelector: "app.kubernetes.io/instance=" + release + ",app.kubernetes.io/component=node-agent", FieldSelector: "spec.nodeName=" + c.Node})
+		LabelSelector: "app.kubernetes.io/instance=" + release + ",app.kubernetes.io/component!=keeper", FieldSelector: "spec.nodeName=" + c.Node})
 	if err != nil {
 		t.Fatalf("list agent pods: %v", err)
 	}
