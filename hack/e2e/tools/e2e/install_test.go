@@ -504,7 +504,7 @@ func TestChartInstall(t *testing.T) {
 		for _, st := range ap.Status.ContainerStatuses {
 			restarts += st.RestartCount
 		}
-		pid := hostPIDOf(t, ap.UID, "agent")
+		pid := hostPIDOf(t, ap.UID, "kvpool-agent")
 		runsAtKill := len(clientRuns(wl()))
 		if err := syscall.Kill(pid, syscall.SIGKILL); err != nil {
 			t.Fatalf("kill the agent (pid %d): %v", pid, err)
