@@ -31,10 +31,11 @@ const (
 	releaseNS      = "kvpool-system"
 	nfdGPULabel    = "feature.node.kubernetes.io/pci-10de.present"
 	heartbeatEvery = 10 * time.Second // nodestatus.Heartbeat
-	// strictUpgradeEnv switches the upgrade check to "nothing lost": every
-	// client run during the upgrade must succeed (the agent restarts with
-	// its pool's memory and books, issue 13). Until then the check is that
-	// the client fails cleanly or rides through, and works again after.
+	// strictUpgradeEnv tunes the upgrade check. By default nothing may be
+	// lost: every client run during the upgrade must succeed (the keeper
+	// keeps the pool's memory and books, issue 16). "0" relaxes that to
+	// "fails cleanly, works again after"; "1" also requires the old agent's
+	// final status to be seen on the watch.
 	strictUpgradeEnv = "KVPOOL_E2E_STRICT_UPGRADE"
 )
 
@@ -222,22 +223,40 @@ func (c *cluster) watchStatus(t *testing.T) *statusLog {
 	}
 	wctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
-	w, err := dyn.Resource(kvpoolNodes).Watch(wctx, metav1.ListOptions{FieldSelector: "metadata.name=" + c.Node})
-	if err != nil {
-		t.Fatalf("watch kvpoolnode: %v", err)
-	}
 	log := &statusLog{}
+	note := func(s string) {
+		log.mu.Lock()
+		log.seen = append(log.seen, s)
+		log.mu.Unlock()
+	}
+	// A watch that ends (the apiserver closes long watches; an error event)
+	// is started again from the last version seen, so no write is missed.
+	rv := ""
 	go func() {
-		for ev := range w.ResultChan() {
-			u, ok := ev.Object.(*unstructured.Unstructured)
-			if !ok {
+		for wctx.Err() == nil {
+			w, err := dyn.Resource(kvpoolNodes).Watch(wctx, metav1.ListOptions{FieldSelector: "metadata.name=" + c.Node, ResourceVersion: rv})
+			if err != nil {
+				if wctx.Err() == nil {
+					note("watch: " + err.Error())
+				}
+				time.Sleep(200 * time.Millisecond)
 				continue
 			}
-			h, _, _ := unstructured.NestedString(u.Object, "status", "health")
-			st, reason := readyCondition(u)
-			log.mu.Lock()
-			log.seen = append(log.seen, h+"/"+st+"/"+reason)
-			log.mu.Unlock()
+			for ev := range w.ResultChan() {
+				u, ok := ev.Object.(*unstructured.Unstructured)
+				if !ok {
+					if st, isStatus := ev.Object.(*metav1.Status); isStatus {
+						note("watch error: " + st.Message)
+						rv = "" // expired: start from the current state
+					}
+					continue
+				}
+				rv = u.GetResourceVersion()
+				h, _, _ := unstructured.NestedString(u.Object, "status", "health")
+				st, reason := readyCondition(u)
+				note(h + "/" + st + "/" + reason)
+			}
+			w.Stop()
 		}
 	}()
 	return log
@@ -404,7 +423,11 @@ func TestChartInstall(t *testing.T) {
 	})
 
 	t.Run("upgrade rolls the agent under a workload", func(t *testing.T) {
-		strict := os.Getenv(strictUpgradeEnv) == "1"
+		// With the keeper nothing is lost across an upgrade: every client
+		// run must pass (KVPOOL_E2E_STRICT_UPGRADE=0 relaxes it). The old
+		// agent's final status is required only with =1 (see below).
+		strict := os.Getenv(strictUpgradeEnv) != "0"
+		strictFinal := os.Getenv(strictUpgradeEnv) == "1"
 		script := `i=0; while [ ! -e /tmp/stop ]; do i=$((i+1)); /kvclient -ops 100 >/tmp/out 2>&1; rc=$?; echo "run $i rc=$rc $(tail -n 1 /tmp/out)"; sleep 0.3; done; sleep 3600`
 		c.createPod(t, c.scheduledPod("chart-workload", []string{"sh", "-c", script}, 2))
 		if p := c.waitPod(t, "chart-workload", 120*time.Second, corev1.PodRunning, corev1.PodFailed, corev1.PodSucceeded); p.Status.Phase != corev1.PodRunning {
@@ -432,16 +455,16 @@ func TestChartInstall(t *testing.T) {
 		t.Logf("agent rolled from %s to %s in %v", old.Name, apod.Name, time.Since(rolled).Round(100*time.Millisecond))
 		// The old agent said it stopped (final status), before the new one
 		// reported again.
-		// Known gap after the wave-2 merge: the old agent's final status was
-		// not seen on one run (cause not yet found; the host-process agent's
-		// final status is checked in TestAgent). Required under the strict
-		// switch; otherwise reported.
+		// The status watch restarts when the apiserver ends it; a final
+		// status the new agent overwrote within the watch's restart would
+		// be missed, so this is required only with =1 (the host-process
+		// agent's final status is checked in TestAgent).
 		finalBy := time.Now().Add(10 * time.Second)
 		for !statuses.has("Unhealthy/False/AgentStopped") && time.Now().Before(finalBy) {
 			time.Sleep(200 * time.Millisecond)
 		}
 		if !statuses.has("Unhealthy/False/AgentStopped") {
-			if strict {
+			if strictFinal {
 				t.Errorf("%s=1: the old agent's final status (Unhealthy/False/AgentStopped) was not seen within 10s; seen: %v", strictUpgradeEnv, statuses.all())
 			} else {
 				t.Logf("KNOWN GAP: the old agent's final status was not seen within 10s; seen: %v", statuses.all())
@@ -473,9 +496,9 @@ func TestChartInstall(t *testing.T) {
 		}
 		t.Logf("workload: %d client runs, %d failed around the upgrade (new agent Ready %v after the upgrade)", len(runs), failed, ready.Sub(rolled).Round(100*time.Millisecond))
 		if strict && failed > 0 {
-			t.Errorf("%s=1: %d client runs failed across the upgrade, want none\n%s", strictUpgradeEnv, failed, containerLog(wl(), "main", 4000))
+			t.Errorf("%d client runs failed across the upgrade, want none (the keeper keeps the pool; %s=0 relaxes this)\n%s", failed, strictUpgradeEnv, containerLog(wl(), "main", 4000))
 		} else if failed > 0 {
-			t.Logf("(%s=1 requires none to fail once the agent restarts with nothing lost)", strictUpgradeEnv)
+			t.Logf("(%s=0: failed runs allowed)", strictUpgradeEnv)
 		}
 		c.deletePod(t, "chart-workload")
 	})
