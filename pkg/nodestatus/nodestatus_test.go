@@ -146,8 +146,8 @@ func TestSyncCreatesThenUpdatesOnChange(t *testing.T) {
 	}
 	t0 := obj.Status.Conditions[0].LastTransitionTime
 
-	// The same status again: no write.
-	clock = clock.Add(time.Minute)
+	// The same status again, within the heartbeat: no write.
+	clock = clock.Add(Heartbeat / 2)
 	w.Set(Build("n1", Input{Snapshot: snap, Reason: "socket: not yet"}))
 	if err := w.Sync(ctx, false); err != nil {
 		t.Fatal(err)
@@ -381,5 +381,43 @@ func TestBuildRestart(t *testing.T) {
 	st = Build("n", Input{Restart: &status.Restart{AdoptedChunks: 7, FreshChunks: 1, LastGapSeconds: 0.1234}})
 	if r := st.Restart; r == nil || r.AdoptedChunks != 7 || r.FreshChunks != 1 || r.LastGapMilliseconds != 123 {
 		t.Fatalf("restart %+v", st.Restart)
+	}
+}
+
+// The heartbeat does not depend on which wake-up Run acts on: an unchanged
+// status is rewritten by any Sync once lastUpdateTime is Resync old, so a
+// status fed more often than MinInterval (the agent feeds every 5s, writes at
+// most every 10s) cannot crowd it out.
+func TestHeartbeatDueOnAnySync(t *testing.T) {
+	ctx := context.Background()
+	var n counts
+	c := newClient(t, &n, interceptor.Funcs{}, node("n1"))
+	clock := time.Date(2026, 12, 1, 8, 0, 0, 0, time.UTC)
+	w := NewWriter(c, "n1", Options{Now: func() time.Time { return clock }})
+	w.Set(Build("n1", Input{Snapshot: snapshot(t), Ready: true}))
+	if err := w.Sync(ctx, false); err != nil {
+		t.Fatal(err)
+	}
+	for _, step := range []struct {
+		advance time.Duration
+		writes  int32
+	}{
+		{0, 0},                         // unchanged, just written
+		{Heartbeat - time.Second, 0},   // not yet due
+		{time.Second, 1},               // a Heartbeat old: rewritten
+		{time.Second, 0},               // fresh again
+		{2*Heartbeat + time.Second, 1}, // long silent (a slow API): one write
+	} {
+		clock = clock.Add(step.advance)
+		before := n.updates.Load()
+		if err := w.Sync(ctx, false); err != nil {
+			t.Fatal(err)
+		}
+		if got := n.updates.Load() - before; got != step.writes {
+			t.Errorf("at +%s: %d writes, want %d", clock.Sub(time.Date(2026, 12, 1, 8, 0, 0, 0, time.UTC)), got, step.writes)
+		}
+		if st := get(t, c, "n1").Status; step.writes > 0 && !st.LastUpdateTime.Time.Equal(clock) {
+			t.Errorf("lastUpdateTime %s after the heartbeat at %s", st.LastUpdateTime, clock)
+		}
 	}
 }

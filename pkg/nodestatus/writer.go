@@ -136,9 +136,10 @@ func (w *Writer) Run(ctx context.Context) error {
 	}
 }
 
-// Sync writes the latest status now when it differs from the object's, or
-// when force is set; it creates the object if it is missing. It returns nil
-// when there is nothing to write.
+// Sync writes the latest status now when it differs from the object's, when
+// the heartbeat is due (the object's lastUpdateTime is Resync old) or when
+// force is set; it creates the object if it is missing. It returns nil when
+// there is nothing to write.
 func (w *Writer) Sync(ctx context.Context, force bool) error {
 	w.mu.Lock()
 	var want *v1alpha1.KVPoolNodeStatus
@@ -169,7 +170,12 @@ func (w *Writer) Sync(ctx context.Context, force bool) error {
 		apimeta.SetStatusCondition(&next.Conditions, c)
 	}
 	next.LastUpdateTime = obj.Status.LastUpdateTime
-	if !force && equality.Semantic.DeepEqual(&obj.Status, next) {
+	// The heartbeat is due when the object's lastUpdateTime is a Resync
+	// old, whatever woke the caller: with a status fed more often than
+	// MinInterval, the changes' wake-ups would otherwise crowd out the
+	// resync tick and the heartbeat could go stale on a live agent.
+	due := w.opts.Resync > 0 && now.Sub(obj.Status.LastUpdateTime.Time) >= w.opts.Resync
+	if !force && !due && equality.Semantic.DeepEqual(&obj.Status, next) {
 		return nil
 	}
 	next.LastUpdateTime = now
