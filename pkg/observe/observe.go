@@ -24,15 +24,29 @@ const (
 	OpClose         = "close"
 )
 
+// Components that report operations. The socket server leaves
+// Op.Component empty (it means ComponentServer).
+const (
+	ComponentServer     = "server"     // socket calls
+	ComponentPlugin     = "plugin"     // the device plugin: allocate, register, reconcile, checkpoint
+	ComponentReclaim    = "reclaim"    // reclaims of allocations and renewals of their chunks
+	ComponentAllocation = "allocation" // chunks allocated and pinned at start ("pin")
+	ComponentNodeStatus = "nodestatus" // writes of the KVPoolNode status ("write")
+)
+
 // Op is one completed operation.
 type Op struct {
-	Name     string        // one of the Op* constants, or another stable name
-	GPU      int           // GPU the session serves; -1 when none applies
-	Session  string        // allocation or session identity for the error log; may be empty
-	Duration time.Duration // time the agent spent serving the call
-	Pages    int           // host pages the call offloaded, reloaded or discarded
-	Bytes    int64         // bytes the client reports it copied for this call
-	Err      error         // nil on success
+	// Component is who did it: "" (the socket server) or one of the
+	// Component* constants.
+	Component  string
+	Name       string        // one of the Op* constants, or another stable name
+	GPU        int           // GPU the session serves; -1 when none applies
+	Session    string        // the session's identity for the error log; may be empty
+	Allocation string        // the pool allocation the call was for; may be empty
+	Duration   time.Duration // time the agent spent serving the call
+	Pages      int           // host pages the call offloaded, reloaded or discarded
+	Bytes      int64         // bytes the client reports it copied for this call
+	Err        error         // nil on success
 }
 
 // Observer receives completed operations. Implementations must be safe for

@@ -88,7 +88,7 @@ func (p *Plugin) renewLoop(ctx context.Context) {
 		select {
 		case <-ctx.Done():
 			return
-		case <-p.kick:
+		case <-p.l.kick:
 		case <-timer:
 		}
 		timer = nil
