@@ -24,6 +24,19 @@ const (
 	OpClose         = "close"
 )
 
+// Operation names of the other components (Op.Component set).
+const (
+	OpAllocate   = "allocate"   // plugin: kubelet's Allocate
+	OpRegister   = "register"   // plugin: a registration with kubelet
+	OpReconcile  = "reconcile"  // plugin: allocations checked against PodResources
+	OpCheckpoint = "checkpoint" // plugin: the checkpoint could not be read
+	OpPodGone    = "pod_gone"   // reclaim: no pod held the allocation for the grace period
+	OpReassigned = "reassigned" // reclaim: kubelet gave the allocation's devices to another pod
+	OpRenew      = "renew"      // reclaim: fresh memory put behind a reclaimed chunk
+	OpPin        = "pin"        // allocation: a chunk allocated, pre-faulted and locked at start
+	OpWrite      = "write"      // nodestatus: the KVPoolNode status written
+)
+
 // Components that report operations. The socket server leaves
 // Op.Component empty (it means ComponentServer).
 const (
@@ -62,6 +75,15 @@ var Nop Observer = nop{}
 type nop struct{}
 
 func (nop) Op(Op) {}
+
+// Report passes a failure of component's operation op to o; nil is
+// ignored. Metrics count it (kvpool_errors_total{component, op, kind}) and
+// the error ring records it, from this one call.
+func Report(o Observer, component, op string, err error) {
+	if err != nil {
+		o.Op(Op{Component: component, Name: op, GPU: -1, Err: err})
+	}
+}
 
 // Multi returns an Observer that passes each operation to every non-nil
 // observer in order.

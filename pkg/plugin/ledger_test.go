@@ -2,6 +2,7 @@ package plugin
 
 import (
 	"errors"
+	"slices"
 	"testing"
 	"time"
 
@@ -134,5 +135,58 @@ func TestAllocateErrorCodes(t *testing.T) {
 	}
 	if status.Code(grpcError(errors.New("other"))) != codes.Internal {
 		t.Error("an unclassified error is not Internal")
+	}
+}
+
+// The plugin reports each Allocate, registration, reconcile, reclaim and
+// failed renewal to its observer (metrics and the error ring), and lists a
+// chunk whose renewal failed as unhealthy (the KVPoolNode turns Degraded).
+func TestPluginReportsOperations(t *testing.T) {
+	e := newEnv(t)
+	// The serve loop reports the registration just after kubelet accepts it.
+	for deadline := time.Now().Add(5 * time.Second); !slices.Contains(e.ops(), "plugin/register ok"); {
+		if time.Now().After(deadline) {
+			t.Fatalf("no registration reported: %q", e.ops())
+		}
+		time.Sleep(time.Millisecond)
+	}
+	token := e.mustAllocate("gpu0-numa0-0")
+	id := AllocationID(token)
+	if _, err := e.allocate([]string{"nope"}); status.Code(err) != codes.InvalidArgument {
+		t.Fatal(err)
+	}
+	e.mu.Lock()
+	e.zeroFn = func(string) error { return errBoom }
+	e.mu.Unlock()
+	e.clock.Advance(testGrace)
+	e.reconcile() // reclaims; the renewal fails
+	if got := e.p.UnhealthyChunks(); !slices.Equal(got, []string{"gpu0-numa0-0"}) {
+		t.Errorf("unhealthy chunks = %v while its renewal fails", got)
+	}
+	if got := e.p.UnhealthyByGPU(); len(got) != 1 || got[0] != 1 {
+		t.Errorf("unhealthy by GPU = %v, want gpu 0: 1", got)
+	}
+	if _, err := e.allocate([]string{"gpu0-numa0-0"}); status.Code(err) != codes.FailedPrecondition {
+		t.Fatal(err)
+	}
+	e.mu.Lock()
+	e.zeroFn = nil
+	e.mu.Unlock()
+	e.clock.Advance(RenewRetryMin)
+	e.reconcile()
+	if got := e.p.UnhealthyChunks(); len(got) != 0 {
+		t.Errorf("unhealthy chunks = %v after a successful renewal", got)
+	}
+	want := []string{
+		"plugin/allocate ok",
+		"plugin/allocate invalid",
+		"reclaim/pod_gone ok " + id,
+		"plugin/reconcile ok",
+		"reclaim/renew error",
+		"plugin/allocate refused",
+		"plugin/reconcile ok",
+	}
+	if got := e.ops()[1:]; !slices.Equal(got, want) {
+		t.Errorf("reported\n%q\nwant\n%q", got, want)
 	}
 }

@@ -224,7 +224,7 @@ func New(o Options) (*Plugin, error) {
 	if errors.Is(err, ErrCorruptCheckpoint) {
 		moved, qerr := quarantineCheckpoint(o.StateDir, o.Now())
 		p.log.Error("checkpoint is corrupt; starting without recorded allocations", "err", err, "movedTo", moved, "moveErr", qerr)
-		p.report(observe.Op{Name: "checkpoint", Err: err})
+		p.report(observe.Op{Name: observe.OpCheckpoint, Err: err})
 		if qerr != nil {
 			return nil, errors.Join(err, qerr)
 		}
@@ -273,6 +273,19 @@ func (p *Plugin) UnhealthyChunks() []string {
 		}
 	}
 	slices.Sort(out)
+	return out
+}
+
+// UnhealthyByGPU counts UnhealthyChunks by GPU (read from the chunk IDs;
+// an ID that is not a chunk ID is left out): the KVPoolNode's
+// chunks.unhealthy, which makes its health Degraded.
+func (p *Plugin) UnhealthyByGPU() map[int]int {
+	out := make(map[int]int)
+	for _, id := range p.UnhealthyChunks() {
+		if gpu, _, _, err := ParseChunkID(id); err == nil {
+			out[gpu]++
+		}
+	}
 	return out
 }
 
@@ -394,7 +407,7 @@ func (p *Plugin) listAndWatch(stream pluginapi.DevicePlugin_ListAndWatchServer) 
 func (p *Plugin) Allocate(ctx context.Context, req *pluginapi.AllocateRequest) (*pluginapi.AllocateResponse, error) {
 	start := time.Now()
 	resp, err := p.allocate(ctx, req)
-	p.report(observe.Op{Name: "allocate", Duration: time.Since(start), Err: err})
+	p.report(observe.Op{Name: observe.OpAllocate, Duration: time.Since(start), Err: err})
 	if err != nil {
 		return nil, grpcError(err)
 	}
@@ -475,8 +488,8 @@ func (p *Plugin) allocate(ctx context.Context, req *pluginapi.AllocateRequest) (
 // Reclaim triggers: the operation names of the reclaims the plugin reports
 // (component "reclaim"; kvpool_plugin_reclaims_total{trigger}).
 const (
-	ReclaimPodGone    = "pod_gone"   // no pod held the allocation for the grace period
-	ReclaimReassigned = "reassigned" // kubelet gave its devices to another pod (Allocate)
+	ReclaimPodGone    = observe.OpPodGone    // no pod held the allocation for the grace period
+	ReclaimReassigned = observe.OpReassigned // kubelet gave its devices to another pod (Allocate)
 )
 
 // allocateAttempts bounds how often one Allocate starts over because a
@@ -510,6 +523,9 @@ func (p *Plugin) settleAndGrant(ctx context.Context, sets [][]string) ([]string,
 		for _, id := range reclaimed {
 			p.report(observe.Op{Component: observe.ComponentReclaim, Name: ReclaimReassigned, Allocation: id})
 		}
+		if ae := (*AllocateError)(nil); errors.As(err, &ae) && ae.Result == ResultFailed {
+			p.report(observe.Op{Component: observe.ComponentReclaim, Name: ReclaimReassigned, Err: ae.Err})
+		}
 		if err == nil {
 			for _, id := range renew {
 				if rerr := p.renew(id); rerr != nil {
@@ -540,7 +556,7 @@ func (p *Plugin) settleAndGrant(ctx context.Context, sets [][]string) ([]string,
 func (p *Plugin) renew(id string) error {
 	err := p.o.Renew(id)
 	if err = p.l.renewed(id, err); err != nil {
-		p.report(observe.Op{Component: observe.ComponentReclaim, Name: "renew", Err: fmt.Errorf("chunk %s: %w", id, err)})
+		p.report(observe.Op{Component: observe.ComponentReclaim, Name: observe.OpRenew, Err: fmt.Errorf("chunk %s: %w", id, err)})
 	}
 	return err
 }
@@ -578,7 +594,7 @@ func (p *Plugin) reconcile(ctx context.Context) error {
 	held, err := p.o.Holders.Held(ctx, p.o.ResourceName)
 	if err != nil {
 		err = fmt.Errorf("reconcile: %w", err)
-		p.report(observe.Op{Name: "reconcile", Duration: time.Since(start), Err: err})
+		p.report(observe.Op{Name: observe.OpReconcile, Duration: time.Since(start), Err: err})
 		return err
 	}
 	reclaimed, rerr, err := p.l.reconcile(held)
@@ -588,6 +604,6 @@ func (p *Plugin) reconcile(ctx context.Context) error {
 	for _, id := range reclaimed {
 		p.report(observe.Op{Component: observe.ComponentReclaim, Name: ReclaimPodGone, Allocation: id})
 	}
-	p.report(observe.Op{Name: "reconcile", Duration: time.Since(start), Err: err})
+	p.report(observe.Op{Name: observe.OpReconcile, Duration: time.Since(start), Err: err})
 	return err
 }
