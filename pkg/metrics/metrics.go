@@ -267,17 +267,6 @@ func (m *Metrics) componentOp(op observe.Op) {
 	}
 }
 
-// Error counts an error of a component other than the socket server
-// ("plugin", "reclaim", "nodestatus", ...) with no operation name; nil is
-// ignored. Components that also want the error in the ring report through
-// an observer instead (observe.Report).
-func (m *Metrics) Error(component string, err error) {
-	if err == nil {
-		return
-	}
-	m.errors.WithLabelValues(component, "", status.Kind(err)).Inc()
-}
-
 // PluginAllocateResults and PluginReclaimTriggers are the label values
 // InitPlugin exports from zero (plugin.AllocateResults; the reclaim
 // operations).
