@@ -22,6 +22,7 @@ import (
 	"github.com/kvpool/kvpool/pkg/gpu"
 	"github.com/kvpool/kvpool/pkg/hostmem"
 	"github.com/kvpool/kvpool/pkg/node"
+	"github.com/kvpool/kvpool/pkg/observe"
 	"github.com/kvpool/kvpool/pkg/plugin"
 	"github.com/kvpool/kvpool/pkg/pool"
 	"github.com/kvpool/kvpool/pkg/server"
@@ -161,9 +162,13 @@ func bootAgent(parent context.Context, s *serveSetup, log *slog.Logger) (_ *agen
 		ResourceName: cfg.ResourceName, KubeletDir: cfg.KubeletDir, SocketDir: cfg.SocketDir, StateDir: cfg.StateDir,
 		GracePeriod: cfg.Reclaim.GracePeriod.Duration, Interval: cfg.Reclaim.Interval.Duration,
 		BindPods: cfg.TokenBinding == config.TokenBindingPod, PodLogsDir: cfg.PodLogsDir,
+		Observer: a.obs.Observer,
 	}
 	if a.plug, err = newPlugin(pcfg, a.pool, a.renew, a.events, log); err != nil {
 		return nil, err
+	}
+	if a.plug != nil {
+		a.obs.Metrics.InitPlugin()
 	}
 	a.settleRestored()
 
@@ -500,7 +505,7 @@ func (a *agent) allocate(ctx context.Context) {
 		g := gpuOf[r.ID]
 		if r.Err != nil {
 			a.obs.Metrics.ChunkPinFailed(g, r.Err)
-			a.obs.Errors.Error("hostmem", fmt.Errorf("chunk %s: %w", r.ID, r.Err))
+			observe.Report(a.obs.Observer, observe.ComponentAllocation, observe.OpPin, fmt.Errorf("chunk %s: %w", r.ID, r.Err))
 			a.log.Error("pool allocation stopped; serving the chunks already ready", "chunk", r.ID, "ready", ready, "of", total, "err", r.Err)
 			break
 		}
@@ -518,8 +523,7 @@ func (a *agent) allocate(ctx context.Context) {
 			// A chunk the keeper does not hold would be lost by a restart
 			// with everything written to it: not used.
 			c.Close()
-			a.obs.Metrics.Error("keeper", err)
-			a.obs.Errors.Error("keeper", fmt.Errorf("chunk %s: %w", r.ID, err))
+			observe.Report(a.obs.Observer, "keeper", "keep", fmt.Errorf("chunk %s: %w", r.ID, err))
 			a.log.Error("pool allocation stopped: the keeper does not take the chunk", "chunk", r.ID, "err", err)
 			break
 		}
@@ -528,7 +532,7 @@ func (a *agent) allocate(ctx context.Context) {
 		a.mu.Unlock()
 		if err := a.pool.AddChunk(pc); err != nil {
 			a.log.Error("adding chunk to the pool", "chunk", r.ID, "err", err)
-			a.obs.Metrics.Error("pool", err)
+			observe.Report(a.obs.Observer, "pool", "add_chunk", err)
 			continue
 		}
 		ready++

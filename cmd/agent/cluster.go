@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/kvpool/kvpool/pkg/events"
+	"github.com/kvpool/kvpool/pkg/observe"
 	"github.com/kvpool/kvpool/pkg/plugin"
 	"github.com/kvpool/kvpool/pkg/pool"
 )
@@ -21,8 +22,9 @@ type pluginConfig struct {
 	StateDir     string
 	GracePeriod  time.Duration
 	Interval     time.Duration
-	BindPods     bool   // tokenBinding "pod"
-	PodLogsDir   string // kubelet's pod log directory
+	BindPods     bool             // tokenBinding "pod"
+	PodLogsDir   string           // kubelet's pod log directory
+	Observer     observe.Observer // the plugin's operations and failures: metrics and the error ring
 }
 
 // pluginRun is a device plugin, built by newPlugin and registered with
@@ -91,11 +93,21 @@ func newPlugin(cfg pluginConfig, p *pool.Pool, renew func(id string) error, ev e
 		BindPods:    cfg.BindPods,
 		PodLogsDir:  cfg.PodLogsDir,
 		Logger:      log,
+		Observer:    cfg.Observer,
 	})
 	if err != nil {
 		return nil, err
 	}
 	return &pluginRun{Plugin: pl, Feed: feed, cfg: cfg, log: log, done: make(chan struct{})}, nil
+}
+
+// UnhealthyChunks counts, per GPU, the chunks kubelet is told are
+// unhealthy (the KVPoolNode's Degraded health); nil without a plugin.
+func (r *pluginRun) UnhealthyChunks() map[int]int {
+	if r == nil {
+		return nil
+	}
+	return r.Plugin.UnhealthyByGPU()
 }
 
 // start registers with kubelet and serves until ctx ends.

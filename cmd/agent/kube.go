@@ -122,6 +122,7 @@ func connectKube(ctx context.Context, s *serveSetup, log *slog.Logger) (*kubePar
 
 // startStatus keeps the node's KVPoolNode status up to date until ctx ends.
 func (k *kubeParts) startStatus(ctx context.Context, a *agent, wg *sync.WaitGroup) {
+	k.writer.ReportTo(a.obs.Observer)
 	wg.Add(2)
 	go func() {
 		defer wg.Done()
@@ -142,6 +143,8 @@ func (k *kubeParts) startStatus(ctx context.Context, a *agent, wg *sync.WaitGrou
 				ResourceName: a.cfg.ResourceName,
 				AgentVersion: version,
 				Restart:      a.restartStatus(),
+				// Degraded while the plugin reports unhealthy chunks.
+				UnhealthyChunks: a.plug.UnhealthyChunks(),
 			})
 		})
 	}()

@@ -45,7 +45,7 @@ type obsOptions struct {
 
 // newObservability watches p. Components add their checks to Health
 // (heartbeats, the socket handshake, the kubelet registration flag) and
-// report errors to Errors and Metrics.Error.
+// report operations and errors to Observer (metrics and the error ring).
 func newObservability(p *pool.Pool, o obsOptions) *observability {
 	obs := &observability{
 		Metrics: metrics.New(p, metrics.Options{Targets: o.Targets}),

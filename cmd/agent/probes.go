@@ -5,47 +5,20 @@ import (
 	"errors"
 	"fmt"
 	"net"
-	"strings"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvpool/kvpool/pkg/health"
 	"github.com/kvpool/kvpool/pkg/observe"
-	"github.com/kvpool/kvpool/pkg/pool"
 	"github.com/kvpool/kvpool/pkg/server"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
 
-// statusError is a request's non-OK status as an error for the observers.
-type statusError wire.Status
-
-func (e statusError) Error() string { return "status " + wire.Status(e).String() }
-
-// Kind names the status for metrics labels: "no capacity" -> "no_capacity".
-func (e statusError) Kind() string { return strings.ReplaceAll(wire.Status(e).String(), " ", "_") }
-
-// Unwrap lets status.Rejected see a pending offload as flow control.
-func (e statusError) Unwrap() error {
-	if wire.Status(e) == wire.StatusPending {
-		return pool.ErrPending
-	}
-	return nil
-}
-
 // serverHooks reports every request the socket server answers to obs, and
 // counts every refusal by a limit in rejects (by reason).
 func serverHooks(obs observe.Observer, rejects *prometheus.CounterVec) server.Hooks {
-	return server.Hooks{Refused: func(reason string) { rejects.WithLabelValues(reason).Inc() }, Request: func(r server.Request) {
-		o := observe.Op{Name: r.Op.String(), GPU: r.GPU, Duration: r.Took, Pages: r.Pages, Bytes: r.Bytes}
-		switch {
-		case r.Full:
-			o.Err = pool.ErrFull // a refusal, counted apart from errors
-		case r.Status != wire.StatusOK:
-			o.Err = statusError(r.Status)
-		}
-		obs.Op(o)
-	}}
+	return server.Hooks{Refused: func(reason string) { rejects.WithLabelValues(reason).Inc() }, Request: server.ObserveRequests(obs)}
 }
 
 // helloHandshake greets the agent's own socket as a client would and

@@ -164,11 +164,11 @@ func printStatus(out io.Writer, r status.Report) error {
 		fmt.Fprintln(tw, "Recent errors: none")
 	} else {
 		fmt.Fprintf(tw, "Recent errors (last %d of %d):\n", len(r.Errors), r.ErrorsTotal)
-		fmt.Fprintln(tw, "TIME\tCOMPONENT\tOP\tKIND\tSESSION\tMESSAGE")
+		fmt.Fprintln(tw, "TIME\tCOMPONENT\tOP\tKIND\tSESSION\tALLOCATION\tMESSAGE")
 		for i := len(r.Errors) - 1; i >= 0; i-- { // newest first
 			e := r.Errors[i]
-			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", e.Time.UTC().Format(time.RFC3339), e.Component, dash(e.Op), e.Kind,
-				dash(e.Session), oneLine(e.Message))
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\n", e.Time.UTC().Format(time.RFC3339), e.Component, dash(e.Op), e.Kind,
+				dash(e.Session), dash(e.Allocation), oneLine(e.Message))
 		}
 	}
 	return tw.Flush()

@@ -12,6 +12,7 @@ import (
 	"os"
 	"os/exec"
 	"regexp"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -61,7 +62,7 @@ func TestStatusTableAndJSON(t *testing.T) {
 	obs := newObservability(p, obsOptions{Node: "node-a", Mode: "standalone",
 		Targets: func() map[int]int64 { return map[int]int64{0: 256 << 20, 1: 64 << 20} }})
 	_, err = s.Reload("nope", "kv", []int32{3}, nil)
-	obs.Observer.Op(observe.Op{Name: observe.OpReload, GPU: 0, Session: "pod-uid-1", Err: err})
+	obs.Observer.Op(observe.Op{Name: observe.OpReload, GPU: 0, Session: "7", Allocation: "pod-uid-1", Err: err})
 	obs.Errors.Error("plugin", errors.New("ListAndWatch stream closed"))
 
 	ctx, cancel := context.WithCancel(context.Background())
@@ -100,8 +101,11 @@ func TestStatusTableAndJSON(t *testing.T) {
 	if plugin < 0 || server < 0 || plugin > server {
 		t.Errorf("errors missing or out of order (plugin at %d, server at %d)", plugin, server)
 	}
-	if f := fields(text, "20"); len(f) < 5 || f[1] != "plugin" || f[2] != "-" || f[3] != "other" {
+	if f := fields(text, "20"); len(f) < 6 || f[1] != "plugin" || f[2] != "-" || f[3] != "other" || f[4] != "-" || f[5] != "-" {
 		t.Errorf("first error row %q", f)
+	}
+	if i := strings.LastIndex(text, "\n20"); i < 0 || !slices.Equal(strings.Fields(text[i:])[1:6], []string{"server", "reload", "unknown_stream", "7", "pod-uid-1"}) {
+		t.Errorf("server error row: %q", text[max(i, 0):])
 	}
 
 	out.Reset()

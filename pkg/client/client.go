@@ -143,6 +143,10 @@ type Error struct {
 
 func (e *Error) Error() string { return fmt.Sprintf("kvpool %s: %s: %s", e.Op, e.Status, e.Message) }
 
+// Kind is the status's kind (wire.Status.Kind): the same word the agent's
+// metrics and error ring use for this refusal.
+func (e *Error) Kind() string { return e.Status.Kind() }
+
 // Unwrap returns the pool error of the same meaning, when there is one.
 func (e *Error) Unwrap() error {
 	for _, m := range statusErrs {
@@ -153,6 +157,8 @@ func (e *Error) Unwrap() error {
 	return nil
 }
 
+// statusErrs gives the statuses their pool errors back: the inverse of the
+// agent's server.StatusOf, which TestStatusErrorsInvertServer checks.
 var statusErrs = []struct {
 	st  wire.Status
 	err error

@@ -1,6 +1,6 @@
 // Package events posts Kubernetes Events on the agent's Node for what an
 // operator must notice: the pool becoming ready, huge pages falling back to
-// small pages, chunks or GPUs going unhealthy and recovering, and chunks
+// small pages, chunks going unhealthy and recovering, and chunks
 // reclaimed from pods that are gone.
 package events
 
@@ -22,8 +22,6 @@ const (
 	ReasonHugePagesFallback = "KVPoolHugePagesFallback"
 	ReasonChunkUnhealthy    = "KVPoolChunkUnhealthy"
 	ReasonChunkRecovered    = "KVPoolChunkRecovered"
-	ReasonGPUUnhealthy      = "KVPoolGPUUnhealthy"
-	ReasonGPURecovered      = "KVPoolGPURecovered"
 	ReasonChunksReclaimed   = "KVPoolChunksReclaimed"
 )
 
@@ -40,8 +38,6 @@ type Events interface {
 	HugePagesFallback(reason string)
 	ChunkUnhealthy(id, reason string)
 	ChunkRecovered(id string)
-	GPUUnhealthy(gpu int, reason string)
-	GPURecovered(gpu int)
 	// ChunksReclaimed: the pod holding chunks is gone, and its chunks were
 	// taken back (and will be scrubbed) after the grace period.
 	ChunksReclaimed(pod string, chunks []string)
@@ -56,8 +52,6 @@ func (nop) PoolReady(int64, int, time.Duration) {}
 func (nop) HugePagesFallback(string)            {}
 func (nop) ChunkUnhealthy(string, string)       {}
 func (nop) ChunkRecovered(string)               {}
-func (nop) GPUUnhealthy(int, string)            {}
-func (nop) GPURecovered(int)                    {}
 func (nop) ChunksReclaimed(string, []string)    {}
 
 // NodeRef is the reference events about node name are attached to. Kubelet
@@ -110,14 +104,6 @@ func (r *recorder) ChunkUnhealthy(id, reason string) {
 
 func (r *recorder) ChunkRecovered(id string) {
 	r.rec.Eventf(r.ref, corev1.EventTypeNormal, ReasonChunkRecovered, "chunk %s healthy again", id)
-}
-
-func (r *recorder) GPUUnhealthy(gpu int, reason string) {
-	r.rec.Eventf(r.ref, corev1.EventTypeWarning, ReasonGPUUnhealthy, "GPU %d unhealthy, its chunks are withdrawn: %s", gpu, reason)
-}
-
-func (r *recorder) GPURecovered(gpu int) {
-	r.rec.Eventf(r.ref, corev1.EventTypeNormal, ReasonGPURecovered, "GPU %d healthy again, its chunks are offered", gpu)
 }
 
 func (r *recorder) ChunksReclaimed(pod string, chunks []string) {

@@ -52,6 +52,12 @@ type Metrics struct {
 	renewFails  *prometheus.CounterVec
 	fillSeconds *prometheus.GaugeVec
 
+	// The device plugin's (observe.Op with Component "plugin" or "reclaim").
+	allocations   *prometheus.CounterVec
+	allocateSecs  prometheus.Histogram
+	registrations *prometheus.CounterVec
+	reclaims      *prometheus.CounterVec
+
 	// Series the hot path uses, resolved once: WithLabelValues hashes its
 	// labels on every call.
 	opSeries  sync.Map // op name -> prometheus.Observer
@@ -153,9 +159,28 @@ func New(src status.Source, opts Options) *Metrics {
 			Namespace: Namespace, Name: "pool_fill_seconds",
 			Help: "Seconds from agent start until the GPU's pool reached its planned size; absent until it has.",
 		}, []string{"gpu"}),
+		allocations: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: Namespace, Subsystem: "plugin", Name: "allocations_total",
+			Help: "Kubelet's Allocate calls by result: ok, invalid, refused, unavailable, failed.",
+		}, []string{"result"}),
+		allocateSecs: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Namespace: Namespace, Subsystem: "plugin", Name: "allocate_duration_seconds",
+			Help: "Time the device plugin spent answering one Allocate, PodResources calls and chunk renewals included.",
+			// 100 µs to about 105 s.
+			Buckets: prometheus.ExponentialBuckets(1e-4, 2, 21),
+		}),
+		registrations: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: Namespace, Subsystem: "plugin", Name: "registrations_total",
+			Help: "Registrations of the device plugin with kubelet by result: ok, failed.",
+		}, []string{"result"}),
+		reclaims: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: Namespace, Subsystem: "plugin", Name: "reclaims_total",
+			Help: "Allocations taken back by the device plugin, by trigger: pod_gone (no pod held it for the grace period), reassigned (kubelet gave its devices to another pod).",
+		}, []string{"trigger"}),
 	}
 	m.reg.MustRegister(m.opDuration, m.offloads, m.reloads, m.discards, m.rejects, m.pagesMoved,
 		m.clientBytes, m.errors, m.pinSeconds, m.pinFailures, m.renewSecs, m.renewFails, m.fillSeconds,
+		m.allocations, m.allocateSecs, m.registrations, m.reclaims,
 		newPoolCollector(src, opts.Targets, opts.Now))
 	if !opts.NoRuntime {
 		m.reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
@@ -178,8 +203,16 @@ func gpuLabel(gpu int) string {
 	return strconv.Itoa(gpu)
 }
 
-// Op counts one socket operation; *Metrics is an observe.Observer.
+// Op counts one operation; *Metrics is an observe.Observer. Socket calls
+// (no Component) count by op and GPU; the device plugin's by result or
+// trigger; every failure, whoever reports it, counts in
+// kvpool_errors_total{component, op, kind} with the kind status.Kind gives,
+// which is the kind the error ring shows.
 func (m *Metrics) Op(op observe.Op) {
+	if op.Component != "" && op.Component != observe.ComponentServer {
+		m.componentOp(op)
+		return
+	}
 	m.opHist(op.Name).Observe(op.Duration.Seconds())
 	if op.Err != nil {
 		kind := status.Kind(op.Err)
@@ -187,7 +220,7 @@ func (m *Metrics) Op(op observe.Op) {
 			m.rejects.WithLabelValues(gpuLabel(op.GPU), kind).Inc()
 			return
 		}
-		m.errors.WithLabelValues("server", op.Name, kind).Inc()
+		m.errors.WithLabelValues(observe.ComponentServer, op.Name, kind).Inc()
 		return
 	}
 	switch op.Name {
@@ -210,13 +243,50 @@ func (m *Metrics) Op(op observe.Op) {
 	}
 }
 
-// Error counts an error of a component other than the socket server
-// ("plugin", "reclaim", "sizing", "nodestatus", ...); nil is ignored.
-func (m *Metrics) Error(component string, err error) {
-	if err == nil {
-		return
+func (m *Metrics) componentOp(op observe.Op) {
+	switch {
+	case op.Component == observe.ComponentPlugin && op.Name == observe.OpAllocate:
+		result := "ok"
+		if op.Err != nil {
+			result = status.Kind(op.Err)
+		}
+		m.allocations.WithLabelValues(result).Inc()
+		m.allocateSecs.Observe(op.Duration.Seconds())
+	case op.Component == observe.ComponentPlugin && op.Name == observe.OpRegister:
+		result := "ok"
+		if op.Err != nil {
+			result = "failed"
+		}
+		m.registrations.WithLabelValues(result).Inc()
+	case op.Component == observe.ComponentReclaim && op.Err == nil &&
+		(op.Name == observe.OpPodGone || op.Name == observe.OpReassigned):
+		m.reclaims.WithLabelValues(op.Name).Inc()
 	}
-	m.errors.WithLabelValues(component, "", status.Kind(err)).Inc()
+	if op.Err != nil {
+		m.errors.WithLabelValues(op.Component, op.Name, status.Kind(op.Err)).Inc()
+	}
+}
+
+// PluginAllocateResults and PluginReclaimTriggers are the label values
+// InitPlugin exports from zero (plugin.AllocateResults; the reclaim
+// operations).
+var (
+	PluginAllocateResults = []string{"ok", "invalid", "refused", "unavailable", "failed"}
+	PluginReclaimTriggers = []string{observe.OpPodGone, observe.OpReassigned}
+)
+
+// InitPlugin creates the device plugin's counter series at zero; the agent
+// calls it when it runs the plugin.
+func (m *Metrics) InitPlugin() {
+	for _, r := range PluginAllocateResults {
+		m.allocations.WithLabelValues(r)
+	}
+	for _, r := range []string{"ok", "failed"} {
+		m.registrations.WithLabelValues(r)
+	}
+	for _, t := range PluginReclaimTriggers {
+		m.reclaims.WithLabelValues(t)
+	}
 }
 
 // ChunkPinned records one chunk made ready at start, and how long it took.
@@ -224,10 +294,11 @@ func (m *Metrics) ChunkPinned(gpu int, d time.Duration) {
 	m.pinSeconds.WithLabelValues(gpuLabel(gpu)).Observe(d.Seconds())
 }
 
-// ChunkPinFailed counts a chunk that could not be made ready.
+// ChunkPinFailed counts a chunk that could not be made ready. The error
+// itself goes to kvpool_errors_total and the ring through the observer
+// (observe.Report, component "allocation", op "pin").
 func (m *Metrics) ChunkPinFailed(gpu int, err error) {
 	m.pinFailures.WithLabelValues(gpuLabel(gpu)).Inc()
-	m.Error("allocation", err)
 }
 
 // ChunkRenewed records a reclaimed chunk replaced by fresh memory in d.
@@ -235,10 +306,10 @@ func (m *Metrics) ChunkRenewed(gpu int, d time.Duration) {
 	m.renewSecs.WithLabelValues(gpuLabel(gpu)).Observe(d.Seconds())
 }
 
-// ChunkRenewFailed counts a failed replacement of a reclaimed chunk.
+// ChunkRenewFailed counts a failed replacement of a reclaimed chunk. The
+// error itself the device plugin reports (component "reclaim", op "renew").
 func (m *Metrics) ChunkRenewFailed(gpu int, err error) {
 	m.renewFails.WithLabelValues(gpuLabel(gpu)).Inc()
-	m.Error("allocation", err)
 }
 
 // PoolFilled records that gpu's pool reached its planned size d after start.

@@ -211,7 +211,9 @@ func TestScrapeAfterWorkload(t *testing.T) {
 	}
 	m.ChunkPinned(0, 120*time.Millisecond)
 	m.ChunkPinned(0, 80*time.Millisecond)
-	m.ChunkPinFailed(1, errors.New("mlock: cannot allocate memory"))
+	pinErr := errors.New("mlock: cannot allocate memory")
+	m.ChunkPinFailed(1, pinErr)
+	observe.Report(sv.obs, observe.ComponentAllocation, observe.OpPin, pinErr)
 	m.PoolFilled(1, 3*time.Second)
 
 	fams := scrape(t, srv.URL)
@@ -226,7 +228,7 @@ func TestScrapeAfterWorkload(t *testing.T) {
 		{"kvpool_client_copied_bytes_total", []string{"gpu", "0", "direction", "reload"}, 4 * pageSize},
 		{"kvpool_errors_total", []string{"component", "server", "op", "offload", "kind", "duplicate_stream"}, 1},
 		{"kvpool_errors_total", []string{"component", "server", "op", "reload", "kind", "unknown_stream"}, 1},
-		{"kvpool_errors_total", []string{"component", "allocation", "kind", "other"}, 1},
+		{"kvpool_errors_total", []string{"component", "allocation", "op", "pin", "kind", "other"}, 1},
 		{"kvpool_server_op_duration_seconds", []string{"op", "offload"}, 5},
 		{"kvpool_server_op_duration_seconds", []string{"op", "reload"}, 2},
 		{"kvpool_server_op_duration_seconds", []string{"op", "discard"}, 1},
@@ -259,8 +261,11 @@ func TestScrapeAfterWorkload(t *testing.T) {
 	if _, ok := value(fams, "go_goroutines"); !ok {
 		t.Error("runtime collector missing")
 	}
-	// The ring holds the two misuses, not the full-pool reject.
-	if got := ring.Entries(); len(got) != 2 || got[0].Kind != "duplicate_stream" || got[1].Kind != "unknown_stream" || got[0].Session != "podA" {
+	// The ring holds the two misuses and the pin failure (the same
+	// component, op and kind as in kvpool_errors_total), not the full-pool
+	// reject.
+	if got := ring.Entries(); len(got) != 3 || got[0].Kind != "duplicate_stream" || got[1].Kind != "unknown_stream" || got[0].Session != "podA" ||
+		got[2].Component != "allocation" || got[2].Op != "pin" || got[2].Kind != "other" {
 		t.Errorf("recent errors = %+v", got)
 	}
 

@@ -21,6 +21,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client/interceptor"
 
 	"github.com/kvpool/kvpool/api/v1alpha1"
+	"github.com/kvpool/kvpool/pkg/observe"
 	"github.com/kvpool/kvpool/pkg/pool"
 	"github.com/kvpool/kvpool/pkg/status"
 )
@@ -227,6 +228,8 @@ func TestRunCoalescesAndRateLimits(t *testing.T) {
 	const interval = 100 * time.Millisecond
 	var failures atomic.Int32
 	w := NewWriter(c, "n1", Options{MinInterval: interval, Resync: -1, OnError: func(error) { failures.Add(1) }})
+	rec := &observe.Recorder{}
+	w.ReportTo(rec)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- w.Run(ctx) }()
@@ -262,6 +265,11 @@ func TestRunCoalescesAndRateLimits(t *testing.T) {
 	}
 	if failures.Load() != 1 {
 		t.Errorf("%d failures reported, want the one conflict", failures.Load())
+	}
+	// The same failure goes to the observer (metrics and the error ring).
+	if ops := rec.Ops(); len(ops) != 1 || ops[0].Component != observe.ComponentNodeStatus || ops[0].Name != observe.OpWrite ||
+		!apierrors.IsConflict(ops[0].Err) {
+		t.Errorf("observer got %+v, want the one conflict as nodestatus/write", ops)
 	}
 	t.Logf("%d sets over %s became %d write attempts (1 conflict)", sets, elapsed.Round(time.Millisecond), attempts)
 }

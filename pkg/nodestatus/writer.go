@@ -15,6 +15,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/kvpool/kvpool/api/v1alpha1"
+	"github.com/kvpool/kvpool/pkg/observe"
 )
 
 // Options configures a Writer.
@@ -57,6 +58,7 @@ type Writer struct {
 	kick chan struct{}
 
 	mu      sync.Mutex
+	obs     observe.Observer // ReportTo
 	pending *v1alpha1.KVPoolNodeStatus
 	nodeRef *metav1.OwnerReference
 	written time.Time
@@ -78,6 +80,16 @@ func NewWriter(c client.Client, node string, opts Options) *Writer {
 		opts.Now = time.Now
 	}
 	return &Writer{c: c, node: node, opts: opts, kick: make(chan struct{}, 1)}
+}
+
+// ReportTo makes Run report every failed write to obs (component
+// "nodestatus", op "write"): kvpool_errors_total and the error ring. The
+// agent builds the writer before its metrics, so this is separate from
+// Options.
+func (w *Writer) ReportTo(obs observe.Observer) {
+	w.mu.Lock()
+	w.obs = obs
+	w.mu.Unlock()
 }
 
 // Set records the latest status; Run writes it. It never blocks.
@@ -125,6 +137,12 @@ func (w *Writer) Run(ctx context.Context) error {
 				return ctx.Err()
 			}
 			w.opts.Log.Warn("write KVPoolNode status", "node", w.node, "err", err)
+			w.mu.Lock()
+			obs := w.obs
+			w.mu.Unlock()
+			if obs != nil {
+				observe.Report(obs, observe.ComponentNodeStatus, observe.OpWrite, err)
+			}
 			if w.opts.OnError != nil {
 				w.opts.OnError(err)
 			}

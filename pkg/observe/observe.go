@@ -24,15 +24,42 @@ const (
 	OpClose         = "close"
 )
 
+// Operation names of the other components (Op.Component set).
+const (
+	OpAllocate   = "allocate"   // plugin: kubelet's Allocate
+	OpRegister   = "register"   // plugin: a registration with kubelet
+	OpReconcile  = "reconcile"  // plugin: allocations checked against PodResources
+	OpCheckpoint = "checkpoint" // plugin: the checkpoint could not be read
+	OpPodGone    = "pod_gone"   // reclaim: no pod held the allocation for the grace period
+	OpReassigned = "reassigned" // reclaim: kubelet gave the allocation's devices to another pod
+	OpRenew      = "renew"      // reclaim: fresh memory put behind a reclaimed chunk
+	OpPin        = "pin"        // allocation: a chunk allocated, pre-faulted and locked at start
+	OpWrite      = "write"      // nodestatus: the KVPoolNode status written
+)
+
+// Components that report operations. The socket server leaves
+// Op.Component empty (it means ComponentServer).
+const (
+	ComponentServer     = "server"     // socket calls
+	ComponentPlugin     = "plugin"     // the device plugin: allocate, register, reconcile, checkpoint
+	ComponentReclaim    = "reclaim"    // reclaims of allocations and renewals of their chunks
+	ComponentAllocation = "allocation" // chunks allocated and pinned at start ("pin")
+	ComponentNodeStatus = "nodestatus" // writes of the KVPoolNode status ("write")
+)
+
 // Op is one completed operation.
 type Op struct {
-	Name     string        // one of the Op* constants, or another stable name
-	GPU      int           // GPU the session serves; -1 when none applies
-	Session  string        // allocation or session identity for the error log; may be empty
-	Duration time.Duration // time the agent spent serving the call
-	Pages    int           // host pages the call offloaded, reloaded or discarded
-	Bytes    int64         // bytes the client reports it copied for this call
-	Err      error         // nil on success
+	// Component is who did it: "" (the socket server) or one of the
+	// Component* constants.
+	Component  string
+	Name       string        // one of the Op* constants, or another stable name
+	GPU        int           // GPU the session serves; -1 when none applies
+	Session    string        // the session's identity for the error log; may be empty
+	Allocation string        // the pool allocation the call was for; may be empty
+	Duration   time.Duration // time the agent spent serving the call
+	Pages      int           // host pages the call offloaded, reloaded or discarded
+	Bytes      int64         // bytes the client reports it copied for this call
+	Err        error         // nil on success
 }
 
 // Observer receives completed operations. Implementations must be safe for
@@ -48,6 +75,15 @@ var Nop Observer = nop{}
 type nop struct{}
 
 func (nop) Op(Op) {}
+
+// Report passes a failure of component's operation op to o; nil is
+// ignored. Metrics count it (kvpool_errors_total{component, op, kind}) and
+// the error ring records it, from this one call.
+func Report(o Observer, component, op string, err error) {
+	if err != nil {
+		o.Op(Op{Component: component, Name: op, GPU: -1, Err: err})
+	}
+}
 
 // Multi returns an Observer that passes each operation to every non-nil
 // observer in order.

@@ -9,12 +9,14 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 
+	"github.com/kvpool/kvpool/pkg/observe"
 	"github.com/kvpool/kvpool/pkg/plugin/kubelettest"
 	"github.com/kvpool/kvpool/pkg/pool"
 )
@@ -65,6 +67,7 @@ type env struct {
 	zeroed map[string]int
 	zeroFn func(id string) error
 	hooks  []string // what Reclaimed and ChunkHealth were told, in order
+	obs    observe.Recorder
 }
 
 func (e *env) hook(format string, args ...any) {
@@ -162,7 +165,25 @@ func (e *env) options(p Pool) Options {
 		Watch:       20 * time.Millisecond,
 		Now:         e.clock.Now,
 		Logger:      quietLogger(),
+		Observer:    &e.obs,
 	}
+}
+
+// ops lists what the plugin reported, as "component/op kind allocation"
+// (kind "ok" for a success).
+func (e *env) ops() []string {
+	var out []string
+	for _, op := range e.obs.Ops() {
+		kind := "ok"
+		if op.Err != nil {
+			kind = "error"
+			if k, ok := op.Err.(interface{ Kind() string }); ok {
+				kind = k.Kind()
+			}
+		}
+		out = append(out, strings.TrimSpace(op.Component+"/"+op.Name+" "+kind+" "+op.Allocation))
+	}
+	return out
 }
 
 func (e *env) zero(id string) error {

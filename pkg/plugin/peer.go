@@ -11,8 +11,6 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
-
-	"github.com/kvpool/kvpool/pkg/pool"
 )
 
 // Pod binding: in cluster mode a token works only from the pod its
@@ -157,34 +155,15 @@ func validUID(u string) bool {
 // Like Authorize, it returns pool.ErrNotReady for a restored allocation
 // whose chunks have not joined the pool yet (after the pod check).
 func (p *Plugin) AuthorizePeer(ctx context.Context, token string, pid int32) (string, error) {
-	id, err := p.authorizePeer(ctx, token, pid)
-	if err != nil {
+	if _, err := p.authorizePeer(ctx, token, pid); err != nil {
 		return "", err
 	}
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	a, ok := p.allocs[token]
-	if !ok {
-		return "", ErrUnknownToken // revoked meanwhile
-	}
-	if !a.granted {
-		p.grantLocked(a)
-		if !a.granted {
-			return "", fmt.Errorf("%w: the allocation's chunks are not ready yet", pool.ErrNotReady)
-		}
-	}
-	return id, nil
+	// Revoked meanwhile: ErrUnknownToken; not granted yet: ErrNotReady.
+	return p.l.authorize(token)
 }
 
 func (p *Plugin) authorizePeer(ctx context.Context, token string, pid int32) (string, error) {
-	p.mu.Lock()
-	a, ok := p.allocs[token]
-	var id, pod string
-	var devs []string
-	if ok {
-		id, pod, devs = a.ID(), a.Pod, a.Devices
-	}
-	p.mu.Unlock()
+	id, pod, devs, ok := p.l.lookup(token)
 	if !ok {
 		return "", ErrUnknownToken
 	}

@@ -21,7 +21,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"maps"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -33,6 +32,7 @@ import (
 	"google.golang.org/grpc/status"
 	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 
+	"github.com/kvpool/kvpool/pkg/observe"
 	"github.com/kvpool/kvpool/pkg/pool"
 )
 
@@ -87,6 +87,10 @@ type Options struct {
 	Renew func(id string) error
 	// Holders overrides the PodResources client dialled from KubeletDir.
 	Holders Holders
+	// Observer is told of every Allocate, registration and reconcile
+	// (component "plugin") and of every reclaim and renewal (component
+	// "reclaim"); default observe.Nop. It must not block.
+	Observer observe.Observer
 
 	// Reclaimed, when set, is told of each allocation taken back: the pod
 	// that last held it ("" if none was seen) and its chunk IDs.
@@ -148,6 +152,9 @@ func (o *Options) setDefaults() error {
 	if o.Logger == nil {
 		o.Logger = slog.Default()
 	}
+	if o.Observer == nil {
+		o.Observer = observe.Nop
+	}
 	return nil
 }
 
@@ -167,26 +174,27 @@ func validResourceName(name string) error {
 	return nil
 }
 
-// Plugin is the device plugin server and the allocation bookkeeping.
+// Plugin is the device plugin: the adapter between kubelet's gRPC API
+// (Allocate, ListAndWatch, GetPreferredAllocation, registration in run.go)
+// and the allocation bookkeeping (ledger.go), which it calls. The slow work
+// of an Allocate or a reconcile (asking kubelet's PodResources, renewing
+// chunks) runs here, between calls to the ledger, never under its lock.
+//
+// Lock order: renewMu, then the ledger's mu, then the pool's lock.
+// renewMu serializes the Allocates and the renewals, and is held across
+// their slow work; Authorize takes only the ledger's lock.
 type Plugin struct {
 	pluginapi.UnimplementedDevicePluginServer
 
 	o   Options
 	log *slog.Logger
+	obs observe.Observer
+	l   *ledger
 
-	// renewMu serializes renewals; taken before mu, never after.
+	// renewMu serializes Allocates and renewals; taken before the
+	// ledger's lock, never after.
 	renewMu sync.Mutex
-	kick    chan struct{} // wakes the renew loop
 
-	mu       sync.Mutex
-	allocs   map[string]*alloc // by token
-	byDevice map[string]*alloc
-	dirty    map[string]bool // revoked chunks not yet renewed
-	retry    map[string]retry
-	// scrubFailed: chunks reported unhealthy to Options.ChunkHealth
-	scrubFailed map[string]bool
-	withheld    map[string]bool // devices advertised unhealthy: dirty (not yet scrubbed)
-	overlay     chan struct{}   // closed when withheld changes
 	// stopping is closed when the agent stops: ListAndWatch then sends an
 	// empty device list, so kubelet drops the capacity at once.
 	stopping chan struct{}
@@ -194,12 +202,6 @@ type Plugin struct {
 
 	registrations atomic.Int64
 	registered    atomic.Bool
-}
-
-type alloc struct {
-	Record
-	granted  bool      // the pool holds the grant
-	lastSeen time.Time // last time a pod held it; FirstSeen until then
 }
 
 // New builds a Plugin and restores the allocations of its checkpoint. A
@@ -212,22 +214,17 @@ func New(o Options) (*Plugin, error) {
 		return nil, err
 	}
 	p := &Plugin{
-		o:           o,
-		log:         o.Logger.With("component", "plugin", "resource", o.ResourceName),
-		allocs:      make(map[string]*alloc),
-		byDevice:    make(map[string]*alloc),
-		dirty:       make(map[string]bool),
-		retry:       make(map[string]retry),
-		kick:        make(chan struct{}, 1),
-		scrubFailed: make(map[string]bool),
-		withheld:    make(map[string]bool),
-		overlay:     make(chan struct{}),
-		stopping:    make(chan struct{}),
+		o:        o,
+		log:      o.Logger.With("component", "plugin", "resource", o.ResourceName),
+		obs:      o.Observer,
+		stopping: make(chan struct{}),
 	}
+	p.l = newLedger(&p.o, p.log)
 	recs, err := LoadCheckpoint(o.StateDir)
 	if errors.Is(err, ErrCorruptCheckpoint) {
 		moved, qerr := quarantineCheckpoint(o.StateDir, o.Now())
 		p.log.Error("checkpoint is corrupt; starting without recorded allocations", "err", err, "movedTo", moved, "moveErr", qerr)
+		p.report(observe.Op{Name: observe.OpCheckpoint, Err: err})
 		if qerr != nil {
 			return nil, errors.Join(err, qerr)
 		}
@@ -235,55 +232,25 @@ func New(o Options) (*Plugin, error) {
 	} else if err != nil {
 		return nil, err
 	}
-	now := o.Now()
-	for _, r := range recs {
-		a := &alloc{Record: r, lastSeen: now}
-		p.allocs[r.Token] = a
-		for _, d := range r.Devices {
-			p.byDevice[d] = a
-		}
-		p.grantLocked(a)
-	}
+	p.l.restore(recs)
 	if len(recs) > 0 {
 		p.log.Info("restored allocations from checkpoint", "count", len(recs))
 	}
 	return p, nil
 }
 
-// grantLocked asks the pool for a restored allocation's chunks; chunks that
-// are not ready yet are retried on the next reconcile.
-func (p *Plugin) grantLocked(a *alloc) {
-	if a.granted {
-		return
+// report passes one of the plugin's operations to the observer: component
+// "plugin" unless op names another.
+func (p *Plugin) report(op observe.Op) {
+	if op.Component == "" {
+		op.Component = observe.ComponentPlugin
 	}
-	if err := p.o.Pool.Grant(a.ID(), a.Devices); err != nil {
-		p.log.Debug("grant of restored allocation deferred", "pod", a.Pod, "devices", a.Devices, "err", err)
-		return
-	}
-	a.granted = true
+	op.GPU = -1
+	p.obs.Op(op)
 }
 
 // Allocations lists the allocations the plugin knows, sorted by first device.
-func (p *Plugin) Allocations() []Record {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return p.recordsLocked()
-}
-
-func (p *Plugin) recordsLocked() []Record {
-	out := make([]Record, 0, len(p.allocs))
-	for _, a := range p.allocs {
-		r := a.Record
-		r.Devices = slices.Clone(r.Devices)
-		out = append(out, r)
-	}
-	slices.SortFunc(out, func(a, b Record) int { return strings.Compare(a.Devices[0], b.Devices[0]) })
-	return out
-}
-
-func (p *Plugin) saveLocked() error {
-	return SaveCheckpoint(p.o.StateDir, p.recordsLocked())
-}
+func (p *Plugin) Allocations() []Record { return p.l.records() }
 
 // Registrations counts successful registrations with kubelet.
 func (p *Plugin) Registrations() int64 { return p.registrations.Load() }
@@ -292,6 +259,35 @@ func (p *Plugin) Registrations() int64 { return p.registrations.Load() }
 // running now (for readiness): false from the moment a kubelet restart is
 // seen until the next registration succeeds.
 func (p *Plugin) Registered() bool { return p.registered.Load() }
+
+// UnhealthyChunks lists the devices kubelet is told are unhealthy now: the
+// chunks the agent's feed marks unhealthy and the reclaimed chunks whose
+// renewal has failed (and not yet succeeded on a retry). A reclaimed chunk
+// waiting for its first renewal is withheld too but is not unhealthy.
+func (p *Plugin) UnhealthyChunks() []string {
+	devs, _ := p.o.Devices.Devices()
+	out := p.l.unhealthyIDs()
+	for _, d := range devs {
+		if !d.Healthy && !slices.Contains(out, d.ID) {
+			out = append(out, d.ID)
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
+// UnhealthyByGPU counts UnhealthyChunks by GPU (read from the chunk IDs;
+// an ID that is not a chunk ID is left out): the KVPoolNode's
+// chunks.unhealthy, which makes its health Degraded.
+func (p *Plugin) UnhealthyByGPU() map[int]int {
+	out := make(map[int]int)
+	for _, id := range p.UnhealthyChunks() {
+		if gpu, _, _, err := ParseChunkID(id); err == nil {
+			out[gpu]++
+		}
+	}
+	return out
+}
 
 // AllocationID is the pool's name for the allocation of token: a prefix
 // of the token's SHA-256, so that listings of the pool (status, metrics,
@@ -308,33 +304,15 @@ func (r Record) ID() string { return AllocationID(r.Token) }
 var ErrUnknownToken = errors.New("unknown allocation token")
 
 // Authorize maps a client's token (KVPOOL_TOKEN) to the pool allocation it
-// may open sessions on. It fits the copy server's Authorizer.
-func (p *Plugin) Authorize(token string) (string, error) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	a, ok := p.allocs[token]
-	if !ok {
-		return "", ErrUnknownToken
-	}
-	if !a.granted {
-		p.grantLocked(a)
-		if !a.granted {
-			return "", fmt.Errorf("%w: the allocation's chunks are not ready yet", pool.ErrNotReady)
-		}
-	}
-	return a.ID(), nil
-}
+// may open sessions on. It fits the copy server's Authorizer. It takes only
+// the ledger's lock, so it never waits for an Allocate or a reconcile that
+// is asking kubelet or renewing chunks.
+func (p *Plugin) Authorize(token string) (string, error) { return p.l.authorize(token) }
 
 // GrantPending grants the restored allocations whose chunks have become
 // ready; the agent calls it as each chunk joins the pool, so that a
 // restored allocation is usable the moment its chunks are.
-func (p *Plugin) GrantPending() {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	for _, a := range p.allocs {
-		p.grantLocked(a)
-	}
-}
+func (p *Plugin) GrantPending() { p.l.grantPending() }
 
 func newToken() string {
 	b := make([]byte, 32)
@@ -361,10 +339,7 @@ func (p *Plugin) PreStartContainer(context.Context, *pluginapi.PreStartContainer
 // change of either input.
 func (p *Plugin) snapshot() ([]*pluginapi.Device, <-chan struct{}, <-chan struct{}) {
 	devs, srcCh := p.o.Devices.Devices()
-	p.mu.Lock()
-	withheld := maps.Clone(p.withheld)
-	ovCh := p.overlay
-	p.mu.Unlock()
+	withheld, ovCh := p.l.overlayView()
 	out := make([]*pluginapi.Device, len(devs))
 	for i, d := range devs {
 		health := pluginapi.Healthy
@@ -426,38 +401,44 @@ func (p *Plugin) listAndWatch(stream pluginapi.DevicePlugin_ListAndWatchServer) 
 	}
 }
 
-// setWithheldLocked recomputes the devices advertised unhealthy: only the
-// dirty ones (a reclaimed chunk whose scrub failed), because only they must
-// not go to a pod. A chunk whose pod is gone stays healthy during the grace
-// period: kubelet frees a pod's devices only once the pod is no longer active
-// (the same test PodResources lists by), and when it hands them to a new pod,
-// Allocate reclaims the old allocation (sessions closed, chunks scrubbed)
-// before it grants them. Advertising them unhealthy would only make kubelet
-// refuse pods bound in that window (UnexpectedAdmissionError) for nothing.
-func (p *Plugin) setWithheldLocked() {
-	w := make(map[string]bool)
-	for id := range p.dirty {
-		w[id] = true
-	}
-	if maps.Equal(w, p.withheld) {
-		return
-	}
-	p.withheld = w
-	close(p.overlay)
-	p.overlay = make(chan struct{})
-}
-
 // Allocate grants each container's chunks to a fresh token, or returns the
 // existing token for a set already allocated, and tells kubelet to mount the
 // socket directory and set the environment.
 func (p *Plugin) Allocate(ctx context.Context, req *pluginapi.AllocateRequest) (*pluginapi.AllocateResponse, error) {
+	start := time.Now()
+	resp, err := p.allocate(ctx, req)
+	p.report(observe.Op{Name: observe.OpAllocate, Duration: time.Since(start), Err: err})
+	if err != nil {
+		return nil, grpcError(err)
+	}
+	return resp, nil
+}
+
+// grpcError turns an *AllocateError into the gRPC status kubelet sees.
+func grpcError(err error) error {
+	code := codes.Internal
+	var ae *AllocateError
+	if errors.As(err, &ae) {
+		code = map[string]codes.Code{
+			ResultInvalid:     codes.InvalidArgument,
+			ResultRefused:     codes.FailedPrecondition,
+			ResultUnavailable: codes.Unavailable,
+		}[ae.Result]
+		if code == codes.OK {
+			code = codes.Internal
+		}
+	}
+	return status.Error(code, err.Error())
+}
+
+func (p *Plugin) allocate(ctx context.Context, req *pluginapi.AllocateRequest) (*pluginapi.AllocateResponse, error) {
 	devs, _ := p.o.Devices.Devices()
 	known := make(map[string]Device, len(devs))
 	for _, d := range devs {
 		known[d.ID] = d
 	}
 	if len(req.GetContainerRequests()) == 0 {
-		return nil, status.Error(codes.InvalidArgument, "allocate: no container requests")
+		return nil, allocErr(ResultInvalid, "no container requests")
 	}
 	// Validate everything before changing anything.
 	sets := make([][]string, len(req.GetContainerRequests()))
@@ -465,73 +446,34 @@ func (p *Plugin) Allocate(ctx context.Context, req *pluginapi.AllocateRequest) (
 	for i, cr := range req.GetContainerRequests() {
 		ids := cr.GetDevicesIds()
 		if len(ids) == 0 {
-			return nil, status.Errorf(codes.InvalidArgument, "allocate: container request %d names no devices", i)
+			return nil, allocErr(ResultInvalid, "container request %d names no devices", i)
 		}
 		for _, id := range ids {
 			if j, dup := inRequest[id]; dup {
-				return nil, status.Errorf(codes.InvalidArgument, "allocate: device %s requested twice (container requests %d and %d)", id, j, i)
+				return nil, allocErr(ResultInvalid, "device %s requested twice (container requests %d and %d)", id, j, i)
 			}
 			inRequest[id] = i
 			d, ok := known[id]
 			switch {
 			case !ok:
-				return nil, status.Errorf(codes.InvalidArgument, "allocate: unknown device %s (not a ready chunk of %s)", id, p.o.ResourceName)
+				return nil, allocErr(ResultInvalid, "unknown device %s (not a ready chunk of %s)", id, p.o.ResourceName)
 			case !d.Healthy:
-				return nil, status.Errorf(codes.FailedPrecondition, "allocate: device %s is unhealthy", id)
+				return nil, allocErr(ResultRefused, "device %s is unhealthy", id)
 			}
 		}
 		sets[i] = slices.Sorted(slices.Values(ids))
 	}
 
-	p.renewMu.Lock() // settleConflictsLocked may renew chunks
-	defer p.renewMu.Unlock()
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if err := p.settleConflictsLocked(ctx, sets); err != nil {
+	tokens, err := p.settleAndGrant(ctx, sets)
+	if err != nil {
 		return nil, err
 	}
 	resp := &pluginapi.AllocateResponse{}
-	var created []*alloc
-	rollback := func() {
-		for _, a := range created {
-			p.dropLocked(a)
-			// Never handed out: nobody could have written the chunks.
-			if _, err := p.o.Pool.Revoke(a.ID()); err == nil {
-				for _, d := range a.Devices {
-					p.o.Pool.Scrubbed(d)
-				}
-			}
-		}
-	}
-	now := p.o.Now()
-	for _, ids := range sets {
-		a := p.byDevice[ids[0]]
-		if a == nil {
-			a = &alloc{Record: Record{Token: newToken(), Devices: ids, FirstSeen: now}, lastSeen: now}
-			if err := p.o.Pool.Grant(a.ID(), ids); err != nil {
-				rollback()
-				return nil, status.Errorf(codes.FailedPrecondition, "allocate %v: %v", ids, err)
-			}
-			a.granted = true
-			p.allocs[a.Token] = a
-			for _, d := range ids {
-				p.byDevice[d] = a
-			}
-			created = append(created, a)
-		} else {
-			p.grantLocked(a)
-			if !a.granted {
-				rollback()
-				return nil, status.Errorf(codes.Unavailable, "allocate %v: restored allocation not yet granted by the pool", ids)
-			}
-			if a.Pod == "" {
-				a.lastSeen = now // kubelet is still admitting its pod
-			}
-		}
+	for _, token := range tokens {
 		resp.ContainerResponses = append(resp.ContainerResponses, &pluginapi.ContainerAllocateResponse{
 			Envs: map[string]string{
 				EnvSocket: ContainerSocketDir + "/" + SocketName,
-				EnvToken:  a.Token,
+				EnvToken:  token,
 			},
 			// Read-only is enough: connecting to a Unix socket needs write
 			// permission on the socket inode, which a read-only bind mount
@@ -540,286 +482,128 @@ func (p *Plugin) Allocate(ctx context.Context, req *pluginapi.AllocateRequest) (
 			Mounts: []*pluginapi.Mount{{ContainerPath: ContainerSocketDir, HostPath: p.o.SocketDir, ReadOnly: true}},
 		})
 	}
-	if len(created) > 0 {
-		if err := p.saveLocked(); err != nil {
-			rollback()
-			return nil, status.Errorf(codes.Internal, "allocate: %v", err)
-		}
-	}
-	for _, a := range created {
-		p.log.Info("allocated", "allocation", a.ID(), "devices", a.Devices)
-	}
 	return resp, nil
 }
 
-// settleConflictsLocked makes sure each requested set is either exactly an
-// existing allocation that is still live, or made only of free devices. A
-// device held by an allocation whose pod kubelet no longer lists is
-// reclaimed now (kubelet has given it to someone else; it is authoritative);
-// one held by a listed pod is a conflict.
-func (p *Plugin) settleConflictsLocked(ctx context.Context, sets [][]string) error {
-	var stale []*alloc
-	needList := false
-	for _, ids := range sets {
-		for _, id := range ids {
-			if p.dirty[id] {
-				return status.Errorf(codes.FailedPrecondition, "allocate: device %s has not been renewed since its last pod", id)
-			}
-			a := p.byDevice[id]
-			if a == nil {
-				continue
-			}
-			if slices.Equal(a.Devices, ids) && a.Pod == "" {
-				continue // a repeated Allocate before the pod was ever listed
-			}
-			needList = true
-			if !slices.Contains(stale, a) {
-				stale = append(stale, a)
-			}
-		}
-	}
-	if !needList {
-		return nil
-	}
-	if p.o.Holders == nil {
-		return status.Errorf(codes.FailedPrecondition, "allocate: devices are held by another allocation and there is no PodResources service to check it")
-	}
-	held, err := p.o.Holders.Held(ctx, p.o.ResourceName)
-	if err != nil {
-		return status.Errorf(codes.Unavailable, "allocate: devices are held by another allocation; checking it: %v", err)
-	}
-	var reclaim []*alloc
-	for _, a := range stale {
-		holder := ""
-		for _, d := range a.Devices {
-			if h, ok := held[d]; ok {
-				holder = h
-				break
-			}
-		}
-		switch {
-		case holder != "" && slices.ContainsFunc(sets, func(ids []string) bool { return slices.Equal(ids, a.Devices) }):
-			// The same set again while its pod is listed: a retry.
-		case holder != "":
-			return status.Errorf(codes.FailedPrecondition, "allocate: devices %v are held by pod %s", a.Devices, holder)
-		default:
-			reclaim = append(reclaim, a)
-		}
-	}
-	for _, a := range reclaim {
-		p.log.Info("reclaiming allocation reassigned by kubelet", "allocation", a.ID(), "pod", a.Pod, "devices", a.Devices)
-		if err := p.reclaimLocked(a); err != nil {
-			return status.Errorf(codes.Internal, "allocate: %v", err)
-		}
-	}
-	if len(reclaim) > 0 {
-		p.setWithheldLocked()
-		if err := p.saveLocked(); err != nil {
-			p.log.Error("save checkpoint after reclaim", "err", err)
-		}
-	}
-	// Kubelet wants these chunks now: renew them here rather than in the
-	// background (the caller holds renewMu).
-	for _, ids := range sets {
-		for _, id := range ids {
-			if p.dirty[id] {
-				p.renewedLocked(id, p.o.Renew(id))
-			}
-			if p.dirty[id] {
-				p.setWithheldLocked()
-				return status.Errorf(codes.FailedPrecondition, "allocate: device %s could not be renewed after its last pod", id)
-			}
-		}
-	}
-	p.setWithheldLocked()
-	return nil
-}
-
-func (p *Plugin) dropLocked(a *alloc) {
-	delete(p.allocs, a.Token)
-	for _, d := range a.Devices {
-		if p.byDevice[d] == a {
-			delete(p.byDevice, d)
-		}
-	}
-}
-
-// reclaimLocked ends an allocation: the pool closes its sessions and drops
-// its streams, and each chunk stays dirty (advertised unhealthy, never
-// granted) until Renew has put fresh memory behind it.
-func (p *Plugin) reclaimLocked(a *alloc) error {
-	p.dropLocked(a)
-	chunks, err := p.o.Pool.Revoke(a.ID())
-	if errors.Is(err, pool.ErrUnknownAllocation) {
-		// Restored from the checkpoint but never granted in this process:
-		// the chunks are the ones this process allocated; no client has
-		// had them.
-		return nil
-	}
-	if err != nil {
-		return fmt.Errorf("reclaim %v: %w", a.Devices, err)
-	}
-	for _, c := range chunks {
-		p.dirty[c.ID] = true
-		delete(p.retry, c.ID)
-	}
-	if p.o.Reclaimed != nil {
-		p.o.Reclaimed(a.Pod, slices.Clone(a.Devices))
-	}
-	select {
-	case p.kick <- struct{}{}:
-	default:
-	}
-	return nil
-}
-
-// chunkHealth reports a chunk's renewal outcome to Options.ChunkHealth once
-// per change: the first failure, and the recovery of a chunk that failed.
-func (p *Plugin) chunkHealth(id string, healthy bool, reason string) {
-	if p.o.ChunkHealth == nil || p.scrubFailed[id] == !healthy {
-		return
-	}
-	if healthy {
-		delete(p.scrubFailed, id)
-	} else {
-		p.scrubFailed[id] = true
-	}
-	p.o.ChunkHealth(id, healthy, reason)
-}
-
-// Renewal backoff: the first retry after RenewRetryMin, doubling up to
-// RenewRetryMax.
+// Reclaim triggers: the operation names of the reclaims the plugin reports
+// (component "reclaim"; kvpool_plugin_reclaims_total{trigger}).
 const (
-	RenewRetryMin = time.Second
-	RenewRetryMax = time.Minute
+	ReclaimPodGone    = observe.OpPodGone    // no pod held the allocation for the grace period
+	ReclaimReassigned = observe.OpReassigned // kubelet gave its devices to another pod (Allocate)
 )
 
-type retry struct {
-	failures int
-	next     time.Time
-}
+// allocateAttempts bounds how often one Allocate starts over because a
+// reconcile changed the allocations between its steps.
+const allocateAttempts = 3
 
-// renewedLocked records the outcome of renewing a dirty chunk: on success
-// the pool may grant it again; on failure it stays dirty and is retried
-// after a backoff.
-func (p *Plugin) renewedLocked(id string, err error) {
-	if !p.dirty[id] {
-		return
-	}
-	if err == nil {
-		if serr := p.o.Pool.Scrubbed(id); serr != nil && !errors.Is(serr, pool.ErrUnknownChunk) {
-			err = fmt.Errorf("marking it clean in the pool: %w", serr)
+// settleAndGrant runs the ledger's steps of an Allocate and the slow work
+// between them, without the ledger's lock: ask PodResources who holds the
+// devices the sets overlap (only when they overlap an allocation), reclaim
+// what kubelet has reassigned, renew those chunks now (kubelet wants them),
+// then grant. renewMu is held throughout, so Allocates and renewals do not
+// interleave; Authorize does not wait for any of it.
+func (p *Plugin) settleAndGrant(ctx context.Context, sets [][]string) ([]string, error) {
+	p.renewMu.Lock()
+	defer p.renewMu.Unlock()
+	for attempt := 1; ; attempt++ {
+		needList, err := p.l.conflicts(sets)
+		if err != nil {
+			return nil, err
+		}
+		var held map[string]string
+		if needList {
+			if p.o.Holders == nil {
+				return nil, allocErr(ResultRefused, "devices are held by another allocation and there is no PodResources service to check it")
+			}
+			if held, err = p.o.Holders.Held(ctx, p.o.ResourceName); err != nil {
+				return nil, allocErr(ResultUnavailable, "devices are held by another allocation; checking it: %v", err)
+			}
+		}
+		renew, reclaimed, err := p.l.settle(sets, held)
+		for _, id := range reclaimed {
+			p.report(observe.Op{Component: observe.ComponentReclaim, Name: ReclaimReassigned, Allocation: id})
+		}
+		if ae := (*AllocateError)(nil); errors.As(err, &ae) && ae.Result == ResultFailed {
+			p.report(observe.Op{Component: observe.ComponentReclaim, Name: ReclaimReassigned, Err: ae.Err})
+		}
+		if err == nil {
+			for _, id := range renew {
+				if rerr := p.renew(id); rerr != nil {
+					p.l.settled()
+					return nil, allocErr(ResultRefused, "device %s could not be renewed after its last pod: %v", id, rerr)
+				}
+			}
+			if len(renew) > 0 {
+				p.l.settled()
+			}
+			var tokens []string
+			if tokens, _, err = p.l.grant(sets, held); err == nil {
+				return tokens, nil
+			}
+		}
+		if !errors.Is(err, errChanged) {
+			return nil, err
+		}
+		if attempt == allocateAttempts {
+			return nil, allocErr(ResultUnavailable, "%v %d times; retry", err, attempt)
 		}
 	}
-	if err != nil {
-		r := p.retry[id]
-		wait := min(RenewRetryMin<<min(r.failures, 16), RenewRetryMax)
-		r.failures++
-		r.next = p.o.Now().Add(wait)
-		p.retry[id] = r
-		p.log.Error("renew chunk", "chunk", id, "failures", r.failures, "retryIn", wait, "err", err)
-		p.chunkHealth(id, false, "renewing failed: "+err.Error())
-		return
+}
+
+// renew puts fresh memory behind a reclaimed chunk (Options.Renew, slow,
+// without the ledger's lock) and records the outcome; a failure is also
+// reported as a reclaim error.
+func (p *Plugin) renew(id string) error {
+	err := p.o.Renew(id)
+	if err = p.l.renewed(id, err); err != nil {
+		p.report(observe.Op{Component: observe.ComponentReclaim, Name: observe.OpRenew, Err: fmt.Errorf("chunk %s: %w", id, err)})
 	}
-	delete(p.dirty, id)
-	delete(p.retry, id)
-	p.chunkHealth(id, true, "")
+	return err
 }
 
 // renewDirty renews every dirty chunk whose retry is due, each outside the
-// plugin's lock, and returns when the earliest remaining retry is due (zero
+// ledger's lock, and returns when the earliest remaining retry is due (zero
 // when none is left).
 func (p *Plugin) renewDirty() time.Time {
 	p.renewMu.Lock()
 	defer p.renewMu.Unlock()
-	p.mu.Lock()
-	now := p.o.Now()
-	var due []string
-	for _, id := range slices.Sorted(maps.Keys(p.dirty)) {
-		if r, ok := p.retry[id]; !ok || !now.Before(r.next) {
-			due = append(due, id)
-		}
+	for _, id := range p.l.due() {
+		p.renew(id)
 	}
-	p.mu.Unlock()
-	for _, id := range due {
-		err := p.o.Renew(id)
-		p.mu.Lock()
-		p.renewedLocked(id, err)
-		p.mu.Unlock()
-	}
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	p.setWithheldLocked()
-	var next time.Time
-	for id := range p.dirty {
-		if t := p.retry[id].next; next.IsZero() || t.Before(next) {
-			next = t
-		}
-	}
-	return next
+	return p.l.settled()
 }
 
 // Dirty lists the chunks waiting for renewal.
-func (p *Plugin) Dirty() []string {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return slices.Sorted(maps.Keys(p.dirty))
-}
+func (p *Plugin) Dirty() []string { return p.l.dirtyIDs() }
 
 // Reconcile compares the allocations with what PodResources lists: an
 // allocation a pod holds is kept; one that no pod has held for the grace
 // period (counted from Allocate, or from the last time a pod held it) is
 // reclaimed. A failed listing reclaims nothing.
 func (p *Plugin) Reconcile(ctx context.Context) error {
+	err := p.reconcile(ctx)
+	p.renewDirty()
+	return err
+}
+
+func (p *Plugin) reconcile(ctx context.Context) error {
+	start := time.Now()
 	if p.o.Holders == nil {
 		return errors.New("reconcile: no PodResources service")
 	}
 	held, err := p.o.Holders.Held(ctx, p.o.ResourceName)
 	if err != nil {
-		return fmt.Errorf("reconcile: %w", err)
+		err = fmt.Errorf("reconcile: %w", err)
+		p.report(observe.Op{Name: observe.OpReconcile, Duration: time.Since(start), Err: err})
+		return err
 	}
-	err = p.reconcileLocked(held)
-	p.renewDirty()
+	reclaimed, rerr, err := p.l.reconcile(held)
+	if rerr != nil {
+		p.report(observe.Op{Component: observe.ComponentReclaim, Name: ReclaimPodGone, Err: rerr})
+	}
+	for _, id := range reclaimed {
+		p.report(observe.Op{Component: observe.ComponentReclaim, Name: ReclaimPodGone, Allocation: id})
+	}
+	p.report(observe.Op{Name: observe.OpReconcile, Duration: time.Since(start), Err: err})
 	return err
-}
-
-func (p *Plugin) reconcileLocked(held map[string]string) error {
-	now := p.o.Now()
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	changed := false
-	for _, a := range slices.Collect(maps.Values(p.allocs)) {
-		p.grantLocked(a)
-		holder := ""
-		for _, d := range a.Devices {
-			if h, ok := held[d]; ok {
-				holder = h
-				break
-			}
-		}
-		if holder != "" {
-			if a.Pod != holder {
-				p.log.Info("allocation held by pod", "allocation", a.ID(), "pod", holder, "devices", a.Devices)
-				a.Pod = holder
-				changed = true
-			}
-			a.lastSeen = now
-			continue
-		}
-		if now.Sub(a.lastSeen) < p.o.GracePeriod {
-			continue
-		}
-		p.log.Info("reclaiming allocation of a pod that is gone", "allocation", a.ID(), "pod", a.Pod, "devices", a.Devices, "unheldFor", now.Sub(a.lastSeen))
-		if err := p.reclaimLocked(a); err != nil {
-			p.log.Error("reclaim", "err", err)
-		}
-		changed = true
-	}
-	p.setWithheldLocked()
-	if changed {
-		if err := p.saveLocked(); err != nil {
-			return fmt.Errorf("reconcile: %w", err)
-		}
-	}
-	return nil
 }

@@ -569,8 +569,8 @@ func TestRestoredAllocationWithoutChunks(t *testing.T) {
 	if recs := p2.Allocations(); len(recs) != 0 {
 		t.Errorf("allocation %s kept: %+v", token, recs)
 	}
-	if e.zeroCount("gpu1-numa1-3") != 0 || len(p2.dirty) != 0 {
-		t.Errorf("zeroed %d times, dirty %v", e.zeroCount("gpu1-numa1-3"), p2.dirty)
+	if e.zeroCount("gpu1-numa1-3") != 0 || len(p2.Dirty()) != 0 {
+		t.Errorf("zeroed %d times, dirty %v", e.zeroCount("gpu1-numa1-3"), p2.Dirty())
 	}
 }
 

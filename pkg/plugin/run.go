@@ -13,6 +13,8 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
+
+	"github.com/kvpool/kvpool/pkg/observe"
 )
 
 // Run builds a Plugin and serves it until ctx ends; see (*Plugin).Run.
@@ -88,7 +90,7 @@ func (p *Plugin) renewLoop(ctx context.Context) {
 		select {
 		case <-ctx.Done():
 			return
-		case <-p.kick:
+		case <-p.l.kick:
 		case <-timer:
 		}
 		timer = nil
@@ -168,7 +170,9 @@ func (p *Plugin) serveOnce(ctx context.Context) error {
 		case registered && (!kok || !k.same(kid)):
 			return errors.New("kubelet socket recreated (kubelet restarted)")
 		case !registered && kok:
-			if err := p.register(ctx, kubelet); err != nil {
+			err := p.register(ctx, kubelet)
+			p.report(observe.Op{Name: observe.OpRegister, Err: err})
+			if err != nil {
 				p.log.Warn("register with kubelet", "err", err)
 			} else {
 				registered, kid = true, k

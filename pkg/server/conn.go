@@ -187,6 +187,11 @@ func (c *conn) serve() {
 			if c.e != nil {
 				spec := c.e.ps.Spec()
 				req.GPU, req.Bytes = spec.GPU, int64(r.pages)*spec.PageSize
+				req.Session, req.Allocation = c.e.id, c.e.key.alloc
+			}
+			if r.st != wire.StatusOK {
+				req.Err = &RequestError{Op: h.Op, Status: r.st, Message: r.err.Error(),
+					Session: req.Session, Allocation: req.Allocation, Err: r.err}
 			}
 			hk(req)
 		}
@@ -757,14 +762,23 @@ func errReply(err error) reply {
 	if errors.As(err, &pe) {
 		return reply{st: wire.StatusPending, err: err, ticket: pe.Ticket}
 	}
-	st := wire.StatusInternal
+	return reply{st: StatusOf(err), err: err}
+}
+
+// StatusOf is the status a client gets for err, a pool error: the status of
+// the same meaning (statusMap), StatusPending for a refusal until a fence,
+// else StatusInternal. Kinds of pool errors (metrics, the error ring) are
+// the kinds of these statuses (wire.Status.Kind).
+func StatusOf(err error) wire.Status {
 	for _, m := range statusMap {
 		if errors.Is(err, m.err) {
-			st = m.st
-			break
+			return m.st
 		}
 	}
-	return reply{st: st, err: err}
+	if errors.Is(err, pool.ErrPending) {
+		return wire.StatusPending
+	}
+	return wire.StatusInternal
 }
 
 var statusMap = []struct {

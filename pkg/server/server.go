@@ -32,6 +32,7 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -39,6 +40,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvpool/kvpool/pkg/hostmem"
+	"github.com/kvpool/kvpool/pkg/observe"
 	"github.com/kvpool/kvpool/pkg/pool"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
@@ -80,11 +82,55 @@ type Hooks struct {
 type Request struct {
 	Op     wire.Op
 	Status wire.Status
-	Took   time.Duration // from receiving the packet to sending the reply
-	GPU    int           // the session's GPU; -1 before a session is open
-	Pages  int           // host pages an offload took or a reload gave back
-	Bytes  int64         // Pages times the session's host page size: what the client copies
-	Full   bool          // an offload refused because the pool is full (its reply is ok=false)
+	// Err is the failure as the client got it (a *RequestError); nil when
+	// Status is StatusOK.
+	Err        error
+	Took       time.Duration // from receiving the packet to sending the reply
+	GPU        int           // the session's GPU; -1 before a session is open
+	Session    uint64        // the session's ID; 0 before a session is open
+	Allocation string        // the session's allocation; "" before a session is open
+	Pages      int           // host pages an offload took or a reload gave back
+	Bytes      int64         // Pages times the session's host page size: what the client copies
+	Full       bool          // an offload refused because the pool is full (its reply is ok=false)
+}
+
+// RequestError is a request the server refused, as the client got it:
+// Message is the Error body's message. It unwraps to the error behind the
+// status (a pool error, or nil), so errors.Is(err, pool.ErrPending) holds
+// for a pending offload.
+type RequestError struct {
+	Op         wire.Op
+	Status     wire.Status
+	Message    string
+	Session    uint64 // 0 before a session is open on the connection
+	Allocation string // "" before a session is open on the connection
+	Err        error
+}
+
+func (e *RequestError) Error() string { return e.Message }
+
+// Kind is the status's kind (wire.Status.Kind), for metrics and the error
+// ring.
+func (e *RequestError) Kind() string { return e.Status.Kind() }
+
+func (e *RequestError) Unwrap() error { return e.Err }
+
+// ObserveRequests returns a Hooks.Request that reports each request to obs
+// as an observe.Op: name, GPU, session, allocation, time, pages, bytes, and
+// the error the client got (pool.ErrFull for an offload refused because
+// the pool is full, which is flow control, not an error).
+func ObserveRequests(obs observe.Observer) func(Request) {
+	return func(r Request) {
+		o := observe.Op{Name: r.Op.String(), GPU: r.GPU, Allocation: r.Allocation, Duration: r.Took,
+			Pages: r.Pages, Bytes: r.Bytes, Err: r.Err}
+		if r.Session != 0 && r.Err != nil {
+			o.Session = strconv.FormatUint(r.Session, 10) // for the error ring only: no allocation per success
+		}
+		if r.Full && r.Err == nil {
+			o.Err = pool.ErrFull
+		}
+		obs.Op(o)
+	}
 }
 
 // SessionEvent names what happened to a session.

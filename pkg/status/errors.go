@@ -7,6 +7,8 @@ import (
 
 	"github.com/kvpool/kvpool/pkg/observe"
 	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/server"
+	"github.com/kvpool/kvpool/pkg/wire"
 )
 
 // Kinder is implemented by errors that name their own kind (for example the
@@ -15,32 +17,29 @@ type Kinder interface {
 	Kind() string
 }
 
-var poolKinds = []struct {
+// agentKinds names the pool errors that never reach a client, so have no
+// status of their own: the device plugin's and the agent's (grants,
+// revokes, renewals) and the full-pool refusal (an offload answered
+// ok=false). Every other pool error's kind is its status's (wire's table,
+// through server.StatusOf).
+var agentKinds = []struct {
 	err  error
 	kind string
 }{
 	{pool.ErrFull, "full"},
-	{pool.ErrPending, "pending"},
-	{pool.ErrUnknownStream, "unknown_stream"},
-	{pool.ErrDuplicateStream, "duplicate_stream"},
-	{pool.ErrPageCount, "page_count"},
-	{pool.ErrBadSize, "bad_size"},
-	{pool.ErrOutOfRange, "out_of_range"},
-	{pool.ErrDuplicateIndex, "duplicate_index"},
-	{pool.ErrBadFence, "bad_fence"},
-	{pool.ErrClosed, "closed"},
-	{pool.ErrBadName, "bad_name"},
 	{pool.ErrUnknownChunk, "unknown_chunk"},
 	{pool.ErrDuplicateChunk, "duplicate_chunk"},
 	{pool.ErrChunkBusy, "chunk_busy"},
 	{pool.ErrChunkDirty, "chunk_dirty"},
-	{pool.ErrUnknownAllocation, "unknown_allocation"},
 	{pool.ErrAllocationExists, "allocation_exists"},
-	{pool.ErrNoCapacity, "no_capacity"},
 }
 
-// Kind classifies err for metrics labels and the error log: "" for nil, the
-// error's own Kind when it has one, the pool error it wraps, or "other".
+// Kind classifies err for metrics labels and the error ring (both call it,
+// so one failure has one kind in both): "" for nil; the error's own Kind
+// when it has one (the server's *RequestError: its status's kind; the
+// device plugin's *AllocateError: its result); for a pool error, the kind
+// of the status a client gets for it (server.StatusOf, wire.Status.Kind) or
+// one of agentKinds; else "other".
 func Kind(err error) string {
 	if err == nil {
 		return ""
@@ -49,10 +48,13 @@ func Kind(err error) string {
 	if errors.As(err, &k) {
 		return k.Kind()
 	}
-	for _, pk := range poolKinds {
-		if errors.Is(err, pk.err) {
-			return pk.kind
+	for _, ak := range agentKinds {
+		if errors.Is(err, ak.err) {
+			return ak.kind
 		}
+	}
+	if st := server.StatusOf(err); st != wire.StatusInternal {
+		return st.Kind()
 	}
 	return "other"
 }
@@ -71,7 +73,12 @@ type Entry struct {
 	Op        string    `json:"op,omitempty"`
 	Kind      string    `json:"kind"`
 	Session   string    `json:"session,omitempty"`
-	Message   string    `json:"message"`
+	// Allocation is the pool allocation the failed call was for (never a
+	// token).
+	Allocation string `json:"allocation,omitempty"`
+	// Message is the error's text; for a socket call, exactly the message
+	// the client got.
+	Message string `json:"message"`
 }
 
 // Ring keeps the most recent errors, a bounded number of them. The zero
@@ -116,13 +123,23 @@ func (r *Ring) Error(component string, err error) {
 	r.Add(Entry{Component: component, Kind: Kind(err), Message: err.Error()})
 }
 
-// Op records a failed server operation, so a Ring can be one of the server's
-// observers. Successes and full-pool rejects are not errors and are skipped.
+// Op records a failed operation, so a Ring can be one of the observers of
+// the server and the device plugin. Successes and full-pool rejects are not
+// errors and are skipped.
 func (r *Ring) Op(op observe.Op) {
 	if op.Err == nil || Rejected(op.Err) {
 		return
 	}
-	r.Add(Entry{Component: "server", Op: op.Name, Kind: Kind(op.Err), Session: op.Session, Message: op.Err.Error()})
+	r.Add(Entry{Component: Component(op), Op: op.Name, Kind: Kind(op.Err), Session: op.Session,
+		Allocation: op.Allocation, Message: op.Err.Error()})
+}
+
+// Component is op's component: observe.ComponentServer when it names none.
+func Component(op observe.Op) string {
+	if op.Component == "" {
+		return observe.ComponentServer
+	}
+	return op.Component
 }
 
 // Entries returns the kept entries, oldest first.

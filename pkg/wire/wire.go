@@ -118,24 +118,64 @@ const (
 	StatusUnavailable Status = 28
 )
 
-var statusNames = [...]string{
-	"ok", "bad request", "unknown op", "version", "unauthorized", "no session", "busy",
-	"pending", "unknown stream", "duplicate stream", "page count", "out of range",
-	"duplicate index", "bad size", "bad name", "bad fence", "closed", "no capacity",
-	"unexpected fds", "internal", "unknown gpu", "no chunks of this gpu",
+// statusTable is the one table of statuses: each code's name (what
+// Status.String and the clients' error messages say) and its kind (a
+// snake_case word: the "kind" label of the agent's metrics, the kind column
+// of its error ring). Every other table of failures (the server's pool
+// errors, the clients' errors, the agent's error kinds) is derived from it.
+var statusTable = [...]struct{ name, kind string }{
+	StatusOK:              {"ok", "ok"},
+	StatusBadRequest:      {"bad request", "bad_request"},
+	StatusUnknownOp:       {"unknown op", "unknown_op"},
+	StatusVersion:         {"version", "version"},
+	StatusUnauthorized:    {"unauthorized", "unauthorized"},
+	StatusNoSession:       {"no session", "no_session"},
+	StatusBusy:            {"busy", "busy"},
+	StatusPending:         {"pending", "pending"},
+	StatusUnknownStream:   {"unknown stream", "unknown_stream"},
+	StatusDuplicateStream: {"duplicate stream", "duplicate_stream"},
+	StatusPageCount:       {"page count", "page_count"},
+	StatusOutOfRange:      {"out of range", "out_of_range"},
+	StatusDuplicateIndex:  {"duplicate index", "duplicate_index"},
+	StatusBadSize:         {"bad size", "bad_size"},
+	StatusBadName:         {"bad name", "bad_name"},
+	StatusBadFence:        {"bad fence", "bad_fence"},
+	StatusClosed:          {"closed", "closed"},
+	StatusNoCapacity:      {"no capacity", "no_capacity"},
+	StatusUnexpectedFDs:   {"unexpected fds", "unexpected_fds"},
+	StatusInternal:        {"internal", "internal"},
+	StatusUnknownGPU:      {"unknown gpu", "unknown_gpu"},
+	StatusNoGPUChunks:     {"no chunks of this gpu", "no_gpu_chunks"},
+	StatusLimit:           {"limit", "limit"},
+	StatusUnavailable:     {"unavailable, retry", "unavailable"},
+}
+
+// Statuses lists every status of this version, in code order.
+func Statuses() []Status {
+	var out []Status
+	for s, e := range statusTable {
+		if e.kind != "" {
+			out = append(out, Status(s))
+		}
+	}
+	return out
 }
 
 func (s Status) String() string {
-	switch s {
-	case StatusLimit:
-		return "limit"
-	case StatusUnavailable:
-		return "unavailable, retry"
-	}
-	if int(s) < len(statusNames) {
-		return statusNames[s]
+	if int(s) < len(statusTable) && statusTable[s].name != "" {
+		return statusTable[s].name
 	}
 	return fmt.Sprintf("status(%d)", uint8(s))
+}
+
+// Kind is the status's stable snake_case name for metrics labels and error
+// logs ("no capacity" -> "no_capacity"); "status_<n>" for a code this
+// version does not know.
+func (s Status) Kind() string {
+	if int(s) < len(statusTable) && statusTable[s].kind != "" {
+		return statusTable[s].kind
+	}
+	return fmt.Sprintf("status_%d", uint8(s))
 }
 
 // Header is the fixed part of every packet, little-endian on the wire:

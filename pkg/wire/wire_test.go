@@ -6,6 +6,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"google.golang.org/protobuf/proto"
@@ -176,5 +177,37 @@ func TestConnPassesFDsAndLimits(t *testing.T) {
 	}
 	if _, _, err := s.Recv(buf); !errors.Is(err, ErrTooLarge) {
 		t.Fatalf("recv oversized: %v", err)
+	}
+}
+
+// Every status has a name and a distinct snake_case kind; codes outside the
+// table get a generic one.
+func TestStatusTable(t *testing.T) {
+	sts := Statuses()
+	if len(sts) != 24 || sts[0] != StatusOK || sts[len(sts)-1] != StatusUnavailable {
+		t.Fatalf("Statuses() = %v", sts)
+	}
+	kinds := make(map[string]Status)
+	for _, s := range sts {
+		k := s.Kind()
+		for _, c := range k {
+			if !(c >= 'a' && c <= 'z' || c == '_') {
+				t.Errorf("status %d: kind %q is not snake_case", s, k)
+			}
+		}
+		if prev, dup := kinds[k]; dup {
+			t.Errorf("statuses %d and %d share kind %q", prev, s, k)
+		}
+		kinds[k] = s
+		if s.String() == "" || strings.HasPrefix(s.String(), "status(") {
+			t.Errorf("status %d has no name", s)
+		}
+	}
+	if StatusNoCapacity.String() != "no capacity" || StatusNoCapacity.Kind() != "no_capacity" ||
+		StatusUnavailable.Kind() != "unavailable" {
+		t.Error("names or kinds changed")
+	}
+	if Status(22).String() != "status(22)" || Status(22).Kind() != "status_22" {
+		t.Errorf("unknown status: %q %q", Status(22).String(), Status(22).Kind())
 	}
 }

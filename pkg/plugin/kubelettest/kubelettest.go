@@ -162,9 +162,11 @@ func (k *Kubelet) WaitList(ok func([]*pluginapi.Device) bool) []*pluginapi.Devic
 // PodResources serves PodResources v1 List from a settable table.
 type PodResources struct {
 	podresourcesv1.UnimplementedPodResourcesListerServer
-	mu   sync.Mutex
-	pods []*podresourcesv1.PodResources
-	fail error
+	mu      sync.Mutex
+	pods    []*podresourcesv1.PodResources
+	fail    error
+	gate    chan struct{} // while not nil, List waits for it to close
+	waiting chan struct{} // a List that waits at the gate sends here (non-blocking)
 }
 
 // NewPodResources serves PodResources v1 on socket until the test ends.
@@ -182,7 +184,21 @@ func NewPodResources(t testing.TB, socket string) *PodResources {
 }
 
 // List implements the PodResources service.
-func (s *PodResources) List(context.Context, *podresourcesv1.ListPodResourcesRequest) (*podresourcesv1.ListPodResourcesResponse, error) {
+func (s *PodResources) List(ctx context.Context, _ *podresourcesv1.ListPodResourcesRequest) (*podresourcesv1.ListPodResourcesResponse, error) {
+	s.mu.Lock()
+	gate, waiting := s.gate, s.waiting
+	s.mu.Unlock()
+	if gate != nil {
+		select {
+		case waiting <- struct{}{}:
+		default:
+		}
+		select {
+		case <-gate:
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.fail != nil {
@@ -210,4 +226,26 @@ func (s *PodResources) SetFail(err error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.fail = err
+}
+
+// Block makes every List wait (as a stuck kubelet would) until release is
+// called; release may be called more than once. Blocked returns a channel
+// that receives once for each List that starts waiting (when nobody is
+// receiving, the signal is dropped).
+func (s *PodResources) Block() (release func(), blocked <-chan struct{}) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	gate, waiting := make(chan struct{}), make(chan struct{}, 16)
+	s.gate, s.waiting = gate, waiting
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			s.mu.Lock()
+			if s.gate == gate {
+				s.gate, s.waiting = nil, nil
+			}
+			s.mu.Unlock()
+			close(gate)
+		})
+	}, waiting
 }
