@@ -94,7 +94,7 @@ func BenchmarkPythonOverhead(b *testing.B) {
 		defer c.stop()
 	}
 
-	rounds := max(1, min(20, b.N/100))
+	rounds := max(1, min(100, b.N/20))
 	for r := range rounds {
 		n := b.N / rounds
 		if r == rounds-1 {

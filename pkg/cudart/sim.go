@@ -535,6 +535,7 @@ type simStream struct {
 	pushed  uint64
 	done    uint64
 	running bool // an item is running (on whichever thread took it)
+	waiters int  // threads in wait, sleeping on cond
 	stopped bool
 }
 
@@ -571,7 +572,13 @@ func (st *simStream) runNext() {
 	st.mu.Lock()
 	st.running = false
 	st.done++
-	st.cond.Broadcast()
+	// Wake whoever needs it: waiters for a position, or the stream's
+	// goroutine when work is queued behind this item. An item run on an
+	// idle stream with nobody waiting wakes nobody (waking the goroutine
+	// for nothing costs a thread wake-up per copy).
+	if st.waiters > 0 || len(st.queue) > 0 {
+		st.cond.Broadcast()
+	}
 }
 
 func (st *simStream) push(fn func()) {
@@ -619,7 +626,9 @@ func (st *simStream) wait(seq uint64) {
 			st.runNext()
 			continue
 		}
+		st.waiters++
 		st.cond.Wait()
+		st.waiters--
 	}
 	st.mu.Unlock()
 }
