@@ -11,6 +11,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"testing"
 	"time"
@@ -35,7 +36,10 @@ import (
 // swapping every round), so both see the same load. ns/op is the Python
 // pair; go-us/pair and py-us/pair are the wall time of a pair,
 // overhead-us/pair their difference and py/go their ratio; the -cpu-
-// metrics are the same from each process's CPU time; noop-call-us is a
+// metrics are the same from each process's CPU time; overhead-med-us/pair
+// is the median over rounds of the difference between neighbouring Go and
+// Python rounds (steadier than the totals on a loaded machine);
+// noop-call-us is a
 // ctypes call into the library that does nothing, py-prep-us/call the
 // Python layer's own argument work. Goal (issue 15): overhead under 15 µs
 // for the pair.
@@ -94,7 +98,7 @@ func BenchmarkPythonOverhead(b *testing.B) {
 		defer c.stop()
 	}
 
-	rounds := max(1, min(100, b.N/20))
+	rounds := max(1, min(500, b.N/20))
 	for r := range rounds {
 		n := b.N / rounds
 		if r == rounds-1 {
@@ -132,6 +136,14 @@ func BenchmarkPythonOverhead(b *testing.B) {
 	b.ReportMetric(perPair(g.ns), "go-us/pair")
 	b.ReportMetric(perPair(p.ns), "py-us/pair")
 	b.ReportMetric(perPair(p.ns-g.ns), "overhead-us/pair")
+	// The same from each pair of neighbouring rounds, median: a burst of
+	// load from other processes spoils a round or two, not the median.
+	diffs := make([]float64, len(g.rounds))
+	for i := range diffs {
+		diffs[i] = p.rounds[i] - g.rounds[i]
+	}
+	slices.Sort(diffs)
+	b.ReportMetric(diffs[len(diffs)/2]/1e3, "overhead-med-us/pair")
 	b.ReportMetric(p.ns/g.ns, "py/go")
 	b.ReportMetric(perPair(g.cpu), "go-cpu-us/pair")
 	b.ReportMetric(perPair(p.cpu), "py-cpu-us/pair")
@@ -156,6 +168,7 @@ type roundClient struct {
 	out      *bufio.Scanner
 	stderr   bytes.Buffer
 	ns, cpu  float64
+	rounds   []float64 // ns per pair of each round
 	finished bool
 }
 
@@ -216,6 +229,7 @@ func (c *roundClient) round(n int) error {
 		return fmt.Errorf("%s client, round of %d: %w\n%s", c.name, n, err, c.stderr.String())
 	}
 	c.ns += r.Ns
+	c.rounds = append(c.rounds, r.Ns/float64(n))
 	c.cpu += r.CPUNs
 	return nil
 }
