@@ -1,8 +1,13 @@
 """Times offload_stream + reload_stream of a 64-page stream through the
 Python client: `python3 python/bench.py --iters N` with KVPOOL_SOCKET and
-KVPOOL_TOKEN set (or --socket/--token). Prints one JSON line. Run by
-python/bench_test.go next to the same loop on the Go client, which gives
-the ratio (docs/benchmarks.md)."""
+KVPOOL_TOKEN set (or --socket/--token). Prints one JSON line.
+
+With --rounds it serves python/bench_test.go instead: after the warm-up it
+prints {"ready": true}, then for every line N read from stdin runs N pairs
+and prints {"ns": wall, "cpu_ns": cpu} for them; at the end of stdin it
+prints the one-line figures of the boundary alone (noop_call_ns, prep_ns).
+The benchmark alternates such rounds with the Go client's, so that both
+are measured under the same load (docs/benchmarks.md)."""
 
 import argparse
 import json
@@ -18,6 +23,7 @@ import kvpool  # noqa: E402
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=2000)
+    ap.add_argument("--rounds", action="store_true", help="serve rounds named on stdin (python/bench_test.go)")
     ap.add_argument("--pages", type=int, default=64)
     ap.add_argument("--session-pages", type=int, default=128)
     ap.add_argument("--device-pages", type=int, default=256)
@@ -34,18 +40,31 @@ def main():
         import numpy as np
         kv = np.zeros((2, a.device_pages, a.page_bytes), dtype=np.uint8)
         kind = "numpy"
-    cfg = {"kvpool": {"socket": a.socket, "token": a.token, "device": a.gpu}}
+    cfg = {"kvpool": {"socket": a.socket, "token": a.token, "device": a.gpu, "sim_devices": max(2, a.gpu + 1)}}
     pool = kvpool.CPUPagePool(cfg, kv, a.session_pages)
     pages = list(range(0, 2 * a.pages, 2))  # scattered: no two copies merge
     back = list(range(1, 2 * a.pages, 2))
-    for _ in range(min(200, a.iters)):
+
+    def pairs(n):
+        t0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(n):
+            pool.offload_stream("bench", "kv", kv, pages, 1, 2)
+            pool.reload_stream("bench", "kv", kv, back)
+        return (time.perf_counter() - t0) * 1e9, (time.process_time() - c0) * 1e9
+
+    for _ in range(200):
         assert pool.offload_stream("bench", "kv", kv, pages, 1, 2)
         pool.reload_stream("bench", "kv", kv, back)
-    t0, c0 = time.perf_counter(), time.process_time()
-    for _ in range(a.iters):
-        pool.offload_stream("bench", "kv", kv, pages, 1, 2)
-        pool.reload_stream("bench", "kv", kv, back)
-    dt, dc = time.perf_counter() - t0, time.process_time() - c0
+    out = {"tensors": kind, "library": os.environ.get("KVPOOL_LIBRARY", "")}
+    if a.rounds:
+        print(json.dumps({"ready": True}), flush=True)
+        for line in sys.stdin:
+            n = int(line)
+            ns, cpu = pairs(n)
+            print(json.dumps({"ns": ns, "cpu_ns": cpu}), flush=True)
+    else:
+        ns, cpu = pairs(a.iters)
+        out.update({"iters": a.iters, "ns_per_pair": ns / a.iters, "cpu_ns_per_pair": cpu / a.iters})
     pool.sync()
     # The boundary alone: a ctypes call into the library that does no work.
     f = pool._lib.kvpool_abi_version
@@ -53,7 +72,7 @@ def main():
     t1 = time.perf_counter()
     for _ in range(n):
         f()
-    noop = (time.perf_counter() - t1) / n * 1e9
+    out["noop_call_ns"] = (time.perf_counter() - t1) / n * 1e9
     # The Python layer's own work for one call, without the library:
     # argument conversion and the layout identity check.
     from kvpool.pool import _name, _pages
@@ -63,9 +82,9 @@ def main():
         _name("kv", "label")
         pool._same_layout(kv)
         _pages(pages)
-    prep = (time.perf_counter() - t1) / (n // 10) * 1e9
+    out["prep_ns"] = (time.perf_counter() - t1) / (n // 10) * 1e9
     pool.close()
-    print(json.dumps({"iters": a.iters, "ns_per_pair": dt / a.iters * 1e9, "cpu_ns_per_pair": dc / a.iters * 1e9, "tensors": kind, "noop_call_ns": noop, "prep_ns": prep}))
+    print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":

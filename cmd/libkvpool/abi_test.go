@@ -40,7 +40,7 @@ func TestCProgram(t *testing.T) {
 	}
 	prog := filepath.Join(dir, "smoke")
 	for _, std := range []string{"-std=c11", "-std=c99"} {
-		cmd := exec.Command(cc, std, "-Wall", "-Wextra", "-Werror", "-I.", "-o", prog, "testdata/smoke.c", "-L"+dir, "-lkvpool", "-Wl,-rpath,"+dir)
+		cmd := exec.Command(cc, std, "-Wall", "-Wextra", "-Werror", "-pthread", "-I.", "-o", prog, "testdata/smoke.c", "-L"+dir, "-lkvpool", "-Wl,-rpath,"+dir)
 		if out, err := cmd.CombinedOutput(); err != nil {
 			t.Fatalf("compile smoke.c %s: %v\n%s", std, err, out)
 		}

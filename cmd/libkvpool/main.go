@@ -251,6 +251,18 @@ func goString(p *C.char, n C.size_t, what string) (string, error) {
 	return C.GoStringN(p, C.int(n)), nil
 }
 
+// names decodes a call's rid and label (label == nil: the call has none).
+func names(rid *C.char, ridLen C.size_t, label *C.char, labelLen C.size_t, withLabel bool) (r, l string, st C.int) {
+	r, err := goString(rid, ridLen, "rid")
+	if err == nil && withLabel {
+		l, err = goString(label, labelLen, "label")
+	}
+	if err != nil {
+		return "", "", fail(errInvalid, err)
+	}
+	return r, l, statusOK
+}
+
 func cString(p *C.char) string {
 	if p == nil {
 		return ""
@@ -377,22 +389,15 @@ func kvpool_offload(hd C.kvpool_handle, rid *C.char, ridLen C.size_t, label *C.c
 	if h == nil {
 		return st
 	}
-	r, err := goString(rid, ridLen, "rid")
-	if err != nil {
-		return fail(errInvalid, err)
-	}
-	l, err := goString(label, labelLen, "label")
-	if err != nil {
-		return fail(errInvalid, err)
+	r, l, st := names(rid, ridLen, label, labelLen, true)
+	if st != statusOK {
+		return st
 	}
 	pages, err := int32s(gpuPages, n, "gpu_pages")
 	if err != nil {
 		return fail(errInvalid, err)
 	}
-	var ok bool
-	do(func() {
-		ok, err = h.pool.OffloadStream(r, l, pages, int64(storedLen), int64(position), int64(released))
-	})
+	ok, err := h.pool.OffloadStream(r, l, pages, int64(storedLen), int64(position), int64(released))
 	if err != nil {
 		return failErr(err)
 	}
@@ -409,13 +414,9 @@ func kvpool_reload(hd C.kvpool_handle, rid *C.char, ridLen C.size_t, label *C.ch
 	if h == nil {
 		return st
 	}
-	r, err := goString(rid, ridLen, "rid")
-	if err != nil {
-		return fail(errInvalid, err)
-	}
-	l, err := goString(label, labelLen, "label")
-	if err != nil {
-		return fail(errInvalid, err)
+	r, l, st := names(rid, ridLen, label, labelLen, true)
+	if st != statusOK {
+		return st
 	}
 	pages, err := int32s(gpuPages, n, "gpu_pages")
 	if err != nil {
@@ -431,8 +432,7 @@ func kvpool_reload(hd C.kvpool_handle, rid *C.char, ridLen C.size_t, label *C.ch
 	if err != nil {
 		return fail(errInvalid, err)
 	}
-	var s client.OffloadedStream
-	do(func() { s, err = h.pool.ReloadStream(r, l, pages) })
+	s, err := h.pool.ReloadStream(r, l, pages)
 	if len(s.CPUPageIndices) > len(out) {
 		// The agent's page count check makes this impossible.
 		return fail(errProtocol, fmt.Errorf("kvpool: reload: the agent returned %d host pages for %d device pages", len(s.CPUPageIndices), len(pages)))
@@ -452,15 +452,11 @@ func kvpool_discard(hd C.kvpool_handle, rid *C.char, ridLen C.size_t, label *C.c
 	if h == nil {
 		return st
 	}
-	r, err := goString(rid, ridLen, "rid")
-	if err != nil {
-		return fail(errInvalid, err)
+	r, l, st := names(rid, ridLen, label, labelLen, true)
+	if st != statusOK {
+		return st
 	}
-	l, err := goString(label, labelLen, "label")
-	if err != nil {
-		return fail(errInvalid, err)
-	}
-	if do(func() { err = h.pool.Discard(r, l) }); err != nil {
+	if err := h.pool.Discard(r, l); err != nil {
 		return failErr(err)
 	}
 	return statusOK
@@ -472,11 +468,11 @@ func kvpool_remove_request(hd C.kvpool_handle, rid *C.char, ridLen C.size_t) C.i
 	if h == nil {
 		return st
 	}
-	r, err := goString(rid, ridLen, "rid")
-	if err != nil {
-		return fail(errInvalid, err)
+	r, _, st := names(rid, ridLen, nil, 0, false)
+	if st != statusOK {
+		return st
 	}
-	if do(func() { err = h.pool.RemoveRequest(r) }); err != nil {
+	if err := h.pool.RemoveRequest(r); err != nil {
 		return failErr(err)
 	}
 	return statusOK
@@ -488,12 +484,11 @@ func kvpool_is_offloaded(hd C.kvpool_handle, rid *C.char, ridLen C.size_t) C.int
 	if h == nil {
 		return st
 	}
-	r, err := goString(rid, ridLen, "rid")
-	if err != nil {
-		return fail(errInvalid, err)
+	r, _, st := names(rid, ridLen, nil, 0, false)
+	if st != statusOK {
+		return st
 	}
-	var ok bool
-	do(func() { ok, err = h.pool.IsOffloaded(r) })
+	ok, err := h.pool.IsOffloaded(r)
 	if err != nil {
 		return failErr(err)
 	}
@@ -510,9 +505,9 @@ func kvpool_labels(hd C.kvpool_handle, rid *C.char, ridLen C.size_t, buf *C.char
 	if h == nil {
 		return st
 	}
-	r, err := goString(rid, ridLen, "rid")
-	if err != nil {
-		return fail(errInvalid, err)
+	r, _, st := names(rid, ridLen, nil, 0, false)
+	if st != statusOK {
+		return st
 	}
 	if nLabels == nil || nBytes == nil {
 		return invalid("labels: NULL size pointers")
@@ -520,8 +515,7 @@ func kvpool_labels(hd C.kvpool_handle, rid *C.char, ridLen C.size_t, buf *C.char
 	if (buf == nil && capacity > 0) || (ends == nil && endsCap > 0) {
 		return invalid("labels: NULL buffer with a capacity")
 	}
-	var labels []string
-	do(func() { labels, err = h.pool.Labels(r) })
+	labels, err := h.pool.Labels(r)
 	if err != nil {
 		return failErr(err)
 	}
@@ -553,19 +547,14 @@ func kvpool_num_pages(hd C.kvpool_handle, rid *C.char, ridLen C.size_t, label *C
 	if h == nil {
 		return st
 	}
-	r, err := goString(rid, ridLen, "rid")
-	if err != nil {
-		return fail(errInvalid, err)
-	}
-	l, err := goString(label, labelLen, "label")
-	if err != nil {
-		return fail(errInvalid, err)
+	r, l, st := names(rid, ridLen, label, labelLen, true)
+	if st != statusOK {
+		return st
 	}
 	if out == nil {
 		return invalid("num_pages: NULL out")
 	}
-	var n int
-	do(func() { n, err = h.pool.NumPages(r, l) })
+	n, err := h.pool.NumPages(r, l)
 	if err != nil {
 		return failErr(err)
 	}
@@ -582,9 +571,7 @@ func kvpool_num_free_pages(hd C.kvpool_handle, out *C.int64_t) C.int {
 	if out == nil {
 		return invalid("num_free_pages: NULL out")
 	}
-	var n int
-	var err error
-	do(func() { n, err = h.pool.NumFreePages() })
+	n, err := h.pool.NumFreePages()
 	if err != nil {
 		return failErr(err)
 	}
@@ -598,8 +585,7 @@ func kvpool_sync(hd C.kvpool_handle, stream C.uint64_t) C.int {
 	if h == nil {
 		return st
 	}
-	var err error
-	if do(func() { err = h.pool.Sync(cudart.Stream(stream)) }); err != nil {
+	if err := h.pool.Sync(cudart.Stream(stream)); err != nil {
 		return failErr(err)
 	}
 	return statusOK
@@ -611,8 +597,7 @@ func kvpool_synchronize(hd C.kvpool_handle) C.int {
 	if h == nil {
 		return st
 	}
-	var err error
-	if do(func() { err = h.pool.Synchronize() }); err != nil {
+	if err := h.pool.Synchronize(); err != nil {
 		return failErr(err)
 	}
 	return statusOK

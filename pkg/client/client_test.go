@@ -840,3 +840,94 @@ func TestOpenReplyChecked(t *testing.T) {
 		})
 	}
 }
+
+// hookDevice runs before and after, when set, around EventSynchronize: what
+// other threads of the engine do while a call of the pool waits for a copy.
+type hookDevice struct {
+	cudart.Device
+	before, after func()
+}
+
+func (d *hookDevice) EventSynchronize(e cudart.Event) error {
+	if d.before != nil {
+		d.before()
+	}
+	err := d.Device.EventSynchronize(e)
+	if d.after != nil {
+		d.after()
+	}
+	return err
+}
+
+// TestOffloadOutlastsPendingUnderContention: an offload that gets "pending"
+// waits for the reload the agent names and retries; while it waits, other
+// threads take the pages that reload freed, so it gets "pending" again for
+// the next reload, and again. It keeps waiting as long as the agent names a
+// later reload (each wait is progress), and stores its stream once one
+// frees room for it: it does not give up while reloads it could wait for
+// remain.
+func TestOffloadOutlastsPendingUnderContention(t *testing.T) {
+	a := startAgent(t, 1<<20)
+	sim := cudart.NewSim(cudart.SimOptions{Devices: 1})
+	simDev, _ := sim.Open(0)
+	dev := &hookDevice{Device: simDev}
+	c := newKV(t, dev, 32, 4096)
+	p := openPool(t, a, dev, c, []byte("instance-contention"), 8)
+	for i := range 4 {
+		if ok, err := p.OffloadStream(fmt.Sprint("s", i), "", []int32{int32(2 * i), int32(2*i + 1)}, 0, 0, 0); !ok || err != nil {
+			t.Fatal(ok, err)
+		}
+	}
+	sync(t, p, dev)
+	// Three reloads, each held behind its own gate on the engine stream.
+	var gates []chan struct{}
+	for i := range 3 {
+		g := make(chan struct{})
+		gates = append(gates, g)
+		if err := dev.LaunchHostFunc(0, func() { <-g }); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := p.ReloadStream(fmt.Sprint("s", i), "", []int32{int32(10 + 2*i), int32(11 + 2*i)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	opened := 0
+	defer func() {
+		for _, g := range gates[opened:] {
+			close(g)
+		}
+	}()
+	// Each time the offload below waits, the reload it waits for is let
+	// go, and after the first two waits another thread takes the pages
+	// that reload freed.
+	waits := 0
+	dev.before = func() {
+		if opened < len(gates) {
+			close(gates[opened])
+			opened++
+		}
+	}
+	dev.after = func() {
+		waits++
+		if waits > 2 {
+			return
+		}
+		ok, err := p.OffloadStream(fmt.Sprint("thief", waits), "", []int32{int32(20 + 2*waits), int32(21 + 2*waits)}, 0, 0, 0)
+		if !ok || err != nil {
+			t.Errorf("the other thread's offload: %v %v", ok, err)
+		}
+	}
+	ok, err := p.OffloadStream("late", "", []int32{30, 31}, 0, 0, 0)
+	dev.before, dev.after = nil, nil
+	if !ok || err != nil {
+		t.Fatalf("offload after %d waits: %v %v", waits, ok, err)
+	}
+	if waits != 3 {
+		t.Fatalf("the offload waited %d times, want 3 (one per reload)", waits)
+	}
+	for _, s := range []string{"late", "thief1", "thief2", "s3"} {
+		if n, err := p.NumPages(s, ""); n != 2 || err != nil {
+			t.Fatalf("stream %s: %d pages, %v", s, n, err)
+		}
+	}
+}

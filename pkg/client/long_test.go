@@ -459,6 +459,7 @@ func TestOffloadWaitDoesNotBlockOthers(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer p.Close()
+	kv.writeAll(t, 1)
 	if ok, err := p.OffloadStream("a", "", []int32{0, 1, 2, 3}, 0, 0, 0); !ok || err != nil {
 		t.Fatal(ok, err)
 	}
@@ -477,6 +478,12 @@ func TestOffloadWaitDoesNotBlockOthers(t *testing.T) {
 	<-pending // the offload got its "pending" reply and waits for the copy
 	if on, err := p.IsOffloaded("a"); on || err != nil {
 		t.Fatalf("is_offloaded during the wait: %v, %v", on, err)
+	}
+	// The reload's copy (which the offload waits for) has not landed: the
+	// call did not wait for it either (not in the pool's lock, nor in the
+	// Mover's).
+	if got := kv.readAll(t)[4*4096 : 5*4096]; !bytes.Equal(got, stampOf(4, 1, 4096)) {
+		t.Fatal("is_offloaded returned only after the reload's copy had completed: it waited for the offload's wait")
 	}
 	select {
 	case err := <-done:

@@ -177,15 +177,22 @@ func (p *CPUPagePool) OffloadStream(rid, label string, gpuPages []int32, storedL
 		host, err = p.longPages(wire.OpOffload, p.offRep.HostPages, p.offRep.Total, len(gpuPages))
 		return err
 	}
-	for try := 0; ; try++ {
+	var waited uint64 // the last reload this call waited for
+	for {
 		if err := p.begin(); err != nil {
 			return false, err
 		}
 		_, err := p.callWith(wire.OpOffload, stage, m, &p.offRep, fetch)
 		var e *Error
-		if errors.As(err, &e) && e.Status == wire.StatusPending && try <= len(p.pending) {
+		if errors.As(err, &e) && e.Status == wire.StatusPending && e.Ticket > waited {
 			// Only pages still read by reload copies would make room: wait
 			// for the oldest such copy, without holding up other calls.
+			// Other threads may take the room it makes while this one
+			// waits, and the agent then names a later reload: each wait is
+			// progress, as reload tickets only grow and waitTicket refuses
+			// one this client never made. The same or an earlier ticket
+			// again, after its fence went out, would not be.
+			waited = e.Ticket
 			if werr := p.waitTicket(e.Ticket); werr != nil {
 				return false, fmt.Errorf("kvpool offload %q/%q: wait for reload %d: %w", rid, label, e.Ticket, werr)
 			}

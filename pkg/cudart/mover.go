@@ -40,11 +40,17 @@ type Mover struct {
 	next     Ticket
 	pending  map[Ticket]Event // offload batches that may not have completed
 	free     []Event
+	// waiting counts the WaitFor calls waiting (without m.mu) on each
+	// event; an event retired meanwhile goes to free only once they are
+	// done with it (held), so that it is not recorded for another batch
+	// while they wait on it.
+	waiting map[Event]int
+	held    map[Event]bool
 }
 
 // NewMover creates the Mover's streams and events on dev.
 func NewMover(dev Device) (*Mover, error) {
-	m := &Mover{dev: dev, pending: map[Ticket]Event{}}
+	m := &Mover{dev: dev, pending: map[Ticket]Event{}, waiting: map[Event]int{}, held: map[Event]bool{}}
 	var err error
 	if m.d2h, err = dev.StreamCreate(); err != nil {
 		return nil, fmt.Errorf("mover: device-to-host stream: %w", err)
@@ -158,7 +164,8 @@ func (m *Mover) Completed(t Ticket) (bool, error) {
 	return done, nil
 }
 
-// WaitFor blocks until the batch of ticket t has completed.
+// WaitFor blocks until the batch of ticket t has completed. The Mover's
+// other calls go on while it waits.
 func (m *Mover) WaitFor(t Ticket) error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -169,10 +176,28 @@ func (m *Mover) WaitFor(t Ticket) error {
 	if !ok || err != nil {
 		return err
 	}
-	if err := m.dev.EventSynchronize(ev); err != nil {
+	m.waiting[ev]++
+	m.mu.Unlock()
+	err = m.dev.EventSynchronize(ev)
+	m.mu.Lock()
+	if m.waiting[ev]--; m.waiting[ev] == 0 {
+		delete(m.waiting, ev)
+		if m.held[ev] {
+			delete(m.held, ev)
+			m.free = append(m.free, ev)
+		}
+	}
+	if m.closed {
+		// Close waited for every copy, this batch's included, and
+		// destroyed the events.
+		return ErrMoverClosed
+	}
+	if err != nil {
 		return fmt.Errorf("wait for %d: %w", t, err)
 	}
-	m.retire(t, ev)
+	if m.pending[t] == ev {
+		m.retire(t, ev)
+	}
 	return nil
 }
 
@@ -188,6 +213,10 @@ func (m *Mover) lookup(t Ticket) (ev Event, ok bool, err error) {
 
 func (m *Mover) retire(t Ticket, ev Event) {
 	delete(m.pending, t)
+	if m.waiting[ev] > 0 {
+		m.held[ev] = true // WaitFor puts it in free when done with it
+		return
+	}
 	m.free = append(m.free, ev)
 }
 
@@ -308,6 +337,9 @@ func (m *Mover) release() error {
 	for _, ev := range m.free {
 		errs = append(errs, m.dev.EventDestroy(ev))
 	}
+	for ev := range m.held {
+		errs = append(errs, m.dev.EventDestroy(ev))
+	}
 	for _, ev := range []Event{m.caller, m.lastD2H, m.lastH2D} {
 		if ev != 0 {
 			errs = append(errs, m.dev.EventDestroy(ev))
@@ -318,6 +350,6 @@ func (m *Mover) release() error {
 			errs = append(errs, m.dev.StreamDestroy(s))
 		}
 	}
-	m.pending, m.free = nil, nil
+	m.pending, m.free, m.held = nil, nil, nil
 	return errors.Join(errs...)
 }

@@ -374,3 +374,65 @@ func TestLayoutCopiesFindsDuplicatesInLongLists(t *testing.T) {
 		}
 	}
 }
+
+// TestMoverWaitForDoesNotBlockOthers: while WaitFor waits for a batch, the
+// Mover's other calls go on (they do not wait for that batch), and the
+// batch's event is not handed to another batch before WaitFor is done.
+func TestMoverWaitForDoesNotBlockOthers(t *testing.T) {
+	dev := simDev(t, 0)
+	const page = 4096
+	dp, err := dev.MemAlloc(4 * page)
+	must(t, err)
+	host := newPinned(t, dev, 4*page)
+	fill(host.b, 3)
+	engine, err := dev.StreamCreate()
+	must(t, err)
+	m, err := NewMover(dev)
+	must(t, err)
+	defer m.Close()
+
+	release := make(chan struct{})
+	must(t, dev.LaunchHostFunc(engine, func() { <-release })) // holds every batch behind it
+	first := must1(t)(m.Reload(engine, []Copy{{Dst: uintptr(dp), Src: addr(host.b), Bytes: page}}))
+	waited := make(chan error, 1)
+	go func() { waited <- m.WaitFor(first) }()
+	for {
+		m.mu.Lock()
+		n := len(m.waiting)
+		m.mu.Unlock()
+		if n > 0 {
+			break
+		}
+		time.Sleep(time.Millisecond)
+	}
+	// WaitFor is waiting: these return without the batch having completed.
+	if done, err := m.Completed(first); err != nil || done {
+		t.Fatalf("Completed(%d) = %v, %v while the batch is held", first, done, err)
+	}
+	second := must1(t)(m.Offload(engine, []Copy{{Dst: addr(host.b[page:]), Src: uintptr(dp) + page, Bytes: page}}))
+	if done, err := m.Completed(second); err != nil || done {
+		t.Fatalf("Completed(%d) = %v, %v while the batch is held", second, done, err)
+	}
+	must(t, m.Sync(engine))
+	select {
+	case err := <-waited:
+		t.Fatalf("WaitFor returned (%v) while its batch was held", err)
+	default:
+	}
+	close(release)
+	if err := <-waited; err != nil {
+		t.Fatal(err)
+	}
+	if done, err := m.Completed(first); err != nil || !done {
+		t.Fatalf("Completed(%d) = %v, %v after WaitFor", first, done, err)
+	}
+	must(t, m.WaitFor(second))
+	// Every event is back in use once: more batches run and complete.
+	for i := range 4 {
+		tk := must1(t)(m.Reload(engine, []Copy{{Dst: uintptr(dp) + uintptr(i%4)*page, Src: addr(host.b), Bytes: page}}))
+		must(t, m.WaitFor(tk))
+	}
+	if len(m.waiting) != 0 || len(m.held) != 0 {
+		t.Fatalf("waiting %v, held %v after every wait returned", m.waiting, m.held)
+	}
+}

@@ -23,11 +23,21 @@ type SimOptions struct {
 }
 
 // Sim is a Driver whose devices live in host memory. Copies are queued on
-// their stream and run later on that stream's goroutine, in stream order;
-// events and stream waits order streams against each other exactly as the
-// CUDA driver documents. Every address is checked against live allocations
-// and registrations, so an out-of-range copy is an error instead of memory
-// corruption.
+// their stream and run later, in stream order, on that stream's goroutine
+// or on a thread that waits for the stream (StreamSynchronize,
+// EventSynchronize, or a stream waiting on an event of it): the waiter runs
+// the queued work itself instead of sleeping until the stream's goroutine
+// has. Without a CopyDelay, a batch of at most InlineCopyBytes enqueued on
+// an idle stream (nothing queued or running) runs at once, inside
+// MemcpyBatchAsync; a stream wait on an event that has completed adds
+// nothing to the stream. Both are what the hardware could do too (a copy
+// engine may finish before the enqueueing call returns), so every ordering
+// the CUDA driver documents still holds; with a CopyDelay every batch is
+// queued and delayed, so that code which reads before waiting sees stale
+// bytes. Events and stream waits order streams against each other exactly
+// as the CUDA driver documents. Every address is checked against live
+// allocations and registrations, so an out-of-range copy is an error
+// instead of memory corruption.
 type Sim struct {
 	devs []*simDevice
 }
@@ -61,6 +71,12 @@ func (s *Sim) Open(ordinal int) (Device, error) {
 }
 
 const simAlign = 512
+
+// InlineCopyBytes is the largest batch of copies (in bytes) that
+// MemcpyBatchAsync runs at once on an idle stream when the simulator has no
+// CopyDelay: waking the stream's goroutine for it would cost more than the
+// copy.
+const InlineCopyBytes = 1 << 20
 
 type devAlloc struct {
 	base     uintptr
@@ -404,6 +420,9 @@ func (d *simDevice) StreamWaitEvent(s Stream, e Event) error {
 		return nil // never recorded, or already ordered by the stream itself
 	}
 	other, seq := ev.st, ev.seq
+	if other.reached(seq) {
+		return nil // the event has completed: nothing to wait for
+	}
 	st.push(func() { other.wait(seq) })
 	return nil
 }
@@ -421,6 +440,7 @@ func (d *simDevice) MemcpyBatchAsync(copies []Copy, dir Direction, s Stream) err
 		return callErr(call, ErrInvalidValue, "empty batch")
 	}
 	pairs := make([]pair, len(copies))
+	var total uint64
 	for i, c := range copies {
 		var dst, src []byte
 		var okD, okS bool
@@ -444,9 +464,10 @@ func (d *simDevice) MemcpyBatchAsync(copies []Copy, dir Direction, s Stream) err
 			return callErr(call, ErrInvalidValue, "copy %d (%v): destination %#x+%d is outside %s", i, dir, c.Dst, c.Bytes, side(dir, false))
 		}
 		pairs[i] = pair{dst, src}
+		total += c.Bytes
 	}
 	delay := d.opts.CopyDelay
-	st.push(func() {
+	run := func() {
 		if delay > 0 {
 			time.Sleep(delay)
 		}
@@ -455,7 +476,11 @@ func (d *simDevice) MemcpyBatchAsync(copies []Copy, dir Direction, s Stream) err
 			copy(p.dst, p.src)
 		}
 		d.memMu.Unlock()
-	})
+	}
+	if delay == 0 && total <= InlineCopyBytes && st.runIfIdle(run) {
+		return nil
+	}
+	st.push(run)
 	return nil
 }
 
@@ -499,14 +524,18 @@ func (d *simDevice) Close() error {
 	return nil
 }
 
-// simStream runs queued work in order on its own goroutine. done counts
-// finished items; a position p is reached when done >= p.
+// simStream runs queued work in order, one item at a time: on its own
+// goroutine, or on a thread waiting for it (wait), or at once in the
+// enqueueing call when it is idle (runIfIdle). done counts finished items;
+// a position p is reached when done >= p.
 type simStream struct {
 	mu      sync.Mutex
 	cond    sync.Cond
 	queue   []func()
 	pushed  uint64
 	done    uint64
+	running bool // an item is running (on whichever thread took it)
+	waiters int  // threads in wait, sleeping on cond
 	stopped bool
 }
 
@@ -521,19 +550,33 @@ func (st *simStream) run() {
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	for {
-		for len(st.queue) == 0 && !st.stopped {
+		for len(st.queue) == 0 || st.running {
+			if st.stopped && len(st.queue) == 0 {
+				return
+			}
 			st.cond.Wait()
 		}
-		if len(st.queue) == 0 {
-			return
-		}
-		fn := st.queue[0]
-		st.queue[0] = nil
-		st.queue = st.queue[1:]
-		st.mu.Unlock()
-		fn()
-		st.mu.Lock()
-		st.done++
+		st.runNext()
+	}
+}
+
+// runNext runs the first queued item. Called with st.mu held, the queue
+// not empty and nothing running; it lets go of st.mu while the item runs.
+func (st *simStream) runNext() {
+	fn := st.queue[0]
+	st.queue[0] = nil
+	st.queue = st.queue[1:]
+	st.running = true
+	st.mu.Unlock()
+	fn()
+	st.mu.Lock()
+	st.running = false
+	st.done++
+	// Wake whoever needs it: waiters for a position, or the stream's
+	// goroutine when work is queued behind this item. An item run on an
+	// idle stream with nobody waiting wakes nobody (waking the goroutine
+	// for nothing costs a thread wake-up per copy).
+	if st.waiters > 0 || len(st.queue) > 0 {
 		st.cond.Broadcast()
 	}
 }
@@ -544,6 +587,21 @@ func (st *simStream) push(fn func()) {
 	st.pushed++
 	st.mu.Unlock()
 	st.cond.Broadcast()
+}
+
+// runIfIdle runs fn now, as the stream's next item, when nothing is queued
+// or running; it reports whether it did.
+func (st *simStream) runIfIdle(fn func()) bool {
+	st.mu.Lock()
+	if len(st.queue) > 0 || st.running || st.stopped {
+		st.mu.Unlock()
+		return false
+	}
+	st.pushed++
+	st.queue = append(st.queue, fn)
+	st.runNext()
+	st.mu.Unlock()
+	return true
 }
 
 func (st *simStream) tail() uint64 {
@@ -558,10 +616,19 @@ func (st *simStream) reached(seq uint64) bool {
 	return st.done >= seq
 }
 
+// wait returns once position seq is reached. While the stream has work
+// queued and none running, the caller runs it itself rather than sleeping
+// until the stream's goroutine has: the same items in the same order.
 func (st *simStream) wait(seq uint64) {
 	st.mu.Lock()
 	for st.done < seq {
+		if !st.running && len(st.queue) > 0 {
+			st.runNext()
+			continue
+		}
+		st.waiters++
 		st.cond.Wait()
+		st.waiters--
 	}
 	st.mu.Unlock()
 }

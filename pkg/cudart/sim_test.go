@@ -238,3 +238,81 @@ func TestSimErrors(t *testing.T) {
 		t.Fatalf("after Close: %v", err)
 	}
 }
+
+// TestSimWaiterRunsQueuedWork: a stream whose goroutine never runs still
+// makes progress when a thread waits for it, in order.
+func TestSimWaiterRunsQueuedWork(t *testing.T) {
+	st := &simStream{} // no goroutine: only waiters run its work
+	st.cond.L = &st.mu
+	var order []int
+	for i := range 3 {
+		st.push(func() { order = append(order, i) })
+	}
+	st.wait(2)
+	if len(order) != 2 || st.reached(3) {
+		t.Fatalf("after wait(2): ran %v", order)
+	}
+	st.wait(st.tail())
+	if len(order) != 3 || order[0] != 0 || order[1] != 1 || order[2] != 2 {
+		t.Fatalf("ran %v, want [0 1 2]", order)
+	}
+}
+
+// TestSimInlineCopies: without a copy delay a small batch on an idle stream
+// has completed when MemcpyBatchAsync returns, and a wait on a completed
+// event adds nothing to the waiting stream; with a delay, or behind queued
+// work, the batch is queued.
+func TestSimInlineCopies(t *testing.T) {
+	for _, delay := range []time.Duration{0, 20 * time.Millisecond} {
+		f := newFixture(t, delay)
+		copy(f.host, randBytes(pages*pageSize, 3))
+		batch := []Copy{{Dst: uintptr(f.dptr), Src: addr(f.host), Bytes: pageSize}}
+		if err := f.dev.MemcpyBatchAsync(batch, HostToDevice, f.copyS); err != nil {
+			t.Fatal(err)
+		}
+		if err := f.dev.EventRecord(f.ev, f.copyS); err != nil {
+			t.Fatal(err)
+		}
+		done, err := f.dev.EventQuery(f.ev)
+		if err != nil || done != (delay == 0) {
+			t.Fatalf("delay %v: batch completed on return: %v (%v), want %v", delay, done, err, delay == 0)
+		}
+		d := f.dev.(*simDevice)
+		eng := d.streams[f.engine]
+		before := eng.tail()
+		if err := f.dev.StreamWaitEvent(f.engine, f.ev); err != nil {
+			t.Fatal(err)
+		}
+		if added := eng.tail() - before; added != map[bool]uint64{true: 0, false: 1}[delay == 0] {
+			t.Fatalf("delay %v: the wait added %d items to the engine stream", delay, added)
+		}
+		got := make([]byte, pageSize)
+		if err := f.dev.StreamSynchronize(f.engine); err != nil {
+			t.Fatal(err)
+		}
+		if err := f.dev.MemcpyDtoH(got, f.dptr); err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(got, f.host[:pageSize]) {
+			t.Fatalf("delay %v: bytes wrong after the wait", delay)
+		}
+		// Behind queued work (a blocked host function) a batch is queued.
+		release := make(chan struct{})
+		if err := f.dev.LaunchHostFunc(f.copyS, func() { <-release }); err != nil {
+			t.Fatal(err)
+		}
+		if err := f.dev.MemcpyBatchAsync(batch, HostToDevice, f.copyS); err != nil {
+			t.Fatal(err)
+		}
+		if err := f.dev.EventRecord(f.ev, f.copyS); err != nil {
+			t.Fatal(err)
+		}
+		if done, _ := f.dev.EventQuery(f.ev); done {
+			t.Fatalf("delay %v: a batch behind a blocked host function completed", delay)
+		}
+		close(release)
+		if err := f.dev.EventSynchronize(f.ev); err != nil {
+			t.Fatal(err)
+		}
+	}
+}

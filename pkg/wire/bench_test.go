@@ -1,6 +1,11 @@
 package wire
 
-import "testing"
+import (
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
 
 // The hot path's encoding cost, to set against a round trip of ~7-25 µs:
 //
@@ -58,5 +63,41 @@ func BenchmarkCodecReloadReply(b *testing.B) {
 		if err != nil {
 			b.Fatal(err)
 		}
+	}
+}
+
+// BenchmarkKernelWaitWindow measures how long one direct recvmsg with
+// nothing to read really waits in the kernel before it gives up, for the
+// default kernel wait and the limit: SO_RCVTIMEO is counted in scheduler
+// ticks, so the window is longer than asked (window-ms):
+//
+//	go test -run XXX -bench KernelWaitWindow -benchtime 20x ./pkg/wire
+func BenchmarkKernelWaitWindow(b *testing.B) {
+	for _, d := range []time.Duration{BlockWindow, KernelWaitLimit} {
+		b.Run(d.String(), func(b *testing.B) {
+			defer SetKernelWait(KernelWait())
+			if err := SetKernelWait(d); err != nil {
+				b.Fatal(err)
+			}
+			_, s := pair(b)
+			buf := make([]byte, 64)
+			s.rmsg = unix.Msghdr{}
+			s.riov.Base = &buf[0]
+			s.riov.SetLen(len(buf))
+			s.rmsg.Iov = &s.riov
+			s.rmsg.SetIovlen(1)
+			s.rmsg.Control = &s.oob[0]
+			var total time.Duration
+			for range b.N {
+				s.rblock = true
+				start := time.Now()
+				s.rc.Control(func(fd uintptr) { s.recvStep(fd) })
+				total += time.Since(start)
+				if s.rerrno != unix.EAGAIN && s.rerrno != unix.EINTR {
+					b.Fatalf("recvmsg on an empty socket: errno %v", s.rerrno)
+				}
+			}
+			b.ReportMetric(float64(total.Microseconds())/float64(b.N)/1e3, "window-ms")
+		})
 	}
 }

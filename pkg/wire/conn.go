@@ -25,10 +25,39 @@ const Network = "unixpacket"
 // unknown.
 var ErrTooLarge = errors.New("packet exceeds the maximum message size")
 
-// BlockWindow is how long Recv waits for a packet inside the kernel, in a
-// plain blocking recvmsg on the calling thread, before it parks the
-// goroutine on Go's network poller. See Conn.
+// BlockWindow is the default kernel wait (SetKernelWait): how long Recv
+// asks the kernel to wait for a packet, in a plain blocking recvmsg on the
+// calling thread, before it parks the goroutine on Go's network poller.
+// See Conn.
 const BlockWindow = 200 * time.Microsecond
+
+// KernelWaitLimit is the longest kernel wait SetKernelWait accepts.
+const KernelWaitLimit = 2 * time.Millisecond
+
+// kernelWait is the SO_RCVTIMEO of Conns made from now on, in ns; 0: none.
+var kernelWait atomic.Int64
+
+func init() { kernelWait.Store(int64(BlockWindow)) }
+
+// SetKernelWait sets the kernel wait of the Conns made after it, for the
+// whole process: d in (0, KernelWaitLimit] is the SO_RCVTIMEO of their
+// blocking recvmsg, 0 turns the kernel wait off (Recv waits on the poller
+// alone). The kernel counts SO_RCVTIMEO in scheduler ticks and rounds it up:
+// with HZ=250 any d up to 4 ms waits 5 to 12 ms (measured,
+// BenchmarkKernelWaitWindow), so d is a request, not a bound; what bounds
+// the wait for the rest of the process is a signal (Go's preemption
+// request), which ends it at once. The wait only matters when the reply is
+// late: a reply that comes in time wakes the waiting thread directly.
+func SetKernelWait(d time.Duration) error {
+	if d < 0 || d > KernelWaitLimit {
+		return fmt.Errorf("wire: kernel wait %v outside [0, %v]", d, KernelWaitLimit)
+	}
+	kernelWait.Store(int64(d))
+	return nil
+}
+
+// KernelWait returns the kernel wait new Conns get (SetKernelWait).
+func KernelWait() time.Duration { return time.Duration(kernelWait.Load()) }
 
 // Conn sends and receives packets on a SOCK_SEQPACKET Unix connection. A
 // Conn is not safe for concurrent use by several readers or several
@@ -41,9 +70,9 @@ const BlockWindow = 200 * time.Microsecond
 // made the usual way lets the runtime's monitor hand the P to another
 // thread when the wait outlasts 20 µs. So Recv first waits the way a plain
 // C program does: one recvmsg that blocks in the kernel (the socket is put
-// in blocking mode with SO_RCVTIMEO = BlockWindow), made without telling
+// in blocking mode with SO_RCVTIMEO = KernelWait()), made without telling
 // the scheduler, so the peer's send wakes this very thread. When no packet
-// comes within BlockWindow, or a signal (a preemption request of the
+// comes within the window, or a signal (a preemption request of the
 // garbage collector) interrupts the wait, Recv falls back to the poller,
 // which neither holds a P nor delays a stop of the world. Send never blocks
 // in the kernel (MSG_DONTWAIT; the poller waits for room).
@@ -52,13 +81,13 @@ const BlockWindow = 200 * time.Microsecond
 // goroutines always find one, a Conn waits in the kernel only while the
 // process has at most max(1, GOMAXPROCS-1) open Conns; beyond that every
 // Conn uses the poller alone. Deadlines set on UnixConn() hold for Send
-// and Recv, up to BlockWindow late.
+// and Recv, up to the kernel wait late.
 type Conn struct {
 	uc  *net.UnixConn
 	rc  syscall.RawConn
 	oob []byte
 
-	direct bool // the socket is blocking with SO_RCVTIMEO = BlockWindow
+	direct bool // the socket is blocking with SO_RCVTIMEO = KernelWait()
 
 	// Send and Recv keep their syscall arguments here, under their own
 	// lock (uncontended: one reader and one writer), so that the hot path
@@ -100,9 +129,13 @@ func NewConn(uc *net.UnixConn) *Conn {
 		return c // Send and Recv return the error
 	}
 	c.rc = rc
+	wait := KernelWait()
+	if wait <= 0 {
+		return c // the poller alone
+	}
 	var serr error
 	err = rc.Control(func(fd uintptr) {
-		tv := unix.NsecToTimeval(BlockWindow.Nanoseconds())
+		tv := unix.NsecToTimeval(wait.Nanoseconds())
 		if serr = unix.SetsockoptTimeval(int(fd), unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv); serr == nil {
 			serr = unix.SetNonblock(int(fd), false)
 		}
@@ -124,7 +157,8 @@ func Dial(path string) (*Conn, error) {
 }
 
 // UnixConn returns the underlying connection. Its socket is in blocking
-// mode; read and write it through the Conn.
+// mode (unless the kernel wait was off when the Conn was made); read and
+// write it through the Conn.
 func (c *Conn) UnixConn() *net.UnixConn { return c.uc }
 
 // Close closes the connection. A Recv waiting in another goroutine returns
@@ -201,7 +235,7 @@ func (c *Conn) sendStep(fd uintptr) bool {
 }
 
 // recvStep is the read step of Recv: while c.rblock it waits in the
-// kernel, up to BlockWindow.
+// kernel, up to the kernel wait.
 func (c *Conn) recvStep(fd uintptr) bool {
 	m := &c.rmsg
 	m.SetControllen(len(c.oob))

@@ -11,7 +11,7 @@ import (
 )
 
 // pair returns both ends of a fresh connection.
-func pair(t *testing.T) (client, server *Conn) {
+func pair(t testing.TB) (client, server *Conn) {
 	t.Helper()
 	path := filepath.Join(t.TempDir(), "s")
 	l, err := net.ListenUnix(Network, &net.UnixAddr{Name: path, Net: Network})
@@ -165,5 +165,46 @@ func TestConnDirectBudget(t *testing.T) {
 	c.Close()
 	if got := open.Load(); got != n-1 {
 		t.Fatalf("open conns %d after closing one of %d (twice)", got, n)
+	}
+}
+
+func TestSetKernelWait(t *testing.T) {
+	defer SetKernelWait(KernelWait())
+	for _, bad := range []time.Duration{-time.Microsecond, KernelWaitLimit + time.Nanosecond, time.Second} {
+		before := KernelWait()
+		if err := SetKernelWait(bad); err == nil || KernelWait() != before {
+			t.Fatalf("SetKernelWait(%v): %v, kernel wait now %v", bad, err, KernelWait())
+		}
+	}
+	// Off: new Conns wait on the poller alone, and work.
+	if err := SetKernelWait(0); err != nil {
+		t.Fatal(err)
+	}
+	n := open.Load()
+	c, s := pair(t)
+	if c.direct || s.direct || c.mayBlock() || open.Load() != n {
+		t.Fatal("with the kernel wait off a Conn should not wait in the kernel")
+	}
+	buf := make([]byte, MaxMessage+1)
+	go func() {
+		time.Sleep(2 * time.Millisecond)
+		c.Send([]byte("later"), nil)
+	}()
+	if pkt, _, err := s.Recv(buf); err != nil || string(pkt) != "later" {
+		t.Fatalf("recv on the poller: %q %v", pkt, err)
+	}
+	// The limit itself is accepted and used.
+	if err := SetKernelWait(KernelWaitLimit); err != nil || KernelWait() != KernelWaitLimit {
+		t.Fatalf("SetKernelWait(limit): %v", err)
+	}
+	c2, s2 := pair(t)
+	if !c2.direct || !s2.direct {
+		t.Fatal("with a kernel wait set a Conn should be set up for direct waits")
+	}
+	if err := c2.Send([]byte("x"), nil); err != nil {
+		t.Fatal(err)
+	}
+	if pkt, _, err := s2.Recv(buf); err != nil || string(pkt) != "x" {
+		t.Fatalf("recv: %q %v", pkt, err)
 	}
 }

@@ -8,6 +8,7 @@ import array
 import ctypes
 import dataclasses
 import os
+import threading
 from collections.abc import Mapping
 
 from . import _lib as L
@@ -149,12 +150,18 @@ class CPUPagePool:
         h = ctypes.c_uint64()
         self._check(self._lib.kvpool_open(ctypes.byref(opts), ctypes.byref(h)))
         self._h = h.value
-        self._meta = L.StreamMeta()
-        self._out = ctypes.c_int64()
-        self._host = (ctypes.c_int32 * 64)()
-        self._labels_buf = ctypes.create_string_buffer(4096)
-        self._labels_ends = (ctypes.c_size_t * 64)()
-        self._nl, self._nb = ctypes.c_size_t(), ctypes.c_size_t()
+        # The library writes results into buffers the caller owns: each
+        # thread has its own, so that two threads calling at once do not
+        # read each other's answers.
+        self._tls = threading.local()
+
+    def _bufs(self):
+        """The calling thread's result buffers."""
+        try:
+            return self._tls.b
+        except AttributeError:
+            b = self._tls.b = _Buffers()
+            return b
 
     # -- helpers -----------------------------------------------------------
 
@@ -209,14 +216,15 @@ class CPUPagePool:
         lb, ln = _name(label, "label")
         self._same_layout(gpu_kv_cache)
         ptr, n, keep = _pages(gpu_page_indices)
-        if n > len(self._host):
-            self._host = (ctypes.c_int32 * max(n, 2 * len(self._host)))()
-        m = self._meta
-        rc = self._lib.kvpool_reload(h, r, rn, lb, ln, ptr, n, self._host, len(self._host), m)
+        b = self._bufs()
+        if n > len(b.host):
+            b.host = (ctypes.c_int32 * max(n, 2 * len(b.host)))()
+        m = b.meta
+        rc = self._lib.kvpool_reload(h, r, rn, lb, ln, ptr, n, b.host, len(b.host), m)
         del keep
         if rc < 0:
             self._check(rc)
-        return OffloadedStream(self._host[:m.num_pages], m.stored_len, m.position, m.released)
+        return OffloadedStream(b.host[:m.num_pages], m.stored_len, m.position, m.released)
 
     def discard(self, rid, label):
         """Drop a stream that was copied here but never committed to. A
@@ -242,20 +250,20 @@ class CPUPagePool:
     def labels(self, rid):
         h = self._handle()
         r, rn = _name(rid, "rid")
+        b = self._bufs()
         while True:
-            rc = self._lib.kvpool_labels(h, r, rn, self._labels_buf, len(self._labels_buf), self._labels_ends,
-                                         len(self._labels_ends), self._nl, self._nb)
+            rc = self._lib.kvpool_labels(h, r, rn, b.labels, len(b.labels), b.ends, len(b.ends), b.nl, b.nb)
             if rc != L.ERR_BUFFER_TOO_SMALL:
                 break
-            if self._nb.value > len(self._labels_buf):
-                self._labels_buf = ctypes.create_string_buffer(self._nb.value)
-            if self._nl.value > len(self._labels_ends):
-                self._labels_ends = (ctypes.c_size_t * self._nl.value)()
+            if b.nb.value > len(b.labels):
+                b.labels = ctypes.create_string_buffer(b.nb.value)
+            if b.nl.value > len(b.ends):
+                b.ends = (ctypes.c_size_t * b.nl.value)()
         self._check(rc)
-        raw = self._labels_buf.raw
+        raw = b.labels.raw
         out, start = [], 0
-        for i in range(self._nl.value):
-            end = self._labels_ends[i]
+        for i in range(b.nl.value):
+            end = b.ends[i]
             out.append(raw[start:end].decode(_ENC, "surrogateescape"))
             start = end
         return out
@@ -265,16 +273,18 @@ class CPUPagePool:
         h = self._handle()
         r, rn = _name(rid, "rid")
         lb, ln = _name(label, "label")
-        rc = self._lib.kvpool_num_pages(h, r, rn, lb, ln, self._out)
+        out = self._bufs().out
+        rc = self._lib.kvpool_num_pages(h, r, rn, lb, ln, out)
         if rc == L.ERR_UNKNOWN_STREAM:
             return 0
         self._check(rc)
-        return self._out.value
+        return out.value
 
     @property
     def num_free_pages(self):
-        self._check(self._lib.kvpool_num_free_pages(self._handle(), self._out))
-        return self._out.value
+        out = self._bufs().out
+        self._check(self._lib.kvpool_num_free_pages(self._handle(), out))
+        return out.value
 
     def sync(self):
         """Order the current stream behind the pending copies."""
@@ -314,6 +324,20 @@ class CPUPagePool:
 
     def _disconnect(self):
         self._check(self._lib.kvpool_disconnect(self._handle()))
+
+
+class _Buffers:
+    """One thread's buffers for the library's answers."""
+
+    __slots__ = ("meta", "out", "host", "labels", "ends", "nl", "nb")
+
+    def __init__(self):
+        self.meta = L.StreamMeta()
+        self.out = ctypes.c_int64()
+        self.host = (ctypes.c_int32 * 64)()
+        self.labels = ctypes.create_string_buffer(4096)
+        self.ends = (ctypes.c_size_t * 64)()
+        self.nl, self.nb = ctypes.c_size_t(), ctypes.c_size_t()
 
 
 def _short(regions):

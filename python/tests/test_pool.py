@@ -213,6 +213,54 @@ def test_unicode_and_odd_names(pools):
         pool.remove_request(rid)
 
 
+def test_two_threads_share_a_pool(pools):
+    """Two Python threads calling one pool at once: each gets its own
+    answers (reload metadata, host pages, labels, counts, error messages),
+    as the result buffers and kvpool_last_error are per thread."""
+    import threading
+
+    kv = np.zeros((2, 64, 32), dtype=np.uint8)
+    fill_random(kv, 5)
+    pool = pools(kv, 40)
+    errs = []
+    barrier = threading.Barrier(2)
+
+    def worker(i):
+        try:
+            n = 3 + 5 * i  # 3 and 8 pages: a mixed-up answer shows in the counts
+            pages = list(range(32 * i, 32 * i + n))
+            back = list(range(32 * i + 16, 32 * i + 16 + n))
+            rid = "thread-%d" % i
+            barrier.wait()
+            for it in range(500):
+                assert pool.offload_stream(rid, "l%d" % i, kv, pages, 100 * i + it, 7 * i, i)
+                assert pool.num_pages(rid, "l%d" % i) == n
+                assert pool.labels(rid) == ["l%d" % i]
+                st = pool.reload_stream(rid, "l%d" % i, kv, back)
+                assert (len(st.cpu_page_indices), st.stored_len, st.position, st.released) == \
+                    (n, 100 * i + it, 7 * i, i), (i, it, st)
+                # Each thread fails in its own way and reads its own message.
+                if i == 0:
+                    with pytest.raises(KeyError) as ei:
+                        pool.reload_stream(rid, "gone", kv, back)
+                    assert "gone" in str(ei.value) or "unknown" in str(ei.value).lower(), str(ei.value)
+                else:
+                    with pytest.raises(kvpool.DuplicateIndexError) as ei:
+                        pool.offload_stream(rid, "dup", kv, [1, 1], 0, 0)
+                    assert "duplicate" in str(ei.value).lower(), str(ei.value)
+        except BaseException as e:  # noqa: B902 - reported by the main thread
+            errs.append((i, e))
+
+    ts = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    assert not errs, errs
+    pool._synchronize()
+    assert pool.num_free_pages == 40
+
+
 # -- all or nothing --------------------------------------------------------------
 
 def test_full_pool_changes_nothing(pools):

@@ -2,6 +2,7 @@
  * does. Run by abi_test.go with KVPOOL_SOCKET and KVPOOL_TOKEN set; the
  * "device" KV cache is malloc'd memory on the simulator. Exits 0 when every
  * check held; prints the first failure otherwise. */
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,6 +24,42 @@ static int failures;
 			failures++;                                                   \
 		}                                                                 \
 	} while (0)
+
+/* Two threads failing at once, each its own way: kvpool_last_error is per
+ * thread, so each reads its own message after every failure. */
+struct racer {
+	kvpool_handle h;
+	int which, bad;
+};
+
+static void *race(void *arg) {
+	struct racer *r = arg;
+	char msg[256];
+	int32_t page = 1, host[1];
+	kvpool_stream_meta meta;
+	for (int i = 0; i < 300; i++) {
+		const char *want;
+		if (r->which == 0) {
+			if (kvpool_reload(r->h, "ghost", 5, "x", 1, &page, 1, host, 1, &meta) != KVPOOL_ERR_UNKNOWN_STREAM) {
+				r->bad++;
+				continue;
+			}
+			want = "unknown stream";
+		} else {
+			if (kvpool_num_free_pages(r->h + 1000, NULL) != KVPOOL_ERR_BAD_HANDLE) {
+				r->bad++;
+				continue;
+			}
+			want = "not an open handle";
+		}
+		kvpool_last_error(msg, sizeof msg);
+		if (strstr(msg, want) == NULL) {
+			fprintf(stderr, "thread %d read another thread's message: %s\n", r->which, msg);
+			r->bad++;
+		}
+	}
+	return NULL;
+}
 
 int main(void) {
 	CHECK(kvpool_abi_version() == KVPOOL_ABI_VERSION, "abi version %d", kvpool_abi_version());
@@ -127,6 +164,15 @@ int main(void) {
 	      "reload twice");
 	n = kvpool_last_error(msg, sizeof msg);
 	CHECK(strstr(msg, "unknown stream") != NULL, "unknown stream message: %s", msg);
+	struct racer racers[2] = {{h, 0, 0}, {h, 1, 0}};
+	pthread_t threads[2];
+	for (int i = 0; i < 2; i++) {
+		CHECK(pthread_create(&threads[i], NULL, race, &racers[i]) == 0, "pthread_create");
+	}
+	for (int i = 0; i < 2; i++) {
+		pthread_join(threads[i], NULL);
+		CHECK(racers[i].bad == 0, "thread %d: %d wrong statuses or messages", i, racers[i].bad);
+	}
 	CHECK(kvpool_remove_request(h, "req", 3) == KVPOOL_OK && kvpool_is_offloaded(h, "req", 3) == 0, "remove");
 	CHECK(kvpool_synchronize(h) == KVPOOL_OK, "synchronize");
 	CHECK(kvpool_close(h) == KVPOOL_OK, "close");
