@@ -6,15 +6,17 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"strings"
 
 	"sigs.k8s.io/yaml"
 
+	"github.com/kvpool/kvpool/internal/agent"
 	"github.com/kvpool/kvpool/pkg/config"
+	"github.com/kvpool/kvpool/pkg/contract"
 	"github.com/kvpool/kvpool/pkg/logging"
-	"github.com/kvpool/kvpool/pkg/standalone"
 )
 
 // tokenList is a repeatable --token flag.
@@ -84,7 +86,7 @@ environment < flags. See docs/architecture.md and docs/sizing.md.
 	fs.IntVar(&f.simulateGPUs, "simulate-gpus", 0, "use N simulated GPUs instead of NVML (nodes without GPUs, tests); standalone: same as --gpus")
 	fs.StringVar(&f.kubeconfig, "kubeconfig", "", "kubeconfig for the API server when not running in a pod (default $KUBECONFIG)")
 	fs.StringVar(&f.root, "root", "/", "root of the /proc and /sys trees to read (for tests)")
-	fs.StringVar(&f.socket, "socket", "", "standalone: socket path (default "+standalone.DefaultSocket()+")")
+	fs.StringVar(&f.socket, "socket", "", "standalone: socket path (default "+agent.DefaultSocket()+")")
 	fs.Var(&f.tokens, "token", "standalone: allocation token (repeatable; default one random token)")
 	fs.IntVar(&f.gpus, "gpus", 0, "standalone: simulated GPUs (same as --standalone-gpus)")
 	fs.IntVar(&f.chunksPerGPU, "chunks-per-gpu", 0, "standalone: fixed chunks per GPU instead of the sizing plan (with --chunk-mib)")
@@ -173,7 +175,7 @@ func resolveServe(args []string, getenv func(string) string) (*serveSetup, error
 	} else if !s.explicit("standalone.tokens") {
 		s.randomToken = true
 	}
-	base := filepath.Dir(standalone.DefaultSocket())
+	base := filepath.Dir(agent.DefaultSocket())
 	switch {
 	case f.socket != "":
 		s.socket = f.socket
@@ -187,7 +189,7 @@ func resolveServe(args []string, getenv func(string) string) (*serveSetup, error
 		s.socket = cfg.SocketPath()
 	}
 	if f.devicePlugin && s.socket != cfg.SocketPath() {
-		return nil, fmt.Errorf("--socket %s: with --device-plugin the socket must be <socketDir>/%s (pods mount socketDir); use --socket-dir", s.socket, config.SocketFile)
+		return nil, fmt.Errorf("--socket %s: with --device-plugin the socket must be <socketDir>/%s (pods mount socketDir); use --socket-dir", s.socket, contract.SocketFile)
 	}
 	// A pool size asked for in sizing.poolBytes holds in standalone mode
 	// too, unless standalone.poolBytes is given as well.
@@ -195,7 +197,7 @@ func resolveServe(args []string, getenv func(string) string) (*serveSetup, error
 		cfg.Standalone.PoolBytes = cfg.Sizing.PoolBytes
 	}
 	if !s.explicit("stateDir") {
-		cfg.StateDir = standalone.DefaultStateDir()
+		cfg.StateDir = agent.DefaultStateDir()
 	}
 	if !s.explicit("tokenBinding") {
 		cfg.TokenBinding = config.TokenBindingNone // no pods to bind to
@@ -258,11 +260,16 @@ func runServe(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
-	a, err := bootAgent(ctx, s, log)
-	if err != nil {
-		return err
+	return agent.Run(ctx, s.options(log))
+}
+
+// options is the agent's configuration.
+func (s *serveSetup) options(log *slog.Logger) agent.Options {
+	f := s.flags
+	return agent.Options{
+		Config: s.cfg, Standalone: f.standalone, DevicePlugin: f.devicePlugin, SimulateGPUs: f.simulateGPUs,
+		Kubeconfig: f.kubeconfig, Root: f.root, Socket: s.socket, RandomToken: s.randomToken,
+		ChunksPerGPU: f.chunksPerGPU, ChunkBytes: int64(f.chunkMiB) << 20,
+		Version: version, Logger: log, NVML: nvmlLib,
 	}
-	err = a.wait(ctx)
-	log.Info("kvpool agent stopped", "err", err)
-	return err
 }

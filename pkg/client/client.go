@@ -29,21 +29,12 @@ import (
 
 	"google.golang.org/protobuf/proto"
 
+	"github.com/kvpool/kvpool/pkg/contract"
 	"github.com/kvpool/kvpool/pkg/cudart"
 	"github.com/kvpool/kvpool/pkg/hostmem"
 	"github.com/kvpool/kvpool/pkg/pool"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
-
-// Environment variables read when Options leave Socket or Token empty.
-const (
-	EnvSocket = "KVPOOL_SOCKET"
-	EnvToken  = "KVPOOL_TOKEN"
-)
-
-// DefaultSocket is the socket path inside a container that was allocated
-// kvpool chunks.
-const DefaultSocket = "/var/run/kvpool/kvpool.sock"
 
 // maxRegister is the most bytes registered with CUDA in one call.
 const maxRegister = 64 << 30
@@ -72,7 +63,7 @@ func layoutOf(regions []Region) cudart.Layout {
 
 // Options configure Open.
 type Options struct {
-	Socket  string        // default $KVPOOL_SOCKET, then DefaultSocket
+	Socket  string        // default $KVPOOL_SOCKET, then contract.ContainerSocket
 	Token   string        // default $KVPOOL_TOKEN
 	Device  cudart.Device // the GPU whose KV cache this pool serves
 	Regions []Region      // the device KV cache layout
@@ -265,16 +256,16 @@ func Open(ctx context.Context, o Options) (*CPUPagePool, error) {
 		return nil, fmt.Errorf("kvpool: MaxPages %d is negative", o.MaxPages)
 	}
 	if o.Socket == "" {
-		o.Socket = os.Getenv(EnvSocket)
+		o.Socket = os.Getenv(contract.EnvSocket)
 	}
 	if o.Socket == "" {
-		o.Socket = DefaultSocket
+		o.Socket = contract.ContainerSocket
 	}
 	if o.Token == "" {
-		o.Token = os.Getenv(EnvToken)
+		o.Token = os.Getenv(contract.EnvToken)
 	}
 	if o.Token == "" {
-		return nil, fmt.Errorf("kvpool: no allocation token (set Options.Token or $%s)", EnvToken)
+		return nil, fmt.Errorf("kvpool: no allocation token (set Options.Token or $%s)", contract.EnvToken)
 	}
 	if o.InstanceID == nil {
 		o.InstanceID = InstanceID()

@@ -9,6 +9,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/kvpool/kvpool/pkg/contract"
 )
 
 func TestParseBytes(t *testing.T) {
@@ -92,8 +94,8 @@ func TestDefaultIsValid(t *testing.T) {
 	if got := c.SocketPath(); got != "/var/lib/kvpool/sock/kvpool.sock" {
 		t.Errorf("SocketPath = %q", got)
 	}
-	if got := ContainerSocketPath(); got != "/var/run/kvpool/kvpool.sock" {
-		t.Errorf("ContainerSocketPath = %q", got)
+	if got := contract.ContainerSocket; got != "/var/run/kvpool/kvpool.sock" {
+		t.Errorf("contract.ContainerSocket = %q", got)
 	}
 }
 
@@ -403,7 +405,7 @@ func TestRegisterFlagsCoversEveryField(t *testing.T) {
 		if fs.Lookup(s.flag) == nil {
 			t.Errorf("no flag --%s", s.flag)
 		}
-		if !strings.HasPrefix(s.env, "KVPOOL_") || s.env == EnvSocket || s.env == EnvToken {
+		if !strings.HasPrefix(s.env, "KVPOOL_") || s.env == contract.EnvSocket || s.env == contract.EnvToken {
 			t.Errorf("setting %s has env %s", s.field, s.env)
 		}
 	}

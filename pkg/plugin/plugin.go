@@ -14,9 +14,7 @@ package plugin
 
 import (
 	"context"
-	"crypto/rand"
 	"crypto/sha256"
-	"encoding/base64"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -33,26 +31,19 @@ import (
 	"google.golang.org/grpc/status"
 	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 
+	"github.com/kvpool/kvpool/pkg/contract"
 	"github.com/kvpool/kvpool/pkg/pool"
 )
 
-// Defaults and the container contract.
+// Defaults. What a container sees (mount, socket, environment) is in
+// pkg/contract.
 const (
-	DefaultResourceName = "kvpool.io/host-kv"
-	DefaultKubeletDir   = "/var/lib/kubelet"
-	DefaultSocketDir    = "/var/lib/kvpool/sock"
-	DefaultStateDir     = "/var/lib/kvpool/state"
-	DefaultGracePeriod  = 2 * time.Minute
-	DefaultInterval     = 10 * time.Second
-	DefaultWatch        = time.Second
-
-	// ContainerSocketDir is where Allocate mounts the socket directory.
-	ContainerSocketDir = "/var/run/kvpool"
-	// SocketName is the agent's socket file inside the socket directory.
-	SocketName = "kvpool.sock"
-	// EnvSocket and EnvToken are the variables Allocate sets.
-	EnvSocket = "KVPOOL_SOCKET"
-	EnvToken  = "KVPOOL_TOKEN"
+	DefaultKubeletDir  = "/var/lib/kubelet"
+	DefaultSocketDir   = "/var/lib/kvpool/sock"
+	DefaultStateDir    = "/var/lib/kvpool/state"
+	DefaultGracePeriod = 2 * time.Minute
+	DefaultInterval    = 10 * time.Second
+	DefaultWatch       = time.Second
 )
 
 // Pool is the part of *pool.Pool the plugin uses.
@@ -70,7 +61,7 @@ type Holders interface {
 
 // Options configure a Plugin. Pool, Devices and Renew are required.
 type Options struct {
-	ResourceName string // default DefaultResourceName
+	ResourceName string // default contract.DefaultResourceName
 	KubeletDir   string // default DefaultKubeletDir; device-plugins/ and pod-resources/ live inside
 	SocketDir    string // host directory holding the agent socket; default DefaultSocketDir
 	StateDir     string // checkpoint directory; default DefaultStateDir
@@ -121,14 +112,14 @@ func (o *Options) setDefaults() error {
 			*s = v
 		}
 	}
-	def(&o.ResourceName, DefaultResourceName)
+	def(&o.ResourceName, contract.DefaultResourceName)
 	def(&o.KubeletDir, DefaultKubeletDir)
 	def(&o.SocketDir, DefaultSocketDir)
 	def(&o.StateDir, DefaultStateDir)
 	def(&o.ProcRoot, DefaultProcRoot)
 	def(&o.PodLogsDir, DefaultPodLogsDir)
-	if err := validResourceName(o.ResourceName); err != nil {
-		return err
+	if err := contract.CheckResourceName(o.ResourceName); err != nil {
+		return fmt.Errorf("plugin: resource name %w", err)
 	}
 	if !filepath.IsAbs(o.SocketDir) {
 		return fmt.Errorf("plugin: socket directory %q is not absolute", o.SocketDir)
@@ -147,22 +138,6 @@ func (o *Options) setDefaults() error {
 	}
 	if o.Logger == nil {
 		o.Logger = slog.Default()
-	}
-	return nil
-}
-
-// validResourceName accepts an extended resource name: domain/name, no
-// kubernetes.io domain.
-func validResourceName(name string) error {
-	domain, n, ok := strings.Cut(name, "/")
-	if !ok || domain == "" || n == "" || strings.Contains(n, "/") ||
-		domain == "kubernetes.io" || strings.HasSuffix(domain, ".kubernetes.io") || strings.HasPrefix(domain, "requests.") {
-		return fmt.Errorf("plugin: resource name %q is not an extended resource name (domain/name)", name)
-	}
-	for _, c := range name {
-		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || strings.ContainsRune("-._/", c)) {
-			return fmt.Errorf("plugin: resource name %q has character %q", name, c)
-		}
 	}
 	return nil
 }
@@ -305,7 +280,7 @@ func AllocationID(token string) string {
 func (r Record) ID() string { return AllocationID(r.Token) }
 
 // ErrUnknownToken is returned by Authorize for a token no allocation has.
-var ErrUnknownToken = errors.New("unknown allocation token")
+var ErrUnknownToken = contract.ErrUnknownToken
 
 // Authorize maps a client's token (KVPOOL_TOKEN) to the pool allocation it
 // may open sessions on. It fits the copy server's Authorizer.
@@ -334,17 +309,6 @@ func (p *Plugin) GrantPending() {
 	for _, a := range p.allocs {
 		p.grantLocked(a)
 	}
-}
-
-func newToken() string {
-	b := make([]byte, 32)
-	rand.Read(b) // never fails (crypto/rand documents it panics instead)
-	return base64.RawURLEncoding.EncodeToString(b)
-}
-
-func validToken(t string) bool {
-	b, err := base64.RawURLEncoding.DecodeString(t)
-	return err == nil && len(b) >= 16 && base64.RawURLEncoding.EncodeToString(b) == t
 }
 
 // GetDevicePluginOptions implements the device plugin API.
@@ -507,7 +471,7 @@ func (p *Plugin) Allocate(ctx context.Context, req *pluginapi.AllocateRequest) (
 	for _, ids := range sets {
 		a := p.byDevice[ids[0]]
 		if a == nil {
-			a = &alloc{Record: Record{Token: newToken(), Devices: ids, FirstSeen: now}, lastSeen: now}
+			a = &alloc{Record: Record{Token: contract.NewToken(), Devices: ids, FirstSeen: now}, lastSeen: now}
 			if err := p.o.Pool.Grant(a.ID(), ids); err != nil {
 				rollback()
 				return nil, status.Errorf(codes.FailedPrecondition, "allocate %v: %v", ids, err)
@@ -530,14 +494,14 @@ func (p *Plugin) Allocate(ctx context.Context, req *pluginapi.AllocateRequest) (
 		}
 		resp.ContainerResponses = append(resp.ContainerResponses, &pluginapi.ContainerAllocateResponse{
 			Envs: map[string]string{
-				EnvSocket: ContainerSocketDir + "/" + SocketName,
-				EnvToken:  a.Token,
+				contract.EnvSocket: contract.ContainerSocket,
+				contract.EnvToken:  a.Token,
 			},
 			// Read-only is enough: connecting to a Unix socket needs write
 			// permission on the socket inode, which a read-only bind mount
 			// does not take away, and it stops a pod from replacing the
 			// socket that other pods connect to.
-			Mounts: []*pluginapi.Mount{{ContainerPath: ContainerSocketDir, HostPath: p.o.SocketDir, ReadOnly: true}},
+			Mounts: []*pluginapi.Mount{{ContainerPath: contract.ContainerSocketDir, HostPath: p.o.SocketDir, ReadOnly: true}},
 		})
 	}
 	if len(created) > 0 {

@@ -1,4 +1,4 @@
-package standalone
+package agent
 
 import (
 	"os"
@@ -87,13 +87,5 @@ func TestCheckSocketDir(t *testing.T) {
 		if err := CheckSocketDir(other); err == nil || !strings.Contains(err.Error(), "is owned by uid 65534") {
 			t.Errorf("directory of another user: %v", err)
 		}
-	}
-	// Start refuses it before listening.
-	if _, err := Start(Config{GPUs: 1, ChunksPerGPU: 1, ChunkBytes: 2 << 20, Socket: filepath.Join(world, "kvpool.sock")}); err == nil ||
-		!strings.Contains(err.Error(), "group or others may write it") {
-		t.Errorf("Start in a world-writable directory: %v", err)
-	}
-	if _, err := os.Stat(filepath.Join(world, "kvpool.sock")); !os.IsNotExist(err) {
-		t.Errorf("socket created in the refused directory: %v", err)
 	}
 }
