@@ -31,8 +31,7 @@ import (
 
 	"github.com/kvpool/kvpool/pkg/contract"
 	"github.com/kvpool/kvpool/pkg/cudart"
-	"github.com/kvpool/kvpool/pkg/hostmem"
-	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/poolerr"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
 
@@ -124,7 +123,7 @@ var ErrDisconnected = errors.New("kvpool: connection to the agent lost")
 var ErrProtocol = errors.New("kvpool: protocol violation by the agent")
 
 // Error is a request the agent refused. errors.Is matches it against the
-// pool's sentinel errors (pool.ErrUnknownStream, ...), whose meaning it has.
+// pool's sentinel errors (poolerr.ErrUnknownStream, ..., which pool re-exports), whose meaning it has.
 type Error struct {
 	Op      wire.Op
 	Status  wire.Status
@@ -148,18 +147,18 @@ var statusErrs = []struct {
 	st  wire.Status
 	err error
 }{
-	{wire.StatusUnknownStream, pool.ErrUnknownStream},
-	{wire.StatusDuplicateStream, pool.ErrDuplicateStream},
-	{wire.StatusPageCount, pool.ErrPageCount},
-	{wire.StatusOutOfRange, pool.ErrOutOfRange},
-	{wire.StatusDuplicateIndex, pool.ErrDuplicateIndex},
-	{wire.StatusBadName, pool.ErrBadName},
-	{wire.StatusBadSize, pool.ErrBadSize},
-	{wire.StatusBadFence, pool.ErrBadFence},
-	{wire.StatusClosed, pool.ErrClosed},
-	{wire.StatusNoCapacity, pool.ErrNoCapacity},
-	{wire.StatusPending, pool.ErrPending},
-	{wire.StatusNoGPUChunks, pool.ErrNoGPUChunks},
+	{wire.StatusUnknownStream, poolerr.ErrUnknownStream},
+	{wire.StatusDuplicateStream, poolerr.ErrDuplicateStream},
+	{wire.StatusPageCount, poolerr.ErrPageCount},
+	{wire.StatusOutOfRange, poolerr.ErrOutOfRange},
+	{wire.StatusDuplicateIndex, poolerr.ErrDuplicateIndex},
+	{wire.StatusBadName, poolerr.ErrBadName},
+	{wire.StatusBadSize, poolerr.ErrBadSize},
+	{wire.StatusBadFence, poolerr.ErrBadFence},
+	{wire.StatusClosed, poolerr.ErrClosed},
+	{wire.StatusNoCapacity, poolerr.ErrNoCapacity},
+	{wire.StatusPending, poolerr.ErrPending},
+	{wire.StatusNoGPUChunks, poolerr.ErrNoGPUChunks},
 	{wire.StatusUnknownGPU, ErrUnknownGPU},
 }
 
@@ -464,7 +463,7 @@ func (p *CPUPagePool) adopt(rep *wire.OpenReply, files []*os.File) error {
 	if !same {
 		p.unmapChunks()
 		for i, c := range rep.Chunks {
-			mem, err := hostmem.Map(files[i], int64(c.Size))
+			mem, err := mapChunk(files[i], int64(c.Size))
 			if err != nil {
 				p.unmapChunks()
 				return fmt.Errorf("kvpool: map chunk %s: %w", c.Id, err)
