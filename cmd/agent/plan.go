@@ -66,7 +66,7 @@ func plan(ctx context.Context, args []string, out io.Writer, getenv func(string)
 	if fs.NArg() > 0 {
 		return fmt.Errorf("unexpected arguments %q", fs.Args())
 	}
-	cfg, err := config.Load("", getenv, fs)
+	cfg, _, err := config.Load("", getenv, fs)
 	if err != nil {
 		return err
 	}

@@ -424,11 +424,13 @@ func TestResolveServe(t *testing.T) {
 		{"unknown flag", []string{"--bogus"}, nil, "flag provided but not defined"},
 		{"extra argument", []string{"--standalone", "x"}, nil, `unexpected arguments ["x"]`},
 		{"socket in cluster mode", []string{"--socket", "/tmp/a.sock"}, nil, "--socket applies only with --standalone"},
-		{"token in cluster mode", []string{"--token", "t"}, nil, "--token applies only with --standalone"},
+		{"--token is gone", []string{"--standalone", "--token", "t"}, nil, "flag provided but not defined: -token"},
+		{"--gpus is gone", []string{"--standalone", "--gpus", "2"}, nil, "flag provided but not defined: -gpus"},
+		{"simulated GPUs in standalone mode", []string{"--standalone", "--simulate-gpus", "2"}, nil, "--simulate-gpus applies only in cluster mode; standalone GPUs are standalone.gpus"},
 		{"negative simulated GPUs", []string{"--simulate-gpus", "-1"}, nil, "--simulate-gpus -1"},
-		{"too many GPUs", []string{"--standalone", "--gpus", "65"}, nil, "--gpus 65"},
+		{"too many GPUs", []string{"--standalone", "--standalone-gpus", "65"}, nil, "standalone.gpus"},
 		{"chunk size out of range", []string{"--standalone", "--chunk-mib", "-4"}, nil, "--chunk-mib -4"},
-		{"empty token", []string{"--standalone", "--token", " "}, nil, "empty token"},
+		{"empty token", []string{"--standalone", "--standalone-tokens", "a,,b"}, nil, "standalone.tokens[1]: is empty"},
 		{"plugin socket name", []string{"--standalone", "--device-plugin", "--socket", "/tmp/x/other.sock"}, nil, "must be <socketDir>/kvpool.sock"},
 		{"missing file", []string{"--config", filepath.Join(dir, "none.yaml")}, nil, "no such file"},
 		{"invalid file", []string{"--config", bad}, nil, "socketDir"},
@@ -464,13 +466,13 @@ func TestResolveServe(t *testing.T) {
 		t.Errorf("standalone over a file: random %v tokens %v socket %s metrics %s health %s", s.randomToken,
 			s.cfg.Standalone.Tokens, s.socket, s.cfg.Metrics.Address, s.cfg.Health.Address)
 	}
-	s, err = resolveServe([]string{"--standalone", "--socket", "/tmp/q/x.sock", "--token", "t1", "--token", "t2", "--chunk-mib", "4"}, env(nil))
+	s, err = resolveServe([]string{"--standalone", "--socket", "/tmp/q/x.sock", "--standalone-tokens", "t1,t2", "--chunk-mib", "4"}, env(nil))
 	if err != nil {
 		t.Fatal(err)
 	}
 	if s.socket != "/tmp/q/x.sock" || s.cfg.SocketDir != "/tmp/q" || strings.Join(s.cfg.Standalone.Tokens, ",") != "t1,t2" ||
 		s.flags.chunkMiB != 4 || s.flags.chunksPerGPU != 4 {
-		t.Errorf("old standalone flags: socket %s dir %s tokens %v layout %d x %d MiB", s.socket, s.cfg.SocketDir,
+		t.Errorf("socket path and fixed layout: socket %s dir %s tokens %v layout %d x %d MiB", s.socket, s.cfg.SocketDir,
 			s.cfg.Standalone.Tokens, s.flags.chunksPerGPU, s.flags.chunkMiB)
 	}
 	s, err = resolveServe([]string{"--standalone", "--pool-bytes", "64Mi", "--chunk-bytes", "8Mi"}, env(nil))

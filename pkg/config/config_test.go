@@ -289,9 +289,36 @@ func TestLoadPrecedence(t *testing.T) {
 		"KVPOOL_UNRELATED":         "ignored",
 	})
 	fs := flags(t, "--config", file, "--log-level", "error", "--max-per-gpu=16Gi", "--reclaim-interval", "1m")
-	c, err := Load("", e, fs)
+	c, src, err := Load("", e, fs)
 	if err != nil {
 		t.Fatal(err)
+	}
+	// Where each value came from: the strongest source that set it.
+	for field, from := range map[string]Source{
+		"sizing.poolBytes":    FromFile,
+		"sizing.chunkBytes":   FromFile,
+		"log.format":          FromFile,
+		"sizing.split":        FromEnv,
+		"sizing.reserveBytes": FromEnv,
+		"standalone.tokens":   FromEnv,
+		"log.level":           FromFlag,
+		"sizing.maxPerGPU":    FromFlag,
+		"reclaim.interval":    FromFlag,
+		"sizing.fraction":     FromDefault,
+		"socketDir":           FromDefault,
+		"metrics.address":     FromDefault,
+	} {
+		if got := src.Of(field); got != from {
+			t.Errorf("%s came from %s, want %s", field, got, from)
+		}
+		if src.Explicit(field) != (from != FromDefault) {
+			t.Errorf("%s: Explicit = %v, source %s", field, src.Explicit(field), from)
+		}
+	}
+	// Besides those: apiVersion, kind and the sections sizing and log
+	// of the file.
+	if len(src) != 13 || src["apiVersion"] != FromFile || src["log"] != FromFile {
+		t.Errorf("sources %v: want the 9 fields set, the file's apiVersion and kind and its sections", src)
 	}
 	want := Default()
 	want.Sizing.PoolBytes = 64 * GiB   // file
@@ -326,7 +353,7 @@ func TestLoadFindsFile(t *testing.T) {
 		{"path over flag", a, nil, []string{"--config=" + b}, "memory", "text"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			got, err := Load(c.path, env(c.env), flags(t, c.args...))
+			got, _, err := Load(c.path, env(c.env), flags(t, c.args...))
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -336,9 +363,9 @@ func TestLoadFindsFile(t *testing.T) {
 		})
 	}
 	// Nil env and nil flags: defaults.
-	got, err := Load("", nil, nil)
-	if err != nil || !reflect.DeepEqual(*got, Default()) {
-		t.Errorf("Load with no sources = %+v, %v", got, err)
+	got, src, err := Load("", nil, nil)
+	if err != nil || !reflect.DeepEqual(*got, Default()) || len(src) != 0 {
+		t.Errorf("Load with no sources = %+v, %v, %v", got, src, err)
 	}
 }
 
@@ -366,12 +393,12 @@ func TestLoadErrors(t *testing.T) {
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
-			got, err := Load(c.path, env(c.env), flags(t, c.args...))
+			got, src, err := Load(c.path, env(c.env), flags(t, c.args...))
 			if err == nil {
 				t.Fatalf("Load accepted it: %+v", got)
 			}
-			if got != nil {
-				t.Error("Load returned a config with the error")
+			if got != nil || src != nil {
+				t.Error("Load returned a config or sources with the error")
 			}
 			if !strings.Contains(err.Error(), c.want) {
 				t.Errorf("error %q does not contain %q", err, c.want)

@@ -152,8 +152,8 @@ func TestAgentAndClientsAcrossProcesses(t *testing.T) {
 	agentBin, clientBin := build(t, dir)
 	sock := filepath.Join(dir, "sock", "kvpool.sock")
 	const token = "e2e-token"
-	agent := start(t, agentBin, "--standalone", "--socket", sock, "--gpus", "3", "--chunks-per-gpu", "1",
-		"--chunk-mib", "4", "--token", token)
+	agent := start(t, agentBin, "--standalone", "--socket", sock, "--standalone-gpus", "3", "--chunks-per-gpu", "1",
+		"--chunk-mib", "4", "--standalone-tokens", token)
 	waitSocket(t, sock)
 
 	client := func(gpu int, extra ...string) *proc {
