@@ -324,7 +324,9 @@ func Boot(parent context.Context, o Options) (_ *Agent, err error) {
 	go func() { a.serveDone <- a.srv.Serve(ctx, a.ln) }()
 
 	a.addHealthChecks(ctx)
-	if err := a.obs.start(ctx, cfg.Metrics.Address, cfg.Health.Address); err != nil {
+	if cfg.Metrics.Address == "" && cfg.Health.Address == "" {
+		log.Info("metrics and health servers off (empty addresses)")
+	} else if err := a.obs.start(ctx, cfg.Metrics.Address, cfg.Health.Address); err != nil {
 		return nil, err
 	}
 	if a.plug != nil {
