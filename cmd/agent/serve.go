@@ -176,6 +176,7 @@ func runServe(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
+	log.Info("configuration", "setFrom", s.src.String())
 	return agent.Run(ctx, s.options(log))
 }
 

@@ -315,6 +315,9 @@ func TestLoadPrecedence(t *testing.T) {
 			t.Errorf("%s: Explicit = %v, source %s", field, src.Explicit(field), from)
 		}
 	}
+	if got, want := (Sources{"sizing.split": FromEnv, "log.level": FromFlag, "sizing": FromFile}).String(), "log.level=flag,sizing=file,sizing.split=env"; got != want {
+		t.Errorf("Sources.String = %q, want %q", got, want)
+	}
 	// Besides those: apiVersion, kind and the sections sizing and log
 	// of the file.
 	if len(src) != 13 || src["apiVersion"] != FromFile || src["log"] != FromFile {

@@ -183,6 +183,20 @@ func (s Sources) Of(field string) Source {
 	return FromDefault
 }
 
+// String lists the fields not left at their default, sorted, as
+// "field=source" separated by commas ("log.level=flag,sizing.split=env").
+func (s Sources) String() string {
+	fields := make([]string, 0, len(s))
+	for f := range s {
+		fields = append(fields, f)
+	}
+	sort.Strings(fields)
+	for i, f := range fields {
+		fields[i] = f + "=" + string(s[f])
+	}
+	return strings.Join(fields, ",")
+}
+
 // Explicit reports whether field was set by the file, the environment or a
 // flag rather than left at its default.
 func (s Sources) Explicit(field string) bool { return s.Of(field) != FromDefault }
