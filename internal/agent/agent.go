@@ -88,10 +88,12 @@ func (x *Agent) Socket() string { return x.a.socket }
 // plugin handing out tokens).
 func (x *Agent) Tokens() map[string][]string { return x.a.tokenChunks }
 
-// MetricsAddr and HealthAddr are the bound observability addresses; nil
-// when off.
+// MetricsAddr is the bound metrics address; nil when off.
 func (x *Agent) MetricsAddr() net.Addr { return x.a.obs.metricsAddr }
-func (x *Agent) HealthAddr() net.Addr  { return x.a.obs.healthAddr }
+
+// HealthAddr is the bound health address (/livez, /readyz, /status); nil
+// when off.
+func (x *Agent) HealthAddr() net.Addr { return x.a.obs.healthAddr }
 
 // Wait serves until ctx ends, then shuts down: the server stops accepting
 // and closes its connections, the plugin unregisters, the allocation stops,

@@ -16,6 +16,7 @@ import (
 	"github.com/kvpool/kvpool/pkg/config"
 	"github.com/kvpool/kvpool/pkg/gpu"
 	"github.com/kvpool/kvpool/pkg/node"
+	"github.com/kvpool/kvpool/pkg/server"
 	"github.com/kvpool/kvpool/pkg/sizing"
 )
 
@@ -105,5 +106,32 @@ func TestStandaloneTokensNeedChunks(t *testing.T) {
 		if a.static != nil {
 			t.Errorf("%q: tokens kept after an error", c.tokens)
 		}
+	}
+}
+
+func TestBootNeedsConfig(t *testing.T) {
+	if a, err := Boot(context.Background(), Options{}); err == nil || a != nil || !strings.Contains(err.Error(), "no configuration") {
+		t.Fatalf("Boot without a configuration: %v, %v", a, err)
+	}
+}
+
+// The hooks an embedder passes are called after the agent's own, and a
+// missing hook on either side is no call.
+func TestChainHooks(t *testing.T) {
+	var calls []string
+	own := server.Hooks{Request: func(server.Request) { calls = append(calls, "own request") },
+		Refused: func(r string) { calls = append(calls, "own refused "+r) }}
+	extra := server.Hooks{Request: func(server.Request) { calls = append(calls, "extra request") }}
+	h := chainHooks(own, extra)
+	h.Request(server.Request{})
+	h.Refused("limit")
+	if got := strings.Join(calls, "; "); got != "own request; extra request; own refused limit" {
+		t.Errorf("calls: %s", got)
+	}
+	calls = nil
+	h = chainHooks(server.Hooks{}, extra)
+	h.Request(server.Request{})
+	if h.Refused != nil || strings.Join(calls, "; ") != "extra request" {
+		t.Errorf("chain onto empty hooks: refused %v, calls %v", h.Refused != nil, calls)
 	}
 }
