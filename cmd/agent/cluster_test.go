@@ -14,7 +14,7 @@ import (
 	"google.golang.org/grpc/status"
 	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 
-	"github.com/kvpool/kvpool/pkg/plugin"
+	"github.com/kvpool/kvpool/pkg/contract"
 	"github.com/kvpool/kvpool/pkg/plugin/kubelettest"
 )
 
@@ -90,7 +90,7 @@ func TestStandaloneAgentWithDevicePlugin(t *testing.T) {
 
 	agent := startAgent(t, args...)
 	reg := k.WaitRegister(20 * time.Second)
-	if reg.ResourceName != plugin.DefaultResourceName {
+	if reg.ResourceName != contract.DefaultResourceName {
 		t.Errorf("registered %q", reg.ResourceName)
 	}
 	k.WaitList(func(l []*pluginapi.Device) bool {
@@ -106,8 +106,8 @@ func TestStandaloneAgentWithDevicePlugin(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	token := resp.Envs[plugin.EnvToken]
-	if resp.Envs[plugin.EnvSocket] != "/var/run/kvpool/kvpool.sock" || len(token) < 22 ||
+	token := resp.Envs[contract.EnvToken]
+	if resp.Envs[contract.EnvSocket] != "/var/run/kvpool/kvpool.sock" || len(token) < 22 ||
 		resp.Mounts[0].HostPath != filepath.Join(root, "sock") || resp.Mounts[0].ContainerPath != "/var/run/kvpool" {
 		t.Fatalf("allocate response %v", resp)
 	}
@@ -126,10 +126,10 @@ func TestStandaloneAgentWithDevicePlugin(t *testing.T) {
 	k.WaitRegister(20 * time.Second)
 	k.WaitList(func(l []*pluginapi.Device) bool { return len(l) == 8 })
 	resp, err = allocate(t, k, ids[1], ids[0])
-	if err != nil || resp.Envs[plugin.EnvToken] != token {
-		t.Fatalf("allocate after the agent restarted: %v (same token: %v)", err, err == nil && resp.Envs[plugin.EnvToken] == token)
+	if err != nil || resp.Envs[contract.EnvToken] != token {
+		t.Fatalf("allocate after the agent restarted: %v (same token: %v)", err, err == nil && resp.Envs[contract.EnvToken] == token)
 	}
-	prs.SetPods(map[string]map[string][]string{"x": {plugin.DefaultResourceName: ids}})
+	prs.SetPods(map[string]map[string][]string{"x": {contract.DefaultResourceName: ids}})
 	if _, err := allocate(t, k, "gpu1-numa0-1", "gpu1-numa0-2"); status.Code(err) != codes.FailedPrecondition || !strings.Contains(err.Error(), "default/x") {
 		t.Errorf("allocate of a chunk a listed pod holds: %v", err)
 	}

@@ -1,44 +1,12 @@
 package main
 
 import (
-	"context"
-	"io"
-	"log/slog"
 	"net"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 )
-
-// A fatal error of the socket server (here: its listener closed under it)
-// ends the agent with that error instead of leaving a process that serves
-// nothing: wait returns it, everything stopped.
-func TestFatalServerErrorEndsAgent(t *testing.T) {
-	dir := t.TempDir()
-	s, err := resolveServe([]string{"--standalone", "--socket", filepath.Join(dir, "sock", "kvpool.sock"),
-		"--state-dir", filepath.Join(dir, "state"), "--chunks-per-gpu", "1", "--chunk-mib", "2"}, func(string) string { return "" })
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	a, err := bootAgent(ctx, s, slog.New(slog.NewTextHandler(io.Discard, nil)))
-	if err != nil {
-		t.Fatal(err)
-	}
-	a.ln.Close()
-	done := make(chan error, 1)
-	go func() { done <- a.wait(ctx) }()
-	select {
-	case err := <-done:
-		if err == nil || !strings.Contains(err.Error(), "socket server stopped") {
-			t.Fatalf("wait after a fatal server error: %v", err)
-		}
-	case <-time.After(20 * time.Second):
-		t.Fatal("the agent hung after its socket server stopped")
-	}
-}
 
 // A metrics or health address already taken at start ends the agent at
 // once, non-zero, with the reason on stderr (it used to hang until

@@ -1,7 +1,12 @@
 // Command agent is the kvpool node agent.
 //
 //	agent [serve] [flags]   serve the pool (--standalone: no kubelet, simulated GPUs)
-//	agent bench [flags]     run a verified workload against an agent and report figures
+//	agent plan [flags]      print the pool the agent would allocate
+//	agent status [flags]    print a running agent's pools, sessions and errors
+//	agent keeper [flags]    hold the pool's memory across agent restarts
+//
+// The agent itself is internal/agent; this package parses flags, loads the
+// configuration and picks the subcommand.
 //
 // Other subcommands live in their own files as run<Name>(ctx, args).
 package main
@@ -16,13 +21,14 @@ import (
 	"sort"
 	"strings"
 	"syscall"
+
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
 )
 
 // commands maps a subcommand to its entry point. Add one line per
 // subcommand; its code goes in cmd/agent/<name>.go.
 var commands = map[string]func(ctx context.Context, args []string) error{
 	"serve":  runServe,
-	"bench":  runBench,
 	"plan":   runPlan,
 	"status": runStatus,
 	"keeper": runKeeper,
@@ -56,7 +62,8 @@ func main() {
 	}
 }
 
-func hostname() string {
-	h, _ := os.Hostname()
-	return h
-}
+// version is the agent's version, set at link time (-X main.version=...).
+var version = "dev"
+
+// nvmlLib is the NVML binding GPU discovery uses; tests replace it.
+var nvmlLib = func() nvml.Interface { return nvml.New() }

@@ -15,15 +15,13 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 
+	"github.com/kvpool/kvpool/internal/agent"
 	"github.com/kvpool/kvpool/pkg/config"
 	"github.com/kvpool/kvpool/pkg/gpu"
 	"github.com/kvpool/kvpool/pkg/node"
 	"github.com/kvpool/kvpool/pkg/node/kubenode"
 	"github.com/kvpool/kvpool/pkg/sizing"
 )
-
-// simulatedGPUMemory is the device memory of a simulated GPU (an H100's).
-const simulatedGPUMemory = 80 << 30
 
 // runPlan is `agent plan`: discover the node and its GPUs, apply the sizing
 // policy and print the plan, allocating nothing.
@@ -68,7 +66,7 @@ func plan(ctx context.Context, args []string, out io.Writer, getenv func(string)
 	if fs.NArg() > 0 {
 		return fmt.Errorf("unexpected arguments %q", fs.Args())
 	}
-	cfg, err := config.Load("", getenv, fs)
+	cfg, _, err := config.Load("", getenv, fs)
 	if err != nil {
 		return err
 	}
@@ -87,7 +85,7 @@ func plan(ctx context.Context, args []string, out io.Writer, getenv func(string)
 		for _, n := range info.NUMANodes {
 			numa = append(numa, n.ID)
 		}
-		devs = gpu.Simulated(cfg.Standalone.GPUs, simulatedGPUMemory, numa)
+		devs = gpu.Simulated(cfg.Standalone.GPUs, agent.SimulatedGPUMemory, numa)
 		rep.GPUs = fmt.Sprintf("simulated (%d; no NVML on this node)", len(devs))
 	case errors.Is(err, gpu.ErrNoNVML):
 		return fmt.Errorf("%w\n(use --standalone to plan for %d simulated GPUs)", err, cfg.Standalone.GPUs)

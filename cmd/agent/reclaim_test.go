@@ -20,9 +20,8 @@ import (
 	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 
 	"github.com/kvpool/kvpool/pkg/client"
-	"github.com/kvpool/kvpool/pkg/config"
+	"github.com/kvpool/kvpool/pkg/contract"
 	"github.com/kvpool/kvpool/pkg/cudart"
-	"github.com/kvpool/kvpool/pkg/plugin"
 	"github.com/kvpool/kvpool/pkg/plugin/kubelettest"
 	"github.com/kvpool/kvpool/pkg/sizing"
 	"github.com/kvpool/kvpool/pkg/wire"
@@ -214,8 +213,8 @@ func TestReclaimRenewsChunksAgainstHostileTenant(t *testing.T) {
 	if len(ids) != 2 {
 		t.Fatal("no plan for GPU 1 in the log")
 	}
-	hostSock := filepath.Join(sockDir, plugin.SocketName)
-	res := config.DefaultResourceName
+	hostSock := filepath.Join(sockDir, contract.SocketFile)
+	res := contract.DefaultResourceName
 
 	respA, err := allocate(t, k, ids...)
 	if err != nil {
@@ -223,7 +222,7 @@ func TestReclaimRenewsChunksAgainstHostileTenant(t *testing.T) {
 	}
 	prs.SetPods(map[string]map[string][]string{"a": {res: ids}})
 	a.log.wait(t, "allocation held by pod", map[string]any{"pod": "default/a"})
-	tenantA, opened := startTenant(t, hostSock, respA.Envs[plugin.EnvToken])
+	tenantA, opened := startTenant(t, hostSock, respA.Envs[contract.EnvToken])
 	if opened != "open 2 EPERM,EPERM,EPERM,EPERM,EPERM,EPERM" {
 		t.Fatalf("tenant A: %q (want 2 chunks, every shrink and growth refused)", opened)
 	}
@@ -259,11 +258,11 @@ func TestReclaimRenewsChunksAgainstHostileTenant(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if respB.Envs[plugin.EnvToken] == respA.Envs[plugin.EnvToken] {
+	if respB.Envs[contract.EnvToken] == respA.Envs[contract.EnvToken] {
 		t.Fatal("pod b got pod a's token")
 	}
 	prs.SetPods(map[string]map[string][]string{"b": {res: ids}})
-	tenantB, opened := startTenant(t, hostSock, respB.Envs[plugin.EnvToken])
+	tenantB, opened := startTenant(t, hostSock, respB.Envs[contract.EnvToken])
 	if !strings.HasPrefix(opened, "open 2 ") {
 		t.Fatalf("tenant B: %q", opened)
 	}
@@ -280,7 +279,7 @@ func TestReclaimRenewsChunksAgainstHostileTenant(t *testing.T) {
 	}
 
 	// Old tokens are dead.
-	if _, opened := startTenant(t, hostSock, respA.Envs[plugin.EnvToken]); !strings.Contains(opened, "unauthorized") {
+	if _, opened := startTenant(t, hostSock, respA.Envs[contract.EnvToken]); !strings.Contains(opened, "unauthorized") {
 		t.Errorf("tenant A's old token: %q, want unauthorized", opened)
 	}
 	mresp, err := http.Get("http://" + metricsAddr + "/metrics")
@@ -337,8 +336,8 @@ func TestClusterModeTokenBoundToPod(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	prs.SetPods(map[string]map[string][]string{"a": {config.DefaultResourceName: ids}})
-	_, opened := startTenant(t, filepath.Join(sockDir, plugin.SocketName), resp.Envs[plugin.EnvToken])
+	prs.SetPods(map[string]map[string][]string{"a": {contract.DefaultResourceName: ids}})
+	_, opened := startTenant(t, filepath.Join(sockDir, contract.SocketFile), resp.Envs[contract.EnvToken])
 	if !strings.Contains(opened, "unauthorized") {
 		t.Errorf("tenant outside any pod: %q, want unauthorized", opened)
 	}

@@ -19,14 +19,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/NVIDIA/go-nvml/pkg/nvml"
-	nvmlmock "github.com/NVIDIA/go-nvml/pkg/nvml/mock"
 	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 
 	"github.com/kvpool/kvpool/pkg/config"
-	"github.com/kvpool/kvpool/pkg/gpu"
-	"github.com/kvpool/kvpool/pkg/node"
-	"github.com/kvpool/kvpool/pkg/plugin"
+	"github.com/kvpool/kvpool/pkg/contract"
 	"github.com/kvpool/kvpool/pkg/plugin/kubelettest"
 	"github.com/kvpool/kvpool/pkg/sizing"
 	"github.com/kvpool/kvpool/pkg/standalone"
@@ -265,7 +261,7 @@ func TestClusterModeAllocateAndClient(t *testing.T) {
 		"--metrics-address", "127.0.0.1:0", "--health-address", "127.0.0.1:0",
 		"--reclaim-interval", "100ms", "--reclaim-grace-period", "1h", "--token-binding", "none")
 	reg := k.WaitRegister(20 * time.Second)
-	if reg.ResourceName != config.DefaultResourceName {
+	if reg.ResourceName != contract.DefaultResourceName {
 		t.Errorf("registered %q", reg.ResourceName)
 	}
 	k.WaitList(func(l []*pluginapi.Device) bool {
@@ -302,12 +298,12 @@ func TestClusterModeAllocateAndClient(t *testing.T) {
 		t.Fatalf("allocate mounts %v", resp.Mounts)
 	}
 	m := resp.Mounts[0]
-	cSock := resp.Envs[plugin.EnvSocket]
+	cSock := resp.Envs[contract.EnvSocket]
 	if m.HostPath != sockDir || !strings.HasPrefix(cSock, m.ContainerPath+"/") {
-		t.Fatalf("allocate response: mount %v, %s=%s", m, plugin.EnvSocket, cSock)
+		t.Fatalf("allocate response: mount %v, %s=%s", m, contract.EnvSocket, cSock)
 	}
 	hostSock := filepath.Join(m.HostPath, strings.TrimPrefix(cSock, m.ContainerPath))
-	token := resp.Envs[plugin.EnvToken]
+	token := resp.Envs[contract.EnvToken]
 
 	out, err := kvclient(t, []string{"KVPOOL_SOCKET=" + hostSock, "KVPOOL_TOKEN=" + token, "KVCLIENT_GPU=1"}, "-ops", "300", "-max-pages", "64")
 	if err != nil {
@@ -316,7 +312,7 @@ func TestClusterModeAllocateAndClient(t *testing.T) {
 	if !strings.Contains(out, "kvclient result") {
 		t.Errorf("kvclient printed no result:\n%s", out)
 	}
-	out, err = kvclient(t, []string{"KVPOOL_SOCKET=" + hostSock, "KVPOOL_TOKEN=" + standalone.NewToken(), "KVCLIENT_GPU=1"}, "-ops", "10")
+	out, err = kvclient(t, []string{"KVPOOL_SOCKET=" + hostSock, "KVPOOL_TOKEN=" + contract.NewToken(), "KVCLIENT_GPU=1"}, "-ops", "10")
 	if err == nil || !strings.Contains(out, "unauthorized") {
 		t.Errorf("kvclient with a wrong token: %v (want exit 1 saying unauthorized)\n%s", err, out)
 	}
@@ -385,7 +381,7 @@ standalone:
 	if l := a.log.find("kvpool agent serving", map[string]any{"mode": "standalone", "gpus": float64(2), "chunks": float64(8), "chunk": "16Mi"}); l == nil {
 		t.Errorf("agent did not serve 2 GPUs x 4 chunks of 16Mi")
 	}
-	sock := filepath.Join(sockDir, config.SocketFile)
+	sock := filepath.Join(sockDir, contract.SocketFile)
 	if a.log.find("kvpool agent serving", map[string]any{"socket": sock}) == nil {
 		t.Errorf("socket is not %s", sock)
 	}
@@ -428,11 +424,13 @@ func TestResolveServe(t *testing.T) {
 		{"unknown flag", []string{"--bogus"}, nil, "flag provided but not defined"},
 		{"extra argument", []string{"--standalone", "x"}, nil, `unexpected arguments ["x"]`},
 		{"socket in cluster mode", []string{"--socket", "/tmp/a.sock"}, nil, "--socket applies only with --standalone"},
-		{"token in cluster mode", []string{"--token", "t"}, nil, "--token applies only with --standalone"},
+		{"--token is gone", []string{"--standalone", "--token", "t"}, nil, "flag provided but not defined: -token"},
+		{"--gpus is gone", []string{"--standalone", "--gpus", "2"}, nil, "flag provided but not defined: -gpus"},
+		{"simulated GPUs in standalone mode", []string{"--standalone", "--simulate-gpus", "2"}, nil, "--simulate-gpus applies only in cluster mode; standalone GPUs are standalone.gpus"},
 		{"negative simulated GPUs", []string{"--simulate-gpus", "-1"}, nil, "--simulate-gpus -1"},
-		{"too many GPUs", []string{"--standalone", "--gpus", "65"}, nil, "--gpus 65"},
+		{"too many GPUs", []string{"--standalone", "--standalone-gpus", "65"}, nil, "standalone.gpus"},
 		{"chunk size out of range", []string{"--standalone", "--chunk-mib", "-4"}, nil, "--chunk-mib -4"},
-		{"empty token", []string{"--standalone", "--token", " "}, nil, "empty token"},
+		{"empty token", []string{"--standalone", "--standalone-tokens", "a,,b"}, nil, "standalone.tokens[1]: is empty"},
 		{"plugin socket name", []string{"--standalone", "--device-plugin", "--socket", "/tmp/x/other.sock"}, nil, "must be <socketDir>/kvpool.sock"},
 		{"missing file", []string{"--config", filepath.Join(dir, "none.yaml")}, nil, "no such file"},
 		{"invalid file", []string{"--config", bad}, nil, "socketDir"},
@@ -468,13 +466,13 @@ func TestResolveServe(t *testing.T) {
 		t.Errorf("standalone over a file: random %v tokens %v socket %s metrics %s health %s", s.randomToken,
 			s.cfg.Standalone.Tokens, s.socket, s.cfg.Metrics.Address, s.cfg.Health.Address)
 	}
-	s, err = resolveServe([]string{"--standalone", "--socket", "/tmp/q/x.sock", "--token", "t1", "--token", "t2", "--chunk-mib", "4"}, env(nil))
+	s, err = resolveServe([]string{"--standalone", "--socket", "/tmp/q/x.sock", "--standalone-tokens", "t1,t2", "--chunk-mib", "4"}, env(nil))
 	if err != nil {
 		t.Fatal(err)
 	}
 	if s.socket != "/tmp/q/x.sock" || s.cfg.SocketDir != "/tmp/q" || strings.Join(s.cfg.Standalone.Tokens, ",") != "t1,t2" ||
 		s.flags.chunkMiB != 4 || s.flags.chunksPerGPU != 4 {
-		t.Errorf("old standalone flags: socket %s dir %s tokens %v layout %d x %d MiB", s.socket, s.cfg.SocketDir,
+		t.Errorf("socket path and fixed layout: socket %s dir %s tokens %v layout %d x %d MiB", s.socket, s.cfg.SocketDir,
 			s.cfg.Standalone.Tokens, s.flags.chunksPerGPU, s.flags.chunkMiB)
 	}
 	s, err = resolveServe([]string{"--standalone", "--pool-bytes", "64Mi", "--chunk-bytes", "8Mi"}, env(nil))
@@ -497,69 +495,6 @@ func TestResolveServe(t *testing.T) {
 	}
 	if s.socket != "/var/lib/kvpool/sock/kvpool.sock" || s.cfg.Metrics.Address != ":9464" || s.cfg.Health.Address != ":8081" {
 		t.Errorf("cluster defaults: socket %s metrics %s health %s", s.socket, s.cfg.Metrics.Address, s.cfg.Health.Address)
-	}
-}
-
-// Cluster mode on a node without the NVIDIA library fails saying what to
-// do; a driver error is passed on.
-func TestClusterGPUDiscovery(t *testing.T) {
-	info := &node.Info{NUMANodes: []node.NUMANode{{ID: 0}}}
-	for _, c := range []struct {
-		name string
-		ret  nvml.Return
-		sim  int
-		want string
-		n    int
-	}{
-		{"no library", nvml.ERROR_LIBRARY_NOT_FOUND, 0, "--simulate-gpus N", 0},
-		{"simulated", nvml.ERROR_LIBRARY_NOT_FOUND, 3, "", 3},
-		{"driver failure", nvml.ERROR_DRIVER_NOT_LOADED, 0, "", 0},
-	} {
-		t.Run(c.name, func(t *testing.T) {
-			old := nvmlLib
-			defer func() { nvmlLib = old }()
-			nvmlLib = func() nvml.Interface {
-				return &nvmlmock.Interface{InitFunc: func() nvml.Return { return c.ret }}
-			}
-			a := &agent{setup: &serveSetup{flags: serveFlags{simulateGPUs: c.sim, root: "/"}}, cfg: &config.Config{}}
-			devs, _, err := a.gpus(info)
-			switch {
-			case c.n > 0:
-				if err != nil || len(devs) != c.n || !devs[0].Simulated {
-					t.Errorf("got %d devices, %v", len(devs), err)
-				}
-			case err == nil:
-				t.Errorf("no error")
-			case c.want != "" && !strings.Contains(err.Error(), c.want):
-				t.Errorf("err %v, want it to mention %q", err, c.want)
-			case c.want == "" && errors.Is(err, gpu.ErrNoNVML):
-				t.Errorf("a driver failure reported as a missing library: %v", err)
-			}
-		})
-	}
-}
-
-// More standalone tokens than chunks per GPU is refused before anything is
-// allocated.
-func TestStandaloneTokensNeedChunks(t *testing.T) {
-	plan := &sizing.Plan{GPUs: []sizing.GPUPlan{{GPU: 0, NUMA: -1, Chunks: 2}}}
-	for _, c := range []struct {
-		tokens []string
-		want   string
-	}{
-		{[]string{"a", "b", "c"}, "3 standalone tokens need at least as many chunks per GPU"},
-		{[]string{"a", "a"}, "distinct"},
-		{[]string{"a b"}, "without spaces"},
-	} {
-		cfg := config.Default()
-		cfg.Standalone.Tokens = c.tokens
-		a := &agent{cfg: &cfg, plan: plan, setup: &serveSetup{flags: serveFlags{standalone: true}}}
-		if err := a.prepareTokens(); err == nil || !strings.Contains(err.Error(), c.want) {
-			t.Errorf("%q: %v, want %q", c.tokens, err, c.want)
-		}
-		if a.static != nil {
-			t.Errorf("%q: tokens kept after an error", c.tokens)
-		}
 	}
 }
 

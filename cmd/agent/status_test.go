@@ -9,6 +9,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"os/exec"
 	"regexp"
@@ -59,18 +60,23 @@ func TestStatusTableAndJSON(t *testing.T) {
 	if _, err := s.Offload("req-1", "kv", []int32{0, 1, 2}, pool.Meta{}, nil); err != nil {
 		t.Fatal(err)
 	}
-	obs := newObservability(p, obsOptions{Node: "node-a", Mode: "standalone",
-		Targets: func() map[int]int64 { return map[int]int64{0: 256 << 20, 1: 64 << 20} }})
+	// The agent's /status (internal/agent observability.go), fed as the
+	// agent feeds it.
+	ring := status.NewRing(64)
+	rep := &status.Reporter{Pool: p, Errors: ring, Node: "node-a", Mode: "standalone", Started: time.Now(),
+		Targets:   func() map[int]int64 { return map[int]int64{0: 256 << 20, 1: 64 << 20} },
+		Readiness: func() (bool, string) { return true, "" }}
 	_, err = s.Reload("nope", "kv", []int32{3}, nil)
-	obs.Observer.Op(observe.Op{Name: observe.OpReload, GPU: 0, Session: "7", Allocation: "pod-uid-1", Err: err})
-	obs.Errors.Error("plugin", errors.New("ListAndWatch stream closed"))
+	ring.Op(observe.Op{Name: observe.OpReload, GPU: 0, Session: "7", Allocation: "pod-uid-1", Err: err})
+	ring.Error("plugin", errors.New("ListAndWatch stream closed"))
 
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	if err := obs.start(ctx, "127.0.0.1:0", "127.0.0.1:0"); err != nil {
-		t.Fatal(err)
-	}
-	addr := obs.healthAddr.String()
+	mux := http.NewServeMux()
+	mux.Handle("/status", rep)
+	srv := httptest.NewServer(mux)
+	defer srv.Close()
+	addr := strings.TrimPrefix(srv.URL, "http://")
 
 	var out bytes.Buffer
 	if err := statusCmd(ctx, []string{"--addr", addr}, &out); err != nil {
@@ -112,12 +118,12 @@ func TestStatusTableAndJSON(t *testing.T) {
 	if err := statusCmd(ctx, []string{"--addr", "http://" + addr + "/", "--json"}, &out); err != nil {
 		t.Fatal(err)
 	}
-	var rep status.Report
-	if err := json.Unmarshal(out.Bytes(), &rep); err != nil {
+	var got status.Report
+	if err := json.Unmarshal(out.Bytes(), &got); err != nil {
 		t.Fatalf("--json output is not a report: %v\n%s", err, out.String())
 	}
-	if rep.Node != "node-a" || len(rep.GPUs) != 2 || rep.GPUs[0].UsedBytes != 3<<20 || len(rep.Sessions) != 1 || rep.ErrorsTotal != 2 {
-		t.Errorf("json report %+v", rep)
+	if got.Node != "node-a" || len(got.GPUs) != 2 || got.GPUs[0].UsedBytes != 3<<20 || len(got.Sessions) != 1 || got.ErrorsTotal != 2 {
+		t.Errorf("json report %+v", got)
 	}
 }
 

@@ -21,7 +21,7 @@ import (
 	"time"
 
 	"github.com/kvpool/kvpool/internal/workload"
-	"github.com/kvpool/kvpool/pkg/client"
+	"github.com/kvpool/kvpool/pkg/contract"
 )
 
 func main() {
@@ -44,8 +44,8 @@ func envInt(name string, def int) int {
 func run(args []string) error {
 	fs := flag.NewFlagSet("kvclient", flag.ContinueOnError)
 	var cfg workload.Config
-	fs.StringVar(&cfg.Socket, "socket", os.Getenv(client.EnvSocket), "agent socket (default $KVPOOL_SOCKET, then "+client.DefaultSocket+")")
-	fs.StringVar(&cfg.Token, "token", os.Getenv(client.EnvToken), "allocation token (default $KVPOOL_TOKEN)")
+	fs.StringVar(&cfg.Socket, "socket", os.Getenv(contract.EnvSocket), "agent socket (default $KVPOOL_SOCKET, then "+contract.ContainerSocket+")")
+	fs.StringVar(&cfg.Token, "token", os.Getenv(contract.EnvToken), "allocation token (default $KVPOOL_TOKEN)")
 	fs.IntVar(&cfg.GPU, "gpu", envInt("KVCLIENT_GPU", -1), "simulated GPU of the session, named like the agent's simulated GPU of that index; -1: the first one the allocation has chunks of ($KVCLIENT_GPU)")
 	fs.IntVar(&cfg.DevicePages, "device-pages", 256, "pages of the simulated device KV cache")
 	page := fs.Int("page-bytes", 16<<10, "bytes per page in each of the K and V regions")

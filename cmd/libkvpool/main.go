@@ -37,7 +37,7 @@ import (
 
 	"github.com/kvpool/kvpool/pkg/client"
 	"github.com/kvpool/kvpool/pkg/cudart"
-	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/poolerr"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
 
@@ -114,7 +114,7 @@ func statusOf(err error) C.int {
 		return errDisconnected
 	case errors.Is(err, client.ErrProtocol):
 		return errProtocol
-	case errors.Is(err, pool.ErrUnknownStream):
+	case errors.Is(err, poolerr.ErrUnknownStream):
 		return errUnknownStream
 	case errors.As(err, &cu):
 		return errCUDA

@@ -16,7 +16,7 @@ import (
 
 	"github.com/kvpool/kvpool/pkg/client"
 	"github.com/kvpool/kvpool/pkg/cudart"
-	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/poolerr"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
 
@@ -153,7 +153,7 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 		if err == nil {
 			break
 		}
-		if cfg.GPU >= 0 || !errors.Is(err, pool.ErrNoGPUChunks) {
+		if cfg.GPU >= 0 || !errors.Is(err, poolerr.ErrNoGPUChunks) {
 			return nil, err
 		}
 	}

@@ -29,21 +29,11 @@ import (
 
 	"google.golang.org/protobuf/proto"
 
+	"github.com/kvpool/kvpool/pkg/contract"
 	"github.com/kvpool/kvpool/pkg/cudart"
-	"github.com/kvpool/kvpool/pkg/hostmem"
-	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/poolerr"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
-
-// Environment variables read when Options leave Socket or Token empty.
-const (
-	EnvSocket = "KVPOOL_SOCKET"
-	EnvToken  = "KVPOOL_TOKEN"
-)
-
-// DefaultSocket is the socket path inside a container that was allocated
-// kvpool chunks.
-const DefaultSocket = "/var/run/kvpool/kvpool.sock"
 
 // maxRegister is the most bytes registered with CUDA in one call.
 const maxRegister = 64 << 30
@@ -72,7 +62,7 @@ func layoutOf(regions []Region) cudart.Layout {
 
 // Options configure Open.
 type Options struct {
-	Socket  string        // default $KVPOOL_SOCKET, then DefaultSocket
+	Socket  string        // default $KVPOOL_SOCKET, then contract.ContainerSocket
 	Token   string        // default $KVPOOL_TOKEN
 	Device  cudart.Device // the GPU whose KV cache this pool serves
 	Regions []Region      // the device KV cache layout
@@ -133,7 +123,7 @@ var ErrDisconnected = errors.New("kvpool: connection to the agent lost")
 var ErrProtocol = errors.New("kvpool: protocol violation by the agent")
 
 // Error is a request the agent refused. errors.Is matches it against the
-// pool's sentinel errors (pool.ErrUnknownStream, ...), whose meaning it has.
+// pool's sentinel errors (poolerr.ErrUnknownStream, ..., which pool re-exports), whose meaning it has.
 type Error struct {
 	Op      wire.Op
 	Status  wire.Status
@@ -163,18 +153,18 @@ var statusErrs = []struct {
 	st  wire.Status
 	err error
 }{
-	{wire.StatusUnknownStream, pool.ErrUnknownStream},
-	{wire.StatusDuplicateStream, pool.ErrDuplicateStream},
-	{wire.StatusPageCount, pool.ErrPageCount},
-	{wire.StatusOutOfRange, pool.ErrOutOfRange},
-	{wire.StatusDuplicateIndex, pool.ErrDuplicateIndex},
-	{wire.StatusBadName, pool.ErrBadName},
-	{wire.StatusBadSize, pool.ErrBadSize},
-	{wire.StatusBadFence, pool.ErrBadFence},
-	{wire.StatusClosed, pool.ErrClosed},
-	{wire.StatusNoCapacity, pool.ErrNoCapacity},
-	{wire.StatusPending, pool.ErrPending},
-	{wire.StatusNoGPUChunks, pool.ErrNoGPUChunks},
+	{wire.StatusUnknownStream, poolerr.ErrUnknownStream},
+	{wire.StatusDuplicateStream, poolerr.ErrDuplicateStream},
+	{wire.StatusPageCount, poolerr.ErrPageCount},
+	{wire.StatusOutOfRange, poolerr.ErrOutOfRange},
+	{wire.StatusDuplicateIndex, poolerr.ErrDuplicateIndex},
+	{wire.StatusBadName, poolerr.ErrBadName},
+	{wire.StatusBadSize, poolerr.ErrBadSize},
+	{wire.StatusBadFence, poolerr.ErrBadFence},
+	{wire.StatusClosed, poolerr.ErrClosed},
+	{wire.StatusNoCapacity, poolerr.ErrNoCapacity},
+	{wire.StatusPending, poolerr.ErrPending},
+	{wire.StatusNoGPUChunks, poolerr.ErrNoGPUChunks},
 	{wire.StatusUnknownGPU, ErrUnknownGPU},
 }
 
@@ -271,16 +261,16 @@ func Open(ctx context.Context, o Options) (*CPUPagePool, error) {
 		return nil, fmt.Errorf("kvpool: MaxPages %d is negative", o.MaxPages)
 	}
 	if o.Socket == "" {
-		o.Socket = os.Getenv(EnvSocket)
+		o.Socket = os.Getenv(contract.EnvSocket)
 	}
 	if o.Socket == "" {
-		o.Socket = DefaultSocket
+		o.Socket = contract.ContainerSocket
 	}
 	if o.Token == "" {
-		o.Token = os.Getenv(EnvToken)
+		o.Token = os.Getenv(contract.EnvToken)
 	}
 	if o.Token == "" {
-		return nil, fmt.Errorf("kvpool: no allocation token (set Options.Token or $%s)", EnvToken)
+		return nil, fmt.Errorf("kvpool: no allocation token (set Options.Token or $%s)", contract.EnvToken)
 	}
 	if o.InstanceID == nil {
 		o.InstanceID = InstanceID()
@@ -479,7 +469,7 @@ func (p *CPUPagePool) adopt(rep *wire.OpenReply, files []*os.File) error {
 	if !same {
 		p.unmapChunks()
 		for i, c := range rep.Chunks {
-			mem, err := hostmem.Map(files[i], int64(c.Size))
+			mem, err := mapChunk(files[i], int64(c.Size))
 			if err != nil {
 				p.unmapChunks()
 				return fmt.Errorf("kvpool: map chunk %s: %w", c.Id, err)

@@ -20,6 +20,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/kvpool/kvpool/pkg/client"
+	"github.com/kvpool/kvpool/pkg/contract"
 	"github.com/kvpool/kvpool/pkg/cudart"
 	"github.com/kvpool/kvpool/pkg/pool"
 	"github.com/kvpool/kvpool/pkg/server"
@@ -730,8 +731,8 @@ func TestOpenRejects(t *testing.T) {
 	sim := cudart.NewSim(cudart.SimOptions{Devices: 1})
 	dev, _ := sim.Open(0)
 	good := []client.Region{{Base: 0x1000, Stride: 4096, BytesPerPage: 4096, Pages: 8}}
-	t.Setenv(client.EnvToken, "")
-	t.Setenv(client.EnvSocket, "")
+	t.Setenv(contract.EnvToken, "")
+	t.Setenv(contract.EnvSocket, "")
 	cases := []struct {
 		name string
 		o    client.Options

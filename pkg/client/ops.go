@@ -3,6 +3,7 @@ package client
 import (
 	"errors"
 	"fmt"
+	"os"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -14,6 +15,16 @@ import (
 func unsafePointer(b []byte) unsafe.Pointer { return unsafe.Pointer(unsafe.SliceData(b)) }
 
 func hostmemUnmap(b []byte) { unix.Munmap(b) }
+
+// mapChunk maps size bytes of a chunk's memfd, received from the agent,
+// shared and read-write.
+func mapChunk(f *os.File, size int64) ([]byte, error) {
+	mem, err := unix.Mmap(int(f.Fd()), 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		return nil, fmt.Errorf("mmap %s (%d bytes): %w", f.Name(), size, err)
+	}
+	return mem, nil
+}
 
 // begin readies p for a request: open, connected, completed reloads noted.
 // Called with p.mu held.
@@ -146,7 +157,7 @@ func (p *CPUPagePool) fence() uint64 {
 // records the stream (rid, label) with its metadata. It returns false, having
 // changed nothing, when the pool cannot hold every page, and for an offload
 // of zero pages (as the seed's engine expects). A second offload of an
-// existing (rid, label) is an error (pool.ErrDuplicateStream) and leaves the
+// existing (rid, label) is an error (poolerr.ErrDuplicateStream) and leaves the
 // existing stream as it was: the seed's Python pool would silently leak the
 // old stream's pages instead; reload or discard it first. A stream may be of
 // any length up to the session's capacity (long page lists travel in several

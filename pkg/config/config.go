@@ -16,6 +16,8 @@ package config
 import (
 	"path/filepath"
 	"time"
+
+	"github.com/kvpool/kvpool/pkg/contract"
 )
 
 // Version identifiers of the file format.
@@ -24,23 +26,9 @@ const (
 	Kind       = "AgentConfig"
 )
 
-// Names shared by the agent, the device plugin and the client library.
-const (
-	// DefaultResourceName is the extended resource a pod requests, one unit
-	// per chunk.
-	DefaultResourceName = "kvpool.io/host-kv"
-	// SocketFile is the name of the agent's socket inside SocketDir.
-	SocketFile = "kvpool.sock"
-	// ContainerSocketDir is where Allocate mounts SocketDir in a container.
-	ContainerSocketDir = "/var/run/kvpool"
-	// EnvSocket and EnvToken are the container environment variables set
-	// by Allocate: the socket path inside the container and the allocation
-	// token.
-	EnvSocket = "KVPOOL_SOCKET"
-	EnvToken  = "KVPOOL_TOKEN"
-	// EnvConfig names the config file when --config is not given.
-	EnvConfig = "KVPOOL_CONFIG"
-)
+// EnvConfig names the config file when --config is not given. The names a
+// pod sees (socket, environment, resource) are in pkg/contract.
+const EnvConfig = "KVPOOL_CONFIG"
 
 // Split policies: how the pool is divided between GPUs.
 const (
@@ -253,7 +241,7 @@ func Default() Config {
 	return Config{
 		APIVersion:   APIVersion,
 		Kind:         Kind,
-		ResourceName: DefaultResourceName,
+		ResourceName: contract.DefaultResourceName,
 		SocketDir:    "/var/lib/kvpool/sock",
 		KubeletDir:   "/var/lib/kubelet",
 		StateDir:     "/var/lib/kvpool/state",
@@ -285,9 +273,5 @@ func Default() Config {
 	}
 }
 
-// SocketPath is the agent's socket on the host: SocketDir/SocketFile.
-func (c *Config) SocketPath() string { return filepath.Join(c.SocketDir, SocketFile) }
-
-// ContainerSocketPath is the socket's path inside a container, the value
-// of EnvSocket.
-func ContainerSocketPath() string { return ContainerSocketDir + "/" + SocketFile }
+// SocketPath is the agent's socket on the host: SocketDir/contract.SocketFile.
+func (c *Config) SocketPath() string { return filepath.Join(c.SocketDir, contract.SocketFile) }

@@ -9,6 +9,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/kvpool/kvpool/pkg/contract"
 )
 
 func TestParseBytes(t *testing.T) {
@@ -92,8 +94,8 @@ func TestDefaultIsValid(t *testing.T) {
 	if got := c.SocketPath(); got != "/var/lib/kvpool/sock/kvpool.sock" {
 		t.Errorf("SocketPath = %q", got)
 	}
-	if got := ContainerSocketPath(); got != "/var/run/kvpool/kvpool.sock" {
-		t.Errorf("ContainerSocketPath = %q", got)
+	if got := contract.ContainerSocket; got != "/var/run/kvpool/kvpool.sock" {
+		t.Errorf("contract.ContainerSocket = %q", got)
 	}
 }
 
@@ -287,9 +289,39 @@ func TestLoadPrecedence(t *testing.T) {
 		"KVPOOL_UNRELATED":         "ignored",
 	})
 	fs := flags(t, "--config", file, "--log-level", "error", "--max-per-gpu=16Gi", "--reclaim-interval", "1m")
-	c, err := Load("", e, fs)
+	c, src, err := Load("", e, fs)
 	if err != nil {
 		t.Fatal(err)
+	}
+	// Where each value came from: the strongest source that set it.
+	for field, from := range map[string]Source{
+		"sizing.poolBytes":    FromFile,
+		"sizing.chunkBytes":   FromFile,
+		"log.format":          FromFile,
+		"sizing.split":        FromEnv,
+		"sizing.reserveBytes": FromEnv,
+		"standalone.tokens":   FromEnv,
+		"log.level":           FromFlag,
+		"sizing.maxPerGPU":    FromFlag,
+		"reclaim.interval":    FromFlag,
+		"sizing.fraction":     FromDefault,
+		"socketDir":           FromDefault,
+		"metrics.address":     FromDefault,
+	} {
+		if got := src.Of(field); got != from {
+			t.Errorf("%s came from %s, want %s", field, got, from)
+		}
+		if src.Explicit(field) != (from != FromDefault) {
+			t.Errorf("%s: Explicit = %v, source %s", field, src.Explicit(field), from)
+		}
+	}
+	if got, want := (Sources{"sizing.split": FromEnv, "log.level": FromFlag, "sizing": FromFile}).String(), "log.level=flag,sizing=file,sizing.split=env"; got != want {
+		t.Errorf("Sources.String = %q, want %q", got, want)
+	}
+	// Besides those: apiVersion, kind and the sections sizing and log
+	// of the file.
+	if len(src) != 13 || src["apiVersion"] != FromFile || src["log"] != FromFile {
+		t.Errorf("sources %v: want the 9 fields set, the file's apiVersion and kind and its sections", src)
 	}
 	want := Default()
 	want.Sizing.PoolBytes = 64 * GiB   // file
@@ -324,7 +356,7 @@ func TestLoadFindsFile(t *testing.T) {
 		{"path over flag", a, nil, []string{"--config=" + b}, "memory", "text"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			got, err := Load(c.path, env(c.env), flags(t, c.args...))
+			got, _, err := Load(c.path, env(c.env), flags(t, c.args...))
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -334,9 +366,9 @@ func TestLoadFindsFile(t *testing.T) {
 		})
 	}
 	// Nil env and nil flags: defaults.
-	got, err := Load("", nil, nil)
-	if err != nil || !reflect.DeepEqual(*got, Default()) {
-		t.Errorf("Load with no sources = %+v, %v", got, err)
+	got, src, err := Load("", nil, nil)
+	if err != nil || !reflect.DeepEqual(*got, Default()) || len(src) != 0 {
+		t.Errorf("Load with no sources = %+v, %v, %v", got, src, err)
 	}
 }
 
@@ -364,12 +396,12 @@ func TestLoadErrors(t *testing.T) {
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
-			got, err := Load(c.path, env(c.env), flags(t, c.args...))
+			got, src, err := Load(c.path, env(c.env), flags(t, c.args...))
 			if err == nil {
 				t.Fatalf("Load accepted it: %+v", got)
 			}
-			if got != nil {
-				t.Error("Load returned a config with the error")
+			if got != nil || src != nil {
+				t.Error("Load returned a config or sources with the error")
 			}
 			if !strings.Contains(err.Error(), c.want) {
 				t.Errorf("error %q does not contain %q", err, c.want)
@@ -403,7 +435,7 @@ func TestRegisterFlagsCoversEveryField(t *testing.T) {
 		if fs.Lookup(s.flag) == nil {
 			t.Errorf("no flag --%s", s.flag)
 		}
-		if !strings.HasPrefix(s.env, "KVPOOL_") || s.env == EnvSocket || s.env == EnvToken {
+		if !strings.HasPrefix(s.env, "KVPOOL_") || s.env == contract.EnvSocket || s.env == contract.EnvToken {
 			t.Errorf("setting %s has env %s", s.field, s.env)
 		}
 	}

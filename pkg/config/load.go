@@ -159,14 +159,57 @@ func RegisterFlags(fs *flag.FlagSet) {
 	}
 }
 
+// Source is where a configuration value came from.
+type Source string
+
+// The sources, from the weakest to the strongest.
+const (
+	FromDefault Source = "default"
+	FromFile    Source = "file"
+	FromEnv     Source = "env"
+	FromFlag    Source = "flag"
+)
+
+// Sources says where each field's value came from, by YAML path
+// ("sizing.poolBytes"); a field it does not list has its default. The file
+// lists every key it sets, sections included ("sizing").
+type Sources map[string]Source
+
+// Of is where field's value came from.
+func (s Sources) Of(field string) Source {
+	if v, ok := s[field]; ok {
+		return v
+	}
+	return FromDefault
+}
+
+// String lists the fields not left at their default, sorted, as
+// "field=source" separated by commas ("log.level=flag,sizing.split=env").
+func (s Sources) String() string {
+	fields := make([]string, 0, len(s))
+	for f := range s {
+		fields = append(fields, f)
+	}
+	sort.Strings(fields)
+	for i, f := range fields {
+		fields[i] = f + "=" + string(s[f])
+	}
+	return strings.Join(fields, ",")
+}
+
+// Explicit reports whether field was set by the file, the environment or a
+// flag rather than left at its default.
+func (s Sources) Explicit(field string) bool { return s.Of(field) != FromDefault }
+
 // Load builds the configuration: defaults, then the file at path (if path
 // is non-empty), then KVPOOL_* variables read through env (if non-nil),
 // then the flags set on fs (if non-nil; defined by RegisterFlags). The
-// result is validated. Errors name the source and the field.
+// result is validated. Errors name the source and the field. Sources says
+// where each value came from.
 //
 // When path is empty, the file is taken from --config on fs, else from
 // KVPOOL_CONFIG; when none names a file, there is none.
-func Load(path string, env func(string) string, fs *flag.FlagSet) (*Config, error) {
+func Load(path string, env func(string) string, fs *flag.FlagSet) (*Config, Sources, error) {
 	set := map[string]string{}
 	if fs != nil {
 		fs.Visit(func(f *flag.Flag) { set[f.Name] = f.Value.String() })
@@ -178,39 +221,46 @@ func Load(path string, env func(string) string, fs *flag.FlagSet) (*Config, erro
 		path = env(EnvConfig)
 	}
 	c := Default()
+	src := Sources{}
 	if path != "" {
 		data, err := os.ReadFile(path)
 		if err != nil {
-			return nil, fmt.Errorf("config: %w", err)
+			return nil, nil, fmt.Errorf("config: %w", err)
 		}
-		if err := decode(data, &c); err != nil {
-			return nil, fmt.Errorf("config: %s: %w", path, err)
+		keys, err := decode(data, &c)
+		if err != nil {
+			return nil, nil, fmt.Errorf("config: %s: %w", path, err)
+		}
+		for _, k := range keys {
+			src[k] = FromFile
 		}
 	}
 	if env != nil {
 		for _, s := range settings {
 			if v := env(s.env); v != "" {
 				if err := s.set(&c, v); err != nil {
-					return nil, fmt.Errorf("config: environment %s (%s): %w", s.env, s.field, err)
+					return nil, nil, fmt.Errorf("config: environment %s (%s): %w", s.env, s.field, err)
 				}
+				src[s.field] = FromEnv
 			}
 		}
 	}
 	for _, s := range settings {
 		if v, ok := set[s.flag]; ok {
 			if err := s.set(&c, v); err != nil {
-				return nil, fmt.Errorf("config: flag --%s (%s): %w", s.flag, s.field, err)
+				return nil, nil, fmt.Errorf("config: flag --%s (%s): %w", s.flag, s.field, err)
 			}
+			src[s.field] = FromFlag
 		}
 	}
 	if err := c.Validate(); err != nil {
-		src := "defaults"
+		from := "defaults"
 		if path != "" {
-			src = path
+			from = path
 		}
-		return nil, fmt.Errorf("config: invalid configuration (file %s, environment and flags):\n%w", src, err)
+		return nil, nil, fmt.Errorf("config: invalid configuration (file %s, environment and flags):\n%w", from, err)
 	}
-	return &c, nil
+	return &c, src, nil
 }
 
 // Parse decodes a config file's bytes over the defaults and validates the
@@ -218,7 +268,7 @@ func Load(path string, env func(string) string, fs *flag.FlagSet) (*Config, erro
 // errors.
 func Parse(data []byte) (*Config, error) {
 	c := Default()
-	if err := decode(data, &c); err != nil {
+	if _, err := decode(data, &c); err != nil {
 		return nil, fmt.Errorf("config: %w", err)
 	}
 	if err := c.Validate(); err != nil {
@@ -228,34 +278,51 @@ func Parse(data []byte) (*Config, error) {
 }
 
 // decode reads YAML over c, strictly: unknown and duplicate fields are
-// errors, and the file must say its apiVersion and kind.
-func decode(data []byte, c *Config) error {
+// errors, and the file must say its apiVersion and kind. It returns the keys
+// the file sets, by YAML path, sections included.
+func decode(data []byte, c *Config) ([]string, error) {
 	if len(bytes.TrimSpace(data)) == 0 {
-		return errors.New("file is empty; want at least apiVersion: " + APIVersion + " and kind: " + Kind)
+		return nil, errors.New("file is empty; want at least apiVersion: " + APIVersion + " and kind: " + Kind)
 	}
 	var head struct {
 		APIVersion string `json:"apiVersion"`
 		Kind       string `json:"kind"`
 	}
 	if err := yaml.Unmarshal(data, &head); err != nil {
-		return fmt.Errorf("not a YAML mapping: %w", err)
+		return nil, fmt.Errorf("not a YAML mapping: %w", err)
 	}
 	if head.APIVersion != APIVersion {
-		return fmt.Errorf("apiVersion is %q, want %q", head.APIVersion, APIVersion)
+		return nil, fmt.Errorf("apiVersion is %q, want %q", head.APIVersion, APIVersion)
 	}
 	if head.Kind != Kind {
-		return fmt.Errorf("kind is %q, want %q", head.Kind, Kind)
+		return nil, fmt.Errorf("kind is %q, want %q", head.Kind, Kind)
 	}
 	// encoding/json matches field names case-insensitively; a config file
 	// should not, so check the keys first.
 	var tree map[string]any
 	if err := yaml.Unmarshal(data, &tree); err != nil {
-		return fmt.Errorf("not a YAML mapping: %w", err)
+		return nil, fmt.Errorf("not a YAML mapping: %w", err)
 	}
 	if err := checkKeys(tree, reflect.TypeOf(*c), ""); err != nil {
-		return err
+		return nil, err
 	}
-	return yaml.UnmarshalStrict(data, c)
+	if err := yaml.UnmarshalStrict(data, c); err != nil {
+		return nil, err
+	}
+	return keyPaths(tree, ""), nil
+}
+
+// keyPaths lists the keys of m and of its sub-mappings by YAML path.
+func keyPaths(m map[string]any, prefix string) []string {
+	var out []string
+	for k, v := range m {
+		out = append(out, prefix+k)
+		if sub, ok := v.(map[string]any); ok {
+			out = append(out, keyPaths(sub, prefix+k+".")...)
+		}
+	}
+	sort.Strings(out)
+	return out
 }
 
 // checkKeys reports the first key of m (in sorted order) that is not,

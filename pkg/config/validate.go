@@ -5,9 +5,10 @@ import (
 	"fmt"
 	"net"
 	"path/filepath"
-	"regexp"
 	"strconv"
 	"strings"
+
+	"github.com/kvpool/kvpool/pkg/contract"
 )
 
 // FieldError is one invalid field. Field is the YAML path
@@ -23,11 +24,6 @@ func (e *FieldError) Error() string { return e.Field + ": " + e.Msg }
 // bytes including the terminating NUL).
 const maxSunPath = 107
 
-var (
-	dnsSubdomain = regexp.MustCompile(`^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$`)
-	qualName     = regexp.MustCompile(`^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$`)
-)
-
 // Validate checks every field and returns all problems joined, each a
 // *FieldError naming the field; nil when the configuration is usable.
 func (c *Config) Validate() error {
@@ -41,8 +37,8 @@ func (c *Config) Validate() error {
 	if c.Kind != Kind {
 		bad("kind", "is %q, want %q", c.Kind, Kind)
 	}
-	if msg := checkResourceName(c.ResourceName); msg != "" {
-		bad("resourceName", "%s", msg)
+	if err := contract.CheckResourceName(c.ResourceName); err != nil {
+		bad("resourceName", "%v", err)
 	}
 	for _, d := range []struct{ field, dir string }{
 		{"socketDir", c.SocketDir}, {"kubeletDir", c.KubeletDir}, {"stateDir", c.StateDir}, {"podLogsDir", c.PodLogsDir},
@@ -207,25 +203,6 @@ func CheckDirs(socketDir, stateDir string) error {
 		return fmt.Errorf("%q contains the socket directory %q; keep them apart (pods mount the socket directory)", stateDir, socketDir)
 	}
 	return nil
-}
-
-func checkResourceName(name string) string {
-	domain, n, ok := strings.Cut(name, "/")
-	switch {
-	case name == "":
-		return "is empty"
-	case !ok || strings.Contains(n, "/"):
-		return fmt.Sprintf("%q is not of the form domain/name (e.g. %s)", name, DefaultResourceName)
-	case len(domain) > 253 || !dnsSubdomain.MatchString(domain):
-		return fmt.Sprintf("%q: domain %q is not a DNS subdomain", name, domain)
-	case !strings.Contains(domain, "."):
-		return fmt.Sprintf("%q: domain %q is not fully qualified", name, domain)
-	case domain == "kubernetes.io" || strings.HasSuffix(domain, ".kubernetes.io") || domain == "k8s.io" || strings.HasSuffix(domain, ".k8s.io"):
-		return fmt.Sprintf("%q: the %s domain is reserved for Kubernetes", name, domain)
-	case len(n) > 63 || !qualName.MatchString(n):
-		return fmt.Sprintf("%q: name %q must be 1-63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit", name, n)
-	}
-	return ""
 }
 
 func checkAddress(addr string) string {

@@ -12,6 +12,8 @@ import (
 	"path/filepath"
 	"slices"
 	"time"
+
+	"github.com/kvpool/kvpool/pkg/contract"
 )
 
 // CheckpointFile is the name of the plugin's checkpoint inside the state
@@ -86,7 +88,7 @@ func DecodeCheckpoint(data []byte) ([]Record, error) {
 	tokens := make(map[string]bool, len(recs))
 	devs := make(map[string]string)
 	for i, r := range recs {
-		if !validToken(r.Token) {
+		if !contract.IsToken(r.Token) {
 			return nil, fmt.Errorf("%w: record %d: malformed token", ErrCorruptCheckpoint, i)
 		}
 		if tokens[r.Token] {

@@ -9,14 +9,15 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvpool/kvpool/pkg/contract"
 	"github.com/kvpool/kvpool/pkg/pool"
 )
 
 func sampleRecords() []Record {
 	t0 := time.Date(2026, 11, 29, 8, 0, 0, 0, time.UTC)
 	return []Record{
-		{Token: newToken(), Devices: []string{"gpu0-numa0-0", "gpu0-numa0-1"}, FirstSeen: t0, Pod: "ns/a"},
-		{Token: newToken(), Devices: []string{"gpu1-numaX-3"}, FirstSeen: t0.Add(time.Second)},
+		{Token: contract.NewToken(), Devices: []string{"gpu0-numa0-0", "gpu0-numa0-1"}, FirstSeen: t0, Pod: "ns/a"},
+		{Token: contract.NewToken(), Devices: []string{"gpu1-numaX-3"}, FirstSeen: t0.Add(time.Second)},
 	}
 }
 
@@ -124,27 +125,6 @@ func TestSaveCheckpointErrors(t *testing.T) {
 	os.MkdirAll(filepath.Join(bad, CheckpointFile), 0o700)
 	if _, err := LoadCheckpoint(bad); err == nil || errors.Is(err, ErrCorruptCheckpoint) {
 		t.Errorf("load of a directory: %v", err)
-	}
-}
-
-func TestChunkID(t *testing.T) {
-	for _, c := range []struct {
-		gpu, numa, idx int
-		id             string
-	}{{0, 0, 0, "gpu0-numa0-0"}, {3, 1, 17, "gpu3-numa1-17"}, {1, -1, 2, "gpu1-numaX-2"}} {
-		if got := ChunkID(c.gpu, c.numa, c.idx); got != c.id {
-			t.Errorf("ChunkID(%d,%d,%d) = %s", c.gpu, c.numa, c.idx, got)
-		}
-		g, n, i, err := ParseChunkID(c.id)
-		if err != nil || g != c.gpu || n != c.numa || i != c.idx {
-			t.Errorf("ParseChunkID(%s) = %d %d %d %v", c.id, g, n, i, err)
-		}
-	}
-	for _, bad := range []string{"", "gpu0-numa0", "gpu0-numa0-1-2", "cpu0-numa0-1", "gpu0-node0-1", "gpu-numa0-1",
-		"gpu0-numa-1-1", "gpu00-numa0-1", "gpu0-numa0-+1", "gpu0-numaY-1", "gpu0-numa0-1234567890", "gpu0-numa0-c0007"} {
-		if _, _, _, err := ParseChunkID(bad); err == nil || !strings.Contains(err.Error(), "chunk ID") {
-			t.Errorf("ParseChunkID(%q) err = %v", bad, err)
-		}
 	}
 }
 

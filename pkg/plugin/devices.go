@@ -4,8 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"slices"
-	"strconv"
-	"strings"
 	"sync"
 
 	"github.com/kvpool/kvpool/pkg/pool"
@@ -98,60 +96,4 @@ func PoolDevices(chunks []pool.ChunkInfo) []Device {
 		out[i] = Device{ID: c.ID, NUMA: c.NUMA, Healthy: true}
 	}
 	return out
-}
-
-// ChunkID names a chunk: gpu<G>-numa<N>-<index>, numaX when numa is negative.
-func ChunkID(gpu, numa, index int) string {
-	n := "X"
-	if numa >= 0 {
-		n = strconv.Itoa(numa)
-	}
-	return fmt.Sprintf("gpu%d-numa%s-%d", gpu, n, index)
-}
-
-// ParseChunkID is the inverse of ChunkID. numa is -1 for numaX.
-func ParseChunkID(id string) (gpu, numa, index int, err error) {
-	bad := func(why string) (int, int, int, error) {
-		return 0, 0, 0, fmt.Errorf("chunk ID %q: %s (want gpu<G>-numa<N>-<index>)", id, why)
-	}
-	parts := strings.Split(id, "-")
-	if len(parts) != 3 {
-		return bad("not three dash-separated parts")
-	}
-	g, ok := strings.CutPrefix(parts[0], "gpu")
-	if !ok {
-		return bad("no gpu prefix")
-	}
-	n, ok := strings.CutPrefix(parts[1], "numa")
-	if !ok {
-		return bad("no numa prefix")
-	}
-	if gpu, ok = decimal(g); !ok {
-		return bad("bad GPU index")
-	}
-	if n == "X" {
-		numa = -1
-	} else if numa, ok = decimal(n); !ok {
-		return bad("bad NUMA node")
-	}
-	if index, ok = decimal(parts[2]); !ok {
-		return bad("bad chunk index")
-	}
-	return gpu, numa, index, nil
-}
-
-// decimal parses a canonical non-negative decimal (no sign, no leading zero)
-// small enough for any real machine, so that ChunkID(ParseChunkID(id)) == id.
-func decimal(s string) (int, bool) {
-	if s == "" || len(s) > 9 || (len(s) > 1 && s[0] == '0') {
-		return 0, false
-	}
-	v := 0
-	for _, c := range s {
-		if c < '0' || c > '9' {
-			return 0, false
-		}
-		v = v*10 + int(c-'0')
-	}
-	return v, true
 }

@@ -16,6 +16,7 @@ import (
 
 	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 
+	"github.com/kvpool/kvpool/pkg/contract"
 	"github.com/kvpool/kvpool/pkg/observe"
 	"github.com/kvpool/kvpool/pkg/plugin/kubelettest"
 	"github.com/kvpool/kvpool/pkg/pool"
@@ -87,7 +88,7 @@ func testChunks() []pool.Chunk {
 	var out []pool.Chunk
 	for g := range 2 {
 		for i := range 4 {
-			out = append(out, pool.Chunk{ID: ChunkID(g, g, i), GPU: g, NUMA: g, Size: 1 << 20})
+			out = append(out, pool.Chunk{ID: contract.ChunkID(g, g, i), GPU: g, NUMA: g, Size: 1 << 20})
 		}
 	}
 	return out
@@ -221,7 +222,7 @@ func (e *env) mustAllocate(ids ...string) string {
 	if err != nil {
 		e.t.Fatalf("allocate %v: %v", ids, err)
 	}
-	return resp.ContainerResponses[0].Envs[EnvToken]
+	return resp.ContainerResponses[0].Envs[contract.EnvToken]
 }
 
 // open starts a session as the copy server does: token to allocation by

@@ -31,21 +31,6 @@ func FuzzDecodeCheckpoint(f *testing.F) {
 	})
 }
 
-func FuzzParseChunkID(f *testing.F) {
-	for _, s := range []string{"gpu0-numa0-0", "gpu7-numaX-1023", "gpu1-numa01-2", "gpu-numa-"} {
-		f.Add(s)
-	}
-	f.Fuzz(func(t *testing.T, id string) {
-		g, n, i, err := ParseChunkID(id)
-		if err != nil {
-			return
-		}
-		if back := ChunkID(g, n, i); back != id {
-			t.Fatalf("ParseChunkID(%q) then ChunkID = %q", id, back)
-		}
-	})
-}
-
 func FuzzPrefer(f *testing.F) {
 	f.Add("gpu0-numa0-0,gpu0-numa0-1,gpu1-numa1-0,gpu1-numa1-1", "gpu1-numa1-1", 2)
 	f.Add("gpu0-numa0-0,x,gpu0-numaX-3", "", 3)

@@ -10,6 +10,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/kvpool/kvpool/pkg/contract"
 	"github.com/kvpool/kvpool/pkg/pool"
 )
 
@@ -349,7 +350,7 @@ func (l *ledger) grant(sets [][]string, held map[string]string) ([]string, []str
 	for _, ids := range sets {
 		a := l.byDevice[ids[0]]
 		if a == nil {
-			a = &alloc{Record: Record{Token: newToken(), Devices: ids, FirstSeen: now}, lastSeen: now}
+			a = &alloc{Record: Record{Token: contract.NewToken(), Devices: ids, FirstSeen: now}, lastSeen: now}
 			if err := l.pool.Grant(a.ID(), ids); err != nil {
 				rollback()
 				return nil, nil, allocErr(ResultRefused, "%v: %v", ids, err)

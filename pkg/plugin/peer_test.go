@@ -8,6 +8,8 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/kvpool/kvpool/pkg/contract"
 )
 
 const (
@@ -94,8 +96,8 @@ func TestAuthorizePeerBindsTokenToPod(t *testing.T) {
 	token := e.mustAllocate("gpu0-numa0-0", "gpu0-numa0-1")
 	other := e.mustAllocate("gpu1-numa1-3")
 	e.prs.SetPods(map[string]map[string][]string{
-		"a": {DefaultResourceName: {"gpu0-numa0-0", "gpu0-numa0-1"}},
-		"b": {DefaultResourceName: {"gpu1-numa1-3"}},
+		"a": {contract.DefaultResourceName: {"gpu0-numa0-0", "gpu0-numa0-1"}},
+		"b": {contract.DefaultResourceName: {"gpu1-numa1-3"}},
 	})
 	logs := t.TempDir()
 	for _, d := range []string{"default_a_" + uidA, "default_b_" + uidB} {

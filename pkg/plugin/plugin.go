@@ -14,16 +14,13 @@ package plugin
 
 import (
 	"context"
-	"crypto/rand"
 	"crypto/sha256"
-	"encoding/base64"
 	"encoding/hex"
 	"errors"
 	"fmt"
 	"log/slog"
 	"path/filepath"
 	"slices"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -32,27 +29,20 @@ import (
 	"google.golang.org/grpc/status"
 	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 
+	"github.com/kvpool/kvpool/pkg/contract"
 	"github.com/kvpool/kvpool/pkg/observe"
 	"github.com/kvpool/kvpool/pkg/pool"
 )
 
-// Defaults and the container contract.
+// Defaults. What a container sees (mount, socket, environment) is in
+// pkg/contract.
 const (
-	DefaultResourceName = "kvpool.io/host-kv"
-	DefaultKubeletDir   = "/var/lib/kubelet"
-	DefaultSocketDir    = "/var/lib/kvpool/sock"
-	DefaultStateDir     = "/var/lib/kvpool/state"
-	DefaultGracePeriod  = 2 * time.Minute
-	DefaultInterval     = 10 * time.Second
-	DefaultWatch        = time.Second
-
-	// ContainerSocketDir is where Allocate mounts the socket directory.
-	ContainerSocketDir = "/var/run/kvpool"
-	// SocketName is the agent's socket file inside the socket directory.
-	SocketName = "kvpool.sock"
-	// EnvSocket and EnvToken are the variables Allocate sets.
-	EnvSocket = "KVPOOL_SOCKET"
-	EnvToken  = "KVPOOL_TOKEN"
+	DefaultKubeletDir  = "/var/lib/kubelet"
+	DefaultSocketDir   = "/var/lib/kvpool/sock"
+	DefaultStateDir    = "/var/lib/kvpool/state"
+	DefaultGracePeriod = 2 * time.Minute
+	DefaultInterval    = 10 * time.Second
+	DefaultWatch       = time.Second
 )
 
 // Pool is the part of *pool.Pool the plugin uses.
@@ -70,7 +60,7 @@ type Holders interface {
 
 // Options configure a Plugin. Pool, Devices and Renew are required.
 type Options struct {
-	ResourceName string // default DefaultResourceName
+	ResourceName string // default contract.DefaultResourceName
 	KubeletDir   string // default DefaultKubeletDir; device-plugins/ and pod-resources/ live inside
 	SocketDir    string // host directory holding the agent socket; default DefaultSocketDir
 	StateDir     string // checkpoint directory; default DefaultStateDir
@@ -125,14 +115,14 @@ func (o *Options) setDefaults() error {
 			*s = v
 		}
 	}
-	def(&o.ResourceName, DefaultResourceName)
+	def(&o.ResourceName, contract.DefaultResourceName)
 	def(&o.KubeletDir, DefaultKubeletDir)
 	def(&o.SocketDir, DefaultSocketDir)
 	def(&o.StateDir, DefaultStateDir)
 	def(&o.ProcRoot, DefaultProcRoot)
 	def(&o.PodLogsDir, DefaultPodLogsDir)
-	if err := validResourceName(o.ResourceName); err != nil {
-		return err
+	if err := contract.CheckResourceName(o.ResourceName); err != nil {
+		return fmt.Errorf("plugin: resource name %w", err)
 	}
 	if !filepath.IsAbs(o.SocketDir) {
 		return fmt.Errorf("plugin: socket directory %q is not absolute", o.SocketDir)
@@ -154,22 +144,6 @@ func (o *Options) setDefaults() error {
 	}
 	if o.Observer == nil {
 		o.Observer = observe.Nop
-	}
-	return nil
-}
-
-// validResourceName accepts an extended resource name: domain/name, no
-// kubernetes.io domain.
-func validResourceName(name string) error {
-	domain, n, ok := strings.Cut(name, "/")
-	if !ok || domain == "" || n == "" || strings.Contains(n, "/") ||
-		domain == "kubernetes.io" || strings.HasSuffix(domain, ".kubernetes.io") || strings.HasPrefix(domain, "requests.") {
-		return fmt.Errorf("plugin: resource name %q is not an extended resource name (domain/name)", name)
-	}
-	for _, c := range name {
-		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || strings.ContainsRune("-._/", c)) {
-			return fmt.Errorf("plugin: resource name %q has character %q", name, c)
-		}
 	}
 	return nil
 }
@@ -282,7 +256,7 @@ func (p *Plugin) UnhealthyChunks() []string {
 func (p *Plugin) UnhealthyByGPU() map[int]int {
 	out := make(map[int]int)
 	for _, id := range p.UnhealthyChunks() {
-		if gpu, _, _, err := ParseChunkID(id); err == nil {
+		if gpu, _, _, err := contract.ParseChunkID(id); err == nil {
 			out[gpu]++
 		}
 	}
@@ -301,7 +275,7 @@ func AllocationID(token string) string {
 func (r Record) ID() string { return AllocationID(r.Token) }
 
 // ErrUnknownToken is returned by Authorize for a token no allocation has.
-var ErrUnknownToken = errors.New("unknown allocation token")
+var ErrUnknownToken = contract.ErrUnknownToken
 
 // Authorize maps a client's token (KVPOOL_TOKEN) to the pool allocation it
 // may open sessions on. It fits the copy server's Authorizer. It takes only
@@ -313,17 +287,6 @@ func (p *Plugin) Authorize(token string) (string, error) { return p.l.authorize(
 // ready; the agent calls it as each chunk joins the pool, so that a
 // restored allocation is usable the moment its chunks are.
 func (p *Plugin) GrantPending() { p.l.grantPending() }
-
-func newToken() string {
-	b := make([]byte, 32)
-	rand.Read(b) // never fails (crypto/rand documents it panics instead)
-	return base64.RawURLEncoding.EncodeToString(b)
-}
-
-func validToken(t string) bool {
-	b, err := base64.RawURLEncoding.DecodeString(t)
-	return err == nil && len(b) >= 16 && base64.RawURLEncoding.EncodeToString(b) == t
-}
 
 // GetDevicePluginOptions implements the device plugin API.
 func (p *Plugin) GetDevicePluginOptions(context.Context, *pluginapi.Empty) (*pluginapi.DevicePluginOptions, error) {
@@ -472,14 +435,14 @@ func (p *Plugin) allocate(ctx context.Context, req *pluginapi.AllocateRequest) (
 	for _, token := range tokens {
 		resp.ContainerResponses = append(resp.ContainerResponses, &pluginapi.ContainerAllocateResponse{
 			Envs: map[string]string{
-				EnvSocket: ContainerSocketDir + "/" + SocketName,
-				EnvToken:  token,
+				contract.EnvSocket: contract.ContainerSocket,
+				contract.EnvToken:  token,
 			},
 			// Read-only is enough: connecting to a Unix socket needs write
 			// permission on the socket inode, which a read-only bind mount
 			// does not take away, and it stops a pod from replacing the
 			// socket that other pods connect to.
-			Mounts: []*pluginapi.Mount{{ContainerPath: ContainerSocketDir, HostPath: p.o.SocketDir, ReadOnly: true}},
+			Mounts: []*pluginapi.Mount{{ContainerPath: contract.ContainerSocketDir, HostPath: p.o.SocketDir, ReadOnly: true}},
 		})
 	}
 	return resp, nil

@@ -16,6 +16,8 @@ import (
 	"google.golang.org/grpc/status"
 	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 
+	"github.com/kvpool/kvpool/pkg/config"
+	"github.com/kvpool/kvpool/pkg/contract"
 	"github.com/kvpool/kvpool/pkg/plugin/kubelettest"
 	"github.com/kvpool/kvpool/pkg/pool"
 )
@@ -136,12 +138,23 @@ func TestAllocate(t *testing.T) {
 		t.Fatal(err)
 	}
 	cr := resp.ContainerResponses[0]
-	token := cr.Envs[EnvToken]
-	if cr.Envs[EnvSocket] != "/var/run/kvpool/kvpool.sock" || !validToken(token) || len(token) < 22 {
+	token := cr.Envs[contract.EnvToken]
+	if cr.Envs[contract.EnvSocket] != "/var/run/kvpool/kvpool.sock" || !contract.IsToken(token) || len(token) < 22 {
 		t.Errorf("envs = %v", cr.Envs)
 	}
 	if len(cr.Mounts) != 1 || cr.Mounts[0].ContainerPath != "/var/run/kvpool" || cr.Mounts[0].HostPath != filepath.Join(e.root, "sock") || !cr.Mounts[0].ReadOnly {
 		t.Errorf("mounts = %v", cr.Mounts)
+	} else {
+		// The socket the pod is told of is the one the agent listens on,
+		// by construction: the mount's host side is the socket directory,
+		// and the plugin and config.SocketPath both name the file
+		// contract.SocketFile.
+		cfg := config.Default()
+		cfg.SocketDir = cr.Mounts[0].HostPath
+		rel, ok := strings.CutPrefix(cr.Envs[contract.EnvSocket], cr.Mounts[0].ContainerPath+"/")
+		if host := filepath.Join(cr.Mounts[0].HostPath, rel); !ok || host != cfg.SocketPath() {
+			t.Errorf("the pod's socket %s is %s on the host; the agent listens on %s", cr.Envs[contract.EnvSocket], host, cfg.SocketPath())
+		}
 	}
 	if ids, err := e.pool.Allocation(AllocationID(token)); err != nil || !slices.Equal(slices.Sorted(slices.Values(ids)), []string{"gpu0-numa0-0", "gpu0-numa0-1"}) {
 		t.Errorf("pool allocation of the token = %v, %v", ids, err)
@@ -177,7 +190,7 @@ func TestAllocate(t *testing.T) {
 		{"overlaps a live allocation", [][]string{{"gpu0-numa0-1", "gpu0-numa0-2"}}, codes.FailedPrecondition, ""},
 	}
 	// A pod holds the first allocation, so overlapping it is a conflict.
-	e.prs.SetPods(map[string]map[string][]string{"a": {DefaultResourceName: good}})
+	e.prs.SetPods(map[string]map[string][]string{"a": {contract.DefaultResourceName: good}})
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			_, err := e.allocate(c.sets...)
@@ -206,7 +219,7 @@ func TestAllocate(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	t1, t2 := resp.ContainerResponses[0].Envs[EnvToken], resp.ContainerResponses[1].Envs[EnvToken]
+	t1, t2 := resp.ContainerResponses[0].Envs[contract.EnvToken], resp.ContainerResponses[1].Envs[contract.EnvToken]
 	if t1 == t2 || t1 == token {
 		t.Errorf("tokens not distinct: %s %s %s", token, t1, t2)
 	}
@@ -218,7 +231,7 @@ func TestAllocate(t *testing.T) {
 	if _, err := e.open(t1, pool.Spec{GPU: 1, PageSize: 1 << 20, DevicePages: 8, MaxPages: 2}); !errors.Is(err, pool.ErrNoCapacity) {
 		t.Errorf("open beyond the token's chunks: %v", err)
 	}
-	if _, err := e.open(newToken(), pool.Spec{GPU: 1, PageSize: 4096, DevicePages: 8}); !errors.Is(err, ErrUnknownToken) {
+	if _, err := e.open(contract.NewToken(), pool.Spec{GPU: 1, PageSize: 4096, DevicePages: 8}); !errors.Is(err, ErrUnknownToken) {
 		t.Errorf("open with a made-up token: %v", err)
 	}
 	// Listings of the pool (status, metrics) never show a token.
@@ -325,7 +338,7 @@ func TestReclaimAfterPodGone(t *testing.T) {
 	// grace period.
 	e.clock.Advance(testGrace - time.Second)
 	e.reconcile()
-	e.prs.SetPods(map[string]map[string][]string{"web-0": {DefaultResourceName: ids, "other.io/x": {"gpu0-numa0-0"}}})
+	e.prs.SetPods(map[string]map[string][]string{"web-0": {contract.DefaultResourceName: ids, "other.io/x": {"gpu0-numa0-0"}}})
 	e.clock.Advance(time.Hour)
 	e.reconcile()
 	if recs := e.p.Allocations(); len(recs) != 1 || recs[0].Pod != "default/web-0" {
@@ -487,7 +500,7 @@ func TestRenewFailureKeepsChunkOut(t *testing.T) {
 func TestAllocateReassignedByKubelet(t *testing.T) {
 	e := newEnv(t)
 	old := e.mustAllocate("gpu0-numa0-0", "gpu0-numa0-1")
-	e.prs.SetPods(map[string]map[string][]string{"a": {DefaultResourceName: {"gpu0-numa0-0", "gpu0-numa0-1"}}})
+	e.prs.SetPods(map[string]map[string][]string{"a": {contract.DefaultResourceName: {"gpu0-numa0-0", "gpu0-numa0-1"}}})
 	e.reconcile()
 	e.prs.SetPods(nil) // pod a is gone
 	// The same set to a new pod: a new token, the old one dead, chunks zeroed.
@@ -512,7 +525,7 @@ func TestRestartRecoversFromCheckpoint(t *testing.T) {
 	e := newEnv(t)
 	t1 := e.mustAllocate("gpu0-numa0-0", "gpu0-numa0-1")
 	t2 := e.mustAllocate("gpu1-numa1-3")
-	e.prs.SetPods(map[string]map[string][]string{"a": {DefaultResourceName: {"gpu0-numa0-0", "gpu0-numa0-1"}}})
+	e.prs.SetPods(map[string]map[string][]string{"a": {contract.DefaultResourceName: {"gpu0-numa0-0", "gpu0-numa0-1"}}})
 	e.reconcile()
 
 	// The agent restarts: a fresh pool whose chunks become ready later.
@@ -537,7 +550,7 @@ func TestRestartRecoversFromCheckpoint(t *testing.T) {
 	}
 	// Allocate of a restored set returns its token.
 	resp, err := p2.Allocate(context.Background(), &pluginapi.AllocateRequest{ContainerRequests: []*pluginapi.ContainerAllocateRequest{{DevicesIds: []string{"gpu1-numa1-3"}}}})
-	if err != nil || resp.ContainerResponses[0].Envs[EnvToken] != t2 {
+	if err != nil || resp.ContainerResponses[0].Envs[contract.EnvToken] != t2 {
 		t.Errorf("allocate of a restored set: %v", err)
 	}
 	// The grace period restarts with the agent: t2 was never listed, and is
@@ -626,9 +639,12 @@ func TestOptionsErrors(t *testing.T) {
 	}{
 		{"no pool", func(o *Options) { o.Pool = nil }, "need Pool"},
 		{"no renew", func(o *Options) { o.Renew = nil }, "need Pool"},
-		{"no domain", func(o *Options) { o.ResourceName = "host-kv" }, "extended resource name"},
-		{"kubernetes domain", func(o *Options) { o.ResourceName = "kubernetes.io/kv" }, "extended resource name"},
-		{"bad char", func(o *Options) { o.ResourceName = "kvpool.io/host kv" }, "character"},
+		// The resource name is checked by contract.CheckResourceName, as
+		// the configuration checks it.
+		{"no domain", func(o *Options) { o.ResourceName = "host-kv" }, `resource name "host-kv" is not of the form domain/name`},
+		{"kubernetes domain", func(o *Options) { o.ResourceName = "kubernetes.io/kv" }, "reserved for Kubernetes"},
+		{"bad char", func(o *Options) { o.ResourceName = "kvpool.io/host kv" }, `name "host kv" must be`},
+		{"unqualified domain", func(o *Options) { o.ResourceName = "kvpool/kv" }, "not fully qualified"},
 		{"relative socket dir", func(o *Options) { o.SocketDir = "sock" }, "not absolute"},
 	}
 	for _, c := range cases {
@@ -662,11 +678,11 @@ func TestConcurrentAllocate(t *testing.T) {
 				errs <- err
 				return
 			}
-			tokens <- resp.ContainerResponses[0].Envs[EnvToken]
+			tokens <- resp.ContainerResponses[0].Envs[contract.EnvToken]
 		}()
 		go func() {
 			defer wg.Done()
-			if _, err := e.allocate([]string{ChunkID(1, 1, i%4)}); err != nil {
+			if _, err := e.allocate([]string{contract.ChunkID(1, 1, i%4)}); err != nil {
 				errs <- err
 			}
 		}()

@@ -10,6 +10,8 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
+
+	"github.com/kvpool/kvpool/pkg/contract"
 )
 
 // GetPreferredAllocation answers each container request with Prefer.
@@ -131,7 +133,7 @@ func Prefer(available, must []string, size int, numa map[string]int) ([]string, 
 
 func describe(id string, numa map[string]int) cand {
 	c := cand{id: id, numa: -1}
-	if g, n, i, err := ParseChunkID(id); err == nil {
+	if g, n, i, err := contract.ParseChunkID(id); err == nil {
 		c.gpu, c.idx, c.numa, c.parsed = g, i, n, true
 	}
 	if n, ok := numa[id]; ok {

@@ -3,6 +3,8 @@ package plugin
 import (
 	"slices"
 	"testing"
+
+	"github.com/kvpool/kvpool/pkg/contract"
 )
 
 // benchDevices is a large node: 8 GPUs on 2 NUMA nodes, 256 chunks each,
@@ -14,7 +16,7 @@ func benchDevices() (avail []string, numa map[string]int) {
 			if i%3 == 0 {
 				continue
 			}
-			id := ChunkID(g, g/4, i)
+			id := contract.ChunkID(g, g/4, i)
 			avail = append(avail, id)
 			numa[id] = g / 4
 		}

@@ -1,45 +1,38 @@
 package pool
 
 import (
-	"errors"
 	"fmt"
+
+	"github.com/kvpool/kvpool/pkg/poolerr"
 )
 
-// Errors returned by the pool. Each names one kind of misuse; the pool wraps
-// them with the details of the call (see errors.Is). A call that returns any of
-// them has changed nothing.
+// Errors returned by the pool, defined in pkg/poolerr (which the client
+// imports instead of the pool) and re-exported here: pool.ErrX is
+// poolerr.ErrX. Each names one kind of misuse; the pool wraps them with the
+// details of the call (see errors.Is). A call that returns any of them has
+// changed nothing.
 var (
-	// ErrFull reports that the pool cannot hold every page of an offload,
-	// counting pages whose release is still pending. It is the seed API's
-	// "offload returned False", not a misuse.
-	ErrFull = errors.New("not enough free host pages")
-	// ErrPending reports that an offload fits only once earlier reloads'
-	// copies complete; see PendingError.
-	ErrPending = errors.New("host pages still pending release")
-	// ErrNoPages reports an offload of zero pages. Like ErrFull it is the
-	// seed API's "offload returned False" (the engine then discards what it
-	// claimed), not a misuse: nothing is recorded.
-	ErrNoPages = errors.New("offload of zero pages")
-
-	ErrUnknownStream   = errors.New("unknown stream")
-	ErrDuplicateStream = errors.New("stream already offloaded")
-	ErrPageCount       = errors.New("wrong page count")
-	ErrBadSize         = errors.New("bad size")
-	ErrOutOfRange      = errors.New("page index out of range")
-	ErrDuplicateIndex  = errors.New("duplicate page index")
-	ErrBadFence        = errors.New("fence names a reload that was never issued")
-	ErrClosed          = errors.New("session closed")
-
-	ErrUnknownChunk      = errors.New("unknown chunk")
-	ErrDuplicateChunk    = errors.New("chunk already known")
-	ErrChunkBusy         = errors.New("chunk in use")
-	ErrChunkDirty        = errors.New("chunk not scrubbed since its last allocation")
-	ErrUnknownAllocation = errors.New("unknown allocation")
-	ErrAllocationExists  = errors.New("allocation already holds other chunks")
-	ErrNoCapacity        = errors.New("allocation has too few unbound chunks")
-	// ErrNoGPUChunks reports a session for a GPU of which the allocation
-	// holds no chunk: a session binds only chunks of its own GPU.
-	ErrNoGPUChunks = errors.New("allocation holds no chunk of this GPU")
+	ErrFull              = poolerr.ErrFull
+	ErrPending           = poolerr.ErrPending
+	ErrNoPages           = poolerr.ErrNoPages
+	ErrUnknownStream     = poolerr.ErrUnknownStream
+	ErrDuplicateStream   = poolerr.ErrDuplicateStream
+	ErrPageCount         = poolerr.ErrPageCount
+	ErrBadSize           = poolerr.ErrBadSize
+	ErrOutOfRange        = poolerr.ErrOutOfRange
+	ErrDuplicateIndex    = poolerr.ErrDuplicateIndex
+	ErrBadFence          = poolerr.ErrBadFence
+	ErrClosed            = poolerr.ErrClosed
+	ErrUnknownChunk      = poolerr.ErrUnknownChunk
+	ErrDuplicateChunk    = poolerr.ErrDuplicateChunk
+	ErrChunkBusy         = poolerr.ErrChunkBusy
+	ErrChunkDirty        = poolerr.ErrChunkDirty
+	ErrUnknownAllocation = poolerr.ErrUnknownAllocation
+	ErrAllocationExists  = poolerr.ErrAllocationExists
+	ErrNoCapacity        = poolerr.ErrNoCapacity
+	ErrNoGPUChunks       = poolerr.ErrNoGPUChunks
+	ErrBadName           = poolerr.ErrBadName
+	ErrNotReady          = poolerr.ErrNotReady
 )
 
 // PendingError is returned by Offload when the free pages alone are too few

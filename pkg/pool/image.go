@@ -8,10 +8,6 @@ import (
 	"sort"
 )
 
-// ErrNotReady reports that the pool (or the agent around it) cannot answer
-// yet but will: it is starting or restoring its books. The caller retries.
-var ErrNotReady = errors.New("not ready yet, retry")
-
 // EventKind names a change of the pool's chunk and allocation table.
 type EventKind uint8
 

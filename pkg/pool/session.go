@@ -1,7 +1,6 @@
 package pool
 
 import (
-	"errors"
 	"fmt"
 	"strings"
 	"sync"
@@ -40,10 +39,6 @@ const (
 	// MaxNameLen bounds request IDs and labels, in bytes.
 	MaxNameLen = 1024
 )
-
-// ErrBadName reports an empty request ID, or a request ID or label longer
-// than MaxNameLen.
-var ErrBadName = errors.New("bad request ID or label")
 
 // Session is one client's view of the pool: its pages and its stream table.
 type Session struct {

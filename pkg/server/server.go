@@ -39,6 +39,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/kvpool/kvpool/pkg/contract"
 	"github.com/kvpool/kvpool/pkg/hostmem"
 	"github.com/kvpool/kvpool/pkg/observe"
 	"github.com/kvpool/kvpool/pkg/pool"
@@ -52,8 +53,10 @@ type ChunkSource func(id string) (*hostmem.Chunk, bool)
 // names. It returns an error for unknown or revoked tokens.
 type Authorizer func(token string) (allocation string, err error)
 
-// ErrUnknownToken is what StaticTokens returns for a token it does not know.
-var ErrUnknownToken = errors.New("unknown allocation token")
+// ErrUnknownToken is what StaticTokens returns for a token it does not know
+// (contract.ErrUnknownToken); any Authorizer's error that wraps it is
+// answered "unauthorized".
+var ErrUnknownToken = contract.ErrUnknownToken
 
 // StaticTokens is an Authorizer over a fixed map of token -> allocation.
 func StaticTokens(m map[string]string) Authorizer {

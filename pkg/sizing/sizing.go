@@ -12,6 +12,7 @@ import (
 	"strings"
 
 	"github.com/kvpool/kvpool/pkg/config"
+	"github.com/kvpool/kvpool/pkg/contract"
 	"github.com/kvpool/kvpool/pkg/node"
 )
 
@@ -72,20 +73,11 @@ type GPUPlan struct {
 	Bound    string `json:"bound"`    // what limited this GPU's share
 }
 
-// ChunkID names chunk i of a GPU's pool: gpu<G>-numa<N>-<i>, with numaX
-// when the NUMA node is unknown.
-func ChunkID(gpu, numa, i int) string {
-	if numa < 0 {
-		return fmt.Sprintf("gpu%d-numaX-%d", gpu, i)
-	}
-	return fmt.Sprintf("gpu%d-numa%d-%d", gpu, numa, i)
-}
-
-// ChunkIDs lists the GPU's chunk IDs in order.
+// ChunkIDs lists the GPU's chunk IDs in order (contract.ChunkID).
 func (g GPUPlan) ChunkIDs() []string {
 	ids := make([]string, g.Chunks)
 	for i := range ids {
-		ids[i] = ChunkID(g.GPU, g.NUMA, i)
+		ids[i] = contract.ChunkID(g.GPU, g.NUMA, i)
 	}
 	return ids
 }

@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/kvpool/kvpool/pkg/config"
+	"github.com/kvpool/kvpool/pkg/contract"
 	"github.com/kvpool/kvpool/pkg/hostmem"
 	"github.com/kvpool/kvpool/pkg/node"
 )
@@ -356,7 +357,7 @@ func TestChunkIDs(t *testing.T) {
 	if got := (GPUPlan{GPU: 0, NUMA: 1, Chunks: 3}).ChunkIDs(); !reflect.DeepEqual(got, []string{"gpu0-numa1-0", "gpu0-numa1-1", "gpu0-numa1-2"}) {
 		t.Errorf("ChunkIDs = %v", got)
 	}
-	if got := ChunkID(3, -1, 7); got != "gpu3-numaX-7" {
+	if got := contract.ChunkID(3, -1, 7); got != "gpu3-numaX-7" {
 		t.Errorf("ChunkID = %q", got)
 	}
 }
@@ -411,7 +412,7 @@ func TestPlanAllocates(t *testing.T) {
 		t.Fatal(err)
 	}
 	specs := p.Specs(s.HugePages, 2)
-	if len(specs) != 4 || specs[0].ID != ChunkID(0, numa, 0) || specs[3].ID != "gpu1-numaX-1" {
+	if len(specs) != 4 || specs[0].ID != contract.ChunkID(0, numa, 0) || specs[3].ID != "gpu1-numaX-1" {
 		t.Fatalf("specs %+v", specs)
 	}
 	for r := range hostmem.AllocateAll(context.Background(), specs, slog.New(slog.DiscardHandler)) {

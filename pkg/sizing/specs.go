@@ -6,7 +6,7 @@ import (
 )
 
 // Specs turns the plan into chunk allocations for hostmem.AllocateAll, in
-// GPU order: each chunk named by ChunkID, bound to its GPU's NUMA node
+// GPU order: each chunk named by contract.ChunkID, bound to its GPU's NUMA node
 // when known, pre-faulted by workers goroutines and locked. Under the
 // "prefer" huge page policy a chunk falls back to ordinary pages if its
 // huge pages are gone by the time it is allocated.

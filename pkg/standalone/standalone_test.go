@@ -1,99 +1,102 @@
 package standalone
 
 import (
+	"context"
+	"io"
+	"log/slog"
 	"os"
 	"path/filepath"
-	"reflect"
+	"slices"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/kvpool/kvpool/pkg/contract"
 )
 
-func TestAllocations(t *testing.T) {
-	gpus := [][]string{{"g0-0", "g0-1", "g0-2"}, {"g1-0", "g1-1", "g1-2"}}
-	alloc, chunks, err := Allocations([]string{"a", "b"}, gpus)
+func quiet() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }
+
+// Start is the standalone agent of internal/agent: its chunks are in the
+// pool, named as the contract names them, granted to the tokens, and the
+// socket is there until Close.
+func TestStartServeClose(t *testing.T) {
+	sock := filepath.Join(t.TempDir(), "sock", "kvpool.sock")
+	a, err := Start(Config{GPUs: 2, ChunksPerGPU: 2, ChunkBytes: 2 << 20, Tokens: []string{"a", "b"}, Socket: sock, Logger: quiet()})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := map[string]string{"a": "standalone-0", "b": "standalone-1"}; !reflect.DeepEqual(alloc, want) {
-		t.Errorf("allocations %v, want %v", alloc, want)
+	if a.Socket != sock {
+		t.Errorf("socket %s, want %s", a.Socket, sock)
 	}
-	want := map[string][]string{"a": {"g0-0", "g0-2", "g1-0", "g1-2"}, "b": {"g0-1", "g1-1"}}
-	if !reflect.DeepEqual(chunks, want) {
-		t.Errorf("chunks %v, want %v", chunks, want)
+	if _, err := os.Stat(sock); err != nil {
+		t.Errorf("no socket after Start: %v", err)
 	}
-
-	bad := []struct {
-		name   string
-		tokens []string
-		want   string
-	}{
-		{"none", nil, "no tokens"},
-		{"empty", []string{"a", ""}, "non-empty"},
-		{"repeated", []string{"a", "a"}, "distinct"},
-		{"comma", []string{"a,b"}, "without spaces or commas"},
-		{"space", []string{"a b"}, "without spaces or commas"},
-		{"more tokens than chunks", []string{"a", "b", "c", "d"}, "4 standalone tokens need at least as many chunks per GPU; GPU 0 has 3"},
+	if n := len(a.Pool.Chunks()); n != 4 {
+		t.Errorf("%d chunks in the pool, want 4", n)
 	}
-	for _, c := range bad {
-		t.Run(c.name, func(t *testing.T) {
-			alloc, chunks, err := Allocations(c.tokens, gpus)
-			if err == nil || !strings.Contains(err.Error(), c.want) || alloc != nil || chunks != nil {
-				t.Fatalf("got %v, %v, %v; want nothing and an error containing %q", alloc, chunks, err, c.want)
-			}
-		})
+	for _, c := range a.Pool.Chunks() {
+		if g, _, _, err := contract.ParseChunkID(c.ID); err != nil || g != c.GPU {
+			t.Errorf("chunk %s of GPU %d: %v", c.ID, c.GPU, err)
+		}
+	}
+	if len(a.Tokens["a"]) != 2 || len(a.Tokens["b"]) != 2 || slices.ContainsFunc(a.Tokens["a"], func(id string) bool { return slices.Contains(a.Tokens["b"], id) }) {
+		t.Errorf("tokens %v: want two disjoint pairs", a.Tokens)
+	}
+	for tok, ids := range a.Tokens {
+		alloc := map[string]string{"a": "standalone-0", "b": "standalone-1"}[tok]
+		got, err := a.Pool.Allocation(alloc)
+		if err != nil || !slices.Equal(slices.Sorted(slices.Values(got)), slices.Sorted(slices.Values(ids))) {
+			t.Errorf("allocation %s: %v, %v; want %v", alloc, got, err, ids)
+		}
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- a.Serve(ctx) }()
+	cancel()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Errorf("Serve after its context ended: %v", err)
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("Serve did not return after its context ended")
+	}
+	if err := a.Close(); err != nil {
+		t.Errorf("Close: %v", err)
+	}
+	if _, err := os.Stat(sock); !os.IsNotExist(err) {
+		t.Errorf("socket left behind: %v", err)
 	}
 }
 
-func TestCheckSocketDir(t *testing.T) {
-	root := t.TempDir()
-	mk := func(name string, mode os.FileMode) string {
-		p := filepath.Join(root, name)
-		if err := os.Mkdir(p, mode); err != nil {
-			t.Fatal(err)
-		}
-		os.Chmod(p, mode) // past the umask
-		return p
-	}
-	own := mk("own", 0o700)
-	shared := mk("shared", 0o755)
-	world := mk("world", 0o777)
-	group := mk("group", 0o770)
-	sticky := mk("sticky", 0o1777)
-	file := filepath.Join(root, "file")
-	os.WriteFile(file, nil, 0o600)
-	link := filepath.Join(root, "link")
-	os.Symlink(own, link)
-	other := mk("other", 0o700)
-	chowned := os.Chown(other, 65534, 65534) == nil
-
+// Bad configurations fail before anything is made.
+func TestStartRefuses(t *testing.T) {
+	dir := t.TempDir()
+	world := filepath.Join(dir, "world")
+	os.Mkdir(world, 0o777)
+	os.Chmod(world, 0o777)
 	for _, c := range []struct {
-		dir, want string
+		name string
+		cfg  Config
+		want string
 	}{
-		{filepath.Join(root, "absent"), ""},
-		{own, ""},
-		{shared, ""},
-		{world, "mode 0777: group or others may write it"},
-		{group, "mode 0770"},
-		{sticky, "mode 0777"},
-		{file, "is not a directory"},
-		{link, "is not a directory (L"},
+		{"world-writable directory", Config{GPUs: 1, ChunksPerGPU: 1, ChunkBytes: 2 << 20, Socket: filepath.Join(world, "kvpool.sock")}, "group or others may write it"},
+		{"too many GPUs", Config{GPUs: 65, Socket: filepath.Join(dir, "a", "kvpool.sock")}, "want 1 to 64"},
+		{"too many tokens", Config{GPUs: 1, ChunksPerGPU: 1, ChunkBytes: 2 << 20, Tokens: []string{"a", "b"}, Socket: filepath.Join(dir, "b", "kvpool.sock")}, "2 standalone tokens need at least as many chunks per GPU"},
+		{"token with a comma", Config{GPUs: 1, ChunksPerGPU: 1, ChunkBytes: 2 << 20, Tokens: []string{"a,b"}, Socket: filepath.Join(dir, "c", "kvpool.sock")}, "without spaces or commas"},
 	} {
-		err := CheckSocketDir(c.dir)
-		if c.want == "" && err != nil || c.want != "" && (err == nil || !strings.Contains(err.Error(), c.want)) {
-			t.Errorf("CheckSocketDir(%s) = %v, want %q", filepath.Base(c.dir), err, c.want)
-		}
-	}
-	if chowned && os.Getuid() != 65534 {
-		if err := CheckSocketDir(other); err == nil || !strings.Contains(err.Error(), "is owned by uid 65534") {
-			t.Errorf("directory of another user: %v", err)
-		}
-	}
-	// Start refuses it before listening.
-	if _, err := Start(Config{GPUs: 1, ChunksPerGPU: 1, ChunkBytes: 2 << 20, Socket: filepath.Join(world, "kvpool.sock")}); err == nil ||
-		!strings.Contains(err.Error(), "group or others may write it") {
-		t.Errorf("Start in a world-writable directory: %v", err)
-	}
-	if _, err := os.Stat(filepath.Join(world, "kvpool.sock")); !os.IsNotExist(err) {
-		t.Errorf("socket created in the refused directory: %v", err)
+		t.Run(c.name, func(t *testing.T) {
+			c.cfg.Logger = quiet()
+			a, err := Start(c.cfg)
+			if err == nil || !strings.Contains(err.Error(), c.want) {
+				if a != nil {
+					a.Close()
+				}
+				t.Fatalf("Start: %v, want an error containing %q", err, c.want)
+			}
+			if _, err := os.Stat(c.cfg.Socket); !os.IsNotExist(err) {
+				t.Errorf("socket created by a refused Start: %v", err)
+			}
+		})
 	}
 }

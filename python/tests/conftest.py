@@ -79,9 +79,8 @@ def start_agent(binary, workdir, name):
     xdg = os.path.join(workdir, name + ".xdg")
     os.makedirs(xdg, exist_ok=True)
     log = os.path.join(workdir, name + ".log")
-    args = [binary, "--standalone", "--chunk-mib", "4", "--chunks-per-gpu", "4", "--gpus", "2"]
-    for t in TOKENS:
-        args += ["--token", t]
+    args = [binary, "--standalone", "--chunk-mib", "4", "--chunks-per-gpu", "4", "--standalone-gpus", "2",
+            "--standalone-tokens", ",".join(TOKENS)]
     env = dict(os.environ, XDG_RUNTIME_DIR=xdg)
     f = open(log, "w")
     proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, env=env)

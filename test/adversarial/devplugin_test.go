@@ -12,8 +12,7 @@ import (
 	"golang.org/x/sys/unix"
 	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 
-	"github.com/kvpool/kvpool/pkg/config"
-	"github.com/kvpool/kvpool/pkg/plugin"
+	"github.com/kvpool/kvpool/pkg/contract"
 	"github.com/kvpool/kvpool/pkg/plugin/kubelettest"
 	"github.com/kvpool/kvpool/pkg/sizing"
 	"github.com/kvpool/kvpool/pkg/wire"
@@ -48,7 +47,7 @@ func startClusterAgent(t *testing.T, extra ...string) *clusterAgent {
 		"--reserve-bytes", "64Mi", "--huge-pages", "never", "--metrics-address", "127.0.0.1:0",
 		"--health-address", "127.0.0.1:0", "--reclaim-interval", "100ms", "--reclaim-grace-period", "200ms"}, extra...)
 	c.agentProc = launch(t, args...)
-	c.socket = filepath.Join(sock, config.SocketFile)
+	c.socket = filepath.Join(sock, contract.SocketFile)
 	c.cluster = true
 	c.kubelet.WaitRegister(30 * time.Second)
 	c.kubelet.WaitList(func(l []*pluginapi.Device) bool { return len(l) == 8 })
@@ -63,14 +62,14 @@ func startClusterAgent(t *testing.T, extra ...string) *clusterAgent {
 // grant lists ids as held by pod and allocates them; it returns the token.
 func (c *clusterAgent) grant(t *testing.T, pod string, ids ...string) string {
 	t.Helper()
-	c.pods.SetPods(map[string]map[string][]string{pod: {config.DefaultResourceName: ids}})
+	c.pods.SetPods(map[string]map[string][]string{pod: {contract.DefaultResourceName: ids}})
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	resp, err := c.kubelet.Client().Allocate(ctx, &pluginapi.AllocateRequest{ContainerRequests: []*pluginapi.ContainerAllocateRequest{{DevicesIds: ids}}})
 	if err != nil {
 		t.Fatal(err)
 	}
-	return resp.ContainerResponses[0].Envs[plugin.EnvToken]
+	return resp.ContainerResponses[0].Envs[contract.EnvToken]
 }
 
 // podGone empties PodResources: every allocation is reclaimed at the next
@@ -145,11 +144,11 @@ func TestRow03MappingKeptAcrossReclaim(t *testing.T) {
 	var token string
 	for token == "" && time.Now().Before(deadline) {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		c.pods.SetPods(map[string]map[string][]string{"pod-new": {config.DefaultResourceName: ids}})
+		c.pods.SetPods(map[string]map[string][]string{"pod-new": {contract.DefaultResourceName: ids}})
 		resp, err := c.kubelet.Client().Allocate(ctx, &pluginapi.AllocateRequest{ContainerRequests: []*pluginapi.ContainerAllocateRequest{{DevicesIds: ids}}})
 		cancel()
 		if err == nil {
-			token = resp.ContainerResponses[0].Envs[plugin.EnvToken]
+			token = resp.ContainerResponses[0].Envs[contract.EnvToken]
 		} else {
 			time.Sleep(100 * time.Millisecond)
 		}

@@ -100,8 +100,8 @@ const (
 func agentArgs(dir string) []string {
 	return []string{"--standalone", "--log-format", "json",
 		"--socket", filepath.Join(dir, "sock", "kvpool.sock"), "--state-dir", filepath.Join(dir, "state"),
-		"--token", goodToken, "--token", evilToken, "--token", otherToken,
-		"--gpus", "2", "--chunks-per-gpu", strconv.Itoa(chunksPerGPU), "--chunk-mib", strconv.Itoa(chunkMiB),
+		"--standalone-tokens", goodToken + "," + evilToken + "," + otherToken,
+		"--standalone-gpus", "2", "--chunks-per-gpu", strconv.Itoa(chunksPerGPU), "--chunk-mib", strconv.Itoa(chunkMiB),
 		"--max-conns", strconv.Itoa(limConns), "--max-conns-per-uid", strconv.Itoa(limConns),
 		"--max-conns-per-pid", strconv.Itoa(limConnsPerPID),
 		"--hello-timeout", limHello.String(), "--open-timeout", limOpen.String(),

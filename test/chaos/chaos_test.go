@@ -136,11 +136,8 @@ func TestAgentRestartChaos(t *testing.T) {
 	waitFor(t, func() bool { _, err := keeper.Query(keeperSock); return err == nil })
 
 	args := []string{"--standalone", "--socket", agentSock, "--keeper-socket", keeperSock,
-		"--gpus", strconv.Itoa(gpus), "--chunks-per-gpu", strconv.Itoa(chunksPerGPU), "--chunk-mib", strconv.Itoa(chunkMiB),
-		"--state-dir", filepath.Join(dir, "state"), "--log-level", "info"}
-	for _, tok := range tokens {
-		args = append(args, "--token", tok)
-	}
+		"--standalone-gpus", strconv.Itoa(gpus), "--chunks-per-gpu", strconv.Itoa(chunksPerGPU), "--chunk-mib", strconv.Itoa(chunkMiB),
+		"--state-dir", filepath.Join(dir, "state"), "--log-level", "info", "--standalone-tokens", strings.Join(tokens, ",")}
 	start := func() *agentProc {
 		a := &agentProc{cmd: exec.Command(agentBin, args...), log: &syncBuf{}}
 		a.cmd.Stderr = a.log

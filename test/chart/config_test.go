@@ -11,6 +11,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/kvpool/kvpool/pkg/config"
+	"github.com/kvpool/kvpool/pkg/contract"
 )
 
 // TestSampleAgentConfig: config/agent.yaml loads with the agent's loader, is
@@ -114,21 +115,21 @@ func checkClientPod(t *testing.T, spec corev1.PodSpec) {
 	t.Helper()
 	var asked bool
 	for _, c := range spec.Containers {
-		q, ok := c.Resources.Limits[corev1.ResourceName(config.DefaultResourceName)]
+		q, ok := c.Resources.Limits[corev1.ResourceName(contract.DefaultResourceName)]
 		if !ok {
 			continue
 		}
 		asked = true
 		if q.Sign() <= 0 || q.Cmp(*resource.NewQuantity(q.Value(), resource.DecimalSI)) != 0 {
-			t.Errorf("%s: %s = %s, want a positive whole number of chunks", c.Name, config.DefaultResourceName, q.String())
+			t.Errorf("%s: %s = %s, want a positive whole number of chunks", c.Name, contract.DefaultResourceName, q.String())
 		}
-		if r, ok := c.Resources.Requests[corev1.ResourceName(config.DefaultResourceName)]; ok && r.Cmp(q) != 0 {
+		if r, ok := c.Resources.Requests[corev1.ResourceName(contract.DefaultResourceName)]; ok && r.Cmp(q) != 0 {
 			t.Errorf("%s: extended resource request %s != limit %s", c.Name, r.String(), q.String())
 		}
 		// The socket path and the token come from Allocate; a value in the
 		// spec would shadow or contradict them.
 		for _, e := range c.Env {
-			if e.Name == config.EnvSocket || e.Name == config.EnvToken {
+			if e.Name == contract.EnvSocket || e.Name == contract.EnvToken {
 				t.Errorf("%s: sets %s itself; Allocate provides it", c.Name, e.Name)
 			}
 		}
@@ -137,7 +138,7 @@ func checkClientPod(t *testing.T, spec corev1.PodSpec) {
 		}
 	}
 	if !asked {
-		t.Errorf("no container requests %s", config.DefaultResourceName)
+		t.Errorf("no container requests %s", contract.DefaultResourceName)
 	}
 	for _, v := range spec.Volumes {
 		if v.HostPath != nil {

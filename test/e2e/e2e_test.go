@@ -152,8 +152,8 @@ func TestAgentAndClientsAcrossProcesses(t *testing.T) {
 	agentBin, clientBin := build(t, dir)
 	sock := filepath.Join(dir, "sock", "kvpool.sock")
 	const token = "e2e-token"
-	agent := start(t, agentBin, "--standalone", "--socket", sock, "--gpus", "3", "--chunks-per-gpu", "1",
-		"--chunk-mib", "4", "--token", token)
+	agent := start(t, agentBin, "--standalone", "--socket", sock, "--standalone-gpus", "3", "--chunks-per-gpu", "1",
+		"--chunk-mib", "4", "--standalone-tokens", token)
 	waitSocket(t, sock)
 
 	client := func(gpu int, extra ...string) *proc {
@@ -209,19 +209,25 @@ func TestAgentAndClientsAcrossProcesses(t *testing.T) {
 	}
 }
 
-// TestBenchCommand runs `agent bench --json` as a user would (embedded agent,
+// TestBenchCommand runs `kvbench --json` as a user would (embedded agent,
 // worker processes) and checks its report.
 func TestBenchCommand(t *testing.T) {
 	if testing.Short() {
 		t.Skip("builds and runs binaries")
 	}
-	agentBin, _ := build(t, t.TempDir())
-	cmd := exec.Command(agentBin, "bench", "--json", "--duration", "1s", "--page-kib", "16", "--max-pages", "64")
+	dir := t.TempDir()
+	bench := filepath.Join(dir, "kvbench")
+	b := exec.Command(goTool(t), "build", "-o", bench, "./cmd/kvbench")
+	b.Dir = "../.."
+	if out, err := b.CombinedOutput(); err != nil {
+		t.Fatalf("build ./cmd/kvbench: %v\n%s", err, out)
+	}
+	cmd := exec.Command(bench, "--json", "--duration", "1s", "--page-kib", "16", "--max-pages", "64")
 	var stderr strings.Builder
 	cmd.Stderr = &stderr
 	out, err := cmd.Output()
 	if err != nil {
-		t.Fatalf("agent bench: %v\n%s\n%s", err, out, stderr.String())
+		t.Fatalf("kvbench: %v\n%s\n%s", err, out, stderr.String())
 	}
 	var rep struct {
 		Workers    int `json:"workers"`

@@ -1,9 +1,16 @@
+// Command kvbench runs a verified workload against a kvpool agent and
+// reports figures: round trip and copy time per operation against the floor
+// of a bare echo between the same processes.
+//
+//	kvbench [--json] [--workers N] [--duration d]     embedded standalone agent
+//	kvbench --socket PATH --token T                    a running agent
 package main
 
 import (
 	"bufio"
 	"context"
 	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -12,11 +19,13 @@ import (
 	"net"
 	"os"
 	"os/exec"
+	"os/signal"
 	"path/filepath"
 	"sort"
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"text/tabwriter"
 	"time"
 
@@ -25,7 +34,7 @@ import (
 	"github.com/kvpool/kvpool/pkg/wire"
 )
 
-// benchReport is what `agent bench` prints (as a table, or as JSON).
+// benchReport is what kvbench prints (as a table, or as JSON).
 type benchReport struct {
 	Workers     int            `json:"workers"`
 	DurationSec float64        `json:"duration_s"`
@@ -54,9 +63,22 @@ type benchOpStats struct {
 
 func us(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1e3 }
 
-// runBench is `agent bench`.
-func runBench(ctx context.Context, args []string) error {
-	fs := flag.NewFlagSet("agent bench", flag.ContinueOnError)
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	err := run(ctx, os.Args[1:])
+	stop()
+	if errors.Is(err, flag.ErrHelp) {
+		os.Exit(0)
+	}
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "kvbench: %v\n", err)
+		os.Exit(1)
+	}
+}
+
+// run is kvbench with its arguments.
+func run(ctx context.Context, args []string) error {
+	fs := flag.NewFlagSet("kvbench", flag.ContinueOnError)
 	socket := fs.String("socket", "", "a running agent's socket (default: start an embedded standalone agent)")
 	token := fs.String("token", os.Getenv("KVPOOL_TOKEN"), "allocation token, with --socket")
 	workers := fs.Int("workers", 2, "client processes, one session each on GPUs 0..workers-1")
@@ -102,7 +124,7 @@ func runBench(ctx context.Context, args []string) error {
 		for t := range a.Tokens {
 			cfg.Token = t
 		}
-		fmt.Fprintf(os.Stderr, "bench: embedded standalone agent on %s (%d GPUs)\n", a.Socket, *workers)
+		fmt.Fprintf(os.Stderr, "kvbench: embedded standalone agent on %s (%d GPUs)\n", a.Socket, *workers)
 	} else if cfg.Token == "" {
 		return fmt.Errorf("--socket needs --token or $KVPOOL_TOKEN")
 	}
@@ -133,7 +155,7 @@ func runBench(ctx context.Context, args []string) error {
 	var wg sync.WaitGroup
 	start := time.Now()
 	for i := range *workers {
-		cmd := exec.CommandContext(ctx, self, "bench", "--worker", "--socket", cfg.Socket, "--token", cfg.Token,
+		cmd := exec.CommandContext(ctx, self, "--worker", "--socket", cfg.Socket, "--token", cfg.Token,
 			"--gpu", strconv.Itoa(i), "--duration", dur.String(), "--page-kib", strconv.Itoa(*pageKiB),
 			"--max-pages", strconv.Itoa(*maxPages), "--echo", echoSock)
 		cmd.Stderr = os.Stderr

@@ -1,4 +1,4 @@
-package main
+package agent
 
 import (
 	"context"
@@ -29,6 +29,10 @@ import (
 // writes only changes, at a bounded rate).
 const statusInterval = 5 * time.Second
 
+// inClusterConfig is the service account's API server config; tests
+// replace it.
+var inClusterConfig = rest.InClusterConfig
+
 // kubeParts are the agent's API server clients: the Node it runs on, its
 // events and its KVPoolNode status.
 type kubeParts struct {
@@ -42,8 +46,8 @@ type kubeParts struct {
 
 // restConfig finds the API server: --kubeconfig, else $KUBECONFIG, else the
 // in-cluster service account. It returns nil, "" when there is none.
-func restConfig(s *serveSetup, getenv func(string) string) (*rest.Config, string, error) {
-	path := s.flags.kubeconfig
+func restConfig(kubeconfig string, getenv func(string) string) (*rest.Config, string, error) {
+	path := kubeconfig
 	if path == "" {
 		path = getenv("KUBECONFIG")
 	}
@@ -67,8 +71,8 @@ func restConfig(s *serveSetup, getenv func(string) string) (*rest.Config, string
 // connectKube connects to the API server and reads the Node. Without a
 // kubeconfig outside a pod it returns nil: the agent then sizes without
 // the Node's allocatable memory and writes no status or events.
-func connectKube(ctx context.Context, s *serveSetup, log *slog.Logger) (*kubeParts, error) {
-	rc, from, err := restConfig(s, os.Getenv)
+func connectKube(ctx context.Context, kubeconfig string, log *slog.Logger) (*kubeParts, error) {
+	rc, from, err := restConfig(kubeconfig, os.Getenv)
 	if err != nil {
 		return nil, err
 	}
@@ -141,7 +145,7 @@ func (k *kubeParts) startStatus(ctx context.Context, a *agent, wg *sync.WaitGrou
 				Ready:        r.OK(),
 				Reason:       r.Reason(),
 				ResourceName: a.cfg.ResourceName,
-				AgentVersion: version,
+				AgentVersion: a.opts.Version,
 				Restart:      a.restartStatus(),
 				// Degraded while the plugin reports unhealthy chunks.
 				UnhealthyChunks: a.plug.UnhealthyChunks(),

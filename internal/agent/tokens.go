@@ -1,0 +1,133 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/kvpool/kvpool/pkg/contract"
+	"github.com/kvpool/kvpool/pkg/plugin"
+	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/server"
+)
+
+// prepareTokens decides the standalone allocations: each token gets every
+// n-th chunk of each GPU. With the device plugin the plugin hands out
+// tokens instead.
+func (a *agent) prepareTokens() error {
+	if !a.opts.Standalone {
+		return nil
+	}
+	if a.opts.DevicePlugin {
+		if !a.opts.RandomToken {
+			a.log.Warn("standalone tokens are ignored with --device-plugin: kubelet's Allocate hands out the tokens")
+		}
+		return nil
+	}
+	toks := a.cfg.Standalone.Tokens
+	if a.opts.RandomToken {
+		toks = []string{contract.NewToken()}
+	}
+	gpus := make([][]string, len(a.plan.GPUs))
+	for i, g := range a.plan.GPUs {
+		gpus[i] = g.ChunkIDs()
+	}
+	static, chunks, err := Allocations(toks, gpus)
+	if err != nil {
+		return err
+	}
+	a.static, a.tokenChunks = static, chunks
+	return nil
+}
+
+// authorize resolves an allocation token: a standalone token, or one the
+// device plugin handed out in Allocate.
+func (a *agent) authorize(token string) (string, error) {
+	if alloc, ok := a.static[token]; ok {
+		if !a.granted.Load() {
+			return "", fmt.Errorf("%w: the pool is still being allocated", pool.ErrNotReady)
+		}
+		return alloc, nil
+	}
+	if a.plug != nil {
+		alloc, err := a.plug.Plugin.Authorize(token)
+		if errors.Is(err, pool.ErrNotReady) {
+			return "", err
+		}
+		if err != nil {
+			return "", fmt.Errorf("%w: %v", server.ErrUnknownToken, err)
+		}
+		return alloc, nil
+	}
+	return "", server.ErrUnknownToken
+}
+
+// authorizePeer is authorize with the client's credentials: a token the
+// device plugin handed out works only from its pod when tokenBinding is
+// "pod" (plugin.Plugin.AuthorizePeer).
+func (a *agent) authorizePeer(ctx context.Context, token string, peer server.Peer) (string, error) {
+	if _, ok := a.static[token]; ok || a.plug == nil {
+		return a.authorize(token)
+	}
+	alloc, err := a.plug.Plugin.AuthorizePeer(ctx, token, peer.PID)
+	if err != nil {
+		if errors.Is(err, pool.ErrNotReady) {
+			return "", err // restored, its chunks not yet back: "retry"
+		}
+		if errors.Is(err, plugin.ErrUnknownToken) {
+			return "", fmt.Errorf("%w: %v", server.ErrUnknownToken, err)
+		}
+		// At most one line a second: a pod retrying in a loop must not
+		// flood the log.
+		n := a.refused.Add(1)
+		if now := time.Now().UnixNano(); now-a.refusedLogged.Load() >= int64(time.Second) {
+			a.refusedLogged.Store(now)
+			a.refused.Store(0)
+			a.log.Warn("token refused", "pid", peer.PID, "uid", peer.UID, "refusedSinceLastLine", n, "err", err)
+		}
+		return "", err
+	}
+	return alloc, nil
+}
+
+// grantStatic grants the standalone tokens their ready chunks.
+func (a *agent) grantStatic() {
+	if a.static == nil {
+		return
+	}
+	a.mu.RLock()
+	have := map[string]bool{}
+	for id := range a.hmem {
+		have[id] = true
+	}
+	a.mu.RUnlock()
+	for tok, alloc := range a.static {
+		var ids []string
+		for _, id := range a.tokenChunks[tok] {
+			if have[id] {
+				ids = append(ids, id)
+			}
+		}
+		a.tokenChunks[tok] = ids
+		if len(ids) == 0 {
+			a.log.Error("standalone token has no ready chunk", "allocation", alloc)
+			continue
+		}
+		if err := a.pool.Grant(alloc, ids); err != nil {
+			a.log.Error("granting standalone chunks", "allocation", alloc, "err", err)
+			continue
+		}
+		a.log.Info("allocation", "token", tok, "chunks", strings.Join(ids, ","))
+	}
+	a.granted.Store(true)
+	var first string
+	for tok := range a.static {
+		if first == "" || tok < first {
+			first = tok
+		}
+	}
+	a.log.Info("standalone tokens granted",
+		"try", fmt.Sprintf("KVPOOL_SOCKET=%s KVPOOL_TOKEN=%s go run ./cmd/kvclient", a.socket, first))
+}

@@ -1,0 +1,55 @@
+// Package poolerr holds the pool's error values: the kinds of failure a
+// session call can meet, which the socket server turns into wire statuses
+// and the client turns back into the same values. pkg/pool re-exports them
+// (pool.ErrUnknownStream is poolerr.ErrUnknownStream), so errors.Is works on
+// both sides; the client imports this package instead of the pool.
+//
+// It imports only the standard library.
+package poolerr
+
+import "errors"
+
+// Errors of the pool. Each names one kind of misuse; the pool wraps them
+// with the details of the call (see errors.Is). A call that returns any of
+// them has changed nothing.
+var (
+	// ErrFull reports that the pool cannot hold every page of an offload,
+	// counting pages whose release is still pending. It is the seed API's
+	// "offload returned False", not a misuse.
+	ErrFull = errors.New("not enough free host pages")
+	// ErrPending reports that an offload fits only once earlier reloads'
+	// copies complete; see pool.PendingError.
+	ErrPending = errors.New("host pages still pending release")
+	// ErrNoPages reports an offload of zero pages. Like ErrFull it is the
+	// seed API's "offload returned False" (the engine then discards what it
+	// claimed), not a misuse: nothing is recorded.
+	ErrNoPages = errors.New("offload of zero pages")
+
+	ErrUnknownStream   = errors.New("unknown stream")
+	ErrDuplicateStream = errors.New("stream already offloaded")
+	ErrPageCount       = errors.New("wrong page count")
+	ErrBadSize         = errors.New("bad size")
+	ErrOutOfRange      = errors.New("page index out of range")
+	ErrDuplicateIndex  = errors.New("duplicate page index")
+	ErrBadFence        = errors.New("fence names a reload that was never issued")
+	ErrClosed          = errors.New("session closed")
+	// ErrBadName reports an empty request ID, or a request ID or label
+	// longer than the pool's bound.
+	ErrBadName = errors.New("bad request ID or label")
+
+	ErrUnknownChunk      = errors.New("unknown chunk")
+	ErrDuplicateChunk    = errors.New("chunk already known")
+	ErrChunkBusy         = errors.New("chunk in use")
+	ErrChunkDirty        = errors.New("chunk not scrubbed since its last allocation")
+	ErrUnknownAllocation = errors.New("unknown allocation")
+	ErrAllocationExists  = errors.New("allocation already holds other chunks")
+	ErrNoCapacity        = errors.New("allocation has too few unbound chunks")
+	// ErrNoGPUChunks reports a session for a GPU of which the allocation
+	// holds no chunk: a session binds only chunks of its own GPU.
+	ErrNoGPUChunks = errors.New("allocation holds no chunk of this GPU")
+
+	// ErrNotReady reports that the pool (or the agent around it) cannot
+	// answer yet but will: it is starting or restoring its books. The
+	// caller retries.
+	ErrNotReady = errors.New("not ready yet, retry")
+)
