@@ -19,9 +19,11 @@ agent:
 test:
 	go test -race ./...
 
+# go vet, gofmt, then golangci-lint (.golangci.yml) at the version hack/lint.sh pins.
 lint:
 	go vet ./...
 	@files=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$files" ]; then echo "gofmt needed on: $$files"; exit 1; fi
+	hack/lint.sh
 
 # Render, lint and check the Helm chart with the Helm v4 SDK (no helm binary needed).
 chart-test:

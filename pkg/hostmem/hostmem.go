@@ -129,9 +129,10 @@ const Seals = unix.F_SEAL_SHRINK | unix.F_SEAL_GROW | unix.F_SEAL_SEAL
 // create makes the memfd, sizes it, seals it and maps it.
 func (c *Chunk) create(name string, ps int64) error {
 	flags := unix.MFD_CLOEXEC | unix.MFD_ALLOW_SEALING
-	if ps == hugePage2M {
+	switch ps {
+	case hugePage2M:
 		flags |= unix.MFD_HUGETLB | unix.MFD_HUGE_2MB
-	} else if ps == hugePage1G {
+	case hugePage1G:
 		flags |= unix.MFD_HUGETLB | unix.MFD_HUGE_1GB
 	}
 	huge := flags&unix.MFD_HUGETLB != 0
