@@ -11,6 +11,7 @@ import (
 	"sort"
 	"strings"
 
+	"github.com/kvpool/kvpool/internal/bytesize"
 	"github.com/kvpool/kvpool/pkg/config"
 	"github.com/kvpool/kvpool/pkg/node"
 )
@@ -142,16 +143,16 @@ func Make(s config.Sizing, in Input) (*Plan, error) {
 	}
 	plus := ""
 	if hugeBytes > 0 {
-		plus = " + " + fmtBytes(hugeBytes) + " free huge pages"
+		plus = " + " + bytesize.Approx(hugeBytes) + " free huge pages"
 	}
 	hard := []Limit{{BoundAvailable, n.MemAvailable - int64(s.ReserveBytes),
-		fmt.Sprintf("%s - %s", fmtBytes(n.MemAvailable), fmtBytes(int64(s.ReserveBytes)))}}
+		fmt.Sprintf("%s - %s", bytesize.Approx(n.MemAvailable), bytesize.Approx(int64(s.ReserveBytes)))}}
 	if n.Cgroup.Limit != node.Unlimited {
 		hard = append(hard, Limit{BoundCgroup, n.Cgroup.Limit - int64(s.CgroupHeadroomBytes),
-			fmt.Sprintf("%s - %s", fmtBytes(n.Cgroup.Limit), fmtBytes(int64(s.CgroupHeadroomBytes)))})
+			fmt.Sprintf("%s - %s", bytesize.Approx(n.Cgroup.Limit), bytesize.Approx(int64(s.CgroupHeadroomBytes)))})
 	}
 	if in.Allocatable > 0 {
-		hard = append(hard, Limit{BoundAllocatable, in.Allocatable, fmtBytes(in.Allocatable)})
+		hard = append(hard, Limit{BoundAllocatable, in.Allocatable, bytesize.Approx(in.Allocatable)})
 	}
 	// regular is the budget for ordinary pages: the tightest bound alone.
 	regular := hard[0]
@@ -174,12 +175,12 @@ func Make(s config.Sizing, in Input) (*Plan, error) {
 	// The policy's target.
 	var target Limit
 	if s.PoolBytes > 0 {
-		target = Limit{BoundPoolBytes, int64(s.PoolBytes), fmtBytes(int64(s.PoolBytes))}
+		target = Limit{BoundPoolBytes, int64(s.PoolBytes), bytesize.Approx(int64(s.PoolBytes))}
 	} else {
 		v := max(usable.Bytes, 0)
 		f := new(big.Float).Mul(big.NewFloat(s.Fraction), new(big.Float).SetInt64(v))
 		t, _ := f.Int64()
-		target = Limit{BoundFraction, t, fmt.Sprintf("%g x %s (%s)", s.Fraction, fmtBytes(v), usable.Name)}
+		target = Limit{BoundFraction, t, fmt.Sprintf("%g x %s (%s)", s.Fraction, bytesize.Approx(v), usable.Name)}
 	}
 	p.Limits = append([]Limit{target}, hard...)
 	bound := target
@@ -190,7 +191,7 @@ func Make(s config.Sizing, in Input) (*Plan, error) {
 	}
 	p.Bound = bound.Name
 	if bound.Bytes < chunk {
-		return p, fmt.Errorf("sizing: no room for even one chunk (%s): %s is %s = %s", fmtBytes(chunk), bound.Name, bound.How, fmtBytes(bound.Bytes))
+		return p, fmt.Errorf("sizing: no room for even one chunk (%s): %s is %s = %s", bytesize.Approx(chunk), bound.Name, bound.How, bytesize.Approx(bound.Bytes))
 	}
 
 	// Split between GPUs.
@@ -203,27 +204,27 @@ func Make(s config.Sizing, in Input) (*Plan, error) {
 	left := map[[2]int64]int64{} // (numa, page size) -> free huge pages not yet planned
 	for _, g := range gpus {
 		share := bound.Bytes / int64(len(gpus))
-		how := fmt.Sprintf("%s / %d GPUs", fmtBytes(bound.Bytes), len(gpus))
+		how := fmt.Sprintf("%s / %d GPUs", bytesize.Approx(bound.Bytes), len(gpus))
 		if s.Split == config.SplitMemory {
 			var x big.Int
 			x.Mul(big.NewInt(bound.Bytes), big.NewInt(g.Memory))
 			x.Quo(&x, &memSum)
 			share = x.Int64()
-			how = fmt.Sprintf("%s x %s / %s of GPU memory", fmtBytes(bound.Bytes), fmtBytes(g.Memory), fmtBytes(memSum.Int64()))
+			how = fmt.Sprintf("%s x %s / %s of GPU memory", bytesize.Approx(bound.Bytes), bytesize.Approx(g.Memory), bytesize.Approx(memSum.Int64()))
 		}
 		gp := GPUPlan{GPU: g.Index, UUID: g.UUID, NUMA: g.NUMA, Bound: bound.Name}
 		if s.MaxPerGPU > 0 && share > int64(s.MaxPerGPU) {
-			share, gp.Bound, how = int64(s.MaxPerGPU), BoundMaxPerGPU, fmtBytes(int64(s.MaxPerGPU))
+			share, gp.Bound, how = int64(s.MaxPerGPU), BoundMaxPerGPU, bytesize.Approx(int64(s.MaxPerGPU))
 		}
 		gp.Chunks = int(share / chunk)
 		gp.Bytes = int64(gp.Chunks) * chunk
 		if gp.Chunks == 0 {
 			return p, fmt.Errorf("sizing: GPU %d would get %s, less than one chunk (sizing.chunkBytes %s); bound by %s (%s)",
-				g.Index, fmtBytes(share), fmtBytes(chunk), gp.Bound, how)
+				g.Index, bytesize.Approx(share), bytesize.Approx(chunk), gp.Bound, how)
 		}
 		if gp.Bytes < int64(s.MinPerGPU) {
 			return p, fmt.Errorf("sizing: GPU %d would get %s, less than sizing.minPerGPU %s; bound by %s (%s)",
-				g.Index, fmtBytes(gp.Bytes), fmtBytes(int64(s.MinPerGPU)), gp.Bound, how)
+				g.Index, bytesize.Approx(gp.Bytes), bytesize.Approx(int64(s.MinPerGPU)), gp.Bound, how)
 		}
 		ps, warn, err := pageSize(s.HugePages, n, g, gp, chunk, base, left)
 		if err != nil {
@@ -239,13 +240,13 @@ func Make(s config.Sizing, in Input) (*Plan, error) {
 				gp.Chunks = int(max(regularLeft, 0) / chunk)
 				gp.Bytes = int64(gp.Chunks) * chunk
 				gp.Bound = regular.Name
-				how := fmt.Sprintf("%s is %s, %s of it left for 4 KiB pages", regular.Name, regular.How, fmtBytes(max(regularLeft, 0)))
+				how := fmt.Sprintf("%s is %s, %s of it left for 4 KiB pages", regular.Name, regular.How, bytesize.Approx(max(regularLeft, 0)))
 				if gp.Chunks == 0 {
 					return p, fmt.Errorf("sizing: GPU %d has no huge pages and no room for one chunk of ordinary pages: %s", g.Index, how)
 				}
 				if gp.Bytes < int64(s.MinPerGPU) {
 					return p, fmt.Errorf("sizing: GPU %d would get %s of ordinary pages, less than sizing.minPerGPU %s: %s",
-						g.Index, fmtBytes(gp.Bytes), fmtBytes(int64(s.MinPerGPU)), how)
+						g.Index, bytesize.Approx(gp.Bytes), bytesize.Approx(int64(s.MinPerGPU)), how)
 				}
 			}
 			regularLeft -= gp.Bytes
@@ -282,37 +283,14 @@ func pageSize(policy string, n *node.Info, g GPU, gp GPUPlan, chunk, base int64,
 			left[key] = free - need
 			return hs, "", nil
 		}
-		tried = append(tried, fmt.Sprintf("%d free %s pages of %d needed", free, fmtBytes(hs), need))
+		tried = append(tried, fmt.Sprintf("%d free %s pages of %d needed", free, bytesize.Approx(hs), need))
 	}
-	msg := fmt.Sprintf("GPU %d: not enough huge pages on %s for %s (%s)", g.Index, where, fmtBytes(gp.Bytes), strings.Join(tried, ", "))
+	msg := fmt.Sprintf("GPU %d: not enough huge pages on %s for %s (%s)", g.Index, where, bytesize.Approx(gp.Bytes), strings.Join(tried, ", "))
 	if policy == config.HugePagesRequire {
 		return 0, "", fmt.Errorf("sizing: %s, and sizing.hugePages is %q", msg, policy)
 	}
-	return base, msg + fmt.Sprintf("; using %s pages", fmtBytes(base)), nil
+	return base, msg + fmt.Sprintf("; using %s pages", bytesize.Approx(base)), nil
 }
-
-// fmtBytes writes b in the largest binary unit not above it: whole
-// ("64Gi") when exact, else to one decimal ("21.4Gi").
-func fmtBytes(b int64) string {
-	if b < 0 {
-		return "-" + fmtBytes(-b)
-	}
-	for _, u := range []struct {
-		suf  string
-		size int64
-	}{{"Ti", 1 << 40}, {"Gi", 1 << 30}, {"Mi", 1 << 20}, {"Ki", 1 << 10}} {
-		if b >= u.size {
-			if b%u.size == 0 {
-				return fmt.Sprintf("%d%s", b/u.size, u.suf)
-			}
-			return fmt.Sprintf("%.1f%s", float64(b)/float64(u.size), u.suf)
-		}
-	}
-	return fmt.Sprint(b)
-}
-
-// FormatBytes is fmtBytes for callers printing a plan.
-func FormatBytes(b int64) string { return fmtBytes(b) }
 
 // Standalone returns the sizing policy used in --standalone mode: the pool
 // is c.Standalone.PoolBytes, and the chunk shrinks (to a multiple of 2Mi)
