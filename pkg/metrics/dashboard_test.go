@@ -16,7 +16,7 @@ import (
 	"github.com/kvpool/kvpool/pkg/pool"
 )
 
-const dashboardPath = "../../config/grafana/kvpool-dashboard.json"
+const dashboardPath = "../../charts/kvpool/dashboards/kvpool-dashboard.json"
 
 // exported runs a workload that touches every metric and returns each series
 // name the agent exports (histograms as _bucket, _sum and _count) with its
