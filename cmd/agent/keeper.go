@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 
+	"github.com/kvpool/kvpool/internal/bytesize"
 	"github.com/kvpool/kvpool/pkg/keeper"
 	"github.com/kvpool/kvpool/pkg/logging"
 )
@@ -53,6 +54,6 @@ Stopping it frees the pool: a later agent starts fresh.
 	err = k.Serve(ctx, l)
 	st := k.Stat()
 	k.Close()
-	log.Info("keeper stopped; the pool's memory is released", "chunks", st.Chunks, "bytes", st.Bytes)
+	log.Info("keeper stopped; the pool's memory is released", "chunks", st.Chunks, bytesize.Attr("bytes", st.Bytes))
 	return err
 }

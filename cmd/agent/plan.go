@@ -16,6 +16,7 @@ import (
 	"k8s.io/client-go/rest"
 
 	"github.com/kvpool/kvpool/internal/agent"
+	"github.com/kvpool/kvpool/internal/bytesize"
 	"github.com/kvpool/kvpool/pkg/config"
 	"github.com/kvpool/kvpool/pkg/gpu"
 	"github.com/kvpool/kvpool/pkg/node"
@@ -146,7 +147,7 @@ func allocatable(ctx context.Context, getenv func(string) string) (int64, error)
 }
 
 func printPlan(out io.Writer, r planReport) {
-	b := sizing.FormatBytes
+	b := bytesize.Approx
 	p := r.Plan
 	cg := "none"
 	if r.Node.CgroupLimit >= 0 {

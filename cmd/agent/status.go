@@ -12,8 +12,7 @@ import (
 	"text/tabwriter"
 	"time"
 
-	"k8s.io/apimachinery/pkg/api/resource"
-
+	"github.com/kvpool/kvpool/internal/bytesize"
 	"github.com/kvpool/kvpool/pkg/status"
 )
 
@@ -100,8 +99,6 @@ func envOr(key, def string) string {
 	return def
 }
 
-func bytesStr(n int64) string { return resource.NewQuantity(n, resource.BinarySI).String() }
-
 func dash(s string) string {
 	if s == "" {
 		return "-"
@@ -131,10 +128,10 @@ func printStatus(out io.Writer, r status.Report) error {
 	row := func(name, numa string, g status.GPU) {
 		target := "-"
 		if g.TargetBytes > 0 {
-			target = bytesStr(g.TargetBytes)
+			target = bytesize.Exact(g.TargetBytes)
 		}
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%d/%d/%d\t%d\t%d\t%d/%d/%d\n", name, numa, target,
-			bytesStr(g.ReadyBytes), bytesStr(g.AllocatedBytes), bytesStr(g.UsedBytes),
+			bytesize.Exact(g.ReadyBytes), bytesize.Exact(g.AllocatedBytes), bytesize.Exact(g.UsedBytes),
 			g.Chunks.Free, g.Chunks.Granted, g.Chunks.Dirty, g.Sessions, g.Streams, g.PagesUsed, g.PagesPending, g.PagesTotal)
 	}
 	for _, g := range r.GPUs {
@@ -154,7 +151,7 @@ func printStatus(out io.Writer, r status.Report) error {
 	} else {
 		fmt.Fprintln(tw, "ALLOCATION\tGPU\tPAGE SIZE\tCHUNKS\tPAGES\tUSED\tPENDING\tSTREAMS\tREQUESTS")
 		for _, s := range r.Sessions {
-			fmt.Fprintf(tw, "%s\t%d\t%s\t%d\t%d\t%d\t%d\t%d\t%d\n", s.Allocation, s.GPU, bytesStr(s.PageSize),
+			fmt.Fprintf(tw, "%s\t%d\t%s\t%d\t%d\t%d\t%d\t%d\t%d\n", s.Allocation, s.GPU, bytesize.Exact(s.PageSize),
 				s.Chunks, s.Pages, s.Used, s.Pending, s.Streams, s.Requests)
 		}
 	}

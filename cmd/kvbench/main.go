@@ -119,7 +119,12 @@ func run(ctx context.Context, args []string) error {
 		sctx, cancel := context.WithCancel(ctx)
 		done := make(chan error, 1)
 		go func() { done <- a.Serve(sctx) }()
-		defer func() { cancel(); <-done }()
+		defer func() {
+			cancel()
+			if err := <-done; err != nil {
+				log.Warn("bench: embedded agent stopped", "err", err)
+			}
+		}()
 		cfg.Socket = a.Socket
 		for t := range a.Tokens {
 			cfg.Token = t

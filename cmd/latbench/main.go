@@ -304,7 +304,7 @@ func runPlacement(dir, echo, name string, agentCPUs, clientCPUs []int, sz sizes,
 	if err := startPinned(agent, agentCPUs); err != nil {
 		return rep, err
 	}
-	defer func() { ain.Close(); agent.Wait() }()
+	defer func() { ain.Close(); _ = agent.Wait() }() // its exit status after stdin closes says nothing more
 	ar := bufio.NewReader(aout)
 	line, err := ar.ReadString('\n')
 	tok, ok := strings.CutPrefix(strings.TrimSpace(line), "ready ")
@@ -317,7 +317,7 @@ func runPlacement(dir, echo, name string, agentCPUs, clientCPUs []int, sz sizes,
 	if err := startPinned(srv, agentCPUs); err != nil {
 		return rep, err
 	}
-	defer func() { srv.Process.Kill(); srv.Wait() }()
+	defer func() { _ = srv.Process.Kill(); _ = srv.Wait() }() // killed: the status is "killed"
 	if line, err := bufio.NewReader(sout).ReadString('\n'); err != nil || strings.TrimSpace(line) != "ready" {
 		return rep, fmt.Errorf("echo server did not start: %q %v", line, err)
 	}
@@ -331,9 +331,9 @@ func runPlacement(dir, echo, name string, agentCPUs, clientCPUs []int, sz sizes,
 	if err := startPinned(gsrv, agentCPUs); err != nil {
 		return rep, err
 	}
-	defer func() { gin.Close(); gsrv.Wait() }()
+	defer func() { gin.Close(); _ = gsrv.Wait() }()
 	if line, err := bufio.NewReader(gout).ReadString('\n'); err != nil || strings.TrimSpace(line) != "ready" {
-		return rep, fmt.Errorf("Go echo server did not start: %q %v", line, err)
+		return rep, fmt.Errorf("the Go echo server did not start: %q %v", line, err)
 	}
 
 	cl := exec.Command(self, "-role", "client", "-socket", sock, "-token", tok,
@@ -344,7 +344,7 @@ func runPlacement(dir, echo, name string, agentCPUs, clientCPUs []int, sz sizes,
 	if err := startPinned(cl, clientCPUs); err != nil {
 		return rep, err
 	}
-	defer func() { cin.Close(); cl.Wait() }()
+	defer func() { cin.Close(); _ = cl.Wait() }()
 	cr := bufio.NewReader(cout)
 	line, err = cr.ReadString('\n')
 	mp, ok := strings.CutPrefix(strings.TrimSpace(line), "ready ")
@@ -475,7 +475,7 @@ func agentMain(socket string) error {
 		fmt.Printf("ready %s\n", t)
 		break
 	}
-	io.Copy(io.Discard, os.Stdin)
+	_, _ = io.Copy(io.Discard, os.Stdin) // the parent closes stdin to stop us
 	cancel()
 	return <-done
 }
@@ -598,11 +598,11 @@ func clientMain(socket, token string, pages, pageBytes int) error {
 		} else {
 			for i, d := range lat {
 				if i > 0 {
-					out.WriteByte(' ')
+					_ = out.WriteByte(' ') // bufio keeps the first error for Flush
 				}
-				out.WriteString(strconv.FormatInt(d, 10))
+				_, _ = out.WriteString(strconv.FormatInt(d, 10))
 			}
-			out.WriteByte('\n')
+			_ = out.WriteByte('\n')
 		}
 		if err := out.Flush(); err != nil {
 			return err
@@ -619,7 +619,7 @@ func echoMain(socket string) error {
 		return err
 	}
 	go func() {
-		io.Copy(io.Discard, os.Stdin)
+		_, _ = io.Copy(io.Discard, os.Stdin) // the parent closes stdin to stop us
 		l.Close()
 	}()
 	fmt.Println("ready")

@@ -232,7 +232,7 @@ if [ -z "${KVPOOL_E2E_TEST_ARGS:-}" ] && [ -f "$ROOT/test/chart/dryrun_test.go" 
   if command -v kubectl >/dev/null; then
     # No race detector: the dry run only renders and hands manifests to
     # kubectl; nothing of ours runs concurrently.
-    (cd "$ROOT" && KVPOOL_DRYRUN_KUBECONFIG="$KUBECONFIG" go test -count=1 -run DryRun ./test/chart)
+    (cd "$ROOT/test/chart" && KVPOOL_DRYRUN_KUBECONFIG="$KUBECONFIG" go test -count=1 -run DryRun .) # its own module
   else
     echo "[e2e] kubectl is not installed: test/chart's dry run is skipped (TestChartServerDryRun above covered the chart's defaults and the examples)"
   fi

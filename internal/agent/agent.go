@@ -25,6 +25,7 @@ import (
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
 
+	"github.com/kvpool/kvpool/internal/bytesize"
 	"github.com/kvpool/kvpool/pkg/config"
 	"github.com/kvpool/kvpool/pkg/events"
 	"github.com/kvpool/kvpool/pkg/hostmem"
@@ -376,7 +377,7 @@ func chainHooks(a, b server.Hooks) server.Hooks {
 
 func (a *agent) logServing() {
 	attrs := []any{"mode", a.mode, "node", a.node, "socket", a.socket, "gpus", len(a.plan.GPUs),
-		"chunks", len(a.specs), "chunk", sizing.FormatBytes(a.plan.ChunkBytes)}
+		"chunks", len(a.specs), bytesize.Attr("chunk", a.plan.ChunkBytes)}
 	if a.obs.metricsAddr != nil {
 		attrs = append(attrs, "metrics", a.obs.metricsAddr.String())
 	}

@@ -10,6 +10,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/kvpool/kvpool/internal/bytesize"
 	"github.com/kvpool/kvpool/pkg/config"
 	"github.com/kvpool/kvpool/pkg/gpu"
 	"github.com/kvpool/kvpool/pkg/hostmem"
@@ -91,11 +92,11 @@ func (a *agent) makePlan(info *node.Info, devs []gpu.Device, allocatable int64) 
 
 func (a *agent) logPlan(source string) {
 	p := a.plan
-	a.log.Info("pool plan", "mode", a.mode, "gpus", source, "total", sizing.FormatBytes(p.Total),
-		"chunk", sizing.FormatBytes(p.ChunkBytes), "chunks", len(a.specs), "boundBy", p.Bound)
+	a.log.Info("pool plan", "mode", a.mode, "gpus", source, bytesize.Attr("total", p.Total),
+		bytesize.Attr("chunk", p.ChunkBytes), "chunks", len(a.specs), "boundBy", p.Bound)
 	for _, g := range p.GPUs {
-		a.log.Info("pool plan gpu", "gpu", g.GPU, "uuid", g.UUID, "numa", g.NUMA, "bytes", sizing.FormatBytes(g.Bytes),
-			"chunks", g.Chunks, "pageSize", sizing.FormatBytes(g.PageSize), "boundBy", g.Bound)
+		a.log.Info("pool plan gpu", "gpu", g.GPU, "uuid", g.UUID, "numa", g.NUMA, bytesize.Attr("bytes", g.Bytes),
+			"chunks", g.Chunks, bytesize.Attr("pageSize", g.PageSize), "boundBy", g.Bound)
 	}
 	for _, w := range p.Warnings {
 		a.log.Warn("pool plan", "warning", w)
@@ -164,7 +165,7 @@ func (a *agent) renew(id string) error {
 	a.hmem[id] = c
 	a.mu.Unlock()
 	a.obs.Metrics.ChunkRenewed(g, took)
-	a.log.Info("chunk renewed", "chunk", id, "took", took.Round(time.Microsecond), "pageSize", c.PageSize, "node", c.Node, "locked", c.Locked)
+	a.log.Info("chunk renewed", "chunk", id, "took", took.Round(time.Microsecond), bytesize.Attr("pageSize", int64(c.PageSize)), "node", c.Node, "locked", c.Locked)
 	return nil
 }
 
@@ -248,7 +249,7 @@ func (a *agent) allocate(ctx context.Context) {
 	}
 	if ready == total {
 		a.events.PoolReady(a.plan.Total, total, time.Since(start))
-		a.log.Info("pool ready", "chunks", total, "bytes", sizing.FormatBytes(a.plan.Total), "took", time.Since(start).Round(time.Millisecond))
+		a.log.Info("pool ready", "chunks", total, bytesize.Attr("bytes", a.plan.Total), "took", time.Since(start).Round(time.Millisecond))
 	}
 	a.grantStatic()
 }

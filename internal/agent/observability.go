@@ -121,7 +121,9 @@ func (o *observability) start(ctx context.Context, metricsAddr, healthAddr strin
 		context.AfterFunc(ctx, func() {
 			sctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 			defer cancel()
-			srv.Shutdown(sctx)
+			if err := srv.Shutdown(sctx); err != nil {
+				slog.Warn("http server shutdown", "server", s.name, "err", err)
+			}
 		})
 		slog.Info("serving", "server", s.name, "address", s.ln.Addr().String())
 	}

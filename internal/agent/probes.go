@@ -25,7 +25,9 @@ func serverHooks(obs observe.Observer, rejects *prometheus.CounterVec) server.Ho
 // checks the reply; health.Dial runs it under the probe's deadline.
 func helloHandshake(ctx context.Context, conn net.Conn) error {
 	if d, ok := ctx.Deadline(); ok {
-		conn.SetDeadline(d)
+		if err := conn.SetDeadline(d); err != nil {
+			return err
+		}
 	}
 	pkt, err := wire.AppendPacket(nil, wire.Header{Op: wire.OpHello, Seq: 1},
 		&wire.Hello{Version: wire.Version, Client: "kvpool-agent-probe"})

@@ -543,18 +543,18 @@ func (r *runner) mixed(ctx context.Context) error {
 }
 
 // Summary is one line per operation, for logs.
-func (res *Result) Summary() string {
+func (r *Result) Summary() string {
 	var keys []string
-	for k := range res.Ops {
+	for k := range r.Ops {
 		keys = append(keys, string(k))
 	}
 	sort.Strings(keys)
 	var b bytes.Buffer
 	for _, k := range keys {
-		st := res.Ops[Op(k)]
+		st := r.Ops[Op(k)]
 		fmt.Fprintf(&b, "%s: %d calls, round trip p50 %v p99 %v, copy p50 %v; ", k, st.Count,
 			Percentile(st.RoundTrip, 50), Percentile(st.RoundTrip, 99), Percentile(st.Copy, 50))
 	}
-	fmt.Fprintf(&b, "full rejects %d, checks %d, mismatches %d", res.FullRejects, res.Checks, res.Mismatches)
+	fmt.Fprintf(&b, "full rejects %d, checks %d, mismatches %d", r.FullRejects, r.Checks, r.Mismatches)
 	return b.String()
 }

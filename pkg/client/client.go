@@ -399,8 +399,13 @@ func (p *CPUPagePool) connect(ctx context.Context) error {
 		return fmt.Errorf("kvpool: %w: %w", errDial, err)
 	}
 	if dl, ok := ctx.Deadline(); ok {
-		wc.UnixConn().SetDeadline(dl)
-		defer wc.UnixConn().SetDeadline(time.Time{})
+		if err := wc.UnixConn().SetDeadline(dl); err != nil {
+			wc.Close()
+			return fmt.Errorf("kvpool: %w: %w", errDial, err)
+		}
+		// Clearing it fails only on a closed conn, which the session's first
+		// request then reports.
+		defer func() { _ = wc.UnixConn().SetDeadline(time.Time{}) }()
 	}
 	stop := context.AfterFunc(ctx, func() { wc.Close() })
 	defer stop()
@@ -463,7 +468,8 @@ func (p *CPUPagePool) adopt(rep *wire.OpenReply, files []*os.File) error {
 	}
 	if !rep.Resumed || !same {
 		// A fresh session: nothing of the old one's pages or tickets holds.
-		p.mover.Wait()
+		// Their copies' errors belong to that session: drop them.
+		_ = p.mover.Wait()
 		p.pending, p.fenceDone, p.fenceSent = p.pending[:0], 0, 0
 	}
 	if !same {
@@ -498,7 +504,9 @@ func register(dev cudart.Device, mem []byte) error {
 func (p *CPUPagePool) unmapChunks() {
 	for _, c := range p.chunks {
 		for off := 0; off < len(c.mem); off += maxRegister {
-			p.dev.HostUnregister(c.mem[off:min(len(c.mem), off+maxRegister)])
+			// The memory is unmapped next whatever CUDA says; a failure
+			// here leaves nothing registered that a later call could undo.
+			_ = p.dev.HostUnregister(c.mem[off:min(len(c.mem), off+maxRegister)])
 		}
 		hostmemUnmap(c.mem)
 	}

@@ -6,11 +6,11 @@ import (
 	"flag"
 	"fmt"
 	"os"
-	"reflect"
 	"sort"
 	"strconv"
 	"strings"
 
+	kjson "sigs.k8s.io/json"
 	"sigs.k8s.io/yaml"
 )
 
@@ -297,17 +297,32 @@ func decode(data []byte, c *Config) ([]string, error) {
 	if head.Kind != Kind {
 		return nil, fmt.Errorf("kind is %q, want %q", head.Kind, Kind)
 	}
-	// encoding/json matches field names case-insensitively; a config file
-	// should not, so check the keys first.
+	// Strictness first, with Kubernetes' own decoders: YAML to JSON
+	// refuses a key set twice in one mapping, and sigs.k8s.io/json (unlike
+	// encoding/json) matches field names with their exact case and names
+	// every unknown field by its path. Its value errors are left to the
+	// decode below, which converts YAML scalars to the field's type ("9464"
+	// into a string field), as the YAML to JSON step alone does not.
+	js, err := yaml.YAMLToJSONStrict(data)
+	if err != nil {
+		// yaml.v2 lists its errors one per line ("line 4: key "x" already
+		// set in map"); keep the message on one line.
+		return nil, errors.New(strings.ReplaceAll(err.Error(), "\n  ", " "))
+	}
+	var scratch Config
+	if strict, _ := kjson.UnmarshalStrict(js, &scratch); len(strict) > 0 {
+		msgs := make([]string, len(strict))
+		for i, e := range strict {
+			msgs[i] = e.Error()
+		}
+		return nil, errors.New(strings.Join(msgs, "; "))
+	}
+	if err := yaml.Unmarshal(data, c); err != nil {
+		return nil, err
+	}
 	var tree map[string]any
 	if err := yaml.Unmarshal(data, &tree); err != nil {
 		return nil, fmt.Errorf("not a YAML mapping: %w", err)
-	}
-	if err := checkKeys(tree, reflect.TypeOf(*c), ""); err != nil {
-		return nil, err
-	}
-	if err := yaml.UnmarshalStrict(data, c); err != nil {
-		return nil, err
 	}
 	return keyPaths(tree, ""), nil
 }
@@ -323,38 +338,6 @@ func keyPaths(m map[string]any, prefix string) []string {
 	}
 	sort.Strings(out)
 	return out
-}
-
-// checkKeys reports the first key of m (in sorted order) that is not,
-// with exact case, a JSON field name of struct type t.
-func checkKeys(m map[string]any, t reflect.Type, prefix string) error {
-	keys := make([]string, 0, len(m))
-	for k := range m {
-		keys = append(keys, k)
-	}
-	sort.Strings(keys)
-	for _, k := range keys {
-		f, ok := fieldByTag(t, k)
-		if !ok {
-			return fmt.Errorf("unknown field %q", prefix+k)
-		}
-		if sub, isMap := m[k].(map[string]any); isMap && f.Type.Kind() == reflect.Struct && f.Type != reflect.TypeOf(Duration{}) {
-			if err := checkKeys(sub, f.Type, prefix+k+"."); err != nil {
-				return err
-			}
-		}
-	}
-	return nil
-}
-
-func fieldByTag(t reflect.Type, name string) (reflect.StructField, bool) {
-	for i := 0; i < t.NumField(); i++ {
-		f := t.Field(i)
-		if strings.Split(f.Tag.Get("json"), ",")[0] == name {
-			return f, true
-		}
-	}
-	return reflect.StructField{}, false
 }
 
 // Marshal writes c as a YAML config file that Parse reads back.

@@ -5,9 +5,10 @@ import (
 	"fmt"
 	"math"
 	"math/big"
-	"strconv"
 	"strings"
 	"time"
+
+	"github.com/kvpool/kvpool/internal/bytesize"
 )
 
 // Bytes is a size in bytes. In YAML, JSON, flags and the environment it is
@@ -71,24 +72,7 @@ func ParseBytes(s string) (Bytes, error) {
 
 // String writes b with the largest binary suffix that divides it exactly
 // ("64Gi", "512Mi", "1000").
-func (b Bytes) String() string {
-	if b == 0 {
-		return "0"
-	}
-	v := int64(b)
-	for _, u := range []struct {
-		suf  string
-		size int64
-	}{{"Ei", 1 << 60}, {"Pi", 1 << 50}, {"Ti", 1 << 40}, {"Gi", 1 << 30}, {"Mi", 1 << 20}, {"Ki", 1 << 10}} {
-		if v%u.size == 0 {
-			return strconv.FormatInt(v/u.size, 10) + u.suf
-		}
-	}
-	return strconv.FormatInt(v, 10)
-}
-
-// GiB returns b in GiB as a float, for display.
-func (b Bytes) GiB() float64 { return float64(b) / float64(GiB) }
+func (b Bytes) String() string { return bytesize.Exact(int64(b)) }
 
 // MarshalJSON writes b as a quantity string.
 func (b Bytes) MarshalJSON() ([]byte, error) { return json.Marshal(b.String()) }

@@ -56,17 +56,14 @@ func NewMover(dev Device) (*Mover, error) {
 		return nil, fmt.Errorf("mover: device-to-host stream: %w", err)
 	}
 	if m.h2d, err = dev.StreamCreate(); err != nil {
-		m.release()
-		return nil, fmt.Errorf("mover: host-to-device stream: %w", err)
+		return nil, errors.Join(fmt.Errorf("mover: host-to-device stream: %w", err), m.release())
 	}
 	if m.fence, err = dev.StreamCreate(); err != nil {
-		m.release()
-		return nil, fmt.Errorf("mover: fence stream: %w", err)
+		return nil, errors.Join(fmt.Errorf("mover: fence stream: %w", err), m.release())
 	}
 	for _, e := range []*Event{&m.caller, &m.lastD2H, &m.lastH2D} {
 		if *e, err = dev.EventCreate(); err != nil {
-			m.release()
-			return nil, fmt.Errorf("mover: event: %w", err)
+			return nil, errors.Join(fmt.Errorf("mover: event: %w", err), m.release())
 		}
 	}
 	return m, nil

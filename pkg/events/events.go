@@ -10,10 +10,11 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	"k8s.io/apimachinery/pkg/api/resource"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/tools/record"
+
+	"github.com/kvpool/kvpool/internal/bytesize"
 )
 
 // Event reasons, stable for alerting and `kubectl get events --field-selector reason=...`.
@@ -86,11 +87,9 @@ func NewBroadcaster(sink record.EventSink, node *corev1.ObjectReference) (Events
 	return New(rec, node), b.Shutdown
 }
 
-func quantity(n int64) string { return resource.NewQuantity(n, resource.BinarySI).String() }
-
 func (r *recorder) PoolReady(bytes int64, chunks int, took time.Duration) {
 	r.rec.Eventf(r.ref, corev1.EventTypeNormal, ReasonPoolReady,
-		"host KV pool ready: %s in %d chunks, allocated and pinned in %s", quantity(bytes), chunks, took.Round(time.Millisecond))
+		"host KV pool ready: %s in %d chunks, allocated and pinned in %s", bytesize.Exact(bytes), chunks, took.Round(time.Millisecond))
 }
 
 func (r *recorder) HugePagesFallback(reason string) {

@@ -42,7 +42,7 @@ func Discover(lib nvml.Interface, sysRoot string) ([]Device, error) {
 		}
 		return nil, fmt.Errorf("gpu: nvmlInit: %v", errorString(ret))
 	}
-	defer lib.Shutdown()
+	defer func() { _ = lib.Shutdown() }() // the device list is read; nothing to undo
 	n, ret := lib.DeviceGetCount()
 	if ret != nvml.SUCCESS {
 		return nil, fmt.Errorf("gpu: nvmlDeviceGetCount: %v", errorString(ret))

@@ -52,7 +52,9 @@ func Dial(network, address string, hs Handshake) Checker {
 		}
 		defer conn.Close()
 		if dl, ok := ctx.Deadline(); ok {
-			conn.SetDeadline(dl)
+			if err := conn.SetDeadline(dl); err != nil {
+				return fmt.Errorf("dial %s: %w", address, err)
+			}
 		}
 		// Unblock the handshake if ctx ends without a deadline.
 		stop := context.AfterFunc(ctx, func() { conn.Close() })

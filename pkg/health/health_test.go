@@ -13,6 +13,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/kvpool/kvpool/pkg/pool"
@@ -167,39 +168,42 @@ func TestWedgedServerFailsLiveness(t *testing.T) {
 }
 
 // A check that ignores its context fails by timeout, and is not started again
-// while it stays stuck.
+// while it stays stuck; once it returns, the next probe runs it afresh. On
+// synctest's virtual clock the timeout and the wedge's age are exact, and
+// "once it returns" is synctest.Wait, not a polling loop.
 func TestWedgedCheckIsNotRestarted(t *testing.T) {
-	h := New(Options{Timeout: 50 * time.Millisecond})
-	release := make(chan struct{})
-	var starts atomic.Int32
-	h.AddLiveness("stuck", func(context.Context) error {
-		starts.Add(1)
-		<-release
-		return nil
-	})
-	ctx := context.Background()
-	r := h.Live(ctx)
-	if r.OK() || !strings.Contains(r.Reason(), "no answer within 50ms") {
-		t.Fatalf("first probe: %v", r)
-	}
-	r = h.Live(ctx)
-	if r.OK() || !strings.Contains(r.Reason(), "wedged") {
-		t.Fatalf("second probe: %v", r)
-	}
-	if n := starts.Load(); n != 1 {
-		t.Fatalf("check started %d times while stuck, want 1", n)
-	}
-	close(release)
-	deadline := time.Now().Add(5 * time.Second)
-	for !h.Live(ctx).OK() {
-		if time.Now().After(deadline) {
-			t.Fatal("check never recovered")
+	synctest.Test(t, func(t *testing.T) {
+		h := New(Options{Timeout: 50 * time.Millisecond})
+		release := make(chan struct{})
+		var starts atomic.Int32
+		h.AddLiveness("stuck", func(context.Context) error {
+			starts.Add(1)
+			<-release
+			return nil
+		})
+		ctx := context.Background()
+		start := time.Now()
+		r := h.Live(ctx)
+		if r.OK() || !strings.Contains(r.Reason(), "no answer within 50ms") || time.Since(start) != 50*time.Millisecond {
+			t.Fatalf("first probe after %s: %v", time.Since(start), r)
 		}
-		time.Sleep(10 * time.Millisecond)
-	}
-	if n := starts.Load(); n < 2 {
-		t.Fatalf("check not rerun after it returned (%d starts)", n)
-	}
+		time.Sleep(time.Second)
+		r = h.Live(ctx)
+		if r.OK() || !strings.Contains(r.Reason(), "still running since 1.05s ago (wedged)") {
+			t.Fatalf("second probe: %v", r)
+		}
+		if n := starts.Load(); n != 1 {
+			t.Fatalf("check started %d times while stuck, want 1", n)
+		}
+		close(release)
+		synctest.Wait() // the stuck check has returned
+		if r := h.Live(ctx); !r.OK() {
+			t.Fatalf("probe after the check returned: %v", r)
+		}
+		if n := starts.Load(); n != 2 {
+			t.Fatalf("check started %d times, want 2 (rerun once it returned)", n)
+		}
+	})
 }
 
 func TestReadinessFlips(t *testing.T) {

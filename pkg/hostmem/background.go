@@ -4,6 +4,8 @@ import (
 	"context"
 	"log/slog"
 	"time"
+
+	"github.com/kvpool/kvpool/internal/bytesize"
 )
 
 // Spec is one chunk to allocate in the background.
@@ -42,7 +44,7 @@ func AllocateAll(ctx context.Context, specs []Spec, log *slog.Logger) <-chan Res
 		}
 		start := time.Now()
 		step := max(len(specs)/10, 1)
-		log.Info("allocating pool chunks", "chunks", len(specs), "bytes", total)
+		log.Info("allocating pool chunks", "chunks", len(specs), bytesize.Attr("bytes", total))
 		for i, s := range specs {
 			if ctx.Err() != nil {
 				log.Warn("chunk allocation stopped", "ready", i, "of", len(specs), "err", ctx.Err())
@@ -59,11 +61,11 @@ func AllocateAll(ctx context.Context, specs []Spec, log *slog.Logger) <-chan Res
 			}
 			done += s.Size
 			out <- Result{ID: s.ID, Chunk: c, Done: i + 1, Total: len(specs)}
-			log.Debug("chunk ready", "chunk", s.ID, "bytes", s.Size, "pageSize", c.PageSize, "node", c.Node, "locked", c.Locked)
+			log.Debug("chunk ready", "chunk", s.ID, bytesize.Attr("bytes", s.Size), bytesize.Attr("pageSize", int64(c.PageSize)), "node", c.Node, "locked", c.Locked)
 			if (i+1)%step == 0 || i+1 == len(specs) {
 				secs := time.Since(start).Seconds()
 				log.Info("pool allocation progress", "ready", i+1, "of", len(specs),
-					"GiB", float64(done)/(1<<30), "GiBps", float64(done)/(1<<30)/max(secs, 1e-9))
+					bytesize.Attr("bytes", done), bytesize.Attr("perSecond", int64(float64(done)/max(secs, 1e-9))))
 			}
 		}
 	}()

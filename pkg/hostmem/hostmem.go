@@ -13,6 +13,8 @@ import (
 	"unsafe"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/kvpool/kvpool/internal/bytesize"
 )
 
 // Chunk is one shareable memory region: a memory file and the agent's
@@ -129,16 +131,17 @@ const Seals = unix.F_SEAL_SHRINK | unix.F_SEAL_GROW | unix.F_SEAL_SEAL
 // create makes the memfd, sizes it, seals it and maps it.
 func (c *Chunk) create(name string, ps int64) error {
 	flags := unix.MFD_CLOEXEC | unix.MFD_ALLOW_SEALING
-	if ps == hugePage2M {
+	switch ps {
+	case hugePage2M:
 		flags |= unix.MFD_HUGETLB | unix.MFD_HUGE_2MB
-	} else if ps == hugePage1G {
+	case hugePage1G:
 		flags |= unix.MFD_HUGETLB | unix.MFD_HUGE_1GB
 	}
 	huge := flags&unix.MFD_HUGETLB != 0
 	fd, err := unix.MemfdCreate(name, flags)
 	if err != nil {
 		if huge {
-			return fmt.Errorf("hostmem: memfd_create %q with %d MiB huge pages: %w (%w)", name, ps>>20, err, ErrHugePages)
+			return fmt.Errorf("hostmem: memfd_create %q with %s huge pages: %w (%w)", name, bytesize.Exact(int64(ps)), err, ErrHugePages)
 		}
 		return fmt.Errorf("hostmem: memfd_create %q: %w", name, err)
 	}
@@ -156,7 +159,7 @@ func (c *Chunk) create(name string, ps int64) error {
 	if err != nil {
 		f.Close()
 		if huge && errors.Is(err, unix.ENOMEM) {
-			return fmt.Errorf("hostmem: %d MiB chunk needs %d free %d MiB huge pages (see /proc/sys/vm/nr_hugepages): %w", c.Size>>20, c.Size/ps, ps>>20, ErrHugePages)
+			return fmt.Errorf("hostmem: %s chunk needs %d free %s huge pages (see /proc/sys/vm/nr_hugepages): %w", bytesize.Exact(c.Size), c.Size/ps, bytesize.Exact(int64(ps)), ErrHugePages)
 		}
 		return err
 	}
@@ -186,7 +189,7 @@ func (c *Chunk) setup(o Options) error {
 	}
 	if o.Lock {
 		if err := unix.Mlock(c.Mem); err != nil {
-			err = fmt.Errorf("hostmem: mlock %d MiB: %w (%w): the agent needs CAP_IPC_LOCK or a memlock limit (ulimit -l, RLIMIT_MEMLOCK) above the pool size", c.Size>>20, err, ErrMemlock)
+			err = fmt.Errorf("hostmem: mlock %s: %w (%w): the agent needs CAP_IPC_LOCK or a memlock limit (ulimit -l, RLIMIT_MEMLOCK) above the pool size", bytesize.Exact(c.Size), err, ErrMemlock)
 			if !o.LockFallback {
 				return err
 			}
@@ -235,7 +238,7 @@ func populate(mem []byte, pageSize int64, workers int) error {
 				err = nil
 			}
 			if err != nil {
-				errs[w] = fmt.Errorf("hostmem: pre-fault %d MiB: %w", len(part)>>20, explainFault(err))
+				errs[w] = fmt.Errorf("hostmem: pre-fault %s: %w", bytesize.Exact(int64(len(part))), explainFault(err))
 			}
 		}(w, mem[lo:hi])
 	}

@@ -458,7 +458,7 @@ func TestMemlockLimit(t *testing.T) {
 		t.Fatalf("child: %v\n%s", err, s)
 	}
 	for _, want := range []string{
-		"ERR memlock=true leaked=0 hostmem: mlock 8 MiB: ",
+		"ERR memlock=true leaked=0 hostmem: mlock 8Mi: ",
 		"the agent needs CAP_IPC_LOCK or a memlock limit (ulimit -l, RLIMIT_MEMLOCK) above the pool size",
 		"FALLBACK locked=false", "left unlocked",
 	} {

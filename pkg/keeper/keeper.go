@@ -307,7 +307,9 @@ func (k *Keeper) serveConn(uc *net.UnixConn) {
 			}
 			k.mu.Unlock()
 			if busy {
-				send(uc, message{Op: "error", Error: "another agent is connected to this keeper"}, nil)
+				if err := send(uc, message{Op: "error", Error: "another agent is connected to this keeper"}, nil); err != nil {
+					k.log.Warn("keeper: refusing a second agent", "err", err)
+				}
 				return
 			}
 			if err := k.sendState(uc); err != nil {

@@ -7,6 +7,7 @@ import (
 	"strings"
 	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -213,107 +214,112 @@ func TestSyncErrorsChangeNothing(t *testing.T) {
 }
 
 // Run writes at most once per MinInterval however often Set is called, the
-// last status set wins, and a conflict is retried.
+// last status set wins, and a conflict is retried. In a synctest bubble the
+// clock is virtual: the Sets come exactly 5ms apart and every gap between
+// writes is measured exactly, whatever the machine's load.
 func TestRunCoalescesAndRateLimits(t *testing.T) {
-	var n counts
-	var conflicts atomic.Int32
-	c := newClient(t, &n, interceptor.Funcs{
-		SubResourceUpdate: func(ctx context.Context, cl client.Client, sub string, obj client.Object, opts ...client.SubResourceUpdateOption) error {
-			if conflicts.Add(1) == 2 { // the second write meets a conflict
-				return apierrors.NewConflict(schema.GroupResource{Group: "kvpool.io", Resource: "kvpoolnodes"}, "n1", errors.New("changed"))
-			}
-			return cl.SubResource(sub).Update(ctx, obj, opts...)
-		},
-	}, node("n1"))
-	const interval = 100 * time.Millisecond
-	var failures atomic.Int32
-	w := NewWriter(c, "n1", Options{MinInterval: interval, Resync: -1, OnError: func(error) { failures.Add(1) }})
-	rec := &observe.Recorder{}
-	w.ReportTo(rec)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- w.Run(ctx) }()
+	synctest.Test(t, func(t *testing.T) {
+		var n counts
+		var writes []time.Time
+		c := newClient(t, &n, interceptor.Funcs{
+			SubResourceUpdate: func(ctx context.Context, cl client.Client, sub string, obj client.Object, opts ...client.SubResourceUpdateOption) error {
+				writes = append(writes, time.Now())
+				if len(writes) == 2 { // the second write meets a conflict
+					return apierrors.NewConflict(schema.GroupResource{Group: "kvpool.io", Resource: "kvpoolnodes"}, "n1", errors.New("changed"))
+				}
+				return cl.SubResource(sub).Update(ctx, obj, opts...)
+			},
+		}, node("n1"))
+		const interval = 100 * time.Millisecond
+		var failures atomic.Int32
+		w := NewWriter(c, "n1", Options{MinInterval: interval, Resync: -1, OnError: func(error) { failures.Add(1) }})
+		rec := &observe.Recorder{}
+		w.ReportTo(rec)
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- w.Run(ctx) }()
 
-	start := time.Now()
-	const sets = 60
-	for i := 1; i <= sets; i++ {
-		w.Set(v1alpha1.KVPoolNodeStatus{Health: v1alpha1.HealthHealthy, Sessions: int32(i), Capacity: resource.MustParse("1Gi")})
-		time.Sleep(5 * time.Millisecond)
-	}
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		obj := &v1alpha1.KVPoolNode{}
-		err := c.Get(context.Background(), client.ObjectKey{Name: "n1"}, obj)
-		if err == nil && obj.Status.Sessions == sets {
-			break
+		start := time.Now()
+		const sets = 60
+		for i := 1; i <= sets; i++ {
+			w.Set(v1alpha1.KVPoolNodeStatus{Health: v1alpha1.HealthHealthy, Sessions: int32(i), Capacity: resource.MustParse("1Gi")})
+			time.Sleep(5 * time.Millisecond)
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("last status never written (have %+v, %v)", obj.Status, err)
+		// The last Set is written within one interval, and a retried
+		// conflict costs one more.
+		time.Sleep(2 * interval)
+		synctest.Wait()
+		elapsed := time.Since(start)
+		if obj := get(t, c, "n1"); obj.Status.Sessions != sets {
+			t.Errorf("last status not written after %s: sessions %d, want %d", elapsed, obj.Status.Sessions, sets)
 		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	elapsed := time.Since(start)
-	cancel()
-	if err := <-done; !errors.Is(err, context.Canceled) {
-		t.Errorf("Run returned %v", err)
-	}
-	attempts := n.updates.Load()
-	// Writes are spaced by at least interval, so at most elapsed/interval+1
-	// of them fit; coalescing keeps it far below the number of Sets.
-	if limit := int32(elapsed/interval) + 1; attempts > limit || attempts >= sets/2 {
-		t.Errorf("%d write attempts in %s for %d sets (limit %d)", attempts, elapsed, sets, limit)
-	}
-	if failures.Load() != 1 {
-		t.Errorf("%d failures reported, want the one conflict", failures.Load())
-	}
-	// The same failure goes to the observer (metrics and the error ring).
-	if ops := rec.Ops(); len(ops) != 1 || ops[0].Component != observe.ComponentNodeStatus || ops[0].Name != observe.OpWrite ||
-		!apierrors.IsConflict(ops[0].Err) {
-		t.Errorf("observer got %+v, want the one conflict as nodestatus/write", ops)
-	}
-	t.Logf("%d sets over %s became %d write attempts (1 conflict)", sets, elapsed.Round(time.Millisecond), attempts)
+		cancel()
+		if err := <-done; !errors.Is(err, context.Canceled) {
+			t.Errorf("Run returned %v", err)
+		}
+		attempts := n.updates.Load()
+		// Writes are spaced by at least interval, so at most
+		// elapsed/interval+1 of them fit; coalescing keeps it far below the
+		// number of Sets.
+		if limit := int32(elapsed/interval) + 1; attempts > limit || attempts >= sets/2 {
+			t.Errorf("%d write attempts in %s for %d sets (limit %d)", attempts, elapsed, sets, limit)
+		}
+		for i := 1; i < len(writes); i++ {
+			if gap := writes[i].Sub(writes[i-1]); gap < interval {
+				t.Errorf("writes %d and %d %s apart, less than MinInterval %s", i-1, i, gap, interval)
+			}
+		}
+		if failures.Load() != 1 {
+			t.Errorf("%d failures reported, want the one conflict", failures.Load())
+		}
+		// The same failure goes to the observer (metrics and the error ring).
+		if ops := rec.Ops(); len(ops) != 1 || ops[0].Component != observe.ComponentNodeStatus || ops[0].Name != observe.OpWrite ||
+			!apierrors.IsConflict(ops[0].Err) {
+			t.Errorf("observer got %+v, want the one conflict as nodestatus/write", ops)
+		}
+		t.Logf("%d sets over %s became %d write attempts (1 conflict)", sets, elapsed, attempts)
+	})
 }
 
 // Feed plus Run: the status follows the pool, and an unchanged pool causes
-// no writes.
+// no writes (checked over exactly 20 feeds, on synctest's virtual clock).
 func TestFeedFollowsPool(t *testing.T) {
-	var n counts
-	c := newClient(t, &n, interceptor.Funcs{}, node("n1"))
-	p := pool.New()
-	if err := p.AddChunk(pool.Chunk{ID: "gpu0-numa0-0", Size: gib}); err != nil {
-		t.Fatal(err)
-	}
-	w := NewWriter(c, "n1", Options{MinInterval: 20 * time.Millisecond, Resync: -1})
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	go w.Run(ctx)
-	go Feed(ctx, w, 5*time.Millisecond, func() v1alpha1.KVPoolNodeStatus {
-		return Build("n1", Input{Snapshot: status.Take(p, nil, time.Now()), Ready: true})
-	})
-	waitFor := func(what string, ok func(*v1alpha1.KVPoolNode) bool) {
-		t.Helper()
-		deadline := time.Now().Add(10 * time.Second)
-		for {
-			obj := &v1alpha1.KVPoolNode{}
-			if err := c.Get(context.Background(), client.ObjectKey{Name: "n1"}, obj); err == nil && ok(obj) {
-				return
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("%s: never written", what)
-			}
-			time.Sleep(10 * time.Millisecond)
+	synctest.Test(t, func(t *testing.T) {
+		var n counts
+		c := newClient(t, &n, interceptor.Funcs{}, node("n1"))
+		p := pool.New()
+		if err := p.AddChunk(pool.Chunk{ID: "gpu0-numa0-0", Size: gib}); err != nil {
+			t.Fatal(err)
 		}
-	}
-	waitFor("first chunk", func(o *v1alpha1.KVPoolNode) bool { return o.Status.Ready.String() == "1Gi" })
-	if err := p.Grant("pod", []string{"gpu0-numa0-0"}); err != nil {
-		t.Fatal(err)
-	}
-	waitFor("grant", func(o *v1alpha1.KVPoolNode) bool { return o.Status.Allocated.String() == "1Gi" })
-	before := n.updates.Load()
-	time.Sleep(100 * time.Millisecond) // about 20 feeds of an unchanged pool
-	if after := n.updates.Load(); after != before {
-		t.Errorf("unchanged pool caused %d writes", after-before)
-	}
+		const feed, minInterval = 5 * time.Millisecond, 20 * time.Millisecond
+		w := NewWriter(c, "n1", Options{MinInterval: minInterval, Resync: -1})
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		go func() { _ = w.Run(ctx) }()
+		go Feed(ctx, w, feed, func() v1alpha1.KVPoolNodeStatus {
+			return Build("n1", Input{Snapshot: status.Take(p, nil, time.Now()), Ready: true})
+		})
+		// A change is written within MinInterval plus one feed.
+		settle := func() { time.Sleep(minInterval + feed); synctest.Wait() }
+		settle()
+		if got := get(t, c, "n1").Status.Ready.String(); got != "1Gi" {
+			t.Fatalf("first chunk: ready %s, want 1Gi", got)
+		}
+		if err := p.Grant("pod", []string{"gpu0-numa0-0"}); err != nil {
+			t.Fatal(err)
+		}
+		settle()
+		if got := get(t, c, "n1").Status.Allocated.String(); got != "1Gi" {
+			t.Fatalf("grant: allocated %s, want 1Gi", got)
+		}
+		before := n.updates.Load()
+		time.Sleep(20 * feed) // 20 feeds of an unchanged pool
+		synctest.Wait()
+		if after := n.updates.Load(); after != before {
+			t.Errorf("unchanged pool caused %d writes", after-before)
+		}
+		cancel()
+	})
 }
 
 // Stopped writes at once a status that no longer claims a serving agent;
@@ -359,28 +365,41 @@ func TestStoppedWritesFinalStatus(t *testing.T) {
 }
 
 // An unchanged status is rewritten every Resync (the heartbeat), so its
-// lastUpdateTime moves while the agent lives.
+// lastUpdateTime moves while the agent lives. With the agent's own timings
+// (MinInterval 10s, Resync Heartbeat) on synctest's virtual clock: one
+// write per heartbeat, each stamped with its time.
 func TestHeartbeatRefreshesUnchangedStatus(t *testing.T) {
 	if Heartbeat > 30*time.Second || StaleAfter < 2*Heartbeat {
 		t.Fatalf("Heartbeat %v, StaleAfter %v: readers need a short heartbeat and room for one missed write", Heartbeat, StaleAfter)
 	}
-	var n counts
-	c := newClient(t, &n, interceptor.Funcs{}, node("n1"))
-	w := NewWriter(c, "n1", Options{MinInterval: 10 * time.Millisecond, Resync: 30 * time.Millisecond})
-	w.Set(Build("n1", Input{Snapshot: snapshot(t), Ready: true}))
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- w.Run(ctx) }()
-	deadline := time.Now().Add(10 * time.Second)
-	for n.updates.Load() < 4 {
-		if time.Now().After(deadline) {
-			t.Fatalf("%d writes of an unchanged status in 10s, want a heartbeat every 30ms", n.updates.Load())
+	synctest.Test(t, func(t *testing.T) {
+		var n counts
+		c := newClient(t, &n, interceptor.Funcs{}, node("n1"))
+		w := NewWriter(c, "n1", Options{})
+		w.Set(Build("n1", Input{Snapshot: snapshot(t), Ready: true}))
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- w.Run(ctx) }()
+		synctest.Wait()
+		first := n.updates.Load()
+		if first == 0 {
+			t.Fatal("the status set before Run was not written")
 		}
-		time.Sleep(10 * time.Millisecond)
-	}
-	cancel()
-	<-done
+		for beat := int32(1); beat <= 4; beat++ {
+			time.Sleep(Heartbeat)
+			synctest.Wait()
+			if got := n.updates.Load() - first; got != beat {
+				t.Errorf("after %d heartbeats: %d rewrites of an unchanged status, want %d", beat, got, beat)
+			}
+			if st := get(t, c, "n1").Status; !st.LastUpdateTime.Time.Equal(time.Now()) {
+				t.Errorf("heartbeat %d: lastUpdateTime %s, want now (%s)", beat, st.LastUpdateTime, time.Now())
+			}
+		}
+		cancel()
+		<-done
+	})
 }
+
 func TestBuildRestart(t *testing.T) {
 	st := Build("n", Input{})
 	if st.Restart != nil {

@@ -121,8 +121,8 @@ func TestRestoreRefusesBrokenImages(t *testing.T) {
 		return q.Export()
 	}
 	cases := []struct {
-		name   string
-		break_ func(*Image)
+		name  string
+		spoil func(*Image)
 	}{
 		{"duplicate chunk", func(m *Image) { m.Chunks = append(m.Chunks, m.Chunks[0]) }},
 		{"granted chunk in no allocation", func(m *Image) { m.Allocations = m.Allocations[1:]; m.Sessions = nil }},
@@ -152,7 +152,7 @@ func TestRestoreRefusesBrokenImages(t *testing.T) {
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			img := clone()
-			c.break_(&img)
+			c.spoil(&img)
 			q := New()
 			if _, err := q.Restore(img); err == nil {
 				t.Fatal("restore accepted a broken image")

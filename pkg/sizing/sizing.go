@@ -11,6 +11,7 @@ import (
 	"sort"
 	"strings"
 
+	"github.com/kvpool/kvpool/internal/bytesize"
 	"github.com/kvpool/kvpool/pkg/config"
 	"github.com/kvpool/kvpool/pkg/contract"
 	"github.com/kvpool/kvpool/pkg/node"
@@ -92,132 +93,43 @@ var hugeSizes = []int64{1 << 30, 2 << 20}
 // MinPerGPU, or when huge pages are required and too few are free; the
 // plan returned with such an error holds the limits and bound found so far,
 // for display.
+//
+// The steps, each a function below: check the input; find the hard bounds
+// (widened by the free huge pages the policy may use); the policy's target;
+// the tightest of them bounds the pool; split it between the GPUs; cut each
+// share into chunks; pick each GPU's page size; fit the GPUs left on
+// ordinary pages into the bound that has no huge pages in it.
 func Make(s config.Sizing, in Input) (*Plan, error) {
-	if in.Node == nil {
-		return nil, errors.New("sizing: no node information")
-	}
-	if len(in.GPUs) == 0 {
-		return nil, errors.New("sizing: no GPUs to size a pool for")
-	}
-	seen := map[int]bool{}
-	for _, g := range in.GPUs {
-		if seen[g.Index] || g.Index < 0 {
-			return nil, fmt.Errorf("sizing: GPU index %d is negative or listed twice", g.Index)
-		}
-		seen[g.Index] = true
-		if s.Split == config.SplitMemory && g.Memory <= 0 {
-			return nil, fmt.Errorf("sizing: sizing.split is %q but GPU %d reports no device memory", s.Split, g.Index)
-		}
+	if err := checkInput(s, in); err != nil {
+		return nil, err
 	}
 	chunk := int64(s.ChunkBytes)
-	if chunk <= 0 {
-		return nil, errors.New("sizing: sizing.chunkBytes must be positive")
-	}
 	base := in.PageSize
 	if base == 0 {
 		base = int64(os.Getpagesize())
 	}
 	p := &Plan{ChunkBytes: chunk}
 
-	// Hard bounds. Reserved huge pages are neither in MemAvailable nor
-	// charged to the memory cgroup or counted in allocatable memory, so
-	// where the policy may use them, the free ones widen every bound; the
-	// ordinary pages planned must still fit the bounds without them.
-	n := in.Node
-	var hugeBytes int64
-	if s.HugePages != config.HugePagesNever {
-		for _, hs := range hugeSizes {
-			if chunk%hs == 0 {
-				hugeBytes += n.HugeFree(-1, hs) * hs
-			}
-		}
-	}
-	plus := ""
-	if hugeBytes > 0 {
-		plus = " + " + fmtBytes(hugeBytes) + " free huge pages"
-	}
-	hard := []Limit{{BoundAvailable, n.MemAvailable - int64(s.ReserveBytes),
-		fmt.Sprintf("%s - %s", fmtBytes(n.MemAvailable), fmtBytes(int64(s.ReserveBytes)))}}
-	if n.Cgroup.Limit != node.Unlimited {
-		hard = append(hard, Limit{BoundCgroup, n.Cgroup.Limit - int64(s.CgroupHeadroomBytes),
-			fmt.Sprintf("%s - %s", fmtBytes(n.Cgroup.Limit), fmtBytes(int64(s.CgroupHeadroomBytes)))})
-	}
-	if in.Allocatable > 0 {
-		hard = append(hard, Limit{BoundAllocatable, in.Allocatable, fmtBytes(in.Allocatable)})
-	}
-	// regular is the budget for ordinary pages: the tightest bound alone.
-	regular := hard[0]
-	for _, l := range hard[1:] {
-		if l.Bytes < regular.Bytes {
-			regular = l
-		}
-	}
-	regularLeft := regular.Bytes
-	for i := range hard {
-		hard[i].Bytes += hugeBytes
-		hard[i].How += plus
-	}
-	usable := hard[0]
-	for _, l := range hard[1:] {
-		if l.Bytes < usable.Bytes {
-			usable = l
-		}
-	}
-	// The policy's target.
-	var target Limit
-	if s.PoolBytes > 0 {
-		target = Limit{BoundPoolBytes, int64(s.PoolBytes), fmtBytes(int64(s.PoolBytes))}
-	} else {
-		v := max(usable.Bytes, 0)
-		f := new(big.Float).Mul(big.NewFloat(s.Fraction), new(big.Float).SetInt64(v))
-		t, _ := f.Int64()
-		target = Limit{BoundFraction, t, fmt.Sprintf("%g x %s (%s)", s.Fraction, fmtBytes(v), usable.Name)}
-	}
+	hard, regular := hardBounds(s, in, hugeBudget(s, in.Node, chunk))
+	target := policyTarget(s, tightest(hard))
 	p.Limits = append([]Limit{target}, hard...)
-	bound := target
-	for _, l := range hard {
-		if l.Bytes < bound.Bytes {
-			bound = l
-		}
-	}
+	bound := tightest(p.Limits)
 	p.Bound = bound.Name
 	if bound.Bytes < chunk {
-		return p, fmt.Errorf("sizing: no room for even one chunk (%s): %s is %s = %s", fmtBytes(chunk), bound.Name, bound.How, fmtBytes(bound.Bytes))
+		return p, fmt.Errorf("sizing: no room for even one chunk (%s): %s is %s = %s", bytesize.Approx(chunk), bound.Name, bound.How, bytesize.Approx(bound.Bytes))
 	}
 
-	// Split between GPUs.
 	gpus := append([]GPU(nil), in.GPUs...)
 	sort.Slice(gpus, func(i, j int) bool { return gpus[i].Index < gpus[j].Index })
-	var memSum big.Int
-	for _, g := range gpus {
-		memSum.Add(&memSum, big.NewInt(g.Memory))
-	}
+	shares := splitShares(s, bound, gpus)
+	regularLeft := regular.Bytes
 	left := map[[2]int64]int64{} // (numa, page size) -> free huge pages not yet planned
-	for _, g := range gpus {
-		share := bound.Bytes / int64(len(gpus))
-		how := fmt.Sprintf("%s / %d GPUs", fmtBytes(bound.Bytes), len(gpus))
-		if s.Split == config.SplitMemory {
-			var x big.Int
-			x.Mul(big.NewInt(bound.Bytes), big.NewInt(g.Memory))
-			x.Quo(&x, &memSum)
-			share = x.Int64()
-			how = fmt.Sprintf("%s x %s / %s of GPU memory", fmtBytes(bound.Bytes), fmtBytes(g.Memory), fmtBytes(memSum.Int64()))
+	for i, g := range gpus {
+		gp, err := cutChunks(s, g, shares[i], chunk)
+		if err != nil {
+			return p, err
 		}
-		gp := GPUPlan{GPU: g.Index, UUID: g.UUID, NUMA: g.NUMA, Bound: bound.Name}
-		if s.MaxPerGPU > 0 && share > int64(s.MaxPerGPU) {
-			share, gp.Bound, how = int64(s.MaxPerGPU), BoundMaxPerGPU, fmtBytes(int64(s.MaxPerGPU))
-		}
-		gp.Chunks = int(share / chunk)
-		gp.Bytes = int64(gp.Chunks) * chunk
-		if gp.Chunks == 0 {
-			return p, fmt.Errorf("sizing: GPU %d would get %s, less than one chunk (sizing.chunkBytes %s); bound by %s (%s)",
-				g.Index, fmtBytes(share), fmtBytes(chunk), gp.Bound, how)
-		}
-		if gp.Bytes < int64(s.MinPerGPU) {
-			return p, fmt.Errorf("sizing: GPU %d would get %s, less than sizing.minPerGPU %s; bound by %s (%s)",
-				g.Index, fmtBytes(gp.Bytes), fmtBytes(int64(s.MinPerGPU)), gp.Bound, how)
-		}
-		ps, warn, err := pageSize(s.HugePages, n, g, gp, chunk, base, left)
+		ps, warn, err := pageSize(s.HugePages, in.Node, g, gp, chunk, base, left)
 		if err != nil {
 			return p, err
 		}
@@ -226,19 +138,8 @@ func Make(s config.Sizing, in Input) (*Plan, error) {
 		}
 		gp.PageSize = ps
 		if ps == base {
-			// Ordinary pages: within the bounds without huge pages.
-			if gp.Bytes > regularLeft {
-				gp.Chunks = int(max(regularLeft, 0) / chunk)
-				gp.Bytes = int64(gp.Chunks) * chunk
-				gp.Bound = regular.Name
-				how := fmt.Sprintf("%s is %s, %s of it left for 4 KiB pages", regular.Name, regular.How, fmtBytes(max(regularLeft, 0)))
-				if gp.Chunks == 0 {
-					return p, fmt.Errorf("sizing: GPU %d has no huge pages and no room for one chunk of ordinary pages: %s", g.Index, how)
-				}
-				if gp.Bytes < int64(s.MinPerGPU) {
-					return p, fmt.Errorf("sizing: GPU %d would get %s of ordinary pages, less than sizing.minPerGPU %s: %s",
-						g.Index, fmtBytes(gp.Bytes), fmtBytes(int64(s.MinPerGPU)), how)
-				}
+			if gp, err = fitOrdinary(s, gp, regular, regularLeft, chunk); err != nil {
+				return p, err
 			}
 			regularLeft -= gp.Bytes
 		}
@@ -246,6 +147,169 @@ func Make(s config.Sizing, in Input) (*Plan, error) {
 		p.GPUs = append(p.GPUs, gp)
 	}
 	return p, nil
+}
+
+// checkInput refuses what no plan can be made from: no node, no GPUs, a GPU
+// index negative or twice, a memory split without GPU memory, no chunk size.
+func checkInput(s config.Sizing, in Input) error {
+	if in.Node == nil {
+		return errors.New("sizing: no node information")
+	}
+	if len(in.GPUs) == 0 {
+		return errors.New("sizing: no GPUs to size a pool for")
+	}
+	seen := map[int]bool{}
+	for _, g := range in.GPUs {
+		if seen[g.Index] || g.Index < 0 {
+			return fmt.Errorf("sizing: GPU index %d is negative or listed twice", g.Index)
+		}
+		seen[g.Index] = true
+		if s.Split == config.SplitMemory && g.Memory <= 0 {
+			return fmt.Errorf("sizing: sizing.split is %q but GPU %d reports no device memory", s.Split, g.Index)
+		}
+	}
+	if s.ChunkBytes <= 0 {
+		return errors.New("sizing: sizing.chunkBytes must be positive")
+	}
+	return nil
+}
+
+// hugeBudget is the bytes of free huge pages, of the sizes that divide the
+// chunk, that the policy may use (none under hugePages: never).
+func hugeBudget(s config.Sizing, n *node.Info, chunk int64) int64 {
+	var b int64
+	if s.HugePages == config.HugePagesNever {
+		return 0
+	}
+	for _, hs := range hugeSizes {
+		if chunk%hs == 0 {
+			b += n.HugeFree(-1, hs) * hs
+		}
+	}
+	return b
+}
+
+// hardBounds lists the node's bounds: MemAvailable less the reserve, the
+// cgroup limit less its headroom (when there is one), the Node's
+// allocatable memory (in a cluster). Reserved huge pages are neither in
+// MemAvailable nor charged to the memory cgroup or counted in allocatable
+// memory, so the free ones the policy may use (huge) widen every bound.
+// regular is the tightest bound without them: the budget for ordinary
+// pages.
+func hardBounds(s config.Sizing, in Input, huge int64) (hard []Limit, regular Limit) {
+	n := in.Node
+	hard = []Limit{{BoundAvailable, n.MemAvailable - int64(s.ReserveBytes),
+		fmt.Sprintf("%s - %s", bytesize.Approx(n.MemAvailable), bytesize.Approx(int64(s.ReserveBytes)))}}
+	if n.Cgroup.Limit != node.Unlimited {
+		hard = append(hard, Limit{BoundCgroup, n.Cgroup.Limit - int64(s.CgroupHeadroomBytes),
+			fmt.Sprintf("%s - %s", bytesize.Approx(n.Cgroup.Limit), bytesize.Approx(int64(s.CgroupHeadroomBytes)))})
+	}
+	if in.Allocatable > 0 {
+		hard = append(hard, Limit{BoundAllocatable, in.Allocatable, bytesize.Approx(in.Allocatable)})
+	}
+	regular = tightest(hard)
+	if huge > 0 {
+		for i := range hard {
+			hard[i].Bytes += huge
+			hard[i].How += " + " + bytesize.Approx(huge) + " free huge pages"
+		}
+	}
+	return hard, regular
+}
+
+// tightest is the limit of fewest bytes; the first of them on a tie.
+func tightest(ls []Limit) Limit {
+	t := ls[0]
+	for _, l := range ls[1:] {
+		if l.Bytes < t.Bytes {
+			t = l
+		}
+	}
+	return t
+}
+
+// policyTarget is the pool the policy asks for: sizing.poolBytes when set,
+// else sizing.fraction of the usable memory (the tightest hard bound, none
+// when it is negative).
+func policyTarget(s config.Sizing, usable Limit) Limit {
+	if s.PoolBytes > 0 {
+		return Limit{BoundPoolBytes, int64(s.PoolBytes), bytesize.Approx(int64(s.PoolBytes))}
+	}
+	v := max(usable.Bytes, 0)
+	f := new(big.Float).Mul(big.NewFloat(s.Fraction), new(big.Float).SetInt64(v))
+	t, _ := f.Int64()
+	return Limit{BoundFraction, t, fmt.Sprintf("%g x %s (%s)", s.Fraction, bytesize.Approx(v), usable.Name)}
+}
+
+// share is one GPU's part of the pool before it is cut into chunks.
+type share struct {
+	Bytes int64
+	Bound string // what limited it
+	How   string // the arithmetic
+}
+
+// splitShares divides the bound between the GPUs (sorted by index): evenly,
+// or by device memory under split: memory; no share above
+// sizing.maxPerGPU.
+func splitShares(s config.Sizing, bound Limit, gpus []GPU) []share {
+	var memSum big.Int
+	for _, g := range gpus {
+		memSum.Add(&memSum, big.NewInt(g.Memory))
+	}
+	out := make([]share, len(gpus))
+	for i, g := range gpus {
+		sh := share{bound.Bytes / int64(len(gpus)), bound.Name, fmt.Sprintf("%s / %d GPUs", bytesize.Approx(bound.Bytes), len(gpus))}
+		if s.Split == config.SplitMemory {
+			var x big.Int
+			x.Mul(big.NewInt(bound.Bytes), big.NewInt(g.Memory))
+			x.Quo(&x, &memSum)
+			sh.Bytes = x.Int64()
+			sh.How = fmt.Sprintf("%s x %s / %s of GPU memory", bytesize.Approx(bound.Bytes), bytesize.Approx(g.Memory), bytesize.Approx(memSum.Int64()))
+		}
+		if s.MaxPerGPU > 0 && sh.Bytes > int64(s.MaxPerGPU) {
+			sh = share{int64(s.MaxPerGPU), BoundMaxPerGPU, bytesize.Approx(int64(s.MaxPerGPU))}
+		}
+		out[i] = sh
+	}
+	return out
+}
+
+// cutChunks makes a GPU's pool from its share: whole chunks, at least one
+// and at least sizing.minPerGPU.
+func cutChunks(s config.Sizing, g GPU, sh share, chunk int64) (GPUPlan, error) {
+	gp := GPUPlan{GPU: g.Index, UUID: g.UUID, NUMA: g.NUMA, Bound: sh.Bound}
+	gp.Chunks = int(sh.Bytes / chunk)
+	gp.Bytes = int64(gp.Chunks) * chunk
+	if gp.Chunks == 0 {
+		return gp, fmt.Errorf("sizing: GPU %d would get %s, less than one chunk (sizing.chunkBytes %s); bound by %s (%s)",
+			g.Index, bytesize.Approx(sh.Bytes), bytesize.Approx(chunk), gp.Bound, sh.How)
+	}
+	if gp.Bytes < int64(s.MinPerGPU) {
+		return gp, fmt.Errorf("sizing: GPU %d would get %s, less than sizing.minPerGPU %s; bound by %s (%s)",
+			g.Index, bytesize.Approx(gp.Bytes), bytesize.Approx(int64(s.MinPerGPU)), gp.Bound, sh.How)
+	}
+	return gp, nil
+}
+
+// fitOrdinary shrinks a GPU's pool of ordinary pages to what is left of
+// regular, the bound without huge pages, after the GPUs before it; it
+// fails when that is less than one chunk or than sizing.minPerGPU.
+func fitOrdinary(s config.Sizing, gp GPUPlan, regular Limit, regularLeft, chunk int64) (GPUPlan, error) {
+	if gp.Bytes <= regularLeft {
+		return gp, nil
+	}
+	gp.Chunks = int(max(regularLeft, 0) / chunk)
+	gp.Bytes = int64(gp.Chunks) * chunk
+	gp.Bound = regular.Name
+	how := fmt.Sprintf("%s is %s, %s of it left for 4 KiB pages", regular.Name, regular.How, bytesize.Approx(max(regularLeft, 0)))
+	if gp.Chunks == 0 {
+		return gp, fmt.Errorf("sizing: GPU %d has no huge pages and no room for one chunk of ordinary pages: %s", gp.GPU, how)
+	}
+	if gp.Bytes < int64(s.MinPerGPU) {
+		return gp, fmt.Errorf("sizing: GPU %d would get %s of ordinary pages, less than sizing.minPerGPU %s: %s",
+			gp.GPU, bytesize.Approx(gp.Bytes), bytesize.Approx(int64(s.MinPerGPU)), how)
+	}
+	return gp, nil
 }
 
 // pageSize picks the largest huge page size that divides the chunk and of
@@ -274,37 +338,14 @@ func pageSize(policy string, n *node.Info, g GPU, gp GPUPlan, chunk, base int64,
 			left[key] = free - need
 			return hs, "", nil
 		}
-		tried = append(tried, fmt.Sprintf("%d free %s pages of %d needed", free, fmtBytes(hs), need))
+		tried = append(tried, fmt.Sprintf("%d free %s pages of %d needed", free, bytesize.Approx(hs), need))
 	}
-	msg := fmt.Sprintf("GPU %d: not enough huge pages on %s for %s (%s)", g.Index, where, fmtBytes(gp.Bytes), strings.Join(tried, ", "))
+	msg := fmt.Sprintf("GPU %d: not enough huge pages on %s for %s (%s)", g.Index, where, bytesize.Approx(gp.Bytes), strings.Join(tried, ", "))
 	if policy == config.HugePagesRequire {
 		return 0, "", fmt.Errorf("sizing: %s, and sizing.hugePages is %q", msg, policy)
 	}
-	return base, msg + fmt.Sprintf("; using %s pages", fmtBytes(base)), nil
+	return base, msg + fmt.Sprintf("; using %s pages", bytesize.Approx(base)), nil
 }
-
-// fmtBytes writes b in the largest binary unit not above it: whole
-// ("64Gi") when exact, else to one decimal ("21.4Gi").
-func fmtBytes(b int64) string {
-	if b < 0 {
-		return "-" + fmtBytes(-b)
-	}
-	for _, u := range []struct {
-		suf  string
-		size int64
-	}{{"Ti", 1 << 40}, {"Gi", 1 << 30}, {"Mi", 1 << 20}, {"Ki", 1 << 10}} {
-		if b >= u.size {
-			if b%u.size == 0 {
-				return fmt.Sprintf("%d%s", b/u.size, u.suf)
-			}
-			return fmt.Sprintf("%.1f%s", float64(b)/float64(u.size), u.suf)
-		}
-	}
-	return fmt.Sprint(b)
-}
-
-// FormatBytes is fmtBytes for callers printing a plan.
-func FormatBytes(b int64) string { return fmtBytes(b) }
 
 // Standalone returns the sizing policy used in --standalone mode: the pool
 // is c.Standalone.PoolBytes, and the chunk shrinks (to a multiple of 2Mi)

@@ -383,14 +383,6 @@ func TestStandalone(t *testing.T) {
 	}
 }
 
-func TestFormatBytes(t *testing.T) {
-	for in, want := range map[int64]string{0: "0", 4096: "4Ki", 64 * gib: "64Gi", 1536 * mib: "1.5Gi", 21*gib + 400*mib + 5: "21.4Gi", -2 * gib: "-2Gi", 3*mib + 1: "3.0Mi", 1000: "1000", 2048 * gib: "2Ti"} {
-		if got := FormatBytes(in); got != want {
-			t.Errorf("FormatBytes(%d) = %q, want %q", in, got, want)
-		}
-	}
-}
-
 // TestPlanAllocates runs a small plan's specs through hostmem on this
 // machine: every chunk comes back, named, sized, locked and on the page
 // size and NUMA node planned (or with a warning saying why not).

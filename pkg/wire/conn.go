@@ -171,7 +171,9 @@ func (c *Conn) Close() error {
 		if c.rc != nil {
 			// Wake a reader blocked in recvmsg: the file is closed only
 			// once it has returned.
-			c.rc.Control(func(fd uintptr) { unix.Shutdown(int(fd), unix.SHUT_RDWR) })
+			// Control fails only when the file is already closed, and
+			// then no reader is blocked on it.
+			_ = c.rc.Control(func(fd uintptr) { _ = unix.Shutdown(int(fd), unix.SHUT_RDWR) })
 		}
 	}
 	return c.uc.Close()

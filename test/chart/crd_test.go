@@ -2,6 +2,7 @@ package chart_test
 
 import (
 	"bytes"
+	stdjson "encoding/json"
 	"os"
 	"path/filepath"
 	"testing"
@@ -76,20 +77,23 @@ func TestChartCRD(t *testing.T) {
 	}
 }
 
-// TestChartDashboard: the dashboard the chart ships is the one the
-// observability code keeps under config/grafana (when that is in the tree).
+// TestChartDashboard: the chart's dashboard is the repository's one copy
+// (pkg/metrics checks its queries against the metrics the agent exports),
+// and it is a Grafana dashboard: valid JSON with its uid and panels.
 func TestChartDashboard(t *testing.T) {
-	const chartCopy, source = "charts/kvpool/dashboards/kvpool-dashboard.json", "config/grafana/kvpool-dashboard.json"
-	data := readFile(t, chartCopy)
-	src, err := os.ReadFile(filepath.Join(repoRoot(t), source))
-	if os.IsNotExist(err) {
-		t.Logf("%s is not in this tree; the chart's copy is not compared", source)
-		return
+	const chartCopy, old = "charts/kvpool/dashboards/kvpool-dashboard.json", "config/grafana/kvpool-dashboard.json"
+	if _, err := os.Stat(filepath.Join(repoRoot(t), old)); !os.IsNotExist(err) {
+		t.Errorf("%s is back (%v): the dashboard has one copy, %s", old, err, chartCopy)
 	}
-	if err != nil {
-		t.Fatal(err)
+	var d struct {
+		UID    string               `json:"uid"`
+		Title  string               `json:"title"`
+		Panels []stdjson.RawMessage `json:"panels"`
 	}
-	if !bytes.Equal(src, data) {
-		t.Errorf("%s differs from %s: cp %s %s", chartCopy, source, source, chartCopy)
+	if err := stdjson.Unmarshal(readFile(t, chartCopy), &d); err != nil {
+		t.Fatalf("%s: %v", chartCopy, err)
+	}
+	if d.UID != "kvpool-overview" || d.Title == "" || len(d.Panels) == 0 {
+		t.Errorf("%s: uid %q, title %q, %d panels; want uid kvpool-overview, a title and panels", chartCopy, d.UID, d.Title, len(d.Panels))
 	}
 }

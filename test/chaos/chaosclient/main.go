@@ -108,7 +108,7 @@ func run(socket, token string, gpu int, seed uint64) error {
 	}
 	var stop atomic.Bool
 	go func() {
-		io.Copy(io.Discard, os.Stdin)
+		_, _ = io.Copy(io.Discard, os.Stdin) // until the parent closes it: EOF or an error both mean stop
 		stop.Store(true)
 	}()
 	for !stop.Load() {
@@ -228,7 +228,9 @@ func (r *runner) offload() {
 		// Full, or the agent was unavailable past the bound: as the engine
 		// does, discard what may have been claimed.
 		r.res.Refused++
-		r.p.Discard(s.rid, s.label)
+		// The agent may be the reason it was refused (killed): a failed
+		// discard is no error of the pool's, the next session starts clean.
+		_ = r.p.Discard(s.rid, s.label)
 		return
 	}
 	if err := r.sync(); err != nil {
@@ -259,7 +261,10 @@ func (r *runner) reload(i int) {
 	}
 	for _, p := range dst {
 		for _, base := range []cudart.DevicePtr{r.k, r.v} {
-			r.dev.MemcpyHtoD(base+cudart.DevicePtr(uint64(p)*uint64(pageBytes)), poison)
+			if err := r.dev.MemcpyHtoD(base+cudart.DevicePtr(uint64(p)*uint64(pageBytes)), poison); err != nil {
+				r.fail("poison device page %d: %v", p, err)
+				return
+			}
 		}
 	}
 	var got client.OffloadedStream
