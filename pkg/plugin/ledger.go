@@ -340,7 +340,8 @@ func (l *ledger) grant(sets [][]string, held map[string]string) ([]string, []str
 			// Never handed out: nobody could have written the chunks.
 			if _, err := l.pool.Revoke(a.ID()); err == nil {
 				for _, d := range a.Devices {
-					l.pool.Scrubbed(d)
+					// Revoke just made d dirty: Scrubbed cannot refuse it.
+					_ = l.pool.Scrubbed(d)
 				}
 			}
 		}
@@ -462,11 +463,11 @@ func (l *ledger) chunkHealthLocked(id string, healthy bool, reason string) {
 	}
 }
 
-// Renewal backoff: the first retry after RenewRetryMin, doubling up to
-// RenewRetryMax.
+// Renewal backoff: the first retry after RenewRetryFirst, doubling up to
+// RenewRetryCap.
 const (
-	RenewRetryMin = time.Second
-	RenewRetryMax = time.Minute
+	RenewRetryFirst = time.Second
+	RenewRetryCap   = time.Minute
 )
 
 type retry struct {
@@ -491,7 +492,7 @@ func (l *ledger) renewed(id string, err error) error {
 	}
 	if err != nil {
 		r := l.retry[id]
-		wait := min(RenewRetryMin<<min(r.failures, 16), RenewRetryMax)
+		wait := min(RenewRetryFirst<<min(r.failures, 16), RenewRetryCap)
 		r.failures++
 		r.next = l.now().Add(wait)
 		l.retry[id] = r

@@ -172,7 +172,7 @@ func TestPluginReportsOperations(t *testing.T) {
 	e.mu.Lock()
 	e.zeroFn = nil
 	e.mu.Unlock()
-	e.clock.Advance(RenewRetryMin)
+	e.clock.Advance(RenewRetryFirst)
 	e.reconcile()
 	if got := e.p.UnhealthyChunks(); len(got) != 0 {
 		t.Errorf("unhealthy chunks = %v after a successful renewal", got)

@@ -531,7 +531,9 @@ func (p *Plugin) renewDirty() time.Time {
 	p.renewMu.Lock()
 	defer p.renewMu.Unlock()
 	for _, id := range p.l.due() {
-		p.renew(id)
+		// A failure is recorded by renew (retry schedule, metrics, log);
+		// the next retry is in settled's answer.
+		_ = p.renew(id)
 	}
 	return p.l.settled()
 }

@@ -456,17 +456,17 @@ func TestRenewFailureKeepsChunkOut(t *testing.T) {
 	e.zeroFn = func(string) error { tries++; return errBoom }
 	e.clock.Advance(testGrace)
 	e.reconcile()
-	// Retried with backoff: not before RenewRetryMin, then after it.
+	// Retried with backoff: not before RenewRetryFirst, then after it.
 	e.reconcile()
 	if tries != 1 {
 		t.Errorf("renewed %d times before the backoff ended, want 1", tries)
 	}
-	e.clock.Advance(RenewRetryMin)
+	e.clock.Advance(RenewRetryFirst)
 	e.reconcile()
 	if tries != 2 {
 		t.Errorf("renewed %d times after the first backoff, want 2", tries)
 	}
-	e.clock.Advance(RenewRetryMin)
+	e.clock.Advance(RenewRetryFirst)
 	e.reconcile()
 	if tries != 2 {
 		t.Errorf("renewed %d times before the doubled backoff ended, want 2", tries)
@@ -481,7 +481,7 @@ func TestRenewFailureKeepsChunkOut(t *testing.T) {
 	e.mu.Lock()
 	e.zeroFn = nil
 	e.mu.Unlock()
-	e.clock.Advance(RenewRetryMin)
+	e.clock.Advance(RenewRetryFirst)
 	e.reconcile()
 	if st := chunkStates(e.pool)["gpu0-numa0-0"]; st != "free/" {
 		t.Fatalf("chunk is %s after a successful retry", st)

@@ -149,7 +149,7 @@ func (p *Plugin) serveOnce(ctx context.Context) error {
 			}
 		}
 		srv.Stop()
-		<-serveErr
+		_ = <-serveErr // Serve ends once stopped; its error says only that
 		if cur, ok := statSock(sock); ok && cur.fi.Mode()&os.ModeSocket != 0 {
 			os.Remove(sock)
 		}

@@ -173,7 +173,8 @@ func (c *conn) serve() {
 				e.opMu.Unlock()
 				if err != nil {
 					c.log.Error("closing connection: the books cannot record a change", "op", h.Op, "err", err)
-					c.send(h, fail(wire.StatusInternal, fmt.Errorf("the agent cannot record this change: %w", err)))
+					// The connection closes either way; the client retries.
+					_ = c.send(h, fail(wire.StatusInternal, fmt.Errorf("the agent cannot record this change: %w", err)))
 					return
 				}
 			}
@@ -551,10 +552,10 @@ func (e *entry) nextPart(offset uint32) reply {
 	m := e.more
 	e.moreMu.Unlock()
 	off := int(offset)
-	switch {
-	case m.op == 0:
+	switch m.op {
+	case 0:
 		return fail(wire.StatusBadRequest, errors.New("more: the session has no long reply to continue (the next request after it ends it)"))
-	case m.op == wire.OpLabels:
+	case wire.OpLabels:
 		if off > len(m.labels) {
 			return fail(wire.StatusBadRequest, fmt.Errorf("more: offset %d past the %d labels", off, len(m.labels)))
 		}

@@ -206,7 +206,9 @@ func (s *Server) refuseConn(uc *net.UnixConn, msg string) {
 		return
 	}
 	defer s.refusing.Add(-1)
-	uc.SetDeadline(time.Now().Add(refuseTimeout))
+	if uc.SetDeadline(time.Now().Add(refuseTimeout)) != nil {
+		return // no deadline, no read: just close
+	}
 	var buf [512]byte
 	n, oobn, _, _, err := uc.ReadMsgUnix(buf[:], nil)
 	if err != nil || n < wire.HeaderSize || oobn != 0 {
@@ -219,7 +221,7 @@ func (s *Server) refuseConn(uc *net.UnixConn, msg string) {
 	pkt, err := wire.AppendPacket(nil, wire.Header{Op: h.Op, Status: wire.StatusLimit, Seq: h.Seq},
 		&wire.Error{Message: "connection refused: " + msg})
 	if err == nil {
-		uc.Write(pkt)
+		_, _ = uc.Write(pkt) // best effort: the connection closes next
 	}
 }
 
@@ -229,13 +231,19 @@ func (s *Server) refuseConn(uc *net.UnixConn, msg string) {
 func (c *conn) stage() {
 	l := c.s.lim
 	uc := c.wc.UnixConn()
+	var err error
 	switch {
 	case c.e != nil:
-		uc.SetReadDeadline(time.Time{})
+		err = uc.SetReadDeadline(time.Time{})
 	case c.hello:
-		uc.SetReadDeadline(c.since.Add(l.OpenTimeout))
+		err = uc.SetReadDeadline(c.since.Add(l.OpenTimeout))
 	default:
-		uc.SetReadDeadline(c.since.Add(l.HelloTimeout))
+		err = uc.SetReadDeadline(c.since.Add(l.HelloTimeout))
+	}
+	if err != nil {
+		// Only a closed socket refuses a deadline; the next receive
+		// reports that and ends the connection.
+		c.log.Debug("set read deadline", "err", err)
 	}
 }
 
@@ -256,18 +264,18 @@ func (c *conn) timedOut(err error) bool {
 
 // checkClientName bounds a hello's client name.
 func (c *conn) checkClientName(name string) (reply, bool) {
-	if max := c.s.lim.MaxClientName; len(name) > max {
+	if limit := c.s.lim.MaxClientName; len(name) > limit {
 		c.s.refused(RefusedClientName, c.peer, "hello refused: client name too long", "bytes", len(name), "client", logName(name))
-		return fail(wire.StatusLimit, fmt.Errorf("client name of %d bytes, at most %d", len(name), max)), false
+		return fail(wire.StatusLimit, fmt.Errorf("client name of %d bytes, at most %d", len(name), limit)), false
 	}
 	return reply{}, true
 }
 
 // checkLayout bounds an Open's layout beyond parseLayout's own checks.
 func (c *conn) checkLayout(lay layout) (reply, bool) {
-	if max := c.s.lim.MaxDevicePages; lay.devicePages > max {
+	if limit := c.s.lim.MaxDevicePages; lay.devicePages > limit {
 		c.s.refused(RefusedDevicePages, c.peer, "open refused: too many device pages", "pages", lay.devicePages)
-		return fail(wire.StatusLimit, fmt.Errorf("open: layout of %d device pages, at most %d (limits.maxDevicePages)", lay.devicePages, max)), false
+		return fail(wire.StatusLimit, fmt.Errorf("open: layout of %d device pages, at most %d (limits.maxDevicePages)", lay.devicePages, limit)), false
 	}
 	return reply{}, true
 }
@@ -342,16 +350,16 @@ func shortID(instance string) string {
 // logName makes a client-chosen name safe to log: printable ASCII only, at
 // most 64 bytes, the rest replaced or cut with a note of the length.
 func logName(s string) string {
-	const max = 64
+	const most = 64
 	var b strings.Builder
-	for i := 0; i < len(s) && b.Len() < max; i++ {
+	for i := 0; i < len(s) && b.Len() < most; i++ {
 		if c := s[i]; c >= 0x20 && c < 0x7f {
 			b.WriteByte(c)
 		} else {
 			b.WriteByte('?')
 		}
 	}
-	if len(s) > max {
+	if len(s) > most {
 		fmt.Fprintf(&b, "...(%d bytes)", len(s))
 	}
 	return b.String()

@@ -370,9 +370,10 @@ func TestBadInput(t *testing.T) {
 			}
 			if ok && h.Status != wire.StatusVersion {
 				// The connection goes on serving after an error reply.
-				if tc.setup == "open" {
+				switch tc.setup {
+				case "open":
 					r.usage()
-				} else if tc.setup == "hello" {
+				case "hello":
 					var u wire.UsageReply
 					if st, _ := r.do(wire.OpUsage, 0, nil, &u); st != wire.StatusNoSession && st != 0 {
 						t.Fatalf("after the error: %s", st)

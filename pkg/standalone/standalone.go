@@ -114,8 +114,7 @@ func (a *Agent) Serve(ctx context.Context) error {
 // Close stops the agent, if still serving, and frees the chunks.
 func (a *Agent) Close() error {
 	a.cancel()
-	a.stop()
-	return nil
+	return a.stop()
 }
 
 // stop waits for the agent to end (its context cancelled) once.

@@ -58,7 +58,7 @@ func (k *Kubelet) Start() {
 	k.ctx, k.cancel = context.WithCancel(context.Background())
 	k.srv = grpc.NewServer()
 	pluginapi.RegisterRegistrationServer(k.srv, k)
-	go k.srv.Serve(lis)
+	go func() { _ = k.srv.Serve(lis) }() // ends with Stop at clean-up
 }
 
 // Stop stops serving and drops the connections to plugins.
@@ -178,7 +178,7 @@ func NewPodResources(t testing.TB, socket string) *PodResources {
 	}
 	srv := grpc.NewServer()
 	podresourcesv1.RegisterPodResourcesListerServer(srv, s)
-	go srv.Serve(lis)
+	go func() { _ = srv.Serve(lis) }() // ends with Stop at clean-up
 	t.Cleanup(srv.Stop)
 	return s
 }
