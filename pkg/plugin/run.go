@@ -149,7 +149,9 @@ func (p *Plugin) serveOnce(ctx context.Context) error {
 			}
 		}
 		srv.Stop()
-		_ = <-serveErr // Serve ends once stopped; its error says only that
+		if err := <-serveErr; err != nil && !errors.Is(err, grpc.ErrServerStopped) {
+			p.log.Debug("device plugin server ended", "err", err)
+		}
 		if cur, ok := statSock(sock); ok && cur.fi.Mode()&os.ModeSocket != 0 {
 			os.Remove(sock)
 		}
