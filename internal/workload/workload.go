@@ -1,6 +1,6 @@
 // Package workload drives a kvpool agent the way an inference engine would,
 // on a simulated GPU, and checks every byte that comes back. cmd/kvclient,
-// agent bench and the end-to-end tests run it.
+// kvbench and the end-to-end tests run it.
 package workload
 
 import (
@@ -42,7 +42,7 @@ type Config struct {
 	Progress func(done int)
 	// Probe, when set, is called right before (before true) and right
 	// after each offload, reload, discard and remove_request of the mixed
-	// workload: agent bench times a bare echo there, so that its floor is
+	// workload: kvbench times a bare echo there, so that its floor is
 	// measured in the same conditions as the calls.
 	Probe func(before bool)
 }
