@@ -2,10 +2,15 @@
 // per-node status object the agent writes so that `kubectl get kvpoolnodes`
 // shows each node's host KV pool.
 //
+// The deep copies (zz_generated.deepcopy.go) and the CRD
+// (config/crd, copied to charts/kvpool/crds) are generated from these types
+// by controller-gen: run hack/gen-api.sh after changing them.
+//
+// +kubebuilder:object:generate=true
 // +groupName=kvpool.io
 package v1alpha1
 
-//go:generate go run sigs.k8s.io/controller-tools/cmd/controller-gen@v0.23.0 crd paths=. output:crd:dir=../../config/crd
+//go:generate ../../hack/gen-api.sh
 
 import (
 	"k8s.io/apimachinery/pkg/api/resource"

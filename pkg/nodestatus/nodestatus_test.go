@@ -448,3 +448,84 @@ func TestHeartbeatDueOnAnySync(t *testing.T) {
 		}
 	}
 }
+
+// Stopped is the last write, with no later pass to retry it: a conflict (the
+// object changed between its read and its write) or a create that lost a
+// race is retried at once, with the object read afresh; any other error is
+// returned without a retry and leaves the object as it was.
+func TestStoppedRetriesConflicts(t *testing.T) {
+	ctx := context.Background()
+	gr := schema.GroupResource{Group: "kvpool.io", Resource: "kvpoolnodes"}
+	for _, c := range []struct {
+		name          string
+		synced        bool // a status was written before Stopped
+		extra         func(updates *atomic.Int32) interceptor.Funcs
+		wantErr       string
+		wantUpdates   int32
+		wantCreates   int32
+		wantUnhealthy bool
+	}{
+		{"conflict", true, func(updates *atomic.Int32) interceptor.Funcs {
+			return interceptor.Funcs{SubResourceUpdate: func(ctx context.Context, cl client.Client, sub string, obj client.Object, opts ...client.SubResourceUpdateOption) error {
+				if updates.Add(1) == 2 { // Stopped's first write: someone labels the object first
+					fresh := &v1alpha1.KVPoolNode{}
+					if err := cl.Get(ctx, client.ObjectKeyFromObject(obj), fresh); err != nil {
+						return err
+					}
+					fresh.Labels["touched"] = "yes"
+					if err := cl.Update(ctx, fresh); err != nil {
+						return err
+					}
+				}
+				return cl.SubResource(sub).Update(ctx, obj, opts...) // stale resourceVersion: a real conflict
+			}}
+		}, "", 3, 1, true},
+		{"create lost a race", false, func(*atomic.Int32) interceptor.Funcs {
+			return interceptor.Funcs{Create: func(ctx context.Context, cl client.WithWatch, obj client.Object, opts ...client.CreateOption) error {
+				if err := cl.Create(ctx, obj.DeepCopyObject().(client.Object), opts...); err != nil {
+					return err
+				}
+				return apierrors.NewAlreadyExists(gr, obj.GetName())
+			}}
+		}, "", 1, 1, true},
+		{"forbidden", true, func(updates *atomic.Int32) interceptor.Funcs {
+			return interceptor.Funcs{SubResourceUpdate: func(ctx context.Context, cl client.Client, sub string, obj client.Object, opts ...client.SubResourceUpdateOption) error {
+				if updates.Add(1) == 2 {
+					return apierrors.NewForbidden(gr, obj.GetName(), errors.New("denied"))
+				}
+				return cl.SubResource(sub).Update(ctx, obj, opts...)
+			}}
+		}, "forbidden", 2, 1, false},
+	} {
+		var n counts
+		var updates atomic.Int32
+		cl := newClient(t, &n, c.extra(&updates), node("n1"))
+		w := NewWriter(cl, "n1", Options{})
+		w.Set(Build("n1", Input{Snapshot: snapshot(t), Ready: true}))
+		if c.synced {
+			if err := w.Sync(ctx, false); err != nil {
+				t.Fatalf("%s: %v", c.name, err)
+			}
+		}
+		err := w.Stopped(ctx, "agent stopped")
+		switch {
+		case c.wantErr == "" && err != nil:
+			t.Errorf("%s: Stopped: %v", c.name, err)
+		case c.wantErr != "" && (err == nil || !strings.Contains(err.Error(), c.wantErr)):
+			t.Errorf("%s: Stopped returned %v, want %q", c.name, err, c.wantErr)
+		}
+		if got := n.updates.Load(); got != c.wantUpdates {
+			t.Errorf("%s: %d status updates, want %d", c.name, got, c.wantUpdates)
+		}
+		if got := n.creates.Load(); got != c.wantCreates {
+			t.Errorf("%s: %d creates, want %d", c.name, got, c.wantCreates)
+		}
+		obj := get(t, cl, "n1")
+		if got := obj.Status.Health == v1alpha1.HealthUnhealthy; got != c.wantUnhealthy {
+			t.Errorf("%s: health %s after Stopped (want the final status: %v)", c.name, obj.Status.Health, c.wantUnhealthy)
+		}
+		if c.name == "conflict" && obj.Labels["touched"] != "yes" {
+			t.Errorf("conflict: the other writer's label is gone: %v", obj.Labels)
+		}
+	}
+}

@@ -12,6 +12,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	apimeta "k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/util/retry"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/kvpool/kvpool/api/v1alpha1"
@@ -104,7 +105,11 @@ func (w *Writer) Set(st v1alpha1.KVPoolNodeStatus) {
 }
 
 // Run writes until ctx ends: after each Set, but never twice within
-// MinInterval; a failed write is retried after MinInterval.
+// MinInterval; a failed write is retried after MinInterval. A conflict is
+// such a failure too, reported and retried by the next pass (which reads
+// the object afresh), not at once: an immediate retry would break the
+// MinInterval bound on the agent's API writes. Stopped, which has no next
+// pass, retries conflicts at once.
 func (w *Writer) Run(ctx context.Context) error {
 	var resync <-chan time.Time
 	if w.opts.Resync > 0 {
@@ -250,7 +255,10 @@ func (w *Writer) owner(ctx context.Context) (*metav1.OwnerReference, error) {
 // sessions (the agent's memory and connections go with it). The agent calls
 // it on SIGTERM, after Run has returned, with a context of its own: the
 // status then stops claiming a serving agent within seconds instead of
-// after StaleAfter. It does nothing when no status was ever set.
+// after StaleAfter. It does nothing when no status was ever set. Being the
+// last write, it retries at once (retry.DefaultRetry: 5 tries within about
+// 50ms) when the object changed under it (a conflict) or was created by
+// someone else between its read and its create; other errors are returned.
 func (w *Writer) Stopped(ctx context.Context, reason string) error {
 	w.mu.Lock()
 	if w.pending == nil {
@@ -271,7 +279,9 @@ func (w *Writer) Stopped(ctx context.Context, reason string) error {
 	}
 	w.pending = st
 	w.mu.Unlock()
-	return w.Sync(ctx, true)
+	return retry.OnError(retry.DefaultRetry, func(err error) bool {
+		return apierrors.IsConflict(err) || apierrors.IsAlreadyExists(err)
+	}, func() error { return w.Sync(ctx, true) })
 }
 
 // LastWrite is when the status was last written, zero if never.
