@@ -102,6 +102,8 @@ func (o *observability) start(ctx context.Context, metricsAddr, healthAddr strin
 	hmux := http.NewServeMux()
 	hmux.Handle("/livez", o.Health.Handler())
 	hmux.Handle("/readyz", o.Health.Handler())
+	hmux.Handle("/livez/", o.Health.Handler())
+	hmux.Handle("/readyz/", o.Health.Handler())
 	hmux.Handle("/status", o.Report)
 	for _, s := range []struct {
 		name string
