@@ -21,7 +21,7 @@ import (
 
 // observability is the agent's metrics, health checks, status report and
 // recent-error log, served on two ports: metrics (GET /metrics) and health
-// (GET /livez, /readyz, /status).
+// (GET /livez, /readyz, each with /<check> under it, and /status).
 type observability struct {
 	Metrics *metrics.Metrics
 	Health  *health.Health
