@@ -21,7 +21,7 @@ import (
 
 // observability is the agent's metrics, health checks, status report and
 // recent-error log, served on two ports: metrics (GET /metrics) and health
-// (GET /livez, /readyz, /status).
+// (GET /livez, /readyz, each with /<check> under it, and /status).
 type observability struct {
 	Metrics *metrics.Metrics
 	Health  *health.Health
@@ -102,6 +102,8 @@ func (o *observability) start(ctx context.Context, metricsAddr, healthAddr strin
 	hmux := http.NewServeMux()
 	hmux.Handle("/livez", o.Health.Handler())
 	hmux.Handle("/readyz", o.Health.Handler())
+	hmux.Handle("/livez/", o.Health.Handler())
+	hmux.Handle("/readyz/", o.Health.Handler())
 	hmux.Handle("/status", o.Report)
 	for _, s := range []struct {
 		name string

@@ -173,14 +173,21 @@ func (r Result) String() string {
 }
 
 // Live runs the liveness checks.
-func (h *Health) Live(ctx context.Context) Result { return h.run(ctx, &h.live) }
+func (h *Health) Live(ctx context.Context) Result { return h.run(ctx, &h.live, "") }
 
 // Ready runs the readiness checks.
-func (h *Health) Ready(ctx context.Context) Result { return h.run(ctx, &h.ready) }
+func (h *Health) Ready(ctx context.Context) Result { return h.run(ctx, &h.ready, "") }
 
-func (h *Health) run(ctx context.Context, list *[]*check) Result {
+// run runs the checks of list, or only the one named only when only is not
+// "" (none when list has no such check).
+func (h *Health) run(ctx context.Context, list *[]*check, only string) Result {
 	h.mu.Lock()
-	checks := append([]*check(nil), (*list)...)
+	var checks []*check
+	for _, c := range *list {
+		if only == "" || c.name == only {
+			checks = append(checks, c)
+		}
+	}
 	h.mu.Unlock()
 	res := Result{Checks: make([]CheckResult, len(checks))}
 	var wg sync.WaitGroup
@@ -225,15 +232,38 @@ func (h *Health) runOne(ctx context.Context, c *check) error {
 
 // Handler serves GET /livez and /readyz: 200 with "ok" on the last line when
 // every check passes, 503 otherwise; the body lists each check and why it
-// failed.
+// failed. GET /livez/<check> and /readyz/<check> run that one check (404
+// for a name the probe does not have).
+//
+// This is not controller-runtime's healthz.Handler, although it serves the
+// same kind of probe, because that handler would lose what this one is for:
+// it runs the checks one after another, so two wedged checks at the 2 s
+// timeout outlast kubelet's 3 s probe timeout and the probe fails with no
+// reason, where here they run together and the answer always comes within
+// one timeout naming the wedged check; it withholds the failure reasons
+// ("reason withheld") that kubectl describe shows from this body; it takes
+// its checks as a map fixed before serving, where components add theirs to
+// a Health while it serves; and it answers 500, not 503. The wedge
+// detection itself (runOne) would survive under either.
 func (h *Health) Handler() http.Handler {
 	mux := http.NewServeMux()
-	mux.HandleFunc("GET /livez", func(w http.ResponseWriter, r *http.Request) {
-		h.serve(w, "livez", h.Live(r.Context()))
-	})
-	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, r *http.Request) {
-		h.serve(w, "readyz", h.Ready(r.Context()))
-	})
+	for _, probe := range []struct {
+		name string
+		list *[]*check
+	}{{"livez", &h.live}, {"readyz", &h.ready}} {
+		mux.HandleFunc("GET /"+probe.name, func(w http.ResponseWriter, r *http.Request) {
+			h.serve(w, probe.name, h.run(r.Context(), probe.list, ""))
+		})
+		mux.HandleFunc("GET /"+probe.name+"/{check}", func(w http.ResponseWriter, r *http.Request) {
+			name := r.PathValue("check")
+			res := h.run(r.Context(), probe.list, name)
+			if len(res.Checks) == 0 {
+				http.Error(w, fmt.Sprintf("%s has no check %q", probe.name, name), http.StatusNotFound)
+				return
+			}
+			h.serve(w, probe.name+"/"+name, res)
+		})
+	}
 	return mux
 }
 

@@ -84,6 +84,34 @@ func TestHeartbeat(t *testing.T) {
 	}
 }
 
+// /livez/<check> and /readyz/<check> run one check of their probe.
+func TestOneCheck(t *testing.T) {
+	clk := &fakeClock{t: time.Unix(1000, 0)}
+	h := New(Options{Now: clk.Now})
+	h.Heartbeat("plugin-loop", 10*time.Second)
+	h.Heartbeat("reclaim-loop", 30*time.Second)
+	h.AddReadiness("chunks", func(context.Context) error { return errors.New("no chunk ready") })
+	srv := httptest.NewServer(h.Handler())
+	defer srv.Close()
+	clk.Add(11 * time.Second) // plugin-loop fails, reclaim-loop passes
+	for _, c := range []struct {
+		path     string
+		wantCode int
+		want     string
+	}{
+		{"/livez/reclaim-loop", 200, "[+]reclaim-loop ok\nlivez/reclaim-loop ok\n"},
+		{"/livez/plugin-loop", 503, "[-]plugin-loop failed: plugin-loop made no progress for 11s (limit 10s)\nlivez/plugin-loop failed\n"},
+		{"/readyz/chunks", 503, "[-]chunks failed: no chunk ready\nreadyz/chunks failed\n"},
+		{"/readyz/plugin-loop", 404, "readyz has no check \"plugin-loop\"\n"},
+		{"/livez/nothing", 404, "livez has no check \"nothing\"\n"},
+	} {
+		code, body := get(t, srv.URL+c.path)
+		if code != c.wantCode || body != c.want {
+			t.Errorf("GET %s: %d %q, want %d %q", c.path, code, body, c.wantCode, c.want)
+		}
+	}
+}
+
 // greeter is a tiny socket server with the shape of the agent's: an accept
 // loop that hands each connection to a goroutine which answers a greeting.
 // Holding wedge stalls the accept loop, as a deadlocked server would.

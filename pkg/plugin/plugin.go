@@ -42,7 +42,7 @@ const (
 	DefaultStateDir    = "/var/lib/kvpool/state"
 	DefaultGracePeriod = 2 * time.Minute
 	DefaultInterval    = 10 * time.Second
-	DefaultWatch       = time.Second
+	DefaultWatch       = 10 * time.Second
 )
 
 // Pool is the part of *pool.Pool the plugin uses.
@@ -101,9 +101,13 @@ type Options struct {
 
 	GracePeriod time.Duration // an unheld allocation lives this long; default 2m
 	Interval    time.Duration // reconcile period; default 10s
-	Watch       time.Duration // kubelet socket poll period; default 1s
-	Now         func() time.Time
-	Logger      *slog.Logger
+	// Watch is the period of the fallback poll of the device-plugins
+	// directory (kubelet's restart is seen through inotify as it happens);
+	// default 10s. A failed listen or registration is retried after the
+	// smaller of Watch and 1s.
+	Watch  time.Duration
+	Now    func() time.Time
+	Logger *slog.Logger
 }
 
 func (o *Options) setDefaults() error {

@@ -127,6 +127,69 @@ func TestReregisterAfterKubeletRestart(t *testing.T) {
 	e.kubelet.WaitList(func(l []*pluginapi.Device) bool { return len(l) == 8 })
 }
 
+// With the fallback poll an hour apart, kubelet's start, the removal of the
+// plugin's socket and kubelet's restart are each seen through inotify.
+func TestRestartSeenWithoutPolling(t *testing.T) {
+	root := shortDir(t)
+	kdir := filepath.Join(root, "device-plugins")
+	if err := os.MkdirAll(kdir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	feed := NewFeed()
+	feed.Set([]Device{{ID: "gpu0-numa0-0", NUMA: 0, Healthy: true}})
+	p, err := New(Options{
+		ResourceName: "example.com/kv", KubeletDir: root, SocketDir: "/run/kvp", StateDir: filepath.Join(root, "state"),
+		Pool: pool.New(), Devices: feed, Renew: func(string) error { return nil },
+		Holders: staticHolders{}, Watch: time.Hour, Interval: time.Hour, Logger: quietLogger(),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- p.Run(ctx) }()
+	defer func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("Run: %v", err)
+		}
+	}()
+	sock := filepath.Join(kdir, p.Endpoint())
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		if _, err := os.Stat(sock); err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the plugin's socket did not appear within 5s")
+		}
+	}
+	registered := func(what string, after int64) {
+		t.Helper()
+		for deadline := time.Now().Add(5 * time.Second); p.Registrations() <= after || !p.Registered(); time.Sleep(5 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: not registered within 5s (registrations %d, before %d)", what, p.Registrations(), after)
+			}
+		}
+	}
+	// kubelet starts after the plugin: kubelet.sock's creation is seen.
+	k := kubelettest.NewKubelet(t, kdir)
+	k.WaitRegister(5 * time.Second)
+	registered("kubelet started", 0)
+	// Only the plugin's socket goes (kubelet keeps the stream open).
+	before := p.Registrations()
+	if err := os.Remove(sock); err != nil {
+		t.Fatal(err)
+	}
+	k.WaitRegister(5 * time.Second)
+	registered("socket removed", before)
+	// A full restart, as kubelet does it.
+	before = p.Registrations()
+	k.Restart()
+	k.WaitRegister(5 * time.Second)
+	registered("kubelet restarted", before)
+	k.WaitList(func(l []*pluginapi.Device) bool { return len(l) == 1 })
+}
+
 func TestAllocate(t *testing.T) {
 	e := newEnv(t)
 	e.feed.SetHealth("gpu1-numa1-3", false)

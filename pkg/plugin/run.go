@@ -10,6 +10,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/fsnotify/fsnotify"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
@@ -158,8 +159,19 @@ func (p *Plugin) serveOnce(ctx context.Context) error {
 	}()
 	ours, _ := statSock(sock)
 
-	t := time.NewTicker(p.o.Watch)
+	// Kubelet's restart is seen as it happens through inotify on the
+	// directory: any event on our socket or kubelet.sock runs the checks
+	// below at once. The poll every Watch is the fallback for a missed
+	// event (queue overflow); without inotify it polls at the retry pace.
+	events, closeWatch := p.watchDir(dir)
+	defer closeWatch()
+	poll := p.o.Watch
+	if events == nil {
+		poll = min(poll, p.retryDelay())
+	}
+	t := time.NewTicker(poll)
 	defer t.Stop()
+	var retry <-chan time.Time // a failed registration is tried again soon
 	var kid sockID
 	registered := false
 	for {
@@ -176,8 +188,9 @@ func (p *Plugin) serveOnce(ctx context.Context) error {
 			p.report(observe.Op{Name: observe.OpRegister, Err: err})
 			if err != nil {
 				p.log.Warn("register with kubelet", "err", err)
+				retry = time.After(p.retryDelay())
 			} else {
-				registered, kid = true, k
+				registered, kid, retry = true, k, nil
 				p.registrations.Add(1)
 				p.registered.Store(true)
 				p.log.Info("registered with kubelet", "endpoint", p.Endpoint())
@@ -193,10 +206,66 @@ func (p *Plugin) serveOnce(ctx context.Context) error {
 		case err := <-serveErr:
 			serveErr <- err // for the deferred wait
 			return fmt.Errorf("serve: %w", err)
+		case <-events:
+		case <-retry:
 		case <-t.C:
 		}
 	}
 }
+
+// watchDir watches dir with inotify and returns a channel that receives
+// whenever something may have happened to the plugin's socket or
+// kubelet.sock, and the function that stops watching. Where inotify is not
+// available it returns a nil channel (which never receives) and logs why.
+func (p *Plugin) watchDir(dir string) (<-chan struct{}, func()) {
+	w, err := fsnotify.NewWatcher()
+	if err == nil {
+		if err = w.Add(dir); err != nil {
+			w.Close()
+		}
+	}
+	if err != nil {
+		p.log.Warn("cannot watch the device plugin directory; polling it", "dir", dir, "err", err)
+		return nil, func() {}
+	}
+	ch := make(chan struct{}, 1)
+	done := make(chan struct{})
+	mine := p.Endpoint()
+	go func() {
+		defer close(done)
+		for {
+			select {
+			case ev, ok := <-w.Events:
+				if !ok {
+					return
+				}
+				if name := filepath.Base(ev.Name); name != mine && name != "kubelet.sock" {
+					continue
+				}
+			case err, ok := <-w.Errors:
+				if !ok {
+					return
+				}
+				// An overflowed queue lost events: look at the files.
+				p.log.Debug("device plugin directory watch", "err", err)
+			}
+			select {
+			case ch <- struct{}{}:
+			default: // a check is already due
+			}
+		}
+	}()
+	return ch, func() {
+		if err := w.Close(); err != nil {
+			p.log.Debug("close the device plugin directory watch", "err", err)
+		}
+		<-done
+	}
+}
+
+// retryDelay is how long a failed listen or registration waits before it is
+// tried again.
+func (p *Plugin) retryDelay() time.Duration { return min(p.o.Watch, time.Second) }
 
 // watchedServer is the plugin as one incarnation serves it: a ListAndWatch
 // stream that kubelet ends (kubelet stopped, or replaced the connection)
@@ -219,7 +288,7 @@ func (w *watchedServer) ListAndWatch(_ *pluginapi.Empty, stream pluginapi.Device
 func (p *Plugin) pause(ctx context.Context, err error) error {
 	select {
 	case <-ctx.Done():
-	case <-time.After(p.o.Watch):
+	case <-time.After(p.retryDelay()):
 	}
 	return err
 }

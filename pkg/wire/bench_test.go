@@ -1,10 +1,12 @@
 package wire
 
 import (
+	"runtime"
 	"testing"
 	"time"
 
 	"golang.org/x/sys/unix"
+	"google.golang.org/protobuf/proto"
 )
 
 // The hot path's encoding cost, to set against a round trip of ~7-25 µs:
@@ -100,4 +102,67 @@ func BenchmarkKernelWaitWindow(b *testing.B) {
 			b.ReportMetric(float64(total.Microseconds())/float64(b.N)/1e3, "window-ms")
 		})
 	}
+}
+
+// BenchmarkHotEncode sets the hand encoders of hot.go against protobuf-go
+// on the same messages and a reused buffer (the bytes are the same; see
+// FuzzHotCodec). Besides ns/op it reports cpu-ns/op, the thread's own CPU
+// time per encode, which a busy machine's preemptions do not inflate:
+//
+//	go test -run XXX -bench 'Encode|Hot' ./pkg/wire
+func BenchmarkHotEncode(b *testing.B) {
+	msgs := []struct {
+		name string
+		m    proto.Message
+	}{
+		{"offload", &Offload{Rid: "request-0001", Label: "attention", GpuPages: hotPages(), StoredLen: 1000, Position: 1024}},
+		{"reload", &Reload{Rid: "request-0001", Label: "attention", GpuPages: hotPages()}},
+		{"offloadReply", &OffloadReply{Ok: true, HostPages: hotPages(), Total: 70000}},
+		{"reloadReply", &ReloadReply{HostPages: hotPages(), StoredLen: 1000, Position: 1024, Ticket: 12345, Total: 70000}},
+	}
+	for _, c := range msgs {
+		b.Run(c.name+"/hand", func(b *testing.B) {
+			var buf []byte
+			threadCPU(b, func() {
+				var err error
+				buf, err = AppendPacket(buf[:0], Header{}, c.m)
+				if err != nil {
+					b.Fatal(err)
+				}
+			})
+		})
+		b.Run(c.name+"/protobuf-go", func(b *testing.B) {
+			var buf []byte
+			threadCPU(b, func() {
+				var err error
+				buf = AppendHeader(buf[:0], Header{})
+				buf, err = proto.MarshalOptions{}.MarshalAppend(buf, c.m)
+				if err != nil {
+					b.Fatal(err)
+				}
+			})
+		})
+	}
+}
+
+// threadCPU runs f b.N times on one locked OS thread and reports that
+// thread's CPU time per run as cpu-ns/op.
+func threadCPU(b *testing.B, f func()) {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	var before, after unix.Rusage
+	if err := unix.Getrusage(unix.RUSAGE_THREAD, &before); err != nil {
+		b.Fatal(err)
+	}
+	b.ReportAllocs()
+	b.ResetTimer()
+	for range b.N {
+		f()
+	}
+	b.StopTimer()
+	if err := unix.Getrusage(unix.RUSAGE_THREAD, &after); err != nil {
+		b.Fatal(err)
+	}
+	cpu := func(r *unix.Rusage) int64 { return r.Utime.Nano() + r.Stime.Nano() }
+	b.ReportMetric(float64(cpu(&after)-cpu(&before))/float64(b.N), "cpu-ns/op")
 }

@@ -17,6 +17,12 @@ import (
 // 0.35 µs with no allocation (page slices keep their capacity, repeated
 // request IDs and labels are not copied again). FuzzHotCodec checks the hand
 // code against protobuf-go byte for byte.
+//
+// The encoders were measured again against protobuf-go's MarshalAppend into
+// a reused buffer, where protobuf-go does not allocate either
+// (BenchmarkHotEncode, docs/benchmarks.md, 2026-12-01): by the encoding
+// thread's CPU time the hand code takes 0.67-0.69 of protobuf-go's, 262-294
+// ns against 386-427 ns for a 64-page message, so they stay.
 
 var errBadUTF8 = errors.New("string field is not valid UTF-8")
 
