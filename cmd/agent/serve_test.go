@@ -363,7 +363,7 @@ func TestStandaloneConfigPrecedence(t *testing.T) {
 	}
 	dir := t.TempDir()
 	file := filepath.Join(dir, "agent.yaml")
-	os.WriteFile(file, []byte(`apiVersion: kvpool.io/v1alpha1
+	os.WriteFile(file, []byte(`apiVersion: config.kvpool.io/v1alpha1
 kind: AgentConfig
 log:
   format: text
@@ -410,9 +410,9 @@ func TestResolveServe(t *testing.T) {
 	defer func() { flagOutput = os.Stderr }()
 	dir := t.TempDir()
 	bad := filepath.Join(dir, "bad.yaml")
-	os.WriteFile(bad, []byte("apiVersion: kvpool.io/v1alpha1\nkind: AgentConfig\nsocketDir: relative\n"), 0o644)
+	os.WriteFile(bad, []byte("apiVersion: config.kvpool.io/v1alpha1\nkind: AgentConfig\nsocketDir: relative\n"), 0o644)
 	good := filepath.Join(dir, "good.yaml")
-	os.WriteFile(good, []byte("apiVersion: kvpool.io/v1alpha1\nkind: AgentConfig\nsocketDir: /run/kv\nmetrics:\n  address: 127.0.0.1:9999\n"), 0o644)
+	os.WriteFile(good, []byte("apiVersion: config.kvpool.io/v1alpha1\nkind: AgentConfig\nsocketDir: /run/kv\nmetrics:\n  address: 127.0.0.1:9999\n"), 0o644)
 	env := func(m map[string]string) func(string) string { return func(k string) string { return m[k] } }
 
 	for _, c := range []struct {
