@@ -430,7 +430,7 @@ func TestResolveServe(t *testing.T) {
 		{"negative simulated GPUs", []string{"--simulate-gpus", "-1"}, nil, "--simulate-gpus -1"},
 		{"too many GPUs", []string{"--standalone", "--standalone-gpus", "65"}, nil, "standalone.gpus"},
 		{"chunk size out of range", []string{"--standalone", "--chunk-mib", "-4"}, nil, "--chunk-mib -4"},
-		{"empty token", []string{"--standalone", "--standalone-tokens", "a,,b"}, nil, "standalone.tokens[1]: is empty"},
+		{"empty token", []string{"--standalone", "--standalone-tokens", "a,,b"}, nil, "standalone.tokens[1]: Required value: a token must not be empty"},
 		{"plugin socket name", []string{"--standalone", "--device-plugin", "--socket", "/tmp/x/other.sock"}, nil, "must be <socketDir>/kvpool.sock"},
 		{"missing file", []string{"--config", filepath.Join(dir, "none.yaml")}, nil, "no such file"},
 		{"invalid file", []string{"--config", bad}, nil, "socketDir"},
