@@ -596,3 +596,23 @@ func TestCheckDirs(t *testing.T) {
 		}
 	}
 }
+
+// TestLoadReportsBadFieldsFromEverySource: bad values from the file, the
+// environment and a flag are reported together, each by its field path.
+func TestLoadReportsBadFieldsFromEverySource(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "agent.yaml")
+	if err := os.WriteFile(path, []byte(head+"sizing:\n  fraction: 0\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	got, src, err := Load(path, env(map[string]string{"KVPOOL_LOG_FORMAT": "xml"}), flags(t, "--standalone-gpus=0"))
+	if err == nil || got != nil || src != nil {
+		t.Fatalf("Load = %v, %v, %v; want only an error", got, src, err)
+	}
+	want := "config: invalid configuration (file " + path + ", environment and flags):\n" +
+		"sizing.fraction: Invalid value: 0: must be in (0, 1]\n" +
+		`log.format: Unsupported value: "xml": supported values: "text", "json"` + "\n" +
+		"standalone.gpus: Invalid value: 0: must be 1 to 64"
+	if err.Error() != want {
+		t.Errorf("error\n%s\nwant\n%s", err, want)
+	}
+}
