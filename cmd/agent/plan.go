@@ -71,6 +71,9 @@ func plan(ctx context.Context, args []string, out io.Writer, getenv func(string)
 	if err != nil {
 		return err
 	}
+	for _, w := range cfg.Warnings() {
+		fmt.Fprintln(os.Stderr, "agent plan: warning:", w) // not on out, which may be JSON
+	}
 	info, err := node.Read(*root)
 	if err != nil {
 		return err

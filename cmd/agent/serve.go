@@ -177,6 +177,9 @@ func runServe(ctx context.Context, args []string) error {
 		return err
 	}
 	log.Info("configuration", "setFrom", s.src.String())
+	for _, w := range s.cfg.Warnings() {
+		log.Warn("configuration", "warning", w)
+	}
 	return agent.Run(ctx, s.options(log))
 }
 

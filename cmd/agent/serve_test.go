@@ -363,7 +363,7 @@ func TestStandaloneConfigPrecedence(t *testing.T) {
 	}
 	dir := t.TempDir()
 	file := filepath.Join(dir, "agent.yaml")
-	os.WriteFile(file, []byte(`apiVersion: kvpool.io/v1alpha1
+	os.WriteFile(file, []byte(`apiVersion: config.kvpool.io/v1alpha1
 kind: AgentConfig
 log:
   format: text
@@ -410,9 +410,9 @@ func TestResolveServe(t *testing.T) {
 	defer func() { flagOutput = os.Stderr }()
 	dir := t.TempDir()
 	bad := filepath.Join(dir, "bad.yaml")
-	os.WriteFile(bad, []byte("apiVersion: kvpool.io/v1alpha1\nkind: AgentConfig\nsocketDir: relative\n"), 0o644)
+	os.WriteFile(bad, []byte("apiVersion: config.kvpool.io/v1alpha1\nkind: AgentConfig\nsocketDir: relative\n"), 0o644)
 	good := filepath.Join(dir, "good.yaml")
-	os.WriteFile(good, []byte("apiVersion: kvpool.io/v1alpha1\nkind: AgentConfig\nsocketDir: /run/kv\nmetrics:\n  address: 127.0.0.1:9999\n"), 0o644)
+	os.WriteFile(good, []byte("apiVersion: config.kvpool.io/v1alpha1\nkind: AgentConfig\nsocketDir: /run/kv\nmetrics:\n  address: 127.0.0.1:9999\n"), 0o644)
 	env := func(m map[string]string) func(string) string { return func(k string) string { return m[k] } }
 
 	for _, c := range []struct {
@@ -430,7 +430,7 @@ func TestResolveServe(t *testing.T) {
 		{"negative simulated GPUs", []string{"--simulate-gpus", "-1"}, nil, "--simulate-gpus -1"},
 		{"too many GPUs", []string{"--standalone", "--standalone-gpus", "65"}, nil, "standalone.gpus"},
 		{"chunk size out of range", []string{"--standalone", "--chunk-mib", "-4"}, nil, "--chunk-mib -4"},
-		{"empty token", []string{"--standalone", "--standalone-tokens", "a,,b"}, nil, "standalone.tokens[1]: is empty"},
+		{"empty token", []string{"--standalone", "--standalone-tokens", "a,,b"}, nil, "standalone.tokens[1]: Required value: a token must not be empty"},
 		{"plugin socket name", []string{"--standalone", "--device-plugin", "--socket", "/tmp/x/other.sock"}, nil, "must be <socketDir>/kvpool.sock"},
 		{"missing file", []string{"--config", filepath.Join(dir, "none.yaml")}, nil, "no such file"},
 		{"invalid file", []string{"--config", bad}, nil, "socketDir"},

@@ -1,12 +1,12 @@
 // Package config loads the kvpool agent's configuration: a versioned YAML
-// file (apiVersion kvpool.io/v1alpha1, kind AgentConfig), overridden by
+// file (apiVersion config.kvpool.io/v1alpha1, kind AgentConfig), overridden by
 // KVPOOL_* environment variables, overridden in turn by command-line flags,
 // over built-in defaults. Every field is validated; an error names the field
 // and the source it came from.
 //
 // A minimal file:
 //
-//	apiVersion: kvpool.io/v1alpha1
+//	apiVersion: config.kvpool.io/v1alpha1
 //	kind: AgentConfig
 //	sizing:
 //	  poolBytes: 64Gi
@@ -14,17 +14,25 @@
 package config
 
 import (
+	"fmt"
 	"path/filepath"
 	"time"
 
 	"github.com/kvpool/kvpool/pkg/contract"
 )
 
-// Version identifiers of the file format.
+// Version identifiers of the file format. The AgentConfig has its own API
+// group, apart from the KVPoolNode CRD's kvpool.io (as kubelet's
+// configuration is kubelet.config.k8s.io).
 const (
-	APIVersion = "kvpool.io/v1alpha1"
+	APIVersion = "config.kvpool.io/v1alpha1"
 	Kind       = "AgentConfig"
 )
+
+// LegacyAPIVersion is the apiVersion the AgentConfig had before it got its
+// own group. Files that still say it are read as APIVersion, and Warnings
+// reports it as deprecated.
+const LegacyAPIVersion = "kvpool.io/v1alpha1"
 
 // EnvConfig names the config file when --config is not given. The names a
 // pod sees (socket, environment, resource) are in pkg/contract.
@@ -46,7 +54,8 @@ const (
 // Config is the agent's whole configuration. The zero value is not valid;
 // start from Default or Load.
 type Config struct {
-	// APIVersion must be "kvpool.io/v1alpha1".
+	// APIVersion must be "config.kvpool.io/v1alpha1" (APIVersion);
+	// "kvpool.io/v1alpha1" (LegacyAPIVersion) is still read, with a warning.
 	APIVersion string `json:"apiVersion"`
 	// Kind must be "AgentConfig".
 	Kind string `json:"kind"`
@@ -275,3 +284,14 @@ func Default() Config {
 
 // SocketPath is the agent's socket on the host: SocketDir/contract.SocketFile.
 func (c *Config) SocketPath() string { return filepath.Join(c.SocketDir, contract.SocketFile) }
+
+// Warnings lists what in c still works but should change, such as the
+// deprecated LegacyAPIVersion; nil when nothing. Load and Parse succeed
+// with these; the agent logs them at start.
+func (c *Config) Warnings() []string {
+	var w []string
+	if c.APIVersion == LegacyAPIVersion {
+		w = append(w, fmt.Sprintf("apiVersion %q is deprecated: it is the KVPoolNode CRD's group; write %q (the old one is still read)", LegacyAPIVersion, APIVersion))
+	}
+	return w
+}

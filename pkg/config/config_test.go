@@ -10,6 +10,9 @@ import (
 	"testing"
 	"time"
 
+	utilerrors "k8s.io/apimachinery/pkg/util/errors"
+	"k8s.io/apimachinery/pkg/util/validation/field"
+
 	"github.com/kvpool/kvpool/pkg/contract"
 )
 
@@ -142,7 +145,7 @@ func TestParseFullFile(t *testing.T) {
 }
 
 func TestParseMinimalKeepsDefaults(t *testing.T) {
-	c, err := Parse([]byte("apiVersion: kvpool.io/v1alpha1\nkind: AgentConfig\nsizing:\n  poolBytes: 68719476736\n"))
+	c, err := Parse([]byte("apiVersion: config.kvpool.io/v1alpha1\nkind: AgentConfig\nsizing:\n  poolBytes: 68719476736\n"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -153,7 +156,7 @@ func TestParseMinimalKeepsDefaults(t *testing.T) {
 	}
 }
 
-const head = "apiVersion: kvpool.io/v1alpha1\nkind: AgentConfig\n"
+const head = "apiVersion: config.kvpool.io/v1alpha1\nkind: AgentConfig\n"
 
 func TestParseErrors(t *testing.T) {
 	cases := []struct {
@@ -161,9 +164,9 @@ func TestParseErrors(t *testing.T) {
 	}{
 		{"empty", "", "file is empty"},
 		{"not a mapping", "- a\n- b\n", "not a YAML mapping"},
-		{"no apiVersion", "kind: AgentConfig\n", `apiVersion is "", want "kvpool.io/v1alpha1"`},
+		{"no apiVersion", "kind: AgentConfig\n", `apiVersion is "", want "config.kvpool.io/v1alpha1"`},
 		{"wrong apiVersion", "apiVersion: kvpool.io/v2\nkind: AgentConfig\n", `apiVersion is "kvpool.io/v2"`},
-		{"wrong kind", "apiVersion: kvpool.io/v1alpha1\nkind: Pod\n", `kind is "Pod", want "AgentConfig"`},
+		{"wrong kind", "apiVersion: config.kvpool.io/v1alpha1\nkind: Pod\n", `kind is "Pod", want "AgentConfig"`},
 		{"unknown field", head + "poolSize: 3\n", `unknown field "poolSize"`},
 		{"wrong case", head + "SocketDir: /x\n", `unknown field "SocketDir"`},
 		{"unknown nested field", head + "sizing:\n  poolbytes: 3Gi\n", `unknown field "sizing.poolbytes"`},
@@ -175,53 +178,53 @@ func TestParseErrors(t *testing.T) {
 		{"numeric duration", head + "reclaim:\n  interval: 10\n", "duration must be a string"},
 		{"negative duration", head + "reclaim:\n  gracePeriod: -1s\n", "negative"},
 		{"wrong type", head + "standalone:\n  gpus: two\n", "standalone.gpus"},
-		{"fraction zero", head + "sizing:\n  fraction: 0\n", "sizing.fraction: is 0, want a value in (0, 1]"},
-		{"fraction above one", head + "sizing:\n  fraction: 1.5\n", "sizing.fraction: is 1.5"},
-		{"split", head + "sizing:\n  split: numa\n", `sizing.split: is "numa", want "equal" or "memory"`},
-		{"huge pages", head + "sizing:\n  hugePages: always\n", `sizing.hugePages: is "always"`},
-		{"min above max", head + "sizing:\n  minPerGPU: 8Gi\n  maxPerGPU: 4Gi\n", "sizing.minPerGPU: 8Gi is more than sizing.maxPerGPU 4Gi"},
-		{"chunk too small", head + "sizing:\n  chunkBytes: 1Mi\n", "sizing.chunkBytes: is 1Mi, want 2Mi to 64Gi"},
-		{"chunk too big", head + "sizing:\n  chunkBytes: 128Gi\n", "sizing.chunkBytes: is 128Gi"},
-		{"chunk not 2Mi multiple", head + "sizing:\n  chunkBytes: 3Mi\n", "sizing.chunkBytes: 3Mi is not a multiple of 2Mi"},
-		{"pool below a chunk", head + "sizing:\n  poolBytes: 512Mi\n", "sizing.poolBytes: 512Mi is less than one chunk"},
-		{"relative socketDir", head + "socketDir: run/kvpool\n", `socketDir: "run/kvpool" is not an absolute path`},
-		{"relative stateDir", head + "stateDir: state\n", "stateDir:"},
-		{"empty kubeletDir", head + "kubeletDir: \"\"\n", "kubeletDir:"},
-		{"state is socket dir", head + "socketDir: /var/lib/kvpool\nstateDir: /var/lib/kvpool/\n", `stateDir: "/var/lib/kvpool/" is also the socket directory`},
-		{"state inside socket dir", head + "socketDir: /var/lib/kvpool\nstateDir: /var/lib/kvpool/state\n", `stateDir: "/var/lib/kvpool/state" is inside the socket directory "/var/lib/kvpool", which pods mount`},
+		{"fraction zero", head + "sizing:\n  fraction: 0\n", "sizing.fraction: Invalid value: 0: must be in (0, 1]"},
+		{"fraction above one", head + "sizing:\n  fraction: 1.5\n", "sizing.fraction: Invalid value: 1.5: must be in (0, 1]"},
+		{"split", head + "sizing:\n  split: numa\n", `sizing.split: Unsupported value: "numa": supported values: "equal", "memory"`},
+		{"huge pages", head + "sizing:\n  hugePages: always\n", `sizing.hugePages: Unsupported value: "always"`},
+		{"min above max", head + "sizing:\n  minPerGPU: 8Gi\n  maxPerGPU: 4Gi\n", `sizing.minPerGPU: Invalid value: "8Gi": must not be more than sizing.maxPerGPU 4Gi`},
+		{"chunk too small", head + "sizing:\n  chunkBytes: 1Mi\n", `sizing.chunkBytes: Invalid value: "1Mi": must be 2Mi to 64Gi`},
+		{"chunk too big", head + "sizing:\n  chunkBytes: 128Gi\n", `sizing.chunkBytes: Invalid value: "128Gi"`},
+		{"chunk not 2Mi multiple", head + "sizing:\n  chunkBytes: 3Mi\n", `sizing.chunkBytes: Invalid value: "3Mi": must be a multiple of 2Mi`},
+		{"pool below a chunk", head + "sizing:\n  poolBytes: 512Mi\n", `sizing.poolBytes: Invalid value: "512Mi": is less than one chunk`},
+		{"relative socketDir", head + "socketDir: run/kvpool\n", `socketDir: Invalid value: "run/kvpool": must be an absolute path`},
+		{"relative stateDir", head + "stateDir: state\n", `stateDir: Invalid value: "state": must be an absolute path`},
+		{"empty kubeletDir", head + "kubeletDir: \"\"\n", `kubeletDir: Invalid value: "": must be an absolute path`},
+		{"state is socket dir", head + "socketDir: /var/lib/kvpool\nstateDir: /var/lib/kvpool/\n", `stateDir: Invalid value: "/var/lib/kvpool/": is also the socket directory`},
+		{"state inside socket dir", head + "socketDir: /var/lib/kvpool\nstateDir: /var/lib/kvpool/state\n", `stateDir: Invalid value: "/var/lib/kvpool/state": is inside the socket directory "/var/lib/kvpool", which pods mount`},
 		{"state inside socket dir, unclean", head + "socketDir: /run/kv\nstateDir: /run/x/../kv/./s\n", "is inside the socket directory"},
 		{"socket dir inside state", head + "socketDir: /var/lib/kvpool/state/sock\nstateDir: /var/lib/kvpool/state\n", `contains the socket directory`},
-		{"token binding", head + "tokenBinding: uid\n", `tokenBinding: is "uid", want "pod" or "none"`},
-		{"relative podLogsDir", head + "podLogsDir: logs\n", `podLogsDir: "logs" is not an absolute path`},
+		{"token binding", head + "tokenBinding: uid\n", `tokenBinding: Unsupported value: "uid": supported values: "pod", "none"`},
+		{"relative podLogsDir", head + "podLogsDir: logs\n", `podLogsDir: Invalid value: "logs": must be an absolute path`},
 		{"long socketDir", head + "socketDir: /" + strings.Repeat("d", 100) + "\n", "longer than a Unix socket address allows"},
 		{"resource no slash", head + "resourceName: hostkv\n", "is not of the form domain/name"},
-		{"resource empty", head + "resourceName: \"\"\n", "resourceName: is empty"},
+		{"resource empty", head + "resourceName: \"\"\n", "resourceName: Required value"},
 		{"resource unqualified", head + "resourceName: kvpool/kv\n", "not fully qualified"},
 		{"resource kubernetes.io", head + "resourceName: kubernetes.io/kv\n", "reserved for Kubernetes"},
 		{"resource bad name", head + "resourceName: kvpool.io/-kv\n", `name "-kv"`},
 		{"resource upper domain", head + "resourceName: KVPool.io/kv\n", "not a DNS subdomain"},
-		{"metrics address", head + "metrics:\n  address: 9464\n", `metrics.address: "9464" is not host:port`},
-		{"health port", head + "health:\n  address: \":http\"\n", `health.address: ":http": port "http"`},
+		{"metrics address", head + "metrics:\n  address: 9464\n", `metrics.address: Invalid value: "9464": must be host:port`},
+		{"health port", head + "health:\n  address: \":http\"\n", `health.address: Invalid value: ":http": port "http" must be a number`},
 		{"health port range", head + "health:\n  address: \":70000\"\n", "port \"70000\""},
-		{"log level", head + "log:\n  level: verbose\n", `log.level: is "verbose"`},
-		{"log format", head + "log:\n  format: logfmt\n", `log.format: is "logfmt"`},
-		{"no tokens", head + "standalone:\n  tokens: []\n", "standalone.tokens: is empty"},
-		{"empty token", head + "standalone:\n  tokens: [a, \"\"]\n", "standalone.tokens[1]: is empty"},
-		{"token with space", head + "standalone:\n  tokens: [\"a b\"]\n", "standalone.tokens[0]: \"a b\" contains a comma or whitespace"},
-		{"duplicate token", head + "standalone:\n  tokens: [a, a]\n", `standalone.tokens[1]: "a" is listed twice`},
-		{"zero gpus", head + "standalone:\n  gpus: 0\n", "standalone.gpus: is 0, want 1 to 64"},
-		{"too many gpus", head + "standalone:\n  gpus: 65\n", "standalone.gpus: is 65"},
-		{"zero standalone pool", head + "standalone:\n  poolBytes: 0\n", "standalone.poolBytes: is 0"},
-		{"zero interval", head + "reclaim:\n  interval: 0s\n", "reclaim.interval: is 0s, want a positive duration"},
-		{"zero conns", head + "limits:\n  maxConns: 0\n", "limits.maxConns: is 0, want a positive count"},
-		{"per-uid over total", head + "limits:\n  maxConns: 10\n  maxConnsPerUID: 11\n  maxConnsPerPID: 5\n", "limits.maxConnsPerUID: 11 is more than limits.maxConns 10"},
-		{"per-pid over per-uid", head + "limits:\n  maxConnsPerPID: 600\n", "limits.maxConnsPerPID: 600 is more than limits.maxConnsPerUID 512"},
-		{"per-allocation over total", head + "limits:\n  maxSessionsPerAllocation: 2000\n", "limits.maxSessionsPerAllocation: 2000 is more than limits.maxSessions 1024"},
-		{"open before hello", head + "limits:\n  helloTimeout: 20s\n", "limits.openTimeout: 15s is less than limits.helloTimeout 20s"},
-		{"zero hello", head + "limits:\n  helloTimeout: 0s\n", "limits.helloTimeout: is 0s"},
-		{"tiny name budget", head + "limits:\n  maxNameBytesPerSession: 1Ki\n", "limits.maxNameBytesPerSession: is 1Ki, want at least 2Ki"},
-		{"huge device pages", head + "limits:\n  maxDevicePages: 2147483647\n", "limits.maxDevicePages: is 2147483647, want 1 to 2147483646"},
-		{"long client name", head + "limits:\n  maxClientName: 4096\n", "limits.maxClientName: is 4096, want 16 to 2048"},
+		{"log level", head + "log:\n  level: verbose\n", `log.level: Unsupported value: "verbose"`},
+		{"log format", head + "log:\n  format: logfmt\n", `log.format: Unsupported value: "logfmt"`},
+		{"no tokens", head + "standalone:\n  tokens: []\n", "standalone.tokens: Required value: at least one token"},
+		{"empty token", head + "standalone:\n  tokens: [a, \"\"]\n", "standalone.tokens[1]: Required value: a token must not be empty"},
+		{"token with space", head + "standalone:\n  tokens: [\"a b\"]\n", "standalone.tokens[0]: Invalid value: \"a b\": must not contain a comma or whitespace"},
+		{"duplicate token", head + "standalone:\n  tokens: [a, a]\n", `standalone.tokens[1]: Duplicate value: "a"`},
+		{"zero gpus", head + "standalone:\n  gpus: 0\n", "standalone.gpus: Invalid value: 0: must be 1 to 64"},
+		{"too many gpus", head + "standalone:\n  gpus: 65\n", "standalone.gpus: Invalid value: 65"},
+		{"zero standalone pool", head + "standalone:\n  poolBytes: 0\n", `standalone.poolBytes: Invalid value: "0"`},
+		{"zero interval", head + "reclaim:\n  interval: 0s\n", `reclaim.interval: Invalid value: "0s": must be a positive duration`},
+		{"zero conns", head + "limits:\n  maxConns: 0\n", "limits.maxConns: Invalid value: 0: must be a positive count"},
+		{"per-uid over total", head + "limits:\n  maxConns: 10\n  maxConnsPerUID: 11\n  maxConnsPerPID: 5\n", "limits.maxConnsPerUID: Invalid value: 11: must not be more than limits.maxConns 10"},
+		{"per-pid over per-uid", head + "limits:\n  maxConnsPerPID: 600\n", "limits.maxConnsPerPID: Invalid value: 600: must not be more than limits.maxConnsPerUID 512"},
+		{"per-allocation over total", head + "limits:\n  maxSessionsPerAllocation: 2000\n", "limits.maxSessionsPerAllocation: Invalid value: 2000: must not be more than limits.maxSessions 1024"},
+		{"open before hello", head + "limits:\n  helloTimeout: 20s\n", `limits.openTimeout: Invalid value: "15s": must not be less than limits.helloTimeout 20s`},
+		{"zero hello", head + "limits:\n  helloTimeout: 0s\n", `limits.helloTimeout: Invalid value: "0s"`},
+		{"tiny name budget", head + "limits:\n  maxNameBytesPerSession: 1Ki\n", `limits.maxNameBytesPerSession: Invalid value: "1Ki": must be at least 2Ki`},
+		{"huge device pages", head + "limits:\n  maxDevicePages: 2147483647\n", "limits.maxDevicePages: Invalid value: 2147483647: must be 1 to 2147483646"},
+		{"long client name", head + "limits:\n  maxClientName: 4096\n", "limits.maxClientName: Invalid value: 4096: must be 16 to 2048"},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -245,16 +248,105 @@ func TestValidateReportsEveryField(t *testing.T) {
 	c.Log.Level = "loud"
 	c.Standalone.GPUs = -1
 	err := c.Validate()
+	var agg utilerrors.Aggregate
+	if !errors.As(err, &agg) {
+		t.Fatalf("Validate() = %v (%T), want a utilerrors.Aggregate", err, err)
+	}
 	var fields []string
-	for _, e := range err.(interface{ Unwrap() []error }).Unwrap() {
-		var fe *FieldError
+	for _, e := range agg.Errors() {
+		var fe *field.Error
 		if !errors.As(e, &fe) {
-			t.Fatalf("%v is not a *FieldError", e)
+			t.Fatalf("%v is not a *field.Error", e)
 		}
 		fields = append(fields, fe.Field)
 	}
 	if want := []string{"sizing.fraction", "log.level", "standalone.gpus"}; !reflect.DeepEqual(fields, want) {
 		t.Errorf("fields %v, want %v", fields, want)
+	}
+	if got := len(c.ValidateFields()); got != 3 {
+		t.Errorf("ValidateFields gave %d errors, want 3", got)
+	}
+	if n := strings.Count(err.Error(), "\n"); n != 2 {
+		t.Errorf("error %q is not one field a line", err)
+	}
+	d := Default()
+	if err := d.Validate(); err != nil {
+		t.Errorf("Default().Validate() = %v", err)
+	}
+}
+
+// TestParseReportsAllBadFields: one file with several bad fields gets one
+// error naming every one of them with its path, not just the first.
+func TestParseReportsAllBadFields(t *testing.T) {
+	cases := []struct {
+		name, yaml string
+		want       []string
+	}{
+		{"sizing and log", head + "sizing:\n  fraction: 1.5\n  split: numa\nlog:\n  level: loud\n", []string{
+			"sizing.fraction: Invalid value: 1.5: must be in (0, 1]",
+			`sizing.split: Unsupported value: "numa": supported values: "equal", "memory"`,
+			`log.level: Unsupported value: "loud": supported values: "debug", "info", "warn", "error"`,
+		}},
+		{"paths, limits and tokens", head + "socketDir: sock\nkubeletDir: kubelet\nlimits:\n  maxStreamsPerSession: 0\n  maxClientName: 8\nstandalone:\n  tokens: [a, a, \"\"]\n  gpus: 99\n", []string{
+			`socketDir: Invalid value: "sock": must be an absolute path`,
+			`kubeletDir: Invalid value: "kubelet": must be an absolute path`,
+			"limits.maxStreamsPerSession: Invalid value: 0: must be a positive count",
+			"limits.maxClientName: Invalid value: 8: must be 16 to 2048",
+			`standalone.tokens[1]: Duplicate value: "a"`,
+			"standalone.tokens[2]: Required value: a token must not be empty",
+			"standalone.gpus: Invalid value: 99: must be 1 to 64",
+		}},
+		{"durations and addresses", head + "reclaim:\n  interval: 0s\nmetrics:\n  address: nope\nhealth:\n  address: \":99999\"\n", []string{
+			`reclaim.interval: Invalid value: "0s": must be a positive duration such as 10s`,
+			`metrics.address: Invalid value: "nope": must be host:port (e.g. :9464)`,
+			`health.address: Invalid value: ":99999": port "99999" must be a number from 0 to 65535`,
+		}},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			got, err := Parse([]byte(c.yaml))
+			if err == nil {
+				t.Fatalf("Parse accepted it: %+v", got)
+			}
+			lines := strings.Split(strings.TrimPrefix(err.Error(), "config: "), "\n")
+			if !reflect.DeepEqual(lines, c.want) {
+				t.Errorf("errors\n%s\nwant\n%s", strings.Join(lines, "\n"), strings.Join(c.want, "\n"))
+			}
+		})
+	}
+}
+
+// TestLegacyAPIVersion: a file written for the AgentConfig's old group
+// still loads, to the same values, with a deprecation warning; the new
+// group has none.
+func TestLegacyAPIVersion(t *testing.T) {
+	body := "kind: AgentConfig\nsizing:\n  split: memory\n"
+	cur, err := Parse([]byte("apiVersion: " + APIVersion + "\n" + body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if w := cur.Warnings(); w != nil {
+		t.Errorf("current apiVersion: warnings %q, want none", w)
+	}
+	dir := t.TempDir()
+	path := filepath.Join(dir, "agent.yaml")
+	if err := os.WriteFile(path, []byte("apiVersion: "+LegacyAPIVersion+"\n"+body), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	old, src, err := Load(path, nil, nil)
+	if err != nil {
+		t.Fatalf("Load of a legacy file: %v", err)
+	}
+	w := old.Warnings()
+	if len(w) != 1 || !strings.Contains(w[0], "deprecated") || !strings.Contains(w[0], APIVersion) {
+		t.Errorf("legacy apiVersion: warnings %q, want one naming %s as the replacement", w, APIVersion)
+	}
+	if src.Of("sizing.split") != FromFile {
+		t.Errorf("sources %v", src)
+	}
+	old.APIVersion = APIVersion
+	if !reflect.DeepEqual(old, cur) {
+		t.Errorf("legacy file loaded to\n%+v\nwant\n%+v", *old, *cur)
 	}
 }
 
@@ -387,12 +479,12 @@ func TestLoadErrors(t *testing.T) {
 		{"env quantity", good, map[string]string{"KVPOOL_POOL_BYTES": "lots"}, nil, "environment KVPOOL_POOL_BYTES (sizing.poolBytes): quantity \"lots\""},
 		{"env fraction", good, map[string]string{"KVPOOL_POOL_FRACTION": "half"}, nil, "environment KVPOOL_POOL_FRACTION (sizing.fraction): \"half\" is not a number"},
 		{"env gpus", good, map[string]string{"KVPOOL_STANDALONE_GPUS": "2.5"}, nil, "KVPOOL_STANDALONE_GPUS (standalone.gpus)"},
-		{"env invalid value", good, map[string]string{"KVPOOL_LOG_FORMAT": "xml"}, nil, `log.format: is "xml"`},
+		{"env invalid value", good, map[string]string{"KVPOOL_LOG_FORMAT": "xml"}, nil, `log.format: Unsupported value: "xml"`},
 		{"env duration", good, map[string]string{"KVPOOL_RECLAIM_GRACE_PERIOD": "soon"}, nil, "KVPOOL_RECLAIM_GRACE_PERIOD (reclaim.gracePeriod)"},
 		{"flag quantity", good, nil, []string{"--chunk-bytes=1GB"}, "flag --chunk-bytes (sizing.chunkBytes): quantity \"1GB\""},
 		{"flag invalid value", good, nil, []string{"--split=numa"}, "sizing.split"},
-		{"flag empty token", good, nil, []string{"--standalone-tokens=a,,b"}, "standalone.tokens[1]: is empty"},
-		{"flag bad over good env", good, map[string]string{"KVPOOL_HUGE_PAGES": "never"}, []string{"--huge-pages=sometimes"}, `sizing.hugePages: is "sometimes"`},
+		{"flag empty token", good, nil, []string{"--standalone-tokens=a,,b"}, "standalone.tokens[1]: Required value: a token must not be empty"},
+		{"flag bad over good env", good, map[string]string{"KVPOOL_HUGE_PAGES": "never"}, []string{"--huge-pages=sometimes"}, `sizing.hugePages: Unsupported value: "sometimes"`},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -502,5 +594,25 @@ func TestCheckDirs(t *testing.T) {
 		if (err == nil) != c.ok {
 			t.Errorf("CheckDirs(%q, %q) = %v, want ok %v", c.sock, c.state, err, c.ok)
 		}
+	}
+}
+
+// TestLoadReportsBadFieldsFromEverySource: bad values from the file, the
+// environment and a flag are reported together, each by its field path.
+func TestLoadReportsBadFieldsFromEverySource(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "agent.yaml")
+	if err := os.WriteFile(path, []byte(head+"sizing:\n  fraction: 0\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	got, src, err := Load(path, env(map[string]string{"KVPOOL_LOG_FORMAT": "xml"}), flags(t, "--standalone-gpus=0"))
+	if err == nil || got != nil || src != nil {
+		t.Fatalf("Load = %v, %v, %v; want only an error", got, src, err)
+	}
+	want := "config: invalid configuration (file " + path + ", environment and flags):\n" +
+		"sizing.fraction: Invalid value: 0: must be in (0, 1]\n" +
+		`log.format: Unsupported value: "xml": supported values: "text", "json"` + "\n" +
+		"standalone.gpus: Invalid value: 0: must be 1 to 64"
+	if err.Error() != want {
+		t.Errorf("error\n%s\nwant\n%s", err, want)
 	}
 }

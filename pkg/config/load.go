@@ -205,7 +205,8 @@ func (s Sources) Explicit(field string) bool { return s.Of(field) != FromDefault
 // is non-empty), then KVPOOL_* variables read through env (if non-nil),
 // then the flags set on fs (if non-nil; defined by RegisterFlags). The
 // result is validated. Errors name the source and the field. Sources says
-// where each value came from.
+// where each value came from; the config's Warnings say what still works
+// but should change (a deprecated apiVersion).
 //
 // When path is empty, the file is taken from --config on fs, else from
 // KVPOOL_CONFIG; when none names a file, there is none.
@@ -265,7 +266,7 @@ func Load(path string, env func(string) string, fs *flag.FlagSet) (*Config, Sour
 
 // Parse decodes a config file's bytes over the defaults and validates the
 // result; unknown fields, a wrong apiVersion or kind, and bad values are
-// errors.
+// errors. LegacyAPIVersion is read, and reported by the config's Warnings.
 func Parse(data []byte) (*Config, error) {
 	c := Default()
 	if _, err := decode(data, &c); err != nil {
@@ -291,7 +292,7 @@ func decode(data []byte, c *Config) ([]string, error) {
 	if err := yaml.Unmarshal(data, &head); err != nil {
 		return nil, fmt.Errorf("not a YAML mapping: %w", err)
 	}
-	if head.APIVersion != APIVersion {
+	if head.APIVersion != APIVersion && head.APIVersion != LegacyAPIVersion {
 		return nil, fmt.Errorf("apiVersion is %q, want %q", head.APIVersion, APIVersion)
 	}
 	if head.Kind != Kind {

@@ -22,7 +22,7 @@ func TestStrictDecoding(t *testing.T) {
 		{"the same key in two cases", head + "socketDir: /a\nSocketDir: /b\n", []string{`unknown field "SocketDir"`}},
 		{"duplicate key", head + "socketDir: /a\nsocketDir: /b\n", []string{`key "socketDir" already set`}},
 		{"duplicate nested key", head + "sizing:\n  poolBytes: 1Gi\n  poolBytes: 2Gi\n", []string{`key "poolBytes" already set`}},
-		{"duplicate apiVersion", head + "apiVersion: kvpool.io/v1alpha1\n", []string{`key "apiVersion" already set`}},
+		{"duplicate apiVersion", head + "apiVersion: config.kvpool.io/v1alpha1\n", []string{`key "apiVersion" already set`}},
 		{"a value of the wrong type", head + "sizing:\n  fraction: [1]\n", []string{"sizing.fraction"}},
 	} {
 		t.Run(c.name, func(t *testing.T) {

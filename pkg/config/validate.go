@@ -1,185 +1,202 @@
 package config
 
 import (
-	"errors"
 	"fmt"
 	"net"
 	"path/filepath"
 	"strconv"
 	"strings"
 
+	utilerrors "k8s.io/apimachinery/pkg/util/errors"
+	"k8s.io/apimachinery/pkg/util/validation/field"
+
 	"github.com/kvpool/kvpool/pkg/contract"
 )
-
-// FieldError is one invalid field. Field is the YAML path
-// ("sizing.fraction").
-type FieldError struct {
-	Field string
-	Msg   string
-}
-
-func (e *FieldError) Error() string { return e.Field + ": " + e.Msg }
 
 // maxSunPath is the longest Unix socket path Linux accepts (sun_path is 108
 // bytes including the terminating NUL).
 const maxSunPath = 107
 
-// Validate checks every field and returns all problems joined, each a
-// *FieldError naming the field; nil when the configuration is usable.
+// Validate checks every field and reports every problem at once: nil when
+// the configuration is usable, else a utilerrors.Aggregate of
+// *field.Error (k8s.io/apimachinery), each naming its field by YAML path
+// ("sizing.fraction: Invalid value: 1.5: must be in (0, 1]"), printed one a
+// line. ValidateFields gives the same errors as a list.
 func (c *Config) Validate() error {
-	var errs []error
-	bad := func(field, format string, args ...any) {
-		errs = append(errs, &FieldError{Field: field, Msg: fmt.Sprintf(format, args...)})
+	if agg := c.ValidateFields().ToAggregate(); agg != nil {
+		return byLine{agg}
 	}
-	if c.APIVersion != APIVersion {
-		bad("apiVersion", "is %q, want %q", c.APIVersion, APIVersion)
+	return nil
+}
+
+// byLine prints an aggregate one error a line rather than as one bracketed
+// line, so a long list stays readable in a log.
+type byLine struct{ utilerrors.Aggregate }
+
+func (b byLine) Error() string {
+	errs := b.Errors()
+	msgs := make([]string, len(errs))
+	for i, e := range errs {
+		msgs[i] = e.Error()
+	}
+	return strings.Join(msgs, "\n")
+}
+
+// ValidateFields checks every field and returns every problem found.
+func (c *Config) ValidateFields() field.ErrorList {
+	var errs field.ErrorList
+	p := field.NewPath
+	if c.APIVersion != APIVersion && c.APIVersion != LegacyAPIVersion {
+		errs = append(errs, field.NotSupported(p("apiVersion"), c.APIVersion, []string{APIVersion}))
 	}
 	if c.Kind != Kind {
-		bad("kind", "is %q, want %q", c.Kind, Kind)
+		errs = append(errs, field.NotSupported(p("kind"), c.Kind, []string{Kind}))
 	}
 	if err := contract.CheckResourceName(c.ResourceName); err != nil {
-		bad("resourceName", "%v", err)
+		if c.ResourceName == "" {
+			errs = append(errs, field.Required(p("resourceName"), "an extended resource name such as "+contract.DefaultResourceName))
+		} else {
+			errs = append(errs, field.Invalid(p("resourceName"), c.ResourceName, err.Error()))
+		}
 	}
 	for _, d := range []struct{ field, dir string }{
 		{"socketDir", c.SocketDir}, {"kubeletDir", c.KubeletDir}, {"stateDir", c.StateDir}, {"podLogsDir", c.PodLogsDir},
 	} {
 		if !filepath.IsAbs(d.dir) {
-			bad(d.field, "%q is not an absolute path", d.dir)
+			errs = append(errs, field.Invalid(p(d.field), d.dir, "must be an absolute path"))
 		}
 	}
 	if c.TokenBinding != TokenBindingPod && c.TokenBinding != TokenBindingNone {
-		bad("tokenBinding", "is %q, want %q or %q", c.TokenBinding, TokenBindingPod, TokenBindingNone)
+		errs = append(errs, field.NotSupported(p("tokenBinding"), c.TokenBinding, []string{TokenBindingPod, TokenBindingNone}))
 	}
 	if filepath.IsAbs(c.SocketDir) && filepath.IsAbs(c.StateDir) {
-		if err := CheckDirs(c.SocketDir, c.StateDir); err != nil {
-			bad("stateDir", "%s", err.Error())
+		if msg := checkDirs(c.SocketDir, c.StateDir); msg != "" {
+			errs = append(errs, field.Invalid(p("stateDir"), c.StateDir, msg))
 		}
 	}
 	if k := c.KeeperSocket; k != "" && (!filepath.IsAbs(k) || len(k) > maxSunPath) {
-		bad("keeperSocket", "%q is not an absolute path of at most %d bytes", k, maxSunPath)
+		errs = append(errs, field.Invalid(p("keeperSocket"), k, fmt.Sprintf("must be an absolute path of at most %d bytes", maxSunPath)))
 	}
 	if filepath.IsAbs(c.SocketDir) && len(c.SocketPath()) > maxSunPath {
-		bad("socketDir", "socket path %q is %d bytes, longer than a Unix socket address allows (%d)", c.SocketPath(), len(c.SocketPath()), maxSunPath)
+		errs = append(errs, field.Invalid(p("socketDir"), c.SocketDir, fmt.Sprintf("socket path %q is %d bytes, longer than a Unix socket address allows (%d)", c.SocketPath(), len(c.SocketPath()), maxSunPath)))
 	}
 
 	s := &c.Sizing
-	if s.PoolBytes < 0 {
-		bad("sizing.poolBytes", "is negative")
+	sp := p("sizing")
+	nonNegative := func(name string, v Bytes) {
+		if v < 0 {
+			errs = append(errs, field.Invalid(sp.Child(name), v.String(), "must not be negative"))
+		}
 	}
+	nonNegative("poolBytes", s.PoolBytes)
 	if !(s.Fraction > 0 && s.Fraction <= 1) {
-		bad("sizing.fraction", "is %v, want a value in (0, 1]", s.Fraction)
+		errs = append(errs, field.Invalid(sp.Child("fraction"), s.Fraction, "must be in (0, 1]"))
 	}
-	if s.ReserveBytes < 0 {
-		bad("sizing.reserveBytes", "is negative")
-	}
-	if s.CgroupHeadroomBytes < 0 {
-		bad("sizing.cgroupHeadroomBytes", "is negative")
-	}
+	nonNegative("reserveBytes", s.ReserveBytes)
+	nonNegative("cgroupHeadroomBytes", s.CgroupHeadroomBytes)
 	if s.Split != SplitEqual && s.Split != SplitMemory {
-		bad("sizing.split", "is %q, want %q or %q", s.Split, SplitEqual, SplitMemory)
+		errs = append(errs, field.NotSupported(sp.Child("split"), s.Split, []string{SplitEqual, SplitMemory}))
 	}
-	if s.MinPerGPU < 0 {
-		bad("sizing.minPerGPU", "is negative")
-	}
-	if s.MaxPerGPU < 0 {
-		bad("sizing.maxPerGPU", "is negative")
-	}
+	nonNegative("minPerGPU", s.MinPerGPU)
+	nonNegative("maxPerGPU", s.MaxPerGPU)
 	if s.MaxPerGPU > 0 && s.MinPerGPU > s.MaxPerGPU {
-		bad("sizing.minPerGPU", "%s is more than sizing.maxPerGPU %s", s.MinPerGPU, s.MaxPerGPU)
+		errs = append(errs, field.Invalid(sp.Child("minPerGPU"), s.MinPerGPU.String(), fmt.Sprintf("must not be more than sizing.maxPerGPU %s", s.MaxPerGPU)))
 	}
 	switch {
 	case s.ChunkBytes < 2*MiB || s.ChunkBytes > 64*GiB:
-		bad("sizing.chunkBytes", "is %s, want 2Mi to 64Gi", s.ChunkBytes)
+		errs = append(errs, field.Invalid(sp.Child("chunkBytes"), s.ChunkBytes.String(), "must be 2Mi to 64Gi"))
 	case s.ChunkBytes%(2*MiB) != 0:
-		bad("sizing.chunkBytes", "%s is not a multiple of 2Mi (the huge page size)", s.ChunkBytes)
+		errs = append(errs, field.Invalid(sp.Child("chunkBytes"), s.ChunkBytes.String(), "must be a multiple of 2Mi (the huge page size)"))
 	}
 	if s.PoolBytes > 0 && s.PoolBytes < s.ChunkBytes {
-		bad("sizing.poolBytes", "%s is less than one chunk (sizing.chunkBytes %s)", s.PoolBytes, s.ChunkBytes)
+		errs = append(errs, field.Invalid(sp.Child("poolBytes"), s.PoolBytes.String(), fmt.Sprintf("is less than one chunk (sizing.chunkBytes %s)", s.ChunkBytes)))
 	}
 	switch s.HugePages {
 	case HugePagesNever, HugePagesPrefer, HugePagesRequire:
 	default:
-		bad("sizing.hugePages", "is %q, want %q, %q or %q", s.HugePages, HugePagesNever, HugePagesPrefer, HugePagesRequire)
+		errs = append(errs, field.NotSupported(sp.Child("hugePages"), s.HugePages, []string{HugePagesNever, HugePagesPrefer, HugePagesRequire}))
 	}
 
-	if c.Reclaim.GracePeriod.Duration < 0 {
-		bad("reclaim.gracePeriod", "is negative")
+	if d := c.Reclaim.GracePeriod.Duration; d < 0 {
+		errs = append(errs, field.Invalid(p("reclaim", "gracePeriod"), d.String(), "must not be negative"))
 	}
-	if c.Reclaim.Interval.Duration <= 0 {
-		bad("reclaim.interval", "is %v, want a positive duration such as 10s", c.Reclaim.Interval.Duration)
+	if d := c.Reclaim.Interval.Duration; d <= 0 {
+		errs = append(errs, field.Invalid(p("reclaim", "interval"), d.String(), "must be a positive duration such as 10s"))
 	}
 	lim := &c.Limits
+	lp := p("limits")
 	for _, f := range []struct {
 		name string
 		v    int
-	}{{"limits.maxConns", lim.MaxConns}, {"limits.maxConnsPerUID", lim.MaxConnsPerUID}, {"limits.maxConnsPerPID", lim.MaxConnsPerPID},
-		{"limits.probeConns", lim.ProbeConns}, {"limits.maxSessions", lim.MaxSessions},
-		{"limits.maxSessionsPerAllocation", lim.MaxSessionsPerAllocation}, {"limits.maxStreamsPerSession", lim.MaxStreamsPerSession}} {
+	}{{"maxConns", lim.MaxConns}, {"maxConnsPerUID", lim.MaxConnsPerUID}, {"maxConnsPerPID", lim.MaxConnsPerPID},
+		{"probeConns", lim.ProbeConns}, {"maxSessions", lim.MaxSessions},
+		{"maxSessionsPerAllocation", lim.MaxSessionsPerAllocation}, {"maxStreamsPerSession", lim.MaxStreamsPerSession}} {
 		if f.v <= 0 {
-			bad(f.name, "is %d, want a positive count", f.v)
+			errs = append(errs, field.Invalid(lp.Child(f.name), f.v, "must be a positive count"))
 		}
 	}
 	switch {
 	case lim.MaxConnsPerUID > lim.MaxConns:
-		bad("limits.maxConnsPerUID", "%d is more than limits.maxConns %d", lim.MaxConnsPerUID, lim.MaxConns)
+		errs = append(errs, field.Invalid(lp.Child("maxConnsPerUID"), lim.MaxConnsPerUID, fmt.Sprintf("must not be more than limits.maxConns %d", lim.MaxConns)))
 	case lim.MaxConnsPerPID > lim.MaxConnsPerUID:
-		bad("limits.maxConnsPerPID", "%d is more than limits.maxConnsPerUID %d", lim.MaxConnsPerPID, lim.MaxConnsPerUID)
+		errs = append(errs, field.Invalid(lp.Child("maxConnsPerPID"), lim.MaxConnsPerPID, fmt.Sprintf("must not be more than limits.maxConnsPerUID %d", lim.MaxConnsPerUID)))
 	}
 	if lim.MaxSessionsPerAllocation > lim.MaxSessions {
-		bad("limits.maxSessionsPerAllocation", "%d is more than limits.maxSessions %d", lim.MaxSessionsPerAllocation, lim.MaxSessions)
+		errs = append(errs, field.Invalid(lp.Child("maxSessionsPerAllocation"), lim.MaxSessionsPerAllocation, fmt.Sprintf("must not be more than limits.maxSessions %d", lim.MaxSessions)))
 	}
 	if lim.HelloTimeout.Duration <= 0 {
-		bad("limits.helloTimeout", "is %v, want a positive duration such as 5s", lim.HelloTimeout.Duration)
+		errs = append(errs, field.Invalid(lp.Child("helloTimeout"), lim.HelloTimeout.String(), "must be a positive duration such as 5s"))
 	} else if lim.OpenTimeout.Duration < lim.HelloTimeout.Duration {
-		bad("limits.openTimeout", "%v is less than limits.helloTimeout %v", lim.OpenTimeout.Duration, lim.HelloTimeout.Duration)
+		errs = append(errs, field.Invalid(lp.Child("openTimeout"), lim.OpenTimeout.String(), fmt.Sprintf("must not be less than limits.helloTimeout %v", lim.HelloTimeout.Duration)))
 	}
 	if lim.MaxNameBytesPerSession < 2*KiB {
-		bad("limits.maxNameBytesPerSession", "is %s, want at least 2Ki (one stream with the longest request ID and label)", lim.MaxNameBytesPerSession)
+		errs = append(errs, field.Invalid(lp.Child("maxNameBytesPerSession"), lim.MaxNameBytesPerSession.String(), "must be at least 2Ki (one stream with the longest request ID and label)"))
 	}
 	if lim.MaxDevicePages <= 0 || lim.MaxDevicePages > 1<<31-2 {
-		bad("limits.maxDevicePages", "is %d, want 1 to %d", lim.MaxDevicePages, 1<<31-2)
+		errs = append(errs, field.Invalid(lp.Child("maxDevicePages"), lim.MaxDevicePages, fmt.Sprintf("must be 1 to %d", 1<<31-2)))
 	}
 	if lim.MaxClientName < 16 || lim.MaxClientName > 2048 {
-		bad("limits.maxClientName", "is %d, want 16 to 2048", lim.MaxClientName)
+		errs = append(errs, field.Invalid(lp.Child("maxClientName"), lim.MaxClientName, "must be 16 to 2048"))
 	}
 	if msg := checkAddress(c.Metrics.Address); msg != "" {
-		bad("metrics.address", "%s", msg)
+		errs = append(errs, field.Invalid(p("metrics", "address"), c.Metrics.Address, msg))
 	}
 	if msg := checkAddress(c.Health.Address); msg != "" {
-		bad("health.address", "%s", msg)
+		errs = append(errs, field.Invalid(p("health", "address"), c.Health.Address, msg))
 	}
 	switch c.Log.Level {
 	case "debug", "info", "warn", "error":
 	default:
-		bad("log.level", "is %q, want debug, info, warn or error", c.Log.Level)
+		errs = append(errs, field.NotSupported(p("log", "level"), c.Log.Level, []string{"debug", "info", "warn", "error"}))
 	}
 	if c.Log.Format != "text" && c.Log.Format != "json" {
-		bad("log.format", "is %q, want text or json", c.Log.Format)
+		errs = append(errs, field.NotSupported(p("log", "format"), c.Log.Format, []string{"text", "json"}))
 	}
 
 	st := &c.Standalone
+	tp := p("standalone", "tokens")
 	if len(st.Tokens) == 0 {
-		bad("standalone.tokens", "is empty, want at least one token")
+		errs = append(errs, field.Required(tp, "at least one token"))
 	}
 	seen := map[string]bool{}
 	for i, t := range st.Tokens {
 		switch {
 		case t == "":
-			bad(fmt.Sprintf("standalone.tokens[%d]", i), "is empty")
+			errs = append(errs, field.Required(tp.Index(i), "a token must not be empty"))
 		case strings.ContainsAny(t, ", \t\r\n"):
-			bad(fmt.Sprintf("standalone.tokens[%d]", i), "%q contains a comma or whitespace", t)
+			errs = append(errs, field.Invalid(tp.Index(i), t, "must not contain a comma or whitespace"))
 		case seen[t]:
-			bad(fmt.Sprintf("standalone.tokens[%d]", i), "%q is listed twice", t)
+			errs = append(errs, field.Duplicate(tp.Index(i), t))
 		}
 		seen[t] = true
 	}
 	if st.GPUs < 1 || st.GPUs > 64 {
-		bad("standalone.gpus", "is %d, want 1 to 64", st.GPUs)
+		errs = append(errs, field.Invalid(p("standalone", "gpus"), st.GPUs, "must be 1 to 64"))
 	}
 	if st.PoolBytes <= 0 {
-		bad("standalone.poolBytes", "is %s, want a positive size such as 512Mi", st.PoolBytes)
+		errs = append(errs, field.Invalid(p("standalone", "poolBytes"), st.PoolBytes.String(), "must be a positive size such as 512Mi"))
 	}
-	return errors.Join(errs...)
+	return errs
 }
 
 // CheckDirs refuses a state directory (which holds every allocation token)
@@ -189,6 +206,15 @@ func (c *Config) Validate() error {
 // Both paths must be absolute; they are compared cleaned, without following
 // symbolic links.
 func CheckDirs(socketDir, stateDir string) error {
+	if msg := checkDirs(socketDir, stateDir); msg != "" {
+		return fmt.Errorf("%q %s", stateDir, msg)
+	}
+	return nil
+}
+
+// checkDirs is CheckDirs' reason, without the state directory's name: ""
+// when the two are apart.
+func checkDirs(socketDir, stateDir string) string {
 	sock, state := filepath.Clean(socketDir), filepath.Clean(stateDir)
 	within := func(dir, parent string) bool {
 		rel, err := filepath.Rel(parent, dir)
@@ -196,13 +222,13 @@ func CheckDirs(socketDir, stateDir string) error {
 	}
 	switch {
 	case sock == state:
-		return fmt.Errorf("%q is also the socket directory; the tokens must not be where pods mount", stateDir)
+		return "is also the socket directory; the tokens must not be where pods mount"
 	case within(state, sock):
-		return fmt.Errorf("%q is inside the socket directory %q, which pods mount: they would read every allocation token", stateDir, socketDir)
+		return fmt.Sprintf("is inside the socket directory %q, which pods mount: they would read every allocation token", socketDir)
 	case within(sock, state):
-		return fmt.Errorf("%q contains the socket directory %q; keep them apart (pods mount the socket directory)", stateDir, socketDir)
+		return fmt.Sprintf("contains the socket directory %q; keep them apart (pods mount the socket directory)", socketDir)
 	}
-	return nil
+	return ""
 }
 
 func checkAddress(addr string) string {
@@ -211,10 +237,10 @@ func checkAddress(addr string) string {
 	}
 	_, port, err := net.SplitHostPort(addr)
 	if err != nil {
-		return fmt.Sprintf("%q is not host:port (e.g. :9464)", addr)
+		return "must be host:port (e.g. :9464)"
 	}
 	if p, err := strconv.Atoi(port); err != nil || p < 0 || p > 65535 {
-		return fmt.Sprintf("%q: port %q is not a number from 0 to 65535", addr, port)
+		return fmt.Sprintf("port %q must be a number from 0 to 65535", port)
 	}
 	return ""
 }

@@ -23,6 +23,11 @@ func loadAgentConfig(t *testing.T, data []byte) renderedConfig {
 	if err != nil {
 		t.Fatalf("the agent's loader rejects the config: %v\n%s", err, data)
 	}
+	// The chart writes the current apiVersion, not one the agent reads
+	// only with a deprecation warning.
+	if w := c.Warnings(); len(w) > 0 {
+		t.Errorf("the agent warns about the config: %q\n%s", w, data)
+	}
 	return renderedConfig{
 		ResourceName: c.ResourceName,
 		SocketDir:    c.SocketDir,

@@ -57,7 +57,7 @@ func freePort(t *testing.T) int {
 const agentReadyWithin = 90 * time.Second
 
 func agentConfig(run, kubeletDir string, metricsPort, healthPort int) string {
-	return fmt.Sprintf(`apiVersion: kvpool.io/v1alpha1
+	return fmt.Sprintf(`apiVersion: config.kvpool.io/v1alpha1
 kind: AgentConfig
 resourceName: %s
 socketDir: %s

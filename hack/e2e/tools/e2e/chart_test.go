@@ -46,7 +46,7 @@ func decodeManifests(t *testing.T, source string, data []byte) []*unstructured.U
 			continue
 		}
 		u := &unstructured.Unstructured{Object: m}
-		if strings.HasPrefix(u.GetAPIVersion(), "kvpool.io/") {
+		if v := u.GetAPIVersion(); strings.HasPrefix(v, "kvpool.io/") || strings.HasPrefix(v, "config.kvpool.io/") {
 			continue
 		}
 		objs = append(objs, u)
