@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"k8s.io/apimachinery/pkg/api/resource"
 	utilerrors "k8s.io/apimachinery/pkg/util/errors"
 	"k8s.io/apimachinery/pkg/util/validation/field"
 
@@ -614,5 +615,25 @@ func TestLoadReportsBadFieldsFromEverySource(t *testing.T) {
 		"standalone.gpus: Invalid value: 0: must be 1 to 64"
 	if err.Error() != want {
 		t.Errorf("error\n%s\nwant\n%s", err, want)
+	}
+}
+
+// Where apimachinery's parser and ParseBytes both accept a quantity, they
+// read the same number of bytes: a size means here what it means in a pod
+// spec.
+func TestParseBytesAgreesWithQuantity(t *testing.T) {
+	for _, s := range []string{"0", "1", "4096", "1Ki", "512Mi", "64Gi", "2Ti", "3Pi", "1.5Gi", "0.5Ki", "1k", "2M", "3G", "1T", "5P", "1E", "9223372036854775807"} {
+		got, err := ParseBytes(s)
+		if err != nil {
+			t.Errorf("ParseBytes(%q): %v", s, err)
+			continue
+		}
+		q, err := resource.ParseQuantity(s)
+		if err != nil {
+			t.Fatalf("resource.ParseQuantity(%q): %v", s, err)
+		}
+		if want := q.Value(); int64(got) != want {
+			t.Errorf("ParseBytes(%q) = %d, resource.Quantity says %d", s, got, want)
+		}
 	}
 }

@@ -35,6 +35,12 @@ var suffixes = map[string]int64{
 // ParseBytes parses a quantity such as "64Gi", "512Mi", "1.5G" or "4096".
 // Negative values, exponents, unknown suffixes, fractions of a byte and
 // values above 2^63-1 are errors.
+//
+// It is not apimachinery's resource.ParseQuantity on purpose: that parser
+// reads "Gi" and "." as zero, takes milli units and exponents, and its
+// exact int64 conversion (AsInt64) refuses sizes from 4Ei up; a config
+// value needs whole bytes and a clear error. Where both accept a value they
+// agree (TestParseBytesAgreesWithQuantity).
 func ParseBytes(s string) (Bytes, error) {
 	t := strings.TrimSpace(s)
 	if t == "" {
