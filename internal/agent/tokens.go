@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"github.com/kvpool/kvpool/pkg/contract"
-	"github.com/kvpool/kvpool/pkg/plugin"
 	"github.com/kvpool/kvpool/pkg/pool"
 	"github.com/kvpool/kvpool/pkg/server"
 )
@@ -57,11 +56,14 @@ func (a *agent) authorize(token string) (string, error) {
 			return "", err
 		}
 		if err != nil {
-			return "", fmt.Errorf("%w: %v", server.ErrUnknownToken, err)
+			if !errors.Is(err, contract.ErrUnknownToken) {
+				err = fmt.Errorf("%w: %v", contract.ErrUnknownToken, err)
+			}
+			return "", err
 		}
 		return alloc, nil
 	}
-	return "", server.ErrUnknownToken
+	return "", contract.ErrUnknownToken
 }
 
 // authorizePeer is authorize with the client's credentials: a token the
@@ -76,8 +78,8 @@ func (a *agent) authorizePeer(ctx context.Context, token string, peer server.Pee
 		if errors.Is(err, pool.ErrNotReady) {
 			return "", err // restored, its chunks not yet back: "retry"
 		}
-		if errors.Is(err, plugin.ErrUnknownToken) {
-			return "", fmt.Errorf("%w: %v", server.ErrUnknownToken, err)
+		if errors.Is(err, contract.ErrUnknownToken) {
+			return "", err
 		}
 		// At most one line a second: a pod retrying in a loop must not
 		// flood the log.

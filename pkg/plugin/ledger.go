@@ -126,7 +126,7 @@ func (l *ledger) authorize(token string) (string, error) {
 	defer l.mu.Unlock()
 	a, ok := l.allocs[token]
 	if !ok {
-		return "", ErrUnknownToken
+		return "", contract.ErrUnknownToken
 	}
 	if !a.granted {
 		l.grantLocked(a)

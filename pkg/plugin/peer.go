@@ -11,6 +11,8 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+
+	"github.com/kvpool/kvpool/pkg/contract"
 )
 
 // Pod binding: in cluster mode a token works only from the pod its
@@ -158,14 +160,14 @@ func (p *Plugin) AuthorizePeer(ctx context.Context, token string, pid int32) (st
 	if _, err := p.authorizePeer(ctx, token, pid); err != nil {
 		return "", err
 	}
-	// Revoked meanwhile: ErrUnknownToken; not granted yet: ErrNotReady.
+	// Revoked meanwhile: contract.ErrUnknownToken; not granted yet: ErrNotReady.
 	return p.l.authorize(token)
 }
 
 func (p *Plugin) authorizePeer(ctx context.Context, token string, pid int32) (string, error) {
 	id, pod, devs, ok := p.l.lookup(token)
 	if !ok {
-		return "", ErrUnknownToken
+		return "", contract.ErrUnknownToken
 	}
 	if !p.o.BindPods {
 		return id, nil

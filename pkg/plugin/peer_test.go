@@ -144,7 +144,7 @@ func TestAuthorizePeerBindsTokenToPod(t *testing.T) {
 	check(token, 400, ErrWrongPod, "not id:controllers:path")
 	check(token, 0, ErrPeerUnknown, "hostPID: true")
 	check(token, 999, ErrPeerUnknown, "pid 999")
-	check("no-such-token", 100, ErrUnknownToken, "")
+	check("no-such-token", 100, contract.ErrUnknownToken, "")
 	if err := p.Reconcile(ctx); err != nil {
 		t.Fatal(err)
 	}

@@ -278,9 +278,6 @@ func AllocationID(token string) string {
 // ID is the allocation's name in the pool.
 func (r Record) ID() string { return AllocationID(r.Token) }
 
-// ErrUnknownToken is returned by Authorize for a token no allocation has.
-var ErrUnknownToken = contract.ErrUnknownToken
-
 // Authorize maps a client's token (KVPOOL_TOKEN) to the pool allocation it
 // may open sessions on. It fits the copy server's Authorizer. It takes only
 // the ledger's lock, so it never waits for an Allocate or a reconcile that

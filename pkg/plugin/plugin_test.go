@@ -294,7 +294,7 @@ func TestAllocate(t *testing.T) {
 	if _, err := e.open(t1, pool.Spec{GPU: 1, PageSize: 1 << 20, DevicePages: 8, MaxPages: 2}); !errors.Is(err, pool.ErrNoCapacity) {
 		t.Errorf("open beyond the token's chunks: %v", err)
 	}
-	if _, err := e.open(contract.NewToken(), pool.Spec{GPU: 1, PageSize: 4096, DevicePages: 8}); !errors.Is(err, ErrUnknownToken) {
+	if _, err := e.open(contract.NewToken(), pool.Spec{GPU: 1, PageSize: 4096, DevicePages: 8}); !errors.Is(err, contract.ErrUnknownToken) {
 		t.Errorf("open with a made-up token: %v", err)
 	}
 	// Listings of the pool (status, metrics) never show a token.
@@ -430,7 +430,7 @@ func TestReclaimAfterPodGone(t *testing.T) {
 	if !s.Closed() || s.IsOffloaded("r1") {
 		t.Error("session not closed or streams not dropped")
 	}
-	if _, err := e.p.Authorize(token); !errors.Is(err, ErrUnknownToken) {
+	if _, err := e.p.Authorize(token); !errors.Is(err, contract.ErrUnknownToken) {
 		t.Errorf("Authorize of a reclaimed token: %v", err)
 	}
 	for _, id := range ids {
@@ -789,7 +789,7 @@ func TestRepeatedAllocateRefreshesGrace(t *testing.T) {
 	}
 	e.clock.Advance(testGrace)
 	e.reconcile()
-	if _, err := e.p.Authorize(token); !errors.Is(err, ErrUnknownToken) {
+	if _, err := e.p.Authorize(token); !errors.Is(err, contract.ErrUnknownToken) {
 		t.Errorf("not reclaimed a grace period after the last Allocate: %v", err)
 	}
 }
@@ -805,7 +805,7 @@ func TestRestoredAllocationUsableWhenChunksJoin(t *testing.T) {
 	if _, err := p2.Authorize(token); !errors.Is(err, pool.ErrNotReady) {
 		t.Fatalf("Authorize before the chunks are ready: %v, want ErrNotReady", err)
 	}
-	if _, err := p2.Authorize("not-a-token"); !errors.Is(err, ErrUnknownToken) || errors.Is(err, pool.ErrNotReady) {
+	if _, err := p2.Authorize("not-a-token"); !errors.Is(err, contract.ErrUnknownToken) || errors.Is(err, pool.ErrNotReady) {
 		t.Fatalf("Authorize of an unknown token: %v", err)
 	}
 	for _, c := range testChunks() {

@@ -14,6 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvpool/kvpool/pkg/books"
+	"github.com/kvpool/kvpool/pkg/contract"
 	"github.com/kvpool/kvpool/pkg/hostmem"
 	"github.com/kvpool/kvpool/pkg/pool"
 	"github.com/kvpool/kvpool/pkg/server"
@@ -48,7 +49,7 @@ func journaled(t testing.TB, p *pool.Pool, chunks map[string]*hostmem.Chunk, j s
 			case "tok-wait":
 				return "", fmt.Errorf("%w: chunks still coming", pool.ErrNotReady)
 			}
-			return "", server.ErrUnknownToken
+			return "", contract.ErrUnknownToken
 		}})
 	if err != nil {
 		t.Fatal(err)

@@ -50,13 +50,9 @@ import (
 type ChunkSource func(id string) (*hostmem.Chunk, bool)
 
 // Authorizer maps an allocation token (KVPOOL_TOKEN) to the allocation it
-// names. It returns an error for unknown or revoked tokens.
+// names. It returns an error for unknown or revoked tokens; one that wraps
+// contract.ErrUnknownToken is answered "unauthorized".
 type Authorizer func(token string) (allocation string, err error)
-
-// ErrUnknownToken is what StaticTokens returns for a token it does not know
-// (contract.ErrUnknownToken); any Authorizer's error that wraps it is
-// answered "unauthorized".
-var ErrUnknownToken = contract.ErrUnknownToken
 
 // StaticTokens is an Authorizer over a fixed map of token -> allocation.
 func StaticTokens(m map[string]string) Authorizer {
@@ -64,7 +60,7 @@ func StaticTokens(m map[string]string) Authorizer {
 		if a, ok := m[token]; ok {
 			return a, nil
 		}
-		return "", ErrUnknownToken
+		return "", contract.ErrUnknownToken
 	}
 }
 
