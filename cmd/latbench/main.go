@@ -76,6 +76,7 @@ func run(args []string) error {
 	pageBytes := fs.Int("page-bytes", 128, "bytes per page in each of the K and V regions (the simulator copies them)")
 	cpus := fs.String("cpus", "", "two CPUs to place the processes on (default: the first two this process may use)")
 	only := fs.String("placements", "one,two,shared", "placements to run")
+	spin := fs.Duration("spin", 0, "the client's SpinWait: how long a call polls for the reply before sleeping (0: the client's default, negative: never)")
 	asJSON := fs.Bool("json", false, "print JSON")
 	role := fs.String("role", "", "internal: agent or client")
 	socket := fs.String("socket", "", "internal: agent socket")
@@ -99,7 +100,7 @@ func run(args []string) error {
 	case "agent":
 		return agentMain(*socket)
 	case "client":
-		return clientMain(*socket, *token, *pages, *pageBytes)
+		return clientMain(*socket, *token, *pages, *pageBytes, *spin)
 	case "echo":
 		return echoMain(*socket)
 	case "":
@@ -137,7 +138,7 @@ func run(args []string) error {
 		if !slices.Contains(strings.Split(*only, ","), key) {
 			continue
 		}
-		r, err := runPlacement(dir, echo, pl.name, pl.agent, pl.clientC, sizes, *n, *warm, *rounds, *pages, *pageBytes, *profile)
+		r, err := runPlacement(dir, echo, pl.name, pl.agent, pl.clientC, sizes, *n, *warm, *rounds, *pages, *pageBytes, *spin, *profile)
 		if err != nil {
 			return fmt.Errorf("%s: %w", pl.name, err)
 		}
@@ -286,7 +287,7 @@ type placementReport struct {
 	Rows           []row
 }
 
-func runPlacement(dir, echo, name string, agentCPUs, clientCPUs []int, sz sizes, n, warm, rounds, pages, pageBytes int, profile string) (placementReport, error) {
+func runPlacement(dir, echo, name string, agentCPUs, clientCPUs []int, sz sizes, n, warm, rounds, pages, pageBytes int, spin time.Duration, profile string) (placementReport, error) {
 	rep := placementReport{Placement: name, AgentCPUs: agentCPUs, ClientCPUs: clientCPUs}
 	self, err := os.Executable()
 	if err != nil {
@@ -337,7 +338,7 @@ func runPlacement(dir, echo, name string, agentCPUs, clientCPUs []int, sz sizes,
 	}
 
 	cl := exec.Command(self, "-role", "client", "-socket", sock, "-token", tok,
-		"-pages", strconv.Itoa(pages), "-page-bytes", strconv.Itoa(pageBytes), "-profile-dir", profile)
+		"-pages", strconv.Itoa(pages), "-page-bytes", strconv.Itoa(pageBytes), "-spin", spin.String(), "-profile-dir", profile)
 	cl.Stderr = os.Stderr
 	cin, _ := cl.StdinPipe()
 	cout, _ := cl.StdoutPipe()
@@ -482,7 +483,7 @@ func agentMain(socket string) error {
 
 // clientMain opens a session and answers "KIND COUNT WARMUP" lines on
 // stdin with one line of round-trip times in ns.
-func clientMain(socket, token string, pages, pageBytes int) error {
+func clientMain(socket, token string, pages, pageBytes int, spin time.Duration) error {
 	devPages := 2 * pages
 	sim := cudart.NewSim(cudart.SimOptions{MemoryBytes: 2*uint64(devPages*pageBytes) + 1<<20})
 	dev, err := sim.Open(0)
@@ -505,7 +506,7 @@ func clientMain(socket, token string, pages, pageBytes int) error {
 	inst := []byte(fmt.Sprintf("latbench-%d", os.Getpid()))
 	for try := 0; ; try++ {
 		p, err = client.Open(ctx, client.Options{Socket: socket, Token: token, Device: dev, InstanceID: inst, MaxPages: 4 * pages,
-			Name: "kvpool-latbench", Regions: []client.Region{
+			Name: "kvpool-latbench", SpinWait: spin, Regions: []client.Region{
 				{Base: k, Stride: uint64(pageBytes), BytesPerPage: uint64(pageBytes), Pages: devPages},
 				{Base: v, Stride: uint64(pageBytes), BytesPerPage: uint64(pageBytes), Pages: devPages},
 			}})

@@ -83,6 +83,9 @@ typedef struct kvpool_options {
 	uint64_t order_stream;     /* CUstream whose earlier work every copy follows; 0: default stream */
 	int64_t timeout_ms;        /* connect and open; 0: 30 s */
 	int64_t sim_copy_delay_us; /* simulator only: delay before each batch of copies */
+	/* Added after the first release: a caller whose struct_size ends before
+	 * a field gets its default. */
+	int64_t spin_wait_us; /* poll for a reply this long before the thread sleeps; 0: 50, negative: never */
 } kvpool_options;
 
 /* Metadata of a stream, as offload_stream recorded it. */

@@ -72,9 +72,15 @@ const (
 	envLogLevel            = "KVPOOL_LOG_LEVEL"
 	defaultClientName      = "kvpool-c-abi"
 	maxPagesPerCall        = 1<<31 - 1
-	optionsSizeVersion1    = C.sizeof_kvpool_options
 	maxRegionsPerLayout    = 1 << 16
 	maxStringArgumentBytes = 1 << 20
+)
+
+// struct_size values kvpool_open takes: the options as they are now, and as
+// first released (without spin_wait_us and what follows it).
+const (
+	optionsSize      = C.sizeof_kvpool_options
+	optionsSizeFirst = unsafe.Offsetof(C.kvpool_options{}.spin_wait_us)
 )
 
 // statusOf maps an error to its kvpool.h status.
@@ -288,8 +294,20 @@ func kvpool_open(opts *C.kvpool_options, out *C.kvpool_handle) C.int {
 	if opts == nil || out == nil {
 		return invalid("open: NULL options or handle pointer")
 	}
-	if opts.struct_size != optionsSizeVersion1 {
-		return invalid("open: options struct_size %d, this library (ABI %d) has %d", uint32(opts.struct_size), abiVersion, optionsSizeVersion1)
+	if size := uintptr(opts.struct_size); size != optionsSize && size != optionsSizeFirst {
+		return invalid("open: options struct_size %d, this library (ABI %d) takes %d or %d", uint32(opts.struct_size), abiVersion, optionsSizeFirst, optionsSize)
+	}
+	var spin time.Duration // client default
+	if uintptr(opts.struct_size) >= optionsSize {
+		us := int64(opts.spin_wait_us)
+		switch {
+		case us < 0:
+			spin = -1
+		case us > int64(wire.SpinLimit/time.Microsecond):
+			return invalid("open: spin_wait_us %d is over the limit of %d", us, wire.SpinLimit/time.Microsecond)
+		default:
+			spin = time.Duration(us) * time.Microsecond
+		}
 	}
 	if opts.n_regions <= 0 || opts.n_regions > maxRegionsPerLayout || opts.regions == nil {
 		return invalid("open: %d regions (NULL: %v)", int32(opts.n_regions), opts.regions == nil)
@@ -350,6 +368,7 @@ func kvpool_open(opts *C.kvpool_options, out *C.kvpool_handle) C.int {
 		Order:    cudart.Stream(opts.order_stream),
 		Name:     name,
 		Logger:   logger(),
+		SpinWait: spin,
 	})
 	if err != nil {
 		h.unregisterSpans()

@@ -94,7 +94,19 @@ type Options struct {
 	// the pool were full) and every other call ErrUnavailable. Default
 	// DefaultRetryFor; negative: no retry.
 	RetryFor time.Duration
+	// SpinWait is how long a call polls for the agent's reply before its
+	// thread goes to sleep (wire.Conn.SetSpin), yielding the CPU between
+	// polls. A reply within it costs no thread wake-up, which is most of
+	// a round trip's time when the agent runs on another, idle CPU; the
+	// price is up to SpinWait of this thread's CPU per request, spent
+	// while the call waits anyway. Default DefaultSpinWait, at most
+	// wire.SpinLimit; negative: no spinning.
+	SpinWait time.Duration
 }
+
+// DefaultSpinWait is the default Options.SpinWait: longer than most
+// round trips to an agent on another CPU (docs/benchmarks.md).
+const DefaultSpinWait = 50 * time.Microsecond
 
 // DefaultRetryFor is the default Options.RetryFor: longer than an agent
 // restart takes.
@@ -260,6 +272,14 @@ func Open(ctx context.Context, o Options) (*CPUPagePool, error) {
 	if o.MaxPages < 0 {
 		return nil, fmt.Errorf("kvpool: MaxPages %d is negative", o.MaxPages)
 	}
+	switch {
+	case o.SpinWait == 0:
+		o.SpinWait = DefaultSpinWait
+	case o.SpinWait < 0:
+		o.SpinWait = 0
+	case o.SpinWait > wire.SpinLimit:
+		return nil, fmt.Errorf("kvpool: SpinWait %v is over the limit of %v", o.SpinWait, wire.SpinLimit)
+	}
 	if o.Socket == "" {
 		o.Socket = os.Getenv(contract.EnvSocket)
 	}
@@ -397,6 +417,10 @@ func (p *CPUPagePool) connect(ctx context.Context) error {
 	wc, err := wire.Dial(p.o.Socket)
 	if err != nil {
 		return fmt.Errorf("kvpool: %w: %w", errDial, err)
+	}
+	if err := wc.SetSpin(p.o.SpinWait); err != nil {
+		wc.Close()
+		return fmt.Errorf("kvpool: %w", err) // Open checked the bound
 	}
 	if dl, ok := ctx.Deadline(); ok {
 		if err := wc.UnixConn().SetDeadline(dl); err != nil {

@@ -744,6 +744,7 @@ func TestOpenRejects(t *testing.T) {
 		{"stride below bytes", client.Options{Socket: a.Socket, Token: "tok", Device: dev, Regions: []client.Region{{Stride: 1, BytesPerPage: 2, Pages: 1}}}, "stride"},
 		{"no pages", client.Options{Socket: a.Socket, Token: "tok", Device: dev, Regions: []client.Region{{Stride: 2, BytesPerPage: 2}}}, "region 0"},
 		{"negative max pages", client.Options{Socket: a.Socket, Token: "tok", Device: dev, Regions: good, MaxPages: -1}, "negative"},
+		{"spin over the limit", client.Options{Socket: a.Socket, Token: "tok", Device: dev, Regions: good, SpinWait: wire.SpinLimit + 1}, "SpinWait"},
 		{"no token", client.Options{Socket: a.Socket, Device: dev, Regions: good}, "no allocation token"},
 		{"bad token", client.Options{Socket: a.Socket, Token: "nope", Device: dev, Regions: good}, "unauthorized"},
 		{"no agent", client.Options{Socket: a.Socket + ".missing", Token: "tok", Device: dev, Regions: good}, "dial"},

@@ -59,6 +59,9 @@ func SetKernelWait(d time.Duration) error {
 // KernelWait returns the kernel wait new Conns get (SetKernelWait).
 func KernelWait() time.Duration { return time.Duration(kernelWait.Load()) }
 
+// SpinLimit is the longest spin SetSpin accepts.
+const SpinLimit = time.Millisecond
+
 // Conn sends and receives packets on a SOCK_SEQPACKET Unix connection. A
 // Conn is not safe for concurrent use by several readers or several
 // writers; one reader and one writer may run at once.
@@ -81,7 +84,13 @@ func KernelWait() time.Duration { return time.Duration(kernelWait.Load()) }
 // goroutines always find one, a Conn waits in the kernel only while the
 // process has at most max(1, GOMAXPROCS-1) open Conns; beyond that every
 // Conn uses the poller alone. Deadlines set on UnixConn() hold for Send
-// and Recv, up to the kernel wait late.
+// and Recv, up to the kernel wait (or the spin) late.
+//
+// A client may also spin (SetSpin): poll for the reply for a few tens of
+// µs before it sleeps at all. Where the agent runs on another CPU, that
+// saves the wake-up of a sleeping thread on an idle CPU, which on a VM
+// costs tens of µs (docs/benchmarks.md); between polls the thread yields,
+// so an agent on the same CPU runs at once.
 type Conn struct {
 	uc  *net.UnixConn
 	rc  syscall.RawConn
@@ -105,6 +114,8 @@ type Conn struct {
 	rn     uintptr
 	rerrno syscall.Errno
 	rblock bool
+	rspin  bool          // the next recvStep polls first (c.spin)
+	spin   time.Duration // SetSpin; guarded by rmu
 	readF  func(fd uintptr) bool
 
 	closed atomic.Bool
@@ -117,8 +128,9 @@ var open atomic.Int32
 // kernel; a variable for tests.
 var blockLimit = func() int { return max(1, runtime.GOMAXPROCS(0)-1) }
 
-// parked counts Recvs that fell back to the poller, for tests.
-var parked atomic.Int64
+// parked counts Recvs that fell back to the poller, and spun the packets
+// taken while spinning, for tests.
+var parked, spun atomic.Int64
 
 // NewConn wraps a connected unixpacket socket.
 func NewConn(uc *net.UnixConn) *Conn {
@@ -177,6 +189,21 @@ func (c *Conn) Close() error {
 		}
 	}
 	return c.uc.Close()
+}
+
+// SetSpin makes Recv poll for a packet for up to d (at most SpinLimit)
+// before it waits in the kernel or on the poller; 0 turns it off (the
+// default). Spinning costs the caller's CPU for up to d per Recv and saves
+// the wake-up when the packet comes within d: for a client, whose thread
+// has nothing else to do until the reply, not for a server.
+func (c *Conn) SetSpin(d time.Duration) error {
+	if d < 0 || d > SpinLimit {
+		return fmt.Errorf("wire: spin %v outside [0, %v]", d, SpinLimit)
+	}
+	c.rmu.Lock()
+	c.spin = d
+	c.rmu.Unlock()
+	return nil
 }
 
 // mayBlock reports whether Recv may wait in the kernel now.
@@ -243,6 +270,14 @@ func (c *Conn) recvStep(fd uintptr) bool {
 	m.SetControllen(len(c.oob))
 	m.Flags = 0
 	flags := uintptr(unix.MSG_CMSG_CLOEXEC)
+	if c.rspin {
+		c.rspin = false
+		if c.spinFor(fd, flags) {
+			return true
+		}
+		m.SetControllen(len(c.oob))
+		m.Flags = 0
+	}
 	if !c.rblock {
 		flags |= unix.MSG_DONTWAIT
 	}
@@ -259,6 +294,32 @@ func (c *Conn) recvStep(fd uintptr) bool {
 		return false
 	}
 	return true
+}
+
+// spinFor polls for a packet for up to c.spin, yielding the CPU between
+// polls, and reports whether the last poll is Recv's result (a packet, the
+// end of the connection or an error other than "nothing yet").
+func (c *Conn) spinFor(fd, flags uintptr) bool {
+	start := time.Now()
+	m := &c.rmsg
+	for {
+		c.rn, _, c.rerrno = syscall.RawSyscall(unix.SYS_RECVMSG, fd, uintptr(unsafe.Pointer(m)), flags|unix.MSG_DONTWAIT)
+		switch c.rerrno {
+		case 0:
+			spun.Add(1)
+			return true
+		case unix.EAGAIN, unix.EINTR:
+		default:
+			return true
+		}
+		if time.Since(start) >= c.spin {
+			return false
+		}
+		// The peer may be runnable on this very CPU: let it run.
+		_, _, _ = syscall.RawSyscall(unix.SYS_SCHED_YIELD, 0, 0, 0)
+		m.SetControllen(len(c.oob))
+		m.Flags = 0
+	}
 }
 
 // Recv reads one packet into buf (which should have room for MaxMessage+1
@@ -282,7 +343,7 @@ func (c *Conn) Recv(buf []byte) ([]byte, []*os.File, error) {
 		m.SetIovlen(1)
 	}
 	m.Control = &c.oob[0]
-	c.rn, c.rerrno, c.rblock = 0, 0, c.mayBlock()
+	c.rn, c.rerrno, c.rblock, c.rspin = 0, 0, c.mayBlock(), c.spin > 0
 	err := c.rc.Read(c.readF)
 	n, errno := c.rn, c.rerrno
 	c.riov.Base, m.Iov = nil, nil

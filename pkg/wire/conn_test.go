@@ -124,6 +124,70 @@ func TestConnModes(t *testing.T) {
 	})
 }
 
+func TestConnSpin(t *testing.T) {
+	c, s := pair(t)
+	for _, bad := range []time.Duration{-time.Nanosecond, SpinLimit + 1, time.Second} {
+		if err := s.SetSpin(bad); err == nil || s.spin != 0 {
+			t.Fatalf("SetSpin(%v): %v, spin now %v", bad, err, s.spin)
+		}
+	}
+	for _, good := range []time.Duration{SpinLimit, 0} {
+		if err := s.SetSpin(good); err != nil || s.spin != good {
+			t.Fatalf("SetSpin(%v): %v, spin now %v", good, err, s.spin)
+		}
+	}
+	buf := make([]byte, MaxMessage+1)
+	inMode(t, func(t *testing.T) {
+		// A packet that comes while Recv spins is taken by the spin: no
+		// kernel wait, no poller. The spin is longer than SetSpin allows,
+		// so that a slow machine cannot miss it.
+		s.spin = time.Minute
+		spins, parks := spun.Load(), parked.Load()
+		go func() {
+			time.Sleep(time.Millisecond)
+			c.Send([]byte("soon"), nil)
+		}()
+		if pkt, _, err := s.Recv(buf); err != nil || string(pkt) != "soon" {
+			t.Fatalf("recv %q %v", pkt, err)
+		}
+		if n, p := spun.Load()-spins, parked.Load()-parks; n != 1 || p != 0 {
+			t.Fatalf("%d packets taken by the spin, %d parks; want 1 and 0", n, p)
+		}
+
+		// One that comes after the spin is still received, the usual way.
+		s.spin = 50 * time.Microsecond
+		spins = spun.Load()
+		go func() {
+			time.Sleep(20 * time.Millisecond)
+			c.Send([]byte("late"), nil)
+		}()
+		if pkt, _, err := s.Recv(buf); err != nil || string(pkt) != "late" {
+			t.Fatalf("late recv %q %v", pkt, err)
+		}
+		if n := spun.Load() - spins; n != 0 {
+			t.Fatalf("a packet 20 ms late was taken by a 50 µs spin")
+		}
+	})
+
+	// Closing the Conn ends a spin at once.
+	s.spin = time.Minute
+	errc := make(chan error, 1)
+	go func() {
+		_, _, err := s.Recv(buf)
+		errc <- err
+	}()
+	time.Sleep(2 * time.Millisecond)
+	s.Close()
+	select {
+	case err := <-errc:
+		if !errors.Is(err, net.ErrClosed) {
+			t.Fatalf("recv on a conn closed while it spun: %v", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("closing the conn did not end the spin")
+	}
+}
+
 func TestConnCloseWakesRecv(t *testing.T) {
 	inMode(t, func(t *testing.T) {
 		_, s := pair(t)

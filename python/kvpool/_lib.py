@@ -57,6 +57,7 @@ class Options(ctypes.Structure):
         ("order_stream", ctypes.c_uint64),
         ("timeout_ms", ctypes.c_int64),
         ("sim_copy_delay_us", ctypes.c_int64),
+        ("spin_wait_us", ctypes.c_int64),
     ]
 
 

@@ -42,7 +42,7 @@ def _overrides(config):
 
 
 _KNOWN = {"socket", "token", "backend", "device", "page_axis", "name", "timeout_s", "sim_copy_delay_us",
-          "sim_devices", "order_stream"}
+          "sim_devices", "order_stream", "spin_wait_us"}
 
 
 def _pages(indices):
@@ -94,7 +94,8 @@ class CPUPagePool:
     config: the engine's config; only its `kvpool` entry (attribute or key)
     is read, for overrides: socket, token, backend ("auto", "cuda", "sim"),
     device, page_axis (default 1), name, timeout_s, order_stream,
-    sim_copy_delay_us, sim_devices.
+    sim_copy_delay_us, sim_devices, spin_wait_us (how long a call polls for
+    the agent's reply before its thread sleeps; default 50, negative: never).
     kv_cache: the device KV cache (see kvpool.layout).
     max_cpu_pages: host pages this pool holds.
     """
@@ -147,6 +148,7 @@ class CPUPagePool:
         opts.order_stream = self._order
         opts.timeout_ms = int(float(o.get("timeout_s", 30)) * 1000)
         opts.sim_copy_delay_us = int(o.get("sim_copy_delay_us", 0))
+        opts.spin_wait_us = int(o.get("spin_wait_us", 0))
         h = ctypes.c_uint64()
         self._check(self._lib.kvpool_open(ctypes.byref(opts), ctypes.byref(h)))
         self._h = h.value

@@ -368,6 +368,24 @@ def test_bad_construction(agent):
         kvpool.CPUPagePool(config(socket="/nonexistent/kvpool.sock"), kv, 4)
     with pytest.raises(kvpool.LayoutError, match="simulator"):
         kvpool.CPUPagePool(config(backend="cuda"), kv, 4)
+    with pytest.raises(kvpool.InvalidArgumentError, match="spin_wait_us"):
+        kvpool.CPUPagePool(config(spin_wait_us=1001), kv, 4)
+
+
+@pytest.mark.parametrize("spin", [-1, 0, 1000])
+def test_spin_wait(pools, spin):
+    # Whether a call polls for the reply or sleeps at once, the bytes and
+    # answers are the same.
+    kv = np.zeros((2, 8, 16), dtype=np.uint8)
+    fill_random(kv, spin + 7)
+    want = kv[:, [2, 3]].copy()
+    pool = pools(kv, 4, spin_wait_us=spin)
+    assert pool.offload_stream("r", "a", kv, [2, 3], 5, 6)
+    settle(pool)
+    s = pool.reload_stream("r", "a", kv, [0, 1])
+    settle(pool)
+    assert (s.stored_len, s.position) == (5, 6)
+    assert (kv[:, 0:2] == want).all()
 
 
 def test_config_object_overrides(agent):

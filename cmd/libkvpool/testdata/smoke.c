@@ -3,6 +3,7 @@
  * "device" KV cache is malloc'd memory on the simulator. Exits 0 when every
  * check held; prints the first failure otherwise. */
 #include <pthread.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -99,6 +100,19 @@ int main(void) {
 	bad = o;
 	bad.token = "not-a-token";
 	CHECK(kvpool_open(&bad, &h) == KVPOOL_ERR_UNAUTHORIZED, "open with a bad token");
+	bad = o;
+	bad.spin_wait_us = 1001;
+	CHECK(kvpool_open(&bad, &h) == KVPOOL_ERR_INVALID && h == 0, "open with spin_wait_us over the limit");
+	kvpool_last_error(msg, sizeof msg);
+	CHECK(strstr(msg, "spin_wait_us") != NULL, "message for spin_wait_us: %s", msg);
+	/* A caller built before spin_wait_us existed passes the shorter struct;
+	 * what lies beyond it is not read. */
+	bad = o;
+	bad.struct_size = offsetof(kvpool_options, spin_wait_us);
+	bad.spin_wait_us = 1001;
+	CHECK(kvpool_open(&bad, &h) == KVPOOL_OK && h != 0, "open with the first release's struct_size");
+	CHECK(kvpool_close(h) == KVPOOL_OK, "close");
+	h = 0;
 	CHECK(kvpool_open(NULL, &h) == KVPOOL_ERR_INVALID, "open with NULL options");
 	CHECK(kvpool_offload(12345, "r", 1, "l", 1, NULL, 0, 0, 0, 0) == KVPOOL_ERR_BAD_HANDLE, "bad handle");
 
