@@ -29,6 +29,7 @@ def main():
     ap.add_argument("--device-pages", type=int, default=256)
     ap.add_argument("--page-bytes", type=int, default=256, help="bytes per page in each of the K and V regions")
     ap.add_argument("--gpu", type=int, default=0)
+    ap.add_argument("--spin-us", type=int, default=0, help="spin_wait_us (0: the default, negative: none)")
     ap.add_argument("--socket", default=os.environ.get("KVPOOL_SOCKET", ""))
     ap.add_argument("--token", default=os.environ.get("KVPOOL_TOKEN", ""))
     a = ap.parse_args()
@@ -40,7 +41,8 @@ def main():
         import numpy as np
         kv = np.zeros((2, a.device_pages, a.page_bytes), dtype=np.uint8)
         kind = "numpy"
-    cfg = {"kvpool": {"socket": a.socket, "token": a.token, "device": a.gpu, "sim_devices": max(2, a.gpu + 1)}}
+    cfg = {"kvpool": {"socket": a.socket, "token": a.token, "device": a.gpu, "sim_devices": max(2, a.gpu + 1),
+                      "spin_wait_us": a.spin_us}}
     pool = kvpool.CPUPagePool(cfg, kv, a.session_pages)
     pages = list(range(0, 2 * a.pages, 2))  # scattered: no two copies merge
     back = list(range(1, 2 * a.pages, 2))

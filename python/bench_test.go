@@ -44,6 +44,9 @@ import (
 // Python layer's own argument work. Goal (issue 15): overhead under 15 µs
 // for the pair.
 //
+// KVPOOL_BENCH_SPIN_US sets both clients' spin wait (client.Options.SpinWait,
+// spin_wait_us) in µs; unset, each has its default; negative: none.
+//
 // KVPOOL_BENCH_BASELINE_LIBRARY=/path/libkvpool.so adds a third client in
 // the rotation, the Python package over that library (another build, say
 // main's), reported as base-us/pair and base-cpu-us/pair.
@@ -60,6 +63,13 @@ func BenchmarkPythonOverhead(b *testing.B) {
 		if _, err := os.Stat(baseline); err != nil {
 			b.Fatalf("KVPOOL_BENCH_BASELINE_LIBRARY: %v", err)
 		}
+	}
+	spinUS := os.Getenv("KVPOOL_BENCH_SPIN_US")
+	if spinUS == "" {
+		spinUS = "0"
+	}
+	if _, err := strconv.Atoi(spinUS); err != nil {
+		b.Fatalf("KVPOOL_BENCH_SPIN_US=%q: %v", spinUS, err)
 	}
 	dir := b.TempDir()
 	lib := filepath.Join(dir, "libkvpool.so")
@@ -79,11 +89,11 @@ func BenchmarkPythonOverhead(b *testing.B) {
 	// process of its own as the Python client is: cross-process wake-ups
 	// cost the same for both.
 	gocmd := exec.Command(os.Args[0], "-test.run", "^TestGoBenchHelper$", "-test.count", "1")
-	gocmd.Env = append(os.Environ(), "KVPOOL_GO_BENCH_HELPER=1", "KVPOOL_SOCKET="+a.Socket, "KVPOOL_TOKEN=bench")
+	gocmd.Env = append(os.Environ(), "KVPOOL_GO_BENCH_HELPER=1", "KVPOOL_SOCKET="+a.Socket, "KVPOOL_TOKEN=bench", "KVPOOL_BENCH_SPIN_US="+spinUS)
 	pyCmd := func(gpu int, library string) *exec.Cmd {
 		cmd := exec.Command(py, "bench.py", "--rounds", "--pages", strconv.Itoa(benchPages), "--session-pages", strconv.Itoa(benchSession),
 			"--device-pages", strconv.Itoa(benchDevPages), "--page-bytes", strconv.Itoa(benchPageBytes), "--gpu", strconv.Itoa(gpu),
-			"--socket", a.Socket, "--token", "bench")
+			"--socket", a.Socket, "--token", "bench", "--spin-us", spinUS)
 		cmd.Env = append(os.Environ(), "KVPOOL_LIBRARY="+library)
 		return cmd
 	}
@@ -269,7 +279,9 @@ func TestGoBenchHelper(t *testing.T) {
 	dev, _ := cudart.NewSim(cudart.SimOptions{}).Open(0)
 	k, _ := dev.MemAlloc(benchDevPages * benchPageBytes)
 	v, _ := dev.MemAlloc(benchDevPages * benchPageBytes)
+	spinUS, _ := strconv.Atoi(os.Getenv("KVPOOL_BENCH_SPIN_US"))
 	cp, err := client.Open(context.Background(), client.Options{Device: dev, MaxPages: benchSession,
+		SpinWait: time.Duration(spinUS) * time.Microsecond,
 		Regions: []client.Region{{Base: k, Stride: benchPageBytes, BytesPerPage: benchPageBytes, Pages: benchDevPages},
 			{Base: v, Stride: benchPageBytes, BytesPerPage: benchPageBytes, Pages: benchDevPages}}})
 	if err != nil {

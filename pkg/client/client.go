@@ -229,6 +229,7 @@ type CPUPagePool struct {
 	fenceSent   uint64          // highest ticket the agent has been told
 	devIdx      []int           // scratch for the layout's device pages
 	hostAddr    []uintptr       // scratch for the layout's host pages
+	copies      []cudart.Copy   // scratch for a batch's copies
 
 	offReq wire.Offload
 	offRep wire.OffloadReply

@@ -311,11 +311,12 @@ func (p *CPUPagePool) enqueue(dir cudart.Direction, dev, host []int32) (cudart.T
 		p.devIdx = append(p.devIdx, int(dp))
 		p.hostAddr = append(p.hostAddr, ch.base+uintptr(uint64(int(hp)%p.ppc)*p.pageSize))
 	}
-	copies, err := p.layout.Copies(dir, p.devIdx, p.hostAddr)
+	copies, err := p.layout.AppendCopies(p.copies[:0], dir, p.devIdx, p.hostAddr)
 	if err != nil {
 		return 0, fmt.Errorf("kvpool: %w", err)
 	}
-	copies = cudart.MergeRuns(copies)
+	copies = cudart.MergeRunsInPlace(copies)
+	p.copies = copies // the device is done with it when the batch call returns
 	if dir == cudart.DeviceToHost {
 		t, err := p.mover.Offload(p.o.Order, copies)
 		if err != nil {

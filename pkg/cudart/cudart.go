@@ -116,6 +116,7 @@ type Device interface {
 	// MemcpyBatchAsync enqueues copies on s, all in direction dir
 	// (cuMemcpyBatchAsync, or cuMemcpyAsync per copy where the driver lacks
 	// batching). Every range is validated before anything is enqueued.
+	// copies is the caller's again once the call returns.
 	MemcpyBatchAsync(copies []Copy, dir Direction, s Stream) error
 
 	// LaunchHostFunc enqueues fn on s (cuLaunchHostFunc). fn must not call

@@ -70,6 +70,12 @@ func (l Layout) Validate() error {
 // A device page may appear once; every index must be in range in every
 // region.
 func (l Layout) Copies(dir Direction, devPages []int, hostPages []uintptr) ([]Copy, error) {
+	return l.AppendCopies(nil, dir, devPages, hostPages)
+}
+
+// AppendCopies is Copies appending to dst, for a caller that reuses its
+// buffer (nil on error).
+func (l Layout) AppendCopies(dst []Copy, dir Direction, devPages []int, hostPages []uintptr) ([]Copy, error) {
 	if err := l.Validate(); err != nil {
 		return nil, err
 	}
@@ -97,7 +103,7 @@ func (l Layout) Copies(dir Direction, devPages []int, hostPages []uintptr) ([]Co
 	if p, ok := duplicate(devPages); ok {
 		return nil, fmt.Errorf("cudart: device page %d appears twice", p)
 	}
-	out := make([]Copy, 0, len(devPages)*len(l.Regions))
+	out := slices.Grow(dst, len(devPages)*len(l.Regions))
 	var off uintptr
 	for _, r := range l.Regions {
 		for i, p := range devPages {
@@ -116,7 +122,8 @@ func (l Layout) Copies(dir Direction, devPages []int, hostPages []uintptr) ([]Co
 
 // duplicate returns a page that appears twice in pages. It is on every
 // batch's path, so it allocates nothing for short lists (the usual batch)
-// and one sorted copy for long ones, instead of a map.
+// and one sorted copy for long ones, instead of a map; up to 256 pages the
+// copy lives on the stack.
 func duplicate(pages []int) (int, bool) {
 	if len(pages) <= 48 {
 		for i := 1; i < len(pages); i++ {
@@ -128,7 +135,8 @@ func duplicate(pages []int) (int, bool) {
 		}
 		return 0, false
 	}
-	s := slices.Clone(pages)
+	var small [256]int
+	s := append(small[:0], pages...)
 	slices.Sort(s)
 	for i := 1; i < len(s); i++ {
 		if s[i] == s[i-1] {

@@ -71,5 +71,15 @@ func FuzzLayoutCopies(f *testing.F) {
 		if merged != total {
 			t.Fatalf("MergeRuns moved %d bytes, copies %d", merged, total)
 		}
+		// Appending to a used buffer gives the same copies after what it
+		// held, and merging in place the same runs as MergeRuns.
+		head := []Copy{{Dst: 1, Src: 2, Bytes: 3}}
+		appended, err := l.AppendCopies(head, dir, dev, host)
+		if err != nil || len(appended) != 1+len(copies) || appended[0] != head[0] || !equalCopies(appended[1:], copies) {
+			t.Fatalf("AppendCopies: %d copies, %v; Copies gave %d", len(appended), err, len(copies))
+		}
+		if !equalCopies(MergeRunsInPlace(appended[1:]), MergeRuns(copies)) {
+			t.Fatal("MergeRunsInPlace and MergeRuns differ")
+		}
 	})
 }

@@ -10,7 +10,19 @@ const MaxRegisterBytes = 64 << 30
 // adjacent move as one large transfer. It never reorders: the order is the
 // caller's. The input is not modified.
 func MergeRuns(copies []Copy) []Copy {
-	out := make([]Copy, 0, len(copies))
+	return appendMerged(make([]Copy, 0, len(copies)), copies)
+}
+
+// MergeRunsInPlace is MergeRuns writing into copies itself: it returns the
+// merged copies as a prefix of copies, whose later elements it may change.
+// For a hot path that reuses its buffer.
+func MergeRunsInPlace(copies []Copy) []Copy {
+	return appendMerged(copies[:0], copies)
+}
+
+// appendMerged appends the merged copies to out; out may be copies[:0], as
+// it never grows past the copy being read.
+func appendMerged(out, copies []Copy) []Copy {
 	for _, c := range copies {
 		if n := len(out); n > 0 {
 			p := &out[n-1]

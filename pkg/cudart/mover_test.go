@@ -177,6 +177,10 @@ func TestMergeRuns(t *testing.T) {
 			if !equalCopies(in, c.in) {
 				t.Errorf("MergeRuns modified its input")
 			}
+			// In place: the same result, in the input's own array.
+			if got := MergeRunsInPlace(in); !equalCopies(got, c.want) || (len(got) > 0 && &got[0] != &in[0]) {
+				t.Errorf("MergeRunsInPlace(%v) = %v, want %v in the input's array", c.in, got, c.want)
+			}
 		})
 	}
 }

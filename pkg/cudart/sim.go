@@ -1,6 +1,7 @@
 package cudart
 
 import (
+	"slices"
 	"sort"
 	"sync"
 	"time"
@@ -427,9 +428,16 @@ func (d *simDevice) StreamWaitEvent(s Stream, e Event) error {
 	return nil
 }
 
+// simPair is one resolved copy of a batch the simulator has queued.
+type simPair struct{ dst, src []byte }
+
+// simPairs recycles batches' resolved copies: a batch is on every offload
+// and reload, and the simulator stands in for the GPU in benchmarks, where
+// its garbage would be counted against the client.
+var simPairs = sync.Pool{New: func() any { return new([]simPair) }}
+
 func (d *simDevice) MemcpyBatchAsync(copies []Copy, dir Direction, s Stream) error {
 	const call = "cuMemcpyBatchAsync"
-	type pair struct{ dst, src []byte }
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	st, err := d.stream(call, s)
@@ -439,7 +447,13 @@ func (d *simDevice) MemcpyBatchAsync(copies []Copy, dir Direction, s Stream) err
 	if len(copies) == 0 {
 		return callErr(call, ErrInvalidValue, "empty batch")
 	}
-	pairs := make([]pair, len(copies))
+	pp := simPairs.Get().(*[]simPair)
+	pairs := slices.Grow((*pp)[:0], len(copies))[:len(copies)]
+	recycle := func() {
+		clear(pairs)
+		*pp = pairs[:0]
+		simPairs.Put(pp)
+	}
 	var total uint64
 	for i, c := range copies {
 		var dst, src []byte
@@ -463,7 +477,7 @@ func (d *simDevice) MemcpyBatchAsync(copies []Copy, dir Direction, s Stream) err
 		if !okD {
 			return callErr(call, ErrInvalidValue, "copy %d (%v): destination %#x+%d is outside %s", i, dir, c.Dst, c.Bytes, side(dir, false))
 		}
-		pairs[i] = pair{dst, src}
+		pairs[i] = simPair{dst, src}
 		total += c.Bytes
 	}
 	delay := d.opts.CopyDelay
@@ -476,6 +490,7 @@ func (d *simDevice) MemcpyBatchAsync(copies []Copy, dir Direction, s Stream) err
 			copy(p.dst, p.src)
 		}
 		d.memMu.Unlock()
+		recycle()
 	}
 	if delay == 0 && total <= InlineCopyBytes && st.runIfIdle(run) {
 		return nil
