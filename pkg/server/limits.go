@@ -198,14 +198,9 @@ const refuseTimeout = time.Second
 
 // refuseConn answers the first request of a connection the server will not
 // serve with StatusLimit and msg, then closes it. It holds no connection
-// slot and at most a small buffer.
+// slot and at most a small buffer; admit counts it in s.refusing.
 func (s *Server) refuseConn(uc *net.UnixConn, msg string) {
 	defer uc.Close()
-	if s.refusing.Add(1) > maxRefusers {
-		s.refusing.Add(-1)
-		return
-	}
-	defer s.refusing.Add(-1)
 	if uc.SetDeadline(time.Now().Add(refuseTimeout)) != nil {
 		return // no deadline, no read: just close
 	}

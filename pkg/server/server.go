@@ -349,10 +349,17 @@ func (s *Server) Serve(ctx context.Context, l *net.UnixListener) error {
 			break
 		}
 		backoff = 0
+		// Admission runs here, not in the connection's goroutine: a burst
+		// of connections beyond the bounds is closed as fast as it is
+		// accepted and piles up neither fds nor goroutines.
+		run := s.admit(uc)
+		if run == nil {
+			continue
+		}
 		s.wg.Add(1)
 		go func() {
 			defer s.wg.Done()
-			s.ServeConn(uc)
+			run()
 		}()
 	}
 	endSweep()
@@ -378,6 +385,16 @@ func (s *Server) Serve(ctx context.Context, l *net.UnixListener) error {
 // over a bound of Limits costs no buffer and no slot; its first request is
 // answered with StatusLimit and it is closed.
 func (s *Server) ServeConn(uc *net.UnixConn) {
+	if run := s.admit(uc); run != nil {
+		run()
+	}
+}
+
+// admit decides what becomes of a new connection from its peer's
+// credentials and returns the work that serves or refuses it, or nil when
+// it has closed it already: the server is closing, or maxRefusers
+// connections are being refused at once.
+func (s *Server) admit(uc *net.UnixConn) func() {
 	peer, err := peerCred(uc)
 	if err != nil {
 		s.rlog.Log(slog.LevelWarn, "peercred", "peer credentials unavailable", "err", err)
@@ -386,18 +403,25 @@ func (s *Server) ServeConn(uc *net.UnixConn) {
 	if s.closing {
 		s.mu.Unlock()
 		uc.Close()
-		return
+		return nil
 	}
 	if reason, msg := s.admitLocked(peer); reason != "" {
 		s.mu.Unlock()
 		s.refused(reason, peer, "connection refused: "+msg)
-		s.refuseConn(uc, msg)
-		return
+		if s.refusing.Add(1) > maxRefusers {
+			s.refusing.Add(-1)
+			uc.Close()
+			return nil
+		}
+		return func() {
+			defer s.refusing.Add(-1)
+			s.refuseConn(uc, msg)
+		}
 	}
 	c := s.newConn(uc, peer)
 	s.conns[c] = struct{}{}
 	s.mu.Unlock()
-	c.serve()
+	return c.serve
 }
 
 // sweepLoop drops the sessions of revoked allocations every SweepInterval
