@@ -42,7 +42,7 @@ import (
 // noop-call-us is a
 // ctypes call into the library that does nothing, py-prep-us/call the
 // Python layer's own argument work. Goal (issue 15): overhead under 15 µs
-// for the pair.
+// a call, 30 for the pair (docs/benchmarks.md).
 //
 // KVPOOL_BENCH_SPIN_US sets both clients' spin wait (client.Options.SpinWait,
 // spin_wait_us) in µs; unset, each has its default; negative: none.
