@@ -298,6 +298,8 @@ func Boot(parent context.Context, o Options) (_ *Agent, err error) {
 		Name:     "kvpool-agent " + o.Version + " (" + a.mode + ")",
 		Limits:   serverLimits(cfg.Limits),
 		ProbePID: os.Getpid(),
+
+		PollAfterReply: cfg.PollAfterReply.Duration,
 	})
 	if err != nil {
 		return nil, err

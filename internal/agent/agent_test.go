@@ -18,6 +18,7 @@ import (
 	"github.com/kvpool/kvpool/pkg/node"
 	"github.com/kvpool/kvpool/pkg/server"
 	"github.com/kvpool/kvpool/pkg/sizing"
+	"github.com/kvpool/kvpool/pkg/wire"
 )
 
 // A fatal error of the socket server (here: its listener closed under it)
@@ -133,5 +134,13 @@ func TestChainHooks(t *testing.T) {
 	h.Request(server.Request{})
 	if h.Refused != nil || strings.Join(calls, "; ") != "extra request" {
 		t.Errorf("chain onto empty hooks: refused %v, calls %v", h.Refused != nil, calls)
+	}
+}
+
+// The config's bound on pollAfterReply is the wire's, which the server
+// enforces.
+func TestPollAfterReplyBound(t *testing.T) {
+	if config.MaxPollAfterReply != wire.SpinLimit {
+		t.Fatalf("config.MaxPollAfterReply %v, wire.SpinLimit %v", config.MaxPollAfterReply, wire.SpinLimit)
 	}
 }

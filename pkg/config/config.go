@@ -93,6 +93,14 @@ type Config struct {
 	// Empty (the default): no keeper; a restart then drops every session
 	// and stream. Absolute when set.
 	KeeperSocket string `json:"keeperSocket"`
+	// PollAfterReply is how long a connection keeps polling for its
+	// client's next request after each reply before its thread sleeps, at
+	// most 1ms. A request within it finds the agent awake: on a VM,
+	// where waking an idle CPU costs tens of µs, that halves a round trip
+	// (docs/benchmarks.md). The price is up to this much of one CPU per
+	// request, and all of one CPU while a client sends back to back.
+	// Default "0s": off.
+	PollAfterReply Duration `json:"pollAfterReply"`
 
 	// Sizing decides how much host memory the pool takes and how it is
 	// split into per-GPU pools and chunks.

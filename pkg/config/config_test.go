@@ -197,6 +197,8 @@ func TestParseErrors(t *testing.T) {
 		{"socket dir inside state", head + "socketDir: /var/lib/kvpool/state/sock\nstateDir: /var/lib/kvpool/state\n", `contains the socket directory`},
 		{"token binding", head + "tokenBinding: uid\n", `tokenBinding: Unsupported value: "uid": supported values: "pod", "none"`},
 		{"relative podLogsDir", head + "podLogsDir: logs\n", `podLogsDir: Invalid value: "logs": must be an absolute path`},
+		{"negative pollAfterReply", head + "pollAfterReply: -1ms\n", `duration "-1ms" is negative`},
+		{"long pollAfterReply", head + "pollAfterReply: 2ms\n", `pollAfterReply: Invalid value: "2ms": must be between 0s and 1ms`},
 		{"long socketDir", head + "socketDir: /" + strings.Repeat("d", 100) + "\n", "longer than a Unix socket address allows"},
 		{"resource no slash", head + "resourceName: hostkv\n", "is not of the form domain/name"},
 		{"resource empty", head + "resourceName: \"\"\n", "resourceName: Required value"},

@@ -6,12 +6,16 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"time"
 
 	utilerrors "k8s.io/apimachinery/pkg/util/errors"
 	"k8s.io/apimachinery/pkg/util/validation/field"
 
 	"github.com/kvpool/kvpool/pkg/contract"
 )
+
+// MaxPollAfterReply is the longest PollAfterReply (wire.SpinLimit).
+const MaxPollAfterReply = time.Millisecond
 
 // maxSunPath is the longest Unix socket path Linux accepts (sun_path is 108
 // bytes including the terminating NUL).
@@ -73,6 +77,9 @@ func (c *Config) ValidateFields() field.ErrorList {
 		if msg := checkDirs(c.SocketDir, c.StateDir); msg != "" {
 			errs = append(errs, field.Invalid(p("stateDir"), c.StateDir, msg))
 		}
+	}
+	if d := c.PollAfterReply.Duration; d < 0 || d > MaxPollAfterReply {
+		errs = append(errs, field.Invalid(p("pollAfterReply"), c.PollAfterReply.String(), fmt.Sprintf("must be between 0s and %v", MaxPollAfterReply)))
 	}
 	if k := c.KeeperSocket; k != "" && (!filepath.IsAbs(k) || len(k) > maxSunPath) {
 		errs = append(errs, field.Invalid(p("keeperSocket"), k, fmt.Sprintf("must be an absolute path of at most %d bytes", maxSunPath)))

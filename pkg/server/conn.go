@@ -109,6 +109,7 @@ const helloBuffer = 4096
 func (s *Server) newConn(uc *net.UnixConn, peer Peer) *conn {
 	c := &conn{s: s, wc: wire.NewConn(uc), id: connIDs.Add(1), in: make([]byte, helloBuffer), peer: peer, since: time.Now()}
 	c.log = s.log.With("conn", c.id, "pid", peer.PID)
+	_ = c.wc.SetSpin(s.o.PollAfterReply) // New checked the bound
 	return c
 }
 

@@ -174,6 +174,10 @@ type Options struct {
 	// SweepInterval is how often sessions of revoked allocations are
 	// dropped; default 1s.
 	SweepInterval time.Duration
+	// PollAfterReply is how long each connection polls for the next
+	// request after a reply before its thread sleeps
+	// (wire.Conn.SetSpin); 0: never.
+	PollAfterReply time.Duration
 	// Journal, when set, records every session change before its answer
 	// is sent (pkg/books), so that sessions survive an agent restart.
 	Journal Journal
@@ -271,6 +275,9 @@ func New(o Options) (*Server, error) {
 	}
 	if o.MaxConns > 0 {
 		o.Limits.MaxConns = o.MaxConns
+	}
+	if o.PollAfterReply < 0 || o.PollAfterReply > wire.SpinLimit {
+		return nil, fmt.Errorf("server: PollAfterReply %v outside [0, %v]", o.PollAfterReply, wire.SpinLimit)
 	}
 	if o.SweepInterval <= 0 {
 		o.SweepInterval = time.Second

@@ -523,3 +523,29 @@ func (r *raw) usageNoSession(t *testing.T) {
 		t.Fatalf("usage without a session: %s", st)
 	}
 }
+
+// TestPollAfterReply: a server whose connections poll for the next request
+// serves as one that does not, and New refuses a window outside
+// [0, wire.SpinLimit].
+func TestPollAfterReply(t *testing.T) {
+	for _, bad := range []time.Duration{-time.Nanosecond, wire.SpinLimit + 1} {
+		_, err := server.New(server.Options{Pool: pool.New(), Chunks: func(string) (*hostmem.Chunk, bool) { return nil, false },
+			Authorize: server.StaticTokens(nil), PollAfterReply: bad})
+		if err == nil || !strings.Contains(err.Error(), "PollAfterReply") {
+			t.Fatalf("New with PollAfterReply %v: %v", bad, err)
+		}
+	}
+	a := startServerWith(t, func(o *server.Options) { o.PollAfterReply = wire.SpinLimit })
+	r := dial(t, a)
+	r.open(0, "instance-1")
+	for i := range 3 {
+		// The second request comes after the window, the others at once.
+		if i == 1 {
+			time.Sleep(5 * wire.SpinLimit)
+		}
+		var u wire.UsageReply
+		if st, msg := r.do(wire.OpUsage, 0, nil, &u); st != 0 || u.Capacity == 0 {
+			t.Fatalf("usage %d: %v %q %+v", i, st, msg, &u)
+		}
+	}
+}
