@@ -86,11 +86,12 @@ const SpinLimit = time.Millisecond
 // Conn uses the poller alone. Deadlines set on UnixConn() hold for Send
 // and Recv, up to the kernel wait (or the spin) late.
 //
-// A client may also spin (SetSpin): poll for the reply for a few tens of
-// µs before it sleeps at all. Where the agent runs on another CPU, that
+// A Conn may also spin (SetSpin): poll for the next packet for a few tens
+// of µs before it sleeps at all. Where the peer runs on another CPU, that
 // saves the wake-up of a sleeping thread on an idle CPU, which on a VM
 // costs tens of µs (docs/benchmarks.md); between polls the thread yields,
-// so an agent on the same CPU runs at once.
+// so a peer on the same CPU runs at once. Clients spin by default; the
+// agent only when configured to (pollAfterReply).
 type Conn struct {
 	uc  *net.UnixConn
 	rc  syscall.RawConn
@@ -194,8 +195,9 @@ func (c *Conn) Close() error {
 // SetSpin makes Recv poll for a packet for up to d (at most SpinLimit)
 // before it waits in the kernel or on the poller; 0 turns it off (the
 // default). Spinning costs the caller's CPU for up to d per Recv and saves
-// the wake-up when the packet comes within d: for a client, whose thread
-// has nothing else to do until the reply, not for a server.
+// the wake-up when the packet comes within d: worth it for a client, whose
+// thread has nothing else to do until the reply, and for a server only
+// where CPU is cheaper than latency.
 func (c *Conn) SetSpin(d time.Duration) error {
 	if d < 0 || d > SpinLimit {
 		return fmt.Errorf("wire: spin %v outside [0, %v]", d, SpinLimit)
