@@ -8,9 +8,16 @@ const MaxRegisterBytes = 64 << 30
 // MergeRuns returns copies with each copy that continues the previous one on
 // both sides folded into it, so that scattered pages that happen to be
 // adjacent move as one large transfer. It never reorders: the order is the
-// caller's. The input is not modified.
+// caller's. The input is not modified; when no two copies merge (a batch
+// the client merged already) it is what MergeRuns returns, so that the
+// driver binding allocates nothing for it.
 func MergeRuns(copies []Copy) []Copy {
-	return appendMerged(make([]Copy, 0, len(copies)), copies)
+	for i := 1; i < len(copies); i++ {
+		if p, c := copies[i-1], copies[i]; p.Dst+uintptr(p.Bytes) == c.Dst && p.Src+uintptr(p.Bytes) == c.Src {
+			return appendMerged(make([]Copy, 0, len(copies)), copies)
+		}
+	}
+	return copies
 }
 
 // MergeRunsInPlace is MergeRuns writing into copies itself: it returns the

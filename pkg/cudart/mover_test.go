@@ -177,6 +177,12 @@ func TestMergeRuns(t *testing.T) {
 			if !equalCopies(in, c.in) {
 				t.Errorf("MergeRuns modified its input")
 			}
+			// Nothing to merge: the input itself, no allocation.
+			if len(got) == len(c.in) {
+				if n := testing.AllocsPerRun(10, func() { MergeRuns(c.in) }); n != 0 {
+					t.Errorf("MergeRuns of copies that do not merge allocated %v times", n)
+				}
+			}
 			// In place: the same result, in the input's own array.
 			if got := MergeRunsInPlace(in); !equalCopies(got, c.want) || (len(got) > 0 && &got[0] != &in[0]) {
 				t.Errorf("MergeRunsInPlace(%v) = %v, want %v in the input's array", c.in, got, c.want)
