@@ -7,8 +7,8 @@ import (
 	"os"
 
 	"github.com/kvpool/kvpool/internal/bytesize"
-	"github.com/kvpool/kvpool/pkg/keeper"
-	"github.com/kvpool/kvpool/pkg/logging"
+	"github.com/kvpool/kvpool/internal/keeper"
+	"github.com/kvpool/kvpool/internal/logging"
 )
 
 // DefaultKeeperSocket is where `agent keeper` listens by default.

@@ -17,11 +17,11 @@ import (
 
 	"github.com/kvpool/kvpool/internal/agent"
 	"github.com/kvpool/kvpool/internal/bytesize"
-	"github.com/kvpool/kvpool/pkg/config"
-	"github.com/kvpool/kvpool/pkg/gpu"
-	"github.com/kvpool/kvpool/pkg/node"
-	"github.com/kvpool/kvpool/pkg/node/kubenode"
-	"github.com/kvpool/kvpool/pkg/sizing"
+	"github.com/kvpool/kvpool/internal/config"
+	"github.com/kvpool/kvpool/internal/gpu"
+	"github.com/kvpool/kvpool/internal/node"
+	"github.com/kvpool/kvpool/internal/node/kubenode"
+	"github.com/kvpool/kvpool/internal/sizing"
 )
 
 // runPlan is `agent plan`: discover the node and its GPUs, apply the sizing

@@ -19,10 +19,10 @@ import (
 	"k8s.io/client-go/rest"
 )
 
-// The fake /proc and /sys trees of pkg/node.
+// The fake /proc and /sys trees of internal/node.
 const (
-	twoNUMA = "../../pkg/node/testdata/v2-two-numa"
-	hybrid  = "../../pkg/node/testdata/v1-hybrid"
+	twoNUMA = "../../internal/node/testdata/v2-two-numa"
+	hybrid  = "../../internal/node/testdata/v1-hybrid"
 )
 
 func noNVML() nvml.Interface {

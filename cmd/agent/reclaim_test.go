@@ -19,11 +19,11 @@ import (
 	"google.golang.org/protobuf/proto"
 	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 
+	"github.com/kvpool/kvpool/internal/sizing"
 	"github.com/kvpool/kvpool/pkg/client"
 	"github.com/kvpool/kvpool/pkg/contract"
 	"github.com/kvpool/kvpool/pkg/cudart"
 	"github.com/kvpool/kvpool/pkg/plugin/kubelettest"
-	"github.com/kvpool/kvpool/pkg/sizing"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
 

@@ -11,9 +11,9 @@ import (
 	"path/filepath"
 
 	"github.com/kvpool/kvpool/internal/agent"
-	"github.com/kvpool/kvpool/pkg/config"
+	"github.com/kvpool/kvpool/internal/config"
+	"github.com/kvpool/kvpool/internal/logging"
 	"github.com/kvpool/kvpool/pkg/contract"
-	"github.com/kvpool/kvpool/pkg/logging"
 )
 
 // serveFlags are the flags of `agent [serve]` that are not configuration

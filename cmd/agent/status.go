@@ -13,7 +13,7 @@ import (
 	"time"
 
 	"github.com/kvpool/kvpool/internal/bytesize"
-	"github.com/kvpool/kvpool/pkg/status"
+	"github.com/kvpool/kvpool/internal/report"
 )
 
 // defaultStatusAddr is where `agent status` looks for the agent: its health
@@ -84,10 +84,10 @@ func statusCmd(ctx context.Context, args []string, out io.Writer) error {
 
 // decodeReport parses a /status body. Unknown fields are ignored, so a newer
 // agent's report still prints.
-func decodeReport(body []byte) (status.Report, error) {
-	var rep status.Report
+func decodeReport(body []byte) (report.Report, error) {
+	var rep report.Report
 	if err := json.Unmarshal(body, &rep); err != nil {
-		return status.Report{}, err
+		return report.Report{}, err
 	}
 	return rep, nil
 }
@@ -107,7 +107,7 @@ func dash(s string) string {
 }
 
 // printStatus writes the report as tables.
-func printStatus(out io.Writer, r status.Report) error {
+func printStatus(out io.Writer, r report.Report) error {
 	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
 	ready := "yes"
 	if !r.Ready {
@@ -125,7 +125,7 @@ func printStatus(out io.Writer, r status.Report) error {
 	fmt.Fprintln(tw)
 
 	fmt.Fprintln(tw, "GPU\tNUMA\tTARGET\tREADY\tALLOCATED\tUSED\tCHUNKS FREE/GRANTED/DIRTY\tSESSIONS\tSTREAMS\tPAGES USED/PENDING/TOTAL")
-	row := func(name, numa string, g status.GPU) {
+	row := func(name, numa string, g report.GPU) {
 		target := "-"
 		if g.TargetBytes > 0 {
 			target = bytesize.Exact(g.TargetBytes)

@@ -19,9 +19,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvpool/kvpool/internal/report"
 	"github.com/kvpool/kvpool/pkg/observe"
 	"github.com/kvpool/kvpool/pkg/pool"
-	"github.com/kvpool/kvpool/pkg/status"
 )
 
 // TestMain lets the test binary stand in for the agent binary: run with
@@ -62,8 +62,8 @@ func TestStatusTableAndJSON(t *testing.T) {
 	}
 	// The agent's /status (internal/agent observability.go), fed as the
 	// agent feeds it.
-	ring := status.NewRing(64)
-	rep := &status.Reporter{Pool: p, Errors: ring, Node: "node-a", Mode: "standalone", Started: time.Now(),
+	ring := report.NewRing(64)
+	rep := &report.Reporter{Pool: p, Errors: ring, Node: "node-a", Mode: "standalone", Started: time.Now(),
 		Targets:   func() map[int]int64 { return map[int]int64{0: 256 << 20, 1: 64 << 20} },
 		Readiness: func() (bool, string) { return true, "" }}
 	_, err = s.Reload("nope", "kv", []int32{3}, nil)
@@ -118,7 +118,7 @@ func TestStatusTableAndJSON(t *testing.T) {
 	if err := statusCmd(ctx, []string{"--addr", "http://" + addr + "/", "--json"}, &out); err != nil {
 		t.Fatal(err)
 	}
-	var got status.Report
+	var got report.Report
 	if err := json.Unmarshal(out.Bytes(), &got); err != nil {
 		t.Fatalf("--json output is not a report: %v\n%s", err, out.String())
 	}

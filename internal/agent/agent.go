@@ -26,13 +26,13 @@ import (
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
 
 	"github.com/kvpool/kvpool/internal/bytesize"
-	"github.com/kvpool/kvpool/pkg/config"
-	"github.com/kvpool/kvpool/pkg/events"
-	"github.com/kvpool/kvpool/pkg/hostmem"
-	"github.com/kvpool/kvpool/pkg/node"
+	"github.com/kvpool/kvpool/internal/config"
+	"github.com/kvpool/kvpool/internal/events"
+	"github.com/kvpool/kvpool/internal/hostmem"
+	"github.com/kvpool/kvpool/internal/node"
+	"github.com/kvpool/kvpool/internal/server"
+	"github.com/kvpool/kvpool/internal/sizing"
 	"github.com/kvpool/kvpool/pkg/pool"
-	"github.com/kvpool/kvpool/pkg/server"
-	"github.com/kvpool/kvpool/pkg/sizing"
 )
 
 // Options configure an agent. Config is required; the rest are what the

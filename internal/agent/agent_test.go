@@ -13,11 +13,11 @@ import (
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
 	nvmlmock "github.com/NVIDIA/go-nvml/pkg/nvml/mock"
 
-	"github.com/kvpool/kvpool/pkg/config"
-	"github.com/kvpool/kvpool/pkg/gpu"
-	"github.com/kvpool/kvpool/pkg/node"
-	"github.com/kvpool/kvpool/pkg/server"
-	"github.com/kvpool/kvpool/pkg/sizing"
+	"github.com/kvpool/kvpool/internal/config"
+	"github.com/kvpool/kvpool/internal/gpu"
+	"github.com/kvpool/kvpool/internal/node"
+	"github.com/kvpool/kvpool/internal/server"
+	"github.com/kvpool/kvpool/internal/sizing"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
 

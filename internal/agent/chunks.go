@@ -11,14 +11,14 @@ import (
 	"time"
 
 	"github.com/kvpool/kvpool/internal/bytesize"
-	"github.com/kvpool/kvpool/pkg/config"
-	"github.com/kvpool/kvpool/pkg/gpu"
-	"github.com/kvpool/kvpool/pkg/hostmem"
-	"github.com/kvpool/kvpool/pkg/node"
+	"github.com/kvpool/kvpool/internal/config"
+	"github.com/kvpool/kvpool/internal/gpu"
+	"github.com/kvpool/kvpool/internal/hostmem"
+	"github.com/kvpool/kvpool/internal/node"
+	"github.com/kvpool/kvpool/internal/sizing"
 	"github.com/kvpool/kvpool/pkg/observe"
 	"github.com/kvpool/kvpool/pkg/plugin"
 	"github.com/kvpool/kvpool/pkg/pool"
-	"github.com/kvpool/kvpool/pkg/sizing"
 )
 
 // SimulatedGPUMemory is the device memory of a simulated GPU (an H100's).

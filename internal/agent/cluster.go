@@ -5,7 +5,7 @@ import (
 	"log/slog"
 	"time"
 
-	"github.com/kvpool/kvpool/pkg/events"
+	"github.com/kvpool/kvpool/internal/events"
 	"github.com/kvpool/kvpool/pkg/observe"
 	"github.com/kvpool/kvpool/pkg/plugin"
 	"github.com/kvpool/kvpool/pkg/pool"

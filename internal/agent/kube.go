@@ -19,10 +19,10 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/kvpool/kvpool/api/v1alpha1"
-	"github.com/kvpool/kvpool/pkg/events"
-	"github.com/kvpool/kvpool/pkg/node/kubenode"
-	"github.com/kvpool/kvpool/pkg/nodestatus"
-	"github.com/kvpool/kvpool/pkg/status"
+	"github.com/kvpool/kvpool/internal/events"
+	"github.com/kvpool/kvpool/internal/node/kubenode"
+	"github.com/kvpool/kvpool/internal/nodestatus"
+	"github.com/kvpool/kvpool/internal/report"
 )
 
 // statusInterval is how often the KVPoolNode status is rebuilt (the writer
@@ -141,7 +141,7 @@ func (k *kubeParts) startStatus(ctx context.Context, a *agent, wg *sync.WaitGrou
 			r := a.obs.Health.Ready(rctx)
 			cancel()
 			return nodestatus.Build(k.node, nodestatus.Input{
-				Snapshot:     status.Take(a.pool, a.obs.Report.Targets(), time.Now()),
+				Snapshot:     report.Take(a.pool, a.obs.Report.Targets(), time.Now()),
 				Ready:        r.OK(),
 				Reason:       r.Reason(),
 				ResourceName: a.cfg.ResourceName,

@@ -11,12 +11,12 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/kvpool/kvpool/pkg/health"
-	"github.com/kvpool/kvpool/pkg/metrics"
+	"github.com/kvpool/kvpool/internal/health"
+	"github.com/kvpool/kvpool/internal/metrics"
+	"github.com/kvpool/kvpool/internal/report"
+	"github.com/kvpool/kvpool/internal/server"
 	"github.com/kvpool/kvpool/pkg/observe"
 	"github.com/kvpool/kvpool/pkg/pool"
-	"github.com/kvpool/kvpool/pkg/server"
-	"github.com/kvpool/kvpool/pkg/status"
 )
 
 // observability is the agent's metrics, health checks, status report and
@@ -25,8 +25,8 @@ import (
 type observability struct {
 	Metrics *metrics.Metrics
 	Health  *health.Health
-	Errors  *status.Ring
-	Report  *status.Reporter
+	Errors  *report.Ring
+	Report  *report.Reporter
 	// Observer is what the socket server reports each operation to.
 	Observer observe.Observer
 
@@ -50,7 +50,7 @@ func newObservability(p *pool.Pool, o obsOptions) *observability {
 	obs := &observability{
 		Metrics: metrics.New(p, metrics.Options{Targets: o.Targets}),
 		Health:  health.New(health.Options{}),
-		Errors:  status.NewRing(64),
+		Errors:  report.NewRing(64),
 	}
 	obs.Observer = observe.Multi(obs.Metrics, obs.Errors)
 	obs.limitRejects = prometheus.NewCounterVec(prometheus.CounterOpts{
@@ -62,7 +62,7 @@ func newObservability(p *pool.Pool, o obsOptions) *observability {
 	}
 	obs.Metrics.Registry().MustRegister(obs.limitRejects)
 	obs.Health.AddReadiness("chunks", health.ChunksReady(p))
-	obs.Report = &status.Reporter{
+	obs.Report = &report.Reporter{
 		Pool: p, Errors: obs.Errors, Targets: o.Targets,
 		Node: o.Node, Mode: o.Mode, Version: o.Version, Started: time.Now(),
 		Readiness: func() (bool, string) {

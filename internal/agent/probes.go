@@ -9,9 +9,9 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/kvpool/kvpool/pkg/health"
+	"github.com/kvpool/kvpool/internal/health"
+	"github.com/kvpool/kvpool/internal/server"
 	"github.com/kvpool/kvpool/pkg/observe"
-	"github.com/kvpool/kvpool/pkg/server"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
 

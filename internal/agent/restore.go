@@ -11,12 +11,12 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/kvpool/kvpool/pkg/books"
-	"github.com/kvpool/kvpool/pkg/hostmem"
-	"github.com/kvpool/kvpool/pkg/keeper"
+	"github.com/kvpool/kvpool/internal/books"
+	"github.com/kvpool/kvpool/internal/hostmem"
+	"github.com/kvpool/kvpool/internal/keeper"
+	"github.com/kvpool/kvpool/internal/report"
+	"github.com/kvpool/kvpool/internal/server"
 	"github.com/kvpool/kvpool/pkg/pool"
-	"github.com/kvpool/kvpool/pkg/server"
-	"github.com/kvpool/kvpool/pkg/status"
 )
 
 // keeperWait bounds how long the agent waits for the keeper at start (the
@@ -281,11 +281,11 @@ func (a *agent) heartbeat(ctx context.Context) {
 }
 
 // restartStatus is the restart section of the status report.
-func (a *agent) restartStatus() *status.Restart {
+func (a *agent) restartStatus() *report.Restart {
 	r := a.restart
 	if r == nil {
 		return nil
 	}
-	return &status.Restart{Keeper: a.cfg.KeeperSocket, AdoptedChunks: len(r.adopted), FreshChunks: int(r.fresh.Load()),
+	return &report.Restart{Keeper: a.cfg.KeeperSocket, AdoptedChunks: len(r.adopted), FreshChunks: int(r.fresh.Load()),
 		Sessions: len(r.sessions), Streams: r.streams, LastGapSeconds: r.gap.Seconds()}
 }

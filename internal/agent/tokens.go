@@ -7,9 +7,9 @@ import (
 	"strings"
 	"time"
 
+	"github.com/kvpool/kvpool/internal/server"
 	"github.com/kvpool/kvpool/pkg/contract"
 	"github.com/kvpool/kvpool/pkg/pool"
-	"github.com/kvpool/kvpool/pkg/server"
 )
 
 // prepareTokens decides the standalone allocations: each token gets every

@@ -7,8 +7,8 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/kvpool/kvpool/internal/hostmem"
 	"github.com/kvpool/kvpool/pkg/cudart"
-	"github.com/kvpool/kvpool/pkg/hostmem"
 )
 
 // Run side by side:

@@ -19,11 +19,11 @@ import (
 
 	"google.golang.org/protobuf/proto"
 
+	"github.com/kvpool/kvpool/internal/server"
 	"github.com/kvpool/kvpool/pkg/client"
 	"github.com/kvpool/kvpool/pkg/contract"
 	"github.com/kvpool/kvpool/pkg/cudart"
 	"github.com/kvpool/kvpool/pkg/pool"
-	"github.com/kvpool/kvpool/pkg/server"
 	"github.com/kvpool/kvpool/pkg/standalone"
 	"github.com/kvpool/kvpool/pkg/wire"
 )

@@ -10,9 +10,9 @@ import (
 
 	"google.golang.org/protobuf/proto"
 
+	"github.com/kvpool/kvpool/internal/hostmem"
 	"github.com/kvpool/kvpool/pkg/client"
 	"github.com/kvpool/kvpool/pkg/cudart"
-	"github.com/kvpool/kvpool/pkg/hostmem"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
 

@@ -13,10 +13,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvpool/kvpool/internal/server"
 	"github.com/kvpool/kvpool/pkg/client"
 	"github.com/kvpool/kvpool/pkg/cudart"
 	"github.com/kvpool/kvpool/pkg/pool"
-	"github.com/kvpool/kvpool/pkg/server"
 	"github.com/kvpool/kvpool/pkg/standalone"
 	"github.com/kvpool/kvpool/pkg/wire"
 )

@@ -4,7 +4,7 @@ import (
 	"errors"
 	"testing"
 
-	"github.com/kvpool/kvpool/pkg/server"
+	"github.com/kvpool/kvpool/internal/server"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
 

@@ -134,7 +134,7 @@ func FormatUUID(b [16]byte) string {
 }
 
 // SimulatedUUID is the UUID of simulated GPU index, "GPU-sim-%08d". The
-// simulator's devices and pkg/gpu's simulated GPUs (the agent's plan in
+// simulator's devices and internal/gpu's simulated GPUs (the agent's plan in
 // standalone mode or with --simulate-gpus) both use it, so a client on
 // simulated device i names the agent's simulated GPU i.
 func SimulatedUUID(index int) string { return fmt.Sprintf("GPU-sim-%08d", index) }

@@ -20,7 +20,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvpool/kvpool/pkg/hostmem"
+	"github.com/kvpool/kvpool/internal/hostmem"
 )
 
 func gpuDevice(t testing.TB, noBatch bool) (Device, Choice) {

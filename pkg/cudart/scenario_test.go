@@ -8,14 +8,14 @@ import (
 	"syscall"
 	"testing"
 
-	"github.com/kvpool/kvpool/pkg/hostmem"
+	"github.com/kvpool/kvpool/internal/hostmem"
 )
 
 // The scenarios in this file run against any Device: the simulator here,
 // the real driver in gpu_test.go.
 
 // pinned is registered host memory as a client holds it: a memfd chunk
-// (pkg/hostmem, as the agent allocates it) mapped a second time, shared,
+// (internal/hostmem, as the agent allocates it) mapped a second time, shared,
 // as the client maps the fd it receives, and registered.
 type pinned struct {
 	b []byte

@@ -3,12 +3,12 @@ package cudart_test
 import (
 	"testing"
 
+	"github.com/kvpool/kvpool/internal/gpu"
 	"github.com/kvpool/kvpool/pkg/cudart"
-	"github.com/kvpool/kvpool/pkg/gpu"
 )
 
 // TestSimulatedUUIDsAgree: the simulator's device i and the agent's
-// simulated GPU i (pkg/gpu) carry the same UUID, and SimOptions.UUIDs names
+// simulated GPU i (internal/gpu) carry the same UUID, and SimOptions.UUIDs names
 // devices as a container sees some of the host's GPUs.
 func TestSimulatedUUIDsAgree(t *testing.T) {
 	sim := cudart.NewSim(cudart.SimOptions{Devices: 3, MemoryBytes: 1 << 20})
@@ -20,7 +20,7 @@ func TestSimulatedUUIDsAgree(t *testing.T) {
 			t.Fatal(err)
 		}
 		if dev.UUID() != plan[i].UUID || dev.UUID() != cudart.SimulatedUUID(i) {
-			t.Fatalf("device %d: simulator %q, pkg/gpu %q", i, dev.UUID(), plan[i].UUID)
+			t.Fatalf("device %d: simulator %q, internal/gpu %q", i, dev.UUID(), plan[i].UUID)
 		}
 		if seen[dev.UUID()] {
 			t.Fatalf("UUID %s repeats", dev.UUID())

@@ -16,7 +16,7 @@ import (
 	"google.golang.org/grpc/status"
 	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 
-	"github.com/kvpool/kvpool/pkg/config"
+	"github.com/kvpool/kvpool/internal/config"
 	"github.com/kvpool/kvpool/pkg/contract"
 	"github.com/kvpool/kvpool/pkg/plugin/kubelettest"
 	"github.com/kvpool/kvpool/pkg/pool"

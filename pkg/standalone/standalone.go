@@ -14,10 +14,10 @@ import (
 	"sync"
 
 	"github.com/kvpool/kvpool/internal/agent"
-	"github.com/kvpool/kvpool/pkg/config"
+	"github.com/kvpool/kvpool/internal/config"
+	"github.com/kvpool/kvpool/internal/server"
 	"github.com/kvpool/kvpool/pkg/contract"
 	"github.com/kvpool/kvpool/pkg/pool"
-	"github.com/kvpool/kvpool/pkg/server"
 )
 
 // Config of a standalone agent. Zero fields take the defaults.

@@ -398,7 +398,7 @@ func TestTenantBoundary(t *testing.T) {
 }
 
 // maxRefusing is the server's bound on connections being refused at once
-// (pkg/server maxRefusers): each holds an fd for at most a second.
+// (internal/server maxRefusers): each holds an fd for at most a second.
 const maxRefusing = 32
 
 // Row 15: the metrics or health address already taken at start ends the

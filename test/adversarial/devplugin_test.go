@@ -12,9 +12,9 @@ import (
 	"golang.org/x/sys/unix"
 	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 
+	"github.com/kvpool/kvpool/internal/sizing"
 	"github.com/kvpool/kvpool/pkg/contract"
 	"github.com/kvpool/kvpool/pkg/plugin/kubelettest"
-	"github.com/kvpool/kvpool/pkg/sizing"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
 

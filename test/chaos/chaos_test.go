@@ -31,7 +31,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvpool/kvpool/pkg/keeper"
+	"github.com/kvpool/kvpool/internal/keeper"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
 

@@ -3,7 +3,7 @@ package chart_test
 import (
 	"testing"
 
-	"github.com/kvpool/kvpool/pkg/config"
+	"github.com/kvpool/kvpool/internal/config"
 )
 
 // renderedConfig is what the chart tests compare in the agent config.
@@ -15,7 +15,7 @@ type renderedConfig struct {
 }
 
 // loadAgentConfig parses a config file with the agent's own loader
-// (pkg/config: strict keys, apiVersion and kind, validation) and returns the
+// (internal/config: strict keys, apiVersion and kind, validation) and returns the
 // fields the chart sets.
 func loadAgentConfig(t *testing.T, data []byte) renderedConfig {
 	t.Helper()

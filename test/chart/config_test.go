@@ -10,7 +10,7 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 	"sigs.k8s.io/yaml"
 
-	"github.com/kvpool/kvpool/pkg/config"
+	"github.com/kvpool/kvpool/internal/config"
 	"github.com/kvpool/kvpool/pkg/contract"
 )
 

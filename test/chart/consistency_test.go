@@ -6,7 +6,7 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 
-	"github.com/kvpool/kvpool/pkg/config"
+	"github.com/kvpool/kvpool/internal/config"
 )
 
 // TestChartAgreesWithLoader: whatever the chart accepts, the agent's loader

@@ -78,7 +78,7 @@ func TestChartCRD(t *testing.T) {
 }
 
 // TestChartDashboard: the chart's dashboard is the repository's one copy
-// (pkg/metrics checks its queries against the metrics the agent exports),
+// (internal/metrics checks its queries against the metrics the agent exports),
 // and it is a Grafana dashboard: valid JSON with its uid and panels.
 func TestChartDashboard(t *testing.T) {
 	const chartCopy, old = "charts/kvpool/dashboards/kvpool-dashboard.json", "config/grafana/kvpool-dashboard.json"

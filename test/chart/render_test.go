@@ -1,7 +1,7 @@
 // Package chart_test renders charts/kvpool with the Helm v4 SDK and checks
 // the result against the Kubernetes API types. It deliberately imports no
 // agent code that links go-nvml (see docs/install.md and the notes on
-// external linking), only the chart, the examples and pkg/config.
+// external linking), only the chart, the examples and internal/config.
 package chart_test
 
 import (

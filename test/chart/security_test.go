@@ -7,7 +7,7 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 
-	"github.com/kvpool/kvpool/pkg/config"
+	"github.com/kvpool/kvpool/internal/config"
 )
 
 // checkTenantBoundary checks the chart's part of docs/security.md: the

@@ -1,0 +1,356 @@
+// Package books keeps the pool's state in a memfd journal that outlives the
+// agent process: the keeper (internal/keeper) holds the memfd, the agent maps it
+// shared and appends a record for every change before it answers the
+// request that made it. Memory writes survive the death of the process that
+// made them, so a SIGKILL at any instruction leaves every record whose
+// commit word was stored; the next agent replays those and stops at the
+// first record without one.
+//
+// The file:
+//
+//	0     8  magic "KVPBOOKS"
+//	8     4  format version (little-endian)
+//	12    4  reserved, zero
+//	16    8  generation: each compaction writes a new memfd of the next
+//	24    8  capacity of the log in bytes
+//	32    8  last sign of life of the writer (Unix nanoseconds)
+//	4096 ... records, each 4-byte aligned:
+//	         u32 payload length, u32 CRC-32C of the payload, payload,
+//	         zero padding to 4 bytes, u32 commit word (written last)
+//
+// The first record is a snapshot of the whole state; the others are
+// changes (pool table events, chunk generations, session ops). When the
+// log is full the books compact: the current state is written as the
+// snapshot of a fresh memfd, the keeper is handed that memfd (replacing the
+// old one), and appending goes on there. A new agent always compacts at
+// start, so it never appends over a torn record.
+package books
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"hash/crc32"
+	"os"
+	"sync"
+	"sync/atomic"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/kvpool/kvpool/internal/server"
+	"github.com/kvpool/kvpool/pkg/pool"
+)
+
+// FormatVersion is the books layout this package reads and writes.
+const FormatVersion = 1
+
+const (
+	magic      = "KVPBOOKS"
+	headerSize = 4096
+	commitWord = 0xC0311EED
+	// defaultMinLog is the smallest log capacity of a books memfd. The memfd is
+	// sparse: only written pages take memory.
+	defaultMinLog = 16 << 20
+	// maxRecord bounds one record's payload.
+	maxRecord = 1 << 30
+)
+
+// ErrIncompatible reports books of another format version.
+var ErrIncompatible = errors.New("books written by an incompatible agent version")
+
+var castagnoli = crc32.MakeTable(crc32.Castagnoli)
+
+// Store keeps the books memfd across agent restarts (a keeper.Client).
+type Store interface {
+	PutBooks(gen uint64, f *os.File) error
+}
+
+// Info describes loaded books.
+type Info struct {
+	Gen       uint64
+	LastAlive time.Time // the last sign of life of the agent that wrote them
+}
+
+// Load replays the books in f and returns the state, the generation and
+// the last sign of life of their writer.
+// Records after the first one without its commit word are ignored (their
+// writer died before committing them). A file of another format version
+// is refused with ErrIncompatible.
+func Load(f *os.File) (*State, Info, error) {
+	var info Info
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		return nil, info, fmt.Errorf("books: fstat: %w", err)
+	}
+	if st.Size < headerSize {
+		return nil, info, fmt.Errorf("%w: %d bytes, shorter than the header", ErrCorrupt, st.Size)
+	}
+	mem, err := unix.Mmap(int(f.Fd()), 0, int(st.Size), unix.PROT_READ, unix.MAP_SHARED)
+	if err != nil {
+		return nil, info, fmt.Errorf("books: map: %w", err)
+	}
+	defer unix.Munmap(mem)
+	state, gen, err := replay(mem)
+	if err != nil {
+		return nil, info, err
+	}
+	info.Gen = gen
+	if ns := int64(binary.LittleEndian.Uint64(mem[32:])); ns > 0 {
+		info.LastAlive = time.Unix(0, ns)
+	}
+	return state, info, nil
+}
+
+// replay reads books from mem.
+func replay(mem []byte) (*State, uint64, error) {
+	if len(mem) < headerSize || string(mem[:8]) != magic {
+		return nil, 0, fmt.Errorf("%w: no books header", ErrCorrupt)
+	}
+	if v := binary.LittleEndian.Uint32(mem[8:]); v != FormatVersion {
+		return nil, 0, fmt.Errorf("%w: the books are format version %d, this agent reads version %d", ErrIncompatible, v, FormatVersion)
+	}
+	gen := binary.LittleEndian.Uint64(mem[16:])
+	capacity := binary.LittleEndian.Uint64(mem[24:])
+	end := uint64(len(mem))
+	if capacity < end-headerSize {
+		end = headerSize + capacity
+	}
+	var st *State
+	off := uint64(headerSize)
+	for off+8 <= end {
+		n := uint64(binary.LittleEndian.Uint32(mem[off:]))
+		if n == 0 {
+			break
+		}
+		pad := (n + 3) &^ 3
+		if n > maxRecord || off+8+pad+4 > end {
+			break // a torn length: the record was never committed
+		}
+		if atomic.LoadUint32((*uint32)(unsafe.Pointer(&mem[off+8+pad]))) != commitWord {
+			break
+		}
+		payload := mem[off+8 : off+8+n]
+		if crc32.Checksum(payload, castagnoli) != binary.LittleEndian.Uint32(mem[off+4:]) {
+			return nil, 0, fmt.Errorf("%w: checksum of the committed record at %d", ErrCorrupt, off)
+		}
+		var err error
+		if st, err = decodeRecord(st, payload); err != nil {
+			return nil, 0, fmt.Errorf("record at %d: %w", off, err)
+		}
+		off += 8 + pad + 4
+	}
+	if st == nil {
+		return nil, 0, fmt.Errorf("%w: no committed snapshot", ErrCorrupt)
+	}
+	return st, gen, nil
+}
+
+// Books appends to the books memfd. It implements pool.Journal and
+// server.Journal. Its methods are safe for concurrent use.
+type Books struct {
+	store Store
+	fatal func(error)
+
+	mu     sync.Mutex
+	st     *State
+	f      *os.File
+	mem    []byte
+	gen    uint64
+	off    uint64
+	end    uint64
+	buf    enc
+	broken error
+
+	compactions atomic.Int64
+	records     atomic.Int64
+}
+
+// Start writes st as the snapshot of a fresh books memfd of generation
+// gen+1, hands it to store and returns the books, which record every later
+// change. fatal is called (once) when a change can no longer be recorded:
+// the process must stop, since what it answers would not survive it.
+func Start(st *State, gen uint64, store Store, fatal func(error)) (*Books, error) {
+	if fatal == nil {
+		fatal = func(error) {}
+	}
+	b := &Books{store: store, fatal: fatal, st: st, gen: gen}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if err := b.compactLocked(0); err != nil {
+		return nil, err
+	}
+	return b, nil
+}
+
+// compactLocked writes the state into a fresh memfd with room for extra
+// more bytes of records, hands it to the store and switches to it.
+func (b *Books) compactLocked(extra int) error {
+	snap := appendSnapshot(b.buf[:0], b.st)
+	b.buf = snap[:0]
+	capacity := uint64(max(minLog, 4*(len(snap)+12), 2*(len(snap)+extra+24)))
+	capacity = (capacity + 4095) &^ 4095
+	fd, err := unix.MemfdCreate("kvpool-books", unix.MFD_CLOEXEC)
+	if err != nil {
+		return fmt.Errorf("books: memfd: %w", err)
+	}
+	f := os.NewFile(uintptr(fd), "kvpool-books")
+	if err := f.Truncate(int64(headerSize + capacity)); err != nil {
+		f.Close()
+		return fmt.Errorf("books: size %d: %w", headerSize+capacity, err)
+	}
+	mem, err := unix.Mmap(fd, 0, int(headerSize+capacity), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		f.Close()
+		return fmt.Errorf("books: map: %w", err)
+	}
+	copy(mem, magic)
+	binary.LittleEndian.PutUint32(mem[8:], FormatVersion)
+	binary.LittleEndian.PutUint64(mem[16:], b.gen+1)
+	binary.LittleEndian.PutUint64(mem[24:], capacity)
+	off := writeRecord(mem, headerSize, snap)
+	if err := b.store.PutBooks(b.gen+1, f); err != nil {
+		unix.Munmap(mem)
+		f.Close()
+		return fmt.Errorf("books: hand the books to the keeper: %w", err)
+	}
+	if b.mem != nil {
+		unix.Munmap(b.mem)
+		b.f.Close()
+	}
+	b.f, b.mem, b.gen, b.off, b.end = f, mem, b.gen+1, off, headerSize+capacity
+	b.touchLocked()
+	b.compactions.Add(1)
+	return nil
+}
+
+// writeRecord writes payload at off in mem, the commit word last, and
+// returns the offset after it. The caller checked that it fits.
+func writeRecord(mem []byte, off uint64, payload []byte) uint64 {
+	n := uint64(len(payload))
+	pad := (n + 3) &^ 3
+	copy(mem[off+8:], payload)
+	clear(mem[off+8+n : off+8+pad])
+	binary.LittleEndian.PutUint32(mem[off:], uint32(n))
+	binary.LittleEndian.PutUint32(mem[off+4:], crc32.Checksum(payload, castagnoli))
+	atomic.StoreUint32((*uint32)(unsafe.Pointer(&mem[off+8+pad])), commitWord)
+	return off + 8 + pad + 4
+}
+
+// appendLocked writes the record in b.buf, compacting first when it does
+// not fit.
+func (b *Books) appendLocked() error {
+	if b.broken != nil {
+		return b.broken
+	}
+	rec := b.buf
+	if len(rec) > maxRecord {
+		return fmt.Errorf("books: a record of %d bytes", len(rec))
+	}
+	need := 8 + (uint64(len(rec))+3)&^3 + 4 + 8 // and a zero length after it
+	if b.off+need > b.end {
+		saved := append([]byte(nil), rec...)
+		if err := b.compactLocked(len(saved)); err != nil {
+			b.broken = err
+			b.fatal(err)
+			return err
+		}
+		rec = saved
+	}
+	b.off = writeRecord(b.mem, b.off, rec)
+	b.records.Add(1)
+	b.touchLocked()
+	return nil
+}
+
+func (b *Books) touchLocked() {
+	if b.mem != nil {
+		atomic.StoreInt64((*int64)(unsafe.Pointer(&b.mem[32])), time.Now().UnixNano())
+	}
+}
+
+// Touch records a sign of life, so that the next agent can tell how long
+// the pool went unserved. Call it periodically.
+func (b *Books) Touch() {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.touchLocked()
+}
+
+// Record implements pool.Journal.
+func (b *Books) Record(ev pool.Event) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.buf = appendEvent(b.buf[:0], ev)
+	if b.appendLocked() == nil {
+		b.st.applyEvent(ev)
+	}
+}
+
+// Session implements server.Journal.
+func (b *Books) Session(op server.SessionOp) error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.buf = appendSessionOp(b.buf[:0], &op)
+	if err := b.appendLocked(); err != nil {
+		return err
+	}
+	b.st.applySession(op)
+	return nil
+}
+
+// ChunkGen records that chunk id is now held by the memfd of generation
+// gen with the given seals (a fresh memfd replaced it).
+func (b *Books) ChunkGen(id string, gen uint64, seals int) error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.buf = appendChunkGen(b.buf[:0], id, gen, seals)
+	if err := b.appendLocked(); err != nil {
+		return err
+	}
+	b.st.SetGen(id, gen, seals)
+	return nil
+}
+
+// Stats describe the books.
+type Stats struct {
+	Gen         uint64
+	LogBytes    uint64 // used, header included
+	Capacity    uint64 // of the current memfd, header included
+	Records     int64  // appended by this process
+	Compactions int64
+	Skipped     int
+}
+
+// Stats returns the books' figures.
+func (b *Books) Stats() Stats {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return Stats{Gen: b.gen, LogBytes: b.off, Capacity: b.end, Records: b.records.Load(),
+		Compactions: b.compactions.Load(), Skipped: b.st.Skipped}
+}
+
+// Check compares the books with the pool's export (tests, chaos harness).
+func (b *Books) Check(img pool.Image) error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.st.Check(img)
+}
+
+// Close unmaps the books; the store keeps the memfd.
+func (b *Books) Close() {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.mem != nil {
+		unix.Munmap(b.mem)
+		b.f.Close()
+		b.mem, b.f = nil, nil
+	}
+	if b.broken == nil {
+		b.broken = errors.New("books: closed")
+	}
+}
+
+// minLog is the smallest log capacity (a variable for tests).
+var minLog = defaultMinLog

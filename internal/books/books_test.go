@@ -1,0 +1,370 @@
+package books
+
+import (
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"reflect"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/kvpool/kvpool/internal/server"
+	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/wire"
+)
+
+// memStore keeps the latest books memfd, as a keeper would.
+type memStore struct {
+	f    *os.File
+	gen  uint64
+	puts int
+	fail error
+}
+
+func (m *memStore) PutBooks(gen uint64, f *os.File) error {
+	if m.fail != nil {
+		return m.fail
+	}
+	nf, err := dupFile(f)
+	if err != nil {
+		return err
+	}
+	if m.f != nil {
+		m.f.Close()
+	}
+	m.f, m.gen = nf, gen
+	m.puts++
+	return nil
+}
+
+func dupFile(f *os.File) (*os.File, error) {
+	fd, err := unix.Dup(int(f.Fd()))
+	if err != nil {
+		return nil, err
+	}
+	return os.NewFile(uintptr(fd), "books"), nil
+}
+
+func must(t testing.TB, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// rig is a pool journaled into books, with sessions driven as the server
+// drives them: every change recorded with its answer.
+type rig struct {
+	t     testing.TB
+	p     *pool.Pool
+	b     *Books
+	store *memStore
+	ss    []*pool.Session
+	seq   uint32
+	rng   *rand.Rand
+}
+
+func newRig(t testing.TB, seed uint64) *rig {
+	r := &rig{t: t, p: pool.New(), store: &memStore{}, rng: rand.New(rand.NewPCG(seed, 1))}
+	b, err := Start(NewState(), 0, r.store, func(err error) { t.Errorf("fatal: %v", err) })
+	must(t, err)
+	r.b = b
+	r.p.SetJournal(b)
+	for i := range 6 {
+		must(t, r.p.AddChunk(pool.Chunk{ID: fmt.Sprintf("c%d", i), GPU: i % 2, Size: 1 << 16}))
+		must(t, b.ChunkGen(fmt.Sprintf("c%d", i), 1, 0))
+	}
+	must(t, r.p.Grant("a", []string{"c0", "c1", "c2", "c3"}))
+	must(t, r.p.Grant("b", []string{"c4", "c5"}))
+	r.open("a", 0, 100)
+	r.open("a", 1, 0)
+	r.open("b", 0, 0)
+	return r
+}
+
+func (r *rig) open(alloc string, gpu, maxPages int) {
+	ps, err := r.p.Open(alloc, pool.Spec{GPU: gpu, PageSize: 1024, DevicePages: 64, MaxPages: maxPages})
+	must(r.t, err)
+	info := &server.OpenInfo{Allocation: alloc, Instance: fmt.Sprintf("inst%d", ps.ID()),
+		Layout: server.Layout{PageSize: 1024, DevicePages: 64, Regions: 2},
+		Image:  pool.SessionImage{ID: ps.ID(), Allocation: alloc, Spec: ps.Spec(), PPC: ps.PagesPerChunk(), Capacity: ps.Capacity()}}
+	for _, c := range ps.Chunks() {
+		info.Image.Chunks = append(info.Image.Chunks, c.ID)
+	}
+	must(r.t, r.b.Session(server.SessionOp{Session: ps.ID(), Op: wire.OpOpen, Open: info}))
+	r.ss = append(r.ss, ps)
+}
+
+// step runs one random op on a random session and journals it.
+func (r *rig) step(i int) {
+	s := r.ss[r.rng.IntN(len(r.ss))]
+	rid, label := fmt.Sprintf("r%d", r.rng.IntN(30)), fmt.Sprintf("l%d", r.rng.IntN(3))
+	r.seq++
+	op := server.SessionOp{Session: s.ID(), Seq: r.seq, Rid: rid, Label: label, Reply: []byte{byte(i)}}
+	if r.rng.IntN(4) == 0 {
+		if t := s.Usage(); t.Pending > 0 {
+			op.Fence = uint64(r.rng.IntN(1 << 20))
+		}
+	}
+	if op.Fence != 0 {
+		if err := s.Fence(op.Fence); err != nil {
+			op.Fence = 0
+		}
+	}
+	switch r.rng.IntN(5) {
+	case 0, 1:
+		n := 1 + r.rng.IntN(8)
+		dev := make([]int32, n)
+		for j, d := range r.rng.Perm(64)[:n] {
+			dev[j] = int32(d)
+		}
+		m := pool.Meta{StoredLen: int64(i), Position: int64(n), Released: 1}
+		pages, err := s.Offload(rid, label, dev, m, nil)
+		if err == nil {
+			op.Op, op.Pages, op.Meta = wire.OpOffload, pages, m
+		}
+	case 2:
+		if n, err := s.NumPages(rid, label); err == nil && n > 0 {
+			dev := make([]int32, n)
+			for j := range dev {
+				dev[j] = int32(j)
+			}
+			rl, err := s.Reload(rid, label, dev, nil)
+			must(r.t, err)
+			op.Op, op.Pages, op.Ticket = wire.OpReload, rl.Pages, rl.Ticket
+		}
+	case 3:
+		if s.Discard(rid, label) == nil {
+			op.Op = wire.OpDiscard
+		}
+	case 4:
+		if n, _ := s.RemoveRequest(rid); n > 0 {
+			op.Op = wire.OpRemoveRequest
+		}
+	}
+	if op.Op == 0 && op.Fence == 0 {
+		return
+	}
+	if op.Op == 0 {
+		op.Reply = nil
+	}
+	must(r.t, r.b.Session(op))
+}
+
+func (r *rig) load() *State {
+	st, info, err := Load(r.store.f)
+	must(r.t, err)
+	if info.Gen != r.store.gen || time.Since(info.LastAlive) > time.Minute {
+		r.t.Fatalf("loaded generation %d (stored %d), last alive %v", info.Gen, r.store.gen, info.LastAlive)
+	}
+	return st
+}
+
+func TestBooksFollowThePool(t *testing.T) {
+	for seed := range uint64(4) {
+		r := newRig(t, seed)
+		for i := range 2000 {
+			r.step(i)
+			if i%500 == 499 {
+				// Table changes in between: a revoke closes sessions.
+				if i == 999 {
+					_, err := r.p.Revoke("b")
+					must(t, err)
+					must(t, r.p.Scrubbed("c4"))
+					r.ss = r.ss[:2]
+				}
+				must(t, r.b.Check(r.p.Export()))
+			}
+		}
+		st := r.load()
+		must(t, st.Check(r.p.Export()))
+		if st.Skipped != 0 {
+			t.Fatalf("replay skipped %d records", st.Skipped)
+		}
+		// The books rebuild the pool, and the server's side of each session.
+		q := pool.New()
+		ss, err := q.Restore(st.Image())
+		must(t, err)
+		if got, want := q.Export(), r.p.Export(); !reflect.DeepEqual(got, want) {
+			t.Fatalf("restored pool differs:\n%+v\n%+v", got, want)
+		}
+		rs := st.Restored(ss)
+		if len(rs) != 2 || rs[0].Instance != fmt.Sprintf("inst%d", ss[0].ID()) || rs[0].Layout.Regions != 2 {
+			t.Fatalf("restored sessions %+v", rs)
+		}
+		r.b.Close()
+	}
+}
+
+func TestTornRecordIsIgnored(t *testing.T) {
+	old := minLog
+	minLog = 64 << 10
+	defer func() { minLog = old }()
+	r := newRig(t, 42)
+	for i := range 200 {
+		r.step(i)
+	}
+	before := snapshotMem(t, r.store.f)
+	wantBefore, _, err := replay(before)
+	must(t, err)
+	// One more change that touches several pages.
+	ps := r.ss[0]
+	dev := []int32{60, 61, 62, 63}
+	pages, err := ps.Offload("torn", "x", dev, pool.Meta{StoredLen: 4}, nil)
+	must(t, err)
+	r.seq++
+	must(t, r.b.Session(server.SessionOp{Session: ps.ID(), Op: wire.OpOffload, Seq: r.seq, Rid: "torn", Label: "x", Pages: pages, Reply: []byte("reply")}))
+	after := snapshotMem(t, r.store.f)
+	wantAfter, _, err := replay(after)
+	must(t, err)
+	if wantAfter.Streams() != wantBefore.Streams()+1 {
+		t.Fatalf("streams %d then %d", wantBefore.Streams(), wantAfter.Streams())
+	}
+	lo, hi := -1, 0
+	for i := headerSize; i < len(before); i++ {
+		if before[i] != after[i] {
+			if lo < 0 {
+				lo = i
+			}
+			hi = i + 1
+		}
+	}
+	// A death at any point of the write: every prefix of the new bytes,
+	// and every subset that lacks the commit word.
+	for cut := lo; cut < hi; cut++ {
+		mem := append(append([]byte{}, after[:cut]...), before[cut:]...)
+		st, _, err := replay(mem)
+		must(t, err)
+		if st.Streams() != wantBefore.Streams() {
+			t.Fatalf("cut at %d: %d streams, want %d", cut, st.Streams(), wantBefore.Streams())
+		}
+	}
+	// Committed but corrupted: refused, not silently replayed.
+	bad := append([]byte{}, after...)
+	bad[lo+10] ^= 0xff
+	if _, _, err := replay(bad); !errors.Is(err, ErrCorrupt) {
+		t.Fatalf("corrupt record: %v", err)
+	}
+}
+
+func snapshotMem(t testing.TB, f *os.File) []byte {
+	fi, err := f.Stat()
+	must(t, err)
+	mem := make([]byte, fi.Size())
+	_, err = f.ReadAt(mem, 0)
+	must(t, err)
+	return mem
+}
+
+func TestCompaction(t *testing.T) {
+	old := minLog
+	minLog = 4 << 10
+	defer func() { minLog = old }()
+	r := newRig(t, 3)
+	for i := range 5000 {
+		r.step(i)
+	}
+	s := r.b.Stats()
+	if s.Compactions < 3 || r.store.puts != int(s.Compactions) || s.Gen != r.store.gen {
+		t.Fatalf("stats %+v, %d puts", s, r.store.puts)
+	}
+	must(t, r.load().Check(r.p.Export()))
+	// A store that fails stops the books: nothing more is acknowledged.
+	r.store.fail = errors.New("keeper gone")
+	var fatal error
+	r.b.fatal = func(err error) { fatal = err }
+	var err error
+	for i := 0; err == nil && i < 100000; i++ {
+		r.seq++
+		err = r.b.Session(server.SessionOp{Session: r.ss[0].ID(), Seq: r.seq, Fence: 1})
+	}
+	if err == nil || fatal == nil {
+		t.Fatalf("books kept acknowledging without a store: %v %v", err, fatal)
+	}
+	if r.b.Session(server.SessionOp{Session: 1, Fence: 1}) == nil {
+		t.Fatal("broken books acknowledged a change")
+	}
+}
+
+func TestLoadRefuses(t *testing.T) {
+	r := newRig(t, 1)
+	good := snapshotMem(t, r.store.f)
+	cases := map[string]func([]byte){
+		"other version": func(m []byte) { m[8] = 9 },
+		"no magic":      func(m []byte) { m[0] = 'X' },
+		"no snapshot":   func(m []byte) { clear(m[headerSize:]) },
+	}
+	for name, breakIt := range cases {
+		mem := append([]byte{}, good...)
+		breakIt(mem)
+		_, _, err := replay(mem)
+		if err == nil {
+			t.Fatalf("%s: accepted", name)
+		}
+		if name == "other version" && (!errors.Is(err, ErrIncompatible) || !strings.Contains(err.Error(), "format version 9")) {
+			t.Fatalf("%s: %v", name, err)
+		}
+	}
+	if _, _, err := replay(good[:100]); err == nil {
+		t.Fatal("short books accepted")
+	}
+}
+
+func FuzzDecodeRecord(f *testing.F) {
+	r := newRig(f, 5)
+	for i := range 50 {
+		r.step(i)
+	}
+	snap := appendSnapshot(nil, r.b.st)
+	f.Add([]byte(snap), false)
+	f.Add([]byte(appendEvent(nil, pool.Event{Kind: pool.EventGrant, Allocation: "x", Chunks: []string{"c0"}})), true)
+	f.Add([]byte(appendChunkGen(nil, "c0", 3, 1)), true)
+	f.Add([]byte(appendSessionOp(nil, &server.SessionOp{Session: 1, Op: wire.OpOffload, Rid: "r", Pages: []int32{1, 2}})), true)
+	f.Add([]byte(appendSessionOp(nil, &server.SessionOp{Session: 9, Op: wire.OpOpen, Open: &server.OpenInfo{Allocation: "a"}})), true)
+	f.Fuzz(func(t *testing.T, payload []byte, after bool) {
+		var st *State
+		if after {
+			st = NewState()
+		}
+		got, err := decodeRecord(st, payload)
+		if err == nil && got == nil {
+			t.Fatal("no state and no error")
+		}
+		if err == nil && got != nil {
+			// Whatever decodes must survive a snapshot round trip.
+			again, err := decodeRecord(nil, appendSnapshot(nil, got))
+			if err != nil {
+				t.Fatalf("re-decoding a snapshot: %v", err)
+			}
+			if again.Streams() != got.Streams() || again.Sessions() != got.Sessions() {
+				t.Fatal("snapshot round trip lost streams or sessions")
+			}
+		}
+	})
+}
+
+// FuzzReplay feeds replay whole books images: it must refuse or replay,
+// never panic or read out of bounds.
+func FuzzReplay(f *testing.F) {
+	old := minLog
+	minLog = 4 << 10
+	r := newRig(f, 8)
+	for i := range 6 {
+		r.step(i)
+	}
+	img := snapshotMem(f, r.store.f)
+	minLog = old
+	img = img[:r.b.Stats().LogBytes+8] // the used part: header and records
+	f.Add(img)
+	f.Add(img[:headerSize+64])
+	f.Fuzz(func(t *testing.T, mem []byte) {
+		st, _, err := replay(mem)
+		if err == nil && st == nil {
+			t.Fatal("no state and no error")
+		}
+	})
+}

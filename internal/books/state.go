@@ -1,0 +1,371 @@
+package books
+
+import (
+	"fmt"
+	"slices"
+	"sort"
+
+	"github.com/kvpool/kvpool/internal/server"
+	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/wire"
+)
+
+// State is the pool's state as the books keep it: rebuilt by replaying the
+// journal, kept current as records are appended, written whole at each
+// compaction.
+type State struct {
+	chunks      []*Chunk
+	byID        map[string]*Chunk
+	allocs      map[string][]string
+	sessions    map[uint64]*Session
+	lastSession uint64
+	// gens: the memfd generation and seals of each chunk, recorded before
+	// the chunk joins the pool (so a chunk the pool never saw has one too).
+	gens map[string]gen
+	// Skipped counts records that named something already gone (a session
+	// op recorded after a revoke that closed the session, say).
+	Skipped int
+}
+
+type gen struct {
+	gen   uint64
+	seals int
+}
+
+// Chunk is one chunk of the books: where it stands in the pool and which
+// memfd (generation, seals) holds it. (Gen and Seals are filled in by
+// Chunks and Chunk.)
+type Chunk struct {
+	pool.ChunkImage
+	Gen   uint64
+	Seals int
+}
+
+// Session is one session of the books.
+type Session struct {
+	Image    pool.SessionImage // Streams and Pending are kept below instead
+	Instance string
+	UUID     string
+	Peer     server.Peer
+	Layout   server.Layout
+	Last     server.LastReply
+
+	rids    map[string][]*stream
+	pending []pool.PendingImage
+}
+
+type stream struct {
+	label string
+	meta  pool.Meta
+	pages []int32
+}
+
+// NewState returns empty books.
+func NewState() *State {
+	return &State{byID: map[string]*Chunk{}, allocs: map[string][]string{}, sessions: map[uint64]*Session{}, gens: map[string]gen{}}
+}
+
+// Chunks lists the chunks in the order they were added.
+func (st *State) Chunks() []Chunk {
+	out := make([]Chunk, len(st.chunks))
+	for i, c := range st.chunks {
+		out[i] = st.chunk(c)
+	}
+	return out
+}
+
+func (st *State) chunk(c *Chunk) Chunk {
+	g := st.gens[c.ID]
+	return Chunk{ChunkImage: c.ChunkImage, Gen: g.gen, Seals: g.seals}
+}
+
+// Chunk returns the chunk id.
+func (st *State) Chunk(id string) (Chunk, bool) {
+	c, ok := st.byID[id]
+	if !ok {
+		return Chunk{}, false
+	}
+	return st.chunk(c), true
+}
+
+// Sessions is the number of open sessions.
+func (st *State) Sessions() int { return len(st.sessions) }
+
+// Streams is the number of streams over every session.
+func (st *State) Streams() int {
+	n := 0
+	for _, s := range st.sessions {
+		for _, ss := range s.rids {
+			n += len(ss)
+		}
+	}
+	return n
+}
+
+// Image returns the state as pool.Restore takes it.
+func (st *State) Image() pool.Image {
+	img := pool.Image{LastSession: st.lastSession}
+	for _, c := range st.chunks {
+		img.Chunks = append(img.Chunks, c.ChunkImage)
+	}
+	for _, id := range sortedKeys(st.allocs) {
+		img.Allocations = append(img.Allocations, pool.AllocationImage{ID: id, Chunks: slices.Clone(st.allocs[id])})
+	}
+	ids := make([]uint64, 0, len(st.sessions))
+	for id := range st.sessions {
+		ids = append(ids, id)
+	}
+	slices.Sort(ids)
+	for _, id := range ids {
+		img.Sessions = append(img.Sessions, st.sessions[id].image())
+	}
+	return img
+}
+
+func (s *Session) image() pool.SessionImage {
+	si := s.Image
+	si.Chunks = slices.Clone(si.Chunks)
+	si.Streams, si.Pending = nil, nil
+	for _, rid := range sortedKeys(s.rids) {
+		for _, x := range s.rids[rid] {
+			si.Streams = append(si.Streams, pool.StreamImage{Rid: rid, Label: x.label, Meta: x.meta, Pages: slices.Clone(x.pages)})
+		}
+	}
+	for _, p := range s.pending {
+		si.Pending = append(si.Pending, pool.PendingImage{Ticket: p.Ticket, Pages: slices.Clone(p.Pages)})
+	}
+	return si
+}
+
+// Restored pairs the pool's restored sessions with what the server keeps
+// of them. sessions is what pool.Restore returned for Image().
+func (st *State) Restored(sessions []*pool.Session) []server.RestoredSession {
+	out := make([]server.RestoredSession, 0, len(sessions))
+	for _, ps := range sessions {
+		s := st.sessions[ps.ID()]
+		if s == nil {
+			continue
+		}
+		out = append(out, server.RestoredSession{Session: ps, Instance: s.Instance, UUID: s.UUID, Peer: s.Peer, Layout: s.Layout, Last: s.Last})
+	}
+	return out
+}
+
+// Forget removes a chunk from the books (its memory is gone: the keeper
+// lost it, or the plan no longer has it). The allocation holding it is
+// revoked, with its sessions.
+func (st *State) Forget(id string) {
+	delete(st.gens, id)
+	c, ok := st.byID[id]
+	if !ok {
+		return
+	}
+	for a, ids := range st.allocs {
+		if slices.Contains(ids, id) {
+			st.revoke(a)
+		}
+	}
+	delete(st.byID, id)
+	delete(st.gens, id)
+	st.chunks = slices.DeleteFunc(st.chunks, func(x *Chunk) bool { return x == c })
+}
+
+// SetGen records the memfd generation and seals of chunk id.
+func (st *State) SetGen(id string, g uint64, seals int) {
+	st.gens[id] = gen{gen: g, seals: seals}
+}
+
+func (st *State) revoke(alloc string) {
+	for _, id := range st.allocs[alloc] {
+		if c, ok := st.byID[id]; ok {
+			c.State = pool.ChunkDirty
+		}
+	}
+	delete(st.allocs, alloc)
+	for id, s := range st.sessions {
+		if s.Image.Allocation == alloc {
+			delete(st.sessions, id)
+		}
+	}
+}
+
+// applyEvent applies a pool table change.
+func (st *State) applyEvent(ev pool.Event) {
+	switch ev.Kind {
+	case pool.EventAddChunk:
+		if _, ok := st.byID[ev.Chunk.ID]; ok {
+			st.Skipped++
+			return
+		}
+		c := &Chunk{ChunkImage: pool.ChunkImage{Chunk: ev.Chunk, State: pool.ChunkFree}}
+		st.chunks = append(st.chunks, c)
+		st.byID[c.ID] = c
+	case pool.EventRemoveChunk:
+		st.Forget(ev.Chunk.ID)
+	case pool.EventScrubbed:
+		if c, ok := st.byID[ev.Chunk.ID]; ok {
+			c.State = pool.ChunkFree
+		} else {
+			st.Skipped++
+		}
+	case pool.EventGrant:
+		for _, id := range ev.Chunks {
+			c, ok := st.byID[id]
+			if !ok || c.State != pool.ChunkFree {
+				st.Skipped++
+				return
+			}
+		}
+		if _, ok := st.allocs[ev.Allocation]; ok {
+			st.Skipped++
+			return
+		}
+		for _, id := range ev.Chunks {
+			st.byID[id].State = pool.ChunkGranted
+		}
+		st.allocs[ev.Allocation] = slices.Clone(ev.Chunks)
+	case pool.EventRevoke:
+		if _, ok := st.allocs[ev.Allocation]; !ok {
+			st.Skipped++
+			return
+		}
+		st.revoke(ev.Allocation)
+	default:
+		st.Skipped++
+	}
+}
+
+// applySession applies a session change.
+func (st *State) applySession(op server.SessionOp) {
+	if op.Op == wire.OpOpen {
+		st.open(op)
+		return
+	}
+	s := st.sessions[op.Session]
+	if s == nil {
+		st.Skipped++
+		return
+	}
+	if op.Fence != 0 {
+		i := 0
+		for i < len(s.pending) && s.pending[i].Ticket <= op.Fence {
+			i++
+		}
+		s.pending = s.pending[i:]
+	}
+	if op.Op == 0 {
+		return
+	}
+	switch op.Op {
+	case wire.OpOffload:
+		if s.find(op.Rid, op.Label) >= 0 {
+			st.Skipped++
+			return
+		}
+		s.rids[op.Rid] = append(s.rids[op.Rid], &stream{label: op.Label, meta: op.Meta, pages: slices.Clone(op.Pages)})
+	case wire.OpReload, wire.OpDiscard:
+		i := s.find(op.Rid, op.Label)
+		if i < 0 && op.Op == wire.OpDiscard {
+			break // discarding an unknown stream is a no-op (the seed's)
+		}
+		if i < 0 {
+			st.Skipped++
+			return
+		}
+		list := s.rids[op.Rid]
+		if op.Op == wire.OpReload && len(list[i].pages) > 0 {
+			s.pending = append(s.pending, pool.PendingImage{Ticket: op.Ticket, Pages: list[i].pages})
+		}
+		if op.Op == wire.OpReload && op.Ticket > s.Image.Ticket {
+			s.Image.Ticket = op.Ticket
+		}
+		list = slices.Delete(list, i, i+1)
+		if len(list) == 0 {
+			delete(s.rids, op.Rid)
+		} else {
+			s.rids[op.Rid] = list
+		}
+	case wire.OpRemoveRequest:
+		delete(s.rids, op.Rid)
+	case wire.OpClose:
+		delete(st.sessions, op.Session)
+		return
+	default:
+		st.Skipped++
+		return
+	}
+	s.Last = server.LastReply{Seq: op.Seq, Op: op.Op, Status: op.Status, Body: slices.Clone(op.Reply)}
+	if len(op.Pages) > wire.MaxPagesPerPacket {
+		// The rest of a long reply, for OpMore after a resend.
+		s.Last.Pages = slices.Clone(op.Pages)
+	}
+}
+
+func (s *Session) find(rid, label string) int {
+	for i, x := range s.rids[rid] {
+		if x.label == label {
+			return i
+		}
+	}
+	return -1
+}
+
+func (st *State) open(op server.SessionOp) {
+	o := op.Open
+	if o == nil {
+		st.Skipped++
+		return
+	}
+	if o.Replaces != 0 {
+		delete(st.sessions, o.Replaces)
+	}
+	ids, ok := st.allocs[o.Allocation]
+	if !ok || o.Image.ID == 0 || st.sessions[o.Image.ID] != nil {
+		st.Skipped++
+		return
+	}
+	bound := map[string]bool{}
+	for _, s := range st.sessions {
+		for _, id := range s.Image.Chunks {
+			bound[id] = true
+		}
+	}
+	for _, id := range o.Image.Chunks {
+		if bound[id] || !slices.Contains(ids, id) {
+			st.Skipped++
+			return
+		}
+	}
+	img := o.Image
+	img.Chunks = slices.Clone(img.Chunks)
+	img.Streams, img.Pending = nil, nil
+	st.sessions[img.ID] = &Session{Image: img, Instance: o.Instance, UUID: o.UUID, Peer: o.Peer, Layout: o.Layout, rids: map[string][]*stream{}}
+	st.lastSession = max(st.lastSession, img.ID)
+}
+
+// Check compares the books with a pool's export: they must agree on
+// everything Restore would rebuild. For tests and the chaos harness.
+func (st *State) Check(img pool.Image) error {
+	mine := st.Image()
+	// Streams of one request keep their order; requests are ordered by ID
+	// in both.
+	for _, m := range []*pool.Image{&mine, &img} {
+		for i := range m.Sessions {
+			s := &m.Sessions[i]
+			sort.SliceStable(s.Streams, func(a, b int) bool { return s.Streams[a].Rid < s.Streams[b].Rid })
+		}
+	}
+	if fmt.Sprint(mine) != fmt.Sprint(img) {
+		return fmt.Errorf("books and pool differ:\nbooks %+v\npool  %+v", mine, img)
+	}
+	return nil
+}
+
+func sortedKeys[V any](m map[string]V) []string {
+	out := make([]string, 0, len(m))
+	for k := range m {
+		out = append(out, k)
+	}
+	sort.Strings(out)
+	return out
+}

@@ -1,0 +1,39 @@
+package metrics
+
+import (
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvpool/kvpool/internal/report"
+)
+
+// Restart registers the gauges of what the agent took over from the keeper
+// at start: chunks adopted and chunks allocated fresh, and the last gap in
+// service. f is read at scrape time; it returns nil when there is no keeper
+// (the gauges are then absent).
+func (m *Metrics) Restart(f func() *report.Restart) {
+	gauge := func(name, help string, v func(r *report.Restart) float64) prometheus.Collector {
+		return &restartGauge{desc: prometheus.NewDesc(prometheus.BuildFQName(Namespace, "", name), help, nil, nil), f: f, v: v}
+	}
+	m.reg.MustRegister(
+		gauge("chunks_adopted", "Chunks this agent adopted from the keeper at start: the previous agent's memory, not pinned again.",
+			func(r *report.Restart) float64 { return float64(r.AdoptedChunks) }),
+		gauge("chunks_fresh", "Chunks this agent allocated and pinned itself.",
+			func(r *report.Restart) float64 { return float64(r.FreshChunks) }),
+		gauge("restart_gap_seconds", "How long the pool went unserved before this agent started serving: from the previous agent's last sign of life (0 on a first start).",
+			func(r *report.Restart) float64 { return r.LastGapSeconds }),
+	)
+}
+
+type restartGauge struct {
+	desc *prometheus.Desc
+	f    func() *report.Restart
+	v    func(*report.Restart) float64
+}
+
+func (g *restartGauge) Describe(ch chan<- *prometheus.Desc) { ch <- g.desc }
+
+func (g *restartGauge) Collect(ch chan<- prometheus.Metric) {
+	if r := g.f(); r != nil {
+		ch <- prometheus.MustNewConstMetric(g.desc, prometheus.GaugeValue, g.v(r))
+	}
+}

@@ -1,0 +1,39 @@
+package metrics
+
+import (
+	"testing"
+
+	"github.com/kvpool/kvpool/internal/report"
+	"github.com/kvpool/kvpool/pkg/pool"
+)
+
+func TestRestartGauges(t *testing.T) {
+	var r *report.Restart
+	m := New(pool.New(), Options{NoRuntime: true})
+	m.Restart(func() *report.Restart { return r })
+	values := func() map[string]float64 {
+		fams, err := m.Registry().Gather()
+		if err != nil {
+			t.Fatal(err)
+		}
+		out := map[string]float64{}
+		for _, f := range fams {
+			for _, x := range f.GetMetric() {
+				if g := x.GetGauge(); g != nil && len(x.GetLabel()) == 0 {
+					out[f.GetName()] = g.GetValue()
+				}
+			}
+		}
+		return out
+	}
+	if v := values(); len(v) != 0 {
+		if _, ok := v["kvpool_chunks_adopted"]; ok {
+			t.Fatalf("restart gauges without a keeper: %v", v)
+		}
+	}
+	r = &report.Restart{AdoptedChunks: 6, FreshChunks: 2, LastGapSeconds: 0.25}
+	v := values()
+	if v["kvpool_chunks_adopted"] != 6 || v["kvpool_chunks_fresh"] != 2 || v["kvpool_restart_gap_seconds"] != 0.25 {
+		t.Fatalf("restart gauges %v", v)
+	}
+}

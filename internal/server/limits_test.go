@@ -1,0 +1,199 @@
+package server_test
+
+import (
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/kvpool/kvpool/internal/server"
+	"github.com/kvpool/kvpool/pkg/wire"
+)
+
+// refusals records Hooks.Refused.
+type refusals struct {
+	mu sync.Mutex
+	n  map[string]int
+}
+
+func (r *refusals) hook(reason string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.n == nil {
+		r.n = map[string]int{}
+	}
+	r.n[reason]++
+}
+
+func (r *refusals) count(reason string) int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.n[reason]
+}
+
+func limitedServer(t *testing.T, lim server.Limits) (*agent, *refusals) {
+	t.Helper()
+	ref := &refusals{}
+	a := startServerWith(t, func(o *server.Options) {
+		o.Limits = lim
+		o.Hooks.Refused = ref.hook
+	})
+	return a, ref
+}
+
+// wantLimit wants status limit with a message mentioning what.
+func wantLimit(t *testing.T, st wire.Status, msg, what string) {
+	t.Helper()
+	if st != wire.StatusLimit || !strings.Contains(msg, what) {
+		t.Fatalf("got %s %q, want limit mentioning %q", st, msg, what)
+	}
+}
+
+// Every bound of Limits refuses with status limit, a message naming it,
+// and a counted reason; what is within the bound works, and the refusal
+// changes nothing.
+func TestLimits(t *testing.T) {
+	a, ref := limitedServer(t, server.Limits{
+		MaxClientName: 16, MaxDevicePages: 100, MaxSessionsPerAllocation: 1,
+		MaxStreamsPerSession: 3, MaxNameBytesPerSession: 20,
+	})
+	t.Run("client name", func(t *testing.T) {
+		r := dial(t, a)
+		st, msg := r.do(wire.OpHello, 0, &wire.Hello{Version: wire.Version, Client: strings.Repeat("x", 17)}, &wire.HelloReply{})
+		wantLimit(t, st, msg, "client name of 17 bytes, at most 16")
+		// Refused, the connection may still say hello properly.
+		if st, msg := r.do(wire.OpHello, 0, &wire.Hello{Version: wire.Version, Client: strings.Repeat("x", 16)}, &wire.HelloReply{}); st != 0 {
+			t.Fatalf("hello with a 16-byte name: %s %s", st, msg)
+		}
+		if ref.count(server.RefusedClientName) != 1 {
+			t.Fatal("not counted")
+		}
+	})
+	t.Run("device pages", func(t *testing.T) {
+		r := dial(t, a)
+		r.hello()
+		m := openMsg("tok-a", 0, "instance-dev")
+		m.Regions[0].PageCount, m.Regions[1].PageCount = 101, 200
+		st, msg := r.do(wire.OpOpen, 0, m, &wire.OpenReply{})
+		wantLimit(t, st, msg, "101 device pages, at most 100")
+		if len(a.srv.Sessions()) != 0 {
+			t.Fatal("a refused open left a session")
+		}
+	})
+	t.Run("sessions per allocation, streams, names", func(t *testing.T) {
+		r := dial(t, a)
+		r.open(0, "instance-one")
+		r2 := dial(t, a)
+		r2.hello()
+		st, msg := r2.do(wire.OpOpen, 0, openMsg("tok-a", 1, "instance-two"), &wire.OpenReply{})
+		wantLimit(t, st, msg, "maxSessionsPerAllocation")
+		var off wire.OffloadReply
+		for i := range 3 {
+			if st, msg := r.do(wire.OpOffload, 0, &wire.Offload{Rid: "r", Label: string(rune('a' + i)), GpuPages: []int32{int32(i)}}, &off); st != 0 {
+				t.Fatalf("offload %d: %s %s", i, st, msg)
+			}
+		}
+		st, msg = r.do(wire.OpOffload, 0, &wire.Offload{Rid: "r", Label: "d"}, &off)
+		wantLimit(t, st, msg, "maxStreamsPerSession")
+		if u := r.usage(); u.Streams != 3 || u.Used != 3 {
+			t.Fatalf("a refused offload changed the session: %+v", u)
+		}
+		if st, _ := r.do(wire.OpDiscard, 0, &wire.Stream{Rid: "r", Label: "c"}, nil); st != 0 {
+			t.Fatal(st)
+		}
+		// 2 streams of 2 name bytes; 17 more bytes would make 21 > 20.
+		st, msg = r.do(wire.OpOffload, 0, &wire.Offload{Rid: strings.Repeat("q", 16), Label: "z"}, &off)
+		wantLimit(t, st, msg, "maxNameBytesPerSession")
+		if st, msg := r.do(wire.OpOffload, 0, &wire.Offload{Rid: strings.Repeat("q", 15), Label: "z"}, &off); st != 0 {
+			t.Fatalf("offload at the name bound: %s %s", st, msg)
+		}
+		for _, reason := range []string{server.RefusedAllocSessions, server.RefusedStreams, server.RefusedNameBytes} {
+			if ref.count(reason) != 1 {
+				t.Errorf("%s counted %d times, want 1", reason, ref.count(reason))
+			}
+		}
+	})
+}
+
+// A connection that does not say hello, or does not open a session, in
+// time is closed; one that opened a session is never timed out.
+func TestConnDeadlines(t *testing.T) {
+	a, ref := limitedServer(t, server.Limits{HelloTimeout: 100 * time.Millisecond, OpenTimeout: 300 * time.Millisecond})
+	silent := dial(t, a)
+	greeted := dial(t, a)
+	greeted.hello()
+	opened := dial(t, a)
+	opened.open(0, "instance-deadline")
+	for _, r := range []*raw{silent, greeted} {
+		if _, _, _, ok := r.recv(); ok {
+			t.Fatal("a packet instead of the close")
+		}
+	}
+	if ref.count(server.RefusedHelloTimeout) != 1 || ref.count(server.RefusedOpenTimeout) != 1 {
+		t.Fatalf("refusals %v", ref.n)
+	}
+	time.Sleep(400 * time.Millisecond)
+	opened.usage()
+}
+
+// One process's connections are bounded; a refused connection learns why
+// (status limit to its first request) and is closed.
+func TestConnsPerPID(t *testing.T) {
+	a, ref := limitedServer(t, server.Limits{MaxConnsPerPID: 2})
+	r1, r2 := dial(t, a), dial(t, a)
+	r1.hello()
+	r2.hello()
+	r3 := dial(t, a)
+	st, msg := r3.do(wire.OpHello, 0, &wire.Hello{Version: wire.Version}, &wire.HelloReply{})
+	wantLimit(t, st, msg, "connections, the limit")
+	if _, _, _, ok := r3.recv(); ok {
+		t.Fatal("refused connection left open")
+	}
+	if ref.count(server.RefusedConnsPerPID) != 1 {
+		t.Fatalf("refusals %v", ref.n)
+	}
+	r1.c.Close()
+	waitFor(t, func() bool {
+		r := dial(t, a)
+		r.seq++
+		pkt, _ := wire.AppendPacket(nil, wire.Header{Op: wire.OpHello, Seq: r.seq}, &wire.Hello{Version: wire.Version})
+		r.sendPacket(pkt, nil)
+		h, _, _, ok := r.recv()
+		r.c.Close()
+		return ok && h.Status == wire.StatusOK
+	})
+}
+
+// Sessions of a revoked allocation leave the table at the next sweep,
+// reported as revoked, and their connections are closed.
+func TestRevokedSessionsSwept(t *testing.T) {
+	var mu sync.Mutex
+	var revoked []server.SessionInfo
+	a := startServerWith(t, func(o *server.Options) {
+		o.SweepInterval = 10 * time.Millisecond
+		o.Hooks.Session = func(ev server.SessionEvent, info server.SessionInfo) {
+			if ev == server.SessionRevoked {
+				mu.Lock()
+				revoked = append(revoked, info)
+				mu.Unlock()
+			}
+		}
+	})
+	r0, r1 := dial(t, a), dial(t, a)
+	r0.open(0, "instance-sweep-0")
+	r1.open(1, "instance-sweep-1")
+	if _, err := a.pool.Revoke("A"); err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range []*raw{r0, r1} {
+		if _, _, _, ok := r.recv(); ok {
+			t.Fatal("a packet instead of the close")
+		}
+	}
+	waitFor(t, func() bool { mu.Lock(); defer mu.Unlock(); return len(revoked) == 2 })
+	for _, info := range revoked {
+		if info.Allocation != "A" || len(info.Instance) != 8 || strings.Contains(info.Instance, "instance") {
+			t.Fatalf("revoked session info %+v: want allocation A and an 8-digit instance hash", info)
+		}
+	}
+}

@@ -1,0 +1,292 @@
+package server_test
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"reflect"
+	"slices"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/kvpool/kvpool/internal/books"
+	"github.com/kvpool/kvpool/internal/hostmem"
+	"github.com/kvpool/kvpool/internal/server"
+	"github.com/kvpool/kvpool/pkg/contract"
+	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/wire"
+)
+
+// fdStore keeps the latest books memfd, as the keeper does.
+type fdStore struct{ f *os.File }
+
+func (s *fdStore) PutBooks(_ uint64, f *os.File) error {
+	fd, err := unix.Dup(int(f.Fd()))
+	if err != nil {
+		return err
+	}
+	if s.f != nil {
+		s.f.Close()
+	}
+	s.f = os.NewFile(uintptr(fd), "books")
+	return nil
+}
+
+// journaled starts a server over p with books, on a fresh socket.
+func journaled(t testing.TB, p *pool.Pool, chunks map[string]*hostmem.Chunk, j server.Journal, restore []server.RestoredSession) (*agent, *server.Server) {
+	t.Helper()
+	a := &agent{pool: p, chunks: chunks}
+	srv, err := server.New(server.Options{Pool: p, Logger: quiet, Journal: j, GPUs: testGPUs,
+		Chunks: func(id string) (*hostmem.Chunk, bool) { c, ok := chunks[id]; return c, ok },
+		Authorize: func(tok string) (string, error) {
+			switch tok {
+			case "tok-a":
+				return "A", nil
+			case "tok-wait":
+				return "", fmt.Errorf("%w: chunks still coming", pool.ErrNotReady)
+			}
+			return "", contract.ErrUnknownToken
+		}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := srv.Restore(restore); err != nil {
+		t.Fatal(err)
+	}
+	a.srv = srv
+	a.socket = filepath.Join(t.TempDir(), "kv.sock")
+	l, err := server.Listen(a.socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- srv.Serve(ctx, l) }()
+	t.Cleanup(func() { cancel(); <-done })
+	return a, srv
+}
+
+// sendSeq sends op with an explicit sequence number and returns the raw
+// reply packet.
+func (r *raw) sendSeq(op wire.Op, seq uint32, m *wire.Offload) []byte {
+	r.t.Helper()
+	pkt, err := wire.AppendPacket(nil, wire.Header{Op: op, Seq: seq}, m)
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	r.sendPacket(pkt, nil)
+	r.c.UnixConn().SetReadDeadline(timeIn5s())
+	got, _, err := r.c.Recv(r.buf)
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	return bytes.Clone(got)
+}
+
+// booksPool is a pool of two 256 KiB chunks on GPU 0, granted to "A",
+// journaled into books kept by store.
+func booksPool(t testing.TB) (*pool.Pool, map[string]*hostmem.Chunk, *books.Books, *fdStore) {
+	return booksPoolOf(t, 256<<10)
+}
+
+func booksPoolOf(t testing.TB, chunkBytes int64) (*pool.Pool, map[string]*hostmem.Chunk, *books.Books, *fdStore) {
+	p := pool.New()
+	store := &fdStore{}
+	b, err := books.Start(books.NewState(), 0, store, func(err error) { t.Errorf("books: %v", err) })
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.SetJournal(b)
+	chunks := map[string]*hostmem.Chunk{}
+	var ids []string
+	for i := range 2 {
+		id := fmt.Sprintf("c%d", i)
+		hc, err := hostmem.Alloc(hostmem.Options{Size: chunkBytes})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { hc.Close() })
+		chunks[id] = hc
+		if err := p.AddChunk(pool.Chunk{ID: id, GPU: 0, Size: chunkBytes}); err != nil {
+			t.Fatal(err)
+		}
+		ids = append(ids, id)
+	}
+	if err := p.Grant("A", ids); err != nil {
+		t.Fatal(err)
+	}
+	return p, chunks, b, store
+}
+
+func TestRestartResumesAndReplays(t *testing.T) {
+	p, chunks, b, store := booksPool(t)
+	a1, _ := journaled(t, p, chunks, b, nil)
+
+	r := dial(t, a1)
+	first := r.open(0, "instance-1")
+	off := &wire.Offload{Rid: "r", Label: "l", GpuPages: []int32{3, 4, 5}, StoredLen: 7}
+	rep1 := r.sendSeq(wire.OpOffload, 100, off)
+	if h, _, _ := wire.ParseHeader(rep1); h.Status != wire.StatusOK {
+		t.Fatalf("offload: %s", h.Status)
+	}
+	// The same request again (same seq): the same answer, not "duplicate".
+	if again := r.sendSeq(wire.OpOffload, 100, off); !bytes.Equal(again, rep1) {
+		t.Fatalf("resent offload answered %x, first %x", again, rep1)
+	}
+	// A new request for the same stream is a duplicate.
+	if h, _, _ := wire.ParseHeader(r.sendSeq(wire.OpOffload, 101, off)); h.Status != wire.StatusDuplicateStream {
+		t.Fatalf("new offload of the same stream: %s", h.Status)
+	}
+	before := p.Export()
+	b.Close()
+
+	// The agent restarts: the books rebuild the pool, and the server takes
+	// the sessions back.
+	st, _, err := books.Load(store.f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p2 := pool.New()
+	ss, err := p2.Restore(st.Image())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := p2.Export(); !reflect.DeepEqual(got, before) {
+		t.Fatalf("restored pool:\n%+v\nwant\n%+v", got, before)
+	}
+	b2, err := books.Start(st, 0, store, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b2.Close()
+	p2.SetJournal(b2)
+	a2, srv2 := journaled(t, p2, chunks, b2, st.Restored(ss))
+
+	// Not ready yet: hello says "unavailable, retry" (28), not "unauthorized".
+	srv2.SetReady(false)
+	r2 := dial(t, a2)
+	if stt, msg := r2.do(wire.OpHello, 0, &wire.Hello{Version: 1}, &wire.HelloReply{}); stt != wire.StatusUnavailable {
+		t.Fatalf("hello while restoring: %s %s", stt, msg)
+	}
+	srv2.SetReady(true)
+	r2 = dial(t, a2)
+	res := r2.open(0, "instance-1")
+	if !res.Resumed || res.Session != first.Session || res.Capacity != first.Capacity {
+		t.Fatalf("after the restart: %+v, first %+v", res, first)
+	}
+	// The client resends the request it never had answered.
+	if again := r2.sendSeq(wire.OpOffload, 100, off); !bytes.Equal(again, rep1) {
+		t.Fatalf("resent offload after the restart answered %x, first %x", again, rep1)
+	}
+	var rl wire.ReloadReply
+	if stt, msg := r2.do(wire.OpReload, 0, &wire.Reload{Rid: "r", Label: "l", GpuPages: []int32{0, 1, 2}}, &rl); stt != 0 || rl.StoredLen != 7 || len(rl.HostPages) != 3 {
+		t.Fatalf("reload after the restart: %s %s %+v", stt, msg, &rl)
+	}
+	// A token whose chunks are not ready: 28, distinct from 4.
+	r3 := dial(t, a2)
+	r3.hello()
+	if stt, _ := r3.do(wire.OpOpen, 0, openMsg("tok-wait", 0, "instance-3"), &wire.OpenReply{}); stt != wire.StatusUnavailable {
+		t.Fatalf("open with a token not ready: %s", stt)
+	}
+	if stt, _ := r3.do(wire.OpOpen, 0, openMsg("tok-gone", 0, "instance-3"), &wire.OpenReply{}); stt != wire.StatusUnauthorized {
+		t.Fatalf("open with an unknown token: %s", stt)
+	}
+	if got := wire.StatusUnavailable.String(); got != "unavailable, retry" {
+		t.Fatal(got)
+	}
+}
+
+func timeIn5s() time.Time { return time.Now().Add(5 * time.Second) }
+
+// restartFrom rebuilds the pool from the books of store (as an agent does
+// at start) and serves it again.
+func restartFrom(t *testing.T, store *fdStore, chunks map[string]*hostmem.Chunk) *agent {
+	t.Helper()
+	st, _, err := books.Load(store.f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := pool.New()
+	ss, err := p.Restore(st.Image())
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := books.Start(st, 0, store, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { b.Close() })
+	p.SetJournal(b)
+	a, _ := journaled(t, p, chunks, b, st.Restored(ss))
+	return a
+}
+
+// A long offload's answer survives a restart whole: resent with its
+// sequence number (its device pages staged again), it gets the same first
+// packet, and OpMore hands out the same rest.
+func TestRestartReplaysLongReply(t *testing.T) {
+	const n = wire.MaxPagesPerPacket + 5000
+	p, chunks, b, store := booksPoolOf(t, 4<<20) // 2 x 16384 pages of 256 bytes
+	a1, _ := journaled(t, p, chunks, b, nil)
+	open := &wire.Open{Token: "tok-a", GpuUuid: gpuUUID(0), InstanceId: []byte("instance-long"),
+		Regions: []*wire.Region{{BytesPerPage: 256, PageCount: n}}}
+	dev := make([]int32, n)
+	for i := range dev {
+		dev[i] = int32(i)
+	}
+	head, tail := dev[:wire.MaxPagesPerPacket], dev[wire.MaxPagesPerPacket:]
+	off := &wire.Offload{Rid: "long", Label: "kv", GpuPages: tail, StoredLen: n}
+	offload := func(r *raw) ([]byte, []int32) {
+		t.Helper()
+		if st, msg := r.do(wire.OpPages, 0, &wire.Pages{GpuPages: head}, nil); st != 0 {
+			t.Fatalf("pages: %s %s", st, msg)
+		}
+		first := r.sendSeq(wire.OpOffload, 900, off)
+		h, body, err := wire.ParseHeader(first)
+		var rep wire.OffloadReply
+		if err == nil {
+			err = wire.DecodeBody(body, &rep)
+		}
+		if err != nil || h.Status != 0 || !rep.Ok || rep.Total != n || len(rep.HostPages) != wire.MaxPagesPerPacket {
+			t.Fatalf("offload: %v, status %s, ok %v, %d host pages of %d", err, h.Status, rep.Ok, len(rep.HostPages), rep.Total)
+		}
+		all := slices.Clone(rep.HostPages)
+		for len(all) < n {
+			var more wire.MoreReply
+			if st, msg := r.do(wire.OpMore, 0, &wire.More{Offset: uint32(len(all))}, &more); st != 0 || len(more.HostPages) == 0 {
+				t.Fatalf("more from %d: %s %s", len(all), st, msg)
+			}
+			all = append(all, more.HostPages...)
+		}
+		return first, all
+	}
+
+	r := dial(t, a1)
+	r.hello()
+	var o1 wire.OpenReply
+	if st, msg := r.do(wire.OpOpen, 0, open, &o1); st != 0 {
+		t.Fatalf("open: %s %s", st, msg)
+	}
+	rep1, all1 := offload(r)
+	b.Close()
+
+	a2 := restartFrom(t, store, chunks)
+	r2 := dial(t, a2)
+	r2.hello()
+	var o2 wire.OpenReply
+	if st, msg := r2.do(wire.OpOpen, 0, open, &o2); st != 0 || !o2.Resumed || o2.Session != o1.Session {
+		t.Fatalf("resume after the restart: %s %s %+v", st, msg, &o2)
+	}
+	rep2, all2 := offload(r2)
+	if !bytes.Equal(rep2, rep1) || !slices.Equal(all2, all1) {
+		t.Fatalf("the resent long offload was answered differently after the restart (first packet equal: %v)", bytes.Equal(rep2, rep1))
+	}
+	var u wire.UsageReply
+	if st, msg := r2.do(wire.OpUsage, 0, nil, &u); st != 0 || u.Used != n || u.Streams != 1 {
+		t.Fatalf("usage after the resend: %s %s %+v (want %d pages in 1 stream: done once)", st, msg, &u, n)
+	}
+}
