@@ -46,8 +46,25 @@ func (b byLine) Error() string {
 	return strings.Join(msgs, "\n")
 }
 
-// ValidateFields checks every field and returns every problem found.
+// ValidateFields checks every field and returns every problem found, one
+// section at a time (each section's validator takes its own field.Path, as
+// apimachinery's validators do).
 func (c *Config) ValidateFields() field.ErrorList {
+	var errs field.ErrorList
+	errs = append(errs, c.validateTop()...)
+	errs = append(errs, c.Sizing.validate(field.NewPath("sizing"))...)
+	errs = append(errs, c.Reclaim.validate(field.NewPath("reclaim"))...)
+	errs = append(errs, c.Limits.validate(field.NewPath("limits"))...)
+	errs = append(errs, validateAddress(field.NewPath("metrics", "address"), c.Metrics.Address)...)
+	errs = append(errs, validateAddress(field.NewPath("health", "address"), c.Health.Address)...)
+	errs = append(errs, c.Log.validate(field.NewPath("log"))...)
+	errs = append(errs, c.Standalone.validate(field.NewPath("standalone"))...)
+	return errs
+}
+
+// validateTop checks the fields at the top level: the object's type, the
+// resource name, the directories and sockets.
+func (c *Config) validateTop() field.ErrorList {
 	var errs field.ErrorList
 	p := field.NewPath
 	if c.APIVersion != APIVersion && c.APIVersion != LegacyAPIVersion {
@@ -87,9 +104,11 @@ func (c *Config) ValidateFields() field.ErrorList {
 	if filepath.IsAbs(c.SocketDir) && len(c.SocketPath()) > maxSunPath {
 		errs = append(errs, field.Invalid(p("socketDir"), c.SocketDir, fmt.Sprintf("socket path %q is %d bytes, longer than a Unix socket address allows (%d)", c.SocketPath(), len(c.SocketPath()), maxSunPath)))
 	}
+	return errs
+}
 
-	s := &c.Sizing
-	sp := p("sizing")
+func (s *Sizing) validate(sp *field.Path) field.ErrorList {
+	var errs field.ErrorList
 	nonNegative := func(name string, v Bytes) {
 		if v < 0 {
 			errs = append(errs, field.Invalid(sp.Child(name), v.String(), "must not be negative"))
@@ -123,15 +142,22 @@ func (c *Config) ValidateFields() field.ErrorList {
 	default:
 		errs = append(errs, field.NotSupported(sp.Child("hugePages"), s.HugePages, []string{HugePagesNever, HugePagesPrefer, HugePagesRequire}))
 	}
+	return errs
+}
 
-	if d := c.Reclaim.GracePeriod.Duration; d < 0 {
-		errs = append(errs, field.Invalid(p("reclaim", "gracePeriod"), d.String(), "must not be negative"))
+func (r *Reclaim) validate(rp *field.Path) field.ErrorList {
+	var errs field.ErrorList
+	if d := r.GracePeriod.Duration; d < 0 {
+		errs = append(errs, field.Invalid(rp.Child("gracePeriod"), d.String(), "must not be negative"))
 	}
-	if d := c.Reclaim.Interval.Duration; d <= 0 {
-		errs = append(errs, field.Invalid(p("reclaim", "interval"), d.String(), "must be a positive duration such as 10s"))
+	if d := r.Interval.Duration; d <= 0 {
+		errs = append(errs, field.Invalid(rp.Child("interval"), d.String(), "must be a positive duration such as 10s"))
 	}
-	lim := &c.Limits
-	lp := p("limits")
+	return errs
+}
+
+func (lim *Limits) validate(lp *field.Path) field.ErrorList {
+	var errs field.ErrorList
 	for _, f := range []struct {
 		name string
 		v    int
@@ -165,23 +191,32 @@ func (c *Config) ValidateFields() field.ErrorList {
 	if lim.MaxClientName < 16 || lim.MaxClientName > 2048 {
 		errs = append(errs, field.Invalid(lp.Child("maxClientName"), lim.MaxClientName, "must be 16 to 2048"))
 	}
-	if msg := checkAddress(c.Metrics.Address); msg != "" {
-		errs = append(errs, field.Invalid(p("metrics", "address"), c.Metrics.Address, msg))
+	return errs
+}
+
+func validateAddress(ap *field.Path, addr string) field.ErrorList {
+	if msg := checkAddress(addr); msg != "" {
+		return field.ErrorList{field.Invalid(ap, addr, msg)}
 	}
-	if msg := checkAddress(c.Health.Address); msg != "" {
-		errs = append(errs, field.Invalid(p("health", "address"), c.Health.Address, msg))
-	}
-	switch c.Log.Level {
+	return nil
+}
+
+func (l *Log) validate(lp *field.Path) field.ErrorList {
+	var errs field.ErrorList
+	switch l.Level {
 	case "debug", "info", "warn", "error":
 	default:
-		errs = append(errs, field.NotSupported(p("log", "level"), c.Log.Level, []string{"debug", "info", "warn", "error"}))
+		errs = append(errs, field.NotSupported(lp.Child("level"), l.Level, []string{"debug", "info", "warn", "error"}))
 	}
-	if c.Log.Format != "text" && c.Log.Format != "json" {
-		errs = append(errs, field.NotSupported(p("log", "format"), c.Log.Format, []string{"text", "json"}))
+	if l.Format != "text" && l.Format != "json" {
+		errs = append(errs, field.NotSupported(lp.Child("format"), l.Format, []string{"text", "json"}))
 	}
+	return errs
+}
 
-	st := &c.Standalone
-	tp := p("standalone", "tokens")
+func (st *Standalone) validate(sp *field.Path) field.ErrorList {
+	var errs field.ErrorList
+	tp := sp.Child("tokens")
 	if len(st.Tokens) == 0 {
 		errs = append(errs, field.Required(tp, "at least one token"))
 	}
@@ -198,10 +233,10 @@ func (c *Config) ValidateFields() field.ErrorList {
 		seen[t] = true
 	}
 	if st.GPUs < 1 || st.GPUs > 64 {
-		errs = append(errs, field.Invalid(p("standalone", "gpus"), st.GPUs, "must be 1 to 64"))
+		errs = append(errs, field.Invalid(sp.Child("gpus"), st.GPUs, "must be 1 to 64"))
 	}
 	if st.PoolBytes <= 0 {
-		errs = append(errs, field.Invalid(p("standalone", "poolBytes"), st.PoolBytes.String(), "must be a positive size such as 512Mi"))
+		errs = append(errs, field.Invalid(sp.Child("poolBytes"), st.PoolBytes.String(), "must be a positive size such as 512Mi"))
 	}
 	return errs
 }
