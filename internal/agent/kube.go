@@ -124,8 +124,39 @@ func connectKube(ctx context.Context, kubeconfig string, log *slog.Logger) (*kub
 	return k, nil
 }
 
-// startStatus keeps the node's KVPoolNode status up to date until ctx ends.
-func (k *kubeParts) startStatus(ctx context.Context, a *agent, wg *sync.WaitGroup) {
+// startKube is the step "kube" (cluster mode): the API server, when
+// there is one, names the node and gives its allocatable memory and the
+// Node events. closeKube writes the final status and stops the events.
+func (a *agent) startKube(ctx context.Context) error {
+	k, err := connectKube(ctx, a.opts.Kubeconfig, a.log)
+	if err != nil || k == nil {
+		return err
+	}
+	a.kube = k
+	a.node, a.allocatable, a.events = k.node, k.allocatable, k.events
+	return nil
+}
+
+func (a *agent) closeKube() error {
+	if k := a.kube; k != nil {
+		k.stopped()
+		k.close()
+	}
+	return nil
+}
+
+// startStatus is the step "status" (cluster mode): the node's KVPoolNode
+// status is kept up to date until the agent's context ends; nothing
+// without an API server.
+func (a *agent) startStatus(ctx context.Context, wg *sync.WaitGroup) error {
+	if a.kube != nil {
+		a.kube.runStatus(ctx, a, wg)
+	}
+	return nil
+}
+
+// runStatus keeps the node's KVPoolNode status up to date until ctx ends.
+func (k *kubeParts) runStatus(ctx context.Context, a *agent, wg *sync.WaitGroup) {
 	k.writer.ReportTo(a.obs.Observer)
 	wg.Add(2)
 	go func() {
