@@ -251,7 +251,7 @@ func (a *agent) newServer(ctx context.Context) error {
 		Hooks:    chainHooks(serverHooks(a.obs.Observer, a.obs.Metrics), a.opts.Hooks),
 		Journal:  a.journal(),
 		Name:     "kvpool-agent " + a.opts.Version + " (" + a.mode + ")",
-		Limits:   serverLimits(a.cfg.Limits),
+		Limits:   a.cfg.Limits.Server(),
 		ProbePID: os.Getpid(),
 
 		PollAfterReply: a.cfg.PollAfterReply.Duration,
@@ -381,17 +381,6 @@ func (a *agent) wait(ctx context.Context) error {
 		return errors.Join(fatal, stopErr)
 	}
 	return errors.Join(a.serveErr, stopErr)
-}
-
-// serverLimits turns the configured limits into the server's.
-func serverLimits(l config.Limits) server.Limits {
-	return server.Limits{
-		MaxConns: l.MaxConns, MaxConnsPerUID: l.MaxConnsPerUID, MaxConnsPerPID: l.MaxConnsPerPID,
-		ProbeConns: l.ProbeConns, HelloTimeout: l.HelloTimeout.Duration, OpenTimeout: l.OpenTimeout.Duration,
-		MaxSessions: l.MaxSessions, MaxSessionsPerAllocation: l.MaxSessionsPerAllocation,
-		MaxStreamsPerSession: l.MaxStreamsPerSession, MaxNameBytesPerSession: int64(l.MaxNameBytesPerSession),
-		MaxDevicePages: l.MaxDevicePages, MaxClientName: l.MaxClientName,
-	}
 }
 
 // journal is the server's journal: the books, when there is a keeper.

@@ -16,9 +16,10 @@ package config
 import (
 	"fmt"
 	"path/filepath"
-	"time"
 
+	"github.com/kvpool/kvpool/internal/server"
 	"github.com/kvpool/kvpool/pkg/contract"
+	"github.com/kvpool/kvpool/pkg/plugin"
 )
 
 // Version identifiers of the file format. The AgentConfig has its own API
@@ -254,16 +255,27 @@ const (
 )
 
 // Default returns the built-in configuration.
+//
+// A default that a component has is written once, in that component, and
+// read from there: the device plugin's directories and reclaim periods
+// (plugin.Default*), the socket server's limits (server.DefaultLimits), the
+// resource name (contract.DefaultResourceName). Those components are also
+// used without a configuration (their tests, pkg/standalone's embedders),
+// where a zero option takes its default; reading the same constants here
+// keeps the configuration's defaults and a zero option the same value.
+// config imports the components for this, never the other way round. The
+// defaults no component has (sizing, addresses, logging, standalone) are
+// written here.
 func Default() Config {
 	return Config{
 		APIVersion:   APIVersion,
 		Kind:         Kind,
 		ResourceName: contract.DefaultResourceName,
-		SocketDir:    "/var/lib/kvpool/sock",
-		KubeletDir:   "/var/lib/kubelet",
-		StateDir:     "/var/lib/kvpool/state",
+		SocketDir:    plugin.DefaultSocketDir,
+		KubeletDir:   plugin.DefaultKubeletDir,
+		StateDir:     plugin.DefaultStateDir,
 		TokenBinding: TokenBindingPod,
-		PodLogsDir:   "/var/log/pods",
+		PodLogsDir:   plugin.DefaultPodLogsDir,
 		Sizing: Sizing{
 			Fraction:            0.5,
 			ReserveBytes:        8 * GiB,
@@ -273,20 +285,37 @@ func Default() Config {
 			HugePages:           HugePagesPrefer,
 		},
 		Reclaim: Reclaim{
-			GracePeriod: Duration{2 * time.Minute},
-			Interval:    Duration{10 * time.Second},
+			GracePeriod: Duration{plugin.DefaultGracePeriod},
+			Interval:    Duration{plugin.DefaultInterval},
 		},
-		Limits: Limits{
-			MaxConns: 1024, MaxConnsPerUID: 512, MaxConnsPerPID: 64, ProbeConns: 8,
-			HelloTimeout: Duration{5 * time.Second}, OpenTimeout: Duration{15 * time.Second},
-			MaxSessions: 1024, MaxSessionsPerAllocation: 64,
-			MaxStreamsPerSession: 1 << 17, MaxNameBytesPerSession: 16 * MiB,
-			MaxDevicePages: 1 << 24, MaxClientName: 256,
-		},
+		Limits:     limitsOf(server.DefaultLimits),
 		Metrics:    Metrics{Address: ":9464"},
 		Health:     Health{Address: ":8081"},
 		Log:        Log{Level: "info", Format: "text"},
 		Standalone: Standalone{Tokens: []string{"dev"}, GPUs: 2, PoolBytes: 512 * MiB},
+	}
+}
+
+// limitsOf is the configuration of the server's limits l; Server is the
+// way back.
+func limitsOf(l server.Limits) Limits {
+	return Limits{
+		MaxConns: l.MaxConns, MaxConnsPerUID: l.MaxConnsPerUID, MaxConnsPerPID: l.MaxConnsPerPID,
+		ProbeConns: l.ProbeConns, HelloTimeout: Duration{l.HelloTimeout}, OpenTimeout: Duration{l.OpenTimeout},
+		MaxSessions: l.MaxSessions, MaxSessionsPerAllocation: l.MaxSessionsPerAllocation,
+		MaxStreamsPerSession: l.MaxStreamsPerSession, MaxNameBytesPerSession: Bytes(l.MaxNameBytesPerSession),
+		MaxDevicePages: l.MaxDevicePages, MaxClientName: l.MaxClientName,
+	}
+}
+
+// Server is the socket server's limits as configured.
+func (l Limits) Server() server.Limits {
+	return server.Limits{
+		MaxConns: l.MaxConns, MaxConnsPerUID: l.MaxConnsPerUID, MaxConnsPerPID: l.MaxConnsPerPID,
+		ProbeConns: l.ProbeConns, HelloTimeout: l.HelloTimeout.Duration, OpenTimeout: l.OpenTimeout.Duration,
+		MaxSessions: l.MaxSessions, MaxSessionsPerAllocation: l.MaxSessionsPerAllocation,
+		MaxStreamsPerSession: l.MaxStreamsPerSession, MaxNameBytesPerSession: int64(l.MaxNameBytesPerSession),
+		MaxDevicePages: l.MaxDevicePages, MaxClientName: l.MaxClientName,
 	}
 }
 
