@@ -16,10 +16,10 @@ package config
 import (
 	"fmt"
 	"path/filepath"
+	"time"
 
 	"github.com/kvpool/kvpool/internal/server"
 	"github.com/kvpool/kvpool/pkg/contract"
-	"github.com/kvpool/kvpool/pkg/plugin"
 )
 
 // Version identifiers of the file format. The AgentConfig has its own API
@@ -256,26 +256,24 @@ const (
 
 // Default returns the built-in configuration.
 //
-// A default that a component has is written once, in that component, and
-// read from there: the device plugin's directories and reclaim periods
-// (plugin.Default*), the socket server's limits (server.DefaultLimits), the
-// resource name (contract.DefaultResourceName). Those components are also
-// used without a configuration (their tests, pkg/standalone's embedders),
-// where a zero option takes its default; reading the same constants here
-// keeps the configuration's defaults and a zero option the same value.
-// config imports the components for this, never the other way round. The
-// defaults no component has (sizing, addresses, logging, standalone) are
-// written here.
+// Each default is written once. The socket server's limits are the
+// server's own (server.DefaultLimits, read here): the server is also run
+// without a configuration (its tests, the client's), where a zero limit
+// takes the same value. The device plugin has no defaults for what it is
+// given here (directories, reclaim periods): the agent always passes the
+// configured values, so this is their one place. config imports the
+// server, never the other way round; pkg/plugin imports no internal
+// package.
 func Default() Config {
 	return Config{
 		APIVersion:   APIVersion,
 		Kind:         Kind,
 		ResourceName: contract.DefaultResourceName,
-		SocketDir:    plugin.DefaultSocketDir,
-		KubeletDir:   plugin.DefaultKubeletDir,
-		StateDir:     plugin.DefaultStateDir,
+		SocketDir:    "/var/lib/kvpool/sock",
+		KubeletDir:   "/var/lib/kubelet",
+		StateDir:     "/var/lib/kvpool/state",
 		TokenBinding: TokenBindingPod,
-		PodLogsDir:   plugin.DefaultPodLogsDir,
+		PodLogsDir:   "/var/log/pods",
 		Sizing: Sizing{
 			Fraction:            0.5,
 			ReserveBytes:        8 * GiB,
@@ -285,8 +283,8 @@ func Default() Config {
 			HugePages:           HugePagesPrefer,
 		},
 		Reclaim: Reclaim{
-			GracePeriod: Duration{plugin.DefaultGracePeriod},
-			Interval:    Duration{plugin.DefaultInterval},
+			GracePeriod: Duration{2 * time.Minute},
+			Interval:    Duration{10 * time.Second},
 		},
 		Limits:     limitsOf(server.DefaultLimits),
 		Metrics:    Metrics{Address: ":9464"},
