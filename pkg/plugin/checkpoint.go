@@ -72,9 +72,10 @@ type recordV1 struct {
 	Pod       string    `json:"pod,omitempty"`
 }
 
-func (r recordV1) current() Record {
-	return Record{Token: r.Token, Devices: r.Devices, FirstSeen: r.FirstSeen, Pod: r.Pod}
-}
+// current converts a version 1 record. The two types have the same
+// fields today; once Record changes, this conversion stops compiling and
+// must be written field by field.
+func (r recordV1) current() Record { return Record(r) }
 
 type checkpointFile struct {
 	Version  int             `json:"version"`
