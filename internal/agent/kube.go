@@ -126,7 +126,7 @@ func connectKube(ctx context.Context, kubeconfig string, log *slog.Logger) (*kub
 
 // startKube is the step "kube" (cluster mode): the API server, when
 // there is one, names the node and gives its allocatable memory and the
-// Node events. closeKube writes the final status and stops the events.
+// Node events. closeKube stops the events.
 func (a *agent) startKube(ctx context.Context) error {
 	k, err := connectKube(ctx, a.opts.Kubeconfig, a.log)
 	if err != nil || k == nil {
@@ -139,20 +139,31 @@ func (a *agent) startKube(ctx context.Context) error {
 
 func (a *agent) closeKube() error {
 	if k := a.kube; k != nil {
-		k.stopped()
 		k.close()
 	}
 	return nil
 }
 
-// startStatus is the step "status" (cluster mode): the node's KVPoolNode
-// status is kept up to date until the agent's context ends; nothing
+// statusStep is the step "status" (cluster mode): the node's KVPoolNode
+// status is kept up to date until the agent's context ends; its stop waits
+// for the loop to end and writes the final status (not ready). Nothing
 // without an API server.
-func (a *agent) startStatus(ctx context.Context, wg *sync.WaitGroup) error {
-	if a.kube != nil {
-		a.kube.runStatus(ctx, a, wg)
-	}
-	return nil
+func (a *agent) statusStep() step {
+	wg := new(sync.WaitGroup)
+	return step{name: "status",
+		start: func(ctx context.Context) error {
+			if a.kube != nil {
+				a.kube.runStatus(ctx, a, wg)
+			}
+			return nil
+		},
+		stop: func() error {
+			wg.Wait()
+			if a.kube != nil {
+				a.kube.stopped()
+			}
+			return nil
+		}}
 }
 
 // runStatus keeps the node's KVPoolNode status up to date until ctx ends.

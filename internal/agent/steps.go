@@ -102,7 +102,7 @@ func (a *agent) steps(m mode) []step {
 	add(true, background("probes", a.addHealthChecks))
 	add(true, step{name: "endpoints", start: a.startEndpoints})
 	add(m.plugin, step{name: "register", start: a.register, stop: a.unregister})
-	add(!m.standalone, background("status", a.startStatus))
+	add(!m.standalone, a.statusStep())
 	add(!m.static(), background("allocate-background", a.allocateBackground))
 	return s
 }
