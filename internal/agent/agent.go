@@ -196,7 +196,10 @@ func Boot(parent context.Context, o Options) (*Agent, error) {
 	if a.node == "" {
 		a.node, _ = os.Hostname()
 	}
-	if err := a.life.start(ctx, a.steps(modeOf(o))); err != nil {
+	m := modeOf(o)
+	steps := a.steps(m)
+	a.log.Debug("start-up steps", "mode", m.String(), "steps", stepNames(steps))
+	if err := a.life.start(ctx, steps); err != nil {
 		cancel()
 		return nil, errors.Join(err, a.life.stop())
 	}
