@@ -4,10 +4,15 @@
 // the keeper, and the observability endpoints. Cluster and standalone are
 // two configurations of the same assembly (Options.Standalone).
 //
-// One file per concern: agent.go start-up and shutdown, chunks.go the plan
-// and the pinned chunks, tokens.go who may use which chunks, cluster.go the
-// device plugin, kube.go the API server, observability.go and probes.go the
-// metrics and health endpoints, restore.go the keeper.
+// Start-up is a list of named steps, each with its start and its undo,
+// built once per mode (steps.go); Boot runs them, and a failed start or
+// Wait undoes them in reverse.
+//
+// One file per concern: agent.go Boot and Wait, steps.go the steps per
+// mode, chunks.go the plan and the pinned chunks, tokens.go who may use
+// which chunks, cluster.go the device plugin, kube.go the API server,
+// observability.go and probes.go the metrics and health endpoints,
+// restore.go the keeper.
 package agent
 
 import (
@@ -18,7 +23,6 @@ import (
 	"net"
 	"os"
 	"path/filepath"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -28,6 +32,7 @@ import (
 	"github.com/kvpool/kvpool/internal/bytesize"
 	"github.com/kvpool/kvpool/internal/config"
 	"github.com/kvpool/kvpool/internal/events"
+	"github.com/kvpool/kvpool/internal/gpu"
 	"github.com/kvpool/kvpool/internal/hostmem"
 	"github.com/kvpool/kvpool/internal/node"
 	"github.com/kvpool/kvpool/internal/server"
@@ -96,9 +101,10 @@ func (x *Agent) MetricsAddr() net.Addr { return x.a.obs.metricsAddr }
 // when off.
 func (x *Agent) HealthAddr() net.Addr { return x.a.obs.healthAddr }
 
-// Wait serves until ctx ends, then shuts down: the server stops accepting
-// and closes its connections, the plugin unregisters, the allocation stops,
-// and the chunks are freed.
+// Wait serves until ctx ends, then shuts down: it stops the start-up
+// steps in reverse (the allocation stops, the plugin unregisters, the
+// server stops accepting and closes its connections, the chunks are
+// freed) and returns their errors joined.
 //
 // When the socket server stops on its own (a fatal accept error), Wait
 // logs why, stops everything else and returns the error, so that the
@@ -117,7 +123,8 @@ func Run(ctx context.Context, o Options) error {
 }
 
 // agent is the running node agent: the pool, its chunks, the copy server,
-// the device plugin and the observability endpoints.
+// the device plugin and the observability endpoints. Each field is set by
+// the start-up step that makes it (steps.go) and read by the later ones.
 type agent struct {
 	log    *slog.Logger
 	cfg    *config.Config
@@ -125,8 +132,14 @@ type agent struct {
 	mode   string // "cluster" or "standalone"
 	node   string
 	socket string
-	plan   *sizing.Plan
-	specs  []hostmem.Spec
+	life   lifecycle
+
+	info        *node.Info   // step node
+	allocatable int64        // step kube: the Node's allocatable memory, 0 when unknown
+	devs        []gpu.Device // step gpus
+	gpuSource   string       // where the GPUs came from, for the plan's log line
+	plan        *sizing.Plan // step plan
+	specs       []hostmem.Spec
 
 	pool *pool.Pool
 	srv  *server.Server
@@ -148,25 +161,54 @@ type agent struct {
 	// restart is what the agent took over from the keeper; nil without one.
 	restart *restart
 
-	ln         *net.UnixListener
-	serveDone  chan error
-	background sync.WaitGroup
+	ln *net.UnixListener
+	// serveDone is closed when the socket server's Serve has returned
+	// serveErr.
+	serveDone chan struct{}
+	serveErr  error
 	// cancel ends the context every goroutine of the agent runs under:
 	// on a signal, a fatal error of the socket server, or a failed start.
 	cancel context.CancelFunc
 }
 
-// Boot brings the agent up in start-up order: node and GPUs, the
-// sizing plan, the socket server, observability, the device plugin, then
-// the chunks in the background. It returns once the socket is listening.
+// Boot brings the agent up: it runs the start-up steps of the agent's
+// mode in order (steps.go, listed per mode in docs/architecture.md) and
+// returns once the socket is listening, the chunks still being allocated
+// in the background in most modes.
 //
-// Every goroutine it starts runs under a context of its own, which a failed
-// start cancels before releasing what it got to: a failed start returns its
-// error at once instead of waiting on loops nothing would stop.
-func Boot(parent context.Context, o Options) (_ *Agent, err error) {
+// Every goroutine a step starts runs under a context of its own. A failed
+// step cancels it and stops the steps started, in reverse, before Boot
+// returns its error: a failed start returns at once instead of waiting on
+// loops nothing would stop.
+func Boot(parent context.Context, o Options) (*Agent, error) {
 	if o.Config == nil {
 		return nil, errors.New("agent: no configuration")
 	}
+	t := time.Now()
+	o = o.withDefaults()
+	ctx, cancel := context.WithCancel(parent)
+	a := &agent{log: o.Logger, cfg: o.Config, opts: o, mode: "cluster", socket: o.Socket, pool: pool.New(),
+		hmem: map[string]*hostmem.Chunk{}, events: events.Nop, cancel: cancel, life: lifecycle{log: o.Logger}}
+	if o.Standalone {
+		a.mode = "standalone"
+	}
+	a.node = os.Getenv("NODE_NAME")
+	if a.node == "" {
+		a.node, _ = os.Hostname()
+	}
+	m := modeOf(o)
+	steps := a.steps(m)
+	a.log.Debug("start-up steps", "mode", m.String(), "steps", stepNames(steps))
+	if err := a.life.start(ctx, steps); err != nil {
+		cancel()
+		return nil, errors.Join(err, a.life.stop())
+	}
+	a.logServing(time.Since(t))
+	return &Agent{a}, nil
+}
+
+// withDefaults fills the options the command line may leave out.
+func (o Options) withDefaults() Options {
 	if o.Logger == nil {
 		o.Logger = slog.Default()
 	}
@@ -182,109 +224,25 @@ func Boot(parent context.Context, o Options) (_ *Agent, err error) {
 	if o.Version == "" {
 		o.Version = "dev"
 	}
-	cfg, log := o.Config, o.Logger
-	ctx, cancel := context.WithCancel(parent)
-	a := &agent{log: log, cfg: cfg, opts: o, mode: "cluster", socket: o.Socket, pool: pool.New(),
-		hmem: map[string]*hostmem.Chunk{}, events: events.Nop, cancel: cancel}
-	if o.Standalone {
-		a.mode = "standalone"
-	}
-	a.node = os.Getenv("NODE_NAME")
-	if a.node == "" {
-		a.node, _ = os.Hostname()
-	}
-	defer func() {
-		if err != nil {
-			cancel()
-			a.abort()
-		}
-	}()
+	return o
+}
 
-	info, err := node.Read(o.Root)
-	if err != nil {
-		return nil, err
-	}
-	var allocatable int64
-	if !o.Standalone {
-		if a.kube, err = connectKube(ctx, o.Kubeconfig, log); err != nil {
-			return nil, err
-		}
-		if a.kube != nil {
-			a.node = a.kube.node
-			allocatable = a.kube.allocatable
-			a.events = a.kube.events
-		}
-	}
-	devs, source, err := a.gpus(info)
-	if err != nil {
-		return nil, err
-	}
-	if err := a.makePlan(info, devs, allocatable); err != nil {
-		return nil, err
-	}
-	a.logPlan(source)
-	if cfg.KeeperSocket != "" {
-		if err := a.restore(); err != nil {
-			return nil, err
-		}
-	}
-	if o.Standalone || cfg.Sizing.HugePages == config.HugePagesPrefer {
-		for _, w := range a.plan.Warnings {
-			if strings.Contains(w, "huge pages") {
-				a.events.HugePagesFallback(w)
-			}
-		}
-	}
-	if err := a.prepareTokens(); err != nil {
-		return nil, err
-	}
+// readNode is the step "node": what the node offers (memory, NUMA nodes,
+// huge pages, the cgroup limit).
+func (a *agent) readNode(context.Context) error {
+	info, err := node.Read(a.opts.Root)
+	a.info = info
+	return err
+}
 
-	// Observability first, so start-up failures after this are counted.
-	a.obs = newObservability(a.pool, obsOptions{Node: a.node, Mode: a.mode, Version: o.Version,
-		Targets: func() map[int]int64 {
-			m := map[int]int64{}
-			for _, g := range a.plan.GPUs {
-				m[g.GPU] = g.Bytes
-			}
-			return m
-		}})
-	for _, g := range a.plan.GPUs {
-		a.obs.Metrics.InitGPU(g.GPU)
-	}
-	a.obs.Report.Restart = a.restartStatus
-	a.obs.Metrics.Restart(a.restartStatus)
-
-	// The device plugin is built (not yet registered) before the server,
-	// whose Authorize resolves the tokens it hands out.
-	pcfg := pluginConfig{
-		Enabled:      !o.Standalone || o.DevicePlugin,
-		ResourceName: cfg.ResourceName, KubeletDir: cfg.KubeletDir, SocketDir: cfg.SocketDir, StateDir: cfg.StateDir,
-		GracePeriod: cfg.Reclaim.GracePeriod.Duration, Interval: cfg.Reclaim.Interval.Duration,
-		BindPods: cfg.TokenBinding == config.TokenBindingPod, PodLogsDir: cfg.PodLogsDir,
-		Observer: a.obs.Observer,
-	}
-	if a.plug, err = newPlugin(pcfg, a.pool, a.renew, a.events, log); err != nil {
-		return nil, err
-	}
-	if a.plug != nil {
-		a.obs.Metrics.InitPlugin()
-	}
-	a.settleRestored()
-
-	// Standalone tokens name their chunks up front: allocate before the
-	// socket appears, so a client that finds the socket finds its chunks.
-	if a.static != nil {
-		a.allocate(ctx)
-		if err := ctx.Err(); err != nil {
-			return nil, err
-		}
-	}
-
+// newServer is the step "server": the copy API server over the pool, the
+// chunk files and the agent's authorize (tokens.go).
+func (a *agent) newServer(ctx context.Context) error {
 	uuids := make(map[string]int, len(a.plan.GPUs))
 	for _, g := range a.plan.GPUs {
 		uuids[g.UUID] = g.GPU
 	}
-	a.srv, err = server.New(server.Options{
+	srv, err := server.New(server.Options{
 		GPUs:      uuids,
 		Pool:      a.pool,
 		Chunks:    a.chunk,
@@ -292,67 +250,77 @@ func Boot(parent context.Context, o Options) (_ *Agent, err error) {
 		AuthorizePeer: func(token string, peer server.Peer) (string, error) {
 			return a.authorizePeer(ctx, token, peer)
 		},
-		Logger:   log,
-		Hooks:    chainHooks(serverHooks(a.obs.Observer, a.obs.limitRejects), o.Hooks),
+		Logger:   a.log,
+		Hooks:    chainHooks(serverHooks(a.obs.Observer, a.obs.Metrics), a.opts.Hooks),
 		Journal:  a.journal(),
-		Name:     "kvpool-agent " + o.Version + " (" + a.mode + ")",
-		Limits:   serverLimits(cfg.Limits),
+		Name:     "kvpool-agent " + a.opts.Version + " (" + a.mode + ")",
+		Limits:   a.cfg.Limits.Server(),
 		ProbePID: os.Getpid(),
 
-		PollAfterReply: cfg.PollAfterReply.Duration,
+		PollAfterReply: a.cfg.PollAfterReply.Duration,
 	})
-	if err != nil {
-		return nil, err
-	}
-	if o.Standalone {
-		if err := CheckSocketDir(filepath.Dir(a.socket)); err != nil {
-			return nil, err
-		}
-	}
-	if a.restart != nil {
-		if err := a.srv.Restore(a.restart.sessions); err != nil {
-			return nil, err
-		}
-	}
-	if a.ln, err = server.Listen(a.socket); err != nil {
-		return nil, err
-	}
-	if r := a.restart; r != nil {
-		if !r.lastAlive.IsZero() {
-			r.gap = time.Since(r.lastAlive)
-			a.log.Info("serving again after a restart", "gap", r.gap.Round(time.Millisecond),
-				"adoptedChunks", len(r.adopted), "sessions", len(r.sessions), "streams", r.streams)
-		}
-		a.background.Add(1)
-		go func() {
-			defer a.background.Done()
-			a.heartbeat(ctx)
-		}()
-	}
-	a.serveDone = make(chan error, 1)
-	go func() { a.serveDone <- a.srv.Serve(ctx, a.ln) }()
+	a.srv = srv
+	return err
+}
 
-	a.addHealthChecks(ctx)
-	if cfg.Metrics.Address == "" && cfg.Health.Address == "" {
-		log.Info("metrics and health servers off (empty addresses)")
-	} else if err := a.obs.start(ctx, cfg.Metrics.Address, cfg.Health.Address); err != nil {
-		return nil, err
+// checkSocketDir is the step "socket-dir" (standalone): the socket's
+// directory must be the agent user's alone (CheckSocketDir).
+func (a *agent) checkSocketDir(context.Context) error {
+	return CheckSocketDir(filepath.Dir(a.socket))
+}
+
+// listen is the step "listen": the socket file appears; unlisten removes
+// it.
+func (a *agent) listen(context.Context) error {
+	ln, err := server.Listen(a.socket)
+	if err != nil {
+		return err
 	}
-	if a.plug != nil {
-		a.plug.start(ctx)
+	a.ln = ln
+	return nil
+}
+
+func (a *agent) unlisten() error {
+	if a.ln == nil {
+		return nil
 	}
-	if a.kube != nil {
-		a.kube.startStatus(ctx, a, &a.background)
+	var errs []error
+	if err := a.ln.Close(); err != nil && !errors.Is(err, net.ErrClosed) {
+		errs = append(errs, err)
 	}
-	if a.static == nil {
-		a.background.Add(1)
-		go func() {
-			defer a.background.Done()
-			a.allocate(ctx)
-		}()
+	if err := os.Remove(a.socket); err != nil && !errors.Is(err, os.ErrNotExist) {
+		errs = append(errs, err)
 	}
-	a.logServing()
-	return &Agent{a}, nil
+	return errors.Join(errs...)
+}
+
+// serve is the step "serve": the socket server serves until the agent's
+// context ends (or fails on its own: Wait then stops the agent); served
+// waits for it to end.
+func (a *agent) serve(ctx context.Context) error {
+	a.serveDone = make(chan struct{})
+	go func() {
+		defer close(a.serveDone)
+		a.serveErr = a.srv.Serve(ctx, a.ln)
+	}()
+	return nil
+}
+
+func (a *agent) served() error {
+	if a.serveDone != nil {
+		<-a.serveDone
+	}
+	return nil
+}
+
+// startEndpoints is the step "endpoints": the metrics and health servers
+// (each off when its address is empty).
+func (a *agent) startEndpoints(ctx context.Context) error {
+	if a.cfg.Metrics.Address == "" && a.cfg.Health.Address == "" {
+		a.log.Info("metrics and health servers off (empty addresses)")
+		return nil
+	}
+	return a.obs.start(ctx, a.cfg.Metrics.Address, a.cfg.Health.Address)
 }
 
 // chainHooks calls the hooks of a, then those of b.
@@ -377,9 +345,9 @@ func chainHooks(a, b server.Hooks) server.Hooks {
 	return out
 }
 
-func (a *agent) logServing() {
+func (a *agent) logServing(took time.Duration) {
 	attrs := []any{"mode", a.mode, "node", a.node, "socket", a.socket, "gpus", len(a.plan.GPUs),
-		"chunks", len(a.specs), bytesize.Attr("chunk", a.plan.ChunkBytes)}
+		"chunks", len(a.specs), bytesize.Attr("chunk", a.plan.ChunkBytes), "startup", took.Round(time.Millisecond)}
 	if a.obs.metricsAddr != nil {
 		attrs = append(attrs, "metrics", a.obs.metricsAddr.String())
 	}
@@ -392,67 +360,30 @@ func (a *agent) logServing() {
 	a.log.Info("kvpool agent serving", attrs...)
 }
 
-// wait is Agent.Wait.
+// wait is Agent.Wait: it waits for the context to end or the socket
+// server to fail, then cancels the agent's context and stops the started
+// steps in reverse. It returns the server's error (wrapped when it was
+// fatal) joined with the steps' errors.
 func (a *agent) wait(ctx context.Context) error {
-	var err error
+	var fatal error
 	select {
-	case err = <-a.serveDone:
+	case <-a.serveDone:
 		if ctx.Err() == nil {
-			if err == nil {
-				err = errors.New("stopped without an error")
+			fatal = a.serveErr
+			if fatal == nil {
+				fatal = errors.New("stopped without an error")
 			}
-			err = fmt.Errorf("socket server stopped: %w", err)
-			a.log.Error("fatal: shutting down", "err", err)
+			fatal = fmt.Errorf("socket server stopped: %w", fatal)
+			a.log.Error("fatal: shutting down", "err", fatal)
 		}
 	case <-ctx.Done():
-		err = <-a.serveDone
 	}
 	a.cancel()
-	a.abort()
-	return err
-}
-
-// serverLimits turns the configured limits into the server's.
-func serverLimits(l config.Limits) server.Limits {
-	return server.Limits{
-		MaxConns: l.MaxConns, MaxConnsPerUID: l.MaxConnsPerUID, MaxConnsPerPID: l.MaxConnsPerPID,
-		ProbeConns: l.ProbeConns, HelloTimeout: l.HelloTimeout.Duration, OpenTimeout: l.OpenTimeout.Duration,
-		MaxSessions: l.MaxSessions, MaxSessionsPerAllocation: l.MaxSessionsPerAllocation,
-		MaxStreamsPerSession: l.MaxStreamsPerSession, MaxNameBytesPerSession: int64(l.MaxNameBytesPerSession),
-		MaxDevicePages: l.MaxDevicePages, MaxClientName: l.MaxClientName,
+	stopErr := a.life.stop() // waits for Serve to return
+	if fatal != nil {
+		return errors.Join(fatal, stopErr)
 	}
-}
-
-// abort releases whatever start-up got to. The caller's ctx must be done
-// (or start-up failed before any goroutine started).
-func (a *agent) abort() {
-	if a.ln != nil {
-		a.ln.Close()
-		os.Remove(a.socket)
-	}
-	if a.plug != nil {
-		a.plug.Wait()
-	}
-	a.background.Wait()
-	if a.kube != nil {
-		a.kube.stopped()
-		a.kube.close()
-	}
-	if r := a.restart; r != nil {
-		// The keeper keeps the memory and the books for the next agent.
-		if r.books != nil {
-			r.books.Close()
-		}
-		r.keeper.Close()
-	}
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	for id, c := range a.hmem {
-		if err := c.Close(); err != nil {
-			a.log.Warn("freeing chunk", "chunk", id, "err", err)
-		}
-		delete(a.hmem, id)
-	}
+	return errors.Join(a.serveErr, stopErr)
 }
 
 // journal is the server's journal: the books, when there is a keeper.

@@ -8,6 +8,7 @@ import (
 	"runtime"
 	"slices"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/kvpool/kvpool/internal/bytesize"
@@ -24,18 +25,35 @@ import (
 // SimulatedGPUMemory is the device memory of a simulated GPU (an H100's).
 const SimulatedGPUMemory = 80 << 30
 
-// gpus finds the GPUs: simulated in standalone mode or with
-// --simulate-gpus, else through NVML.
-func (a *agent) gpus(info *node.Info) ([]gpu.Device, string, error) {
+// gpusStep is the step "gpus": simulated GPUs in standalone mode
+// (standalone.gpus), else those of gpus.
+func (a *agent) gpusStep(m mode) step {
+	find := a.gpus
+	if m.standalone {
+		find = func(info *node.Info) ([]gpu.Device, string, error) {
+			return gpu.Simulated(a.cfg.Standalone.GPUs, SimulatedGPUMemory, numaIDs(info)), "simulated (standalone)", nil
+		}
+	}
+	return step{name: "gpus", start: func(context.Context) error {
+		devs, source, err := find(a.info)
+		a.devs, a.gpuSource = devs, source
+		return err
+	}}
+}
+
+func numaIDs(info *node.Info) []int {
 	var numa []int
 	for _, n := range info.NUMANodes {
 		numa = append(numa, n.ID)
 	}
-	if a.opts.Standalone {
-		return gpu.Simulated(a.cfg.Standalone.GPUs, SimulatedGPUMemory, numa), "simulated (standalone)", nil
-	}
+	return numa
+}
+
+// gpus finds a cluster node's GPUs: simulated with --simulate-gpus, else
+// through NVML.
+func (a *agent) gpus(info *node.Info) ([]gpu.Device, string, error) {
 	if n := a.opts.SimulateGPUs; n > 0 {
-		return gpu.Simulated(n, SimulatedGPUMemory, numa), "simulated (--simulate-gpus)", nil
+		return gpu.Simulated(n, SimulatedGPUMemory, numaIDs(info)), "simulated (--simulate-gpus)", nil
 	}
 	devs, err := gpu.Discover(a.opts.NVML(), a.opts.Root)
 	if errors.Is(err, gpu.ErrNoNVML) {
@@ -50,44 +68,93 @@ func (a *agent) gpus(info *node.Info) ([]gpu.Device, string, error) {
 	return devs, "NVML", nil
 }
 
-// makePlan sizes the pool and turns it into chunk specs.
-func (a *agent) makePlan(info *node.Info, devs []gpu.Device, allocatable int64) error {
-	policy := a.cfg.Sizing
-	o := a.opts
-	if o.Standalone && o.ChunksPerGPU > 0 && o.ChunkBytes > 0 {
-		// A fixed layout (embedded agents: pkg/standalone.Start).
-		cb, n := o.ChunkBytes, o.ChunksPerGPU
-		a.plan = &sizing.Plan{ChunkBytes: cb, Bound: "fixed layout", Limits: []sizing.Limit{}}
-		for _, d := range devs {
-			a.plan.GPUs = append(a.plan.GPUs, sizing.GPUPlan{GPU: d.Index, UUID: d.UUID, NUMA: d.NUMA,
-				Bytes: cb * int64(n), Chunks: n, PageSize: int64(os.Getpagesize()), Bound: "fixed layout"})
-			a.plan.Total += cb * int64(n)
+// planner makes the pool's plan for the GPUs found, and names the huge
+// page policy its chunks follow.
+type planner func() (*sizing.Plan, string, error)
+
+// planStep is the step "plan" ("fixed-plan" for a fixed layout): the
+// pool's plan, logged, turned into chunk specs. Its stop frees every chunk
+// the agent holds, whichever step allocated or adopted it.
+func (a *agent) planStep(m mode) step {
+	name, plan := "plan", a.sizedPlan(m.standalone)
+	if m.fixed {
+		name, plan = "fixed-plan", a.fixedPlan
+	}
+	// Simulated GPUs copy with the CPU: pinning gains nothing, so a memlock
+	// limit only warns.
+	lockFallback := m.standalone || a.opts.SimulateGPUs > 0
+	// A huge page fallback is also a Node event where huge pages were
+	// asked for (a cluster's "prefer"; standalone's own policy).
+	hugeEvents := m.standalone || a.cfg.Sizing.HugePages == config.HugePagesPrefer
+	return step{name: name, stop: a.freeChunks, start: func(context.Context) error {
+		p, hugePages, err := plan()
+		if err != nil {
+			return err
 		}
-		policy.HugePages = config.HugePagesNever
-	} else {
-		in := sizing.Input{Node: info, Allocatable: allocatable}
-		for _, d := range devs {
+		a.plan = p
+		workers := max(1, min(runtime.NumCPU()/2, 8))
+		a.specs = p.Specs(hugePages, workers)
+		if lockFallback {
+			for i := range a.specs {
+				a.specs[i].LockFallback = true
+			}
+		}
+		a.logPlan(a.gpuSource)
+		for _, w := range p.Warnings {
+			if hugeEvents && strings.Contains(w, "huge pages") {
+				a.events.HugePagesFallback(w)
+			}
+		}
+		return nil
+	}}
+}
+
+// sizedPlan sizes the pool over the node (the configured sizing; in
+// standalone mode sizing.Standalone, a small pool).
+func (a *agent) sizedPlan(standalone bool) planner {
+	return func() (*sizing.Plan, string, error) {
+		policy := a.cfg.Sizing
+		if standalone {
+			policy = sizing.Standalone(a.cfg, len(a.devs))
+		}
+		in := sizing.Input{Node: a.info, Allocatable: a.allocatable}
+		for _, d := range a.devs {
 			in.GPUs = append(in.GPUs, sizing.GPU{Index: d.Index, UUID: d.UUID, NUMA: d.NUMA, Memory: d.Memory})
-		}
-		if o.Standalone {
-			policy = sizing.Standalone(a.cfg, len(devs))
 		}
 		p, err := sizing.Make(policy, in)
 		if err != nil {
-			return fmt.Errorf("sizing the pool: %w", err)
+			return nil, "", fmt.Errorf("sizing the pool: %w", err)
 		}
-		a.plan = p
+		return p, policy.HugePages, nil
 	}
-	workers := max(1, min(runtime.NumCPU()/2, 8))
-	a.specs = a.plan.Specs(policy.HugePages, workers)
-	// Simulated GPUs copy with the CPU: pinning gains nothing, so a memlock
-	// limit only warns.
-	if o.Standalone || o.SimulateGPUs > 0 {
-		for i := range a.specs {
-			a.specs[i].LockFallback = true
+}
+
+// fixedPlan is a fixed layout (embedded agents: pkg/standalone.Start):
+// ChunksPerGPU chunks of ChunkBytes per GPU, 4 KiB pages.
+func (a *agent) fixedPlan() (*sizing.Plan, string, error) {
+	cb, n := a.opts.ChunkBytes, a.opts.ChunksPerGPU
+	p := &sizing.Plan{ChunkBytes: cb, Bound: "fixed layout", Limits: []sizing.Limit{}}
+	for _, d := range a.devs {
+		p.GPUs = append(p.GPUs, sizing.GPUPlan{GPU: d.Index, UUID: d.UUID, NUMA: d.NUMA,
+			Bytes: cb * int64(n), Chunks: n, PageSize: int64(os.Getpagesize()), Bound: "fixed layout"})
+		p.Total += cb * int64(n)
+	}
+	return p, config.HugePagesNever, nil
+}
+
+// freeChunks unmaps and closes every chunk the agent holds (with a keeper,
+// the keeper still holds their memory for the next agent).
+func (a *agent) freeChunks() error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	var errs []error
+	for id, c := range a.hmem {
+		if err := c.Close(); err != nil {
+			errs = append(errs, fmt.Errorf("freeing chunk %s: %w", id, err))
 		}
+		delete(a.hmem, id)
 	}
-	return nil
+	return errors.Join(errs...)
 }
 
 func (a *agent) logPlan(source string) {
@@ -169,89 +236,120 @@ func (a *agent) renew(id string) error {
 	return nil
 }
 
+// allocateNow is the step "allocate" (standalone tokens): every chunk
+// allocated and granted before the socket appears.
+func (a *agent) allocateNow(ctx context.Context) error {
+	a.allocate(ctx)
+	return ctx.Err()
+}
+
+// allocateBackground is the step "allocate-background": the chunks are
+// allocated while the agent serves, each published as it is ready.
+func (a *agent) allocateBackground(ctx context.Context, wg *sync.WaitGroup) error {
+	wg.Go(func() { a.allocate(ctx) })
+	return nil
+}
+
+// filling is one run of allocate: where each chunk goes and how far each
+// GPU's pool is.
+type filling struct {
+	start, last  time.Time
+	gpuOf        map[string]int   // chunk ID -> GPU
+	wantPage     map[string]int64 // chunk ID -> planned page size
+	left         map[int]int      // GPU -> chunks still to come
+	fellBack     bool             // a huge page fallback was posted
+	ready, total int
+}
+
 // allocate allocates the planned chunks one by one, adding each to the
 // pool (and so to the device plugin's device list) as soon as it is ready.
 func (a *agent) allocate(ctx context.Context) {
-	start := time.Now()
-	gpuOf := map[string]int{}
-	wantPage := map[string]int64{}
-	left := map[int]int{}
+	f := &filling{start: time.Now(), gpuOf: map[string]int{}, wantPage: map[string]int64{}, left: map[int]int{}}
 	for _, g := range a.plan.GPUs {
-		left[g.GPU] = g.Chunks
+		f.left[g.GPU] = g.Chunks
 		for _, id := range g.ChunkIDs() {
-			gpuOf[id] = g.GPU
+			f.gpuOf[id] = g.GPU
 		}
 	}
 	var specs []hostmem.Spec
 	for _, s := range a.specs {
-		wantPage[s.ID] = s.PageSize
+		f.wantPage[s.ID] = s.PageSize
 		if a.restart != nil && a.restart.adopted[s.ID] {
-			left[gpuOf[s.ID]]-- // adopted from the keeper: already in the pool
+			f.left[f.gpuOf[s.ID]]-- // adopted from the keeper: already in the pool
 			continue
 		}
 		specs = append(specs, s)
 	}
-	last := start
-	fellBack := false
-	ready, total := len(a.specs)-len(specs), len(a.specs)
+	f.last = f.start
+	f.ready, f.total = len(a.specs)-len(specs), len(a.specs)
 	for r := range hostmem.AllocateAll(ctx, specs, a.log) {
-		g := gpuOf[r.ID]
-		if r.Err != nil {
-			a.obs.Metrics.ChunkPinFailed(g, r.Err)
-			observe.Report(a.obs.Observer, observe.ComponentAllocation, observe.OpPin, fmt.Errorf("chunk %s: %w", r.ID, r.Err))
-			a.log.Error("pool allocation stopped; serving the chunks already ready", "chunk", r.ID, "ready", ready, "of", total, "err", r.Err)
+		if !a.place(f, r) {
 			break
-		}
-		now := time.Now()
-		c := r.Chunk
-		if w := wantPage[r.ID]; w > int64(os.Getpagesize()) && c.PageSize < w && !fellBack {
-			fellBack = true
-			a.events.HugePagesFallback(strings.Join(c.Warnings, "; "))
-		}
-		pc := pool.Chunk{ID: r.ID, GPU: g, NUMA: c.Node, Size: c.Size}
-		if c.Node < 0 {
-			pc.NUMA = a.numaOf(g)
-		}
-		if err := a.keep(r.ID, c); err != nil {
-			// A chunk the keeper does not hold would be lost by a restart
-			// with everything written to it: not used.
-			c.Close()
-			observe.Report(a.obs.Observer, "keeper", "keep", fmt.Errorf("chunk %s: %w", r.ID, err))
-			a.log.Error("pool allocation stopped: the keeper does not take the chunk", "chunk", r.ID, "err", err)
-			break
-		}
-		a.mu.Lock()
-		a.hmem[r.ID] = c
-		a.mu.Unlock()
-		if err := a.pool.AddChunk(pc); err != nil {
-			a.log.Error("adding chunk to the pool", "chunk", r.ID, "err", err)
-			observe.Report(a.obs.Observer, "pool", "add_chunk", err)
-			continue
-		}
-		ready++
-		if a.restart != nil {
-			a.restart.fresh.Add(1)
-		}
-		a.obs.Metrics.ChunkPinned(g, now.Sub(last))
-		last = now
-		if left[g]--; left[g] == 0 {
-			a.obs.Metrics.PoolFilled(g, now.Sub(start))
-		}
-		if a.plug != nil {
-			if err := a.plug.Feed.Set(plugin.PoolDevices(a.pool.Chunks())); err != nil {
-				a.log.Error("device list", "err", err)
-			}
-			a.plug.Plugin.GrantPending()
 		}
 	}
 	if ctx.Err() != nil {
 		return
 	}
-	if ready == total {
-		a.events.PoolReady(a.plan.Total, total, time.Since(start))
-		a.log.Info("pool ready", "chunks", total, bytesize.Attr("bytes", a.plan.Total), "took", time.Since(start).Round(time.Millisecond))
+	if f.ready == f.total {
+		a.events.PoolReady(a.plan.Total, f.total, time.Since(f.start))
+		a.log.Info("pool ready", "chunks", f.total, bytesize.Attr("bytes", a.plan.Total), "took", time.Since(f.start).Round(time.Millisecond))
 	}
 	a.grantStatic()
+}
+
+// place puts one allocated chunk in service: the keeper gets it, then the
+// pool and the device plugin's device list. It returns false when the
+// allocation must stop.
+func (a *agent) place(f *filling, r hostmem.Result) bool {
+	g := f.gpuOf[r.ID]
+	if r.Err != nil {
+		a.obs.Metrics.ChunkPinFailed(g, r.Err)
+		observe.Report(a.obs.Observer, observe.ComponentAllocation, observe.OpPin, fmt.Errorf("chunk %s: %w", r.ID, r.Err))
+		a.log.Error("pool allocation stopped; serving the chunks already ready", "chunk", r.ID, "ready", f.ready, "of", f.total, "err", r.Err)
+		return false
+	}
+	now := time.Now()
+	c := r.Chunk
+	if w := f.wantPage[r.ID]; w > int64(os.Getpagesize()) && c.PageSize < w && !f.fellBack {
+		f.fellBack = true
+		a.events.HugePagesFallback(strings.Join(c.Warnings, "; "))
+	}
+	pc := pool.Chunk{ID: r.ID, GPU: g, NUMA: c.Node, Size: c.Size}
+	if c.Node < 0 {
+		pc.NUMA = a.numaOf(g)
+	}
+	if err := a.keep(r.ID, c); err != nil {
+		// A chunk the keeper does not hold would be lost by a restart
+		// with everything written to it: not used.
+		c.Close()
+		observe.Report(a.obs.Observer, "keeper", "keep", fmt.Errorf("chunk %s: %w", r.ID, err))
+		a.log.Error("pool allocation stopped: the keeper does not take the chunk", "chunk", r.ID, "err", err)
+		return false
+	}
+	a.mu.Lock()
+	a.hmem[r.ID] = c
+	a.mu.Unlock()
+	if err := a.pool.AddChunk(pc); err != nil {
+		a.log.Error("adding chunk to the pool", "chunk", r.ID, "err", err)
+		observe.Report(a.obs.Observer, "pool", "add_chunk", err)
+		return true
+	}
+	f.ready++
+	if a.restart != nil {
+		a.restart.fresh.Add(1)
+	}
+	a.obs.Metrics.ChunkPinned(g, now.Sub(f.last))
+	f.last = now
+	if f.left[g]--; f.left[g] == 0 {
+		a.obs.Metrics.PoolFilled(g, now.Sub(f.start))
+	}
+	if a.plug != nil {
+		if err := a.plug.Feed.Set(plugin.PoolDevices(a.pool.Chunks())); err != nil {
+			a.log.Error("device list", "err", err)
+		}
+		a.plug.Plugin.GrantPending()
+	}
+	return true
 }
 
 // numaOf is the planned NUMA node of a GPU's chunks (-1 when unknown).

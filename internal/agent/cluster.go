@@ -3,32 +3,13 @@ package agent
 import (
 	"context"
 	"log/slog"
-	"time"
 
-	"github.com/kvpool/kvpool/internal/events"
-	"github.com/kvpool/kvpool/pkg/observe"
+	"github.com/kvpool/kvpool/internal/config"
 	"github.com/kvpool/kvpool/pkg/plugin"
-	"github.com/kvpool/kvpool/pkg/pool"
 )
 
-// pluginConfig is the device plugin's part of the agent configuration,
-// taken from the AgentConfig (resourceName, kubeletDir, socketDir,
-// stateDir, reclaim.gracePeriod, reclaim.interval).
-type pluginConfig struct {
-	Enabled      bool // in-cluster mode always; standalone only with --device-plugin
-	ResourceName string
-	KubeletDir   string
-	SocketDir    string
-	StateDir     string
-	GracePeriod  time.Duration
-	Interval     time.Duration
-	BindPods     bool             // tokenBinding "pod"
-	PodLogsDir   string           // kubelet's pod log directory
-	Observer     observe.Observer // the plugin's operations and failures: metrics and the error ring
-}
-
-// pluginRun is a device plugin, built by newPlugin and registered with
-// kubelet by start.
+// pluginRun is a device plugin, built by the step "plugin" and registered
+// with kubelet by the step "register".
 type pluginRun struct {
 	// Plugin's Authorize maps KVPOOL_TOKEN to the pool allocation; give it
 	// to the copy server.
@@ -36,7 +17,6 @@ type pluginRun struct {
 	// Feed must get a new snapshot whenever chunks become ready or fail:
 	// Feed.Set(plugin.PoolDevices(p.Chunks())), or Feed.SetHealth.
 	Feed    *plugin.Feed
-	cfg     pluginConfig
 	log     *slog.Logger
 	done    chan struct{}
 	started bool
@@ -61,44 +41,53 @@ func (r *pluginRun) Running() bool {
 	}
 }
 
-// newPlugin builds the kubelet device plugin over p (restoring its
-// checkpoint), or returns nil when cfg does not enable it. renew replaces a
-// reclaimed chunk with fresh memory (plugin.Options.Renew).
-func newPlugin(cfg pluginConfig, p *pool.Pool, renew func(id string) error, ev events.Events, log *slog.Logger) (*pluginRun, error) {
-	if !cfg.Enabled {
-		return nil, nil
-	}
-	feed := plugin.NewFeed()
-	if err := feed.Set(plugin.PoolDevices(p.Chunks())); err != nil {
-		return nil, err
-	}
-	pl, err := plugin.New(plugin.Options{
-		ResourceName: cfg.ResourceName,
-		KubeletDir:   cfg.KubeletDir,
-		SocketDir:    cfg.SocketDir,
-		StateDir:     cfg.StateDir,
-		Pool:         p,
-		Devices:      feed,
-		Renew:        renew,
-		Reclaimed:    ev.ChunksReclaimed,
-		ChunkHealth: func(id string, healthy bool, reason string) {
+// pluginStep is the step "plugin": the kubelet device plugin, built over
+// the pool (restoring its checkpoint) and not yet registered.
+func (a *agent) pluginStep(m mode) func(context.Context) error {
+	return func(context.Context) error {
+		if m.standalone && !a.opts.RandomToken {
+			a.log.Warn("standalone tokens are ignored with --device-plugin: kubelet's Allocate hands out the tokens")
+		}
+		feed := plugin.NewFeed()
+		if err := feed.Set(plugin.PoolDevices(a.pool.Chunks())); err != nil {
+			return err
+		}
+		o := pluginOptions(a.cfg)
+		o.Pool, o.Devices, o.Renew = a.pool, feed, a.renew
+		o.Logger, o.Observer = a.log, a.obs.Observer
+		ev := a.events
+		o.Reclaimed = ev.ChunksReclaimed
+		o.ChunkHealth = func(id string, healthy bool, reason string) {
 			if healthy {
 				ev.ChunkRecovered(id)
 			} else {
 				ev.ChunkUnhealthy(id, reason)
 			}
-		},
-		GracePeriod: cfg.GracePeriod,
-		Interval:    cfg.Interval,
-		BindPods:    cfg.BindPods,
-		PodLogsDir:  cfg.PodLogsDir,
-		Logger:      log,
-		Observer:    cfg.Observer,
-	})
-	if err != nil {
-		return nil, err
+		}
+		pl, err := plugin.New(o)
+		if err != nil {
+			return err
+		}
+		a.plug = &pluginRun{Plugin: pl, Feed: feed, log: a.log, done: make(chan struct{})}
+		a.obs.Metrics.InitPlugin()
+		return nil
 	}
-	return &pluginRun{Plugin: pl, Feed: feed, cfg: cfg, log: log, done: make(chan struct{})}, nil
+}
+
+// pluginOptions is the device plugin's part of the configuration:
+// resourceName, kubeletDir, socketDir, stateDir, reclaim.gracePeriod,
+// reclaim.interval, tokenBinding ("pod": BindPods) and podLogsDir.
+func pluginOptions(cfg *config.Config) plugin.Options {
+	return plugin.Options{
+		ResourceName: cfg.ResourceName,
+		KubeletDir:   cfg.KubeletDir,
+		SocketDir:    cfg.SocketDir,
+		StateDir:     cfg.StateDir,
+		GracePeriod:  cfg.Reclaim.GracePeriod.Duration,
+		Interval:     cfg.Reclaim.Interval.Duration,
+		BindPods:     cfg.TokenBinding == config.TokenBindingPod,
+		PodLogsDir:   cfg.PodLogsDir,
+	}
 }
 
 // UnhealthyChunks counts, per GPU, the chunks kubelet is told are
@@ -110,8 +99,11 @@ func (r *pluginRun) UnhealthyChunks() map[int]int {
 	return r.Plugin.UnhealthyByGPU()
 }
 
-// start registers with kubelet and serves until ctx ends.
-func (r *pluginRun) start(ctx context.Context) {
+// register is the step "register": the plugin registers with kubelet and
+// serves until the agent's context ends; unregister waits for it to have
+// withdrawn its devices and removed its socket.
+func (a *agent) register(ctx context.Context) error {
+	r := a.plug
 	r.started = true
 	go func() {
 		defer close(r.done)
@@ -119,5 +111,11 @@ func (r *pluginRun) start(ctx context.Context) {
 			r.log.Error("device plugin stopped", "err", err)
 		}
 	}()
-	r.log.Info("device plugin started", "resource", r.cfg.ResourceName, "kubeletDir", r.cfg.KubeletDir, "socketDir", r.cfg.SocketDir)
+	r.log.Info("device plugin started", "resource", a.cfg.ResourceName, "kubeletDir", a.cfg.KubeletDir, "socketDir", a.cfg.SocketDir)
+	return nil
+}
+
+func (a *agent) unregister() error {
+	a.plug.Wait()
+	return nil
 }

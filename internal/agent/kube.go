@@ -124,8 +124,50 @@ func connectKube(ctx context.Context, kubeconfig string, log *slog.Logger) (*kub
 	return k, nil
 }
 
-// startStatus keeps the node's KVPoolNode status up to date until ctx ends.
-func (k *kubeParts) startStatus(ctx context.Context, a *agent, wg *sync.WaitGroup) {
+// startKube is the step "kube" (cluster mode): the API server, when
+// there is one, names the node and gives its allocatable memory and the
+// Node events. closeKube stops the events.
+func (a *agent) startKube(ctx context.Context) error {
+	k, err := connectKube(ctx, a.opts.Kubeconfig, a.log)
+	if err != nil || k == nil {
+		return err
+	}
+	a.kube = k
+	a.node, a.allocatable, a.events = k.node, k.allocatable, k.events
+	return nil
+}
+
+func (a *agent) closeKube() error {
+	if k := a.kube; k != nil {
+		k.close()
+	}
+	return nil
+}
+
+// statusStep is the step "status" (cluster mode): the node's KVPoolNode
+// status is kept up to date until the agent's context ends; its stop waits
+// for the loop to end and writes the final status (not ready). Nothing
+// without an API server.
+func (a *agent) statusStep() step {
+	wg := new(sync.WaitGroup)
+	return step{name: "status",
+		start: func(ctx context.Context) error {
+			if a.kube != nil {
+				a.kube.runStatus(ctx, a, wg)
+			}
+			return nil
+		},
+		stop: func() error {
+			wg.Wait()
+			if a.kube != nil {
+				a.kube.stopped()
+			}
+			return nil
+		}}
+}
+
+// runStatus keeps the node's KVPoolNode status up to date until ctx ends.
+func (k *kubeParts) runStatus(ctx context.Context, a *agent, wg *sync.WaitGroup) {
 	k.writer.ReportTo(a.obs.Observer)
 	wg.Add(2)
 	go func() {

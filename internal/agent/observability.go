@@ -9,8 +9,6 @@ import (
 	"net/http"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
-
 	"github.com/kvpool/kvpool/internal/health"
 	"github.com/kvpool/kvpool/internal/metrics"
 	"github.com/kvpool/kvpool/internal/report"
@@ -30,10 +28,7 @@ type observability struct {
 	// Observer is what the socket server reports each operation to.
 	Observer observe.Observer
 
-	// limitRejects counts the socket server's refusals by reason
-	// (kvpool_limit_rejects_total).
-	limitRejects *prometheus.CounterVec
-
+	log                     *slog.Logger
 	metricsAddr, healthAddr net.Addr
 }
 
@@ -41,26 +36,45 @@ type obsOptions struct {
 	Node, Mode, Version string
 	// Targets returns the planned bytes per GPU; nil when there is no plan.
 	Targets func() map[int]int64
+	// Log is the agent's logger; default slog.Default().
+	Log *slog.Logger
+}
+
+// newObservability is the step "observability": metrics, health checks,
+// the error ring and the status reporter exist before anything can fail at
+// run time, so that the failures of the later steps are counted.
+func (a *agent) newObservability(context.Context) error {
+	a.obs = newObservability(a.pool, obsOptions{Node: a.node, Mode: a.mode, Version: a.opts.Version, Log: a.log,
+		Targets: func() map[int]int64 {
+			m := map[int]int64{}
+			for _, g := range a.plan.GPUs {
+				m[g.GPU] = g.Bytes
+			}
+			return m
+		}})
+	for _, g := range a.plan.GPUs {
+		a.obs.Metrics.InitGPU(g.GPU)
+	}
+	a.obs.Report.Restart = a.restartStatus
+	a.obs.Metrics.Restart(a.restartStatus)
+	return nil
 }
 
 // newObservability watches p. Components add their checks to Health
 // (heartbeats, the socket handshake, the kubelet registration flag) and
 // report operations and errors to Observer (metrics and the error ring).
 func newObservability(p *pool.Pool, o obsOptions) *observability {
+	if o.Log == nil {
+		o.Log = slog.Default()
+	}
 	obs := &observability{
 		Metrics: metrics.New(p, metrics.Options{Targets: o.Targets}),
 		Health:  health.New(health.Options{}),
 		Errors:  report.NewRing(64),
+		log:     o.Log,
 	}
 	obs.Observer = observe.Multi(obs.Metrics, obs.Errors)
-	obs.limitRejects = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Namespace: metrics.Namespace, Name: "limit_rejects_total",
-		Help: "Connections and requests the socket server refused by a per-tenant bound, a bad token, a resume by another process, or a temporary accept failure, by reason.",
-	}, []string{"reason"})
-	for _, r := range server.RefusalReasons {
-		obs.limitRejects.WithLabelValues(r)
-	}
-	obs.Metrics.Registry().MustRegister(obs.limitRejects)
+	obs.Metrics.InitLimitRejects(server.RefusalReasons)
 	obs.Health.AddReadiness("chunks", health.ChunksReady(p))
 	obs.Report = &report.Reporter{
 		Pool: p, Errors: obs.Errors, Targets: o.Targets,
@@ -111,23 +125,23 @@ func (o *observability) start(ctx context.Context, metricsAddr, healthAddr strin
 		h    http.Handler
 	}{{"metrics", ml, mmux}, {"health", hl, hmux}} {
 		if s.ln == nil {
-			slog.Info("server off (empty address)", "server", s.name)
+			o.log.Info("server off (empty address)", "server", s.name)
 			continue
 		}
 		srv := &http.Server{Handler: s.h, ReadHeaderTimeout: 5 * time.Second}
 		go func() {
 			if err := srv.Serve(s.ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
-				slog.Error("http server stopped", "server", s.name, "err", err)
+				o.log.Error("http server stopped", "server", s.name, "err", err)
 			}
 		}()
 		context.AfterFunc(ctx, func() {
 			sctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 			defer cancel()
 			if err := srv.Shutdown(sctx); err != nil {
-				slog.Warn("http server shutdown", "server", s.name, "err", err)
+				o.log.Warn("http server shutdown", "server", s.name, "err", err)
 			}
 		})
-		slog.Info("serving", "server", s.name, "address", s.ln.Addr().String())
+		o.log.Info("serving", "server", s.name, "address", s.ln.Addr().String())
 	}
 	return nil
 }

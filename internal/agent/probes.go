@@ -5,20 +5,20 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"sync"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
-
 	"github.com/kvpool/kvpool/internal/health"
+	"github.com/kvpool/kvpool/internal/metrics"
 	"github.com/kvpool/kvpool/internal/server"
 	"github.com/kvpool/kvpool/pkg/observe"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
 
 // serverHooks reports every request the socket server answers to obs, and
-// counts every refusal by a limit in rejects (by reason).
-func serverHooks(obs observe.Observer, rejects *prometheus.CounterVec) server.Hooks {
-	return server.Hooks{Refused: func(reason string) { rejects.WithLabelValues(reason).Inc() }, Request: server.ObserveRequests(obs)}
+// counts every refusal by a limit in m (kvpool_limit_rejects_total).
+func serverHooks(obs observe.Observer, m *metrics.Metrics) server.Hooks {
+	return server.Hooks{Refused: m.LimitRejected, Request: server.ObserveRequests(obs)}
 }
 
 // helloHandshake greets the agent's own socket as a client would and
@@ -66,21 +66,22 @@ const (
 	heartbeatSilence = 60 * time.Second
 )
 
-// addHealthChecks adds the agent's probes: ready when chunks are ready, the
-// socket answers a handshake and (with the plugin) kubelet has registered
-// it; alive while the socket server and the plugin loop keep beating.
-func (a *agent) addHealthChecks(ctx context.Context) {
+// addHealthChecks is the step "probes": the agent's probes, ready when
+// chunks are ready, the socket answers a handshake and (with the plugin)
+// kubelet has registered it; alive while the socket server and the plugin
+// loop keep beating. The beating loops run in wg until ctx ends.
+func (a *agent) addHealthChecks(ctx context.Context, wg *sync.WaitGroup) error {
 	h := a.obs.Health
 	dial := health.Dial(wire.Network, a.socket, helloHandshake)
 	h.AddReadiness("socket", dial)
 	server := h.Heartbeat("socket-server", heartbeatSilence)
-	a.beat(ctx, server, func() bool {
+	beat(ctx, wg, server, func() bool {
 		c, cancel := context.WithTimeout(ctx, heartbeatPeriod)
 		defer cancel()
 		return dial(c) == nil
 	})
 	if a.plug == nil {
-		return
+		return nil
 	}
 	h.AddReadiness("kubelet-registration", func(context.Context) error {
 		if !a.plug.Plugin.Registered() {
@@ -88,18 +89,17 @@ func (a *agent) addHealthChecks(ctx context.Context) {
 		}
 		return nil
 	})
-	a.beat(ctx, h.Heartbeat("device-plugin", heartbeatSilence), func() bool {
+	beat(ctx, wg, h.Heartbeat("device-plugin", heartbeatSilence), func() bool {
 		return a.plug.Running()
 	})
+	return nil
 }
 
 // beat beats hb now and every heartbeatPeriod while ok holds, until ctx
-// ends.
-func (a *agent) beat(ctx context.Context, hb *health.Heartbeat, ok func() bool) {
+// ends, in wg.
+func beat(ctx context.Context, wg *sync.WaitGroup, hb *health.Heartbeat, ok func() bool) {
 	hb.Beat()
-	a.background.Add(1)
-	go func() {
-		defer a.background.Done()
+	wg.Go(func() {
 		t := time.NewTicker(heartbeatPeriod)
 		defer t.Stop()
 		for {
@@ -112,5 +112,5 @@ func (a *agent) beat(ctx context.Context, hb *health.Heartbeat, ok func() bool) 
 				}
 			}
 		}
-	}()
+	})
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"sync"
 	"sync/atomic"
@@ -39,12 +40,12 @@ type restart struct {
 	fresh     atomic.Int64 // chunks allocated by this agent
 }
 
-// restore connects to the keeper, replays the books, adopts every kept
-// chunk whose identity matches them and rebuilds the pool, so that no
-// chunk is pinned twice and every committed session and stream is back.
-// Whatever cannot be adopted is dropped and said so; books of another
-// format version are refused, the keeper's state released, and the agent
-// starts fresh.
+// restore is the step "keeper": it connects to the keeper, replays the
+// books, adopts every kept chunk whose identity matches them and rebuilds
+// the pool, so that no chunk is pinned twice and every committed session
+// and stream is back. Whatever cannot be adopted is dropped and said so;
+// books of another format version are refused, the keeper's state
+// released, and the agent starts fresh.
 func (a *agent) restore() error {
 	path := a.cfg.KeeperSocket
 	kc, held, err := keeper.Connect(path, keeperWait)
@@ -53,50 +54,10 @@ func (a *agent) restore() error {
 	}
 	r := &restart{keeper: kc, gens: map[string]uint64{}, adopted: map[string]bool{}}
 	a.restart = r
-	st := books.NewState()
-	var info books.Info
-	switch {
-	case held.Books != nil:
-		st, info, err = books.Load(held.Books)
-		held.Books.Close()
-		if err != nil {
-			a.log.Error("the kept books cannot be adopted; releasing the keeper's state and starting with a fresh pool",
-				"err", err, "incompatible", errors.Is(err, books.ErrIncompatible), "chunks", len(held.Chunks))
-			a.release(held)
-			st, info = books.NewState(), books.Info{}
-			held = &keeper.State{}
-		}
-	case len(held.Chunks) > 0:
-		a.log.Error("the keeper holds chunks but no books; releasing them and starting with a fresh pool", "chunks", len(held.Chunks))
-		a.release(held)
-		held = &keeper.State{}
-	}
+	st, info, held := a.loadBooks(held)
 	r.lastAlive = info.LastAlive
-
-	planned := map[string]hostmem.Spec{}
-	for _, s := range a.specs {
-		planned[s.ID] = s
-	}
-	for _, h := range held.Chunks {
-		c, why := a.adopt(st, h, planned)
-		if why != "" {
-			a.log.Warn("dropping a kept chunk", "chunk", h.ID, "why", why)
-			h.File.Close()
-			st.Forget(h.ID)
-			if err := kc.Drop(h.ID); err != nil {
-				return fmt.Errorf("keeper: %w", err)
-			}
-			continue
-		}
-		a.hmem[h.ID] = c
-		r.gens[h.ID] = h.Gen
-		r.adopted[h.ID] = true
-	}
-	for _, c := range st.Chunks() {
-		if !r.adopted[c.ID] {
-			a.log.Warn("a chunk of the books is not in the keeper; its allocation is revoked", "chunk", c.ID)
-			st.Forget(c.ID)
-		}
+	if err := a.adoptAll(st, held); err != nil {
+		return err
 	}
 	sessions, err := a.pool.Restore(st.Image())
 	if err != nil {
@@ -124,6 +85,98 @@ func (a *agent) restore() error {
 		a.log.Info("pool adopted from the keeper", "chunks", len(r.adopted), "sessions", len(r.sessions),
 			"streams", r.streams, "booksGen", info.Gen)
 	}
+	return nil
+}
+
+// loadBooks replays the books the keeper holds. Books that cannot be
+// adopted, or chunks without books, make the keeper release everything:
+// the agent then starts from fresh books and holds nothing.
+func (a *agent) loadBooks(held *keeper.State) (*books.State, books.Info, *keeper.State) {
+	switch {
+	case held.Books != nil:
+		st, info, err := books.Load(held.Books)
+		held.Books.Close()
+		if err == nil {
+			return st, info, held
+		}
+		a.log.Error("the kept books cannot be adopted; releasing the keeper's state and starting with a fresh pool",
+			"err", err, "incompatible", errors.Is(err, books.ErrIncompatible), "chunks", len(held.Chunks))
+		a.release(held)
+	case len(held.Chunks) > 0:
+		a.log.Error("the keeper holds chunks but no books; releasing them and starting with a fresh pool", "chunks", len(held.Chunks))
+		a.release(held)
+	default:
+		return books.NewState(), books.Info{}, held
+	}
+	return books.NewState(), books.Info{}, &keeper.State{}
+}
+
+// adoptAll maps every kept chunk the books and the plan agree on, drops
+// the others from the keeper, and forgets the books' chunks the keeper no
+// longer holds (revoking their allocations).
+func (a *agent) adoptAll(st *books.State, held *keeper.State) error {
+	r := a.restart
+	planned := map[string]hostmem.Spec{}
+	for _, s := range a.specs {
+		planned[s.ID] = s
+	}
+	for _, h := range held.Chunks {
+		c, why := a.adopt(st, h, planned)
+		if why != "" {
+			a.log.Warn("dropping a kept chunk", "chunk", h.ID, "why", why)
+			h.File.Close()
+			st.Forget(h.ID)
+			if err := r.keeper.Drop(h.ID); err != nil {
+				return fmt.Errorf("keeper: %w", err)
+			}
+			continue
+		}
+		a.hmem[h.ID] = c
+		r.gens[h.ID] = h.Gen
+		r.adopted[h.ID] = true
+	}
+	for _, c := range st.Chunks() {
+		if !r.adopted[c.ID] {
+			a.log.Warn("a chunk of the books is not in the keeper; its allocation is revoked", "chunk", c.ID)
+			st.Forget(c.ID)
+		}
+	}
+	return nil
+}
+
+// closeKeeper undoes the step "keeper": the books and the keeper
+// connection are closed. The keeper keeps the memory and the books for the
+// next agent.
+func (a *agent) closeKeeper() error {
+	r := a.restart
+	if r == nil {
+		return nil
+	}
+	if r.books != nil {
+		r.books.Close()
+	}
+	if err := r.keeper.Close(); err != nil && !errors.Is(err, net.ErrClosed) {
+		return fmt.Errorf("keeper: %w", err)
+	}
+	return nil
+}
+
+// restoreSessions is the step "sessions": the server takes back the
+// sessions the books kept, before the socket appears.
+func (a *agent) restoreSessions(context.Context) error {
+	return a.srv.Restore(a.restart.sessions)
+}
+
+// startHeartbeat is the step "heartbeat": the restart's gap is logged,
+// and the books get a sign of life until the agent stops.
+func (a *agent) startHeartbeat(ctx context.Context, wg *sync.WaitGroup) error {
+	r := a.restart
+	if !r.lastAlive.IsZero() {
+		r.gap = time.Since(r.lastAlive)
+		a.log.Info("serving again after a restart", "gap", r.gap.Round(time.Millisecond),
+			"adoptedChunks", len(r.adopted), "sessions", len(r.sessions), "streams", r.streams)
+	}
+	wg.Go(func() { a.heartbeat(ctx) })
 	return nil
 }
 
@@ -221,14 +274,12 @@ func (a *agent) booksFailed(err error) {
 	os.Exit(3)
 }
 
-// settleRestored runs once the device plugin knows its allocations: pool
+// settleRestored is the step "settle" (with a keeper), once the device
+// plugin knows its allocations: pool
 // allocations the plugin has no token for (the agent died between the
 // grant and the checkpoint) are revoked, and chunks left dirty by a
 // reclaim that was cut short are renewed (fresh memory, as a reclaim does).
-func (a *agent) settleRestored() {
-	if a.restart == nil {
-		return
-	}
+func (a *agent) settleRestored() error {
 	known := map[string]bool{}
 	for _, id := range a.static {
 		known[id] = true
@@ -238,7 +289,7 @@ func (a *agent) settleRestored() {
 			known[rec.ID()] = true
 		}
 	} else if a.static == nil {
-		return
+		return nil
 	}
 	seen := map[string]bool{}
 	for _, c := range a.pool.Chunks() {
@@ -263,6 +314,7 @@ func (a *agent) settleRestored() {
 			a.log.Error("scrub a restored dirty chunk", "chunk", c.ID, "err", err)
 		}
 	}
+	return nil
 }
 
 // heartbeat leaves a sign of life in the books until ctx ends, so that the

@@ -12,19 +12,9 @@ import (
 	"github.com/kvpool/kvpool/pkg/pool"
 )
 
-// prepareTokens decides the standalone allocations: each token gets every
-// n-th chunk of each GPU. With the device plugin the plugin hands out
-// tokens instead.
+// prepareTokens is the step "tokens" (standalone without the device
+// plugin): each standalone token gets every n-th chunk of each GPU.
 func (a *agent) prepareTokens() error {
-	if !a.opts.Standalone {
-		return nil
-	}
-	if a.opts.DevicePlugin {
-		if !a.opts.RandomToken {
-			a.log.Warn("standalone tokens are ignored with --device-plugin: kubelet's Allocate hands out the tokens")
-		}
-		return nil
-	}
 	toks := a.cfg.Standalone.Tokens
 	if a.opts.RandomToken {
 		toks = []string{contract.NewToken()}

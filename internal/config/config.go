@@ -18,6 +18,7 @@ import (
 	"path/filepath"
 	"time"
 
+	"github.com/kvpool/kvpool/internal/server"
 	"github.com/kvpool/kvpool/pkg/contract"
 )
 
@@ -254,6 +255,15 @@ const (
 )
 
 // Default returns the built-in configuration.
+//
+// Each default is written once. The socket server's limits are the
+// server's own (server.DefaultLimits, read here): the server is also run
+// without a configuration (its tests, the client's), where a zero limit
+// takes the same value. The device plugin has no defaults for what it is
+// given here (directories, reclaim periods): the agent always passes the
+// configured values, so this is their one place. config imports the
+// server, never the other way round; pkg/plugin imports no internal
+// package.
 func Default() Config {
 	return Config{
 		APIVersion:   APIVersion,
@@ -276,17 +286,34 @@ func Default() Config {
 			GracePeriod: Duration{2 * time.Minute},
 			Interval:    Duration{10 * time.Second},
 		},
-		Limits: Limits{
-			MaxConns: 1024, MaxConnsPerUID: 512, MaxConnsPerPID: 64, ProbeConns: 8,
-			HelloTimeout: Duration{5 * time.Second}, OpenTimeout: Duration{15 * time.Second},
-			MaxSessions: 1024, MaxSessionsPerAllocation: 64,
-			MaxStreamsPerSession: 1 << 17, MaxNameBytesPerSession: 16 * MiB,
-			MaxDevicePages: 1 << 24, MaxClientName: 256,
-		},
+		Limits:     limitsOf(server.DefaultLimits),
 		Metrics:    Metrics{Address: ":9464"},
 		Health:     Health{Address: ":8081"},
 		Log:        Log{Level: "info", Format: "text"},
 		Standalone: Standalone{Tokens: []string{"dev"}, GPUs: 2, PoolBytes: 512 * MiB},
+	}
+}
+
+// limitsOf is the configuration of the server's limits l; Server is the
+// way back.
+func limitsOf(l server.Limits) Limits {
+	return Limits{
+		MaxConns: l.MaxConns, MaxConnsPerUID: l.MaxConnsPerUID, MaxConnsPerPID: l.MaxConnsPerPID,
+		ProbeConns: l.ProbeConns, HelloTimeout: Duration{l.HelloTimeout}, OpenTimeout: Duration{l.OpenTimeout},
+		MaxSessions: l.MaxSessions, MaxSessionsPerAllocation: l.MaxSessionsPerAllocation,
+		MaxStreamsPerSession: l.MaxStreamsPerSession, MaxNameBytesPerSession: Bytes(l.MaxNameBytesPerSession),
+		MaxDevicePages: l.MaxDevicePages, MaxClientName: l.MaxClientName,
+	}
+}
+
+// Server is the socket server's limits as configured.
+func (l Limits) Server() server.Limits {
+	return server.Limits{
+		MaxConns: l.MaxConns, MaxConnsPerUID: l.MaxConnsPerUID, MaxConnsPerPID: l.MaxConnsPerPID,
+		ProbeConns: l.ProbeConns, HelloTimeout: l.HelloTimeout.Duration, OpenTimeout: l.OpenTimeout.Duration,
+		MaxSessions: l.MaxSessions, MaxSessionsPerAllocation: l.MaxSessionsPerAllocation,
+		MaxStreamsPerSession: l.MaxStreamsPerSession, MaxNameBytesPerSession: int64(l.MaxNameBytesPerSession),
+		MaxDevicePages: l.MaxDevicePages, MaxClientName: l.MaxClientName,
 	}
 }
 

@@ -46,6 +46,7 @@ type Metrics struct {
 	pagesMoved  *prometheus.CounterVec
 	clientBytes *prometheus.CounterVec
 	errors      *prometheus.CounterVec
+	limits      *prometheus.CounterVec
 	pinSeconds  *prometheus.HistogramVec
 	pinFailures *prometheus.CounterVec
 	renewSecs   *prometheus.HistogramVec
@@ -136,6 +137,10 @@ func New(src report.Source, opts Options) *Metrics {
 			Namespace: Namespace, Name: "errors_total",
 			Help: "Errors by component, operation and kind (full-pool rejects are not errors; see kvpool_offload_rejects_total).",
 		}, []string{"component", "op", "kind"}),
+		limits: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: Namespace, Name: "limit_rejects_total",
+			Help: "Connections and requests the socket server refused by a per-tenant bound, a bad token, a resume by another process, or a temporary accept failure, by reason.",
+		}, []string{"reason"}),
 		pinSeconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Namespace: Namespace, Name: "chunk_pin_seconds",
 			Help: "Time to allocate, pre-fault and lock one chunk at start.",
@@ -179,7 +184,7 @@ func New(src report.Source, opts Options) *Metrics {
 		}, []string{"trigger"}),
 	}
 	m.reg.MustRegister(m.opDuration, m.offloads, m.reloads, m.discards, m.rejects, m.pagesMoved,
-		m.clientBytes, m.errors, m.pinSeconds, m.pinFailures, m.renewSecs, m.renewFails, m.fillSeconds,
+		m.clientBytes, m.errors, m.limits, m.pinSeconds, m.pinFailures, m.renewSecs, m.renewFails, m.fillSeconds,
 		m.allocations, m.allocateSecs, m.registrations, m.reclaims,
 		newPoolCollector(src, opts.Targets, opts.Now))
 	if !opts.NoRuntime {
@@ -286,6 +291,20 @@ func (m *Metrics) InitPlugin() {
 	}
 	for _, t := range PluginReclaimTriggers {
 		m.reclaims.WithLabelValues(t)
+	}
+}
+
+// LimitRejected counts one refusal of the socket server by reason
+// (server.Hooks.Refused): kvpool_limit_rejects_total.
+func (m *Metrics) LimitRejected(reason string) {
+	m.limits.WithLabelValues(reason).Inc()
+}
+
+// InitLimitRejects creates the kvpool_limit_rejects_total series of every
+// reason at zero (the agent passes server.RefusalReasons).
+func (m *Metrics) InitLimitRejects(reasons []string) {
+	for _, r := range reasons {
+		m.limits.WithLabelValues(r)
 	}
 }
 

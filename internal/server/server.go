@@ -155,10 +155,6 @@ type Options struct {
 	Logger        *slog.Logger // default slog.Default()
 	Hooks         Hooks
 	Name          string // sent in HelloReply; default "kvpool-agent"
-	// MaxConns bounds concurrent connections; it overrides
-	// Limits.MaxConns when set. A connection over the limit is refused, and
-	// the others go on.
-	MaxConns int
 	// GPUs maps each GPU of the node's plan, by UUID ("GPU-..."), to its
 	// host index (NVML's), which is how the pool keys chunks. An Open
 	// naming a UUID not in it gets StatusUnknownGPU.
@@ -272,9 +268,6 @@ func New(o Options) (*Server, error) {
 	}
 	if o.Name == "" {
 		o.Name = "kvpool-agent"
-	}
-	if o.MaxConns > 0 {
-		o.Limits.MaxConns = o.MaxConns
 	}
 	if o.PollAfterReply < 0 || o.PollAfterReply > wire.SpinLimit {
 		return nil, fmt.Errorf("server: PollAfterReply %v outside [0, %v]", o.PollAfterReply, wire.SpinLimit)

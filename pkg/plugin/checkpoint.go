@@ -22,9 +22,35 @@ const CheckpointFile = "plugin-checkpoint.json"
 
 // ErrCorruptCheckpoint reports a checkpoint that cannot be trusted: it does
 // not parse, its checksum does not match, or its content is inconsistent.
+// New moves such a file aside and starts without its allocations.
 var ErrCorruptCheckpoint = errors.New("corrupt plugin checkpoint")
 
-const checkpointVersion = 1
+// ErrNewerCheckpoint reports an intact checkpoint of a version newer than
+// this agent reads: a newer agent wrote it, and this one (a downgrade)
+// would lose what it does not understand. New refuses it and leaves the
+// file as it is.
+var ErrNewerCheckpoint = errors.New("plugin checkpoint written by a newer agent")
+
+// Checkpoint versions. The file is an envelope {version, checksum,
+// records}; what changes between versions is the records' format and, up
+// to version 2, the checksum.
+//
+//   - Version 1: the checksum is the SHA-256 of the records alone.
+//   - Version 2: the checksum covers the version and the records
+//     (checksumV2). An agent that refuses newer versions must be able to
+//     tell a newer file from a damaged one: with the version under the
+//     checksum, a damaged version number is corruption, never "newer". The
+//     envelope and this checksum are fixed from version 2 on, so that every
+//     reader can check any later version's file; a later version changes
+//     only the records.
+//
+// Each version's records are read in their own format (recordV1, ...) and
+// converted to Record; SaveCheckpoint writes checkpointVersion only, and
+// New rewrites a file of an older version at once.
+const (
+	checkpointVersion = 2
+	oldestCheckpoint  = 1
+)
 
 // Record is one allocation as the checkpoint keeps it.
 type Record struct {
@@ -36,13 +62,44 @@ type Record struct {
 	Pod string `json:"pod,omitempty"`
 }
 
+// recordV1 is a record of versions 1 and 2 (which changed only the
+// checksum), frozen: a change of Record is a new version whose conversion
+// turns the older records into the new ones.
+type recordV1 struct {
+	Token     string    `json:"token"`
+	Devices   []string  `json:"devices"`
+	FirstSeen time.Time `json:"firstSeen"`
+	Pod       string    `json:"pod,omitempty"`
+}
+
+// current converts a version 1 record. The two types have the same
+// fields today; once Record changes, this conversion stops compiling and
+// must be written field by field.
+func (r recordV1) current() Record { return Record(r) }
+
 type checkpointFile struct {
 	Version  int             `json:"version"`
-	Checksum string          `json:"checksum"` // hex SHA-256 of Records as encoded
+	Checksum string          `json:"checksum"` // hex SHA-256: checksumV1 or checksumV2
 	Records  json.RawMessage `json:"records"`
 }
 
-// EncodeCheckpoint serialises records with a version and a checksum.
+// checksumV1 is version 1's checksum: the compact records alone.
+func checksumV1(records []byte) string {
+	sum := sha256.Sum256(records)
+	return hex.EncodeToString(sum[:])
+}
+
+// checksumV2 is the checksum of version 2 and later: the version and the
+// compact records.
+func checksumV2(version int, records []byte) string {
+	h := sha256.New()
+	fmt.Fprintf(h, "kvpool plugin checkpoint v%d\n", version)
+	h.Write(records)
+	return hex.EncodeToString(h.Sum(nil))
+}
+
+// EncodeCheckpoint serialises records with the current version and its
+// checksum.
 func EncodeCheckpoint(recs []Record) ([]byte, error) {
 	if recs == nil {
 		recs = []Record{}
@@ -51,64 +108,92 @@ func EncodeCheckpoint(recs []Record) ([]byte, error) {
 	if err != nil {
 		return nil, fmt.Errorf("encode checkpoint: %w", err)
 	}
-	sum := sha256.Sum256(body)
-	return json.MarshalIndent(checkpointFile{Version: checkpointVersion, Checksum: hex.EncodeToString(sum[:]), Records: body}, "", "  ")
+	return json.MarshalIndent(checkpointFile{Version: checkpointVersion, Checksum: checksumV2(checkpointVersion, body), Records: body}, "", "  ")
 }
 
-// DecodeCheckpoint parses and verifies a checkpoint. Any defect is reported
-// as ErrCorruptCheckpoint.
+// DecodeCheckpoint parses and verifies a checkpoint of any version this
+// agent reads, and returns its records in the current format. A defect is
+// ErrCorruptCheckpoint; an intact file of a newer version is
+// ErrNewerCheckpoint.
 func DecodeCheckpoint(data []byte) ([]Record, error) {
+	recs, _, err := decodeCheckpoint(data)
+	return recs, err
+}
+
+// decodeCheckpoint is DecodeCheckpoint, also returning the version read.
+func decodeCheckpoint(data []byte) ([]Record, int, error) {
 	var f checkpointFile
 	dec := json.NewDecoder(bytes.NewReader(data))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(&f); err != nil {
-		return nil, fmt.Errorf("%w: %v", ErrCorruptCheckpoint, err)
+		return nil, 0, fmt.Errorf("%w: %v", ErrCorruptCheckpoint, err)
 	}
 	if dec.More() {
-		return nil, fmt.Errorf("%w: trailing data", ErrCorruptCheckpoint)
+		return nil, 0, fmt.Errorf("%w: trailing data", ErrCorruptCheckpoint)
 	}
-	if f.Version != checkpointVersion {
-		return nil, fmt.Errorf("%w: version %d, want %d", ErrCorruptCheckpoint, f.Version, checkpointVersion)
+	if f.Version < oldestCheckpoint {
+		return nil, 0, fmt.Errorf("%w: version %d, want %d to %d", ErrCorruptCheckpoint, f.Version, oldestCheckpoint, checkpointVersion)
 	}
 	// The checksum covers the compact encoding, whatever the indentation.
 	var compact bytes.Buffer
 	if err := json.Compact(&compact, f.Records); err != nil {
-		return nil, fmt.Errorf("%w: records: %v", ErrCorruptCheckpoint, err)
+		return nil, 0, fmt.Errorf("%w: records: %v", ErrCorruptCheckpoint, err)
 	}
-	sum := sha256.Sum256(compact.Bytes())
-	if hex.EncodeToString(sum[:]) != f.Checksum {
-		return nil, fmt.Errorf("%w: checksum mismatch", ErrCorruptCheckpoint)
+	want := checksumV2(f.Version, compact.Bytes())
+	if f.Version == 1 {
+		want = checksumV1(compact.Bytes())
 	}
-	var recs []Record
+	if f.Checksum != want {
+		return nil, 0, fmt.Errorf("%w: checksum mismatch", ErrCorruptCheckpoint)
+	}
+	if f.Version > checkpointVersion {
+		return nil, 0, fmt.Errorf("%w: version %d, this agent reads versions %d to %d", ErrNewerCheckpoint, f.Version, oldestCheckpoint, checkpointVersion)
+	}
+	// Versions 1 and 2 share the records' format.
+	var old []recordV1
 	rdec := json.NewDecoder(bytes.NewReader(compact.Bytes()))
 	rdec.DisallowUnknownFields()
-	if err := rdec.Decode(&recs); err != nil {
-		return nil, fmt.Errorf("%w: records: %v", ErrCorruptCheckpoint, err)
+	if err := rdec.Decode(&old); err != nil {
+		return nil, 0, fmt.Errorf("%w: records: %v", ErrCorruptCheckpoint, err)
 	}
+	recs := make([]Record, len(old))
+	for i, r := range old {
+		recs[i] = r.current()
+	}
+	if err := checkRecords(recs); err != nil {
+		return nil, 0, err
+	}
+	return recs, f.Version, nil
+}
+
+// checkRecords checks what every allocation must be: a well-formed token
+// of its own, and a non-empty sorted list of devices no other allocation
+// holds.
+func checkRecords(recs []Record) error {
 	tokens := make(map[string]bool, len(recs))
 	devs := make(map[string]string)
 	for i, r := range recs {
 		if !contract.IsToken(r.Token) {
-			return nil, fmt.Errorf("%w: record %d: malformed token", ErrCorruptCheckpoint, i)
+			return fmt.Errorf("%w: record %d: malformed token", ErrCorruptCheckpoint, i)
 		}
 		if tokens[r.Token] {
-			return nil, fmt.Errorf("%w: record %d: token repeated", ErrCorruptCheckpoint, i)
+			return fmt.Errorf("%w: record %d: token repeated", ErrCorruptCheckpoint, i)
 		}
 		tokens[r.Token] = true
 		if len(r.Devices) == 0 || !slices.IsSorted(r.Devices) {
-			return nil, fmt.Errorf("%w: record %d: device list empty or unsorted", ErrCorruptCheckpoint, i)
+			return fmt.Errorf("%w: record %d: device list empty or unsorted", ErrCorruptCheckpoint, i)
 		}
 		for _, d := range r.Devices {
 			if d == "" {
-				return nil, fmt.Errorf("%w: record %d: empty device ID", ErrCorruptCheckpoint, i)
+				return fmt.Errorf("%w: record %d: empty device ID", ErrCorruptCheckpoint, i)
 			}
 			if _, dup := devs[d]; dup {
-				return nil, fmt.Errorf("%w: device %s held by two allocations", ErrCorruptCheckpoint, d)
+				return fmt.Errorf("%w: device %s held by two allocations", ErrCorruptCheckpoint, d)
 			}
 			devs[d] = r.Token
 		}
 	}
-	return recs, nil
+	return nil
 }
 
 // MaxCheckpointBytes bounds the checkpoint read at start: far more than
@@ -116,31 +201,40 @@ func DecodeCheckpoint(data []byte) ([]Record, error) {
 // has at most a few thousand chunks), far less than the agent's headroom.
 const MaxCheckpointBytes = 16 << 20
 
-// LoadCheckpoint reads the checkpoint in dir. A missing file is an empty
-// checkpoint, not an error; a file over MaxCheckpointBytes is corrupt
-// (ErrCorruptCheckpoint) and is not read.
+// LoadCheckpoint reads the checkpoint in dir, of any version this agent
+// reads, in the current format. A missing file is an empty checkpoint, not
+// an error; a file over MaxCheckpointBytes is corrupt
+// (ErrCorruptCheckpoint) and is not read; a newer version is
+// ErrNewerCheckpoint.
 func LoadCheckpoint(dir string) ([]Record, error) {
+	recs, _, err := loadCheckpoint(dir)
+	return recs, err
+}
+
+// loadCheckpoint is LoadCheckpoint, also returning the version read (0 for
+// no file).
+func loadCheckpoint(dir string) ([]Record, int, error) {
 	path := filepath.Join(dir, CheckpointFile)
 	f, err := os.Open(path)
 	if errors.Is(err, os.ErrNotExist) {
-		return nil, nil
+		return nil, 0, nil
 	}
 	if err != nil {
-		return nil, fmt.Errorf("load checkpoint: %w", err)
+		return nil, 0, fmt.Errorf("load checkpoint: %w", err)
 	}
 	defer f.Close()
 	data, err := io.ReadAll(io.LimitReader(f, MaxCheckpointBytes+1))
 	if err != nil {
-		return nil, fmt.Errorf("load checkpoint: %w", err)
+		return nil, 0, fmt.Errorf("load checkpoint: %w", err)
 	}
 	if len(data) > MaxCheckpointBytes {
-		return nil, fmt.Errorf("load checkpoint %s: %w: larger than %d bytes", path, ErrCorruptCheckpoint, MaxCheckpointBytes)
+		return nil, 0, fmt.Errorf("load checkpoint %s: %w: larger than %d bytes", path, ErrCorruptCheckpoint, MaxCheckpointBytes)
 	}
-	recs, err := DecodeCheckpoint(data)
+	recs, version, err := decodeCheckpoint(data)
 	if err != nil {
-		return nil, fmt.Errorf("load checkpoint %s: %w", filepath.Join(dir, CheckpointFile), err)
+		return nil, 0, fmt.Errorf("load checkpoint %s: %w", path, err)
 	}
-	return recs, nil
+	return recs, version, nil
 }
 
 // SaveCheckpoint replaces the checkpoint in dir atomically: it writes a

@@ -89,7 +89,12 @@ func TestDecodeCheckpointRejects(t *testing.T) {
 		{"not json", []byte("\x00\x01garbage"), "invalid character"},
 		{"trailing data", append(slices.Clone(good), "{}"...), "trailing data"},
 		{"unknown field", []byte(`{"version":1,"checksum":"","records":[],"extra":1}`), "unknown field"},
-		{"wrong version", []byte(strings.Replace(string(good), `"version": 1`, `"version": 2`, 1)), "version 2"},
+		{"no version", []byte(strings.Replace(string(good), `"version": 2`, `"version": 0`, 1)), "version 0"},
+		{"negative version", []byte(strings.Replace(string(good), `"version": 2`, `"version": -1`, 1)), "version -1"},
+		// The version is under the checksum: a damaged version number is
+		// corruption, whether it reads older or newer.
+		{"version damaged down", []byte(strings.Replace(string(good), `"version": 2`, `"version": 1`, 1)), "checksum mismatch"},
+		{"version damaged up", []byte(strings.Replace(string(good), `"version": 2`, `"version": 3`, 1)), "checksum mismatch"},
 		{"checksum", []byte(strings.Replace(string(good), "gpu0-numa0-1", "gpu0-numa0-2", 1)), "checksum mismatch"},
 		{"records not a list", []byte(`{"version":1,"checksum":"44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a","records":{}}`), "records"},
 		{"bad token", enc(func(r []Record) { r[0].Token = "short" }), "malformed token"},
@@ -167,7 +172,8 @@ func TestCheckpointSizeLimit(t *testing.T) {
 	if _, err := LoadCheckpoint(dir); !errors.Is(err, ErrCorruptCheckpoint) || !strings.Contains(err.Error(), "larger than") {
 		t.Fatalf("oversized checkpoint: %v", err)
 	}
-	p, err := New(Options{Pool: pool.New(), Devices: NewFeed(), Renew: func(string) error { return nil }, StateDir: dir})
+	p, err := New(Options{Pool: pool.New(), Devices: NewFeed(), Renew: func(string) error { return nil },
+		KubeletDir: dir, SocketDir: "/run/kvp", StateDir: dir, Interval: time.Hour})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -115,6 +115,12 @@ func (l *ledger) recordsLocked() []Record {
 	return out
 }
 
+func (l *ledger) save() error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.saveLocked()
+}
+
 func (l *ledger) saveLocked() error {
 	return SaveCheckpoint(l.stateDir, l.recordsLocked())
 }

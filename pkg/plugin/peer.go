@@ -25,8 +25,7 @@ import (
 
 // Defaults of the pod binding.
 const (
-	DefaultProcRoot   = "/proc"
-	DefaultPodLogsDir = "/var/log/pods"
+	DefaultProcRoot = "/proc"
 	// maxCgroupFile bounds what is read of /proc/<pid>/cgroup.
 	maxCgroupFile = 64 << 10
 )

@@ -34,16 +34,9 @@ import (
 	"github.com/kvpool/kvpool/pkg/pool"
 )
 
-// Defaults. What a container sees (mount, socket, environment) is in
-// pkg/contract.
-const (
-	DefaultKubeletDir  = "/var/lib/kubelet"
-	DefaultSocketDir   = "/var/lib/kvpool/sock"
-	DefaultStateDir    = "/var/lib/kvpool/state"
-	DefaultGracePeriod = 2 * time.Minute
-	DefaultInterval    = 10 * time.Second
-	DefaultWatch       = 10 * time.Second
-)
+// DefaultWatch is the default of Options.Watch. What a container sees
+// (mount, socket, environment) is in pkg/contract.
+const DefaultWatch = 10 * time.Second
 
 // Pool is the part of *pool.Pool the plugin uses.
 type Pool interface {
@@ -58,12 +51,18 @@ type Holders interface {
 	Held(ctx context.Context, resource string) (map[string]string, error)
 }
 
-// Options configure a Plugin. Pool, Devices and Renew are required.
+// Options configure a Plugin. Pool, Devices and Renew are required, and so
+// are the directories and the reclaim periods, which have no default here:
+// the agent's configuration (internal/config.Default) is the one place
+// their defaults are written, and the agent, the plugin's one caller,
+// passes them all. (pkg/ cannot read internal/config, and the
+// configuration reading defaults from here would make every reader of it
+// import the kubelet API.)
 type Options struct {
 	ResourceName string // default contract.DefaultResourceName
-	KubeletDir   string // default DefaultKubeletDir; device-plugins/ and pod-resources/ live inside
-	SocketDir    string // host directory holding the agent socket; default DefaultSocketDir
-	StateDir     string // checkpoint directory; default DefaultStateDir
+	KubeletDir   string // required; device-plugins/ and pod-resources/ live inside
+	SocketDir    string // host directory holding the agent socket; required, absolute
+	StateDir     string // checkpoint directory; required
 
 	Pool    Pool
 	Devices Source
@@ -93,14 +92,14 @@ type Options struct {
 	// BindPods makes AuthorizePeer accept a token only from a process in
 	// the pod that holds the allocation (cluster mode). ProcRoot (default
 	// /proc) is where the clients' /proc/<pid>/cgroup are read; PodLogsDir
-	// (default /var/log/pods, kubelet's podLogsDir) is where kubelet's
+	// (kubelet's podLogsDir, required with BindPods) is where kubelet's
 	// <namespace>_<name>_<uid> directories tie pod names to UIDs.
 	BindPods   bool
 	ProcRoot   string
 	PodLogsDir string
 
-	GracePeriod time.Duration // an unheld allocation lives this long; default 2m
-	Interval    time.Duration // reconcile period; default 10s
+	GracePeriod time.Duration // an unheld allocation lives this long; 0: reclaimed at the first reconcile that sees no pod hold it
+	Interval    time.Duration // reconcile period; required, positive
 	// Watch is the period of the fallback poll of the device-plugins
 	// directory (kubelet's restart is seen through inotify as it happens);
 	// default 10s. A failed listen or registration is retried after the
@@ -120,22 +119,21 @@ func (o *Options) setDefaults() error {
 		}
 	}
 	def(&o.ResourceName, contract.DefaultResourceName)
-	def(&o.KubeletDir, DefaultKubeletDir)
-	def(&o.SocketDir, DefaultSocketDir)
-	def(&o.StateDir, DefaultStateDir)
 	def(&o.ProcRoot, DefaultProcRoot)
-	def(&o.PodLogsDir, DefaultPodLogsDir)
 	if err := contract.CheckResourceName(o.ResourceName); err != nil {
 		return fmt.Errorf("plugin: resource name %w", err)
 	}
-	if !filepath.IsAbs(o.SocketDir) {
+	switch {
+	case o.KubeletDir == "" || o.SocketDir == "" || o.StateDir == "":
+		return errors.New("plugin: Options need KubeletDir, SocketDir and StateDir")
+	case !filepath.IsAbs(o.SocketDir):
 		return fmt.Errorf("plugin: socket directory %q is not absolute", o.SocketDir)
-	}
-	if o.GracePeriod <= 0 {
-		o.GracePeriod = DefaultGracePeriod
-	}
-	if o.Interval <= 0 {
-		o.Interval = DefaultInterval
+	case o.BindPods && o.PodLogsDir == "":
+		return errors.New("plugin: BindPods needs PodLogsDir")
+	case o.GracePeriod < 0:
+		return fmt.Errorf("plugin: grace period %v is negative", o.GracePeriod)
+	case o.Interval <= 0:
+		return fmt.Errorf("plugin: reconcile interval %v is not positive", o.Interval)
 	}
 	if o.Watch <= 0 {
 		o.Watch = DefaultWatch
@@ -186,7 +184,9 @@ type Plugin struct {
 // corrupt checkpoint is moved aside and reported in the log; the plugin then
 // starts empty, which is safe: chunks kubelet still assigns to pods are never
 // handed to another pod by kubelet, and no token from the lost file grants
-// anything.
+// anything. A checkpoint of a newer version (the agent was downgraded) is
+// refused (ErrNewerCheckpoint) and left in place for the newer agent. One
+// of an older version is converted and rewritten in the current version.
 func New(o Options) (*Plugin, error) {
 	if err := o.setDefaults(); err != nil {
 		return nil, err
@@ -198,8 +198,9 @@ func New(o Options) (*Plugin, error) {
 		stopping: make(chan struct{}),
 	}
 	p.l = newLedger(&p.o, p.log)
-	recs, err := LoadCheckpoint(o.StateDir)
-	if errors.Is(err, ErrCorruptCheckpoint) {
+	recs, version, err := loadCheckpoint(o.StateDir)
+	switch {
+	case errors.Is(err, ErrCorruptCheckpoint):
 		moved, qerr := quarantineCheckpoint(o.StateDir, o.Now())
 		p.log.Error("checkpoint is corrupt; starting without recorded allocations", "err", err, "movedTo", moved, "moveErr", qerr)
 		p.report(observe.Op{Name: observe.OpCheckpoint, Err: err})
@@ -207,14 +208,32 @@ func New(o Options) (*Plugin, error) {
 			return nil, errors.Join(err, qerr)
 		}
 		recs = nil
-	} else if err != nil {
+	case errors.Is(err, ErrNewerCheckpoint):
+		p.report(observe.Op{Name: observe.OpCheckpoint, Err: err})
+		return nil, fmt.Errorf("plugin: %w; run the newer agent again, or move the file away to start without its allocations (their pods then lose their tokens)", err)
+	case err != nil:
 		return nil, err
 	}
 	p.l.restore(recs)
 	if len(recs) > 0 {
-		p.log.Info("restored allocations from checkpoint", "count", len(recs))
+		p.log.Info("restored allocations from checkpoint", "count", len(recs), "version", version)
+	}
+	if version != 0 && version < checkpointVersion {
+		p.migrated(version)
 	}
 	return p, nil
+}
+
+// migrated rewrites a checkpoint read in an older version in the current
+// one. A failure leaves the old file, which still reads, and is retried by
+// the next save.
+func (p *Plugin) migrated(from int) {
+	if err := p.l.save(); err != nil {
+		p.log.Warn("checkpoint of an older version not rewritten; it still reads", "version", from, "err", err)
+		p.report(observe.Op{Name: observe.OpCheckpoint, Err: err})
+		return
+	}
+	p.log.Info("checkpoint converted", "from", from, "to", checkpointVersion)
 }
 
 // report passes one of the plugin's operations to the observer: component

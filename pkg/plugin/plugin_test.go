@@ -694,7 +694,9 @@ func TestCorruptCheckpointStartsEmpty(t *testing.T) {
 }
 
 func TestOptionsErrors(t *testing.T) {
-	ok := Options{Pool: pool.New(), Devices: NewFeed(), Renew: func(string) error { return nil }, StateDir: t.TempDir()}
+	dir := t.TempDir()
+	ok := Options{Pool: pool.New(), Devices: NewFeed(), Renew: func(string) error { return nil },
+		KubeletDir: dir, SocketDir: "/run/kvp", StateDir: dir, Interval: time.Hour}
 	cases := []struct {
 		name string
 		edit func(*Options)
@@ -709,6 +711,14 @@ func TestOptionsErrors(t *testing.T) {
 		{"bad char", func(o *Options) { o.ResourceName = "kvpool.io/host kv" }, `name "host kv" must be`},
 		{"unqualified domain", func(o *Options) { o.ResourceName = "kvpool/kv" }, "not fully qualified"},
 		{"relative socket dir", func(o *Options) { o.SocketDir = "sock" }, "not absolute"},
+		// The directories and periods come from the configuration, the one
+		// place their defaults are written.
+		{"no kubelet dir", func(o *Options) { o.KubeletDir = "" }, "need KubeletDir, SocketDir and StateDir"},
+		{"no socket dir", func(o *Options) { o.SocketDir = "" }, "need KubeletDir, SocketDir and StateDir"},
+		{"no state dir", func(o *Options) { o.StateDir = "" }, "need KubeletDir, SocketDir and StateDir"},
+		{"pod binding without pod logs", func(o *Options) { o.BindPods = true }, "BindPods needs PodLogsDir"},
+		{"negative grace", func(o *Options) { o.GracePeriod = -time.Second }, "grace period -1s is negative"},
+		{"no interval", func(o *Options) { o.Interval = 0 }, "reconcile interval 0s is not positive"},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {

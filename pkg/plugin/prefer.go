@@ -58,43 +58,73 @@ func Prefer(available, must []string, size int, numa map[string]int) ([]string, 
 	if len(avail) < size {
 		return nil, fmt.Errorf("%d devices available, %d wanted", len(avail), size)
 	}
-	taken := make(map[string]bool, size)
-	out := make([]string, 0, size)
-	mustNUMA := make(map[int]int)
-	mustGPU := make(map[[2]int]bool) // (gpu, idx) of must-include devices
-	for _, id := range must {
-		if !avail[id] {
-			return nil, fmt.Errorf("must-include device %s is not available", id)
-		}
-		if taken[id] {
-			return nil, fmt.Errorf("must-include device %s named twice", id)
-		}
-		taken[id] = true
-		out = append(out, id)
-		c := describe(id, numa)
-		mustNUMA[c.numa]++
-		if c.parsed {
-			mustGPU[[2]int{c.gpu, c.idx}] = true
-		}
+	m, err := takeMust(must, avail, numa, size)
+	if err != nil {
+		return nil, err
 	}
+	out := m.out
 	need := size - len(out)
 	// Group the remaining candidates by NUMA node.
 	groups := make(map[int][]cand)
 	for _, id := range slices.Sorted(maps.Keys(avail)) {
-		if taken[id] {
+		if m.taken[id] {
 			continue
 		}
 		c := describe(id, numa)
 		groups[c.numa] = append(groups[c.numa], c)
 	}
+	for _, n := range orderNodes(groups, m.numa, need) {
+		if need == 0 {
+			break
+		}
+		g := groups[n]
+		pick := bestRun(g, min(need, len(g)), m.gpu)
+		out = append(out, pick...)
+		need -= len(pick)
+	}
+	return out, nil
+}
+
+// mustPick is the must-include devices taken: in order, by ID, how many
+// per NUMA node, and the (gpu, idx) of those with a chunk ID.
+type mustPick struct {
+	out   []string
+	taken map[string]bool
+	numa  map[int]int
+	gpu   map[[2]int]bool
+}
+
+// takeMust takes every must-include device, each available and named once.
+func takeMust(must []string, avail map[string]bool, numa map[string]int, size int) (mustPick, error) {
+	m := mustPick{out: make([]string, 0, size), taken: make(map[string]bool, size), numa: map[int]int{}, gpu: map[[2]int]bool{}}
+	for _, id := range must {
+		if !avail[id] {
+			return mustPick{}, fmt.Errorf("must-include device %s is not available", id)
+		}
+		if m.taken[id] {
+			return mustPick{}, fmt.Errorf("must-include device %s named twice", id)
+		}
+		m.taken[id] = true
+		m.out = append(m.out, id)
+		c := describe(id, numa)
+		m.numa[c.numa]++
+		if c.parsed {
+			m.gpu[[2]int{c.gpu, c.idx}] = true
+		}
+	}
+	return m, nil
+}
+
+// orderNodes orders the NUMA nodes to take the need remaining devices
+// from: nodes of the must-include devices (most first); then nodes that
+// fit the rest alone, smallest first (keeps big nodes whole for big
+// requests); then the others, largest first. Unknown node (-1) last among
+// equals.
+func orderNodes(groups map[int][]cand, mustNUMA map[int]int, need int) []int {
 	nodes := make([]int, 0, len(groups))
 	for n := range groups {
 		nodes = append(nodes, n)
 	}
-	// Node order: nodes of the must-include devices (most first); then nodes
-	// that fit the rest alone, smallest first (keeps big nodes whole for
-	// big requests); then the others, largest first. Unknown node (-1) last
-	// among equals.
 	slices.SortFunc(nodes, func(a, b int) int {
 		if c := cmp.Compare(mustNUMA[b], mustNUMA[a]); c != 0 {
 			return c
@@ -119,16 +149,7 @@ func Prefer(available, must []string, size int, numa map[string]int) ([]string, 
 		}
 		return cmp.Compare(a, b)
 	})
-	for _, n := range nodes {
-		if need == 0 {
-			break
-		}
-		g := groups[n]
-		pick := bestRun(g, min(need, len(g)), mustGPU)
-		out = append(out, pick...)
-		need -= len(pick)
-	}
-	return out, nil
+	return nodes
 }
 
 func describe(id string, numa map[string]int) cand {

@@ -123,7 +123,6 @@ func (a sockID) same(b sockID) bool {
 func (p *Plugin) serveOnce(ctx context.Context) error {
 	dir := p.PluginDir()
 	sock := filepath.Join(dir, p.Endpoint())
-	kubelet := filepath.Join(dir, "kubelet.sock")
 	if err := os.Remove(sock); err != nil && !errors.Is(err, os.ErrNotExist) {
 		return p.pause(ctx, fmt.Errorf("remove stale socket: %w", err))
 	}
@@ -136,29 +135,41 @@ func (p *Plugin) serveOnce(ctx context.Context) error {
 	pluginapi.RegisterDevicePluginServer(srv, &watchedServer{Plugin: p, lost: lost})
 	serveErr := make(chan error, 1)
 	go func() { serveErr <- srv.Serve(lis) }()
-	defer func() {
-		p.registered.Store(false)
-		if ctx.Err() != nil {
-			// Stopping for good: tell kubelet there are no devices left
-			// (Withdraw), and give the streams a moment to send that.
-			p.Withdraw()
-			stopped := make(chan struct{})
-			go func() { srv.GracefulStop(); close(stopped) }()
-			select {
-			case <-stopped:
-			case <-time.After(2 * time.Second):
-			}
-		}
-		srv.Stop()
-		if err := <-serveErr; err != nil && !errors.Is(err, grpc.ErrServerStopped) {
-			p.log.Debug("device plugin server ended", "err", err)
-		}
-		if cur, ok := statSock(sock); ok && cur.fi.Mode()&os.ModeSocket != 0 {
-			os.Remove(sock)
-		}
-	}()
+	defer p.stopServing(ctx, srv, serveErr, sock)
 	ours, _ := statSock(sock)
+	return p.watch(ctx, dir, sock, ours, lost, serveErr)
+}
 
+// stopServing ends an incarnation's gRPC server and removes its socket.
+// When the plugin stops for good (ctx done) it first tells kubelet there
+// are no devices left (Withdraw) and gives the streams a moment to send
+// that.
+func (p *Plugin) stopServing(ctx context.Context, srv *grpc.Server, serveErr chan error, sock string) {
+	p.registered.Store(false)
+	if ctx.Err() != nil {
+		p.Withdraw()
+		stopped := make(chan struct{})
+		go func() { srv.GracefulStop(); close(stopped) }()
+		select {
+		case <-stopped:
+		case <-time.After(2 * time.Second):
+		}
+	}
+	srv.Stop()
+	if err := <-serveErr; err != nil && !errors.Is(err, grpc.ErrServerStopped) {
+		p.log.Debug("device plugin server ended", "err", err)
+	}
+	if cur, ok := statSock(sock); ok && cur.fi.Mode()&os.ModeSocket != 0 {
+		os.Remove(sock)
+	}
+}
+
+// watch registers with kubelet once its socket is there, and returns when
+// the incarnation ends: ctx done, our socket removed or replaced, kubelet's
+// socket recreated or its ListAndWatch closed (kubelet restarted), or the
+// gRPC server failed (its error is put back on serveErr for stopServing).
+func (p *Plugin) watch(ctx context.Context, dir, sock string, ours sockID, lost <-chan struct{}, serveErr chan error) error {
+	kubelet := filepath.Join(dir, "kubelet.sock")
 	// Kubelet's restart is seen as it happens through inotify on the
 	// directory: any event on our socket or kubelet.sock runs the checks
 	// below at once. The poll every Watch is the fallback for a missed
@@ -204,7 +215,7 @@ func (p *Plugin) serveOnce(ctx context.Context) error {
 				return errors.New("kubelet closed ListAndWatch (kubelet restarted?)")
 			}
 		case err := <-serveErr:
-			serveErr <- err // for the deferred wait
+			serveErr <- err // for stopServing
 			return fmt.Errorf("serve: %w", err)
 		case <-events:
 		case <-retry:

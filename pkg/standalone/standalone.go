@@ -22,7 +22,7 @@ import (
 
 // Config of a standalone agent. Zero fields take the defaults.
 type Config struct {
-	GPUs         int      // simulated GPUs (default 2), named cudart.SimulatedUUID(i) as the simulator names its devices
+	GPUs         int      // simulated GPUs (default standalone.gpus's, 2), named cudart.SimulatedUUID(i) as the simulator names its devices
 	ChunksPerGPU int      // default 4
 	ChunkBytes   int64    // default 64 MiB
 	Tokens       []string // allocation tokens (default one random token, contract.NewToken)
@@ -54,8 +54,9 @@ type Agent struct {
 // agent serves from then on. Serve waits until a context ends; Close stops
 // it and frees everything.
 func Start(c Config) (*Agent, error) {
+	cfg := config.Default()
 	if c.GPUs == 0 {
-		c.GPUs = 2
+		c.GPUs = cfg.Standalone.GPUs
 	}
 	if c.ChunksPerGPU == 0 {
 		c.ChunksPerGPU = 4
@@ -81,7 +82,6 @@ func Start(c Config) (*Agent, error) {
 	case c.ChunkBytes < 0:
 		return nil, fmt.Errorf("standalone: chunk size %d, want > 0", c.ChunkBytes)
 	}
-	cfg := config.Default()
 	cfg.SocketDir = filepath.Dir(c.Socket)
 	cfg.StateDir = cfg.SocketDir + "-state" // unused: no device plugin
 	cfg.TokenBinding = config.TokenBindingNone
