@@ -37,7 +37,6 @@ import (
 
 	"github.com/kvpool/kvpool/pkg/client"
 	"github.com/kvpool/kvpool/pkg/cudart"
-	"github.com/kvpool/kvpool/pkg/poolerr"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
 
@@ -83,35 +82,30 @@ const (
 	optionsSizeFirst = unsafe.Offsetof(C.kvpool_options{}.spin_wait_us)
 )
 
-// statusOf maps an error to its kvpool.h status.
+// abiCodes gives the wire statuses their kvpool.h codes: one hop from the
+// status, which pkg/wire's table relates to the pool's errors. A status
+// not named here (and a code of a newer agent) is KVPOOL_ERR_OTHER.
+var abiCodes = map[wire.Status]C.int{
+	wire.StatusUnknownStream:   errUnknownStream,
+	wire.StatusDuplicateStream: errDuplicateStream,
+	wire.StatusPageCount:       errPageCount,
+	wire.StatusOutOfRange:      errOutOfRange,
+	wire.StatusDuplicateIndex:  errDuplicateIndex,
+	wire.StatusBadName:         errBadName,
+	wire.StatusBadSize:         errBadSize,
+	wire.StatusClosed:          errClosed,
+	wire.StatusUnauthorized:    errUnauthorized,
+	wire.StatusBusy:            errBusy,
+	wire.StatusNoCapacity:      errNoCapacity,
+}
+
+// statusOf maps an error to its kvpool.h status: a refusal by the agent
+// by its wire status, a pool error raised on this side by the status of
+// the same meaning (wire.StatusOf), the client's own failures by kind.
 func statusOf(err error) C.int {
 	var ce *client.Error
 	if errors.As(err, &ce) {
-		switch ce.Status {
-		case wire.StatusUnknownStream:
-			return errUnknownStream
-		case wire.StatusDuplicateStream:
-			return errDuplicateStream
-		case wire.StatusPageCount:
-			return errPageCount
-		case wire.StatusOutOfRange:
-			return errOutOfRange
-		case wire.StatusDuplicateIndex:
-			return errDuplicateIndex
-		case wire.StatusBadName:
-			return errBadName
-		case wire.StatusBadSize:
-			return errBadSize
-		case wire.StatusClosed:
-			return errClosed
-		case wire.StatusUnauthorized:
-			return errUnauthorized
-		case wire.StatusBusy:
-			return errBusy
-		case wire.StatusNoCapacity:
-			return errNoCapacity
-		}
-		return errOther
+		return abiCode(ce.Status)
 	}
 	var cu *cudart.Error
 	var op *net.OpError
@@ -120,10 +114,15 @@ func statusOf(err error) C.int {
 		return errDisconnected
 	case errors.Is(err, client.ErrProtocol):
 		return errProtocol
-	case errors.Is(err, poolerr.ErrUnknownStream):
-		return errUnknownStream
 	case errors.As(err, &cu):
 		return errCUDA
+	}
+	return abiCode(wire.StatusOf(err))
+}
+
+func abiCode(st wire.Status) C.int {
+	if code, ok := abiCodes[st]; ok {
+		return code
 	}
 	return errOther
 }

@@ -9,7 +9,7 @@ import (
 
 	"github.com/kvpool/kvpool/internal/server"
 	"github.com/kvpool/kvpool/pkg/contract"
-	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/poolerr"
 )
 
 // prepareTokens decides the standalone allocations: each token gets every
@@ -46,13 +46,13 @@ func (a *agent) prepareTokens() error {
 func (a *agent) authorize(token string) (string, error) {
 	if alloc, ok := a.static[token]; ok {
 		if !a.granted.Load() {
-			return "", fmt.Errorf("%w: the pool is still being allocated", pool.ErrNotReady)
+			return "", fmt.Errorf("%w: the pool is still being allocated", poolerr.ErrNotReady)
 		}
 		return alloc, nil
 	}
 	if a.plug != nil {
 		alloc, err := a.plug.Plugin.Authorize(token)
-		if errors.Is(err, pool.ErrNotReady) {
+		if errors.Is(err, poolerr.ErrNotReady) {
 			return "", err
 		}
 		if err != nil {
@@ -75,7 +75,7 @@ func (a *agent) authorizePeer(ctx context.Context, token string, peer server.Pee
 	}
 	alloc, err := a.plug.Plugin.AuthorizePeer(ctx, token, peer.PID)
 	if err != nil {
-		if errors.Is(err, pool.ErrNotReady) {
+		if errors.Is(err, poolerr.ErrNotReady) {
 			return "", err // restored, its chunks not yet back: "retry"
 		}
 		if errors.Is(err, contract.ErrUnknownToken) {

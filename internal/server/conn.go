@@ -13,6 +13,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/poolerr"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
 
@@ -371,7 +372,7 @@ func (c *conn) handle(h wire.Header, body []byte) reply {
 		if dev := ps.Spec().DevicePages; len(c.staged)+len(m.GpuPages) > dev {
 			n := len(c.staged) + len(m.GpuPages)
 			c.dropStaged()
-			return errReply(fmt.Errorf("pages: %w: %d device pages named, the device has %d", pool.ErrPageCount, n, dev))
+			return errReply(fmt.Errorf("pages: %w: %d device pages named, the device has %d", poolerr.ErrPageCount, n, dev))
 		}
 		c.staged = append(c.staged, m.GpuPages...)
 		return reply{}
@@ -390,9 +391,9 @@ func (c *conn) handle(h wire.Header, body []byte) reply {
 		c.dropStaged()
 		rep := &c.offRep
 		rep.Ok, rep.HostPages, rep.Total = err == nil, c.pages, 0
-		if errors.Is(err, pool.ErrFull) || errors.Is(err, pool.ErrNoPages) {
+		if errors.Is(err, poolerr.ErrFull) || errors.Is(err, poolerr.ErrNoPages) {
 			rep.HostPages = rep.HostPages[:0]
-			return reply{body: rep, full: errors.Is(err, pool.ErrFull)}
+			return reply{body: rep, full: errors.Is(err, poolerr.ErrFull)}
 		}
 		if err != nil {
 			return errReply(err)
@@ -455,12 +456,12 @@ func (c *conn) handle(h wire.Header, body []byte) reply {
 			return reply{body: &wire.RemoveRequestReply{Removed: uint32(n)}, change: n > 0}
 		case wire.OpIsOffloaded:
 			if ps.Closed() {
-				return errReply(pool.ErrClosed)
+				return errReply(poolerr.ErrClosed)
 			}
 			return reply{body: &wire.IsOffloadedReply{Offloaded: ps.IsOffloaded(m.Rid)}}
 		default:
 			if ps.Closed() {
-				return errReply(pool.ErrClosed)
+				return errReply(poolerr.ErrClosed)
 			}
 			labels := ps.Labels(m.Rid)
 			n := labelsFitting(labels)
@@ -475,7 +476,7 @@ func (c *conn) handle(h wire.Header, body []byte) reply {
 			return fail(wire.StatusBadRequest, err)
 		}
 		if ps.Closed() {
-			return errReply(pool.ErrClosed)
+			return errReply(poolerr.ErrClosed)
 		}
 		switch h.Op {
 		case wire.OpUsage:
@@ -623,7 +624,7 @@ func (c *conn) handleOpen(body []byte) reply {
 	} else {
 		alloc, err = c.s.o.Authorize(m.Token)
 	}
-	if errors.Is(err, pool.ErrNotReady) {
+	if errors.Is(err, poolerr.ErrNotReady) {
 		return fail(wire.StatusUnavailable, fmt.Errorf("open: %w", err))
 	}
 	if err != nil {
@@ -758,46 +759,12 @@ func (c *conn) closeSession() {
 	s.hookSession(SessionClosed, info)
 }
 
-// errReply maps a pool error to its status.
+// errReply maps a pool error to its status (wire.StatusOf), with the
+// ticket to fence for a refusal until a fence.
 func errReply(err error) reply {
-	var pe *pool.PendingError
-	if errors.As(err, &pe) {
-		return reply{st: wire.StatusPending, err: err, ticket: pe.Ticket}
+	r := reply{st: wire.StatusOf(err), err: err}
+	if pe := (*pool.PendingError)(nil); errors.As(err, &pe) {
+		r.ticket = pe.Ticket
 	}
-	return reply{st: StatusOf(err), err: err}
-}
-
-// StatusOf is the status a client gets for err, a pool error: the status of
-// the same meaning (statusMap), StatusPending for a refusal until a fence,
-// else StatusInternal. Kinds of pool errors (metrics, the error ring) are
-// the kinds of these statuses (wire.Status.Kind).
-func StatusOf(err error) wire.Status {
-	for _, m := range statusMap {
-		if errors.Is(err, m.err) {
-			return m.st
-		}
-	}
-	if errors.Is(err, pool.ErrPending) {
-		return wire.StatusPending
-	}
-	return wire.StatusInternal
-}
-
-var statusMap = []struct {
-	err error
-	st  wire.Status
-}{
-	{pool.ErrUnknownStream, wire.StatusUnknownStream},
-	{pool.ErrDuplicateStream, wire.StatusDuplicateStream},
-	{pool.ErrPageCount, wire.StatusPageCount},
-	{pool.ErrOutOfRange, wire.StatusOutOfRange},
-	{pool.ErrDuplicateIndex, wire.StatusDuplicateIndex},
-	{pool.ErrBadName, wire.StatusBadName},
-	{pool.ErrBadSize, wire.StatusBadSize},
-	{pool.ErrBadFence, wire.StatusBadFence},
-	{pool.ErrClosed, wire.StatusClosed},
-	{pool.ErrNoCapacity, wire.StatusNoCapacity},
-	{pool.ErrNoGPUChunks, wire.StatusNoGPUChunks},
-	{pool.ErrUnknownAllocation, wire.StatusUnauthorized},
-	{pool.ErrNotReady, wire.StatusUnavailable},
+	return r
 }

@@ -18,6 +18,7 @@ import (
 	"github.com/kvpool/kvpool/internal/server"
 	"github.com/kvpool/kvpool/pkg/contract"
 	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/poolerr"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
 
@@ -47,7 +48,7 @@ func journaled(t testing.TB, p *pool.Pool, chunks map[string]*hostmem.Chunk, j s
 			case "tok-a":
 				return "A", nil
 			case "tok-wait":
-				return "", fmt.Errorf("%w: chunks still coming", pool.ErrNotReady)
+				return "", fmt.Errorf("%w: chunks still coming", poolerr.ErrNotReady)
 			}
 			return "", contract.ErrUnknownToken
 		}})

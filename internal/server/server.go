@@ -43,6 +43,7 @@ import (
 	"github.com/kvpool/kvpool/pkg/contract"
 	"github.com/kvpool/kvpool/pkg/observe"
 	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/poolerr"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
 
@@ -95,7 +96,7 @@ type Request struct {
 
 // RequestError is a request the server refused, as the client got it:
 // Message is the Error body's message. It unwraps to the error behind the
-// status (a pool error, or nil), so errors.Is(err, pool.ErrPending) holds
+// status (a pool error, or nil), so errors.Is(err, poolerr.ErrPending) holds
 // for a pending offload.
 type RequestError struct {
 	Op         wire.Op
@@ -116,7 +117,7 @@ func (e *RequestError) Unwrap() error { return e.Err }
 
 // ObserveRequests returns a Hooks.Request that reports each request to obs
 // as an observe.Op: name, GPU, session, allocation, time, pages, bytes, and
-// the error the client got (pool.ErrFull for an offload refused because
+// the error the client got (poolerr.ErrFull for an offload refused because
 // the pool is full, which is flow control, not an error).
 func ObserveRequests(obs observe.Observer) func(Request) {
 	return func(r Request) {
@@ -126,7 +127,7 @@ func ObserveRequests(obs observe.Observer) func(Request) {
 			o.Session = strconv.FormatUint(r.Session, 10) // for the error ring only: no allocation per success
 		}
 		if r.Full && r.Err == nil {
-			o.Err = pool.ErrFull
+			o.Err = poolerr.ErrFull
 		}
 		obs.Op(o)
 	}

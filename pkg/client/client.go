@@ -31,7 +31,6 @@ import (
 
 	"github.com/kvpool/kvpool/pkg/contract"
 	"github.com/kvpool/kvpool/pkg/cudart"
-	"github.com/kvpool/kvpool/pkg/poolerr"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
 
@@ -135,7 +134,8 @@ var ErrDisconnected = errors.New("kvpool: connection to the agent lost")
 var ErrProtocol = errors.New("kvpool: protocol violation by the agent")
 
 // Error is a request the agent refused. errors.Is matches it against the
-// pool's sentinel errors (poolerr.ErrUnknownStream, ..., which pool re-exports), whose meaning it has.
+// pool's error values (poolerr.ErrUnknownStream, ...), whose meaning its
+// status has (wire.ErrorOf).
 type Error struct {
 	Op      wire.Op
 	Status  wire.Status
@@ -149,41 +149,9 @@ func (e *Error) Error() string { return fmt.Sprintf("kvpool %s: %s: %s", e.Op, e
 // metrics and error ring use for this refusal.
 func (e *Error) Kind() string { return e.Status.Kind() }
 
-// Unwrap returns the pool error of the same meaning, when there is one.
-func (e *Error) Unwrap() error {
-	for _, m := range statusErrs {
-		if m.st == e.Status {
-			return m.err
-		}
-	}
-	return nil
-}
-
-// statusErrs gives the statuses their pool errors back: the inverse of the
-// agent's server.StatusOf, which TestStatusErrorsInvertServer checks.
-var statusErrs = []struct {
-	st  wire.Status
-	err error
-}{
-	{wire.StatusUnknownStream, poolerr.ErrUnknownStream},
-	{wire.StatusDuplicateStream, poolerr.ErrDuplicateStream},
-	{wire.StatusPageCount, poolerr.ErrPageCount},
-	{wire.StatusOutOfRange, poolerr.ErrOutOfRange},
-	{wire.StatusDuplicateIndex, poolerr.ErrDuplicateIndex},
-	{wire.StatusBadName, poolerr.ErrBadName},
-	{wire.StatusBadSize, poolerr.ErrBadSize},
-	{wire.StatusBadFence, poolerr.ErrBadFence},
-	{wire.StatusClosed, poolerr.ErrClosed},
-	{wire.StatusNoCapacity, poolerr.ErrNoCapacity},
-	{wire.StatusPending, poolerr.ErrPending},
-	{wire.StatusNoGPUChunks, poolerr.ErrNoGPUChunks},
-	{wire.StatusUnknownGPU, ErrUnknownGPU},
-}
-
-// ErrUnknownGPU reports an Open for a GPU the agent does not serve: its UUID
-// is not in the node's plan (a GPU of another node, or a device the agent
-// could not see).
-var ErrUnknownGPU = errors.New("kvpool: GPU is not one of the agent's")
+// Unwrap returns the pool error of the same meaning (wire.ErrorOf), when
+// there is one.
+func (e *Error) Unwrap() error { return wire.ErrorOf(e.Status) }
 
 var (
 	instanceOnce sync.Once

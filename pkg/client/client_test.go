@@ -23,7 +23,7 @@ import (
 	"github.com/kvpool/kvpool/pkg/client"
 	"github.com/kvpool/kvpool/pkg/contract"
 	"github.com/kvpool/kvpool/pkg/cudart"
-	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/poolerr"
 	"github.com/kvpool/kvpool/pkg/standalone"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
@@ -260,16 +260,16 @@ func TestMisuse(t *testing.T) {
 		call func() error
 		want error
 	}{
-		{"duplicate stream", func() error { _, err := p.OffloadStream("r", "l", []int32{3}, 0, 0, 0); return err }, pool.ErrDuplicateStream},
-		{"out of range", func() error { _, err := p.OffloadStream("q", "l", []int32{16}, 0, 0, 0); return err }, pool.ErrOutOfRange},
-		{"negative index", func() error { _, err := p.OffloadStream("q", "l", []int32{-1}, 0, 0, 0); return err }, pool.ErrOutOfRange},
-		{"duplicate index", func() error { _, err := p.OffloadStream("q", "l", []int32{4, 4}, 0, 0, 0); return err }, pool.ErrDuplicateIndex},
-		{"negative meta", func() error { _, err := p.OffloadStream("q", "l", []int32{4}, -1, 0, 0); return err }, pool.ErrBadSize},
-		{"empty rid", func() error { _, err := p.OffloadStream("", "l", []int32{4}, 0, 0, 0); return err }, pool.ErrBadName},
-		{"unknown reload", func() error { _, err := p.ReloadStream("zz", "l", []int32{4}); return err }, pool.ErrUnknownStream},
-		{"wrong count", func() error { _, err := p.ReloadStream("r", "l", []int32{4}); return err }, pool.ErrPageCount},
-		{"reload dup index", func() error { _, err := p.ReloadStream("r", "l", []int32{4, 4}); return err }, pool.ErrDuplicateIndex},
-		{"offload duplicate stream of zero pages", func() error { _, err := p.OffloadStream("r", "l", nil, 0, 0, 0); return err }, pool.ErrDuplicateStream},
+		{"duplicate stream", func() error { _, err := p.OffloadStream("r", "l", []int32{3}, 0, 0, 0); return err }, poolerr.ErrDuplicateStream},
+		{"out of range", func() error { _, err := p.OffloadStream("q", "l", []int32{16}, 0, 0, 0); return err }, poolerr.ErrOutOfRange},
+		{"negative index", func() error { _, err := p.OffloadStream("q", "l", []int32{-1}, 0, 0, 0); return err }, poolerr.ErrOutOfRange},
+		{"duplicate index", func() error { _, err := p.OffloadStream("q", "l", []int32{4, 4}, 0, 0, 0); return err }, poolerr.ErrDuplicateIndex},
+		{"negative meta", func() error { _, err := p.OffloadStream("q", "l", []int32{4}, -1, 0, 0); return err }, poolerr.ErrBadSize},
+		{"empty rid", func() error { _, err := p.OffloadStream("", "l", []int32{4}, 0, 0, 0); return err }, poolerr.ErrBadName},
+		{"unknown reload", func() error { _, err := p.ReloadStream("zz", "l", []int32{4}); return err }, poolerr.ErrUnknownStream},
+		{"wrong count", func() error { _, err := p.ReloadStream("r", "l", []int32{4}); return err }, poolerr.ErrPageCount},
+		{"reload dup index", func() error { _, err := p.ReloadStream("r", "l", []int32{4, 4}); return err }, poolerr.ErrDuplicateIndex},
+		{"offload duplicate stream of zero pages", func() error { _, err := p.OffloadStream("r", "l", nil, 0, 0, 0); return err }, poolerr.ErrDuplicateStream},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {

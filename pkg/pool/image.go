@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"slices"
 	"sort"
+
+	"github.com/kvpool/kvpool/pkg/poolerr"
 )
 
 // EventKind names a change of the pool's chunk and allocation table.
@@ -179,10 +181,10 @@ func (p *Pool) Restore(img Image) ([]*Session, error) {
 func (p *Pool) restoreLocked(img Image) ([]*Session, error) {
 	for _, c := range img.Chunks {
 		if c.ID == "" || c.Size <= 0 {
-			return nil, fmt.Errorf("%w: chunk %q of %d bytes", ErrBadSize, c.ID, c.Size)
+			return nil, fmt.Errorf("%w: chunk %q of %d bytes", poolerr.ErrBadSize, c.ID, c.Size)
 		}
 		if _, ok := p.chunks[c.ID]; ok {
-			return nil, fmt.Errorf("chunk %s: %w", c.ID, ErrDuplicateChunk)
+			return nil, fmt.Errorf("chunk %s: %w", c.ID, poolerr.ErrDuplicateChunk)
 		}
 		if c.State > ChunkDirty {
 			return nil, fmt.Errorf("chunk %s: bad state %d", c.ID, c.State)
@@ -193,16 +195,16 @@ func (p *Pool) restoreLocked(img Image) ([]*Session, error) {
 	}
 	for _, ai := range img.Allocations {
 		if ai.ID == "" || len(ai.Chunks) == 0 {
-			return nil, fmt.Errorf("%w: allocation %q of %d chunks", ErrBadSize, ai.ID, len(ai.Chunks))
+			return nil, fmt.Errorf("%w: allocation %q of %d chunks", poolerr.ErrBadSize, ai.ID, len(ai.Chunks))
 		}
 		if _, ok := p.allocs[ai.ID]; ok {
-			return nil, fmt.Errorf("allocation %s: %w", ai.ID, ErrAllocationExists)
+			return nil, fmt.Errorf("allocation %s: %w", ai.ID, poolerr.ErrAllocationExists)
 		}
 		a := &allocation{id: ai.ID, sessions: make(map[*Session]struct{})}
 		for _, id := range ai.Chunks {
 			ch, ok := p.chunks[id]
 			if !ok {
-				return nil, fmt.Errorf("allocation %s: %w: %s", ai.ID, ErrUnknownChunk, id)
+				return nil, fmt.Errorf("allocation %s: %w: %s", ai.ID, poolerr.ErrUnknownChunk, id)
 			}
 			if ch.state != ChunkGranted || ch.alloc != nil {
 				return nil, fmt.Errorf("allocation %s: chunk %s is %s or in another allocation", ai.ID, id, ch.state)
@@ -237,13 +239,13 @@ func (p *Pool) restoreLocked(img Image) ([]*Session, error) {
 func (p *Pool) restoreSession(si SessionImage) (*Session, error) {
 	a, ok := p.allocs[si.Allocation]
 	if !ok {
-		return nil, fmt.Errorf("%w: %s", ErrUnknownAllocation, si.Allocation)
+		return nil, fmt.Errorf("%w: %s", poolerr.ErrUnknownAllocation, si.Allocation)
 	}
 	spec := si.Spec
 	if spec.PageSize <= 0 || spec.DevicePages <= 0 || spec.MaxPages < 0 || si.PPC <= 0 || si.Capacity < 0 ||
 		len(si.Chunks) == 0 || int64(si.Capacity) > int64(len(si.Chunks))*int64(si.PPC) || si.Capacity > maxPages {
 		return nil, fmt.Errorf("%w: page size %d, %d device pages, %d pages per chunk, capacity %d over %d chunks",
-			ErrBadSize, spec.PageSize, spec.DevicePages, si.PPC, si.Capacity, len(si.Chunks))
+			poolerr.ErrBadSize, spec.PageSize, spec.DevicePages, si.PPC, si.Capacity, len(si.Chunks))
 	}
 	chunks := make([]*chunk, len(si.Chunks))
 	for i, id := range si.Chunks {
@@ -255,7 +257,7 @@ func (p *Pool) restoreSession(si SessionImage) (*Session, error) {
 			return nil, fmt.Errorf("chunk %s is bound twice", id)
 		}
 		if int64(si.PPC)*spec.PageSize > ch.Size {
-			return nil, fmt.Errorf("%w: chunk %s of %d bytes cannot hold %d pages of %d", ErrBadSize, id, ch.Size, si.PPC, spec.PageSize)
+			return nil, fmt.Errorf("%w: chunk %s of %d bytes cannot hold %d pages of %d", poolerr.ErrBadSize, id, ch.Size, si.PPC, spec.PageSize)
 		}
 		chunks[i] = ch
 	}
@@ -266,10 +268,10 @@ func (p *Pool) restoreSession(si SessionImage) (*Session, error) {
 		head, tail = nilPage, nilPage
 		for _, pg := range pages {
 			if pg < 0 || int(pg) >= si.Capacity {
-				return 0, 0, fmt.Errorf("%w: host page %d outside [0, %d)", ErrOutOfRange, pg, si.Capacity)
+				return 0, 0, fmt.Errorf("%w: host page %d outside [0, %d)", poolerr.ErrOutOfRange, pg, si.Capacity)
 			}
 			if used[pg] {
-				return 0, 0, fmt.Errorf("%w: host page %d held twice", ErrDuplicateIndex, pg)
+				return 0, 0, fmt.Errorf("%w: host page %d held twice", poolerr.ErrDuplicateIndex, pg)
 			}
 			used[pg] = true
 			if tail == nilPage {
@@ -292,7 +294,7 @@ func (p *Pool) restoreSession(si SessionImage) (*Session, error) {
 			return nil, err
 		}
 		if slot, _ := s.find(st.Rid, st.Label); slot != nilPage {
-			return nil, fmt.Errorf("%q/%q: %w", st.Rid, st.Label, ErrDuplicateStream)
+			return nil, fmt.Errorf("%q/%q: %w", st.Rid, st.Label, poolerr.ErrDuplicateStream)
 		}
 		head, tail, err := link(st.Pages)
 		if err != nil {
@@ -307,7 +309,7 @@ func (p *Pool) restoreSession(si SessionImage) (*Session, error) {
 	var last uint64
 	for _, r := range si.Pending {
 		if r.Ticket <= last || r.Ticket > si.Ticket || len(r.Pages) == 0 {
-			return nil, fmt.Errorf("%w: pending reload %d (last issued %d, previous %d, %d pages)", ErrBadFence, r.Ticket, si.Ticket, last, len(r.Pages))
+			return nil, fmt.Errorf("%w: pending reload %d (last issued %d, previous %d, %d pages)", poolerr.ErrBadFence, r.Ticket, si.Ticket, last, len(r.Pages))
 		}
 		last = r.Ticket
 		head, tail, err := link(r.Pages)

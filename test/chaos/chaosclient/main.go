@@ -22,7 +22,7 @@ import (
 
 	"github.com/kvpool/kvpool/pkg/client"
 	"github.com/kvpool/kvpool/pkg/cudart"
-	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/poolerr"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
 
@@ -270,7 +270,7 @@ func (r *runner) reload(i int) {
 	var got client.OffloadedStream
 	var err error
 	r.timed(func() { got, err = r.p.ReloadStream(s.rid, s.label, dst) })
-	if errors.Is(err, pool.ErrUnknownStream) {
+	if errors.Is(err, poolerr.ErrUnknownStream) {
 		r.res.Lost++
 		r.fail("reload %s: lost: %v", s.rid, err)
 		return
@@ -318,7 +318,7 @@ func (r *runner) check(i int) {
 	var n int
 	var err error
 	r.timed(func() { n, err = r.p.NumPages(s.rid, s.label) })
-	if errors.Is(err, pool.ErrUnknownStream) {
+	if errors.Is(err, poolerr.ErrUnknownStream) {
 		r.take(i)
 		r.res.Lost++
 		r.fail("num_pages %s: lost", s.rid)
