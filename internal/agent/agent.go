@@ -33,6 +33,7 @@ import (
 	"github.com/kvpool/kvpool/internal/server"
 	"github.com/kvpool/kvpool/internal/sizing"
 	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/unixsock"
 )
 
 // Options configure an agent. Config is required; the rest are what the
@@ -289,7 +290,7 @@ func Boot(parent context.Context, o Options) (_ *Agent, err error) {
 		Pool:      a.pool,
 		Chunks:    a.chunk,
 		Authorize: a.authorize,
-		AuthorizePeer: func(token string, peer server.Peer) (string, error) {
+		AuthorizePeer: func(token string, peer unixsock.Peer) (string, error) {
 			return a.authorizePeer(ctx, token, peer)
 		},
 		Logger:   log,

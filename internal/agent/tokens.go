@@ -7,9 +7,9 @@ import (
 	"strings"
 	"time"
 
-	"github.com/kvpool/kvpool/internal/server"
 	"github.com/kvpool/kvpool/pkg/contract"
 	"github.com/kvpool/kvpool/pkg/poolerr"
+	"github.com/kvpool/kvpool/pkg/unixsock"
 )
 
 // prepareTokens decides the standalone allocations: each token gets every
@@ -69,7 +69,7 @@ func (a *agent) authorize(token string) (string, error) {
 // authorizePeer is authorize with the client's credentials: a token the
 // device plugin handed out works only from its pod when tokenBinding is
 // "pod" (plugin.Plugin.AuthorizePeer).
-func (a *agent) authorizePeer(ctx context.Context, token string, peer server.Peer) (string, error) {
+func (a *agent) authorizePeer(ctx context.Context, token string, peer unixsock.Peer) (string, error) {
 	if _, ok := a.static[token]; ok || a.plug == nil {
 		return a.authorize(token)
 	}

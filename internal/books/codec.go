@@ -7,6 +7,7 @@ import (
 
 	"github.com/kvpool/kvpool/internal/server"
 	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/unixsock"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
 
@@ -44,7 +45,7 @@ func (e enc) pages(ps []int32) enc {
 	return e
 }
 func (e enc) meta(m pool.Meta) enc { return e.i(m.StoredLen).i(m.Position).i(m.Released) }
-func (e enc) peer(p server.Peer) enc {
+func (e enc) peer(p unixsock.Peer) enc {
 	return e.i(int64(p.PID)).u(uint64(p.UID)).u(uint64(p.GID))
 }
 
@@ -146,12 +147,12 @@ func (d *dec) pages() []int32 {
 
 func (d *dec) meta() pool.Meta { return pool.Meta{StoredLen: d.i(), Position: d.i(), Released: d.i()} }
 
-func (d *dec) peer() server.Peer {
+func (d *dec) peer() unixsock.Peer {
 	pid, uid, gid := d.i(), d.u(), d.u()
 	if pid < 0 || pid > 1<<31-1 || uid > 1<<32-1 || gid > 1<<32-1 {
 		d.fail("peer credentials out of range")
 	}
-	return server.Peer{PID: int32(pid), UID: uint32(uid), GID: uint32(gid)}
+	return unixsock.Peer{PID: int32(pid), UID: uint32(uid), GID: uint32(gid)}
 }
 
 func appendEvent(e enc, ev pool.Event) enc {

@@ -7,6 +7,7 @@ import (
 
 	"github.com/kvpool/kvpool/internal/server"
 	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/unixsock"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
 
@@ -46,7 +47,7 @@ type Session struct {
 	Image    pool.SessionImage // Streams and Pending are kept below instead
 	Instance string
 	UUID     string
-	Peer     server.Peer
+	Peer     unixsock.Peer
 	Layout   server.Layout
 	Last     server.LastReply
 

@@ -14,6 +14,7 @@ import (
 
 	"github.com/kvpool/kvpool/pkg/pool"
 	"github.com/kvpool/kvpool/pkg/poolerr"
+	"github.com/kvpool/kvpool/pkg/unixsock"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
 
@@ -74,7 +75,7 @@ type conn struct {
 	s    *Server
 	wc   *wire.Conn
 	id   uint64
-	peer Peer
+	peer unixsock.Peer
 	log  *slog.Logger
 
 	hello bool
@@ -107,7 +108,7 @@ const maxKeep = 4 * wire.MaxPagesPerPacket
 // MaxMessage buffer comes with the hello.
 const helloBuffer = 4096
 
-func (s *Server) newConn(uc *net.UnixConn, peer Peer) *conn {
+func (s *Server) newConn(uc *net.UnixConn, peer unixsock.Peer) *conn {
 	c := &conn{s: s, wc: wire.NewConn(uc), id: connIDs.Add(1), in: make([]byte, helloBuffer), peer: peer, since: time.Now()}
 	c.log = s.log.With("conn", c.id, "pid", peer.PID)
 	_ = c.wc.SetSpin(s.o.PollAfterReply) // New checked the bound

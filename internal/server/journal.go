@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/unixsock"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
 
@@ -44,9 +45,9 @@ type SessionOp struct {
 type OpenInfo struct {
 	Replaces   uint64 // the session of another instance it replaced (0: none)
 	Allocation string
-	Instance   string // hex
-	UUID       string // the GPU's, as the client named it
-	Peer       Peer   // the client process that opened it (resumes need the same)
+	Instance   string        // hex
+	UUID       string        // the GPU's, as the client named it
+	Peer       unixsock.Peer // the client process that opened it (resumes need the same)
 	Layout     Layout
 	Image      pool.SessionImage // as opened: no streams
 }
@@ -83,7 +84,7 @@ type RestoredSession struct {
 	Session  *pool.Session // restored by pool.Restore
 	Instance string
 	UUID     string
-	Peer     Peer
+	Peer     unixsock.Peer
 	Layout   Layout
 	Last     LastReply
 }

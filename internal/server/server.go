@@ -29,21 +29,18 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
-	"os"
-	"path/filepath"
 	"sort"
 	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/kvpool/kvpool/internal/hostmem"
 	"github.com/kvpool/kvpool/pkg/contract"
 	"github.com/kvpool/kvpool/pkg/observe"
 	"github.com/kvpool/kvpool/pkg/pool"
 	"github.com/kvpool/kvpool/pkg/poolerr"
+	"github.com/kvpool/kvpool/pkg/unixsock"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
 
@@ -152,7 +149,7 @@ type Options struct {
 	Authorize Authorizer
 	// AuthorizePeer, when set, is used instead of Authorize and also gets
 	// the client's credentials (the agent binds tokens to pods with it).
-	AuthorizePeer func(token string, peer Peer) (allocation string, err error)
+	AuthorizePeer func(token string, peer unixsock.Peer) (allocation string, err error)
 	Logger        *slog.Logger // default slog.Default()
 	Hooks         Hooks
 	Name          string // sent in HelloReply; default "kvpool-agent"
@@ -217,7 +214,7 @@ type entry struct {
 	layout   layout
 	opened   time.Time
 	conn     *conn // nil while disconnected; guarded by Server.mu
-	peer     Peer
+	peer     unixsock.Peer
 	lastSeen time.Time
 	uuid     string
 
@@ -241,13 +238,6 @@ type moreReply struct {
 	labels []string
 }
 
-// Peer is the credentials of a connected client (SO_PEERCRED).
-type Peer struct {
-	PID int32
-	UID uint32
-	GID uint32
-}
-
 // SessionInfo describes a session for listings and hooks.
 type SessionInfo struct {
 	ID         uint64
@@ -256,7 +246,7 @@ type SessionInfo struct {
 	GPUUUID    string // as the client named it
 	Instance   string // ShortID of the instance: never the whole ID
 	Connected  bool
-	Peer       Peer // of the current or last connection
+	Peer       unixsock.Peer // of the current or last connection
 	PageSize   int64
 	Opened     time.Time
 	LastSeen   time.Time // last disconnect; zero while connected
@@ -289,33 +279,15 @@ func New(o Options) (*Server, error) {
 	return s, nil
 }
 
-// Listen creates the socket at path with a unixpacket listener: its
-// directory is created when missing and a stale socket file left by an
-// earlier agent is replaced. The socket is made world-writable: the
-// allocation token, not file permissions, authorizes a client.
+// Listen creates the socket at path with a unixpacket listener
+// (unixsock.Listen): its directory is created when missing and a stale
+// socket file left by an earlier agent is replaced; a live one is refused.
+// The socket is made world-writable: the allocation token, not file
+// permissions, authorizes a client.
 func Listen(path string) (*net.UnixListener, error) {
-	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
-		return nil, fmt.Errorf("server: socket directory: %w", err)
-	}
-	if fi, err := os.Lstat(path); err == nil {
-		if fi.Mode()&os.ModeSocket == 0 {
-			return nil, fmt.Errorf("server: %s exists and is not a socket", path)
-		}
-		if c, err := net.Dial(wire.Network, path); err == nil {
-			c.Close()
-			return nil, fmt.Errorf("server: another agent is serving on %s", path)
-		}
-		if err := os.Remove(path); err != nil {
-			return nil, fmt.Errorf("server: remove stale socket: %w", err)
-		}
-	}
-	l, err := net.ListenUnix(wire.Network, &net.UnixAddr{Name: path, Net: wire.Network})
+	l, err := unixsock.Listen(path, 0o666)
 	if err != nil {
-		return nil, fmt.Errorf("server: listen on %s: %w", path, err)
-	}
-	if err := os.Chmod(path, 0o666); err != nil {
-		l.Close()
-		return nil, fmt.Errorf("server: chmod socket: %w", err)
+		return nil, fmt.Errorf("server: %w", err)
 	}
 	return l, nil
 }
@@ -329,55 +301,31 @@ func Listen(path string) (*net.UnixListener, error) {
 // 5 ms doubling to 1 s; any other ends Serve with that error, logged, for
 // the caller to exit on.
 func (s *Server) Serve(ctx context.Context, l *net.UnixListener) error {
-	stop := context.AfterFunc(ctx, func() { l.Close() })
-	defer stop()
 	sweepCtx, endSweep := context.WithCancel(ctx)
 	s.wg.Go(func() { s.sweepLoop(sweepCtx) })
-	var err error
-	var backoff time.Duration
-	for {
-		uc, aerr := l.AcceptUnix()
-		if aerr != nil {
-			if ctx.Err() != nil {
-				break
+	err := unixsock.Acceptor{
+		// Admission runs in the accept loop, not in the connection's
+		// goroutine: a burst of connections beyond the bounds is closed
+		// as fast as it is accepted and piles up neither fds nor
+		// goroutines.
+		Admit: s.admit,
+		Retry: func(err error, wait time.Duration) {
+			s.refused(RefusedAcceptTemporary, unixsock.Peer{}, "accept failed; retrying", "err", err, "retryIn", wait)
+		},
+		Stop: func() {
+			s.mu.Lock()
+			s.closing = true
+			for c := range s.conns {
+				c.wc.Close()
 			}
-			if temporaryAccept(aerr) {
-				backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
-				s.refused(RefusedAcceptTemporary, Peer{}, "accept failed; retrying", "err", aerr, "retryIn", backoff)
-				t := time.NewTimer(backoff)
-				select {
-				case <-t.C:
-				case <-ctx.Done():
-					t.Stop()
-				}
-				continue
-			}
-			err = fmt.Errorf("server: accept: %w", aerr)
-			s.log.Error("socket server stopped", "err", err)
-			break
-		}
-		backoff = 0
-		// Admission runs here, not in the connection's goroutine: a burst
-		// of connections beyond the bounds is closed as fast as it is
-		// accepted and piles up neither fds nor goroutines.
-		run := s.admit(uc)
-		if run == nil {
-			continue
-		}
-		s.wg.Add(1)
-		go func() {
-			defer s.wg.Done()
-			run()
-		}()
+			s.mu.Unlock()
+		},
+	}.Serve(ctx, l)
+	if err != nil {
+		err = fmt.Errorf("server: %w", err)
+		s.log.Error("socket server stopped", "err", err)
 	}
 	endSweep()
-	l.Close()
-	s.mu.Lock()
-	s.closing = true
-	for c := range s.conns {
-		c.wc.Close()
-	}
-	s.mu.Unlock()
 	s.wg.Wait()
 	s.mu.Lock()
 	s.closing = false
@@ -403,7 +351,7 @@ func (s *Server) ServeConn(uc *net.UnixConn) {
 // it has closed it already: the server is closing, or maxRefusers
 // connections are being refused at once.
 func (s *Server) admit(uc *net.UnixConn) func() {
-	peer, err := peerCred(uc)
+	peer, err := unixsock.PeerOf(uc)
 	if err != nil {
 		s.rlog.Log(slog.LevelWarn, "peercred", "peer credentials unavailable", "err", err)
 	}
@@ -502,25 +450,6 @@ func (s *Server) hookSession(ev SessionEvent, info SessionInfo) {
 	if s.o.Hooks.Session != nil {
 		s.o.Hooks.Session(ev, info)
 	}
-}
-
-// peerCred reads SO_PEERCRED of a connection.
-func peerCred(uc *net.UnixConn) (Peer, error) {
-	rc, err := uc.SyscallConn()
-	if err != nil {
-		return Peer{}, err
-	}
-	var cred *unix.Ucred
-	var gerr error
-	if err := rc.Control(func(fd uintptr) {
-		cred, gerr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
-	}); err != nil {
-		return Peer{}, err
-	}
-	if gerr != nil {
-		return Peer{}, gerr
-	}
-	return Peer{PID: cred.Pid, UID: cred.Uid, GID: cred.Gid}, nil
 }
 
 var connIDs atomic.Uint64
