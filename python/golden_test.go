@@ -101,7 +101,7 @@ func TestGoldenScenarioGoClient(t *testing.T) {
 		t.Fatal(err)
 	}
 	sc := g.Scenario
-	var regions []client.Region
+	var regions []cudart.Region
 	var bufBytes int
 	dev, err := cudart.NewSim(cudart.SimOptions{CopyDelay: 500e3}).Open(0)
 	if err != nil {
@@ -118,7 +118,7 @@ func TestGoldenScenarioGoClient(t *testing.T) {
 			t.Fatal(err)
 		}
 		for _, r := range l.Regions {
-			regions = append(regions, client.Region{Base: base + cudart.DevicePtr(r.Offset), Stride: r.Stride, BytesPerPage: r.PageBytes, Pages: r.Pages})
+			regions = append(regions, cudart.Region{Base: base + cudart.DevicePtr(r.Offset), Stride: r.Stride, PageBytes: r.PageBytes, Pages: r.Pages})
 		}
 	}
 	if regions == nil {
@@ -187,7 +187,7 @@ func TestGoldenScenarioGoClient(t *testing.T) {
 		case "poison":
 			for _, r := range regions {
 				for _, pg := range o.Pages {
-					poison := make([]byte, r.BytesPerPage)
+					poison := make([]byte, r.PageBytes)
 					for i := range poison {
 						poison[i] = o.Byte
 					}

@@ -506,9 +506,9 @@ func clientMain(socket, token string, pages, pageBytes int, spin time.Duration) 
 	inst := []byte(fmt.Sprintf("latbench-%d", os.Getpid()))
 	for try := 0; ; try++ {
 		p, err = client.Open(ctx, client.Options{Socket: socket, Token: token, Device: dev, InstanceID: inst, MaxPages: 4 * pages,
-			Name: "kvpool-latbench", SpinWait: spin, Regions: []client.Region{
-				{Base: k, Stride: uint64(pageBytes), BytesPerPage: uint64(pageBytes), Pages: devPages},
-				{Base: v, Stride: uint64(pageBytes), BytesPerPage: uint64(pageBytes), Pages: devPages},
+			Name: "kvpool-latbench", SpinWait: spin, Regions: []cudart.Region{
+				{Base: k, Stride: uint64(pageBytes), PageBytes: uint64(pageBytes), Pages: devPages},
+				{Base: v, Stride: uint64(pageBytes), PageBytes: uint64(pageBytes), Pages: devPages},
 			}})
 		var ce *client.Error
 		if err == nil || try == 50 || !errors.As(err, &ce) || ce.Status != wire.StatusBusy {

@@ -102,10 +102,10 @@ func TestSpansOf(t *testing.T) {
 // regionArg and toRegions let tests build regions without the C types.
 type regionArg struct{ base, stride, page, pages uint64 }
 
-func toRegions(rs []regionArg) []client.Region {
-	out := make([]client.Region, len(rs))
+func toRegions(rs []regionArg) []cudart.Region {
+	out := make([]cudart.Region, len(rs))
 	for i, r := range rs {
-		out[i] = client.Region{Base: cudart.DevicePtr(r.base), Stride: r.stride, BytesPerPage: r.page, Pages: int(r.pages)}
+		out[i] = cudart.Region{Base: cudart.DevicePtr(r.base), Stride: r.stride, PageBytes: r.page, Pages: int(r.pages)}
 	}
 	return out
 }

@@ -321,12 +321,12 @@ func kvpool_open(opts *C.kvpool_options, out *C.kvpool_handle) C.int {
 		return invalid("open: negative timeout, simulator copy delay or simulator devices")
 	}
 	cregs := unsafe.Slice(opts.regions, int(opts.n_regions))
-	regions := make([]client.Region, len(cregs))
+	regions := make([]cudart.Region, len(cregs))
 	for i, r := range cregs {
 		if r.pages <= 0 || r.pages > maxPagesPerCall {
 			return invalid("open: region %d: %d pages", i, int64(r.pages))
 		}
-		regions[i] = client.Region{Base: cudart.DevicePtr(r.base), Stride: uint64(r.stride), BytesPerPage: uint64(r.page_bytes), Pages: int(r.pages)}
+		regions[i] = cudart.Region{Base: cudart.DevicePtr(r.base), Stride: uint64(r.stride), PageBytes: uint64(r.page_bytes), Pages: int(r.pages)}
 	}
 	so := cudart.SimOptions{Devices: int(opts.sim_devices), CopyDelay: time.Duration(opts.sim_copy_delay_us) * time.Microsecond}
 	if so.Devices == 0 {

@@ -48,7 +48,7 @@ type Session struct {
 	Instance string
 	UUID     string
 	Peer     unixsock.Peer
-	Layout   server.Layout
+	Regions  int // of the layout it was opened with; its geometry is Image.Spec
 	Last     server.LastReply
 
 	rids    map[string][]*stream
@@ -147,7 +147,7 @@ func (st *State) Restored(sessions []*pool.Session) []server.RestoredSession {
 		if s == nil {
 			continue
 		}
-		out = append(out, server.RestoredSession{Session: ps, Instance: s.Instance, UUID: s.UUID, Peer: s.Peer, Layout: s.Layout, Last: s.Last})
+		out = append(out, server.RestoredSession{Session: ps, Instance: s.Instance, UUID: s.UUID, Peer: s.Peer, Regions: s.Regions, Last: s.Last})
 	}
 	return out
 }
@@ -340,7 +340,7 @@ func (st *State) open(op server.SessionOp) {
 	img := o.Image
 	img.Chunks = slices.Clone(img.Chunks)
 	img.Streams, img.Pending = nil, nil
-	st.sessions[img.ID] = &Session{Image: img, Instance: o.Instance, UUID: o.UUID, Peer: o.Peer, Layout: o.Layout, rids: map[string][]*stream{}}
+	st.sessions[img.ID] = &Session{Image: img, Instance: o.Instance, UUID: o.UUID, Peer: o.Peer, Regions: o.Regions, rids: map[string][]*stream{}}
 	st.lastSession = max(st.lastSession, img.ID)
 }
 

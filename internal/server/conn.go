@@ -31,43 +31,39 @@ const (
 	maxUUID       = 128
 )
 
-type layout struct {
-	pageSize    int64
-	devicePages int
-	maxPages    int
-	regions     int
-}
-
-// parseLayout checks an Open's regions and returns the session geometry.
-func parseLayout(m *wire.Open) (layout, error) {
+// openSpec checks an Open's regions and returns the pool session's
+// geometry for gpu: the host page holds a device page of every region (the
+// sum of their bytes, rounded up to PageAlign), and the device pages are
+// those of the smallest region.
+func openSpec(gpu int, m *wire.Open) (pool.Spec, error) {
 	if len(m.Regions) == 0 || len(m.Regions) > MaxRegions {
-		return layout{}, fmt.Errorf("%d regions, want 1 to %d", len(m.Regions), MaxRegions)
+		return pool.Spec{}, fmt.Errorf("%d regions, want 1 to %d", len(m.Regions), MaxRegions)
 	}
 	var sum uint64
 	dev := uint32(0)
 	for i, r := range m.Regions {
 		if r.BytesPerPage == 0 || r.BytesPerPage > maxPageBytes {
-			return layout{}, fmt.Errorf("region %d: %d bytes per page, want 1 to %d", i, r.BytesPerPage, uint64(maxPageBytes))
+			return pool.Spec{}, fmt.Errorf("region %d: %d bytes per page, want 1 to %d", i, r.BytesPerPage, uint64(maxPageBytes))
 		}
 		if r.PageCount == 0 {
-			return layout{}, fmt.Errorf("region %d: zero pages", i)
+			return pool.Spec{}, fmt.Errorf("region %d: zero pages", i)
 		}
 		sum += r.BytesPerPage
 		if sum > maxPageBytes {
-			return layout{}, fmt.Errorf("host page of more than %d bytes", uint64(maxPageBytes))
+			return pool.Spec{}, fmt.Errorf("host page of more than %d bytes", uint64(maxPageBytes))
 		}
 		if i == 0 || r.PageCount < dev {
 			dev = r.PageCount
 		}
 	}
 	if dev > 1<<31-2 {
-		return layout{}, fmt.Errorf("%d device pages, at most %d", dev, 1<<31-2)
+		return pool.Spec{}, fmt.Errorf("%d device pages, at most %d", dev, 1<<31-2)
 	}
 	if m.MaxPages > 1<<31-2 {
-		return layout{}, fmt.Errorf("max pages %d, at most %d", m.MaxPages, 1<<31-2)
+		return pool.Spec{}, fmt.Errorf("max pages %d, at most %d", m.MaxPages, 1<<31-2)
 	}
 	ps := int64((sum + PageAlign - 1) / PageAlign * PageAlign)
-	return layout{pageSize: ps, devicePages: int(dev), maxPages: int(m.MaxPages), regions: len(m.Regions)}, nil
+	return pool.Spec{GPU: gpu, PageSize: ps, DevicePages: int(dev), MaxPages: int(m.MaxPages)}, nil
 }
 
 // conn is one client connection.
@@ -612,11 +608,11 @@ func (c *conn) handleOpen(body []byte) reply {
 	if !ok {
 		return fail(wire.StatusUnknownGPU, fmt.Errorf("open: GPU %s is not one of this node's %d GPUs in the agent's plan", m.GpuUuid, len(c.s.o.GPUs)))
 	}
-	lay, err := parseLayout(&m)
+	spec, err := openSpec(gpu, &m)
 	if err != nil {
 		return fail(wire.StatusBadSize, fmt.Errorf("open: layout: %w", err))
 	}
-	if r, ok := c.checkLayout(lay); !ok {
+	if r, ok := c.checkLayout(spec); !ok {
 		return r
 	}
 	var alloc string
@@ -632,7 +628,7 @@ func (c *conn) handleOpen(body []byte) reply {
 		c.unauthorized(err)
 		return fail(wire.StatusUnauthorized, fmt.Errorf("open: token: %w", err))
 	}
-	e, ev, r := c.s.attach(c, key{alloc: alloc, gpu: gpu}, m.GpuUuid, instanceString(m.InstanceId), lay)
+	e, ev, r := c.s.attach(c, key{alloc: alloc, gpu: gpu}, m.GpuUuid, instanceString(m.InstanceId), spec, len(m.Regions))
 	if e == nil {
 		return r
 	}
@@ -640,7 +636,7 @@ func (c *conn) handleOpen(body []byte) reply {
 	// Build the reply outside the server lock: chunk lookups may be slow.
 	chunks := e.ps.Chunks()
 	rep := &wire.OpenReply{
-		Session: e.id, Resumed: ev == SessionResumed, PageSize: uint64(lay.pageSize),
+		Session: e.id, Resumed: ev == SessionResumed, PageSize: uint64(spec.PageSize),
 		PagesPerChunk: uint32(e.ps.PagesPerChunk()), Capacity: uint32(e.ps.Capacity()),
 	}
 	fds := make([]int, 0, len(chunks))
@@ -660,9 +656,9 @@ func (c *conn) handleOpen(body []byte) reply {
 	return reply{body: rep, fds: fds}
 }
 
-// attach finds or creates the session of k for instance inst and makes c its
-// connection.
-func (s *Server) attach(c *conn, k key, uuid, inst string, lay layout) (*entry, SessionEvent, reply) {
+// attach finds or creates the session of k for instance inst, of geometry
+// spec from a layout of that many regions, and makes c its connection.
+func (s *Server) attach(c *conn, k key, uuid, inst string, spec pool.Spec, regions int) (*entry, SessionEvent, reply) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	e := s.sessions[k]
@@ -679,7 +675,7 @@ func (s *Server) attach(c *conn, k key, uuid, inst string, lay layout) (*entry, 
 			s.refused(RefusedNotOwner, c.peer, "resume refused: instance ID of another process", "session", e.id, "owner", e.peer.PID)
 		}
 		if e.instance == inst && owner {
-			if e.layout != lay {
+			if e.ps.Spec() != spec || e.regions != regions {
 				return nil, "", fail(wire.StatusBadSize, fmt.Errorf("open: resuming session %d with a different layout", e.id))
 			}
 			if old := e.conn; old != nil && old != c {
@@ -703,7 +699,7 @@ func (s *Server) attach(c *conn, k key, uuid, inst string, lay layout) (*entry, 
 		}
 		return nil, "", r
 	}
-	ps, err := s.o.Pool.Open(k.alloc, pool.Spec{GPU: k.gpu, PageSize: lay.pageSize, DevicePages: lay.devicePages, MaxPages: lay.maxPages})
+	ps, err := s.o.Pool.Open(k.alloc, spec)
 	if replaced != nil {
 		// Hooks run under s.mu here; they must not block (documented).
 		s.hookSessionLocked(SessionReplaced, *replaced)
@@ -713,15 +709,11 @@ func (s *Server) attach(c *conn, k key, uuid, inst string, lay layout) (*entry, 
 		r.err = fmt.Errorf("open: %w", err)
 		return nil, "", r
 	}
-	e = &entry{id: ps.ID(), key: k, uuid: uuid, instance: inst, short: shortID(inst), ps: ps, layout: lay, opened: time.Now(), conn: c, peer: c.peer}
+	e = &entry{id: ps.ID(), key: k, uuid: uuid, instance: inst, short: shortID(inst), ps: ps, regions: regions, opened: time.Now(), conn: c, peer: c.peer}
 	if j := s.o.Journal; j != nil {
-		info := &OpenInfo{Allocation: k.alloc, Instance: inst, UUID: uuid, Peer: c.peer, Layout: lay.export(), Image: pool.SessionImage{
-			ID: ps.ID(), Allocation: k.alloc, Spec: ps.Spec(), PPC: ps.PagesPerChunk(), Capacity: ps.Capacity()}}
+		info := &OpenInfo{Allocation: k.alloc, Instance: inst, UUID: uuid, Peer: c.peer, Regions: regions, Image: ps.Image()}
 		if replaced != nil {
 			info.Replaces = replaced.ID
-		}
-		for _, ch := range ps.Chunks() {
-			info.Image.Chunks = append(info.Image.Chunks, ch.ID)
 		}
 		if err := j.Session(SessionOp{Session: ps.ID(), Op: wire.OpOpen, Open: info}); err != nil {
 			s.o.Pool.Close(ps)

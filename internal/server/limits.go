@@ -266,11 +266,11 @@ func (c *conn) checkClientName(name string) (reply, bool) {
 	return reply{}, true
 }
 
-// checkLayout bounds an Open's layout beyond parseLayout's own checks.
-func (c *conn) checkLayout(lay layout) (reply, bool) {
-	if limit := c.s.lim.MaxDevicePages; lay.devicePages > limit {
-		c.s.refused(RefusedDevicePages, c.peer, "open refused: too many device pages", "pages", lay.devicePages)
-		return fail(wire.StatusLimit, fmt.Errorf("open: layout of %d device pages, at most %d (limits.maxDevicePages)", lay.devicePages, limit)), false
+// checkLayout bounds an Open's layout beyond openSpec's own checks.
+func (c *conn) checkLayout(spec pool.Spec) (reply, bool) {
+	if limit := c.s.lim.MaxDevicePages; spec.DevicePages > limit {
+		c.s.refused(RefusedDevicePages, c.peer, "open refused: too many device pages", "pages", spec.DevicePages)
+		return fail(wire.StatusLimit, fmt.Errorf("open: layout of %d device pages, at most %d (limits.maxDevicePages)", spec.DevicePages, limit)), false
 	}
 	return reply{}, true
 }

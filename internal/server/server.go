@@ -211,7 +211,7 @@ type entry struct {
 	instance string // the whole ID, compared on resume; never logged
 	short    string // ShortID(instance)
 	ps       *pool.Session
-	layout   layout
+	regions  int // of the layout it was opened with, compared on resume with the pool session's Spec
 	opened   time.Time
 	conn     *conn // nil while disconnected; guarded by Server.mu
 	peer     unixsock.Peer
@@ -439,7 +439,7 @@ func (s *Server) Sessions() []SessionInfo {
 func (e *entry) infoLocked() SessionInfo {
 	return SessionInfo{
 		ID: e.id, Allocation: e.key.alloc, GPU: e.key.gpu, GPUUUID: e.uuid, Instance: e.short,
-		Connected: e.conn != nil, Peer: e.peer, PageSize: e.layout.pageSize,
+		Connected: e.conn != nil, Peer: e.peer, PageSize: e.ps.Spec().PageSize,
 		Opened: e.opened, LastSeen: e.lastSeen, Usage: e.ps.Usage(),
 	}
 }

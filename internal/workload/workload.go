@@ -201,9 +201,9 @@ func open(ctx context.Context, cfg Config, gpu int) (*runner, error) {
 	r.p, err = client.Open(ctx, client.Options{
 		Socket: cfg.Socket, Token: cfg.Token, Device: dev, MaxPages: max(cfg.MaxPages, 0), InstanceID: cfg.InstanceID,
 		Name: "kvpool-workload", Logger: cfg.Logger,
-		Regions: []client.Region{
-			{Base: r.k, Stride: cfg.PageBytes, BytesPerPage: cfg.PageBytes, Pages: cfg.DevicePages},
-			{Base: r.v, Stride: cfg.PageBytes, BytesPerPage: cfg.PageBytes, Pages: cfg.DevicePages},
+		Regions: []cudart.Region{
+			{Base: r.k, Stride: cfg.PageBytes, PageBytes: cfg.PageBytes, Pages: cfg.DevicePages},
+			{Base: r.v, Stride: cfg.PageBytes, PageBytes: cfg.PageBytes, Pages: cfg.DevicePages},
 		},
 		Trace: func(op wire.Op, d time.Duration) { r.lastRTT = d },
 	})

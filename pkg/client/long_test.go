@@ -63,8 +63,8 @@ func newPages(t testing.TB, dev cudart.Device, n int, size uint64) *page {
 	return &page{dev: dev, base: base, n: n, size: size}
 }
 
-func (p *page) regions() []client.Region {
-	return []client.Region{{Base: p.base, Stride: p.size, BytesPerPage: p.size, Pages: p.n}}
+func (p *page) regions() []cudart.Region {
+	return []cudart.Region{{Base: p.base, Stride: p.size, PageBytes: p.size, Pages: p.n}}
 }
 
 // stamp fills device page i with bytes derived from i and salt.

@@ -122,14 +122,16 @@ func (p *Pool) Export() Image {
 		}
 		img.Allocations = append(img.Allocations, ai)
 		for s := range a.sessions {
-			img.Sessions = append(img.Sessions, s.image())
+			img.Sessions = append(img.Sessions, s.Image())
 		}
 	}
 	slices.SortFunc(img.Sessions, func(a, b SessionImage) int { return cmp.Compare(a.ID, b.ID) })
 	return img
 }
 
-func (s *Session) image() SessionImage {
+// Image returns the session as Export lists it: its geometry, chunks and
+// tickets, streams and pending reloads.
+func (s *Session) Image() SessionImage {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	si := SessionImage{ID: s.id, Allocation: s.alloc.id, Spec: s.spec, PPC: s.ppc, Capacity: s.capacity, Ticket: s.ticket}

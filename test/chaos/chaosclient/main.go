@@ -99,9 +99,9 @@ func run(socket, token string, gpu int, seed uint64) error {
 	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))
 	r.p, err = client.Open(context.Background(), client.Options{Socket: socket, Token: token, Device: dev, Logger: log,
 		Name: "chaosclient", RetryFor: 30 * time.Second,
-		Regions: []client.Region{
-			{Base: r.k, Stride: uint64(pageBytes), BytesPerPage: uint64(pageBytes), Pages: devicePages},
-			{Base: r.v, Stride: uint64(pageBytes), BytesPerPage: uint64(pageBytes), Pages: devicePages},
+		Regions: []cudart.Region{
+			{Base: r.k, Stride: uint64(pageBytes), PageBytes: uint64(pageBytes), Pages: devicePages},
+			{Base: r.v, Stride: uint64(pageBytes), PageBytes: uint64(pageBytes), Pages: devicePages},
 		}})
 	if err != nil {
 		return err
