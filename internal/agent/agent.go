@@ -33,7 +33,6 @@ import (
 	"github.com/kvpool/kvpool/internal/server"
 	"github.com/kvpool/kvpool/internal/sizing"
 	"github.com/kvpool/kvpool/pkg/pool"
-	"github.com/kvpool/kvpool/pkg/unixsock"
 )
 
 // Options configure an agent. Config is required; the rest are what the
@@ -289,16 +288,13 @@ func Boot(parent context.Context, o Options) (_ *Agent, err error) {
 		GPUs:      uuids,
 		Pool:      a.pool,
 		Chunks:    a.chunk,
-		Authorize: a.authorize,
-		AuthorizePeer: func(token string, peer unixsock.Peer) (string, error) {
-			return a.authorizePeer(ctx, token, peer)
-		},
-		Logger:   log,
-		Hooks:    chainHooks(serverHooks(a.obs.Observer, a.obs.limitRejects), o.Hooks),
-		Journal:  a.journal(),
-		Name:     "kvpool-agent " + o.Version + " (" + a.mode + ")",
-		Limits:   serverLimits(cfg.Limits),
-		ProbePID: os.Getpid(),
+		Authorize: a.authorizer(ctx),
+		Logger:    log,
+		Hooks:     chainHooks(serverHooks(a.obs.Observer, a.obs.limitRejects), o.Hooks),
+		Journal:   a.journal(),
+		Name:      "kvpool-agent " + o.Version + " (" + a.mode + ")",
+		Limits:    serverLimits(cfg.Limits),
+		ProbePID:  os.Getpid(),
 
 		PollAfterReply: cfg.PollAfterReply.Duration,
 	})

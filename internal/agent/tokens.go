@@ -7,6 +7,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/kvpool/kvpool/internal/server"
 	"github.com/kvpool/kvpool/pkg/contract"
 	"github.com/kvpool/kvpool/pkg/poolerr"
 	"github.com/kvpool/kvpool/pkg/unixsock"
@@ -64,6 +65,12 @@ func (a *agent) authorize(token string) (string, error) {
 		return alloc, nil
 	}
 	return "", contract.ErrUnknownToken
+}
+
+// authorizer is the copy server's one door for tokens: authorizePeer,
+// within ctx.
+func (a *agent) authorizer(ctx context.Context) server.Authorizer {
+	return func(token string, peer unixsock.Peer) (string, error) { return a.authorizePeer(ctx, token, peer) }
 }
 
 // authorizePeer is authorize with the client's credentials: a token the

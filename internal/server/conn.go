@@ -615,12 +615,7 @@ func (c *conn) handleOpen(body []byte) reply {
 	if r, ok := c.checkLayout(spec); !ok {
 		return r
 	}
-	var alloc string
-	if c.s.o.AuthorizePeer != nil {
-		alloc, err = c.s.o.AuthorizePeer(m.Token, c.peer)
-	} else {
-		alloc, err = c.s.o.Authorize(m.Token)
-	}
+	alloc, err := c.s.o.Authorize(m.Token, c.peer)
 	if errors.Is(err, poolerr.ErrNotReady) {
 		return fail(wire.StatusUnavailable, fmt.Errorf("open: %w", err))
 	}

@@ -52,7 +52,7 @@ func TestRequestErrorReachesRingAndMetrics(t *testing.T) {
 	var m *metrics.Metrics
 	a := startServerWith(t, func(o *server.Options) {
 		o.SweepInterval = time.Hour
-		m = metrics.New(o.Pool, metrics.Options{NoRuntime: true})
+		m = metrics.New(o.Pool.(*pool.Pool), metrics.Options{NoRuntime: true})
 		o.Hooks.Request = server.ObserveRequests(observe.Multi(m, ring))
 	})
 	r := dial(t, a)

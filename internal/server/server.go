@@ -47,14 +47,26 @@ import (
 // ChunkSource returns the memory of a chunk the pool knows by ID.
 type ChunkSource func(id string) (*hostmem.Chunk, bool)
 
-// Authorizer maps an allocation token (KVPOOL_TOKEN) to the allocation it
-// names. It returns an error for unknown or revoked tokens; one that wraps
-// contract.ErrUnknownToken is answered "unauthorized".
-type Authorizer func(token string) (allocation string, err error)
+// Pool is the part of *pool.Pool the server uses: it opens sessions and
+// closes them; everything else is the pool session's.
+type Pool interface {
+	Open(alloc string, spec pool.Spec) (*pool.Session, error)
+	Close(s *pool.Session)
+}
 
-// StaticTokens is an Authorizer over a fixed map of token -> allocation.
+var _ Pool = (*pool.Pool)(nil)
+
+// Authorizer maps an allocation token (KVPOOL_TOKEN), presented by the
+// client process peer (its credentials, for binding tokens to pods), to
+// the allocation it names. It returns an error for unknown or revoked
+// tokens, answered "unauthorized", and one wrapping poolerr.ErrNotReady
+// while the allocation cannot be known yet, answered "unavailable, retry".
+type Authorizer func(token string, peer unixsock.Peer) (allocation string, err error)
+
+// StaticTokens is an Authorizer over a fixed map of token -> allocation,
+// from any process.
 func StaticTokens(m map[string]string) Authorizer {
-	return func(token string) (string, error) {
+	return func(token string, _ unixsock.Peer) (string, error) {
 		if a, ok := m[token]; ok {
 			return a, nil
 		}
@@ -144,15 +156,12 @@ const (
 
 // Options configure a Server.
 type Options struct {
-	Pool      *pool.Pool
+	Pool      Pool // a *pool.Pool
 	Chunks    ChunkSource
 	Authorize Authorizer
-	// AuthorizePeer, when set, is used instead of Authorize and also gets
-	// the client's credentials (the agent binds tokens to pods with it).
-	AuthorizePeer func(token string, peer unixsock.Peer) (allocation string, err error)
-	Logger        *slog.Logger // default slog.Default()
-	Hooks         Hooks
-	Name          string // sent in HelloReply; default "kvpool-agent"
+	Logger    *slog.Logger // default slog.Default()
+	Hooks     Hooks
+	Name      string // sent in HelloReply; default "kvpool-agent"
 	// MaxConns bounds concurrent connections; it overrides
 	// Limits.MaxConns when set. A connection over the limit is refused, and
 	// the others go on.
