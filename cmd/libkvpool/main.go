@@ -288,13 +288,11 @@ func int32s(p *C.int32_t, n C.int64_t, what string) ([]int32, error) {
 	return unsafe.Slice((*int32)(unsafe.Pointer(p)), int(n)), nil
 }
 
-//export kvpool_open
-func kvpool_open(opts *C.kvpool_options, out *C.kvpool_handle) C.int {
-	if opts == nil || out == nil {
-		return invalid("open: NULL options or handle pointer")
-	}
+// openArgs checks kvpool_open's options and returns the regions and the
+// spin wait they give; a code other than statusOK is the call's result.
+func openArgs(opts *C.kvpool_options) ([]cudart.Region, time.Duration, C.int) {
 	if size := uintptr(opts.struct_size); size != optionsSize && size != optionsSizeFirst {
-		return invalid("open: options struct_size %d, this library (ABI %d) takes %d or %d", uint32(opts.struct_size), abiVersion, optionsSizeFirst, optionsSize)
+		return nil, 0, invalid("open: options struct_size %d, this library (ABI %d) takes %d or %d", uint32(opts.struct_size), abiVersion, optionsSizeFirst, optionsSize)
 	}
 	var spin time.Duration // client default
 	if uintptr(opts.struct_size) >= optionsSize {
@@ -303,30 +301,42 @@ func kvpool_open(opts *C.kvpool_options, out *C.kvpool_handle) C.int {
 		case us < 0:
 			spin = -1
 		case us > int64(wire.SpinLimit/time.Microsecond):
-			return invalid("open: spin_wait_us %d is over the limit of %d", us, wire.SpinLimit/time.Microsecond)
+			return nil, 0, invalid("open: spin_wait_us %d is over the limit of %d", us, wire.SpinLimit/time.Microsecond)
 		default:
 			spin = time.Duration(us) * time.Microsecond
 		}
 	}
 	if opts.n_regions <= 0 || opts.n_regions > maxRegionsPerLayout || opts.regions == nil {
-		return invalid("open: %d regions (NULL: %v)", int32(opts.n_regions), opts.regions == nil)
+		return nil, 0, invalid("open: %d regions (NULL: %v)", int32(opts.n_regions), opts.regions == nil)
 	}
 	if opts.device < 0 {
-		return invalid("open: device %d", int32(opts.device))
+		return nil, 0, invalid("open: device %d", int32(opts.device))
 	}
 	if opts.max_pages < 0 || opts.max_pages > maxPagesPerCall {
-		return invalid("open: max_pages %d", int64(opts.max_pages))
+		return nil, 0, invalid("open: max_pages %d", int64(opts.max_pages))
 	}
 	if opts.timeout_ms < 0 || opts.sim_copy_delay_us < 0 || opts.sim_devices < 0 {
-		return invalid("open: negative timeout, simulator copy delay or simulator devices")
+		return nil, 0, invalid("open: negative timeout, simulator copy delay or simulator devices")
 	}
 	cregs := unsafe.Slice(opts.regions, int(opts.n_regions))
 	regions := make([]cudart.Region, len(cregs))
 	for i, r := range cregs {
 		if r.pages <= 0 || r.pages > maxPagesPerCall {
-			return invalid("open: region %d: %d pages", i, int64(r.pages))
+			return nil, 0, invalid("open: region %d: %d pages", i, int64(r.pages))
 		}
 		regions[i] = cudart.Region{Base: cudart.DevicePtr(r.base), Stride: uint64(r.stride), PageBytes: uint64(r.page_bytes), Pages: int(r.pages)}
+	}
+	return regions, spin, statusOK
+}
+
+//export kvpool_open
+func kvpool_open(opts *C.kvpool_options, out *C.kvpool_handle) C.int {
+	if opts == nil || out == nil {
+		return invalid("open: NULL options or handle pointer")
+	}
+	regions, spin, code := openArgs(opts)
+	if code != statusOK {
+		return code
 	}
 	so := cudart.SimOptions{Devices: int(opts.sim_devices), CopyDelay: time.Duration(opts.sim_copy_delay_us) * time.Microsecond}
 	if so.Devices == 0 {

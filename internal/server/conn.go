@@ -329,6 +329,8 @@ func (c *conn) finish() {
 	}
 }
 
+// handle runs one request: hello and open on any connection, every other
+// op on the connection's session, one method each.
 func (c *conn) handle(h wire.Header, body []byte) reply {
 	switch h.Op {
 	case wire.OpHello:
@@ -339,8 +341,44 @@ func (c *conn) handle(h wire.Header, body []byte) reply {
 	if c.e == nil {
 		return fail(wire.StatusNoSession, fmt.Errorf("%s before a session was opened on this connection", h.Op))
 	}
+	if r, done := c.prepare(h); done {
+		return r
+	}
+	switch h.Op {
+	case wire.OpPages:
+		return c.handlePages(body)
+	case wire.OpOffload:
+		return c.handleOffload(body)
+	case wire.OpReload:
+		return c.handleReload(body)
+	case wire.OpMore:
+		return c.handleMore(body)
+	case wire.OpDiscard:
+		return c.handleDiscard(body)
+	case wire.OpNumPages:
+		return c.handleNumPages(body)
+	case wire.OpRemoveRequest:
+		return c.handleRemoveRequest(body)
+	case wire.OpIsOffloaded:
+		return c.handleIsOffloaded(body)
+	case wire.OpLabels:
+		return c.handleLabels(body)
+	case wire.OpUsage:
+		return c.handleUsage(body)
+	case wire.OpFence:
+		return c.handleFence(body)
+	case wire.OpClose:
+		return c.handleClose(body)
+	}
+	return fail(wire.StatusUnknownOp, fmt.Errorf("unknown op %d", uint8(h.Op)))
+}
+
+// prepare does what comes before every session op: it ends a long reply
+// that the op does not continue and drops staged device pages that the op
+// does not take, applies the header's fence, and answers a resent
+// changing request from the session's replay cache. done: r is the answer.
+func (c *conn) prepare(h wire.Header) (r reply, done bool) {
 	e := c.e
-	ps := e.ps
 	if h.Op != wire.OpMore && e.hasMore.Load() {
 		e.setMore(moreReply{})
 	}
@@ -348,145 +386,187 @@ func (c *conn) handle(h wire.Header, body []byte) reply {
 		c.dropStaged()
 	}
 	if h.Fence != 0 {
-		if err := ps.Fence(h.Fence); err != nil {
+		if err := e.ps.Fence(h.Fence); err != nil {
 			c.dropStaged()
-			return errReply(err)
+			return errReply(err), true
 		}
 	}
 	if replayable(h.Op) {
 		if body, ok := e.cached(h.Seq, h.Op); ok {
 			c.dropStaged()
-			return reply{raw: body}
+			return reply{raw: body}, true
 		}
 	}
-	switch h.Op {
-	case wire.OpPages:
-		m := &c.pagesIn
-		if err := wire.DecodeBody(body, m); err != nil {
-			c.dropStaged()
-			return fail(wire.StatusBadRequest, err)
-		}
-		if dev := ps.Spec().DevicePages; len(c.staged)+len(m.GpuPages) > dev {
-			n := len(c.staged) + len(m.GpuPages)
-			c.dropStaged()
-			return errReply(fmt.Errorf("pages: %w: %d device pages named, the device has %d", poolerr.ErrPageCount, n, dev))
-		}
-		c.staged = append(c.staged, m.GpuPages...)
-		return reply{}
-	case wire.OpOffload:
-		m := &c.offload
-		if err := wire.DecodeBody(body, m); err != nil {
-			c.dropStaged()
-			return fail(wire.StatusBadRequest, err)
-		}
-		if r, ok := c.checkStreams(ps, m.Rid, m.Label); !ok {
-			return r
-		}
-		var err error
-		c.pages, err = ps.Offload(m.Rid, m.Label, c.withStaged(m.GpuPages),
-			pool.Meta{StoredLen: m.StoredLen, Position: m.Position, Released: m.Released}, c.pages[:0])
+	return reply{}, false
+}
+
+// handlePages stages the device pages of a long offload or reload.
+func (c *conn) handlePages(body []byte) reply {
+	m := &c.pagesIn
+	if err := wire.DecodeBody(body, m); err != nil {
 		c.dropStaged()
-		rep := &c.offRep
-		rep.Ok, rep.HostPages, rep.Total = err == nil, c.pages, 0
-		if errors.Is(err, poolerr.ErrFull) || errors.Is(err, poolerr.ErrNoPages) {
-			rep.HostPages = rep.HostPages[:0]
-			return reply{body: rep, full: errors.Is(err, poolerr.ErrFull)}
-		}
-		if err != nil {
-			return errReply(err)
-		}
-		all := rep.HostPages
-		rep.HostPages, rep.Total = c.longPages(wire.OpOffload)
-		return reply{body: rep, pages: len(all), all: all, change: true}
-	case wire.OpReload:
-		m := &c.reload
-		if err := wire.DecodeBody(body, m); err != nil {
-			c.dropStaged()
-			return fail(wire.StatusBadRequest, err)
-		}
-		rl, err := ps.Reload(m.Rid, m.Label, c.withStaged(m.GpuPages), c.pages[:0])
-		c.dropStaged()
-		c.pages = rl.Pages
-		if err != nil {
-			return errReply(err)
-		}
-		rep := &c.relRep
-		rep.StoredLen, rep.Position, rep.Released, rep.Ticket = rl.Meta.StoredLen, rl.Meta.Position, rl.Meta.Released, rl.Ticket
-		rep.HostPages, rep.Total = c.longPages(wire.OpReload)
-		return reply{body: rep, pages: len(rl.Pages), all: rl.Pages, change: true}
-	case wire.OpMore:
-		m := &c.moreIn
-		if err := wire.DecodeBody(body, m); err != nil {
-			return fail(wire.StatusBadRequest, err)
-		}
-		return e.nextPart(m.Offset)
-	case wire.OpDiscard:
-		m := &c.stream
-		if err := wire.DecodeBody(body, m); err != nil {
-			return fail(wire.StatusBadRequest, err)
-		}
-		if err := ps.Discard(m.Rid, m.Label); err != nil {
-			return errReply(err)
-		}
-		return reply{change: true}
-	case wire.OpNumPages:
-		m := &c.stream
-		if err := wire.DecodeBody(body, m); err != nil {
-			return fail(wire.StatusBadRequest, err)
-		}
-		n, err := ps.NumPages(m.Rid, m.Label)
-		if err != nil {
-			return errReply(err)
-		}
-		return reply{body: &wire.NumPagesReply{Pages: uint32(n)}}
-	case wire.OpRemoveRequest, wire.OpIsOffloaded, wire.OpLabels:
-		m := &c.request
-		if err := wire.DecodeBody(body, m); err != nil {
-			return fail(wire.StatusBadRequest, err)
-		}
-		switch h.Op {
-		case wire.OpRemoveRequest:
-			n, err := ps.RemoveRequest(m.Rid)
-			if err != nil {
-				return errReply(err)
-			}
-			return reply{body: &wire.RemoveRequestReply{Removed: uint32(n)}, change: n > 0}
-		case wire.OpIsOffloaded:
-			if ps.Closed() {
-				return errReply(poolerr.ErrClosed)
-			}
-			return reply{body: &wire.IsOffloadedReply{Offloaded: ps.IsOffloaded(m.Rid)}}
-		default:
-			if ps.Closed() {
-				return errReply(poolerr.ErrClosed)
-			}
-			labels := ps.Labels(m.Rid)
-			n := labelsFitting(labels)
-			if n == len(labels) {
-				return reply{body: &wire.LabelsReply{Labels: labels}}
-			}
-			e.setMore(moreReply{op: wire.OpLabels, labels: labels})
-			return reply{body: &wire.LabelsReply{Labels: labels[:n], Total: uint32(len(labels))}}
-		}
-	case wire.OpUsage, wire.OpFence, wire.OpClose:
-		if err := wire.DecodeBody(body, nil); err != nil {
-			return fail(wire.StatusBadRequest, err)
-		}
-		if ps.Closed() {
-			return errReply(poolerr.ErrClosed)
-		}
-		switch h.Op {
-		case wire.OpUsage:
-			u := ps.Usage()
-			return reply{body: &wire.UsageReply{Capacity: uint32(u.Capacity), Used: uint32(u.Used),
-				Pending: uint32(u.Pending), Streams: uint32(u.Streams), Requests: uint32(u.Requests), Free: uint32(u.Free())}}
-		case wire.OpClose:
-			c.closeSession()
-			return reply{change: true}
-		}
-		return reply{}
+		return fail(wire.StatusBadRequest, err)
 	}
-	return fail(wire.StatusUnknownOp, fmt.Errorf("unknown op %d", uint8(h.Op)))
+	if dev := c.e.ps.Spec().DevicePages; len(c.staged)+len(m.GpuPages) > dev {
+		n := len(c.staged) + len(m.GpuPages)
+		c.dropStaged()
+		return errReply(fmt.Errorf("pages: %w: %d device pages named, the device has %d", poolerr.ErrPageCount, n, dev))
+	}
+	c.staged = append(c.staged, m.GpuPages...)
+	return reply{}
+}
+
+// handleOffload takes host pages for a stream; a full pool (or no pages)
+// is the reply ok=false, not an error.
+func (c *conn) handleOffload(body []byte) reply {
+	ps := c.e.ps
+	m := &c.offload
+	if err := wire.DecodeBody(body, m); err != nil {
+		c.dropStaged()
+		return fail(wire.StatusBadRequest, err)
+	}
+	if r, ok := c.checkStreams(ps, m.Rid, m.Label); !ok {
+		return r
+	}
+	var err error
+	c.pages, err = ps.Offload(m.Rid, m.Label, c.withStaged(m.GpuPages),
+		pool.Meta{StoredLen: m.StoredLen, Position: m.Position, Released: m.Released}, c.pages[:0])
+	c.dropStaged()
+	rep := &c.offRep
+	rep.Ok, rep.HostPages, rep.Total = err == nil, c.pages, 0
+	if errors.Is(err, poolerr.ErrFull) || errors.Is(err, poolerr.ErrNoPages) {
+		rep.HostPages = rep.HostPages[:0]
+		return reply{body: rep, full: errors.Is(err, poolerr.ErrFull)}
+	}
+	if err != nil {
+		return errReply(err)
+	}
+	all := rep.HostPages
+	rep.HostPages, rep.Total = c.longPages(wire.OpOffload)
+	return reply{body: rep, pages: len(all), all: all, change: true}
+}
+
+// handleReload gives a stream's host pages back, with its metadata and
+// the ticket to fence once the copy has read them.
+func (c *conn) handleReload(body []byte) reply {
+	m := &c.reload
+	if err := wire.DecodeBody(body, m); err != nil {
+		c.dropStaged()
+		return fail(wire.StatusBadRequest, err)
+	}
+	rl, err := c.e.ps.Reload(m.Rid, m.Label, c.withStaged(m.GpuPages), c.pages[:0])
+	c.dropStaged()
+	c.pages = rl.Pages
+	if err != nil {
+		return errReply(err)
+	}
+	rep := &c.relRep
+	rep.StoredLen, rep.Position, rep.Released, rep.Ticket = rl.Meta.StoredLen, rl.Meta.Position, rl.Meta.Released, rl.Ticket
+	rep.HostPages, rep.Total = c.longPages(wire.OpReload)
+	return reply{body: rep, pages: len(rl.Pages), all: rl.Pages, change: true}
+}
+
+// handleMore continues the session's last long reply.
+func (c *conn) handleMore(body []byte) reply {
+	m := &c.moreIn
+	if err := wire.DecodeBody(body, m); err != nil {
+		return fail(wire.StatusBadRequest, err)
+	}
+	return c.e.nextPart(m.Offset)
+}
+
+func (c *conn) handleDiscard(body []byte) reply {
+	m := &c.stream
+	if err := wire.DecodeBody(body, m); err != nil {
+		return fail(wire.StatusBadRequest, err)
+	}
+	if err := c.e.ps.Discard(m.Rid, m.Label); err != nil {
+		return errReply(err)
+	}
+	return reply{change: true}
+}
+
+func (c *conn) handleNumPages(body []byte) reply {
+	m := &c.stream
+	if err := wire.DecodeBody(body, m); err != nil {
+		return fail(wire.StatusBadRequest, err)
+	}
+	n, err := c.e.ps.NumPages(m.Rid, m.Label)
+	if err != nil {
+		return errReply(err)
+	}
+	return reply{body: &wire.NumPagesReply{Pages: uint32(n)}}
+}
+
+func (c *conn) handleRemoveRequest(body []byte) reply {
+	m := &c.request
+	if err := wire.DecodeBody(body, m); err != nil {
+		return fail(wire.StatusBadRequest, err)
+	}
+	n, err := c.e.ps.RemoveRequest(m.Rid)
+	if err != nil {
+		return errReply(err)
+	}
+	return reply{body: &wire.RemoveRequestReply{Removed: uint32(n)}, change: n > 0}
+}
+
+func (c *conn) handleIsOffloaded(body []byte) reply {
+	m := &c.request
+	if r, ok := c.decodeOpen(body, m); !ok {
+		return r
+	}
+	return reply{body: &wire.IsOffloadedReply{Offloaded: c.e.ps.IsOffloaded(m.Rid)}}
+}
+
+// handleLabels lists a request's labels, the first part of a long list.
+func (c *conn) handleLabels(body []byte) reply {
+	m := &c.request
+	if r, ok := c.decodeOpen(body, m); !ok {
+		return r
+	}
+	labels := c.e.ps.Labels(m.Rid)
+	n := labelsFitting(labels)
+	if n == len(labels) {
+		return reply{body: &wire.LabelsReply{Labels: labels}}
+	}
+	c.e.setMore(moreReply{op: wire.OpLabels, labels: labels})
+	return reply{body: &wire.LabelsReply{Labels: labels[:n], Total: uint32(len(labels))}}
+}
+
+func (c *conn) handleUsage(body []byte) reply {
+	if r, ok := c.decodeOpen(body, nil); !ok {
+		return r
+	}
+	u := c.e.ps.Usage()
+	return reply{body: &wire.UsageReply{Capacity: uint32(u.Capacity), Used: uint32(u.Used),
+		Pending: uint32(u.Pending), Streams: uint32(u.Streams), Requests: uint32(u.Requests), Free: uint32(u.Free())}}
+}
+
+// handleFence has nothing to do: prepare applied the header's fence.
+func (c *conn) handleFence(body []byte) reply {
+	r, _ := c.decodeOpen(body, nil)
+	return r
+}
+
+func (c *conn) handleClose(body []byte) reply {
+	if r, ok := c.decodeOpen(body, nil); !ok {
+		return r
+	}
+	c.closeSession()
+	return reply{change: true}
+}
+
+// decodeOpen decodes a request body into m (nil: the body must be empty)
+// for an op that reads the session without the pool refusing a closed one
+// itself. ok false: r is the answer.
+func (c *conn) decodeOpen(body []byte, m proto.Message) (r reply, ok bool) {
+	if err := wire.DecodeBody(body, m); err != nil {
+		return fail(wire.StatusBadRequest, err), false
+	}
+	if c.e.ps.Closed() {
+		return errReply(poolerr.ErrClosed), false
+	}
+	return reply{}, true
 }
 
 // withStaged returns the device pages of an offload or reload: those of

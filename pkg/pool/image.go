@@ -238,11 +238,36 @@ func (p *Pool) restoreLocked(img Image) ([]*Session, error) {
 	return out, nil
 }
 
+// restoreSession rebuilds one session of an image on its chunks.
 func (p *Pool) restoreSession(si SessionImage) (*Session, error) {
 	a, ok := p.allocs[si.Allocation]
 	if !ok {
 		return nil, fmt.Errorf("%w: %s", poolerr.ErrUnknownAllocation, si.Allocation)
 	}
+	chunks, err := p.restoreChunks(a, si)
+	if err != nil {
+		return nil, err
+	}
+	s := newSession(p, a, si.Spec, chunks, si.PPC, si.Capacity)
+	s.id, s.ticket = si.ID, si.Ticket
+	used := make([]bool, si.Capacity)
+	if err := s.restoreStreams(si.Streams, used); err != nil {
+		return nil, err
+	}
+	if err := s.restorePending(si, used); err != nil {
+		return nil, err
+	}
+	s.restoreFree(used)
+	for _, ch := range chunks {
+		ch.session = s
+	}
+	a.sessions[s] = struct{}{}
+	return s, nil
+}
+
+// restoreChunks checks an image's geometry and returns its chunks, each of
+// allocation a, unbound, and large enough.
+func (p *Pool) restoreChunks(a *allocation, si SessionImage) ([]*chunk, error) {
 	spec := si.Spec
 	if spec.PageSize <= 0 || spec.DevicePages <= 0 || spec.MaxPages < 0 || si.PPC <= 0 || si.Capacity < 0 ||
 		len(si.Chunks) == 0 || int64(si.Capacity) > int64(len(si.Chunks))*int64(si.PPC) || si.Capacity > maxPages {
@@ -263,44 +288,49 @@ func (p *Pool) restoreSession(si SessionImage) (*Session, error) {
 		}
 		chunks[i] = ch
 	}
-	s := newSession(p, a, spec, chunks, si.PPC, si.Capacity)
-	s.id, s.ticket = si.ID, si.Ticket
-	used := make([]bool, si.Capacity)
-	link := func(pages []int32) (head, tail int32, err error) {
-		head, tail = nilPage, nilPage
-		for _, pg := range pages {
-			if pg < 0 || int(pg) >= si.Capacity {
-				return 0, 0, fmt.Errorf("%w: host page %d outside [0, %d)", poolerr.ErrOutOfRange, pg, si.Capacity)
-			}
-			if used[pg] {
-				return 0, 0, fmt.Errorf("%w: host page %d held twice", poolerr.ErrDuplicateIndex, pg)
-			}
-			used[pg] = true
-			if tail == nilPage {
-				head = pg
-			} else {
-				s.next[tail] = pg
-			}
-			tail = pg
+	return chunks, nil
+}
+
+// linkPages chains pages into a list, marking them used; a page outside
+// the capacity or already used is an error.
+func (s *Session) linkPages(pages []int32, used []bool) (head, tail int32, err error) {
+	head, tail = nilPage, nilPage
+	for _, pg := range pages {
+		if pg < 0 || int(pg) >= len(used) {
+			return 0, 0, fmt.Errorf("%w: host page %d outside [0, %d)", poolerr.ErrOutOfRange, pg, len(used))
 		}
-		if tail != nilPage {
-			s.next[tail] = nilPage
+		if used[pg] {
+			return 0, 0, fmt.Errorf("%w: host page %d held twice", poolerr.ErrDuplicateIndex, pg)
 		}
-		return head, tail, nil
+		used[pg] = true
+		if tail == nilPage {
+			head = pg
+		} else {
+			s.next[tail] = pg
+		}
+		tail = pg
 	}
-	for _, st := range si.Streams {
+	if tail != nilPage {
+		s.next[tail] = nilPage
+	}
+	return head, tail, nil
+}
+
+// restoreStreams rebuilds the stream table.
+func (s *Session) restoreStreams(streams []StreamImage, used []bool) error {
+	for _, st := range streams {
 		if err := checkNames(st.Rid, st.Label); err != nil {
-			return nil, err
+			return err
 		}
 		if err := st.Meta.validate(); err != nil {
-			return nil, err
+			return err
 		}
 		if slot, _ := s.find(st.Rid, st.Label); slot != nilPage {
-			return nil, fmt.Errorf("%q/%q: %w", st.Rid, st.Label, poolerr.ErrDuplicateStream)
+			return fmt.Errorf("%q/%q: %w", st.Rid, st.Label, poolerr.ErrDuplicateStream)
 		}
-		head, tail, err := link(st.Pages)
+		head, tail, err := s.linkPages(st.Pages, used)
 		if err != nil {
-			return nil, fmt.Errorf("%q/%q: %w", st.Rid, st.Label, err)
+			return fmt.Errorf("%q/%q: %w", st.Rid, st.Label, err)
 		}
 		slot := s.newSlot()
 		*s.at(slot) = stream{label: s.intern(st.Label), meta: st.Meta, head: head, tail: tail, n: int32(len(st.Pages))}
@@ -308,23 +338,33 @@ func (p *Pool) restoreSession(si SessionImage) (*Session, error) {
 		s.link(st.Rid, l, slot)
 		s.names += int64(len(st.Rid) + len(st.Label))
 	}
+	return nil
+}
+
+// restorePending rebuilds the reloads waiting for their fence, oldest
+// first.
+func (s *Session) restorePending(si SessionImage, used []bool) error {
 	var last uint64
 	for _, r := range si.Pending {
 		if r.Ticket <= last || r.Ticket > si.Ticket || len(r.Pages) == 0 {
-			return nil, fmt.Errorf("%w: pending reload %d (last issued %d, previous %d, %d pages)", poolerr.ErrBadFence, r.Ticket, si.Ticket, last, len(r.Pages))
+			return fmt.Errorf("%w: pending reload %d (last issued %d, previous %d, %d pages)", poolerr.ErrBadFence, r.Ticket, si.Ticket, last, len(r.Pages))
 		}
 		last = r.Ticket
-		head, tail, err := link(r.Pages)
+		head, tail, err := s.linkPages(r.Pages, used)
 		if err != nil {
-			return nil, fmt.Errorf("pending reload %d: %w", r.Ticket, err)
+			return fmt.Errorf("pending reload %d: %w", r.Ticket, err)
 		}
 		s.pending = append(s.pending, release{ticket: r.Ticket, head: head, tail: tail, n: int32(len(r.Pages))})
 		s.npending += len(r.Pages)
 	}
-	// The free list: every other page, ascending.
+	return nil
+}
+
+// restoreFree makes every page not used the free list, ascending.
+func (s *Session) restoreFree(used []bool) {
 	s.freeHead, s.nfree = nilPage, 0
 	prev := int32(nilPage)
-	for pg := range si.Capacity {
+	for pg := range used {
 		if used[pg] {
 			continue
 		}
@@ -339,9 +379,4 @@ func (p *Pool) restoreSession(si SessionImage) (*Session, error) {
 	if prev != nilPage {
 		s.next[prev] = nilPage
 	}
-	for _, ch := range chunks {
-		ch.session = s
-	}
-	a.sessions[s] = struct{}{}
-	return s, nil
 }
