@@ -52,6 +52,9 @@ const (
 	// MaxItems bounds the chunks a keeper holds.
 	MaxItems = 1 << 16
 	maxIDLen = 256
+	// maxRequestFDs is the most fds a request's control buffer takes;
+	// every request carries at most one.
+	maxRequestFDs = 4
 )
 
 // Item names one held memfd.
@@ -251,13 +254,20 @@ func (k *Keeper) serveConn(uc *net.UnixConn) {
 		}
 	}()
 	buf := make([]byte, maxPacket)
-	oob := make([]byte, unix.CmsgSpace(4*4))
+	oob := make([]byte, unix.CmsgSpace(4*maxRequestFDs))
 	for {
-		n, oobn, _, _, err := uc.ReadMsgUnix(buf, oob)
+		n, oobn, flags, _, err := uc.ReadMsgUnix(buf, oob)
 		if err != nil || n == 0 {
 			return
 		}
 		files, ferr := unixsock.Files(oob[:oobn], "keeper-fd")
+		switch {
+		case ferr != nil:
+		case flags&unix.MSG_CTRUNC != 0:
+			ferr = fmt.Errorf("file descriptors truncated: the keeper takes at most %d per request", maxRequestFDs)
+		case flags&unix.MSG_TRUNC != 0:
+			ferr = fmt.Errorf("request longer than %d bytes", maxPacket)
+		}
 		m, perr := parseRequest(buf[:n], len(files))
 		if ferr != nil || perr != nil {
 			closeAll(files)
