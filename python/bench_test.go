@@ -282,8 +282,8 @@ func TestGoBenchHelper(t *testing.T) {
 	spinUS, _ := strconv.Atoi(os.Getenv("KVPOOL_BENCH_SPIN_US"))
 	cp, err := client.Open(context.Background(), client.Options{Device: dev, MaxPages: benchSession,
 		SpinWait: time.Duration(spinUS) * time.Microsecond,
-		Regions: []client.Region{{Base: k, Stride: benchPageBytes, BytesPerPage: benchPageBytes, Pages: benchDevPages},
-			{Base: v, Stride: benchPageBytes, BytesPerPage: benchPageBytes, Pages: benchDevPages}}})
+		Regions: []cudart.Region{{Base: k, Stride: benchPageBytes, PageBytes: benchPageBytes, Pages: benchDevPages},
+			{Base: v, Stride: benchPageBytes, PageBytes: benchPageBytes, Pages: benchDevPages}}})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -52,9 +52,9 @@ func TestGoClientCopyBench(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer dev.MemFree(base)
-	regions := make([]client.Region, c.Regions)
+	regions := make([]cudart.Region, c.Regions)
 	for i := range regions {
-		regions[i] = client.Region{Base: base + cudart.DevicePtr(uint64(i)*regionBytes), Stride: c.PageBytes, BytesPerPage: c.PageBytes, Pages: c.DevicePages}
+		regions[i] = cudart.Region{Base: base + cudart.DevicePtr(uint64(i)*regionBytes), Stride: c.PageBytes, PageBytes: c.PageBytes, Pages: c.DevicePages}
 	}
 	p, err := client.Open(context.Background(), client.Options{Device: dev, Regions: regions, MaxPages: c.Pages, Name: "gpu_check go"})
 	if err != nil {

@@ -18,7 +18,7 @@ import (
 
 	"github.com/kvpool/kvpool/pkg/client"
 	"github.com/kvpool/kvpool/pkg/cudart"
-	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/poolerr"
 	"github.com/kvpool/kvpool/pkg/standalone"
 )
 
@@ -55,10 +55,10 @@ type goldenOp struct {
 }
 
 var goldenErrors = map[string]error{
-	"duplicate_stream": pool.ErrDuplicateStream,
-	"unknown_stream":   pool.ErrUnknownStream,
-	"out_of_range":     pool.ErrOutOfRange,
-	"page_count":       pool.ErrPageCount,
+	"duplicate_stream": poolerr.ErrDuplicateStream,
+	"unknown_stream":   poolerr.ErrUnknownStream,
+	"out_of_range":     poolerr.ErrOutOfRange,
+	"page_count":       poolerr.ErrPageCount,
 }
 
 // seedPool gives the Go client the seed engine's readings where the seed's
@@ -67,7 +67,7 @@ var goldenErrors = map[string]error{
 type seedPool struct{ *client.CPUPagePool }
 
 func (p seedPool) discard(rid, label string) error {
-	if err := p.Discard(rid, label); err != nil && !errors.Is(err, pool.ErrUnknownStream) {
+	if err := p.Discard(rid, label); err != nil && !errors.Is(err, poolerr.ErrUnknownStream) {
 		return err
 	}
 	return nil
@@ -75,7 +75,7 @@ func (p seedPool) discard(rid, label string) error {
 
 func (p seedPool) numPages(rid, label string) (int, error) {
 	n, err := p.NumPages(rid, label)
-	if errors.Is(err, pool.ErrUnknownStream) {
+	if errors.Is(err, poolerr.ErrUnknownStream) {
 		return 0, nil
 	}
 	return n, err
@@ -101,7 +101,7 @@ func TestGoldenScenarioGoClient(t *testing.T) {
 		t.Fatal(err)
 	}
 	sc := g.Scenario
-	var regions []client.Region
+	var regions []cudart.Region
 	var bufBytes int
 	dev, err := cudart.NewSim(cudart.SimOptions{CopyDelay: 500e3}).Open(0)
 	if err != nil {
@@ -118,7 +118,7 @@ func TestGoldenScenarioGoClient(t *testing.T) {
 			t.Fatal(err)
 		}
 		for _, r := range l.Regions {
-			regions = append(regions, client.Region{Base: base + cudart.DevicePtr(r.Offset), Stride: r.Stride, BytesPerPage: r.PageBytes, Pages: r.Pages})
+			regions = append(regions, cudart.Region{Base: base + cudart.DevicePtr(r.Offset), Stride: r.Stride, PageBytes: r.PageBytes, Pages: r.Pages})
 		}
 	}
 	if regions == nil {
@@ -187,7 +187,7 @@ func TestGoldenScenarioGoClient(t *testing.T) {
 		case "poison":
 			for _, r := range regions {
 				for _, pg := range o.Pages {
-					poison := make([]byte, r.BytesPerPage)
+					poison := make([]byte, r.PageBytes)
 					for i := range poison {
 						poison[i] = o.Byte
 					}

@@ -67,6 +67,7 @@ func main() {
 	}
 }
 
+// run reads better whole (over 80 lines): the flag list, then the roles and placements it dispatches to.
 func run(args []string) error {
 	fs := flag.NewFlagSet("latbench", flag.ContinueOnError)
 	n := fs.Int("n", 20000, "timed calls of each kind per placement")
@@ -287,6 +288,9 @@ type placementReport struct {
 	Rows           []row
 }
 
+// runPlacement measures one placement. It reads better whole (over 80
+// lines): the processes it starts are stopped by its defers, after every
+// measurement of the placement.
 func runPlacement(dir, echo, name string, agentCPUs, clientCPUs []int, sz sizes, n, warm, rounds, pages, pageBytes int, spin time.Duration, profile string) (placementReport, error) {
 	rep := placementReport{Placement: name, AgentCPUs: agentCPUs, ClientCPUs: clientCPUs}
 	self, err := os.Executable()
@@ -482,7 +486,9 @@ func agentMain(socket string) error {
 }
 
 // clientMain opens a session and answers "KIND COUNT WARMUP" lines on
-// stdin with one line of round-trip times in ns.
+// stdin with one line of round-trip times in ns. It reads better whole
+// (over 80 lines): the session and the calls it times live for its command
+// loop.
 func clientMain(socket, token string, pages, pageBytes int, spin time.Duration) error {
 	devPages := 2 * pages
 	sim := cudart.NewSim(cudart.SimOptions{MemoryBytes: 2*uint64(devPages*pageBytes) + 1<<20})
@@ -506,9 +512,9 @@ func clientMain(socket, token string, pages, pageBytes int, spin time.Duration) 
 	inst := []byte(fmt.Sprintf("latbench-%d", os.Getpid()))
 	for try := 0; ; try++ {
 		p, err = client.Open(ctx, client.Options{Socket: socket, Token: token, Device: dev, InstanceID: inst, MaxPages: 4 * pages,
-			Name: "kvpool-latbench", SpinWait: spin, Regions: []client.Region{
-				{Base: k, Stride: uint64(pageBytes), BytesPerPage: uint64(pageBytes), Pages: devPages},
-				{Base: v, Stride: uint64(pageBytes), BytesPerPage: uint64(pageBytes), Pages: devPages},
+			Name: "kvpool-latbench", SpinWait: spin, Regions: []cudart.Region{
+				{Base: k, Stride: uint64(pageBytes), PageBytes: uint64(pageBytes), Pages: devPages},
+				{Base: v, Stride: uint64(pageBytes), PageBytes: uint64(pageBytes), Pages: devPages},
 			}})
 		var ce *client.Error
 		if err == nil || try == 50 || !errors.As(err, &ce) || ce.Status != wire.StatusBusy {

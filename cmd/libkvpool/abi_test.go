@@ -2,6 +2,8 @@ package main
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"os"
@@ -13,6 +15,7 @@ import (
 	"github.com/kvpool/kvpool/pkg/client"
 	"github.com/kvpool/kvpool/pkg/cudart"
 	"github.com/kvpool/kvpool/pkg/standalone"
+	"github.com/kvpool/kvpool/pkg/wire"
 )
 
 // TestCProgram builds libkvpool.so (without -race: a c-shared library
@@ -99,10 +102,48 @@ func TestSpansOf(t *testing.T) {
 // regionArg and toRegions let tests build regions without the C types.
 type regionArg struct{ base, stride, page, pages uint64 }
 
-func toRegions(rs []regionArg) []client.Region {
-	out := make([]client.Region, len(rs))
+func toRegions(rs []regionArg) []cudart.Region {
+	out := make([]cudart.Region, len(rs))
 	for i, r := range rs {
-		out[i] = client.Region{Base: cudart.DevicePtr(r.base), Stride: r.stride, BytesPerPage: r.page, Pages: int(r.pages)}
+		out[i] = cudart.Region{Base: cudart.DevicePtr(r.base), Stride: r.stride, PageBytes: r.page, Pages: int(r.pages)}
 	}
 	return out
+}
+
+// The kvpool.h codes follow the wire status, one hop from pkg/wire's table:
+// a refusal by its status, a pool error raised on this side like the
+// refusal of the same meaning, a status of a newer agent KVPOOL_ERR_OTHER.
+func TestStatusCodes(t *testing.T) {
+	want := map[wire.Status]int{
+		wire.StatusUnknownStream: errUnknownStream, wire.StatusDuplicateStream: errDuplicateStream,
+		wire.StatusPageCount: errPageCount, wire.StatusOutOfRange: errOutOfRange,
+		wire.StatusDuplicateIndex: errDuplicateIndex, wire.StatusBadName: errBadName,
+		wire.StatusBadSize: errBadSize, wire.StatusClosed: errClosed, wire.StatusUnauthorized: errUnauthorized,
+		wire.StatusBusy: errBusy, wire.StatusNoCapacity: errNoCapacity,
+	}
+	for _, st := range append(wire.Statuses(), 29) {
+		if st == wire.StatusOK {
+			continue
+		}
+		code, ok := want[st]
+		if !ok {
+			code = errOther
+		}
+		if got := int(statusOf(&client.Error{Op: wire.OpReload, Status: st})); got != code {
+			t.Errorf("refusal %s: code %d, want %d", st, got, code)
+		}
+		if pe := wire.ErrorOf(st); pe != nil {
+			if got := int(statusOf(fmt.Errorf("kvpool: local check: %w", pe))); got != code {
+				t.Errorf("local %v: code %d, want %d", pe, got, code)
+			}
+		}
+	}
+	for err, code := range map[error]int{
+		client.ErrDisconnected: errDisconnected, client.ErrProtocol: errProtocol,
+		&cudart.Error{Call: "cuMemcpyBatchAsync", Name: "CUDA_ERROR_INVALID_VALUE"}: errCUDA, errors.New("something else"): errOther,
+	} {
+		if got := int(statusOf(fmt.Errorf("kvpool: %w", err))); got != code {
+			t.Errorf("%v: code %d, want %d", err, got, code)
+		}
+	}
 }

@@ -37,7 +37,6 @@ import (
 
 	"github.com/kvpool/kvpool/pkg/client"
 	"github.com/kvpool/kvpool/pkg/cudart"
-	"github.com/kvpool/kvpool/pkg/poolerr"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
 
@@ -83,35 +82,30 @@ const (
 	optionsSizeFirst = unsafe.Offsetof(C.kvpool_options{}.spin_wait_us)
 )
 
-// statusOf maps an error to its kvpool.h status.
+// abiCodes gives the wire statuses their kvpool.h codes: one hop from the
+// status, which pkg/wire's table relates to the pool's errors. A status
+// not named here (and a code of a newer agent) is KVPOOL_ERR_OTHER.
+var abiCodes = map[wire.Status]C.int{
+	wire.StatusUnknownStream:   errUnknownStream,
+	wire.StatusDuplicateStream: errDuplicateStream,
+	wire.StatusPageCount:       errPageCount,
+	wire.StatusOutOfRange:      errOutOfRange,
+	wire.StatusDuplicateIndex:  errDuplicateIndex,
+	wire.StatusBadName:         errBadName,
+	wire.StatusBadSize:         errBadSize,
+	wire.StatusClosed:          errClosed,
+	wire.StatusUnauthorized:    errUnauthorized,
+	wire.StatusBusy:            errBusy,
+	wire.StatusNoCapacity:      errNoCapacity,
+}
+
+// statusOf maps an error to its kvpool.h status: a refusal by the agent
+// by its wire status, a pool error raised on this side by the status of
+// the same meaning (wire.StatusOf), the client's own failures by kind.
 func statusOf(err error) C.int {
 	var ce *client.Error
 	if errors.As(err, &ce) {
-		switch ce.Status {
-		case wire.StatusUnknownStream:
-			return errUnknownStream
-		case wire.StatusDuplicateStream:
-			return errDuplicateStream
-		case wire.StatusPageCount:
-			return errPageCount
-		case wire.StatusOutOfRange:
-			return errOutOfRange
-		case wire.StatusDuplicateIndex:
-			return errDuplicateIndex
-		case wire.StatusBadName:
-			return errBadName
-		case wire.StatusBadSize:
-			return errBadSize
-		case wire.StatusClosed:
-			return errClosed
-		case wire.StatusUnauthorized:
-			return errUnauthorized
-		case wire.StatusBusy:
-			return errBusy
-		case wire.StatusNoCapacity:
-			return errNoCapacity
-		}
-		return errOther
+		return abiCode(ce.Status)
 	}
 	var cu *cudart.Error
 	var op *net.OpError
@@ -120,10 +114,15 @@ func statusOf(err error) C.int {
 		return errDisconnected
 	case errors.Is(err, client.ErrProtocol):
 		return errProtocol
-	case errors.Is(err, poolerr.ErrUnknownStream):
-		return errUnknownStream
 	case errors.As(err, &cu):
 		return errCUDA
+	}
+	return abiCode(wire.StatusOf(err))
+}
+
+func abiCode(st wire.Status) C.int {
+	if code, ok := abiCodes[st]; ok {
+		return code
 	}
 	return errOther
 }
@@ -289,13 +288,11 @@ func int32s(p *C.int32_t, n C.int64_t, what string) ([]int32, error) {
 	return unsafe.Slice((*int32)(unsafe.Pointer(p)), int(n)), nil
 }
 
-//export kvpool_open
-func kvpool_open(opts *C.kvpool_options, out *C.kvpool_handle) C.int {
-	if opts == nil || out == nil {
-		return invalid("open: NULL options or handle pointer")
-	}
+// openArgs checks kvpool_open's options and returns the regions and the
+// spin wait they give; a code other than statusOK is the call's result.
+func openArgs(opts *C.kvpool_options) ([]cudart.Region, time.Duration, C.int) {
 	if size := uintptr(opts.struct_size); size != optionsSize && size != optionsSizeFirst {
-		return invalid("open: options struct_size %d, this library (ABI %d) takes %d or %d", uint32(opts.struct_size), abiVersion, optionsSizeFirst, optionsSize)
+		return nil, 0, invalid("open: options struct_size %d, this library (ABI %d) takes %d or %d", uint32(opts.struct_size), abiVersion, optionsSizeFirst, optionsSize)
 	}
 	var spin time.Duration // client default
 	if uintptr(opts.struct_size) >= optionsSize {
@@ -304,30 +301,42 @@ func kvpool_open(opts *C.kvpool_options, out *C.kvpool_handle) C.int {
 		case us < 0:
 			spin = -1
 		case us > int64(wire.SpinLimit/time.Microsecond):
-			return invalid("open: spin_wait_us %d is over the limit of %d", us, wire.SpinLimit/time.Microsecond)
+			return nil, 0, invalid("open: spin_wait_us %d is over the limit of %d", us, wire.SpinLimit/time.Microsecond)
 		default:
 			spin = time.Duration(us) * time.Microsecond
 		}
 	}
 	if opts.n_regions <= 0 || opts.n_regions > maxRegionsPerLayout || opts.regions == nil {
-		return invalid("open: %d regions (NULL: %v)", int32(opts.n_regions), opts.regions == nil)
+		return nil, 0, invalid("open: %d regions (NULL: %v)", int32(opts.n_regions), opts.regions == nil)
 	}
 	if opts.device < 0 {
-		return invalid("open: device %d", int32(opts.device))
+		return nil, 0, invalid("open: device %d", int32(opts.device))
 	}
 	if opts.max_pages < 0 || opts.max_pages > maxPagesPerCall {
-		return invalid("open: max_pages %d", int64(opts.max_pages))
+		return nil, 0, invalid("open: max_pages %d", int64(opts.max_pages))
 	}
 	if opts.timeout_ms < 0 || opts.sim_copy_delay_us < 0 || opts.sim_devices < 0 {
-		return invalid("open: negative timeout, simulator copy delay or simulator devices")
+		return nil, 0, invalid("open: negative timeout, simulator copy delay or simulator devices")
 	}
 	cregs := unsafe.Slice(opts.regions, int(opts.n_regions))
-	regions := make([]client.Region, len(cregs))
+	regions := make([]cudart.Region, len(cregs))
 	for i, r := range cregs {
 		if r.pages <= 0 || r.pages > maxPagesPerCall {
-			return invalid("open: region %d: %d pages", i, int64(r.pages))
+			return nil, 0, invalid("open: region %d: %d pages", i, int64(r.pages))
 		}
-		regions[i] = client.Region{Base: cudart.DevicePtr(r.base), Stride: uint64(r.stride), BytesPerPage: uint64(r.page_bytes), Pages: int(r.pages)}
+		regions[i] = cudart.Region{Base: cudart.DevicePtr(r.base), Stride: uint64(r.stride), PageBytes: uint64(r.page_bytes), Pages: int(r.pages)}
+	}
+	return regions, spin, statusOK
+}
+
+//export kvpool_open
+func kvpool_open(opts *C.kvpool_options, out *C.kvpool_handle) C.int {
+	if opts == nil || out == nil {
+		return invalid("open: NULL options or handle pointer")
+	}
+	regions, spin, code := openArgs(opts)
+	if code != statusOK {
+		return code
 	}
 	so := cudart.SimOptions{Devices: int(opts.sim_devices), CopyDelay: time.Duration(opts.sim_copy_delay_us) * time.Microsecond}
 	if so.Devices == 0 {

@@ -12,7 +12,6 @@ import (
 	"sync"
 	"unsafe"
 
-	"github.com/kvpool/kvpool/pkg/client"
 	"github.com/kvpool/kvpool/pkg/cudart"
 )
 
@@ -31,13 +30,13 @@ var (
 )
 
 // spansOf returns the memory the regions touch, overlapping ranges merged.
-func spansOf(ordinal int, regions []client.Region) ([]span, error) {
+func spansOf(ordinal int, regions []cudart.Region) ([]span, error) {
 	var out []span
 	for i, r := range regions {
-		if r.Base == 0 || r.Pages <= 0 || r.BytesPerPage == 0 || r.Stride < r.BytesPerPage {
-			return nil, fmt.Errorf("kvpool: region %d: base %#x, %d pages, %d bytes per page, stride %d", i, uintptr(r.Base), r.Pages, r.BytesPerPage, r.Stride)
+		if r.Base == 0 || r.Pages <= 0 || r.PageBytes == 0 || r.Stride < r.PageBytes {
+			return nil, fmt.Errorf("kvpool: region %d: base %#x, %d pages, %d bytes per page, stride %d", i, uintptr(r.Base), r.Pages, r.PageBytes, r.Stride)
 		}
-		end := uint64(r.Base) + uint64(r.Pages-1)*r.Stride + r.BytesPerPage
+		end := uint64(r.Base) + uint64(r.Pages-1)*r.Stride + r.PageBytes
 		if end < uint64(r.Base) {
 			return nil, fmt.Errorf("kvpool: region %d overflows the address space", i)
 		}
@@ -57,7 +56,7 @@ func spansOf(ordinal int, regions []client.Region) ([]span, error) {
 }
 
 // registerSpans registers the memory of the regions with the simulator.
-func (h *handle) registerSpans(regions []client.Region) error {
+func (h *handle) registerSpans(regions []cudart.Region) error {
 	spans, err := spansOf(h.ordinal, regions)
 	if err != nil {
 		return err

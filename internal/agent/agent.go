@@ -246,16 +246,13 @@ func (a *agent) newServer(ctx context.Context) error {
 		GPUs:      uuids,
 		Pool:      a.pool,
 		Chunks:    a.chunk,
-		Authorize: a.authorize,
-		AuthorizePeer: func(token string, peer server.Peer) (string, error) {
-			return a.authorizePeer(ctx, token, peer)
-		},
-		Logger:   a.log,
-		Hooks:    chainHooks(serverHooks(a.obs.Observer, a.obs.Metrics), a.opts.Hooks),
-		Journal:  a.journal(),
-		Name:     "kvpool-agent " + a.opts.Version + " (" + a.mode + ")",
-		Limits:   a.cfg.Limits.Server(),
-		ProbePID: os.Getpid(),
+		Authorize: a.authorizer(ctx),
+		Logger:    a.log,
+		Hooks:     chainHooks(serverHooks(a.obs.Observer, a.obs.Metrics), a.opts.Hooks),
+		Journal:   a.journal(),
+		Name:      "kvpool-agent " + a.opts.Version + " (" + a.mode + ")",
+		Limits:    a.cfg.Limits.Server(),
+		ProbePID:  os.Getpid(),
 
 		PollAfterReply: a.cfg.PollAfterReply.Duration,
 	})

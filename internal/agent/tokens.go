@@ -9,7 +9,8 @@ import (
 
 	"github.com/kvpool/kvpool/internal/server"
 	"github.com/kvpool/kvpool/pkg/contract"
-	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/poolerr"
+	"github.com/kvpool/kvpool/pkg/unixsock"
 )
 
 // prepareTokens is the step "tokens" (standalone without the device
@@ -36,13 +37,13 @@ func (a *agent) prepareTokens() error {
 func (a *agent) authorize(token string) (string, error) {
 	if alloc, ok := a.static[token]; ok {
 		if !a.granted.Load() {
-			return "", fmt.Errorf("%w: the pool is still being allocated", pool.ErrNotReady)
+			return "", fmt.Errorf("%w: the pool is still being allocated", poolerr.ErrNotReady)
 		}
 		return alloc, nil
 	}
 	if a.plug != nil {
 		alloc, err := a.plug.Plugin.Authorize(token)
-		if errors.Is(err, pool.ErrNotReady) {
+		if errors.Is(err, poolerr.ErrNotReady) {
 			return "", err
 		}
 		if err != nil {
@@ -56,16 +57,22 @@ func (a *agent) authorize(token string) (string, error) {
 	return "", contract.ErrUnknownToken
 }
 
+// authorizer is the copy server's one door for tokens: authorizePeer,
+// within ctx.
+func (a *agent) authorizer(ctx context.Context) server.Authorizer {
+	return func(token string, peer unixsock.Peer) (string, error) { return a.authorizePeer(ctx, token, peer) }
+}
+
 // authorizePeer is authorize with the client's credentials: a token the
 // device plugin handed out works only from its pod when tokenBinding is
 // "pod" (plugin.Plugin.AuthorizePeer).
-func (a *agent) authorizePeer(ctx context.Context, token string, peer server.Peer) (string, error) {
+func (a *agent) authorizePeer(ctx context.Context, token string, peer unixsock.Peer) (string, error) {
 	if _, ok := a.static[token]; ok || a.plug == nil {
 		return a.authorize(token)
 	}
 	alloc, err := a.plug.Plugin.AuthorizePeer(ctx, token, peer.PID)
 	if err != nil {
-		if errors.Is(err, pool.ErrNotReady) {
+		if errors.Is(err, poolerr.ErrNotReady) {
 			return "", err // restored, its chunks not yet back: "retry"
 		}
 		if errors.Is(err, contract.ErrUnknownToken) {

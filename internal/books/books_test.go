@@ -90,8 +90,8 @@ func (r *rig) open(alloc string, gpu, maxPages int) {
 	ps, err := r.p.Open(alloc, pool.Spec{GPU: gpu, PageSize: 1024, DevicePages: 64, MaxPages: maxPages})
 	must(r.t, err)
 	info := &server.OpenInfo{Allocation: alloc, Instance: fmt.Sprintf("inst%d", ps.ID()),
-		Layout: server.Layout{PageSize: 1024, DevicePages: 64, Regions: 2},
-		Image:  pool.SessionImage{ID: ps.ID(), Allocation: alloc, Spec: ps.Spec(), PPC: ps.PagesPerChunk(), Capacity: ps.Capacity()}}
+		Regions: 2,
+		Image:   pool.SessionImage{ID: ps.ID(), Allocation: alloc, Spec: ps.Spec(), PPC: ps.PagesPerChunk(), Capacity: ps.Capacity()}}
 	for _, c := range ps.Chunks() {
 		info.Image.Chunks = append(info.Image.Chunks, c.ID)
 	}
@@ -193,7 +193,7 @@ func TestBooksFollowThePool(t *testing.T) {
 			t.Fatalf("restored pool differs:\n%+v\n%+v", got, want)
 		}
 		rs := st.Restored(ss)
-		if len(rs) != 2 || rs[0].Instance != fmt.Sprintf("inst%d", ss[0].ID()) || rs[0].Layout.Regions != 2 {
+		if len(rs) != 2 || rs[0].Instance != fmt.Sprintf("inst%d", ss[0].ID()) || rs[0].Regions != 2 {
 			t.Fatalf("restored sessions %+v", rs)
 		}
 		r.b.Close()

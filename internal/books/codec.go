@@ -7,6 +7,7 @@ import (
 
 	"github.com/kvpool/kvpool/internal/server"
 	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/unixsock"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
 
@@ -44,7 +45,7 @@ func (e enc) pages(ps []int32) enc {
 	return e
 }
 func (e enc) meta(m pool.Meta) enc { return e.i(m.StoredLen).i(m.Position).i(m.Released) }
-func (e enc) peer(p server.Peer) enc {
+func (e enc) peer(p unixsock.Peer) enc {
 	return e.i(int64(p.PID)).u(uint64(p.UID)).u(uint64(p.GID))
 }
 
@@ -146,12 +147,12 @@ func (d *dec) pages() []int32 {
 
 func (d *dec) meta() pool.Meta { return pool.Meta{StoredLen: d.i(), Position: d.i(), Released: d.i()} }
 
-func (d *dec) peer() server.Peer {
+func (d *dec) peer() unixsock.Peer {
 	pid, uid, gid := d.i(), d.u(), d.u()
 	if pid < 0 || pid > 1<<31-1 || uid > 1<<32-1 || gid > 1<<32-1 {
 		d.fail("peer credentials out of range")
 	}
-	return server.Peer{PID: int32(pid), UID: uint32(uid), GID: uint32(gid)}
+	return unixsock.Peer{PID: int32(pid), UID: uint32(uid), GID: uint32(gid)}
 }
 
 func appendEvent(e enc, ev pool.Event) enc {
@@ -171,12 +172,21 @@ func appendChunkGen(e enc, id string, gen uint64, seals int) enc {
 	return append(e, recChunkGen).str(id).u(gen).i(int64(seals))
 }
 
-func appendLayout(e enc, l server.Layout) enc {
-	return e.i(l.PageSize).i(int64(l.DevicePages)).i(int64(l.MaxPages)).i(int64(l.Regions))
+// appendLayout writes a session's layout as the format has it: the page
+// size, device pages and max pages of its spec (the session image's
+// again, kept so that books read the same both ways across an upgrade)
+// and its count of regions.
+func appendLayout(e enc, spec pool.Spec, regions int) enc {
+	return e.i(spec.PageSize).i(int64(spec.DevicePages)).i(int64(spec.MaxPages)).i(int64(regions))
 }
 
-func (d *dec) layout() server.Layout {
-	return server.Layout{PageSize: d.i(), DevicePages: d.int(), MaxPages: d.int(), Regions: d.int()}
+// regions reads a layout and returns its count of regions; the rest is
+// the session image's spec, which is read there.
+func (d *dec) regions() int {
+	d.i()
+	d.int()
+	d.int()
+	return d.int()
 }
 
 func appendSessionImage(e enc, s *pool.SessionImage) enc {
@@ -202,7 +212,7 @@ func appendSessionOp(e enc, op *server.SessionOp) enc {
 	}
 	o := op.Open
 	e = append(e, 1).u(o.Replaces).str(o.Allocation).str(o.Instance).str(o.UUID).peer(o.Peer)
-	e = appendLayout(e, o.Layout)
+	e = appendLayout(e, o.Image.Spec, o.Regions)
 	return appendSessionImage(e, &o.Image)
 }
 
@@ -218,7 +228,7 @@ func (d *dec) sessionOp() server.SessionOp {
 	op.Status, op.Reply = wire.Status(d.byte()), d.raw()
 	if d.byte() == 1 {
 		o := &server.OpenInfo{Replaces: d.u(), Allocation: d.str(), Instance: d.str(), UUID: d.str(), Peer: d.peer()}
-		o.Layout = d.layout()
+		o.Regions = d.regions()
 		o.Image = d.sessionImage()
 		op.Open = o
 	}
@@ -241,7 +251,7 @@ func appendSnapshot(e enc, st *State) enc {
 	e = e.u(uint64(len(st.sessions)))
 	for _, s := range st.sessions {
 		e = appendSessionImage(e, &s.Image)
-		e = appendLayout(e.str(s.Instance).str(s.UUID).peer(s.Peer), s.Layout)
+		e = appendLayout(e.str(s.Instance).str(s.UUID).peer(s.Peer), s.Image.Spec, s.Regions)
 		e = append(e.u(uint64(s.Last.Seq)), byte(s.Last.Op), byte(s.Last.Status)).bytes(s.Last.Body).pages(s.Last.Pages)
 		rids := sortedKeys(s.rids)
 		e = e.u(uint64(len(rids)))
@@ -285,7 +295,7 @@ func (d *dec) snapshot() *State {
 	for range d.n() {
 		s := &Session{Image: d.sessionImage(), rids: map[string][]*stream{}}
 		s.Instance, s.UUID, s.Peer = d.str(), d.str(), d.peer()
-		s.Layout = d.layout()
+		s.Regions = d.regions()
 		seq := d.u()
 		s.Last = server.LastReply{Seq: uint32(seq), Op: wire.Op(d.byte()), Status: wire.Status(d.byte()), Body: d.raw()}
 		if s.Last.Pages = d.pages(); len(s.Last.Pages) == 0 {

@@ -7,6 +7,7 @@ import (
 
 	"github.com/kvpool/kvpool/internal/server"
 	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/unixsock"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
 
@@ -46,8 +47,8 @@ type Session struct {
 	Image    pool.SessionImage // Streams and Pending are kept below instead
 	Instance string
 	UUID     string
-	Peer     server.Peer
-	Layout   server.Layout
+	Peer     unixsock.Peer
+	Regions  int // of the layout it was opened with; its geometry is Image.Spec
 	Last     server.LastReply
 
 	rids    map[string][]*stream
@@ -146,7 +147,7 @@ func (st *State) Restored(sessions []*pool.Session) []server.RestoredSession {
 		if s == nil {
 			continue
 		}
-		out = append(out, server.RestoredSession{Session: ps, Instance: s.Instance, UUID: s.UUID, Peer: s.Peer, Layout: s.Layout, Last: s.Last})
+		out = append(out, server.RestoredSession{Session: ps, Instance: s.Instance, UUID: s.UUID, Peer: s.Peer, Regions: s.Regions, Last: s.Last})
 	}
 	return out
 }
@@ -339,7 +340,7 @@ func (st *State) open(op server.SessionOp) {
 	img := o.Image
 	img.Chunks = slices.Clone(img.Chunks)
 	img.Streams, img.Pending = nil, nil
-	st.sessions[img.ID] = &Session{Image: img, Instance: o.Instance, UUID: o.UUID, Peer: o.Peer, Layout: o.Layout, rids: map[string][]*stream{}}
+	st.sessions[img.ID] = &Session{Image: img, Instance: o.Instance, UUID: o.UUID, Peer: o.Peer, Regions: o.Regions, rids: map[string][]*stream{}}
 	st.lastSession = max(st.lastSession, img.ID)
 }
 

@@ -9,6 +9,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/kvpool/kvpool/pkg/unixsock"
 	"golang.org/x/sys/unix"
 )
 
@@ -62,7 +63,7 @@ func Connect(path string, wait time.Duration) (*Client, *State, error) {
 }
 
 func connect(path string) (*Client, *State, error) {
-	uc, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: path, Net: "unixpacket"})
+	uc, err := net.DialUnix(unixsock.Network, nil, &net.UnixAddr{Name: path, Net: unixsock.Network})
 	if err != nil {
 		return nil, nil, fmt.Errorf("keeper: dial %s: %w", path, err)
 	}
@@ -139,7 +140,10 @@ func (c *Client) recv() (message, []*os.File, error) {
 	if n == 0 {
 		return message{}, nil, errors.New("keeper: connection closed")
 	}
-	files, err := parseFDs(c.oob[:oobn])
+	files, err := unixsock.Files(c.oob[:oobn], "keeper-fd")
+	if err != nil {
+		err = fmt.Errorf("keeper: receive: %w", err)
+	}
 	if err == nil && flags&unix.MSG_CTRUNC != 0 {
 		err = errors.New("keeper: file descriptors truncated")
 	}
@@ -202,7 +206,7 @@ func Seals(f *os.File) (int, error) {
 // Query asks the keeper at path what it holds, without claiming the agent's
 // connection.
 func Query(path string) (Stat, error) {
-	uc, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: path, Net: "unixpacket"})
+	uc, err := net.DialUnix(unixsock.Network, nil, &net.UnixAddr{Name: path, Net: unixsock.Network})
 	if err != nil {
 		return Stat{}, fmt.Errorf("keeper: dial %s: %w", path, err)
 	}

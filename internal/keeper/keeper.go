@@ -33,10 +33,11 @@ import (
 	"log/slog"
 	"net"
 	"os"
-	"path/filepath"
 	"sort"
 	"sync"
+	"time"
 
+	"github.com/kvpool/kvpool/pkg/unixsock"
 	"golang.org/x/sys/unix"
 )
 
@@ -51,6 +52,9 @@ const (
 	// MaxItems bounds the chunks a keeper holds.
 	MaxItems = 1 << 16
 	maxIDLen = 256
+	// maxRequestFDs is the most fds a request's control buffer takes;
+	// every request carries at most one.
+	maxRequestFDs = 4
 )
 
 // Item names one held memfd.
@@ -149,71 +153,51 @@ func New(log *slog.Logger) *Keeper {
 	return &Keeper{log: log, chunks: map[string]held{}}
 }
 
-// Listen creates the keeper's socket at path, mode 0600, replacing a stale
-// one; another live keeper on it is an error.
+// Listen creates the keeper's socket at path, mode 0600 in a directory
+// made 0700 when missing (unixsock.Listen), replacing a stale one; another
+// live keeper on it is an error.
 func Listen(path string) (*net.UnixListener, error) {
-	if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
-		return nil, fmt.Errorf("keeper: socket directory: %w", err)
-	}
-	if fi, err := os.Lstat(path); err == nil {
-		if fi.Mode()&os.ModeSocket == 0 {
-			return nil, fmt.Errorf("keeper: %s exists and is not a socket", path)
-		}
-		if c, err := net.Dial("unixpacket", path); err == nil {
-			c.Close()
-			return nil, fmt.Errorf("keeper: another keeper is serving on %s", path)
-		}
-		os.Remove(path)
-	}
-	old := unix.Umask(0o077)
-	l, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: path, Net: "unixpacket"})
-	unix.Umask(old)
+	l, err := unixsock.Listen(path, 0o600)
 	if err != nil {
-		return nil, fmt.Errorf("keeper: listen on %s: %w", path, err)
-	}
-	if err := os.Chmod(path, 0o600); err != nil {
-		l.Close()
-		return nil, fmt.Errorf("keeper: chmod socket: %w", err)
+		return nil, fmt.Errorf("keeper: %w", err)
 	}
 	return l, nil
 }
 
 // Serve accepts connections until ctx ends, then closes l and every
-// connection. The held fds stay with the Keeper until Close.
+// connection. The held fds stay with the Keeper until Close. A temporary
+// accept failure (out of file descriptors, say) is logged and retried
+// (unixsock.Acceptor).
 func (k *Keeper) Serve(ctx context.Context, l *net.UnixListener) error {
-	stop := context.AfterFunc(ctx, func() { l.Close() })
-	defer stop()
-	var wg sync.WaitGroup
 	conns := map[*net.UnixConn]bool{}
 	var cmu sync.Mutex
-	var err error
-	for {
-		uc, aerr := l.AcceptUnix()
-		if aerr != nil {
-			if ctx.Err() == nil {
-				err = fmt.Errorf("keeper: accept: %w", aerr)
-			}
-			break
-		}
-		cmu.Lock()
-		conns[uc] = true
-		cmu.Unlock()
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			k.serveConn(uc)
+	err := unixsock.Acceptor{
+		Admit: func(uc *net.UnixConn) func() {
 			cmu.Lock()
-			delete(conns, uc)
+			conns[uc] = true
 			cmu.Unlock()
-		}()
+			return func() {
+				k.serveConn(uc)
+				cmu.Lock()
+				delete(conns, uc)
+				cmu.Unlock()
+			}
+		},
+		Retry: func(err error, wait time.Duration) {
+			k.log.Warn("keeper: accept failed; retrying", "err", err, "retryIn", wait)
+		},
+		Stop: func() {
+			cmu.Lock()
+			for uc := range conns {
+				uc.Close()
+			}
+			cmu.Unlock()
+		},
+	}.Serve(ctx, l)
+	if err != nil {
+		return fmt.Errorf("keeper: %w", err)
 	}
-	cmu.Lock()
-	for uc := range conns {
-		uc.Close()
-	}
-	cmu.Unlock()
-	wg.Wait()
-	return err
+	return nil
 }
 
 // Close drops every held fd.
@@ -256,8 +240,8 @@ func (k *Keeper) statLocked() Stat {
 
 func (k *Keeper) serveConn(uc *net.UnixConn) {
 	defer uc.Close()
-	if cred, err := peerUID(uc); err != nil || cred != uint32(os.Getuid()) {
-		k.log.Warn("keeper: refusing a connection from another user", "uid", cred, "err", err)
+	if peer, err := unixsock.PeerOf(uc); err != nil || peer.UID != uint32(os.Getuid()) {
+		k.log.Warn("keeper: refusing a connection from another user", "uid", peer.UID, "err", err)
 		return
 	}
 	isAgent := false
@@ -270,13 +254,20 @@ func (k *Keeper) serveConn(uc *net.UnixConn) {
 		}
 	}()
 	buf := make([]byte, maxPacket)
-	oob := make([]byte, unix.CmsgSpace(4*4))
+	oob := make([]byte, unix.CmsgSpace(4*maxRequestFDs))
 	for {
-		n, oobn, _, _, err := uc.ReadMsgUnix(buf, oob)
+		n, oobn, flags, _, err := uc.ReadMsgUnix(buf, oob)
 		if err != nil || n == 0 {
 			return
 		}
-		files, ferr := parseFDs(oob[:oobn])
+		files, ferr := unixsock.Files(oob[:oobn], "keeper-fd")
+		switch {
+		case ferr != nil:
+		case flags&unix.MSG_CTRUNC != 0:
+			ferr = fmt.Errorf("file descriptors truncated: the keeper takes at most %d per request", maxRequestFDs)
+		case flags&unix.MSG_TRUNC != 0:
+			ferr = fmt.Errorf("request longer than %d bytes", maxPacket)
+		}
 		m, perr := parseRequest(buf[:n], len(files))
 		if ferr != nil || perr != nil {
 			closeAll(files)
@@ -446,48 +437,8 @@ func send(uc *net.UnixConn, m message, fds []int) error {
 	return err
 }
 
-func parseFDs(oob []byte) ([]*os.File, error) {
-	if len(oob) == 0 {
-		return nil, nil
-	}
-	msgs, err := unix.ParseSocketControlMessage(oob)
-	if err != nil {
-		return nil, fmt.Errorf("control message: %w", err)
-	}
-	var files []*os.File
-	for _, cm := range msgs {
-		fds, err := unix.ParseUnixRights(&cm)
-		if err != nil {
-			continue
-		}
-		for _, fd := range fds {
-			unix.CloseOnExec(fd)
-			files = append(files, os.NewFile(uintptr(fd), "keeper-fd"))
-		}
-	}
-	return files, nil
-}
-
 func closeAll(fs []*os.File) {
 	for _, f := range fs {
 		f.Close()
 	}
-}
-
-func peerUID(uc *net.UnixConn) (uint32, error) {
-	rc, err := uc.SyscallConn()
-	if err != nil {
-		return 0, err
-	}
-	var cred *unix.Ucred
-	var gerr error
-	if err := rc.Control(func(fd uintptr) {
-		cred, gerr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
-	}); err != nil {
-		return 0, err
-	}
-	if gerr != nil {
-		return 0, gerr
-	}
-	return cred.Uid, nil
 }

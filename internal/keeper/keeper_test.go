@@ -7,6 +7,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -198,6 +199,7 @@ func TestKeeperRefusesMisuse(t *testing.T) {
 		{`{"op":"stat"}`, []int{int(good.Fd())}, "fds"},
 		{`{"op":"frob"}`, nil, "unknown op"},
 		{`{"op":"hello","v":99}`, nil, "protocol 99"},
+		{`{"op":"stat"}`, slices.Repeat([]int{int(good.Fd())}, maxRequestFDs+1), "truncated"},
 	} {
 		var oob []byte
 		if tc.fds != nil {

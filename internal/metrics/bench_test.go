@@ -11,6 +11,7 @@ import (
 	"github.com/kvpool/kvpool/internal/report"
 	"github.com/kvpool/kvpool/pkg/observe"
 	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/poolerr"
 )
 
 // The server calls Op once per socket call, so its cost is compared with a
@@ -18,7 +19,7 @@ import (
 // would cost).
 func BenchmarkOp(b *testing.B) {
 	op := observe.Op{Name: observe.OpOffload, GPU: 1, Duration: 12 * time.Microsecond, Pages: 16, Bytes: 16 << 20}
-	bad := observe.Op{Name: observe.OpReload, GPU: 1, Duration: 3 * time.Microsecond, Err: fmt.Errorf("r: %w", pool.ErrUnknownStream)}
+	bad := observe.Op{Name: observe.OpReload, GPU: 1, Duration: 3 * time.Microsecond, Err: fmt.Errorf("r: %w", poolerr.ErrUnknownStream)}
 	m := New(pool.New(), Options{NoRuntime: true})
 	ring := report.NewRing(64)
 	var n atomic.Int64

@@ -16,6 +16,7 @@ import (
 	"github.com/kvpool/kvpool/internal/report"
 	"github.com/kvpool/kvpool/pkg/observe"
 	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/poolerr"
 )
 
 const (
@@ -199,14 +200,14 @@ func TestScrapeAfterWorkload(t *testing.T) {
 	must(err)
 	must(sv.call(observe.OpDiscard, 3, func() error { return s.Discard("r1", "b") }))
 	// A request that does not fit is rejected, not an error.
-	if err := sv.offload("r3", "a", pages(100, 40)...); !errors.Is(err, pool.ErrFull) {
+	if err := sv.offload("r3", "a", pages(100, 40)...); !errors.Is(err, poolerr.ErrFull) {
 		t.Fatalf("big offload: %v, want ErrFull", err)
 	}
 	// Misuse: a duplicate stream and an unknown one.
-	if err := sv.offload("r2", "a", pages(20, 1)...); !errors.Is(err, pool.ErrDuplicateStream) {
+	if err := sv.offload("r2", "a", pages(20, 1)...); !errors.Is(err, poolerr.ErrDuplicateStream) {
 		t.Fatalf("duplicate offload: %v", err)
 	}
-	if _, err := sv.reload("nope", "a", pages(0, 1)...); !errors.Is(err, pool.ErrUnknownStream) {
+	if _, err := sv.reload("nope", "a", pages(0, 1)...); !errors.Is(err, poolerr.ErrUnknownStream) {
 		t.Fatalf("unknown reload: %v", err)
 	}
 	m.ChunkPinned(0, 120*time.Millisecond)
@@ -309,7 +310,7 @@ func TestRejectReasons(t *testing.T) {
 	if err := sv.offload("q", "x", pages(0, 2)...); !errors.As(err, &pe) {
 		t.Fatalf("offload behind pending reload: %v, want *PendingError", err)
 	}
-	if err := sv.offload("q", "x", pages(0, 5)...); !errors.Is(err, pool.ErrFull) {
+	if err := sv.offload("q", "x", pages(0, 5)...); !errors.Is(err, poolerr.ErrFull) {
 		t.Fatalf("oversized offload: %v", err)
 	}
 	srv := httptest.NewServer(m.Handler())

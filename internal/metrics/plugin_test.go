@@ -12,6 +12,7 @@ import (
 	"github.com/kvpool/kvpool/pkg/observe"
 	"github.com/kvpool/kvpool/pkg/plugin"
 	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/poolerr"
 )
 
 // The device plugin's operations and the failures of the plugin, reclaim
@@ -34,7 +35,7 @@ func TestPluginAndComponentErrors(t *testing.T) {
 		{Component: observe.ComponentPlugin, Name: observe.OpReconcile, Err: fmt.Errorf("reconcile: %w", errors.New("pod resources list: deadline"))},
 		{Component: observe.ComponentReclaim, Name: observe.OpPodGone, Allocation: "alloc-1"},
 		{Component: observe.ComponentReclaim, Name: observe.OpReassigned, Allocation: "alloc-2"},
-		{Component: observe.ComponentReclaim, Name: observe.OpReassigned, Err: fmt.Errorf("reclaim: %w", pool.ErrUnknownChunk)},
+		{Component: observe.ComponentReclaim, Name: observe.OpReassigned, Err: fmt.Errorf("reclaim: %w", poolerr.ErrUnknownChunk)},
 		{Component: observe.ComponentReclaim, Name: observe.OpRenew, Err: errors.New("chunk gpu0-numa0-1: mlock: ENOMEM")},
 		{Component: observe.ComponentNodeStatus, Name: observe.OpWrite, Err: errors.New("update kvpoolnode n1 status: forbidden")},
 	}

@@ -5,9 +5,8 @@ import (
 	"sync"
 	"time"
 
-	"github.com/kvpool/kvpool/internal/server"
 	"github.com/kvpool/kvpool/pkg/observe"
-	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/poolerr"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
 
@@ -21,24 +20,24 @@ type Kinder interface {
 // status of their own: the device plugin's and the agent's (grants,
 // revokes, renewals) and the full-pool refusal (an offload answered
 // ok=false). Every other pool error's kind is its status's (wire's table,
-// through server.StatusOf).
+// through wire.StatusOf).
 var agentKinds = []struct {
 	err  error
 	kind string
 }{
-	{pool.ErrFull, "full"},
-	{pool.ErrUnknownChunk, "unknown_chunk"},
-	{pool.ErrDuplicateChunk, "duplicate_chunk"},
-	{pool.ErrChunkBusy, "chunk_busy"},
-	{pool.ErrChunkDirty, "chunk_dirty"},
-	{pool.ErrAllocationExists, "allocation_exists"},
+	{poolerr.ErrFull, "full"},
+	{poolerr.ErrUnknownChunk, "unknown_chunk"},
+	{poolerr.ErrDuplicateChunk, "duplicate_chunk"},
+	{poolerr.ErrChunkBusy, "chunk_busy"},
+	{poolerr.ErrChunkDirty, "chunk_dirty"},
+	{poolerr.ErrAllocationExists, "allocation_exists"},
 }
 
 // Kind classifies err for metrics labels and the error ring (both call it,
 // so one failure has one kind in both): "" for nil; the error's own Kind
 // when it has one (the server's *RequestError: its status's kind; the
 // device plugin's *AllocateError: its result); for a pool error, the kind
-// of the status a client gets for it (server.StatusOf, wire.Status.Kind) or
+// of the status a client gets for it (wire.StatusOf, wire.Status.Kind) or
 // one of agentKinds; else "other".
 func Kind(err error) string {
 	if err == nil {
@@ -53,7 +52,7 @@ func Kind(err error) string {
 			return ak.kind
 		}
 	}
-	if st := server.StatusOf(err); st != wire.StatusInternal {
+	if st := wire.StatusOf(err); st != wire.StatusInternal {
 		return st.Kind()
 	}
 	return "other"
@@ -63,7 +62,7 @@ func Kind(err error) string {
 // (the pool is full, or full until a pending reload is fenced): normal flow
 // control, counted but not logged as an error.
 func Rejected(err error) bool {
-	return errors.Is(err, pool.ErrFull) || errors.Is(err, pool.ErrPending)
+	return errors.Is(err, poolerr.ErrFull) || errors.Is(err, poolerr.ErrPending)
 }
 
 // Entry is one recorded error.

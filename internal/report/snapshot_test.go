@@ -11,6 +11,7 @@ import (
 
 	"github.com/kvpool/kvpool/pkg/observe"
 	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/poolerr"
 )
 
 func TestKind(t *testing.T) {
@@ -20,10 +21,10 @@ func TestKind(t *testing.T) {
 	}{
 		{nil, ""},
 		{errors.New("boom"), "other"},
-		{fmt.Errorf("offload: %w", pool.ErrFull), "full"},
+		{fmt.Errorf("offload: %w", poolerr.ErrFull), "full"},
 		{&pool.PendingError{Ticket: 3}, "pending"},
-		{fmt.Errorf("x: %w", pool.ErrUnknownStream), "unknown_stream"},
-		{fmt.Errorf("y: %w", pool.ErrBadName), "bad_name"},
+		{fmt.Errorf("x: %w", poolerr.ErrUnknownStream), "unknown_stream"},
+		{fmt.Errorf("y: %w", poolerr.ErrBadName), "bad_name"},
 		{fmt.Errorf("z: %w", kindErr("bad_token")), "bad_token"},
 	} {
 		if got := Kind(c.err); got != c.want {
@@ -42,10 +43,10 @@ func TestRing(t *testing.T) {
 	if got := r.Entries(); len(got) != 0 {
 		t.Fatalf("empty ring: %v", got)
 	}
-	r.Op(observe.Op{Name: "offload"})                                         // success: skipped
-	r.Op(observe.Op{Name: "offload", Err: fmt.Errorf("o: %w", pool.ErrFull)}) // reject: skipped
-	r.Op(observe.Op{Name: "offload", Err: &pool.PendingError{}})              // reject: skipped
-	r.Error("plugin", nil)                                                    // nil: skipped
+	r.Op(observe.Op{Name: "offload"})                                            // success: skipped
+	r.Op(observe.Op{Name: "offload", Err: fmt.Errorf("o: %w", poolerr.ErrFull)}) // reject: skipped
+	r.Op(observe.Op{Name: "offload", Err: &pool.PendingError{}})                 // reject: skipped
+	r.Error("plugin", nil)                                                       // nil: skipped
 	for i := range 5 {
 		r.Error("plugin", fmt.Errorf("e%d", i))
 	}
@@ -56,7 +57,7 @@ func TestRing(t *testing.T) {
 	if r.Total() != 5 {
 		t.Fatalf("total = %d, want 5", r.Total())
 	}
-	r.Op(observe.Op{Name: "reload", Session: "podA", Err: fmt.Errorf("r: %w", pool.ErrUnknownStream)})
+	r.Op(observe.Op{Name: "reload", Session: "podA", Err: fmt.Errorf("r: %w", poolerr.ErrUnknownStream)})
 	got = r.Entries()
 	if last := got[len(got)-1]; last.Op != "reload" || last.Kind != "unknown_stream" || last.Session != "podA" || last.Component != "server" {
 		t.Fatalf("last = %+v", last)

@@ -13,6 +13,8 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/poolerr"
+	"github.com/kvpool/kvpool/pkg/unixsock"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
 
@@ -29,43 +31,39 @@ const (
 	maxUUID       = 128
 )
 
-type layout struct {
-	pageSize    int64
-	devicePages int
-	maxPages    int
-	regions     int
-}
-
-// parseLayout checks an Open's regions and returns the session geometry.
-func parseLayout(m *wire.Open) (layout, error) {
+// openSpec checks an Open's regions and returns the pool session's
+// geometry for gpu: the host page holds a device page of every region (the
+// sum of their bytes, rounded up to PageAlign), and the device pages are
+// those of the smallest region.
+func openSpec(gpu int, m *wire.Open) (pool.Spec, error) {
 	if len(m.Regions) == 0 || len(m.Regions) > MaxRegions {
-		return layout{}, fmt.Errorf("%d regions, want 1 to %d", len(m.Regions), MaxRegions)
+		return pool.Spec{}, fmt.Errorf("%d regions, want 1 to %d", len(m.Regions), MaxRegions)
 	}
 	var sum uint64
 	dev := uint32(0)
 	for i, r := range m.Regions {
 		if r.BytesPerPage == 0 || r.BytesPerPage > maxPageBytes {
-			return layout{}, fmt.Errorf("region %d: %d bytes per page, want 1 to %d", i, r.BytesPerPage, uint64(maxPageBytes))
+			return pool.Spec{}, fmt.Errorf("region %d: %d bytes per page, want 1 to %d", i, r.BytesPerPage, uint64(maxPageBytes))
 		}
 		if r.PageCount == 0 {
-			return layout{}, fmt.Errorf("region %d: zero pages", i)
+			return pool.Spec{}, fmt.Errorf("region %d: zero pages", i)
 		}
 		sum += r.BytesPerPage
 		if sum > maxPageBytes {
-			return layout{}, fmt.Errorf("host page of more than %d bytes", uint64(maxPageBytes))
+			return pool.Spec{}, fmt.Errorf("host page of more than %d bytes", uint64(maxPageBytes))
 		}
 		if i == 0 || r.PageCount < dev {
 			dev = r.PageCount
 		}
 	}
 	if dev > 1<<31-2 {
-		return layout{}, fmt.Errorf("%d device pages, at most %d", dev, 1<<31-2)
+		return pool.Spec{}, fmt.Errorf("%d device pages, at most %d", dev, 1<<31-2)
 	}
 	if m.MaxPages > 1<<31-2 {
-		return layout{}, fmt.Errorf("max pages %d, at most %d", m.MaxPages, 1<<31-2)
+		return pool.Spec{}, fmt.Errorf("max pages %d, at most %d", m.MaxPages, 1<<31-2)
 	}
 	ps := int64((sum + PageAlign - 1) / PageAlign * PageAlign)
-	return layout{pageSize: ps, devicePages: int(dev), maxPages: int(m.MaxPages), regions: len(m.Regions)}, nil
+	return pool.Spec{GPU: gpu, PageSize: ps, DevicePages: int(dev), MaxPages: int(m.MaxPages)}, nil
 }
 
 // conn is one client connection.
@@ -73,7 +71,7 @@ type conn struct {
 	s    *Server
 	wc   *wire.Conn
 	id   uint64
-	peer Peer
+	peer unixsock.Peer
 	log  *slog.Logger
 
 	hello bool
@@ -106,7 +104,7 @@ const maxKeep = 4 * wire.MaxPagesPerPacket
 // MaxMessage buffer comes with the hello.
 const helloBuffer = 4096
 
-func (s *Server) newConn(uc *net.UnixConn, peer Peer) *conn {
+func (s *Server) newConn(uc *net.UnixConn, peer unixsock.Peer) *conn {
 	c := &conn{s: s, wc: wire.NewConn(uc), id: connIDs.Add(1), in: make([]byte, helloBuffer), peer: peer, since: time.Now()}
 	c.log = s.log.With("conn", c.id, "pid", peer.PID)
 	_ = c.wc.SetSpin(s.o.PollAfterReply) // New checked the bound
@@ -331,6 +329,8 @@ func (c *conn) finish() {
 	}
 }
 
+// handle runs one request: hello and open on any connection, every other
+// op on the connection's session, one method each.
 func (c *conn) handle(h wire.Header, body []byte) reply {
 	switch h.Op {
 	case wire.OpHello:
@@ -341,8 +341,44 @@ func (c *conn) handle(h wire.Header, body []byte) reply {
 	if c.e == nil {
 		return fail(wire.StatusNoSession, fmt.Errorf("%s before a session was opened on this connection", h.Op))
 	}
+	if r, done := c.prepare(h); done {
+		return r
+	}
+	switch h.Op {
+	case wire.OpPages:
+		return c.handlePages(body)
+	case wire.OpOffload:
+		return c.handleOffload(body)
+	case wire.OpReload:
+		return c.handleReload(body)
+	case wire.OpMore:
+		return c.handleMore(body)
+	case wire.OpDiscard:
+		return c.handleDiscard(body)
+	case wire.OpNumPages:
+		return c.handleNumPages(body)
+	case wire.OpRemoveRequest:
+		return c.handleRemoveRequest(body)
+	case wire.OpIsOffloaded:
+		return c.handleIsOffloaded(body)
+	case wire.OpLabels:
+		return c.handleLabels(body)
+	case wire.OpUsage:
+		return c.handleUsage(body)
+	case wire.OpFence:
+		return c.handleFence(body)
+	case wire.OpClose:
+		return c.handleClose(body)
+	}
+	return fail(wire.StatusUnknownOp, fmt.Errorf("unknown op %d", uint8(h.Op)))
+}
+
+// prepare does what comes before every session op: it ends a long reply
+// that the op does not continue and drops staged device pages that the op
+// does not take, applies the header's fence, and answers a resent
+// changing request from the session's replay cache. done: r is the answer.
+func (c *conn) prepare(h wire.Header) (r reply, done bool) {
 	e := c.e
-	ps := e.ps
 	if h.Op != wire.OpMore && e.hasMore.Load() {
 		e.setMore(moreReply{})
 	}
@@ -350,145 +386,187 @@ func (c *conn) handle(h wire.Header, body []byte) reply {
 		c.dropStaged()
 	}
 	if h.Fence != 0 {
-		if err := ps.Fence(h.Fence); err != nil {
+		if err := e.ps.Fence(h.Fence); err != nil {
 			c.dropStaged()
-			return errReply(err)
+			return errReply(err), true
 		}
 	}
 	if replayable(h.Op) {
 		if body, ok := e.cached(h.Seq, h.Op); ok {
 			c.dropStaged()
-			return reply{raw: body}
+			return reply{raw: body}, true
 		}
 	}
-	switch h.Op {
-	case wire.OpPages:
-		m := &c.pagesIn
-		if err := wire.DecodeBody(body, m); err != nil {
-			c.dropStaged()
-			return fail(wire.StatusBadRequest, err)
-		}
-		if dev := ps.Spec().DevicePages; len(c.staged)+len(m.GpuPages) > dev {
-			n := len(c.staged) + len(m.GpuPages)
-			c.dropStaged()
-			return errReply(fmt.Errorf("pages: %w: %d device pages named, the device has %d", pool.ErrPageCount, n, dev))
-		}
-		c.staged = append(c.staged, m.GpuPages...)
-		return reply{}
-	case wire.OpOffload:
-		m := &c.offload
-		if err := wire.DecodeBody(body, m); err != nil {
-			c.dropStaged()
-			return fail(wire.StatusBadRequest, err)
-		}
-		if r, ok := c.checkStreams(ps, m.Rid, m.Label); !ok {
-			return r
-		}
-		var err error
-		c.pages, err = ps.Offload(m.Rid, m.Label, c.withStaged(m.GpuPages),
-			pool.Meta{StoredLen: m.StoredLen, Position: m.Position, Released: m.Released}, c.pages[:0])
+	return reply{}, false
+}
+
+// handlePages stages the device pages of a long offload or reload.
+func (c *conn) handlePages(body []byte) reply {
+	m := &c.pagesIn
+	if err := wire.DecodeBody(body, m); err != nil {
 		c.dropStaged()
-		rep := &c.offRep
-		rep.Ok, rep.HostPages, rep.Total = err == nil, c.pages, 0
-		if errors.Is(err, pool.ErrFull) || errors.Is(err, pool.ErrNoPages) {
-			rep.HostPages = rep.HostPages[:0]
-			return reply{body: rep, full: errors.Is(err, pool.ErrFull)}
-		}
-		if err != nil {
-			return errReply(err)
-		}
-		all := rep.HostPages
-		rep.HostPages, rep.Total = c.longPages(wire.OpOffload)
-		return reply{body: rep, pages: len(all), all: all, change: true}
-	case wire.OpReload:
-		m := &c.reload
-		if err := wire.DecodeBody(body, m); err != nil {
-			c.dropStaged()
-			return fail(wire.StatusBadRequest, err)
-		}
-		rl, err := ps.Reload(m.Rid, m.Label, c.withStaged(m.GpuPages), c.pages[:0])
-		c.dropStaged()
-		c.pages = rl.Pages
-		if err != nil {
-			return errReply(err)
-		}
-		rep := &c.relRep
-		rep.StoredLen, rep.Position, rep.Released, rep.Ticket = rl.Meta.StoredLen, rl.Meta.Position, rl.Meta.Released, rl.Ticket
-		rep.HostPages, rep.Total = c.longPages(wire.OpReload)
-		return reply{body: rep, pages: len(rl.Pages), all: rl.Pages, change: true}
-	case wire.OpMore:
-		m := &c.moreIn
-		if err := wire.DecodeBody(body, m); err != nil {
-			return fail(wire.StatusBadRequest, err)
-		}
-		return e.nextPart(m.Offset)
-	case wire.OpDiscard:
-		m := &c.stream
-		if err := wire.DecodeBody(body, m); err != nil {
-			return fail(wire.StatusBadRequest, err)
-		}
-		if err := ps.Discard(m.Rid, m.Label); err != nil {
-			return errReply(err)
-		}
-		return reply{change: true}
-	case wire.OpNumPages:
-		m := &c.stream
-		if err := wire.DecodeBody(body, m); err != nil {
-			return fail(wire.StatusBadRequest, err)
-		}
-		n, err := ps.NumPages(m.Rid, m.Label)
-		if err != nil {
-			return errReply(err)
-		}
-		return reply{body: &wire.NumPagesReply{Pages: uint32(n)}}
-	case wire.OpRemoveRequest, wire.OpIsOffloaded, wire.OpLabels:
-		m := &c.request
-		if err := wire.DecodeBody(body, m); err != nil {
-			return fail(wire.StatusBadRequest, err)
-		}
-		switch h.Op {
-		case wire.OpRemoveRequest:
-			n, err := ps.RemoveRequest(m.Rid)
-			if err != nil {
-				return errReply(err)
-			}
-			return reply{body: &wire.RemoveRequestReply{Removed: uint32(n)}, change: n > 0}
-		case wire.OpIsOffloaded:
-			if ps.Closed() {
-				return errReply(pool.ErrClosed)
-			}
-			return reply{body: &wire.IsOffloadedReply{Offloaded: ps.IsOffloaded(m.Rid)}}
-		default:
-			if ps.Closed() {
-				return errReply(pool.ErrClosed)
-			}
-			labels := ps.Labels(m.Rid)
-			n := labelsFitting(labels)
-			if n == len(labels) {
-				return reply{body: &wire.LabelsReply{Labels: labels}}
-			}
-			e.setMore(moreReply{op: wire.OpLabels, labels: labels})
-			return reply{body: &wire.LabelsReply{Labels: labels[:n], Total: uint32(len(labels))}}
-		}
-	case wire.OpUsage, wire.OpFence, wire.OpClose:
-		if err := wire.DecodeBody(body, nil); err != nil {
-			return fail(wire.StatusBadRequest, err)
-		}
-		if ps.Closed() {
-			return errReply(pool.ErrClosed)
-		}
-		switch h.Op {
-		case wire.OpUsage:
-			u := ps.Usage()
-			return reply{body: &wire.UsageReply{Capacity: uint32(u.Capacity), Used: uint32(u.Used),
-				Pending: uint32(u.Pending), Streams: uint32(u.Streams), Requests: uint32(u.Requests), Free: uint32(u.Free())}}
-		case wire.OpClose:
-			c.closeSession()
-			return reply{change: true}
-		}
-		return reply{}
+		return fail(wire.StatusBadRequest, err)
 	}
-	return fail(wire.StatusUnknownOp, fmt.Errorf("unknown op %d", uint8(h.Op)))
+	if dev := c.e.ps.Spec().DevicePages; len(c.staged)+len(m.GpuPages) > dev {
+		n := len(c.staged) + len(m.GpuPages)
+		c.dropStaged()
+		return errReply(fmt.Errorf("pages: %w: %d device pages named, the device has %d", poolerr.ErrPageCount, n, dev))
+	}
+	c.staged = append(c.staged, m.GpuPages...)
+	return reply{}
+}
+
+// handleOffload takes host pages for a stream; a full pool (or no pages)
+// is the reply ok=false, not an error.
+func (c *conn) handleOffload(body []byte) reply {
+	ps := c.e.ps
+	m := &c.offload
+	if err := wire.DecodeBody(body, m); err != nil {
+		c.dropStaged()
+		return fail(wire.StatusBadRequest, err)
+	}
+	if r, ok := c.checkStreams(ps, m.Rid, m.Label); !ok {
+		return r
+	}
+	var err error
+	c.pages, err = ps.Offload(m.Rid, m.Label, c.withStaged(m.GpuPages),
+		pool.Meta{StoredLen: m.StoredLen, Position: m.Position, Released: m.Released}, c.pages[:0])
+	c.dropStaged()
+	rep := &c.offRep
+	rep.Ok, rep.HostPages, rep.Total = err == nil, c.pages, 0
+	if errors.Is(err, poolerr.ErrFull) || errors.Is(err, poolerr.ErrNoPages) {
+		rep.HostPages = rep.HostPages[:0]
+		return reply{body: rep, full: errors.Is(err, poolerr.ErrFull)}
+	}
+	if err != nil {
+		return errReply(err)
+	}
+	all := rep.HostPages
+	rep.HostPages, rep.Total = c.longPages(wire.OpOffload)
+	return reply{body: rep, pages: len(all), all: all, change: true}
+}
+
+// handleReload gives a stream's host pages back, with its metadata and
+// the ticket to fence once the copy has read them.
+func (c *conn) handleReload(body []byte) reply {
+	m := &c.reload
+	if err := wire.DecodeBody(body, m); err != nil {
+		c.dropStaged()
+		return fail(wire.StatusBadRequest, err)
+	}
+	rl, err := c.e.ps.Reload(m.Rid, m.Label, c.withStaged(m.GpuPages), c.pages[:0])
+	c.dropStaged()
+	c.pages = rl.Pages
+	if err != nil {
+		return errReply(err)
+	}
+	rep := &c.relRep
+	rep.StoredLen, rep.Position, rep.Released, rep.Ticket = rl.Meta.StoredLen, rl.Meta.Position, rl.Meta.Released, rl.Ticket
+	rep.HostPages, rep.Total = c.longPages(wire.OpReload)
+	return reply{body: rep, pages: len(rl.Pages), all: rl.Pages, change: true}
+}
+
+// handleMore continues the session's last long reply.
+func (c *conn) handleMore(body []byte) reply {
+	m := &c.moreIn
+	if err := wire.DecodeBody(body, m); err != nil {
+		return fail(wire.StatusBadRequest, err)
+	}
+	return c.e.nextPart(m.Offset)
+}
+
+func (c *conn) handleDiscard(body []byte) reply {
+	m := &c.stream
+	if err := wire.DecodeBody(body, m); err != nil {
+		return fail(wire.StatusBadRequest, err)
+	}
+	if err := c.e.ps.Discard(m.Rid, m.Label); err != nil {
+		return errReply(err)
+	}
+	return reply{change: true}
+}
+
+func (c *conn) handleNumPages(body []byte) reply {
+	m := &c.stream
+	if err := wire.DecodeBody(body, m); err != nil {
+		return fail(wire.StatusBadRequest, err)
+	}
+	n, err := c.e.ps.NumPages(m.Rid, m.Label)
+	if err != nil {
+		return errReply(err)
+	}
+	return reply{body: &wire.NumPagesReply{Pages: uint32(n)}}
+}
+
+func (c *conn) handleRemoveRequest(body []byte) reply {
+	m := &c.request
+	if err := wire.DecodeBody(body, m); err != nil {
+		return fail(wire.StatusBadRequest, err)
+	}
+	n, err := c.e.ps.RemoveRequest(m.Rid)
+	if err != nil {
+		return errReply(err)
+	}
+	return reply{body: &wire.RemoveRequestReply{Removed: uint32(n)}, change: n > 0}
+}
+
+func (c *conn) handleIsOffloaded(body []byte) reply {
+	m := &c.request
+	if r, ok := c.decodeOpen(body, m); !ok {
+		return r
+	}
+	return reply{body: &wire.IsOffloadedReply{Offloaded: c.e.ps.IsOffloaded(m.Rid)}}
+}
+
+// handleLabels lists a request's labels, the first part of a long list.
+func (c *conn) handleLabels(body []byte) reply {
+	m := &c.request
+	if r, ok := c.decodeOpen(body, m); !ok {
+		return r
+	}
+	labels := c.e.ps.Labels(m.Rid)
+	n := labelsFitting(labels)
+	if n == len(labels) {
+		return reply{body: &wire.LabelsReply{Labels: labels}}
+	}
+	c.e.setMore(moreReply{op: wire.OpLabels, labels: labels})
+	return reply{body: &wire.LabelsReply{Labels: labels[:n], Total: uint32(len(labels))}}
+}
+
+func (c *conn) handleUsage(body []byte) reply {
+	if r, ok := c.decodeOpen(body, nil); !ok {
+		return r
+	}
+	u := c.e.ps.Usage()
+	return reply{body: &wire.UsageReply{Capacity: uint32(u.Capacity), Used: uint32(u.Used),
+		Pending: uint32(u.Pending), Streams: uint32(u.Streams), Requests: uint32(u.Requests), Free: uint32(u.Free())}}
+}
+
+// handleFence has nothing to do: prepare applied the header's fence.
+func (c *conn) handleFence(body []byte) reply {
+	r, _ := c.decodeOpen(body, nil)
+	return r
+}
+
+func (c *conn) handleClose(body []byte) reply {
+	if r, ok := c.decodeOpen(body, nil); !ok {
+		return r
+	}
+	c.closeSession()
+	return reply{change: true}
+}
+
+// decodeOpen decodes a request body into m (nil: the body must be empty)
+// for an op that reads the session without the pool refusing a closed one
+// itself. ok false: r is the answer.
+func (c *conn) decodeOpen(body []byte, m proto.Message) (r reply, ok bool) {
+	if err := wire.DecodeBody(body, m); err != nil {
+		return fail(wire.StatusBadRequest, err), false
+	}
+	if c.e.ps.Closed() {
+		return errReply(poolerr.ErrClosed), false
+	}
+	return reply{}, true
 }
 
 // withStaged returns the device pages of an offload or reload: those of
@@ -610,27 +688,22 @@ func (c *conn) handleOpen(body []byte) reply {
 	if !ok {
 		return fail(wire.StatusUnknownGPU, fmt.Errorf("open: GPU %s is not one of this node's %d GPUs in the agent's plan", m.GpuUuid, len(c.s.o.GPUs)))
 	}
-	lay, err := parseLayout(&m)
+	spec, err := openSpec(gpu, &m)
 	if err != nil {
 		return fail(wire.StatusBadSize, fmt.Errorf("open: layout: %w", err))
 	}
-	if r, ok := c.checkLayout(lay); !ok {
+	if r, ok := c.checkLayout(spec); !ok {
 		return r
 	}
-	var alloc string
-	if c.s.o.AuthorizePeer != nil {
-		alloc, err = c.s.o.AuthorizePeer(m.Token, c.peer)
-	} else {
-		alloc, err = c.s.o.Authorize(m.Token)
-	}
-	if errors.Is(err, pool.ErrNotReady) {
+	alloc, err := c.s.o.Authorize(m.Token, c.peer)
+	if errors.Is(err, poolerr.ErrNotReady) {
 		return fail(wire.StatusUnavailable, fmt.Errorf("open: %w", err))
 	}
 	if err != nil {
 		c.unauthorized(err)
 		return fail(wire.StatusUnauthorized, fmt.Errorf("open: token: %w", err))
 	}
-	e, ev, r := c.s.attach(c, key{alloc: alloc, gpu: gpu}, m.GpuUuid, instanceString(m.InstanceId), lay)
+	e, ev, r := c.s.attach(c, key{alloc: alloc, gpu: gpu}, m.GpuUuid, instanceString(m.InstanceId), spec, len(m.Regions))
 	if e == nil {
 		return r
 	}
@@ -638,7 +711,7 @@ func (c *conn) handleOpen(body []byte) reply {
 	// Build the reply outside the server lock: chunk lookups may be slow.
 	chunks := e.ps.Chunks()
 	rep := &wire.OpenReply{
-		Session: e.id, Resumed: ev == SessionResumed, PageSize: uint64(lay.pageSize),
+		Session: e.id, Resumed: ev == SessionResumed, PageSize: uint64(spec.PageSize),
 		PagesPerChunk: uint32(e.ps.PagesPerChunk()), Capacity: uint32(e.ps.Capacity()),
 	}
 	fds := make([]int, 0, len(chunks))
@@ -658,9 +731,9 @@ func (c *conn) handleOpen(body []byte) reply {
 	return reply{body: rep, fds: fds}
 }
 
-// attach finds or creates the session of k for instance inst and makes c its
-// connection.
-func (s *Server) attach(c *conn, k key, uuid, inst string, lay layout) (*entry, SessionEvent, reply) {
+// attach finds or creates the session of k for instance inst, of geometry
+// spec from a layout of that many regions, and makes c its connection.
+func (s *Server) attach(c *conn, k key, uuid, inst string, spec pool.Spec, regions int) (*entry, SessionEvent, reply) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	e := s.sessions[k]
@@ -677,7 +750,7 @@ func (s *Server) attach(c *conn, k key, uuid, inst string, lay layout) (*entry, 
 			s.refused(RefusedNotOwner, c.peer, "resume refused: instance ID of another process", "session", e.id, "owner", e.peer.PID)
 		}
 		if e.instance == inst && owner {
-			if e.layout != lay {
+			if e.ps.Spec() != spec || e.regions != regions {
 				return nil, "", fail(wire.StatusBadSize, fmt.Errorf("open: resuming session %d with a different layout", e.id))
 			}
 			if old := e.conn; old != nil && old != c {
@@ -701,7 +774,7 @@ func (s *Server) attach(c *conn, k key, uuid, inst string, lay layout) (*entry, 
 		}
 		return nil, "", r
 	}
-	ps, err := s.o.Pool.Open(k.alloc, pool.Spec{GPU: k.gpu, PageSize: lay.pageSize, DevicePages: lay.devicePages, MaxPages: lay.maxPages})
+	ps, err := s.o.Pool.Open(k.alloc, spec)
 	if replaced != nil {
 		// Hooks run under s.mu here; they must not block (documented).
 		s.hookSessionLocked(SessionReplaced, *replaced)
@@ -711,15 +784,11 @@ func (s *Server) attach(c *conn, k key, uuid, inst string, lay layout) (*entry, 
 		r.err = fmt.Errorf("open: %w", err)
 		return nil, "", r
 	}
-	e = &entry{id: ps.ID(), key: k, uuid: uuid, instance: inst, short: shortID(inst), ps: ps, layout: lay, opened: time.Now(), conn: c, peer: c.peer}
+	e = &entry{id: ps.ID(), key: k, uuid: uuid, instance: inst, short: shortID(inst), ps: ps, regions: regions, opened: time.Now(), conn: c, peer: c.peer}
 	if j := s.o.Journal; j != nil {
-		info := &OpenInfo{Allocation: k.alloc, Instance: inst, UUID: uuid, Peer: c.peer, Layout: lay.export(), Image: pool.SessionImage{
-			ID: ps.ID(), Allocation: k.alloc, Spec: ps.Spec(), PPC: ps.PagesPerChunk(), Capacity: ps.Capacity()}}
+		info := &OpenInfo{Allocation: k.alloc, Instance: inst, UUID: uuid, Peer: c.peer, Regions: regions, Image: ps.Image()}
 		if replaced != nil {
 			info.Replaces = replaced.ID
-		}
-		for _, ch := range ps.Chunks() {
-			info.Image.Chunks = append(info.Image.Chunks, ch.ID)
 		}
 		if err := j.Session(SessionOp{Session: ps.ID(), Op: wire.OpOpen, Open: info}); err != nil {
 			s.o.Pool.Close(ps)
@@ -758,46 +827,12 @@ func (c *conn) closeSession() {
 	s.hookSession(SessionClosed, info)
 }
 
-// errReply maps a pool error to its status.
+// errReply maps a pool error to its status (wire.StatusOf), with the
+// ticket to fence for a refusal until a fence.
 func errReply(err error) reply {
-	var pe *pool.PendingError
-	if errors.As(err, &pe) {
-		return reply{st: wire.StatusPending, err: err, ticket: pe.Ticket}
+	r := reply{st: wire.StatusOf(err), err: err}
+	if pe := (*pool.PendingError)(nil); errors.As(err, &pe) {
+		r.ticket = pe.Ticket
 	}
-	return reply{st: StatusOf(err), err: err}
-}
-
-// StatusOf is the status a client gets for err, a pool error: the status of
-// the same meaning (statusMap), StatusPending for a refusal until a fence,
-// else StatusInternal. Kinds of pool errors (metrics, the error ring) are
-// the kinds of these statuses (wire.Status.Kind).
-func StatusOf(err error) wire.Status {
-	for _, m := range statusMap {
-		if errors.Is(err, m.err) {
-			return m.st
-		}
-	}
-	if errors.Is(err, pool.ErrPending) {
-		return wire.StatusPending
-	}
-	return wire.StatusInternal
-}
-
-var statusMap = []struct {
-	err error
-	st  wire.Status
-}{
-	{pool.ErrUnknownStream, wire.StatusUnknownStream},
-	{pool.ErrDuplicateStream, wire.StatusDuplicateStream},
-	{pool.ErrPageCount, wire.StatusPageCount},
-	{pool.ErrOutOfRange, wire.StatusOutOfRange},
-	{pool.ErrDuplicateIndex, wire.StatusDuplicateIndex},
-	{pool.ErrBadName, wire.StatusBadName},
-	{pool.ErrBadSize, wire.StatusBadSize},
-	{pool.ErrBadFence, wire.StatusBadFence},
-	{pool.ErrClosed, wire.StatusClosed},
-	{pool.ErrNoCapacity, wire.StatusNoCapacity},
-	{pool.ErrNoGPUChunks, wire.StatusNoGPUChunks},
-	{pool.ErrUnknownAllocation, wire.StatusUnauthorized},
-	{pool.ErrNotReady, wire.StatusUnavailable},
+	return r
 }

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/unixsock"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
 
@@ -44,27 +45,11 @@ type SessionOp struct {
 type OpenInfo struct {
 	Replaces   uint64 // the session of another instance it replaced (0: none)
 	Allocation string
-	Instance   string // hex
-	UUID       string // the GPU's, as the client named it
-	Peer       Peer   // the client process that opened it (resumes need the same)
-	Layout     Layout
+	Instance   string            // hex
+	UUID       string            // the GPU's, as the client named it
+	Peer       unixsock.Peer     // the client process that opened it (resumes need the same)
+	Regions    int               // of the layout it was opened with; its geometry is Image.Spec
 	Image      pool.SessionImage // as opened: no streams
-}
-
-// Layout is a session's geometry as the client asked for it.
-type Layout struct {
-	PageSize    int64
-	DevicePages int
-	MaxPages    int
-	Regions     int
-}
-
-func (l layout) export() Layout {
-	return Layout{PageSize: l.pageSize, DevicePages: l.devicePages, MaxPages: l.maxPages, Regions: l.regions}
-}
-
-func (l Layout) internal() layout {
-	return layout{pageSize: l.PageSize, devicePages: l.DevicePages, maxPages: l.MaxPages, regions: l.Regions}
 }
 
 // LastReply is the answer to a session's last changing request.
@@ -83,8 +68,8 @@ type RestoredSession struct {
 	Session  *pool.Session // restored by pool.Restore
 	Instance string
 	UUID     string
-	Peer     Peer
-	Layout   Layout
+	Peer     unixsock.Peer
+	Regions  int // of the layout it was opened with; its geometry is Session.Spec()
 	Last     LastReply
 }
 
@@ -109,7 +94,7 @@ func (s *Server) Restore(rs []RestoredSession) error {
 			return fmt.Errorf("server: restore: two sessions for allocation %s GPU %d", k.alloc, k.gpu)
 		}
 		e := &entry{id: ps.ID(), key: k, uuid: r.UUID, instance: r.Instance, short: shortID(r.Instance), ps: ps,
-			layout: r.Layout.internal(), peer: r.Peer, opened: time.Now(), lastSeen: time.Now()}
+			regions: r.Regions, peer: r.Peer, opened: time.Now(), lastSeen: time.Now()}
 		e.last.LastReply = r.Last
 		s.sessions[k] = e
 	}

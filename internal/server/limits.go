@@ -8,10 +8,10 @@ import (
 	"log/slog"
 	"net"
 	"strings"
-	"syscall"
 	"time"
 
 	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/unixsock"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
 
@@ -125,7 +125,7 @@ var RefusalReasons = []string{RefusedConns, RefusedConnsPerUID, RefusedConnsPerP
 	RefusedAcceptTemporary}
 
 // refused counts a refusal and logs it, rate-limited per reason.
-func (s *Server) refused(reason string, peer Peer, msg string, args ...any) {
+func (s *Server) refused(reason string, peer unixsock.Peer, msg string, args ...any) {
 	if h := s.o.Hooks.Refused; h != nil {
 		h(reason)
 	}
@@ -140,12 +140,12 @@ type connCounts struct {
 	pid           map[int32]int
 }
 
-func (s *Server) isProbe(p Peer) bool { return s.o.ProbePID > 0 && int(p.PID) == s.o.ProbePID }
+func (s *Server) isProbe(p unixsock.Peer) bool { return s.o.ProbePID > 0 && int(p.PID) == s.o.ProbePID }
 
 // admitLocked decides whether a connection from peer may be served. It
 // returns the refusal reason and message, or "" when admitted (and then
 // counts the connection).
-func (s *Server) admitLocked(p Peer) (string, string) {
+func (s *Server) admitLocked(p unixsock.Peer) (string, string) {
 	n, l := &s.counts, &s.lim
 	if s.isProbe(p) {
 		if n.probes >= l.ProbeConns {
@@ -171,7 +171,7 @@ func (s *Server) admitLocked(p Peer) (string, string) {
 }
 
 // releaseLocked undoes admitLocked when a connection ends.
-func (s *Server) releaseLocked(p Peer) {
+func (s *Server) releaseLocked(p unixsock.Peer) {
 	n := &s.counts
 	if s.isProbe(p) {
 		n.probes--
@@ -266,11 +266,11 @@ func (c *conn) checkClientName(name string) (reply, bool) {
 	return reply{}, true
 }
 
-// checkLayout bounds an Open's layout beyond parseLayout's own checks.
-func (c *conn) checkLayout(lay layout) (reply, bool) {
-	if limit := c.s.lim.MaxDevicePages; lay.devicePages > limit {
-		c.s.refused(RefusedDevicePages, c.peer, "open refused: too many device pages", "pages", lay.devicePages)
-		return fail(wire.StatusLimit, fmt.Errorf("open: layout of %d device pages, at most %d (limits.maxDevicePages)", lay.devicePages, limit)), false
+// checkLayout bounds an Open's layout beyond openSpec's own checks.
+func (c *conn) checkLayout(spec pool.Spec) (reply, bool) {
+	if limit := c.s.lim.MaxDevicePages; spec.DevicePages > limit {
+		c.s.refused(RefusedDevicePages, c.peer, "open refused: too many device pages", "pages", spec.DevicePages)
+		return fail(wire.StatusLimit, fmt.Errorf("open: layout of %d device pages, at most %d (limits.maxDevicePages)", spec.DevicePages, limit)), false
 	}
 	return reply{}, true
 }
@@ -320,19 +320,7 @@ func (s *Server) checkSessionsLocked(c *conn, k key) (reply, bool) {
 // can tell: same UID and same PID. Peers whose PID the agent cannot see
 // (PID 0, another PID namespace) match on UID alone; the instance ID, a
 // 128-bit secret of the process, then stands between them.
-func sameProcess(a, b Peer) bool { return a.UID == b.UID && a.PID == b.PID }
-
-// temporaryAccept reports whether an accept error is one to retry: out of
-// file descriptors or memory, or a connection aborted before it was taken.
-func temporaryAccept(err error) bool {
-	for _, e := range []syscall.Errno{syscall.EMFILE, syscall.ENFILE, syscall.ENOBUFS, syscall.ENOMEM,
-		syscall.ECONNABORTED, syscall.EINTR, syscall.EAGAIN, syscall.EPROTO, syscall.EPERM} {
-		if errors.Is(err, e) {
-			return true
-		}
-	}
-	return false
-}
+func sameProcess(a, b unixsock.Peer) bool { return a.UID == b.UID && a.PID == b.PID }
 
 // shortID is how logs and listings name a client instance (given in hex):
 // the first 8 hex digits of the SHA-256 of that hex text, enough to tell

@@ -11,6 +11,7 @@ import (
 	"github.com/kvpool/kvpool/internal/server"
 	"github.com/kvpool/kvpool/pkg/observe"
 	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/poolerr"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
 
@@ -51,7 +52,7 @@ func TestRequestErrorReachesRingAndMetrics(t *testing.T) {
 	var m *metrics.Metrics
 	a := startServerWith(t, func(o *server.Options) {
 		o.SweepInterval = time.Hour
-		m = metrics.New(o.Pool, metrics.Options{NoRuntime: true})
+		m = metrics.New(o.Pool.(*pool.Pool), metrics.Options{NoRuntime: true})
 		o.Hooks.Request = server.ObserveRequests(observe.Multi(m, ring))
 	})
 	r := dial(t, a)
@@ -120,10 +121,10 @@ func TestEveryStatusOneKind(t *testing.T) {
 			t.Errorf("status %s: kvpool_errors_total{kind=%q} = %v, want 1", st, st.Kind(), n)
 		}
 	}
-	for _, perr := range []error{pool.ErrUnknownStream, pool.ErrDuplicateStream, pool.ErrPageCount, pool.ErrOutOfRange,
-		pool.ErrDuplicateIndex, pool.ErrBadName, pool.ErrBadSize, pool.ErrBadFence, pool.ErrClosed, pool.ErrNoCapacity,
-		pool.ErrNoGPUChunks, pool.ErrUnknownAllocation, pool.ErrNotReady, pool.ErrPending} {
-		st := server.StatusOf(perr)
+	for _, perr := range []error{poolerr.ErrUnknownStream, poolerr.ErrDuplicateStream, poolerr.ErrPageCount, poolerr.ErrOutOfRange,
+		poolerr.ErrDuplicateIndex, poolerr.ErrBadName, poolerr.ErrBadSize, poolerr.ErrBadFence, poolerr.ErrClosed, poolerr.ErrNoCapacity,
+		poolerr.ErrNoGPUChunks, poolerr.ErrUnknownAllocation, poolerr.ErrNotReady, poolerr.ErrPending} {
+		st := wire.StatusOf(perr)
 		if st == wire.StatusInternal || report.Kind(perr) != st.Kind() {
 			t.Errorf("%v: status %s, kind %q", perr, st, report.Kind(perr))
 		}

@@ -18,6 +18,8 @@ import (
 	"github.com/kvpool/kvpool/internal/server"
 	"github.com/kvpool/kvpool/pkg/contract"
 	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/poolerr"
+	"github.com/kvpool/kvpool/pkg/unixsock"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
 
@@ -42,12 +44,12 @@ func journaled(t testing.TB, p *pool.Pool, chunks map[string]*hostmem.Chunk, j s
 	a := &agent{pool: p, chunks: chunks}
 	srv, err := server.New(server.Options{Pool: p, Logger: quiet, Journal: j, GPUs: testGPUs,
 		Chunks: func(id string) (*hostmem.Chunk, bool) { c, ok := chunks[id]; return c, ok },
-		Authorize: func(tok string) (string, error) {
+		Authorize: func(tok string, _ unixsock.Peer) (string, error) {
 			switch tok {
 			case "tok-a":
 				return "A", nil
 			case "tok-wait":
-				return "", fmt.Errorf("%w: chunks still coming", pool.ErrNotReady)
+				return "", fmt.Errorf("%w: chunks still coming", poolerr.ErrNotReady)
 			}
 			return "", contract.ErrUnknownToken
 		}})

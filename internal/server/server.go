@@ -29,34 +29,44 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
-	"os"
-	"path/filepath"
 	"sort"
 	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/kvpool/kvpool/internal/hostmem"
 	"github.com/kvpool/kvpool/pkg/contract"
 	"github.com/kvpool/kvpool/pkg/observe"
 	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/poolerr"
+	"github.com/kvpool/kvpool/pkg/unixsock"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
 
 // ChunkSource returns the memory of a chunk the pool knows by ID.
 type ChunkSource func(id string) (*hostmem.Chunk, bool)
 
-// Authorizer maps an allocation token (KVPOOL_TOKEN) to the allocation it
-// names. It returns an error for unknown or revoked tokens; one that wraps
-// contract.ErrUnknownToken is answered "unauthorized".
-type Authorizer func(token string) (allocation string, err error)
+// Pool is the part of *pool.Pool the server uses: it opens sessions and
+// closes them; everything else is the pool session's.
+type Pool interface {
+	Open(alloc string, spec pool.Spec) (*pool.Session, error)
+	Close(s *pool.Session)
+}
 
-// StaticTokens is an Authorizer over a fixed map of token -> allocation.
+var _ Pool = (*pool.Pool)(nil)
+
+// Authorizer maps an allocation token (KVPOOL_TOKEN), presented by the
+// client process peer (its credentials, for binding tokens to pods), to
+// the allocation it names. It returns an error for unknown or revoked
+// tokens, answered "unauthorized", and one wrapping poolerr.ErrNotReady
+// while the allocation cannot be known yet, answered "unavailable, retry".
+type Authorizer func(token string, peer unixsock.Peer) (allocation string, err error)
+
+// StaticTokens is an Authorizer over a fixed map of token -> allocation,
+// from any process.
 func StaticTokens(m map[string]string) Authorizer {
-	return func(token string) (string, error) {
+	return func(token string, _ unixsock.Peer) (string, error) {
 		if a, ok := m[token]; ok {
 			return a, nil
 		}
@@ -95,7 +105,7 @@ type Request struct {
 
 // RequestError is a request the server refused, as the client got it:
 // Message is the Error body's message. It unwraps to the error behind the
-// status (a pool error, or nil), so errors.Is(err, pool.ErrPending) holds
+// status (a pool error, or nil), so errors.Is(err, poolerr.ErrPending) holds
 // for a pending offload.
 type RequestError struct {
 	Op         wire.Op
@@ -116,7 +126,7 @@ func (e *RequestError) Unwrap() error { return e.Err }
 
 // ObserveRequests returns a Hooks.Request that reports each request to obs
 // as an observe.Op: name, GPU, session, allocation, time, pages, bytes, and
-// the error the client got (pool.ErrFull for an offload refused because
+// the error the client got (poolerr.ErrFull for an offload refused because
 // the pool is full, which is flow control, not an error).
 func ObserveRequests(obs observe.Observer) func(Request) {
 	return func(r Request) {
@@ -126,7 +136,7 @@ func ObserveRequests(obs observe.Observer) func(Request) {
 			o.Session = strconv.FormatUint(r.Session, 10) // for the error ring only: no allocation per success
 		}
 		if r.Full && r.Err == nil {
-			o.Err = pool.ErrFull
+			o.Err = poolerr.ErrFull
 		}
 		obs.Op(o)
 	}
@@ -146,15 +156,12 @@ const (
 
 // Options configure a Server.
 type Options struct {
-	Pool      *pool.Pool
+	Pool      Pool // a *pool.Pool
 	Chunks    ChunkSource
 	Authorize Authorizer
-	// AuthorizePeer, when set, is used instead of Authorize and also gets
-	// the client's credentials (the agent binds tokens to pods with it).
-	AuthorizePeer func(token string, peer Peer) (allocation string, err error)
-	Logger        *slog.Logger // default slog.Default()
-	Hooks         Hooks
-	Name          string // sent in HelloReply; default "kvpool-agent"
+	Logger    *slog.Logger // default slog.Default()
+	Hooks     Hooks
+	Name      string // sent in HelloReply; default "kvpool-agent"
 	// GPUs maps each GPU of the node's plan, by UUID ("GPU-..."), to its
 	// host index (NVML's), which is how the pool keys chunks. An Open
 	// naming a UUID not in it gets StatusUnknownGPU.
@@ -209,10 +216,10 @@ type entry struct {
 	instance string // the whole ID, compared on resume; never logged
 	short    string // ShortID(instance)
 	ps       *pool.Session
-	layout   layout
+	regions  int // of the layout it was opened with, compared on resume with the pool session's Spec
 	opened   time.Time
 	conn     *conn // nil while disconnected; guarded by Server.mu
-	peer     Peer
+	peer     unixsock.Peer
 	lastSeen time.Time
 	uuid     string
 
@@ -236,13 +243,6 @@ type moreReply struct {
 	labels []string
 }
 
-// Peer is the credentials of a connected client (SO_PEERCRED).
-type Peer struct {
-	PID int32
-	UID uint32
-	GID uint32
-}
-
 // SessionInfo describes a session for listings and hooks.
 type SessionInfo struct {
 	ID         uint64
@@ -251,7 +251,7 @@ type SessionInfo struct {
 	GPUUUID    string // as the client named it
 	Instance   string // ShortID of the instance: never the whole ID
 	Connected  bool
-	Peer       Peer // of the current or last connection
+	Peer       unixsock.Peer // of the current or last connection
 	PageSize   int64
 	Opened     time.Time
 	LastSeen   time.Time // last disconnect; zero while connected
@@ -281,33 +281,15 @@ func New(o Options) (*Server, error) {
 	return s, nil
 }
 
-// Listen creates the socket at path with a unixpacket listener: its
-// directory is created when missing and a stale socket file left by an
-// earlier agent is replaced. The socket is made world-writable: the
-// allocation token, not file permissions, authorizes a client.
+// Listen creates the socket at path with a unixpacket listener
+// (unixsock.Listen): its directory is created when missing and a stale
+// socket file left by an earlier agent is replaced; a live one is refused.
+// The socket is made world-writable: the allocation token, not file
+// permissions, authorizes a client.
 func Listen(path string) (*net.UnixListener, error) {
-	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
-		return nil, fmt.Errorf("server: socket directory: %w", err)
-	}
-	if fi, err := os.Lstat(path); err == nil {
-		if fi.Mode()&os.ModeSocket == 0 {
-			return nil, fmt.Errorf("server: %s exists and is not a socket", path)
-		}
-		if c, err := net.Dial(wire.Network, path); err == nil {
-			c.Close()
-			return nil, fmt.Errorf("server: another agent is serving on %s", path)
-		}
-		if err := os.Remove(path); err != nil {
-			return nil, fmt.Errorf("server: remove stale socket: %w", err)
-		}
-	}
-	l, err := net.ListenUnix(wire.Network, &net.UnixAddr{Name: path, Net: wire.Network})
+	l, err := unixsock.Listen(path, 0o666)
 	if err != nil {
-		return nil, fmt.Errorf("server: listen on %s: %w", path, err)
-	}
-	if err := os.Chmod(path, 0o666); err != nil {
-		l.Close()
-		return nil, fmt.Errorf("server: chmod socket: %w", err)
+		return nil, fmt.Errorf("server: %w", err)
 	}
 	return l, nil
 }
@@ -321,55 +303,31 @@ func Listen(path string) (*net.UnixListener, error) {
 // 5 ms doubling to 1 s; any other ends Serve with that error, logged, for
 // the caller to exit on.
 func (s *Server) Serve(ctx context.Context, l *net.UnixListener) error {
-	stop := context.AfterFunc(ctx, func() { l.Close() })
-	defer stop()
 	sweepCtx, endSweep := context.WithCancel(ctx)
 	s.wg.Go(func() { s.sweepLoop(sweepCtx) })
-	var err error
-	var backoff time.Duration
-	for {
-		uc, aerr := l.AcceptUnix()
-		if aerr != nil {
-			if ctx.Err() != nil {
-				break
+	err := unixsock.Acceptor{
+		// Admission runs in the accept loop, not in the connection's
+		// goroutine: a burst of connections beyond the bounds is closed
+		// as fast as it is accepted and piles up neither fds nor
+		// goroutines.
+		Admit: s.admit,
+		Retry: func(err error, wait time.Duration) {
+			s.refused(RefusedAcceptTemporary, unixsock.Peer{}, "accept failed; retrying", "err", err, "retryIn", wait)
+		},
+		Stop: func() {
+			s.mu.Lock()
+			s.closing = true
+			for c := range s.conns {
+				c.wc.Close()
 			}
-			if temporaryAccept(aerr) {
-				backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
-				s.refused(RefusedAcceptTemporary, Peer{}, "accept failed; retrying", "err", aerr, "retryIn", backoff)
-				t := time.NewTimer(backoff)
-				select {
-				case <-t.C:
-				case <-ctx.Done():
-					t.Stop()
-				}
-				continue
-			}
-			err = fmt.Errorf("server: accept: %w", aerr)
-			s.log.Error("socket server stopped", "err", err)
-			break
-		}
-		backoff = 0
-		// Admission runs here, not in the connection's goroutine: a burst
-		// of connections beyond the bounds is closed as fast as it is
-		// accepted and piles up neither fds nor goroutines.
-		run := s.admit(uc)
-		if run == nil {
-			continue
-		}
-		s.wg.Add(1)
-		go func() {
-			defer s.wg.Done()
-			run()
-		}()
+			s.mu.Unlock()
+		},
+	}.Serve(ctx, l)
+	if err != nil {
+		err = fmt.Errorf("server: %w", err)
+		s.log.Error("socket server stopped", "err", err)
 	}
 	endSweep()
-	l.Close()
-	s.mu.Lock()
-	s.closing = true
-	for c := range s.conns {
-		c.wc.Close()
-	}
-	s.mu.Unlock()
 	s.wg.Wait()
 	s.mu.Lock()
 	s.closing = false
@@ -395,7 +353,7 @@ func (s *Server) ServeConn(uc *net.UnixConn) {
 // it has closed it already: the server is closing, or maxRefusers
 // connections are being refused at once.
 func (s *Server) admit(uc *net.UnixConn) func() {
-	peer, err := peerCred(uc)
+	peer, err := unixsock.PeerOf(uc)
 	if err != nil {
 		s.rlog.Log(slog.LevelWarn, "peercred", "peer credentials unavailable", "err", err)
 	}
@@ -483,7 +441,7 @@ func (s *Server) Sessions() []SessionInfo {
 func (e *entry) infoLocked() SessionInfo {
 	return SessionInfo{
 		ID: e.id, Allocation: e.key.alloc, GPU: e.key.gpu, GPUUUID: e.uuid, Instance: e.short,
-		Connected: e.conn != nil, Peer: e.peer, PageSize: e.layout.pageSize,
+		Connected: e.conn != nil, Peer: e.peer, PageSize: e.ps.Spec().PageSize,
 		Opened: e.opened, LastSeen: e.lastSeen, Usage: e.ps.Usage(),
 	}
 }
@@ -494,25 +452,6 @@ func (s *Server) hookSession(ev SessionEvent, info SessionInfo) {
 	if s.o.Hooks.Session != nil {
 		s.o.Hooks.Session(ev, info)
 	}
-}
-
-// peerCred reads SO_PEERCRED of a connection.
-func peerCred(uc *net.UnixConn) (Peer, error) {
-	rc, err := uc.SyscallConn()
-	if err != nil {
-		return Peer{}, err
-	}
-	var cred *unix.Ucred
-	var gerr error
-	if err := rc.Control(func(fd uintptr) {
-		cred, gerr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
-	}); err != nil {
-		return Peer{}, err
-	}
-	if gerr != nil {
-		return Peer{}, gerr
-	}
-	return Peer{PID: cred.Pid, UID: cred.Uid, GID: cred.Gid}, nil
 }
 
 var connIDs atomic.Uint64

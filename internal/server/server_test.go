@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -18,6 +19,7 @@ import (
 	"github.com/kvpool/kvpool/internal/hostmem"
 	"github.com/kvpool/kvpool/internal/server"
 	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/unixsock"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
 
@@ -547,5 +549,61 @@ func TestPollAfterReply(t *testing.T) {
 		if st, msg := r.do(wire.OpUsage, 0, nil, &u); st != 0 || u.Capacity == 0 {
 			t.Fatalf("usage %d: %v %q %+v", i, st, msg, &u)
 		}
+	}
+}
+
+// countingPool is a server.Pool over a *pool.Pool that counts the calls
+// the server makes.
+type countingPool struct {
+	*pool.Pool
+	mu            sync.Mutex
+	opens, closes int
+}
+
+func (p *countingPool) Open(alloc string, spec pool.Spec) (*pool.Session, error) {
+	p.mu.Lock()
+	p.opens++
+	p.mu.Unlock()
+	return p.Pool.Open(alloc, spec)
+}
+
+func (p *countingPool) Close(s *pool.Session) {
+	p.mu.Lock()
+	p.closes++
+	p.mu.Unlock()
+	p.Pool.Close(s)
+}
+
+// The server reaches the pool through its Pool seam alone (Open, Close),
+// and gives the one Authorizer the token with the peer's credentials.
+func TestPoolAndAuthorizeSeams(t *testing.T) {
+	var cp *countingPool
+	var mu sync.Mutex
+	var peers []unixsock.Peer
+	a := startServerWith(t, func(o *server.Options) {
+		cp = &countingPool{Pool: o.Pool.(*pool.Pool)}
+		o.Pool = cp
+		next := o.Authorize
+		o.Authorize = func(token string, peer unixsock.Peer) (string, error) {
+			mu.Lock()
+			peers = append(peers, peer)
+			mu.Unlock()
+			return next(token, peer)
+		}
+	})
+	r := dial(t, a)
+	r.open(0, "instance-seam")
+	if st, msg := r.do(wire.OpClose, 0, nil, nil); st != wire.StatusOK {
+		t.Fatalf("close: %s %s", st, msg)
+	}
+	cp.mu.Lock()
+	if cp.opens != 1 || cp.closes != 1 {
+		t.Errorf("pool saw %d opens and %d closes, want 1 and 1", cp.opens, cp.closes)
+	}
+	cp.mu.Unlock()
+	mu.Lock()
+	defer mu.Unlock()
+	if len(peers) != 1 || peers[0].PID != int32(os.Getpid()) || peers[0].UID != uint32(os.Getuid()) {
+		t.Errorf("Authorize saw peers %+v, want this process once", peers)
 	}
 }

@@ -201,9 +201,9 @@ func open(ctx context.Context, cfg Config, gpu int) (*runner, error) {
 	r.p, err = client.Open(ctx, client.Options{
 		Socket: cfg.Socket, Token: cfg.Token, Device: dev, MaxPages: max(cfg.MaxPages, 0), InstanceID: cfg.InstanceID,
 		Name: "kvpool-workload", Logger: cfg.Logger,
-		Regions: []client.Region{
-			{Base: r.k, Stride: cfg.PageBytes, BytesPerPage: cfg.PageBytes, Pages: cfg.DevicePages},
-			{Base: r.v, Stride: cfg.PageBytes, BytesPerPage: cfg.PageBytes, Pages: cfg.DevicePages},
+		Regions: []cudart.Region{
+			{Base: r.k, Stride: cfg.PageBytes, PageBytes: cfg.PageBytes, Pages: cfg.DevicePages},
+			{Base: r.v, Stride: cfg.PageBytes, PageBytes: cfg.PageBytes, Pages: cfg.DevicePages},
 		},
 		Trace: func(op wire.Op, d time.Duration) { r.lastRTT = d },
 	})
@@ -382,6 +382,15 @@ func (r *runner) rid() string {
 // checks runs the deterministic part: round trip, labels, discard,
 // remove_request, pool full.
 func (r *runner) checks() error {
+	if err := r.checkStreams(); err != nil {
+		return err
+	}
+	return r.checkFull()
+}
+
+// checkStreams: round trip, labels, num_pages, discard, is_offloaded and
+// remove_request, the free count after each.
+func (r *runner) checkStreams() error {
 	if err := r.expectFree("fresh session"); err != nil {
 		return err
 	}
@@ -434,11 +443,13 @@ func (r *runner) checks() error {
 	if err := r.p.Synchronize(); err != nil {
 		return err
 	}
-	if err := r.expectFree("after remove_request"); err != nil {
-		return err
-	}
-	// Fill the pool; the offload that does not fit returns false and
-	// changes nothing.
+	return r.expectFree("after remove_request")
+}
+
+// checkFull fills the pool: the offload that does not fit returns false
+// and changes nothing; then it reloads everything back, verifying, in
+// random order.
+func (r *runner) checkFull() error {
 	n := max(1, min(r.cfg.MaxStream, r.capacity/4+1))
 	for {
 		before := r.capacity - r.held
@@ -461,7 +472,6 @@ func (r *runner) checks() error {
 			break
 		}
 	}
-	// Reload everything back, verifying, in random order.
 	for len(r.streams) > 0 {
 		if err := r.reload(r.rng.IntN(len(r.streams))); err != nil {
 			return err

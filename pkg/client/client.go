@@ -24,6 +24,7 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"slices"
 	"sync"
 	"time"
 
@@ -31,41 +32,22 @@ import (
 
 	"github.com/kvpool/kvpool/pkg/contract"
 	"github.com/kvpool/kvpool/pkg/cudart"
-	"github.com/kvpool/kvpool/pkg/poolerr"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
 
 // maxRegister is the most bytes registered with CUDA in one call.
 const maxRegister = 64 << 30
 
-// Region describes one region of the device KV cache: device page p of the
-// region starts at Base + p*Stride and has BytesPerPage bytes. A layer's K
-// and V tensors, or each layer of a layer-major cache, are regions of their
-// own; one host page holds a device page's bytes of every region, in region
-// order, back to back. It is a cudart.Region under the wire protocol's
-// name for the page size.
-type Region struct {
-	Base         cudart.DevicePtr
-	Stride       uint64
-	BytesPerPage uint64
-	Pages        int
-}
-
-// layoutOf returns the regions as the cudart.Layout that lays out the copies.
-func layoutOf(regions []Region) cudart.Layout {
-	l := cudart.Layout{Regions: make([]cudart.Region, len(regions))}
-	for i, r := range regions {
-		l.Regions[i] = cudart.Region{Base: r.Base, Stride: r.Stride, PageBytes: r.BytesPerPage, Pages: r.Pages}
-	}
-	return l
-}
-
 // Options configure Open.
 type Options struct {
-	Socket  string        // default $KVPOOL_SOCKET, then contract.ContainerSocket
-	Token   string        // default $KVPOOL_TOKEN
-	Device  cudart.Device // the GPU whose KV cache this pool serves
-	Regions []Region      // the device KV cache layout
+	Socket string        // default $KVPOOL_SOCKET, then contract.ContainerSocket
+	Token  string        // default $KVPOOL_TOKEN
+	Device cudart.Device // the GPU whose KV cache this pool serves
+	// Regions is the device KV cache's layout: one cudart.Region per
+	// array of pages (a layer's K and V tensors, or each layer of a
+	// layer-major cache); one host page holds a device page's bytes of
+	// every region, in region order, back to back.
+	Regions []cudart.Region
 	// MaxPages is the host pages wanted; 0 takes all the chunks of the
 	// allocation that no other session holds.
 	MaxPages int
@@ -135,7 +117,8 @@ var ErrDisconnected = errors.New("kvpool: connection to the agent lost")
 var ErrProtocol = errors.New("kvpool: protocol violation by the agent")
 
 // Error is a request the agent refused. errors.Is matches it against the
-// pool's sentinel errors (poolerr.ErrUnknownStream, ..., which pool re-exports), whose meaning it has.
+// pool's error values (poolerr.ErrUnknownStream, ...), whose meaning its
+// status has (wire.ErrorOf).
 type Error struct {
 	Op      wire.Op
 	Status  wire.Status
@@ -149,41 +132,9 @@ func (e *Error) Error() string { return fmt.Sprintf("kvpool %s: %s: %s", e.Op, e
 // metrics and error ring use for this refusal.
 func (e *Error) Kind() string { return e.Status.Kind() }
 
-// Unwrap returns the pool error of the same meaning, when there is one.
-func (e *Error) Unwrap() error {
-	for _, m := range statusErrs {
-		if m.st == e.Status {
-			return m.err
-		}
-	}
-	return nil
-}
-
-// statusErrs gives the statuses their pool errors back: the inverse of the
-// agent's server.StatusOf, which TestStatusErrorsInvertServer checks.
-var statusErrs = []struct {
-	st  wire.Status
-	err error
-}{
-	{wire.StatusUnknownStream, poolerr.ErrUnknownStream},
-	{wire.StatusDuplicateStream, poolerr.ErrDuplicateStream},
-	{wire.StatusPageCount, poolerr.ErrPageCount},
-	{wire.StatusOutOfRange, poolerr.ErrOutOfRange},
-	{wire.StatusDuplicateIndex, poolerr.ErrDuplicateIndex},
-	{wire.StatusBadName, poolerr.ErrBadName},
-	{wire.StatusBadSize, poolerr.ErrBadSize},
-	{wire.StatusBadFence, poolerr.ErrBadFence},
-	{wire.StatusClosed, poolerr.ErrClosed},
-	{wire.StatusNoCapacity, poolerr.ErrNoCapacity},
-	{wire.StatusPending, poolerr.ErrPending},
-	{wire.StatusNoGPUChunks, poolerr.ErrNoGPUChunks},
-	{wire.StatusUnknownGPU, ErrUnknownGPU},
-}
-
-// ErrUnknownGPU reports an Open for a GPU the agent does not serve: its UUID
-// is not in the node's plan (a GPU of another node, or a device the agent
-// could not see).
-var ErrUnknownGPU = errors.New("kvpool: GPU is not one of the agent's")
+// Unwrap returns the pool error of the same meaning (wire.ErrorOf), when
+// there is one.
+func (e *Error) Unwrap() error { return wire.ErrorOf(e.Status) }
 
 var (
 	instanceOnce sync.Once
@@ -261,7 +212,7 @@ func Open(ctx context.Context, o Options) (*CPUPagePool, error) {
 	if len(o.Regions) == 0 {
 		return nil, errors.New("kvpool: Options.Regions is empty")
 	}
-	layout := layoutOf(o.Regions)
+	layout := cudart.Layout{Regions: slices.Clone(o.Regions)}
 	if err := layout.Validate(); err != nil {
 		return nil, fmt.Errorf("kvpool: %w", err)
 	}
@@ -445,8 +396,8 @@ func (p *CPUPagePool) connect(ctx context.Context) error {
 		return fmt.Errorf("kvpool: the agent speaks protocol version %d, this client needs version %d: upgrade the agent", hr.Version, wire.Version)
 	}
 	req := &wire.Open{Token: p.o.Token, GpuUuid: p.dev.UUID(), InstanceId: p.o.InstanceID, MaxPages: uint32(p.o.MaxPages)}
-	for _, r := range p.o.Regions {
-		req.Regions = append(req.Regions, &wire.Region{BytesPerPage: r.BytesPerPage, PageCount: uint32(r.Pages)})
+	for _, r := range p.layout.Regions {
+		req.Regions = append(req.Regions, &wire.Region{BytesPerPage: r.PageBytes, PageCount: uint32(r.Pages)})
 	}
 	var rep wire.OpenReply
 	files, err := p.roundTrip(wire.OpOpen, 0, req, &rep)

@@ -23,7 +23,7 @@ import (
 	"github.com/kvpool/kvpool/pkg/client"
 	"github.com/kvpool/kvpool/pkg/contract"
 	"github.com/kvpool/kvpool/pkg/cudart"
-	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/poolerr"
 	"github.com/kvpool/kvpool/pkg/standalone"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
@@ -58,7 +58,7 @@ type kv struct {
 	k, v    cudart.DevicePtr
 	pages   int
 	bpp     uint64
-	regions []client.Region
+	regions []cudart.Region
 }
 
 func newKV(t testing.TB, dev cudart.Device, pages int, bpp uint64) *kv {
@@ -71,9 +71,9 @@ func newKV(t testing.TB, dev cudart.Device, pages int, bpp uint64) *kv {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return &kv{dev: dev, k: k, v: v, pages: pages, bpp: bpp, regions: []client.Region{
-		{Base: k, Stride: bpp, BytesPerPage: bpp, Pages: pages},
-		{Base: v, Stride: bpp, BytesPerPage: bpp, Pages: pages},
+	return &kv{dev: dev, k: k, v: v, pages: pages, bpp: bpp, regions: []cudart.Region{
+		{Base: k, Stride: bpp, PageBytes: bpp, Pages: pages},
+		{Base: v, Stride: bpp, PageBytes: bpp, Pages: pages},
 	}}
 }
 
@@ -260,16 +260,16 @@ func TestMisuse(t *testing.T) {
 		call func() error
 		want error
 	}{
-		{"duplicate stream", func() error { _, err := p.OffloadStream("r", "l", []int32{3}, 0, 0, 0); return err }, pool.ErrDuplicateStream},
-		{"out of range", func() error { _, err := p.OffloadStream("q", "l", []int32{16}, 0, 0, 0); return err }, pool.ErrOutOfRange},
-		{"negative index", func() error { _, err := p.OffloadStream("q", "l", []int32{-1}, 0, 0, 0); return err }, pool.ErrOutOfRange},
-		{"duplicate index", func() error { _, err := p.OffloadStream("q", "l", []int32{4, 4}, 0, 0, 0); return err }, pool.ErrDuplicateIndex},
-		{"negative meta", func() error { _, err := p.OffloadStream("q", "l", []int32{4}, -1, 0, 0); return err }, pool.ErrBadSize},
-		{"empty rid", func() error { _, err := p.OffloadStream("", "l", []int32{4}, 0, 0, 0); return err }, pool.ErrBadName},
-		{"unknown reload", func() error { _, err := p.ReloadStream("zz", "l", []int32{4}); return err }, pool.ErrUnknownStream},
-		{"wrong count", func() error { _, err := p.ReloadStream("r", "l", []int32{4}); return err }, pool.ErrPageCount},
-		{"reload dup index", func() error { _, err := p.ReloadStream("r", "l", []int32{4, 4}); return err }, pool.ErrDuplicateIndex},
-		{"offload duplicate stream of zero pages", func() error { _, err := p.OffloadStream("r", "l", nil, 0, 0, 0); return err }, pool.ErrDuplicateStream},
+		{"duplicate stream", func() error { _, err := p.OffloadStream("r", "l", []int32{3}, 0, 0, 0); return err }, poolerr.ErrDuplicateStream},
+		{"out of range", func() error { _, err := p.OffloadStream("q", "l", []int32{16}, 0, 0, 0); return err }, poolerr.ErrOutOfRange},
+		{"negative index", func() error { _, err := p.OffloadStream("q", "l", []int32{-1}, 0, 0, 0); return err }, poolerr.ErrOutOfRange},
+		{"duplicate index", func() error { _, err := p.OffloadStream("q", "l", []int32{4, 4}, 0, 0, 0); return err }, poolerr.ErrDuplicateIndex},
+		{"negative meta", func() error { _, err := p.OffloadStream("q", "l", []int32{4}, -1, 0, 0); return err }, poolerr.ErrBadSize},
+		{"empty rid", func() error { _, err := p.OffloadStream("", "l", []int32{4}, 0, 0, 0); return err }, poolerr.ErrBadName},
+		{"unknown reload", func() error { _, err := p.ReloadStream("zz", "l", []int32{4}); return err }, poolerr.ErrUnknownStream},
+		{"wrong count", func() error { _, err := p.ReloadStream("r", "l", []int32{4}); return err }, poolerr.ErrPageCount},
+		{"reload dup index", func() error { _, err := p.ReloadStream("r", "l", []int32{4, 4}); return err }, poolerr.ErrDuplicateIndex},
+		{"offload duplicate stream of zero pages", func() error { _, err := p.OffloadStream("r", "l", nil, 0, 0, 0); return err }, poolerr.ErrDuplicateStream},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -705,7 +705,7 @@ func TestBatchesMergeRuns(t *testing.T) {
 		t.Fatal(err)
 	}
 	p, err := client.Open(context.Background(), client.Options{Socket: a.Socket, Token: "tok", Device: dev, Logger: quiet,
-		InstanceID: []byte("instance-merge"), Regions: []client.Region{{Base: base, Stride: 4096, BytesPerPage: 4096, Pages: 64}}})
+		InstanceID: []byte("instance-merge"), Regions: []cudart.Region{{Base: base, Stride: 4096, PageBytes: 4096, Pages: 64}}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -730,7 +730,7 @@ func TestOpenRejects(t *testing.T) {
 	a := startAgent(t, 1<<20)
 	sim := cudart.NewSim(cudart.SimOptions{Devices: 1})
 	dev, _ := sim.Open(0)
-	good := []client.Region{{Base: 0x1000, Stride: 4096, BytesPerPage: 4096, Pages: 8}}
+	good := []cudart.Region{{Base: 0x1000, Stride: 4096, PageBytes: 4096, Pages: 8}}
 	t.Setenv(contract.EnvToken, "")
 	t.Setenv(contract.EnvSocket, "")
 	cases := []struct {
@@ -740,16 +740,16 @@ func TestOpenRejects(t *testing.T) {
 	}{
 		{"no device", client.Options{Socket: a.Socket, Token: "tok", Regions: good}, "Device is required"},
 		{"no regions", client.Options{Socket: a.Socket, Token: "tok", Device: dev}, "Regions is empty"},
-		{"zero bytes", client.Options{Socket: a.Socket, Token: "tok", Device: dev, Regions: []client.Region{{Stride: 1, Pages: 1}}}, "region 0"},
-		{"stride below bytes", client.Options{Socket: a.Socket, Token: "tok", Device: dev, Regions: []client.Region{{Stride: 1, BytesPerPage: 2, Pages: 1}}}, "stride"},
-		{"no pages", client.Options{Socket: a.Socket, Token: "tok", Device: dev, Regions: []client.Region{{Stride: 2, BytesPerPage: 2}}}, "region 0"},
+		{"zero bytes", client.Options{Socket: a.Socket, Token: "tok", Device: dev, Regions: []cudart.Region{{Stride: 1, Pages: 1}}}, "region 0"},
+		{"stride below bytes", client.Options{Socket: a.Socket, Token: "tok", Device: dev, Regions: []cudart.Region{{Stride: 1, PageBytes: 2, Pages: 1}}}, "stride"},
+		{"no pages", client.Options{Socket: a.Socket, Token: "tok", Device: dev, Regions: []cudart.Region{{Stride: 2, PageBytes: 2}}}, "region 0"},
 		{"negative max pages", client.Options{Socket: a.Socket, Token: "tok", Device: dev, Regions: good, MaxPages: -1}, "negative"},
 		{"spin over the limit", client.Options{Socket: a.Socket, Token: "tok", Device: dev, Regions: good, SpinWait: wire.SpinLimit + 1}, "SpinWait"},
 		{"no token", client.Options{Socket: a.Socket, Device: dev, Regions: good}, "no allocation token"},
 		{"bad token", client.Options{Socket: a.Socket, Token: "nope", Device: dev, Regions: good}, "unauthorized"},
 		{"no agent", client.Options{Socket: a.Socket + ".missing", Token: "tok", Device: dev, Regions: good}, "dial"},
 		{"page larger than a chunk", client.Options{Socket: a.Socket, Token: "tok", Device: dev,
-			Regions: []client.Region{{Base: 0x1000, Stride: 2 << 20, BytesPerPage: 2 << 20, Pages: 8}}}, "bad size"},
+			Regions: []cudart.Region{{Base: 0x1000, Stride: 2 << 20, PageBytes: 2 << 20, Pages: 8}}}, "bad size"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -835,7 +835,7 @@ func TestOpenReplyChecked(t *testing.T) {
 			sim := cudart.NewSim(cudart.SimOptions{Devices: 1})
 			dev, _ := sim.Open(0)
 			_, err := client.Open(context.Background(), client.Options{Socket: fakeAgent(t, tc.rep, tc.fds), Token: "t", Device: dev,
-				Logger: quiet, Regions: []client.Region{{Base: 0x1000, Stride: 4096, BytesPerPage: 4096, Pages: 8}}})
+				Logger: quiet, Regions: []cudart.Region{{Base: 0x1000, Stride: 4096, PageBytes: 4096, Pages: 8}}})
 			if !errors.Is(err, client.ErrProtocol) || !strings.Contains(err.Error(), tc.want) {
 				t.Fatalf("got %v, want ErrProtocol mentioning %q", err, tc.want)
 			}

@@ -110,7 +110,7 @@ func FuzzClientReply(f *testing.F) {
 		defer dev.Close()
 		base, _ := dev.MemAlloc(8 * 4096)
 		p, err := client.Open(context.Background(), client.Options{Socket: path, Token: "t", Device: dev, Logger: quiet,
-			InstanceID: []byte("fuzz-instance"), Regions: []client.Region{{Base: base, Stride: 4096, BytesPerPage: 4096, Pages: 8}}})
+			InstanceID: []byte("fuzz-instance"), Regions: []cudart.Region{{Base: base, Stride: 4096, PageBytes: 4096, Pages: 8}}})
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -10,8 +10,9 @@ import (
 
 // The client side (client, wire, cudart) must stay free of the agent's
 // packages, so that it can become a module of its own: it may take the pod
-// contract (contract) and the pool's error values (poolerr), nothing that
-// allocates, serves or sizes the pool. Every agent-only package lives under
+// contract (contract), the pool's error values (poolerr) and the Unix-socket
+// plumbing (unixsock), nothing that allocates, serves or sizes the pool.
+// Every agent-only package lives under
 // internal/; the agent-side packages the project's layout keeps in pkg/ are
 // named here.
 func TestClientSideImportsNoAgentPackage(t *testing.T) {

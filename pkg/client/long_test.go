@@ -16,7 +16,7 @@ import (
 	"github.com/kvpool/kvpool/internal/server"
 	"github.com/kvpool/kvpool/pkg/client"
 	"github.com/kvpool/kvpool/pkg/cudart"
-	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/poolerr"
 	"github.com/kvpool/kvpool/pkg/standalone"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
@@ -63,8 +63,8 @@ func newPages(t testing.TB, dev cudart.Device, n int, size uint64) *page {
 	return &page{dev: dev, base: base, n: n, size: size}
 }
 
-func (p *page) regions() []client.Region {
-	return []client.Region{{Base: p.base, Stride: p.size, BytesPerPage: p.size, Pages: p.n}}
+func (p *page) regions() []cudart.Region {
+	return []cudart.Region{{Base: p.base, Stride: p.size, PageBytes: p.size, Pages: p.n}}
 }
 
 // stamp fills device page i with bytes derived from i and salt.
@@ -315,7 +315,7 @@ func TestSeedSemantics(t *testing.T) {
 	if on, _ := p.IsOffloaded("q"); on {
 		t.Fatal("an offload of zero pages recorded a stream")
 	}
-	if ok, err := p.OffloadStream("r", "a", []int32{3}, 0, 0, 0); ok || !errors.Is(err, pool.ErrDuplicateStream) {
+	if ok, err := p.OffloadStream("r", "a", []int32{3}, 0, 0, 0); ok || !errors.Is(err, poolerr.ErrDuplicateStream) {
 		t.Fatalf("second offload of r/a = %v, %v; want a duplicate stream error", ok, err)
 	}
 	if after, _ := p.Usage(); after != before {
@@ -420,7 +420,7 @@ func TestMultiGPUPod(t *testing.T) {
 	k2 := newPages(t, dev2, 8, 4096)
 	_, err = client.Open(context.Background(), client.Options{Socket: a.Socket, Token: "tok", Device: dev2,
 		Regions: k2.regions(), InstanceID: []byte("instance-tp-pod"), Logger: quiet})
-	if !errors.Is(err, pool.ErrNoGPUChunks) {
+	if !errors.Is(err, poolerr.ErrNoGPUChunks) {
 		t.Fatalf("open on a GPU without chunks: %v", err)
 	}
 	// A GPU this node does not have.
@@ -429,7 +429,7 @@ func TestMultiGPUPod(t *testing.T) {
 	k3 := newPages(t, dev3, 8, 4096)
 	_, err = client.Open(context.Background(), client.Options{Socket: a.Socket, Token: "tok", Device: dev3,
 		Regions: k3.regions(), InstanceID: []byte("instance-tp-pod"), Logger: quiet})
-	if !errors.Is(err, client.ErrUnknownGPU) {
+	if !errors.Is(err, poolerr.ErrUnknownGPU) {
 		t.Fatalf("open on a GPU of no node: %v", err)
 	}
 }

@@ -11,7 +11,7 @@ import (
 	"time"
 
 	"github.com/kvpool/kvpool/pkg/contract"
-	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/poolerr"
 )
 
 // ledger is the device plugin's allocation bookkeeping: which chunks each
@@ -137,7 +137,7 @@ func (l *ledger) authorize(token string) (string, error) {
 	if !a.granted {
 		l.grantLocked(a)
 		if !a.granted {
-			return "", fmt.Errorf("%w: the allocation's chunks are not ready yet", pool.ErrNotReady)
+			return "", fmt.Errorf("%w: the allocation's chunks are not ready yet", poolerr.ErrNotReady)
 		}
 	}
 	return a.ID(), nil
@@ -409,7 +409,7 @@ func (l *ledger) dropLocked(a *alloc) {
 func (l *ledger) reclaimLocked(a *alloc) error {
 	l.dropLocked(a)
 	chunks, err := l.pool.Revoke(a.ID())
-	if errors.Is(err, pool.ErrUnknownAllocation) {
+	if errors.Is(err, poolerr.ErrUnknownAllocation) {
 		// Restored from the checkpoint but never granted in this process:
 		// the chunks are the ones this process allocated; no client has
 		// had them.
@@ -492,7 +492,7 @@ func (l *ledger) renewed(id string, err error) error {
 		return nil
 	}
 	if err == nil {
-		if serr := l.pool.Scrubbed(id); serr != nil && !errors.Is(serr, pool.ErrUnknownChunk) {
+		if serr := l.pool.Scrubbed(id); serr != nil && !errors.Is(serr, poolerr.ErrUnknownChunk) {
 			err = fmt.Errorf("marking it clean in the pool: %w", serr)
 		}
 	}

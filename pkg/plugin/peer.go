@@ -153,7 +153,7 @@ func validUID(u string) bool {
 // AuthorizePeer is Authorize for a client whose process ID (as the agent
 // sees it, from SO_PEERCRED) is pid. With Options.BindPods it also checks
 // that the process runs in the pod that holds the allocation's devices.
-// Like Authorize, it returns pool.ErrNotReady for a restored allocation
+// Like Authorize, it returns poolerr.ErrNotReady for a restored allocation
 // whose chunks have not joined the pool yet (after the pod check).
 func (p *Plugin) AuthorizePeer(ctx context.Context, token string, pid int32) (string, error) {
 	if _, err := p.authorizePeer(ctx, token, pid); err != nil {

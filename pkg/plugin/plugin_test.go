@@ -20,6 +20,7 @@ import (
 	"github.com/kvpool/kvpool/pkg/contract"
 	"github.com/kvpool/kvpool/pkg/plugin/kubelettest"
 	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/poolerr"
 )
 
 func TestRegistrationAndFirstList(t *testing.T) {
@@ -291,7 +292,7 @@ func TestAllocate(t *testing.T) {
 	}
 	// A token opens nothing of another allocation: a session asking for more
 	// pages than its own chunks hold is refused.
-	if _, err := e.open(t1, pool.Spec{GPU: 1, PageSize: 1 << 20, DevicePages: 8, MaxPages: 2}); !errors.Is(err, pool.ErrNoCapacity) {
+	if _, err := e.open(t1, pool.Spec{GPU: 1, PageSize: 1 << 20, DevicePages: 8, MaxPages: 2}); !errors.Is(err, poolerr.ErrNoCapacity) {
 		t.Errorf("open beyond the token's chunks: %v", err)
 	}
 	if _, err := e.open(contract.NewToken(), pool.Spec{GPU: 1, PageSize: 4096, DevicePages: 8}); !errors.Is(err, contract.ErrUnknownToken) {
@@ -424,7 +425,7 @@ func TestReclaimAfterPodGone(t *testing.T) {
 	// Grace period over: revoked, sessions closed, zeroed, free again.
 	e.clock.Advance(time.Second)
 	e.reconcile()
-	if _, err := e.pool.Allocation(AllocationID(token)); !errors.Is(err, pool.ErrUnknownAllocation) {
+	if _, err := e.pool.Allocation(AllocationID(token)); !errors.Is(err, poolerr.ErrUnknownAllocation) {
 		t.Errorf("allocation still in the pool: %v", err)
 	}
 	if !s.Closed() || s.IsOffloaded("r1") {
@@ -507,7 +508,7 @@ func TestReclaimNeverListedAllocation(t *testing.T) {
 	}
 	e.prs.SetFail(nil)
 	e.reconcile()
-	if _, err := e.pool.Allocation(AllocationID(token)); !errors.Is(err, pool.ErrUnknownAllocation) {
+	if _, err := e.pool.Allocation(AllocationID(token)); !errors.Is(err, poolerr.ErrUnknownAllocation) {
 		t.Errorf("not reclaimed after the grace period: %v", err)
 	}
 }
@@ -571,12 +572,12 @@ func TestAllocateReassignedByKubelet(t *testing.T) {
 	if same == old {
 		t.Fatal("a new pod got the gone pod's token")
 	}
-	if _, err := e.pool.Allocation(AllocationID(old)); !errors.Is(err, pool.ErrUnknownAllocation) || e.zeroCount("gpu0-numa0-0") != 1 {
+	if _, err := e.pool.Allocation(AllocationID(old)); !errors.Is(err, poolerr.ErrUnknownAllocation) || e.zeroCount("gpu0-numa0-0") != 1 {
 		t.Errorf("old allocation: %v, zeroed %d", err, e.zeroCount("gpu0-numa0-0"))
 	}
 	// An overlapping set while the holder is unlisted: reclaimed likewise.
 	over := e.mustAllocate("gpu0-numa0-1", "gpu0-numa0-2")
-	if _, err := e.pool.Allocation(AllocationID(same)); !errors.Is(err, pool.ErrUnknownAllocation) {
+	if _, err := e.pool.Allocation(AllocationID(same)); !errors.Is(err, poolerr.ErrUnknownAllocation) {
 		t.Errorf("overlapped allocation still present: %v", err)
 	}
 	if ids, _ := e.pool.Allocation(AllocationID(over)); len(ids) != 2 {
@@ -622,7 +623,7 @@ func TestRestartRecoversFromCheckpoint(t *testing.T) {
 	if err := p2.Reconcile(context.Background()); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := fresh.Allocation(AllocationID(t2)); !errors.Is(err, pool.ErrUnknownAllocation) {
+	if _, err := fresh.Allocation(AllocationID(t2)); !errors.Is(err, poolerr.ErrUnknownAllocation) {
 		t.Errorf("t2 not reclaimed: %v", err)
 	}
 	if _, err := fresh.Allocation(AllocationID(t1)); err != nil {
@@ -812,10 +813,10 @@ func TestRestoredAllocationUsableWhenChunksJoin(t *testing.T) {
 	token := e.mustAllocate("gpu0-numa0-0", "gpu0-numa0-1")
 	fresh := pool.New()
 	p2 := e.newPlugin(fresh)
-	if _, err := p2.Authorize(token); !errors.Is(err, pool.ErrNotReady) {
+	if _, err := p2.Authorize(token); !errors.Is(err, poolerr.ErrNotReady) {
 		t.Fatalf("Authorize before the chunks are ready: %v, want ErrNotReady", err)
 	}
-	if _, err := p2.Authorize("not-a-token"); !errors.Is(err, contract.ErrUnknownToken) || errors.Is(err, pool.ErrNotReady) {
+	if _, err := p2.Authorize("not-a-token"); !errors.Is(err, contract.ErrUnknownToken) || errors.Is(err, poolerr.ErrNotReady) {
 		t.Fatalf("Authorize of an unknown token: %v", err)
 	}
 	for _, c := range testChunks() {

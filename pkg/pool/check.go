@@ -16,33 +16,57 @@ func (s *Session) Check() error {
 		return fmt.Errorf("capacity %d exceeds %d chunks of %d pages", s.capacity, len(s.chunks), s.ppc)
 	}
 	owner := make([]byte, s.capacity) // 0 unseen, 1 seen
-	walk := func(what string, head, tail int32, n int) error {
-		count, last := 0, int32(nilPage)
-		for p := head; p != nilPage; p = s.next[p] {
-			if p < 0 || int(p) >= s.capacity {
-				return fmt.Errorf("%s: page %d outside [0, %d)", what, p, s.capacity)
-			}
-			if owner[p] != 0 {
-				return fmt.Errorf("%s: page %d is on two lists", what, p)
-			}
-			owner[p] = 1
-			count++
-			last = p
-			if count > s.capacity {
-				return fmt.Errorf("%s: cycle", what)
-			}
-		}
-		if count != n {
-			return fmt.Errorf("%s: %d pages linked, %d recorded", what, count, n)
-		}
-		if tail != nilPage && tail != last {
-			return fmt.Errorf("%s: tail %d, last page %d", what, tail, last)
-		}
-		return nil
-	}
-	if err := walk("free list", s.freeHead, nilPage, s.nfree); err != nil {
+	if err := s.checkList(owner, "free list", s.freeHead, nilPage, s.nfree); err != nil {
 		return err
 	}
+	if err := s.checkStreams(owner); err != nil {
+		return err
+	}
+	if err := s.checkPending(owner); err != nil {
+		return err
+	}
+	if s.nfree+s.used+s.npending != s.capacity {
+		return fmt.Errorf("free %d + used %d + pending %d != capacity %d", s.nfree, s.used, s.npending, s.capacity)
+	}
+	for i, w := range s.seen {
+		if w != 0 {
+			return fmt.Errorf("duplicate-check scratch word %d not cleared", i)
+		}
+	}
+	return nil
+}
+
+// checkList walks the page list from head: n pages inside the capacity,
+// none seen on another list (owner marks them), ending at tail (nilPage:
+// the list keeps no tail).
+func (s *Session) checkList(owner []byte, what string, head, tail int32, n int) error {
+	count, last := 0, int32(nilPage)
+	for p := head; p != nilPage; p = s.next[p] {
+		if p < 0 || int(p) >= s.capacity {
+			return fmt.Errorf("%s: page %d outside [0, %d)", what, p, s.capacity)
+		}
+		if owner[p] != 0 {
+			return fmt.Errorf("%s: page %d is on two lists", what, p)
+		}
+		owner[p] = 1
+		count++
+		last = p
+		if count > s.capacity {
+			return fmt.Errorf("%s: cycle", what)
+		}
+	}
+	if count != n {
+		return fmt.Errorf("%s: %d pages linked, %d recorded", what, count, n)
+	}
+	if tail != nilPage && tail != last {
+		return fmt.Errorf("%s: tail %d, last page %d", what, tail, last)
+	}
+	return nil
+}
+
+// checkStreams checks every request's list of streams, their label index
+// and their pages, and the stream and page counters.
+func (s *Session) checkStreams(owner []byte) error {
 	used, streams := 0, 0
 	for rid, l := range s.rids {
 		if l.first == nilPage || l.last == nilPage {
@@ -62,7 +86,7 @@ func (s *Session) Check() error {
 			if l.byLabel != nil && l.byLabel[st.label] != slot {
 				return fmt.Errorf("stream %q/%q: not indexed at slot %d", rid, st.label, slot)
 			}
-			if err := walk(fmt.Sprintf("stream %q/%q", rid, st.label), st.head, st.tail, int(st.n)); err != nil {
+			if err := s.checkList(owner, fmt.Sprintf("stream %q/%q", rid, st.label), st.head, st.tail, int(st.n)); err != nil {
 				return err
 			}
 			used += int(st.n)
@@ -79,6 +103,12 @@ func (s *Session) Check() error {
 	if used != s.used || streams != s.nstreams {
 		return fmt.Errorf("streams hold %d pages in %d streams, counters say %d in %d", used, streams, s.used, s.nstreams)
 	}
+	return nil
+}
+
+// checkPending checks the pending releases: tickets in order, their pages,
+// and the pending counter.
+func (s *Session) checkPending(owner []byte) error {
 	pending := 0
 	var lastTicket uint64
 	for _, r := range s.pending[s.phead:] {
@@ -86,21 +116,13 @@ func (s *Session) Check() error {
 			return fmt.Errorf("pending ticket %d out of order (after %d, last issued %d)", r.ticket, lastTicket, s.ticket)
 		}
 		lastTicket = r.ticket
-		if err := walk(fmt.Sprintf("pending release %d", r.ticket), r.head, r.tail, int(r.n)); err != nil {
+		if err := s.checkList(owner, fmt.Sprintf("pending release %d", r.ticket), r.head, r.tail, int(r.n)); err != nil {
 			return err
 		}
 		pending += int(r.n)
 	}
 	if pending != s.npending {
 		return fmt.Errorf("pending releases hold %d pages, counter says %d", pending, s.npending)
-	}
-	if s.nfree+s.used+s.npending != s.capacity {
-		return fmt.Errorf("free %d + used %d + pending %d != capacity %d", s.nfree, s.used, s.npending, s.capacity)
-	}
-	for i, w := range s.seen {
-		if w != 0 {
-			return fmt.Errorf("duplicate-check scratch word %d not cleared", i)
-		}
 	}
 	return nil
 }

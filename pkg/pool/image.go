@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"slices"
 	"sort"
+
+	"github.com/kvpool/kvpool/pkg/poolerr"
 )
 
 // EventKind names a change of the pool's chunk and allocation table.
@@ -120,14 +122,16 @@ func (p *Pool) Export() Image {
 		}
 		img.Allocations = append(img.Allocations, ai)
 		for s := range a.sessions {
-			img.Sessions = append(img.Sessions, s.image())
+			img.Sessions = append(img.Sessions, s.Image())
 		}
 	}
 	slices.SortFunc(img.Sessions, func(a, b SessionImage) int { return cmp.Compare(a.ID, b.ID) })
 	return img
 }
 
-func (s *Session) image() SessionImage {
+// Image returns the session as Export lists it: its geometry, chunks and
+// tickets, streams and pending reloads.
+func (s *Session) Image() SessionImage {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	si := SessionImage{ID: s.id, Allocation: s.alloc.id, Spec: s.spec, PPC: s.ppc, Capacity: s.capacity, Ticket: s.ticket}
@@ -179,10 +183,10 @@ func (p *Pool) Restore(img Image) ([]*Session, error) {
 func (p *Pool) restoreLocked(img Image) ([]*Session, error) {
 	for _, c := range img.Chunks {
 		if c.ID == "" || c.Size <= 0 {
-			return nil, fmt.Errorf("%w: chunk %q of %d bytes", ErrBadSize, c.ID, c.Size)
+			return nil, fmt.Errorf("%w: chunk %q of %d bytes", poolerr.ErrBadSize, c.ID, c.Size)
 		}
 		if _, ok := p.chunks[c.ID]; ok {
-			return nil, fmt.Errorf("chunk %s: %w", c.ID, ErrDuplicateChunk)
+			return nil, fmt.Errorf("chunk %s: %w", c.ID, poolerr.ErrDuplicateChunk)
 		}
 		if c.State > ChunkDirty {
 			return nil, fmt.Errorf("chunk %s: bad state %d", c.ID, c.State)
@@ -193,16 +197,16 @@ func (p *Pool) restoreLocked(img Image) ([]*Session, error) {
 	}
 	for _, ai := range img.Allocations {
 		if ai.ID == "" || len(ai.Chunks) == 0 {
-			return nil, fmt.Errorf("%w: allocation %q of %d chunks", ErrBadSize, ai.ID, len(ai.Chunks))
+			return nil, fmt.Errorf("%w: allocation %q of %d chunks", poolerr.ErrBadSize, ai.ID, len(ai.Chunks))
 		}
 		if _, ok := p.allocs[ai.ID]; ok {
-			return nil, fmt.Errorf("allocation %s: %w", ai.ID, ErrAllocationExists)
+			return nil, fmt.Errorf("allocation %s: %w", ai.ID, poolerr.ErrAllocationExists)
 		}
 		a := &allocation{id: ai.ID, sessions: make(map[*Session]struct{})}
 		for _, id := range ai.Chunks {
 			ch, ok := p.chunks[id]
 			if !ok {
-				return nil, fmt.Errorf("allocation %s: %w: %s", ai.ID, ErrUnknownChunk, id)
+				return nil, fmt.Errorf("allocation %s: %w: %s", ai.ID, poolerr.ErrUnknownChunk, id)
 			}
 			if ch.state != ChunkGranted || ch.alloc != nil {
 				return nil, fmt.Errorf("allocation %s: chunk %s is %s or in another allocation", ai.ID, id, ch.state)
@@ -234,16 +238,41 @@ func (p *Pool) restoreLocked(img Image) ([]*Session, error) {
 	return out, nil
 }
 
+// restoreSession rebuilds one session of an image on its chunks.
 func (p *Pool) restoreSession(si SessionImage) (*Session, error) {
 	a, ok := p.allocs[si.Allocation]
 	if !ok {
-		return nil, fmt.Errorf("%w: %s", ErrUnknownAllocation, si.Allocation)
+		return nil, fmt.Errorf("%w: %s", poolerr.ErrUnknownAllocation, si.Allocation)
 	}
+	chunks, err := p.restoreChunks(a, si)
+	if err != nil {
+		return nil, err
+	}
+	s := newSession(p, a, si.Spec, chunks, si.PPC, si.Capacity)
+	s.id, s.ticket = si.ID, si.Ticket
+	used := make([]bool, si.Capacity)
+	if err := s.restoreStreams(si.Streams, used); err != nil {
+		return nil, err
+	}
+	if err := s.restorePending(si, used); err != nil {
+		return nil, err
+	}
+	s.restoreFree(used)
+	for _, ch := range chunks {
+		ch.session = s
+	}
+	a.sessions[s] = struct{}{}
+	return s, nil
+}
+
+// restoreChunks checks an image's geometry and returns its chunks, each of
+// allocation a, unbound, and large enough.
+func (p *Pool) restoreChunks(a *allocation, si SessionImage) ([]*chunk, error) {
 	spec := si.Spec
 	if spec.PageSize <= 0 || spec.DevicePages <= 0 || spec.MaxPages < 0 || si.PPC <= 0 || si.Capacity < 0 ||
 		len(si.Chunks) == 0 || int64(si.Capacity) > int64(len(si.Chunks))*int64(si.PPC) || si.Capacity > maxPages {
 		return nil, fmt.Errorf("%w: page size %d, %d device pages, %d pages per chunk, capacity %d over %d chunks",
-			ErrBadSize, spec.PageSize, spec.DevicePages, si.PPC, si.Capacity, len(si.Chunks))
+			poolerr.ErrBadSize, spec.PageSize, spec.DevicePages, si.PPC, si.Capacity, len(si.Chunks))
 	}
 	chunks := make([]*chunk, len(si.Chunks))
 	for i, id := range si.Chunks {
@@ -255,48 +284,53 @@ func (p *Pool) restoreSession(si SessionImage) (*Session, error) {
 			return nil, fmt.Errorf("chunk %s is bound twice", id)
 		}
 		if int64(si.PPC)*spec.PageSize > ch.Size {
-			return nil, fmt.Errorf("%w: chunk %s of %d bytes cannot hold %d pages of %d", ErrBadSize, id, ch.Size, si.PPC, spec.PageSize)
+			return nil, fmt.Errorf("%w: chunk %s of %d bytes cannot hold %d pages of %d", poolerr.ErrBadSize, id, ch.Size, si.PPC, spec.PageSize)
 		}
 		chunks[i] = ch
 	}
-	s := newSession(p, a, spec, chunks, si.PPC, si.Capacity)
-	s.id, s.ticket = si.ID, si.Ticket
-	used := make([]bool, si.Capacity)
-	link := func(pages []int32) (head, tail int32, err error) {
-		head, tail = nilPage, nilPage
-		for _, pg := range pages {
-			if pg < 0 || int(pg) >= si.Capacity {
-				return 0, 0, fmt.Errorf("%w: host page %d outside [0, %d)", ErrOutOfRange, pg, si.Capacity)
-			}
-			if used[pg] {
-				return 0, 0, fmt.Errorf("%w: host page %d held twice", ErrDuplicateIndex, pg)
-			}
-			used[pg] = true
-			if tail == nilPage {
-				head = pg
-			} else {
-				s.next[tail] = pg
-			}
-			tail = pg
+	return chunks, nil
+}
+
+// linkPages chains pages into a list, marking them used; a page outside
+// the capacity or already used is an error.
+func (s *Session) linkPages(pages []int32, used []bool) (head, tail int32, err error) {
+	head, tail = nilPage, nilPage
+	for _, pg := range pages {
+		if pg < 0 || int(pg) >= len(used) {
+			return 0, 0, fmt.Errorf("%w: host page %d outside [0, %d)", poolerr.ErrOutOfRange, pg, len(used))
 		}
-		if tail != nilPage {
-			s.next[tail] = nilPage
+		if used[pg] {
+			return 0, 0, fmt.Errorf("%w: host page %d held twice", poolerr.ErrDuplicateIndex, pg)
 		}
-		return head, tail, nil
+		used[pg] = true
+		if tail == nilPage {
+			head = pg
+		} else {
+			s.next[tail] = pg
+		}
+		tail = pg
 	}
-	for _, st := range si.Streams {
+	if tail != nilPage {
+		s.next[tail] = nilPage
+	}
+	return head, tail, nil
+}
+
+// restoreStreams rebuilds the stream table.
+func (s *Session) restoreStreams(streams []StreamImage, used []bool) error {
+	for _, st := range streams {
 		if err := checkNames(st.Rid, st.Label); err != nil {
-			return nil, err
+			return err
 		}
 		if err := st.Meta.validate(); err != nil {
-			return nil, err
+			return err
 		}
 		if slot, _ := s.find(st.Rid, st.Label); slot != nilPage {
-			return nil, fmt.Errorf("%q/%q: %w", st.Rid, st.Label, ErrDuplicateStream)
+			return fmt.Errorf("%q/%q: %w", st.Rid, st.Label, poolerr.ErrDuplicateStream)
 		}
-		head, tail, err := link(st.Pages)
+		head, tail, err := s.linkPages(st.Pages, used)
 		if err != nil {
-			return nil, fmt.Errorf("%q/%q: %w", st.Rid, st.Label, err)
+			return fmt.Errorf("%q/%q: %w", st.Rid, st.Label, err)
 		}
 		slot := s.newSlot()
 		*s.at(slot) = stream{label: s.intern(st.Label), meta: st.Meta, head: head, tail: tail, n: int32(len(st.Pages))}
@@ -304,23 +338,33 @@ func (p *Pool) restoreSession(si SessionImage) (*Session, error) {
 		s.link(st.Rid, l, slot)
 		s.names += int64(len(st.Rid) + len(st.Label))
 	}
+	return nil
+}
+
+// restorePending rebuilds the reloads waiting for their fence, oldest
+// first.
+func (s *Session) restorePending(si SessionImage, used []bool) error {
 	var last uint64
 	for _, r := range si.Pending {
 		if r.Ticket <= last || r.Ticket > si.Ticket || len(r.Pages) == 0 {
-			return nil, fmt.Errorf("%w: pending reload %d (last issued %d, previous %d, %d pages)", ErrBadFence, r.Ticket, si.Ticket, last, len(r.Pages))
+			return fmt.Errorf("%w: pending reload %d (last issued %d, previous %d, %d pages)", poolerr.ErrBadFence, r.Ticket, si.Ticket, last, len(r.Pages))
 		}
 		last = r.Ticket
-		head, tail, err := link(r.Pages)
+		head, tail, err := s.linkPages(r.Pages, used)
 		if err != nil {
-			return nil, fmt.Errorf("pending reload %d: %w", r.Ticket, err)
+			return fmt.Errorf("pending reload %d: %w", r.Ticket, err)
 		}
 		s.pending = append(s.pending, release{ticket: r.Ticket, head: head, tail: tail, n: int32(len(r.Pages))})
 		s.npending += len(r.Pages)
 	}
-	// The free list: every other page, ascending.
+	return nil
+}
+
+// restoreFree makes every page not used the free list, ascending.
+func (s *Session) restoreFree(used []bool) {
 	s.freeHead, s.nfree = nilPage, 0
 	prev := int32(nilPage)
-	for pg := range si.Capacity {
+	for pg := range used {
 		if used[pg] {
 			continue
 		}
@@ -335,9 +379,4 @@ func (p *Pool) restoreSession(si SessionImage) (*Session, error) {
 	if prev != nilPage {
 		s.next[prev] = nilPage
 	}
-	for _, ch := range chunks {
-		ch.session = s
-	}
-	a.sessions[s] = struct{}{}
-	return s, nil
 }

@@ -6,6 +6,8 @@ import (
 	"math/rand/v2"
 	"reflect"
 	"testing"
+
+	"github.com/kvpool/kvpool/pkg/poolerr"
 )
 
 type eventLog []Event
@@ -180,7 +182,7 @@ func TestJournalSeesTableChanges(t *testing.T) {
 	must(t, p.AddChunk(Chunk{ID: "c1", Size: 4096}))
 	must(t, p.Grant("a", []string{"c0"}))
 	must(t, p.Grant("a", []string{"c0"})) // repeated: no event
-	if err := p.Grant("b", []string{"c0"}); !errors.Is(err, ErrChunkBusy) {
+	if err := p.Grant("b", []string{"c0"}); !errors.Is(err, poolerr.ErrChunkBusy) {
 		t.Fatal(err)
 	}
 	_, err := p.Revoke("a")

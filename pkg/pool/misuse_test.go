@@ -7,6 +7,8 @@ import (
 	"slices"
 	"strings"
 	"testing"
+
+	"github.com/kvpool/kvpool/pkg/poolerr"
 )
 
 // sessionState is everything observable about a session, so that a test can
@@ -84,33 +86,33 @@ func TestSessionMisuse(t *testing.T) {
 		call func(s *Session) error
 		want error
 	}{
-		{"offload empty rid", func(s *Session) error { _, err := s.Offload("", "a", []int32{9}, Meta{}, nil); return err }, ErrBadName},
-		{"offload long rid", func(s *Session) error { _, err := s.Offload(long, "a", []int32{9}, Meta{}, nil); return err }, ErrBadName},
-		{"offload long label", func(s *Session) error { _, err := s.Offload("r3", long, []int32{9}, Meta{}, nil); return err }, ErrBadName},
+		{"offload empty rid", func(s *Session) error { _, err := s.Offload("", "a", []int32{9}, Meta{}, nil); return err }, poolerr.ErrBadName},
+		{"offload long rid", func(s *Session) error { _, err := s.Offload(long, "a", []int32{9}, Meta{}, nil); return err }, poolerr.ErrBadName},
+		{"offload long label", func(s *Session) error { _, err := s.Offload("r3", long, []int32{9}, Meta{}, nil); return err }, poolerr.ErrBadName},
 		{"offload negative stored_len", func(s *Session) error {
 			_, err := s.Offload("r3", "a", []int32{9}, Meta{StoredLen: -1}, nil)
 			return err
-		}, ErrBadSize},
+		}, poolerr.ErrBadSize},
 		{"offload negative position", func(s *Session) error {
 			_, err := s.Offload("r3", "a", []int32{9}, Meta{Position: -1}, nil)
 			return err
-		}, ErrBadSize},
+		}, poolerr.ErrBadSize},
 		{"offload negative released", func(s *Session) error {
 			_, err := s.Offload("r3", "a", []int32{9}, Meta{Released: -5}, nil)
 			return err
-		}, ErrBadSize},
-		{"offload duplicate stream", func(s *Session) error { _, err := s.Offload("r1", "a", []int32{9}, Meta{}, nil); return err }, ErrDuplicateStream},
-		{"offload device page negative", func(s *Session) error { _, err := s.Offload("r3", "a", []int32{-1}, Meta{}, nil); return err }, ErrOutOfRange},
-		{"offload device page past end", func(s *Session) error { _, err := s.Offload("r3", "a", []int32{16}, Meta{}, nil); return err }, ErrOutOfRange},
-		{"offload duplicate device page", func(s *Session) error { _, err := s.Offload("r3", "a", []int32{9, 9}, Meta{}, nil); return err }, ErrDuplicateIndex},
+		}, poolerr.ErrBadSize},
+		{"offload duplicate stream", func(s *Session) error { _, err := s.Offload("r1", "a", []int32{9}, Meta{}, nil); return err }, poolerr.ErrDuplicateStream},
+		{"offload device page negative", func(s *Session) error { _, err := s.Offload("r3", "a", []int32{-1}, Meta{}, nil); return err }, poolerr.ErrOutOfRange},
+		{"offload device page past end", func(s *Session) error { _, err := s.Offload("r3", "a", []int32{16}, Meta{}, nil); return err }, poolerr.ErrOutOfRange},
+		{"offload duplicate device page", func(s *Session) error { _, err := s.Offload("r3", "a", []int32{9, 9}, Meta{}, nil); return err }, poolerr.ErrDuplicateIndex},
 		{"offload more pages than the device has", func(s *Session) error {
 			_, err := s.Offload("r3", "a", make([]int32, 17), Meta{}, nil)
 			return err
-		}, ErrPageCount},
+		}, poolerr.ErrPageCount},
 		{"offload beyond free and pending", func(s *Session) error {
 			_, err := s.Offload("r3", "a", []int32{9, 10, 11, 12}, Meta{}, nil)
 			return err
-		}, ErrFull},
+		}, poolerr.ErrFull},
 		{"offload needing pending pages", func(s *Session) error {
 			_, err := s.Offload("r3", "a", []int32{9, 10}, Meta{}, nil)
 			var pe *PendingError
@@ -118,27 +120,27 @@ func TestSessionMisuse(t *testing.T) {
 				return fmt.Errorf("want PendingError{Ticket 1, Need 2, Free 1}, got %v", err)
 			}
 			return err
-		}, ErrPending},
-		{"reload unknown stream", func(s *Session) error { _, err := s.Reload("r1", "zz", []int32{9}, nil); return err }, ErrUnknownStream},
-		{"reload already reloaded stream", func(s *Session) error { _, err := s.Reload("r2", "x", []int32{9, 10}, nil); return err }, ErrUnknownStream},
-		{"reload too few device pages", func(s *Session) error { _, err := s.Reload("r1", "a", []int32{9, 10}, nil); return err }, ErrPageCount},
+		}, poolerr.ErrPending},
+		{"reload unknown stream", func(s *Session) error { _, err := s.Reload("r1", "zz", []int32{9}, nil); return err }, poolerr.ErrUnknownStream},
+		{"reload already reloaded stream", func(s *Session) error { _, err := s.Reload("r2", "x", []int32{9, 10}, nil); return err }, poolerr.ErrUnknownStream},
+		{"reload too few device pages", func(s *Session) error { _, err := s.Reload("r1", "a", []int32{9, 10}, nil); return err }, poolerr.ErrPageCount},
 		{"reload too many device pages", func(s *Session) error {
 			_, err := s.Reload("r1", "a", []int32{9, 10, 11, 12}, nil)
 			return err
-		}, ErrPageCount},
-		{"reload device page past end", func(s *Session) error { _, err := s.Reload("r1", "b", []int32{9, 99}, nil); return err }, ErrOutOfRange},
-		{"reload duplicate device page", func(s *Session) error { _, err := s.Reload("r1", "b", []int32{9, 9}, nil); return err }, ErrDuplicateIndex},
-		{"reload empty rid", func(s *Session) error { _, err := s.Reload("", "b", []int32{9, 10}, nil); return err }, ErrBadName},
-		{"offload of zero pages", func(s *Session) error { _, err := s.Offload("r3", "a", nil, Meta{}, nil); return err }, ErrNoPages},
+		}, poolerr.ErrPageCount},
+		{"reload device page past end", func(s *Session) error { _, err := s.Reload("r1", "b", []int32{9, 99}, nil); return err }, poolerr.ErrOutOfRange},
+		{"reload duplicate device page", func(s *Session) error { _, err := s.Reload("r1", "b", []int32{9, 9}, nil); return err }, poolerr.ErrDuplicateIndex},
+		{"reload empty rid", func(s *Session) error { _, err := s.Reload("", "b", []int32{9, 10}, nil); return err }, poolerr.ErrBadName},
+		{"offload of zero pages", func(s *Session) error { _, err := s.Offload("r3", "a", nil, Meta{}, nil); return err }, poolerr.ErrNoPages},
 		{"offload of zero pages to a new label of a stored request", func(s *Session) error {
 			_, err := s.Offload("r1", "c", []int32{}, Meta{StoredLen: 1}, nil)
 			return err
-		}, ErrNoPages},
-		{"offload of zero pages to an existing stream", func(s *Session) error { _, err := s.Offload("r1", "a", nil, Meta{}, nil); return err }, ErrDuplicateStream},
-		{"discard empty rid", func(s *Session) error { return s.Discard("", "a") }, ErrBadName},
-		{"fence unissued ticket", func(s *Session) error { return s.Fence(2) }, ErrBadFence},
-		{"remove_request empty rid", func(s *Session) error { _, err := s.RemoveRequest(""); return err }, ErrBadName},
-		{"remove_request long rid", func(s *Session) error { _, err := s.RemoveRequest(long); return err }, ErrBadName},
+		}, poolerr.ErrNoPages},
+		{"offload of zero pages to an existing stream", func(s *Session) error { _, err := s.Offload("r1", "a", nil, Meta{}, nil); return err }, poolerr.ErrDuplicateStream},
+		{"discard empty rid", func(s *Session) error { return s.Discard("", "a") }, poolerr.ErrBadName},
+		{"fence unissued ticket", func(s *Session) error { return s.Fence(2) }, poolerr.ErrBadFence},
+		{"remove_request empty rid", func(s *Session) error { _, err := s.RemoveRequest(""); return err }, poolerr.ErrBadName},
+		{"remove_request long rid", func(s *Session) error { _, err := s.RemoveRequest(long); return err }, poolerr.ErrBadName},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -200,7 +202,7 @@ func TestSeedSemantics(t *testing.T) {
 }
 
 // TestSessionClosed: every operation on a closed session fails with
-// ErrClosed, and the queries report nothing.
+// poolerr.ErrClosed, and the queries report nothing.
 func TestSessionClosed(t *testing.T) {
 	s := misuseSession(t)
 	s.pool.Close(s)
@@ -213,8 +215,8 @@ func TestSessionClosed(t *testing.T) {
 		"pages":   func() error { _, err := s.NumPages("r1", "a"); return err },
 	}
 	for name, call := range calls {
-		if err := call(); !errors.Is(err, ErrClosed) {
-			t.Errorf("%s on a closed session: %v, want ErrClosed", name, err)
+		if err := call(); !errors.Is(err, poolerr.ErrClosed) {
+			t.Errorf("%s on a closed session: %v, want poolerr.ErrClosed", name, err)
 		}
 	}
 	if s.IsOffloaded("r1") || s.Labels("r1") != nil || !s.Closed() {
@@ -263,29 +265,29 @@ func TestPoolMisuse(t *testing.T) {
 		call func(p *Pool) error
 		want error
 	}{
-		{"add chunk without ID", func(p *Pool) error { return p.AddChunk(Chunk{Size: 1}) }, ErrBadSize},
-		{"add chunk of zero bytes", func(p *Pool) error { return p.AddChunk(Chunk{ID: "new"}) }, ErrBadSize},
-		{"add chunk twice", func(p *Pool) error { return p.AddChunk(Chunk{ID: "gpu0-c3", Size: 1}) }, ErrDuplicateChunk},
-		{"remove unknown chunk", func(p *Pool) error { return p.RemoveChunk("nope") }, ErrUnknownChunk},
-		{"remove granted chunk", func(p *Pool) error { return p.RemoveChunk("gpu0-c0") }, ErrChunkBusy},
-		{"scrub unknown chunk", func(p *Pool) error { return p.Scrubbed("nope") }, ErrUnknownChunk},
-		{"scrub granted chunk", func(p *Pool) error { return p.Scrubbed("gpu0-c1") }, ErrChunkBusy},
-		{"grant without allocation ID", func(p *Pool) error { return p.Grant("", []string{"gpu0-c2"}) }, ErrBadSize},
-		{"grant no chunks", func(p *Pool) error { return p.Grant("C", nil) }, ErrBadSize},
-		{"grant unknown chunk", func(p *Pool) error { return p.Grant("C", []string{"gpu0-c2", "nope"}) }, ErrUnknownChunk},
-		{"grant chunk twice", func(p *Pool) error { return p.Grant("C", []string{"gpu0-c2", "gpu0-c2"}) }, ErrDuplicateIndex},
-		{"grant another allocation's chunk", func(p *Pool) error { return p.Grant("C", []string{"gpu0-c2", "gpu0-c0"}) }, ErrChunkBusy},
-		{"grant dirty chunk", func(p *Pool) error { return p.Grant("C", []string{"gpu1-c0"}) }, ErrChunkDirty},
-		{"grant a different set to an allocation", func(p *Pool) error { return p.Grant("A", []string{"gpu0-c0"}) }, ErrAllocationExists},
-		{"revoke unknown allocation", func(p *Pool) error { _, err := p.Revoke("C"); return err }, ErrUnknownAllocation},
-		{"open unknown allocation", func(p *Pool) error { _, err := p.Open("C", Spec{PageSize: 1, DevicePages: 1}); return err }, ErrUnknownAllocation},
-		{"open with zero page size", func(p *Pool) error { _, err := p.Open("A", Spec{DevicePages: 1}); return err }, ErrBadSize},
-		{"open with no device pages", func(p *Pool) error { _, err := p.Open("A", Spec{PageSize: 1}); return err }, ErrBadSize},
+		{"add chunk without ID", func(p *Pool) error { return p.AddChunk(Chunk{Size: 1}) }, poolerr.ErrBadSize},
+		{"add chunk of zero bytes", func(p *Pool) error { return p.AddChunk(Chunk{ID: "new"}) }, poolerr.ErrBadSize},
+		{"add chunk twice", func(p *Pool) error { return p.AddChunk(Chunk{ID: "gpu0-c3", Size: 1}) }, poolerr.ErrDuplicateChunk},
+		{"remove unknown chunk", func(p *Pool) error { return p.RemoveChunk("nope") }, poolerr.ErrUnknownChunk},
+		{"remove granted chunk", func(p *Pool) error { return p.RemoveChunk("gpu0-c0") }, poolerr.ErrChunkBusy},
+		{"scrub unknown chunk", func(p *Pool) error { return p.Scrubbed("nope") }, poolerr.ErrUnknownChunk},
+		{"scrub granted chunk", func(p *Pool) error { return p.Scrubbed("gpu0-c1") }, poolerr.ErrChunkBusy},
+		{"grant without allocation ID", func(p *Pool) error { return p.Grant("", []string{"gpu0-c2"}) }, poolerr.ErrBadSize},
+		{"grant no chunks", func(p *Pool) error { return p.Grant("C", nil) }, poolerr.ErrBadSize},
+		{"grant unknown chunk", func(p *Pool) error { return p.Grant("C", []string{"gpu0-c2", "nope"}) }, poolerr.ErrUnknownChunk},
+		{"grant chunk twice", func(p *Pool) error { return p.Grant("C", []string{"gpu0-c2", "gpu0-c2"}) }, poolerr.ErrDuplicateIndex},
+		{"grant another allocation's chunk", func(p *Pool) error { return p.Grant("C", []string{"gpu0-c2", "gpu0-c0"}) }, poolerr.ErrChunkBusy},
+		{"grant dirty chunk", func(p *Pool) error { return p.Grant("C", []string{"gpu1-c0"}) }, poolerr.ErrChunkDirty},
+		{"grant a different set to an allocation", func(p *Pool) error { return p.Grant("A", []string{"gpu0-c0"}) }, poolerr.ErrAllocationExists},
+		{"revoke unknown allocation", func(p *Pool) error { _, err := p.Revoke("C"); return err }, poolerr.ErrUnknownAllocation},
+		{"open unknown allocation", func(p *Pool) error { _, err := p.Open("C", Spec{PageSize: 1, DevicePages: 1}); return err }, poolerr.ErrUnknownAllocation},
+		{"open with zero page size", func(p *Pool) error { _, err := p.Open("A", Spec{DevicePages: 1}); return err }, poolerr.ErrBadSize},
+		{"open with no device pages", func(p *Pool) error { _, err := p.Open("A", Spec{PageSize: 1}); return err }, poolerr.ErrBadSize},
 		{"open with negative max pages", func(p *Pool) error {
 			_, err := p.Open("A", Spec{PageSize: 1, DevicePages: 1, MaxPages: -1})
 			return err
-		}, ErrBadSize},
-		{"open when every chunk is bound", func(p *Pool) error { _, err := p.Open("A", Spec{PageSize: 1, DevicePages: 1}); return err }, ErrNoCapacity},
+		}, poolerr.ErrBadSize},
+		{"open when every chunk is bound", func(p *Pool) error { _, err := p.Open("A", Spec{PageSize: 1, DevicePages: 1}); return err }, poolerr.ErrNoCapacity},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -309,7 +311,7 @@ func TestPoolMisuse(t *testing.T) {
 		{PageSize: 128 << 10, DevicePages: 4},             // page larger than a 64 KiB chunk
 		{PageSize: 32 << 10, DevicePages: 4, MaxPages: 5}, // 5 pages need 3 chunks, 2 held
 	} {
-		if _, err := p.Open("C", sp); err == nil || !(errors.Is(err, ErrBadSize) || errors.Is(err, ErrNoCapacity)) {
+		if _, err := p.Open("C", sp); err == nil || !(errors.Is(err, poolerr.ErrBadSize) || errors.Is(err, poolerr.ErrNoCapacity)) {
 			t.Errorf("open %+v: %v, want a size or capacity error", sp, err)
 		}
 	}
@@ -336,10 +338,10 @@ func TestPoolLifecycle(t *testing.T) {
 	}
 	// Another session on A cannot bind: both chunks are taken; and a
 	// session for GPU 1 never binds GPU 0's chunks.
-	if _, err := p.Open("A", Spec{GPU: 0, PageSize: 16 << 10, DevicePages: 8}); !errors.Is(err, ErrNoCapacity) {
+	if _, err := p.Open("A", Spec{GPU: 0, PageSize: 16 << 10, DevicePages: 8}); !errors.Is(err, poolerr.ErrNoCapacity) {
 		t.Fatalf("second open: %v", err)
 	}
-	if _, err := p.Open("A", Spec{GPU: 1, PageSize: 16 << 10, DevicePages: 8}); !errors.Is(err, ErrNoGPUChunks) {
+	if _, err := p.Open("A", Spec{GPU: 1, PageSize: 16 << 10, DevicePages: 8}); !errors.Is(err, poolerr.ErrNoGPUChunks) {
 		t.Fatalf("open for a GPU without chunks: %v", err)
 	}
 	chunks, err := p.Revoke("A")
@@ -347,7 +349,7 @@ func TestPoolLifecycle(t *testing.T) {
 	if len(chunks) != 2 || !s.Closed() || s.IsOffloaded("r") {
 		t.Fatalf("after revoke: %d chunks, closed %v, offloaded %v", len(chunks), s.Closed(), s.IsOffloaded("r"))
 	}
-	if err := p.Grant("B", ids); !errors.Is(err, ErrChunkDirty) {
+	if err := p.Grant("B", ids); !errors.Is(err, poolerr.ErrChunkDirty) {
 		t.Fatalf("grant of dirty chunks: %v", err)
 	}
 	for _, c := range chunks {
@@ -395,7 +397,7 @@ func testOwnGPU(t *testing.T) {
 			t.Fatalf("session of GPU %d: %d chunks, capacity %d", gpu, len(s.Chunks()), s.Capacity())
 		}
 	}
-	if _, err := p.Open("pod", Spec{GPU: 0, PageSize: 4 << 10, DevicePages: 8}); !errors.Is(err, ErrNoGPUChunks) {
+	if _, err := p.Open("pod", Spec{GPU: 0, PageSize: 4 << 10, DevicePages: 8}); !errors.Is(err, poolerr.ErrNoGPUChunks) {
 		t.Fatalf("open for GPU 0: %v", err)
 	}
 	must(t, p.Check())

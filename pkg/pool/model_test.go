@@ -7,6 +7,8 @@ import (
 	"slices"
 	"sync"
 	"testing"
+
+	"github.com/kvpool/kvpool/pkg/poolerr"
 )
 
 // model is the reference the session is checked against: plain maps and
@@ -124,10 +126,10 @@ func badDevice(pages []int32, dev int) error {
 	seen := map[int32]bool{}
 	for _, p := range pages {
 		if p < 0 || int(p) >= dev {
-			return ErrOutOfRange
+			return poolerr.ErrOutOfRange
 		}
 		if seen[p] {
-			return ErrDuplicateIndex
+			return poolerr.ErrDuplicateIndex
 		}
 		seen[p] = true
 	}
@@ -178,17 +180,17 @@ func (d *driver) step() {
 		free := d.m.capacity - d.m.used() - d.m.pendingPages()
 		switch {
 		case meta.Position < 0:
-			want = ErrBadSize
+			want = poolerr.ErrBadSize
 		case badDevice(gpu, d.dev) != nil:
 			want = badDevice(gpu, d.dev)
 		case d.m.find(rid, label) >= 0:
-			want = ErrDuplicateStream
+			want = poolerr.ErrDuplicateStream
 		case n == 0:
-			want = ErrNoPages // the seed's False: nothing recorded
+			want = poolerr.ErrNoPages // the seed's False: nothing recorded
 		case n > free+d.m.pendingPages():
-			want = ErrFull
+			want = poolerr.ErrFull
 		case n > free:
-			want = ErrPending
+			want = poolerr.ErrPending
 			var pe *PendingError
 			if !errors.As(err, &pe) {
 				d.fail("offload: %v, want *PendingError", err)
@@ -241,9 +243,9 @@ func (d *driver) step() {
 		case badDevice(gpu, d.dev) != nil:
 			want = badDevice(gpu, d.dev)
 		case i < 0:
-			want = ErrUnknownStream
+			want = poolerr.ErrUnknownStream
 		case len(gpu) != len(d.m.streams[rid][i].pages):
-			want = ErrPageCount
+			want = poolerr.ErrPageCount
 		}
 		d.wantErr("reload", err, want)
 		if want != nil {
@@ -296,7 +298,7 @@ func (d *driver) step() {
 		}
 		if d.rng.IntN(15) == 0 {
 			t = d.m.issued + 1 + uint64(d.rng.IntN(3))
-			d.wantErr("fence", d.s.Fence(t), ErrBadFence)
+			d.wantErr("fence", d.s.Fence(t), poolerr.ErrBadFence)
 			return
 		}
 		d.wantErr("fence", d.s.Fence(t), nil)
@@ -308,7 +310,7 @@ func (d *driver) step() {
 		}
 	case 9: // a misuse with a bad name
 		_, err := d.s.Offload("", label, nil, Meta{}, nil)
-		d.wantErr("offload with empty rid", err, ErrBadName)
+		d.wantErr("offload with empty rid", err, poolerr.ErrBadName)
 	}
 }
 

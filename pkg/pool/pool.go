@@ -20,6 +20,8 @@ package pool
 import (
 	"fmt"
 	"sync"
+
+	"github.com/kvpool/kvpool/pkg/poolerr"
 )
 
 // Chunk is a region of host memory that the pool may hand out.
@@ -90,15 +92,15 @@ func New() *Pool {
 // AddChunk makes a freshly allocated (zeroed) chunk available.
 func (p *Pool) AddChunk(c Chunk) error {
 	if c.ID == "" {
-		return fmt.Errorf("add chunk: %w: empty ID", ErrBadSize)
+		return fmt.Errorf("add chunk: %w: empty ID", poolerr.ErrBadSize)
 	}
 	if c.Size <= 0 {
-		return fmt.Errorf("add chunk %s: %w: size %d", c.ID, ErrBadSize, c.Size)
+		return fmt.Errorf("add chunk %s: %w: size %d", c.ID, poolerr.ErrBadSize, c.Size)
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if _, ok := p.chunks[c.ID]; ok {
-		return fmt.Errorf("add chunk %s: %w", c.ID, ErrDuplicateChunk)
+		return fmt.Errorf("add chunk %s: %w", c.ID, poolerr.ErrDuplicateChunk)
 	}
 	ch := &chunk{Chunk: c}
 	p.chunks[c.ID] = ch
@@ -114,10 +116,10 @@ func (p *Pool) RemoveChunk(id string) error {
 	defer p.mu.Unlock()
 	ch, ok := p.chunks[id]
 	if !ok {
-		return fmt.Errorf("remove chunk %s: %w", id, ErrUnknownChunk)
+		return fmt.Errorf("remove chunk %s: %w", id, poolerr.ErrUnknownChunk)
 	}
 	if ch.state == ChunkGranted {
-		return fmt.Errorf("remove chunk %s: %w: granted to allocation %s", id, ErrChunkBusy, ch.alloc.id)
+		return fmt.Errorf("remove chunk %s: %w: granted to allocation %s", id, poolerr.ErrChunkBusy, ch.alloc.id)
 	}
 	delete(p.chunks, id)
 	for i, c := range p.order {
@@ -137,10 +139,10 @@ func (p *Pool) Scrubbed(id string) error {
 	defer p.mu.Unlock()
 	ch, ok := p.chunks[id]
 	if !ok {
-		return fmt.Errorf("scrubbed %s: %w", id, ErrUnknownChunk)
+		return fmt.Errorf("scrubbed %s: %w", id, poolerr.ErrUnknownChunk)
 	}
 	if ch.state == ChunkGranted {
-		return fmt.Errorf("scrubbed %s: %w: granted to allocation %s", id, ErrChunkBusy, ch.alloc.id)
+		return fmt.Errorf("scrubbed %s: %w: granted to allocation %s", id, poolerr.ErrChunkBusy, ch.alloc.id)
 	}
 	ch.state = ChunkFree
 	p.record(Event{Kind: EventScrubbed, Chunk: ch.Chunk})
@@ -151,10 +153,10 @@ func (p *Pool) Scrubbed(id string) error {
 // same allocation again is a no-op, so a repeated kubelet Allocate is safe.
 func (p *Pool) Grant(alloc string, ids []string) error {
 	if alloc == "" {
-		return fmt.Errorf("grant: %w: empty allocation ID", ErrBadSize)
+		return fmt.Errorf("grant: %w: empty allocation ID", poolerr.ErrBadSize)
 	}
 	if len(ids) == 0 {
-		return fmt.Errorf("grant %s: %w: no chunks", alloc, ErrBadSize)
+		return fmt.Errorf("grant %s: %w: no chunks", alloc, poolerr.ErrBadSize)
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -163,10 +165,10 @@ func (p *Pool) Grant(alloc string, ids []string) error {
 	for i, id := range ids {
 		ch, ok := p.chunks[id]
 		if !ok {
-			return fmt.Errorf("grant %s: %w: %s", alloc, ErrUnknownChunk, id)
+			return fmt.Errorf("grant %s: %w: %s", alloc, poolerr.ErrUnknownChunk, id)
 		}
 		if seen[id] {
-			return fmt.Errorf("grant %s: %w: chunk %s named twice", alloc, ErrDuplicateIndex, id)
+			return fmt.Errorf("grant %s: %w: chunk %s named twice", alloc, poolerr.ErrDuplicateIndex, id)
 		}
 		seen[id] = true
 		chunks[i] = ch
@@ -175,14 +177,14 @@ func (p *Pool) Grant(alloc string, ids []string) error {
 		if sameChunks(a.chunks, chunks) {
 			return nil
 		}
-		return fmt.Errorf("grant %s: %w", alloc, ErrAllocationExists)
+		return fmt.Errorf("grant %s: %w", alloc, poolerr.ErrAllocationExists)
 	}
 	for _, ch := range chunks {
 		switch ch.state {
 		case ChunkGranted:
-			return fmt.Errorf("grant %s: %w: %s is granted to allocation %s", alloc, ErrChunkBusy, ch.ID, ch.alloc.id)
+			return fmt.Errorf("grant %s: %w: %s is granted to allocation %s", alloc, poolerr.ErrChunkBusy, ch.ID, ch.alloc.id)
 		case ChunkDirty:
-			return fmt.Errorf("grant %s: %w: %s", alloc, ErrChunkDirty, ch.ID)
+			return fmt.Errorf("grant %s: %w: %s", alloc, poolerr.ErrChunkDirty, ch.ID)
 		}
 	}
 	a := &allocation{id: alloc, chunks: chunks, sessions: make(map[*Session]struct{})}
@@ -219,7 +221,7 @@ func (p *Pool) Revoke(alloc string) ([]Chunk, error) {
 	defer p.mu.Unlock()
 	a, ok := p.allocs[alloc]
 	if !ok {
-		return nil, fmt.Errorf("revoke %s: %w", alloc, ErrUnknownAllocation)
+		return nil, fmt.Errorf("revoke %s: %w", alloc, poolerr.ErrUnknownAllocation)
 	}
 	for s := range a.sessions {
 		p.closeLocked(s)
@@ -239,22 +241,22 @@ func (p *Pool) Revoke(alloc string) ([]Chunk, error) {
 // chunks of spec.GPU to hold spec.MaxPages pages of spec.PageSize bytes
 // (every unbound chunk of that GPU when MaxPages is 0). Chunks of other GPUs
 // are never bound: each rank of a pod takes its own GPU's chunks. An
-// allocation with no chunk of the GPU gets ErrNoGPUChunks; one whose chunks
-// of the GPU are all bound, or too few, ErrNoCapacity.
+// allocation with no chunk of the GPU gets poolerr.ErrNoGPUChunks; one whose chunks
+// of the GPU are all bound, or too few, poolerr.ErrNoCapacity.
 func (p *Pool) Open(alloc string, spec Spec) (*Session, error) {
 	switch {
 	case spec.PageSize <= 0:
-		return nil, fmt.Errorf("open: %w: page size %d", ErrBadSize, spec.PageSize)
+		return nil, fmt.Errorf("open: %w: page size %d", poolerr.ErrBadSize, spec.PageSize)
 	case spec.DevicePages <= 0:
-		return nil, fmt.Errorf("open: %w: device page count %d", ErrBadSize, spec.DevicePages)
+		return nil, fmt.Errorf("open: %w: device page count %d", poolerr.ErrBadSize, spec.DevicePages)
 	case spec.MaxPages < 0:
-		return nil, fmt.Errorf("open: %w: max pages %d", ErrBadSize, spec.MaxPages)
+		return nil, fmt.Errorf("open: %w: max pages %d", poolerr.ErrBadSize, spec.MaxPages)
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	a, ok := p.allocs[alloc]
 	if !ok {
-		return nil, fmt.Errorf("open on %s: %w", alloc, ErrUnknownAllocation)
+		return nil, fmt.Errorf("open on %s: %w", alloc, poolerr.ErrUnknownAllocation)
 	}
 	var unbound []*chunk
 	mine := 0
@@ -268,10 +270,10 @@ func (p *Pool) Open(alloc string, spec Spec) (*Session, error) {
 		}
 	}
 	if mine == 0 {
-		return nil, fmt.Errorf("open on %s for GPU %d: %w (its %d chunks are of other GPUs)", alloc, spec.GPU, ErrNoGPUChunks, len(a.chunks))
+		return nil, fmt.Errorf("open on %s for GPU %d: %w (its %d chunks are of other GPUs)", alloc, spec.GPU, poolerr.ErrNoGPUChunks, len(a.chunks))
 	}
 	if len(unbound) == 0 {
-		return nil, fmt.Errorf("open on %s for GPU %d: %w: its %d chunks of this GPU are bound to another session", alloc, spec.GPU, ErrNoCapacity, mine)
+		return nil, fmt.Errorf("open on %s for GPU %d: %w: its %d chunks of this GPU are bound to another session", alloc, spec.GPU, poolerr.ErrNoCapacity, mine)
 	}
 	// All chunks of one allocation should share a size; the smallest decides
 	// the pages per chunk so that every chunk holds the same count.
@@ -280,7 +282,7 @@ func (p *Pool) Open(alloc string, spec Spec) (*Session, error) {
 		size = min(size, ch.Size)
 	}
 	if spec.PageSize > size {
-		return nil, fmt.Errorf("open on %s: %w: page size %d exceeds chunk size %d", alloc, ErrBadSize, spec.PageSize, size)
+		return nil, fmt.Errorf("open on %s: %w: page size %d exceeds chunk size %d", alloc, poolerr.ErrBadSize, spec.PageSize, size)
 	}
 	ppc := int(size / spec.PageSize)
 	want := len(unbound)
@@ -288,11 +290,11 @@ func (p *Pool) Open(alloc string, spec Spec) (*Session, error) {
 		want = (spec.MaxPages + ppc - 1) / ppc
 		if want > len(unbound) {
 			return nil, fmt.Errorf("open on %s for GPU %d: %w: %d pages of %d bytes need %d chunks, %d of this GPU unbound",
-				alloc, spec.GPU, ErrNoCapacity, spec.MaxPages, spec.PageSize, want, len(unbound))
+				alloc, spec.GPU, poolerr.ErrNoCapacity, spec.MaxPages, spec.PageSize, want, len(unbound))
 		}
 	}
 	if int64(want)*int64(ppc) > maxPages {
-		return nil, fmt.Errorf("open on %s: %w: %d pages exceed the limit of %d", alloc, ErrBadSize, int64(want)*int64(ppc), maxPages)
+		return nil, fmt.Errorf("open on %s: %w: %d pages exceed the limit of %d", alloc, poolerr.ErrBadSize, int64(want)*int64(ppc), maxPages)
 	}
 	chosen := unbound[:want:want]
 	capacity := want * ppc
@@ -359,7 +361,7 @@ func (p *Pool) Allocation(alloc string) ([]string, error) {
 	defer p.mu.Unlock()
 	a, ok := p.allocs[alloc]
 	if !ok {
-		return nil, fmt.Errorf("allocation %s: %w", alloc, ErrUnknownAllocation)
+		return nil, fmt.Errorf("allocation %s: %w", alloc, poolerr.ErrUnknownAllocation)
 	}
 	ids := make([]string, len(a.chunks))
 	for i, ch := range a.chunks {

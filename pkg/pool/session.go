@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+
+	"github.com/kvpool/kvpool/pkg/poolerr"
 )
 
 // Meta is the stream metadata the seed API saves at offload and returns at
@@ -17,7 +19,7 @@ type Meta struct {
 func (m Meta) validate() error {
 	if m.StoredLen < 0 || m.Position < 0 || m.Released < 0 {
 		return fmt.Errorf("%w: stored_len %d, position %d, released %d must not be negative",
-			ErrBadSize, m.StoredLen, m.Position, m.Released)
+			poolerr.ErrBadSize, m.StoredLen, m.Position, m.Released)
 	}
 	return nil
 }
@@ -280,7 +282,7 @@ func (s *Session) unlink(rid string, l ridList, slot int32) {
 func checkNames(rid, label string) error {
 	if rid == "" || len(rid) > MaxNameLen || len(label) > MaxNameLen {
 		return fmt.Errorf("%w: request ID of %d bytes, label of %d bytes (request ID must be 1 to %d bytes, label at most %d)",
-			ErrBadName, len(rid), len(label), MaxNameLen, MaxNameLen)
+			poolerr.ErrBadName, len(rid), len(label), MaxNameLen, MaxNameLen)
 	}
 	return nil
 }
@@ -288,19 +290,19 @@ func checkNames(rid, label string) error {
 // checkDevicePages rejects device page indices out of range or named twice.
 func (s *Session) checkDevicePages(pages []int32) error {
 	if len(pages) > s.spec.DevicePages {
-		return fmt.Errorf("%w: %d device pages named, the device has %d", ErrPageCount, len(pages), s.spec.DevicePages)
+		return fmt.Errorf("%w: %d device pages named, the device has %d", poolerr.ErrPageCount, len(pages), s.spec.DevicePages)
 	}
 	var err error
 	i := 0
 	for ; i < len(pages); i++ {
 		p := pages[i]
 		if p < 0 || int(p) >= s.spec.DevicePages {
-			err = fmt.Errorf("%w: device page %d is not in [0, %d)", ErrOutOfRange, p, s.spec.DevicePages)
+			err = fmt.Errorf("%w: device page %d is not in [0, %d)", poolerr.ErrOutOfRange, p, s.spec.DevicePages)
 			break
 		}
 		w, b := p>>6, uint64(1)<<(p&63)
 		if s.seen[w]&b != 0 {
-			err = fmt.Errorf("%w: device page %d named twice", ErrDuplicateIndex, p)
+			err = fmt.Errorf("%w: device page %d named twice", poolerr.ErrDuplicateIndex, p)
 			break
 		}
 		s.seen[w] |= b
@@ -314,10 +316,10 @@ func (s *Session) checkDevicePages(pages []int32) error {
 // Offload records a new stream (rid, label) holding one fresh host page per
 // device page in gpuPages, and appends the host pages to dst in the same
 // order. It is all or nothing: when the pool cannot hold every page it returns
-// ErrFull (or a *PendingError when pages pending release would make room) and
-// nothing changes. An offload of zero pages returns ErrNoPages and records
+// poolerr.ErrFull (or a *PendingError when pages pending release would make room) and
+// nothing changes. An offload of zero pages returns poolerr.ErrNoPages and records
 // nothing (the seed's engine treats it as "offload returned False"). A second
-// offload of an existing (rid, label) is ErrDuplicateStream: the old stream
+// offload of an existing (rid, label) is poolerr.ErrDuplicateStream: the old stream
 // stays as it was.
 func (s *Session) Offload(rid, label string, gpuPages []int32, m Meta, dst []int32) ([]int32, error) {
 	if err := checkNames(rid, label); err != nil {
@@ -329,23 +331,23 @@ func (s *Session) Offload(rid, label string, gpuPages []int32, m Meta, dst []int
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
-		return dst, streamErr("offload", rid, label, ErrClosed)
+		return dst, streamErr("offload", rid, label, poolerr.ErrClosed)
 	}
 	if err := s.checkDevicePages(gpuPages); err != nil {
 		return dst, streamErr("offload", rid, label, err)
 	}
 	found, list := s.find(rid, label)
 	if found != nilPage {
-		return dst, streamErr("offload", rid, label, ErrDuplicateStream)
+		return dst, streamErr("offload", rid, label, poolerr.ErrDuplicateStream)
 	}
 	n := len(gpuPages)
 	if n == 0 {
-		return dst, streamErr("offload", rid, label, ErrNoPages)
+		return dst, streamErr("offload", rid, label, poolerr.ErrNoPages)
 	}
 	if n > s.nfree {
 		if n > s.nfree+s.npending {
 			return dst, streamErr("offload", rid, label,
-				fmt.Errorf("%w: need %d, %d free of %d", ErrFull, n, s.nfree+s.npending, s.capacity))
+				fmt.Errorf("%w: need %d, %d free of %d", poolerr.ErrFull, n, s.nfree+s.npending, s.capacity))
 		}
 		return dst, s.pendingErr(n)
 	}
@@ -395,19 +397,19 @@ func (s *Session) Reload(rid, label string, gpuPages []int32, dst []int32) (Relo
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
-		return Reloaded{Pages: dst}, streamErr("reload", rid, label, ErrClosed)
+		return Reloaded{Pages: dst}, streamErr("reload", rid, label, poolerr.ErrClosed)
 	}
 	if err := s.checkDevicePages(gpuPages); err != nil {
 		return Reloaded{Pages: dst}, streamErr("reload", rid, label, err)
 	}
 	slot, list := s.find(rid, label)
 	if slot == nilPage {
-		return Reloaded{Pages: dst}, streamErr("reload", rid, label, ErrUnknownStream)
+		return Reloaded{Pages: dst}, streamErr("reload", rid, label, poolerr.ErrUnknownStream)
 	}
 	st := s.at(slot)
 	if len(gpuPages) != int(st.n) {
 		return Reloaded{Pages: dst}, streamErr("reload", rid, label,
-			fmt.Errorf("%w: stream holds %d pages, %d device pages given", ErrPageCount, st.n, len(gpuPages)))
+			fmt.Errorf("%w: stream holds %d pages, %d device pages given", poolerr.ErrPageCount, st.n, len(gpuPages)))
 	}
 	for p := st.head; p != nilPage; p = s.next[p] {
 		dst = append(dst, p)
@@ -429,10 +431,10 @@ func (s *Session) Fence(ticket uint64) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
-		return fmt.Errorf("fence %d: %w", ticket, ErrClosed)
+		return fmt.Errorf("fence %d: %w", ticket, poolerr.ErrClosed)
 	}
 	if ticket > s.ticket {
-		return fmt.Errorf("fence %d: %w (last issued %d)", ticket, ErrBadFence, s.ticket)
+		return fmt.Errorf("fence %d: %w (last issued %d)", ticket, poolerr.ErrBadFence, s.ticket)
 	}
 	for s.phead < len(s.pending) && s.pending[s.phead].ticket <= ticket {
 		r := s.pending[s.phead]
@@ -474,7 +476,7 @@ func (s *Session) Discard(rid, label string) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
-		return streamErr("discard", rid, label, ErrClosed)
+		return streamErr("discard", rid, label, poolerr.ErrClosed)
 	}
 	slot, list := s.find(rid, label)
 	if slot == nilPage {
@@ -495,7 +497,7 @@ func (s *Session) RemoveRequest(rid string) (int, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
-		return 0, fmt.Errorf("remove_request %q: %w", rid, ErrClosed)
+		return 0, fmt.Errorf("remove_request %q: %w", rid, poolerr.ErrClosed)
 	}
 	removed := 0
 	for slot := s.first(rid); slot != nilPage; {
@@ -546,7 +548,7 @@ func (s *Session) NumPages(rid, label string) (int, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
-		return 0, streamErr("num_pages", rid, label, ErrClosed)
+		return 0, streamErr("num_pages", rid, label, poolerr.ErrClosed)
 	}
 	slot, _ := s.find(rid, label)
 	if slot == nilPage {

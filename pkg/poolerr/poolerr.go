@@ -1,8 +1,9 @@
 // Package poolerr holds the pool's error values: the kinds of failure a
-// session call can meet, which the socket server turns into wire statuses
-// and the client turns back into the same values. pkg/pool re-exports them
-// (pool.ErrUnknownStream is poolerr.ErrUnknownStream), so errors.Is works on
-// both sides; the client imports this package instead of the pool.
+// session call can meet. The pool returns them (wrapped with the details of
+// the call), the socket server turns them into wire statuses and the client
+// back into the same values, both through pkg/wire's one table (StatusOf,
+// ErrorOf), so errors.Is works on both sides. Everyone names them here:
+// the client imports this package instead of the pool.
 //
 // It imports only the standard library.
 package poolerr
@@ -47,6 +48,10 @@ var (
 	// ErrNoGPUChunks reports a session for a GPU of which the allocation
 	// holds no chunk: a session binds only chunks of its own GPU.
 	ErrNoGPUChunks = errors.New("allocation holds no chunk of this GPU")
+	// ErrUnknownGPU reports an Open for a GPU the agent does not serve:
+	// its UUID is not in the node's plan (a GPU of another node, or a
+	// device the agent could not see).
+	ErrUnknownGPU = errors.New("GPU is not one of the agent's")
 
 	// ErrNotReady reports that the pool (or the agent around it) cannot
 	// answer yet but will: it is starting or restoring its books. The

@@ -14,11 +14,13 @@ import (
 	"unsafe"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/kvpool/kvpool/pkg/unixsock"
 )
 
 // Network is the socket type the protocol runs on: one packet per message,
 // message boundaries kept, connection oriented.
-const Network = "unixpacket"
+const Network = unixsock.Network
 
 // ErrTooLarge reports a packet longer than MaxMessage. The receiver closes
 // the connection: the rest of the packet is lost, so the peer's state is
@@ -361,7 +363,9 @@ func (c *Conn) Recv(buf []byte) ([]byte, []*os.File, error) {
 	oobn, flags := int(m.Controllen), int(m.Flags)
 	var files []*os.File
 	if oobn > 0 {
-		files, err = parseRights(c.oob[:oobn])
+		if files, err = unixsock.Files(c.oob[:oobn], "kvpool-fd"); err != nil {
+			err = fmt.Errorf("wire: recv: %w", err)
+		}
 	}
 	if err == nil && n == 0 {
 		err = io.EOF
@@ -382,27 +386,4 @@ func (c *Conn) Recv(buf []byte) ([]byte, []*os.File, error) {
 		return nil, nil, err
 	}
 	return buf[:n], files, nil
-}
-
-// parseRights returns the fds of every SCM_RIGHTS message in oob as files.
-func parseRights(oob []byte) ([]*os.File, error) {
-	msgs, err := unix.ParseSocketControlMessage(oob)
-	if err != nil {
-		return nil, fmt.Errorf("wire: control message: %w", err)
-	}
-	var files []*os.File
-	var ferr error
-	for _, m := range msgs {
-		fds, err := unix.ParseUnixRights(&m)
-		if err != nil {
-			if ferr == nil {
-				ferr = fmt.Errorf("wire: control message: %w", err)
-			}
-			continue
-		}
-		for _, fd := range fds {
-			files = append(files, os.NewFile(uintptr(fd), "kvpool-fd"))
-		}
-	}
-	return files, ferr
 }

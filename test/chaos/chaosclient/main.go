@@ -22,7 +22,7 @@ import (
 
 	"github.com/kvpool/kvpool/pkg/client"
 	"github.com/kvpool/kvpool/pkg/cudart"
-	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/poolerr"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
 
@@ -99,9 +99,9 @@ func run(socket, token string, gpu int, seed uint64) error {
 	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))
 	r.p, err = client.Open(context.Background(), client.Options{Socket: socket, Token: token, Device: dev, Logger: log,
 		Name: "chaosclient", RetryFor: 30 * time.Second,
-		Regions: []client.Region{
-			{Base: r.k, Stride: uint64(pageBytes), BytesPerPage: uint64(pageBytes), Pages: devicePages},
-			{Base: r.v, Stride: uint64(pageBytes), BytesPerPage: uint64(pageBytes), Pages: devicePages},
+		Regions: []cudart.Region{
+			{Base: r.k, Stride: uint64(pageBytes), PageBytes: uint64(pageBytes), Pages: devicePages},
+			{Base: r.v, Stride: uint64(pageBytes), PageBytes: uint64(pageBytes), Pages: devicePages},
 		}})
 	if err != nil {
 		return err
@@ -270,7 +270,7 @@ func (r *runner) reload(i int) {
 	var got client.OffloadedStream
 	var err error
 	r.timed(func() { got, err = r.p.ReloadStream(s.rid, s.label, dst) })
-	if errors.Is(err, pool.ErrUnknownStream) {
+	if errors.Is(err, poolerr.ErrUnknownStream) {
 		r.res.Lost++
 		r.fail("reload %s: lost: %v", s.rid, err)
 		return
@@ -318,7 +318,7 @@ func (r *runner) check(i int) {
 	var n int
 	var err error
 	r.timed(func() { n, err = r.p.NumPages(s.rid, s.label) })
-	if errors.Is(err, pool.ErrUnknownStream) {
+	if errors.Is(err, poolerr.ErrUnknownStream) {
 		r.take(i)
 		r.res.Lost++
 		r.fail("num_pages %s: lost", s.rid)
