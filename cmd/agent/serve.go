@@ -112,11 +112,20 @@ func resolveServe(args []string, getenv func(string) string) (*serveSetup, error
 		return s, nil
 	}
 
-	// Standalone: the same configuration, with defaults fit for a laptop
-	// and for several agents on one machine.
 	if visited["simulate-gpus"] {
 		return nil, errors.New("--simulate-gpus applies only in cluster mode; standalone GPUs are standalone.gpus (--standalone-gpus, KVPOOL_STANDALONE_GPUS)")
 	}
+	if err := s.standaloneDefaults(); err != nil {
+		return nil, err
+	}
+	return s, nil
+}
+
+// standaloneDefaults gives a standalone agent the same configuration with
+// defaults fit for a laptop and for several agents on one machine: each
+// applies only to a field whose source is the default.
+func (s *serveSetup) standaloneDefaults() error {
+	cfg, src, f := s.cfg, s.src, s.flags
 	if !src.Explicit("standalone.tokens") {
 		s.randomToken = true
 	}
@@ -134,7 +143,7 @@ func resolveServe(args []string, getenv func(string) string) (*serveSetup, error
 		s.socket = cfg.SocketPath()
 	}
 	if f.devicePlugin && s.socket != cfg.SocketPath() {
-		return nil, fmt.Errorf("--socket %s: with --device-plugin the socket must be <socketDir>/%s (pods mount socketDir); use --socket-dir", s.socket, contract.SocketFile)
+		return fmt.Errorf("--socket %s: with --device-plugin the socket must be <socketDir>/%s (pods mount socketDir); use --socket-dir", s.socket, contract.SocketFile)
 	}
 	// A pool size asked for in sizing.poolBytes holds in standalone mode
 	// too, unless standalone.poolBytes is given as well.
@@ -148,7 +157,7 @@ func resolveServe(args []string, getenv func(string) string) (*serveSetup, error
 		cfg.TokenBinding = config.TokenBindingNone // no pods to bind to
 	}
 	if err := config.CheckDirs(cfg.SocketDir, cfg.StateDir); err != nil {
-		return nil, fmt.Errorf("stateDir: %w", err)
+		return fmt.Errorf("stateDir: %w", err)
 	}
 	if !src.Explicit("metrics.address") {
 		cfg.Metrics.Address = "127.0.0.1:0"
@@ -163,7 +172,7 @@ func resolveServe(args []string, getenv func(string) string) (*serveSetup, error
 	if f.chunkMiB > 0 && f.chunksPerGPU == 0 {
 		s.flags.chunksPerGPU = 4
 	}
-	return s, nil
+	return nil
 }
 
 // runServe is `agent [serve]`.

@@ -76,100 +76,142 @@ func main() {
 	}
 }
 
-// run is kvbench with its arguments.
+// options are kvbench's flags.
+type options struct {
+	workers, pageKiB, maxPages int
+	dur                        time.Duration
+	asJSON                     bool
+}
+
+// run is kvbench with its arguments: it parses the flags, starts an
+// embedded agent unless --socket names one, runs the workers against it
+// beside the echo floor, and prints the report.
 func run(ctx context.Context, args []string) error {
 	fs := flag.NewFlagSet("kvbench", flag.ContinueOnError)
 	socket := fs.String("socket", "", "a running agent's socket (default: start an embedded standalone agent)")
 	token := fs.String("token", os.Getenv("KVPOOL_TOKEN"), "allocation token, with --socket")
-	workers := fs.Int("workers", 2, "client processes, one session each on GPUs 0..workers-1")
-	dur := fs.Duration("duration", 3*time.Second, "how long the mixed workload runs")
-	pageKiB := fs.Int("page-kib", 64, "KiB per page in each of the K and V regions")
-	maxPages := fs.Int("max-pages", 256, "host pages per session")
-	asJSON := fs.Bool("json", false, "print the results as JSON")
+	var o options
+	fs.IntVar(&o.workers, "workers", 2, "client processes, one session each on GPUs 0..workers-1")
+	fs.DurationVar(&o.dur, "duration", 3*time.Second, "how long the mixed workload runs")
+	fs.IntVar(&o.pageKiB, "page-kib", 64, "KiB per page in each of the K and V regions")
+	fs.IntVar(&o.maxPages, "max-pages", 256, "host pages per session")
+	fs.BoolVar(&o.asJSON, "json", false, "print the results as JSON")
 	worker := fs.Bool("worker", false, "internal: run as one workload process")
 	gpu := fs.Int("gpu", 0, "internal: the worker's GPU")
 	echoPath := fs.String("echo", "", "internal: the echo socket the worker measures the floor against")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
-	cfg := workload.Config{Socket: *socket, Token: *token, GPU: *gpu, PageBytes: uint64(*pageKiB) << 10,
-		MaxPages: *maxPages, DevicePages: 2 * *maxPages, MaxStream: 64, Duration: *dur,
+	cfg := workload.Config{Socket: *socket, Token: *token, GPU: *gpu, PageBytes: uint64(o.pageKiB) << 10,
+		MaxPages: o.maxPages, DevicePages: 2 * o.maxPages, MaxStream: 64, Duration: o.dur,
 		Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))}
 	if *worker {
 		return benchWorker(ctx, cfg, *echoPath)
 	}
-	if *workers < 1 || *workers > 64 || *pageKiB < 1 || *maxPages < 1 {
+	if o.workers < 1 || o.workers > 64 || o.pageKiB < 1 || o.maxPages < 1 {
 		return fmt.Errorf("--workers, --page-kib and --max-pages must be positive (workers at most 64)")
 	}
-	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	if *socket == "" {
-		dir, err := os.MkdirTemp("", "kvpool-bench-")
+		stop, err := embedAgent(ctx, o, &cfg)
 		if err != nil {
 			return err
 		}
-		defer os.RemoveAll(dir)
-		hostBytes := int64(2 * *pageKiB << 10)
-		chunk := max(int64(64<<20), (hostBytes*int64(*maxPages)+(1<<20)-1)/(1<<20)<<20)
-		a, err := standalone.Start(standalone.Config{GPUs: *workers, ChunksPerGPU: 1, ChunkBytes: chunk,
-			Socket: filepath.Join(dir, "kvpool.sock"), Logger: log})
-		if err != nil {
-			return err
-		}
-		defer a.Close()
-		sctx, cancel := context.WithCancel(ctx)
-		done := make(chan error, 1)
-		go func() { done <- a.Serve(sctx) }()
-		defer func() {
-			cancel()
-			if err := <-done; err != nil {
-				log.Warn("bench: embedded agent stopped", "err", err)
-			}
-		}()
-		cfg.Socket = a.Socket
-		for t := range a.Tokens {
-			cfg.Token = t
-		}
-		fmt.Fprintf(os.Stderr, "kvbench: embedded standalone agent on %s (%d GPUs)\n", a.Socket, *workers)
+		defer stop()
 	} else if cfg.Token == "" {
 		return fmt.Errorf("--socket needs --token or $KVPOOL_TOKEN")
 	}
-
-	// The floor: the workers time bare request/reply exchanges of an
-	// offload's sizes with an echo server in this process, across the same
-	// process boundary as their calls to the agent, before and after their
-	// workload.
-	echoDir, err := os.MkdirTemp("", "kvpool-echo-")
+	rep, elapsed, err := runWorkers(ctx, o, cfg)
 	if err != nil {
 		return err
+	}
+	if o.asJSON {
+		enc := json.NewEncoder(os.Stdout)
+		enc.SetIndent("", "  ")
+		if err := enc.Encode(rep); err != nil {
+			return err
+		}
+	} else {
+		printReport(os.Stdout, rep, elapsed)
+	}
+	if len(rep.Errors) > 0 || rep.Mismatches > 0 {
+		return fmt.Errorf("%d errors, %d mismatches", len(rep.Errors), rep.Mismatches)
+	}
+	return nil
+}
+
+// embedAgent starts a standalone agent in this process with one chunk per
+// worker's GPU, large enough for --max-pages, and points cfg at it. stop
+// ends it.
+func embedAgent(ctx context.Context, o options, cfg *workload.Config) (stop func(), err error) {
+	log := cfg.Logger
+	dir, err := os.MkdirTemp("", "kvpool-bench-")
+	if err != nil {
+		return nil, err
+	}
+	hostBytes := int64(2 * o.pageKiB << 10)
+	chunk := max(int64(64<<20), (hostBytes*int64(o.maxPages)+(1<<20)-1)/(1<<20)<<20)
+	a, err := standalone.Start(standalone.Config{GPUs: o.workers, ChunksPerGPU: 1, ChunkBytes: chunk,
+		Socket: filepath.Join(dir, "kvpool.sock"), Logger: log})
+	if err != nil {
+		os.RemoveAll(dir)
+		return nil, err
+	}
+	sctx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- a.Serve(sctx) }()
+	cfg.Socket = a.Socket
+	for t := range a.Tokens {
+		cfg.Token = t
+	}
+	fmt.Fprintf(os.Stderr, "kvbench: embedded standalone agent on %s (%d GPUs)\n", a.Socket, o.workers)
+	return func() {
+		cancel()
+		if err := <-done; err != nil {
+			log.Warn("bench: embedded agent stopped", "err", err)
+		}
+		a.Close()
+		os.RemoveAll(dir)
+	}, nil
+}
+
+// runWorkers runs one worker process per GPU against cfg's agent and
+// gathers their results. The floor: the workers time bare request/reply
+// exchanges of an offload's sizes with an echo server in this process,
+// across the same process boundary as their calls to the agent, before
+// and after their workload.
+func runWorkers(ctx context.Context, o options, cfg workload.Config) (*benchReport, time.Duration, error) {
+	echoDir, err := os.MkdirTemp("", "kvpool-echo-")
+	if err != nil {
+		return nil, 0, err
 	}
 	defer os.RemoveAll(echoDir)
 	echoSock := filepath.Join(echoDir, "echo.sock")
 	stopEcho, err := echoServer(echoSock)
 	if err != nil {
-		return fmt.Errorf("echo floor: %w", err)
+		return nil, 0, fmt.Errorf("echo floor: %w", err)
 	}
 	defer stopEcho()
 	self, err := os.Executable()
 	if err != nil {
-		return err
+		return nil, 0, err
 	}
-	rep := benchReport{Workers: *workers, PageBytes: cfg.PageBytes * 2, Errors: []string{}}
-	results := make([]*workerResult, *workers)
-	progress := make([]int, *workers)
+	rep := &benchReport{Workers: o.workers, PageBytes: cfg.PageBytes * 2, Errors: []string{}}
+	results := make([]*workerResult, o.workers)
+	progress := make([]int, o.workers)
 	var mu sync.Mutex
 	var wg sync.WaitGroup
 	start := time.Now()
-	for i := range *workers {
+	for i := range o.workers {
 		cmd := exec.CommandContext(ctx, self, "--worker", "--socket", cfg.Socket, "--token", cfg.Token,
-			"--gpu", strconv.Itoa(i), "--duration", dur.String(), "--page-kib", strconv.Itoa(*pageKiB),
-			"--max-pages", strconv.Itoa(*maxPages), "--echo", echoSock)
+			"--gpu", strconv.Itoa(i), "--duration", o.dur.String(), "--page-kib", strconv.Itoa(o.pageKiB),
+			"--max-pages", strconv.Itoa(o.maxPages), "--echo", echoSock)
 		cmd.Stderr = os.Stderr
 		out, err := cmd.StdoutPipe()
 		if err != nil {
-			return err
+			return nil, 0, err
 		}
 		if err := cmd.Start(); err != nil {
-			return fmt.Errorf("start worker %d: %w", i, err)
+			return nil, 0, fmt.Errorf("start worker %d: %w", i, err)
 		}
 		wg.Add(1)
 		go func() {
@@ -186,13 +228,25 @@ func run(ctx context.Context, args []string) error {
 			}
 		}()
 	}
-	stopProgress := make(chan struct{})
+	stopProgress := showProgress(start, &mu, progress)
+	wg.Wait()
+	stopProgress()
+	elapsed := time.Since(start)
+	rep.DurationSec = o.dur.Seconds()
+	summarize(rep, results, o.dur)
+	return rep, elapsed, nil
+}
+
+// showProgress prints the workers' total op count every half second until
+// the returned stop is called.
+func showProgress(start time.Time, mu *sync.Mutex, progress []int) (stop func()) {
+	done := make(chan struct{})
 	go func() {
 		t := time.NewTicker(500 * time.Millisecond)
 		defer t.Stop()
 		for {
 			select {
-			case <-stopProgress:
+			case <-done:
 				return
 			case <-t.C:
 				mu.Lock()
@@ -205,24 +259,7 @@ func run(ctx context.Context, args []string) error {
 			}
 		}
 	}()
-	wg.Wait()
-	close(stopProgress)
-	elapsed := time.Since(start)
-	rep.DurationSec = dur.Seconds()
-	summarize(&rep, results, *dur)
-	if *asJSON {
-		enc := json.NewEncoder(os.Stdout)
-		enc.SetIndent("", "  ")
-		if err := enc.Encode(rep); err != nil {
-			return err
-		}
-	} else {
-		printReport(os.Stdout, &rep, elapsed)
-	}
-	if len(rep.Errors) > 0 || rep.Mismatches > 0 {
-		return fmt.Errorf("%d errors, %d mismatches", len(rep.Errors), rep.Mismatches)
-	}
-	return nil
+	return func() { close(done) }
 }
 
 // workerResult is what a worker reports.

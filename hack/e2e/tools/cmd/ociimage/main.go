@@ -71,6 +71,22 @@ func run(out, entry string, names, files, links []string) error {
 	if err != nil {
 		return err
 	}
+	configJSON, manifestJSON, indexJSON, err := describe(entry, names, layer)
+	if err != nil {
+		return err
+	}
+	return writeArchive(out, []archiveEntry{
+		{"oci-layout", []byte(`{"imageLayoutVersion":"1.0.0"}`)},
+		{"index.json", indexJSON},
+		{"blobs/sha256/" + strings.TrimPrefix(digest(layer), "sha256:"), layer},
+		{"blobs/sha256/" + strings.TrimPrefix(digest(configJSON), "sha256:"), configJSON},
+		{"blobs/sha256/" + strings.TrimPrefix(digest(manifestJSON), "sha256:"), manifestJSON},
+	})
+}
+
+// describe returns the image's config, its manifest over the one layer,
+// and the index naming it once per name.
+func describe(entry string, names []string, layer []byte) (configJSON, manifestJSON, indexJSON []byte, err error) {
 	config := map[string]any{
 		"architecture": runtime.GOARCH,
 		"os":           "linux",
@@ -82,9 +98,8 @@ func run(out, entry string, names, files, links []string) error {
 		},
 		"rootfs": map[string]any{"type": "layers", "diff_ids": []string{digest(layer)}},
 	}
-	configJSON, err := json.Marshal(config)
-	if err != nil {
-		return err
+	if configJSON, err = json.Marshal(config); err != nil {
+		return nil, nil, nil, err
 	}
 	manifest := map[string]any{
 		"schemaVersion": 2,
@@ -92,9 +107,8 @@ func run(out, entry string, names, files, links []string) error {
 		"config":        blob{MediaType: "application/vnd.oci.image.config.v1+json", Digest: digest(configJSON), Size: int64(len(configJSON))},
 		"layers":        []blob{{MediaType: "application/vnd.oci.image.layer.v1.tar", Digest: digest(layer), Size: int64(len(layer))}},
 	}
-	manifestJSON, err := json.Marshal(manifest)
-	if err != nil {
-		return err
+	if manifestJSON, err = json.Marshal(manifest); err != nil {
+		return nil, nil, nil, err
 	}
 	var index struct {
 		SchemaVersion int    `json:"schemaVersion"`
@@ -115,11 +129,18 @@ func run(out, entry string, names, files, links []string) error {
 			Platform: &platform{Architecture: runtime.GOARCH, OS: "linux"},
 		})
 	}
-	indexJSON, err := json.Marshal(index)
-	if err != nil {
-		return err
-	}
+	indexJSON, err = json.Marshal(index)
+	return configJSON, manifestJSON, indexJSON, err
+}
 
+// archiveEntry is one file of the OCI archive.
+type archiveEntry struct {
+	name string
+	data []byte
+}
+
+// writeArchive writes the entries as a tar file at out.
+func writeArchive(out string, entries []archiveEntry) error {
 	var buf bytes.Buffer
 	tw := tar.NewWriter(&buf)
 	add := func(name string, data []byte) error {
@@ -128,16 +149,6 @@ func run(out, entry string, names, files, links []string) error {
 		}
 		_, err := tw.Write(data)
 		return err
-	}
-	entries := []struct {
-		name string
-		data []byte
-	}{
-		{"oci-layout", []byte(`{"imageLayoutVersion":"1.0.0"}`)},
-		{"index.json", indexJSON},
-		{"blobs/sha256/" + strings.TrimPrefix(digest(layer), "sha256:"), layer},
-		{"blobs/sha256/" + strings.TrimPrefix(digest(configJSON), "sha256:"), configJSON},
-		{"blobs/sha256/" + strings.TrimPrefix(digest(manifestJSON), "sha256:"), manifestJSON},
 	}
 	for _, e := range entries {
 		if err := add(e.name, e.data); err != nil {
