@@ -112,7 +112,9 @@ func TestDecodeCheckpointRejects(t *testing.T) {
 			r[0].Claim = &ClaimRef{UID: claimA, Namespace: "ns", Name: "c", Request: "kv"}
 			r[1].Claim = &ClaimRef{UID: claimA, Namespace: "ns", Name: "c", Request: "kv"}
 		}), "prepared twice"},
-		{"claim pod UID", enc(func(r []Record) { r[1].Claim = &ClaimRef{UID: claimA, Namespace: "ns", Name: "c", Request: "kv", PodUIDs: []string{"x"}} }), "pod UID"},
+		{"claim pod UID", enc(func(r []Record) {
+			r[1].Claim = &ClaimRef{UID: claimA, Namespace: "ns", Name: "c", Request: "kv", PodUIDs: []string{"x"}}
+		}), "pod UID"},
 		{"claim share of nothing", enc(func(r []Record) {
 			r[1].Claim = &ClaimRef{UID: claimA, Namespace: "ns", Name: "c", Request: "kv", Shares: []Share{{GPU: 1, Chunks: 0}}}
 		}), "share"},

@@ -320,4 +320,3 @@ func waitFor(t *testing.T, what string, ok func() bool) {
 		}
 	}
 }
-
