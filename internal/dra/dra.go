@@ -17,6 +17,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"os"
 	"path/filepath"
 	"reflect"
 	"sync"
@@ -150,6 +151,10 @@ func (d *Driver) Start(ctx context.Context) error {
 	if d.o.KubeClient == nil {
 		return errors.New("dra: Start needs a KubeClient")
 	}
+	// kubelet's plugins/ is there; the driver's own directory in it may not be.
+	if err := os.MkdirAll(d.PluginDir(), 0o750); err != nil {
+		return fmt.Errorf("dra: %w", err)
+	}
 	ctx, cancel := context.WithCancel(ctx)
 	d.cancel = cancel
 	// The helper and the ResourceSlice controller log through klog's
@@ -163,7 +168,6 @@ func (d *Driver) Start(ctx context.Context) error {
 		kubeletplugin.PluginDataDirectoryPath(d.PluginDir()),
 		kubeletplugin.RegistrarDirectoryPath(d.RegistryDir()),
 		kubeletplugin.HealthService(false),
-		kubeletplugin.GRPCVerbosity(-1),
 	)
 	if err != nil {
 		cancel()

@@ -141,7 +141,9 @@ func (r recordV3) current() Record {
 		out.Claim = &ClaimRef{UID: c.UID, Namespace: c.Namespace, Name: c.Name, Request: c.Request,
 			PodUIDs: c.PodUIDs, Picked: c.Picked}
 		for _, s := range c.Shares {
-			out.Claim.Shares = append(out.Claim.Shares, Share{GPU: s.GPU, Chunks: s.Chunks})
+			// A conversion: it stops compiling once Share changes, and
+			// must then be written field by field.
+			out.Claim.Shares = append(out.Claim.Shares, Share(s))
 		}
 	}
 	return out
