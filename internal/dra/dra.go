@@ -20,6 +20,7 @@ import (
 	"os"
 	"path/filepath"
 	"reflect"
+	"slices"
 	"sync"
 	"time"
 
@@ -112,6 +113,11 @@ type Driver struct {
 	mu        sync.Mutex
 	published resourceslice.DriverResources
 	publishes int
+	// chunksOnly: the API server dropped the counters or the shares'
+	// fields (their features are off), so only chunk devices are
+	// published (Resources). kick wakes the publish loop for it.
+	chunksOnly bool
+	kick       chan struct{}
 }
 
 // New builds a Driver and removes the CDI specs of claims the ledger no
@@ -121,7 +127,7 @@ func New(o Options) (*Driver, error) {
 		return nil, err
 	}
 	d := &Driver{o: o, log: o.Logger.With("component", "dra", "driver", o.DriverName),
-		cdi: cdiSpecs{dir: o.CDIDir, driver: o.DriverName, socketDir: o.SocketDir}}
+		cdi: cdiSpecs{dir: o.CDIDir, driver: o.DriverName, socketDir: o.SocketDir}, kick: make(chan struct{}, 1)}
 	keep := map[string]bool{}
 	for _, r := range o.Ledger.Claims() {
 		keep[r.Claim.UID] = true
@@ -211,7 +217,16 @@ func (d *Driver) Publishes() int {
 func (d *Driver) Resources() resourceslice.DriverResources {
 	chunks, _ := d.o.Chunks.Chunks()
 	held, _ := d.o.Ledger.ChunkHolders()
-	return Resources(d.o.NodeName, d.o.GPUs, chunks, held)
+	return Resources(d.o.NodeName, d.o.GPUs, chunks, held, d.ChunksOnly())
+}
+
+// ChunksOnly says whether the driver publishes chunk devices only (the
+// API server dropped the fields of partitionable devices or consumable
+// capacity).
+func (d *Driver) ChunksOnly() bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.chunksOnly
 }
 
 // publishLoop publishes the slices now and again at every change of the
@@ -220,7 +235,7 @@ func (d *Driver) publishLoop(ctx context.Context) {
 	for {
 		chunks, chunksCh := d.o.Chunks.Chunks()
 		held, heldCh := d.o.Ledger.ChunkHolders()
-		res := Resources(d.o.NodeName, d.o.GPUs, chunks, held)
+		res := Resources(d.o.NodeName, d.o.GPUs, chunks, held, d.ChunksOnly())
 		d.mu.Lock()
 		same := d.publishes > 0 && reflect.DeepEqual(res, d.published)
 		d.mu.Unlock()
@@ -240,6 +255,7 @@ func (d *Driver) publishLoop(ctx context.Context) {
 			return
 		case <-chunksCh:
 		case <-heldCh:
+		case <-d.kick:
 		case <-time.After(time.Minute): // a publish that failed is retried
 		}
 	}
@@ -250,6 +266,10 @@ func (d *Driver) publishLoop(ctx context.Context) {
 // are logged and counted; others stop the agent.
 func (d *Driver) HandleError(ctx context.Context, err error, msg string) {
 	d.report(observe.Op{Name: observe.OpPublish, Err: fmt.Errorf("%s: %w", msg, err)})
+	var dropped *resourceslice.DroppedFieldsError
+	if errors.As(err, &dropped) && d.fallBack(dropped.DisabledFeatures()) {
+		return
+	}
 	if errors.Is(err, kubeletplugin.ErrRecoverable) {
 		d.log.Warn("DRA driver: "+msg, "err", err)
 		return
@@ -258,6 +278,32 @@ func (d *Driver) HandleError(ctx context.Context, err error, msg string) {
 	if d.o.Fatal != nil {
 		d.o.Fatal(fmt.Errorf("dra: %s: %w", msg, err))
 	}
+}
+
+// fallBack switches to chunk devices only when the API server dropped the
+// fields of partitionable devices or consumable capacity: published
+// without their counters, a chunk and a share could book the same memory.
+// It says whether it did (now or before).
+func (d *Driver) fallBack(disabled []string) bool {
+	off := slices.ContainsFunc(disabled, func(f string) bool {
+		return f == "DRAPartitionableDevices" || f == "DRAConsumableCapacity"
+	})
+	if !off {
+		return false
+	}
+	d.mu.Lock()
+	was := d.chunksOnly
+	d.chunksOnly = true
+	d.mu.Unlock()
+	if !was {
+		d.log.Warn("the API server drops the fields of partitionable devices or consumable capacity (features off): publishing chunk devices only; "+
+			"claims in bytes cannot be served, claims for a number of chunks and the extended resource (where its DeviceClass is served) can", "disabled", disabled)
+		select {
+		case d.kick <- struct{}{}:
+		default:
+		}
+	}
+	return true
 }
 
 // WatchHealthStatus implements kubeletplugin.DRAPlugin; the health service

@@ -100,7 +100,14 @@ func offered(h plugin.Holder) bool { return h == plugin.HeldFree || h == plugin.
 // (share devices first, then chunks in GPU and index order: the scheduler
 // takes the first that fits). held says which chunks are held or renewing
 // (ledger's ChunkHolders); gpus names the GPUs the chunks belong to.
-func Resources(node string, gpus []GPU, chunks []Chunk, held map[string]plugin.Holder) resourceslice.DriverResources {
+//
+// chunksOnly leaves out the counter sets and the share devices: chunk
+// devices alone, which the scheduler can never book twice. It is the model
+// for an API server without partitionable devices or consumable capacity
+// (Kubernetes 1.34 and 1.35 by default), which would drop the counters (a
+// share and a chunk device could then book the same memory) or the shares'
+// request policy.
+func Resources(node string, gpus []GPU, chunks []Chunk, held map[string]plugin.Holder, chunksOnly bool) resourceslice.DriverResources {
 	byGPU := map[int]*GPU{}
 	for i := range gpus {
 		byGPU[gpus[i].Index] = &gpus[i]
@@ -136,6 +143,9 @@ func Resources(node string, gpus []GPU, chunks []Chunk, held map[string]plugin.H
 	var counters []resourceapi.CounterSet
 	var devices []resourceapi.Device
 	for _, g := range order {
+		if chunksOnly {
+			break
+		}
 		counters = append(counters, resourceapi.CounterSet{Name: counterSet(g),
 			Counters: map[string]resourceapi.Counter{counterMemory: {Value: bytesQ(total[g])}}})
 		// Shares are whole chunks of one size: a GPU whose chunks differ
@@ -145,7 +155,11 @@ func Resources(node string, gpus []GPU, chunks []Chunk, held map[string]plugin.H
 		}
 	}
 	for _, c := range offer {
-		devices = append(devices, chunkDevice(c, byGPU[c.GPU]))
+		d := chunkDevice(c, byGPU[c.GPU])
+		if chunksOnly {
+			d.ConsumesCounters = nil
+		}
+		devices = append(devices, d)
 	}
 	var out []resourceslice.Slice
 	for cs := range slices.Chunk(counters, counterSetsPerSlice) {

@@ -2,6 +2,7 @@ package dra
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"strings"
@@ -26,7 +27,7 @@ import (
 // devicesOf lists the devices of every slice, and the counter sets.
 func devicesOf(t *testing.T, node string, gpus []GPU, chunks []Chunk, held map[string]plugin.Holder) ([]resourceapi.Device, map[string]int64) {
 	t.Helper()
-	res := Resources(node, gpus, chunks, held)
+	res := Resources(node, gpus, chunks, held, false)
 	pool, ok := res.Pools[node]
 	if !ok || len(res.Pools) != 1 {
 		t.Fatalf("pools %v", res.Pools)
@@ -128,7 +129,7 @@ func TestResourcesPerChunkState(t *testing.T) {
 // device name lower case), chunks of two sizes on one GPU (no share
 // device), and many chunks (slices of at most 64 devices, 8 counter sets).
 func TestResourcesEdges(t *testing.T) {
-	empty := Resources(node, nil, nil, nil)
+	empty := Resources(node, nil, nil, nil, false)
 	if s := empty.Pools[node].Slices; len(s) != 1 || len(s[0].Devices) != 0 {
 		t.Errorf("no chunks: %+v", empty)
 	}
@@ -192,7 +193,7 @@ func TestDeviceModelOnTheAllocator(t *testing.T) {
 			chunks = append(chunks, Chunk{ID: contract.ChunkID(g, 0, i), GPU: g, NUMA: 0, Size: chunkSz, PageSize: 4096})
 		}
 	}
-	kv := sliceObjects(DefaultDriverName, Resources(node, gpus, chunks, nil))
+	kv := sliceObjects(DefaultDriverName, Resources(node, gpus, chunks, nil, false))
 	gpuSlice := &resourceapi.ResourceSlice{ObjectMeta: metav1.ObjectMeta{Name: "gpus"}, Spec: resourceapi.ResourceSliceSpec{
 		Driver: gpuDriver, NodeName: ptr.To(node), Pool: resourceapi.ResourcePool{Name: node, Generation: 1, ResourceSliceCount: 1}, Devices: gpuDevs}}
 	all := append(kv, gpuSlice)
@@ -332,4 +333,60 @@ func request(name, class string, count int64, memory *resource.Quantity) resourc
 func claimOf(name string, reqs ...resourceapi.DeviceRequest) *resourceapi.ResourceClaim {
 	return &resourceapi.ResourceClaim{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: name, UID: types.UID("uid-" + name)},
 		Spec: resourceapi.ResourceClaimSpec{Devices: resourceapi.DeviceClaim{Requests: reqs}}}
+}
+
+// Without partitionable devices or consumable capacity on the API server
+// the driver publishes chunk devices only: no counter set, no share device,
+// no counter consumption; each free or claimed chunk still a device.
+func TestResourcesChunksOnly(t *testing.T) {
+	held := map[string]plugin.Holder{"gpu0-numa0-2": plugin.HeldRenewing}
+	devs, counters := devicesOf(t, node, testGPUs(), testChunks(), nil)
+	if len(devs) != 10 || len(counters) != 2 {
+		t.Fatalf("full model: %d devices, %d counter sets", len(devs), len(counters))
+	}
+	res := Resources(node, testGPUs(), testChunks(), held, true)
+	var names []string
+	for _, s := range res.Pools[node].Slices {
+		if len(s.SharedCounters) > 0 {
+			t.Errorf("counter sets %v", s.SharedCounters)
+		}
+		for _, d := range s.Devices {
+			names = append(names, d.Name)
+			if len(d.ConsumesCounters) > 0 || d.AllowMultipleAllocations != nil || attr(d, AttrKind) != KindChunk {
+				t.Errorf("device %s: %+v", d.Name, d)
+			}
+		}
+	}
+	if len(names) != 7 || slices.Contains(names, "gpu0-numa0-2") {
+		t.Errorf("chunks-only devices %v", names)
+	}
+}
+
+// The driver falls back to chunk devices when the helper reports that the
+// API server dropped the counters or the shares' fields, and not for other
+// dropped fields or errors.
+func TestFallBackOnDroppedFields(t *testing.T) {
+	e := newEnv(t)
+	full := sliceObjects(DefaultDriverName, Resources(node, testGPUs(), testChunks(), nil, false))
+	withoutCounters := full[0].DeepCopy()
+	withoutCounters.Spec.SharedCounters = nil
+	ctx := context.Background()
+	taints := full[1].DeepCopy()
+	taints.Spec.Devices[0].Taints = []resourceapi.DeviceTaint{{Key: "k", Effect: resourceapi.DeviceTaintEffectNoSchedule}}
+	e.d.HandleError(ctx, &resourceslice.DroppedFieldsError{DesiredSlice: taints, ActualSlice: full[1]}, "dropped taints")
+	e.d.HandleError(ctx, errors.New("create resource slice: forbidden"), "other")
+	if e.d.ChunksOnly() {
+		t.Fatal("fell back for another dropped field or error")
+	}
+	e.d.HandleError(ctx, &resourceslice.DroppedFieldsError{DesiredSlice: full[0], ActualSlice: withoutCounters}, "processing ResourceSlice objects")
+	if !e.d.ChunksOnly() {
+		t.Fatal("no fall back when the counter sets were dropped")
+	}
+	for _, s := range e.d.Resources().Pools[node].Slices {
+		for _, d := range s.Devices {
+			if attr(d, AttrKind) != KindChunk || len(d.ConsumesCounters) > 0 {
+				t.Errorf("after the fall back: %s", d.Name)
+			}
+		}
+	}
 }
