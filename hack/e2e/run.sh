@@ -196,8 +196,9 @@ for b in "${CTRD_BINS[@]}"; do ln -sfn "$cdir/$b" "$KVPOOL_E2E_BIN/containerd/$b
 step build-kvpool
 (cd "$TOOLS" && CGO_ENABLED=0 go build -trimpath -ldflags="-s -w" -o "$KVPOOL_E2E_BIN/" ./cmd/pause ./cmd/ociimage)
 # The test GPU DRA driver (its own module: the DRA helper stays out of the
-# tools module, whose go.sum keys the Kubernetes binaries' cache).
-(cd "$TOOLS/gpudra" && CGO_ENABLED=0 go build -trimpath -ldflags="-s -w" -o "$KVPOOL_E2E_BIN/gpudra" . && go vet .)
+# tools module, whose go.sum keys the Kubernetes binaries' cache). A host
+# process: built with the flags of e2e.test below, whose client-go it shares.
+(cd "$TOOLS/gpudra" && go build -o "$KVPOOL_E2E_BIN/gpudra" . && go vet .)
 # The agent as the Dockerfile builds it (cgo: go-nvml dlopens NVML through
 # glibc), with the compile flags of `go build ./...` so CI's build cache
 # serves it; -s -w only change the link.
