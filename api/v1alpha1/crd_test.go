@@ -51,14 +51,16 @@ func full() *v1alpha1.KVPoolNode {
 		TypeMeta:   metav1.TypeMeta{APIVersion: "kvpool.io/v1alpha1", Kind: "KVPoolNode"},
 		ObjectMeta: metav1.ObjectMeta{Name: "node-a", CreationTimestamp: ts},
 		Status: v1alpha1.KVPoolNodeStatus{
-			NodeName: "node-a", ResourceName: "kvpool.io/host-kv", AgentVersion: "v0.1.0",
+			NodeName: "node-a", ResourceName: "kvpool.io/host-kv", AgentVersion: "v0.1.0", Mode: "dra", DRADriver: "kvpool.io",
 			Capacity: q("16Gi"), Ready: q("8Gi"), Allocated: q("4Gi"), Used: q("1536Mi"),
 			Chunks: chunks, Sessions: 2, Health: v1alpha1.HealthDegraded, Message: "GPU 1 unhealthy",
 			GPUs: []v1alpha1.GPUPool{{Index: 1, NUMANode: -1, Capacity: q("8Gi"), Ready: q("4Gi"),
 				Allocated: q("2Gi"), Used: q("512Mi"), Chunks: chunks, Healthy: true}},
 			Conditions: []metav1.Condition{{Type: v1alpha1.ConditionReady, Status: metav1.ConditionTrue,
 				ObservedGeneration: 1, LastTransitionTime: ts, Reason: "ChecksPassed", Message: "ok"}},
-			Restart:        &v1alpha1.RestartStatus{AdoptedChunks: 3, FreshChunks: 1, LastGapMilliseconds: 120},
+			Restart: &v1alpha1.RestartStatus{AdoptedChunks: 3, FreshChunks: 1, LastGapMilliseconds: 120},
+			Claims: []v1alpha1.PreparedClaim{{Namespace: "ns", Name: "kv", UID: "0b5a3b0e-5d5c-4cf4-9f43-2f0b9f6d0a11",
+				Requests: 1, Chunks: 3, Bytes: q("3Gi"), GPUs: []int32{1}}},
 			LastUpdateTime: ts,
 		},
 	}

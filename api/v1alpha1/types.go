@@ -88,6 +88,14 @@ type KVPoolNodeStatus struct {
 	NodeName string `json:"nodeName,omitempty"`
 	// ResourceName is the extended resource the chunks are advertised as.
 	ResourceName string `json:"resourceName,omitempty"`
+	// Mode is the front door pods get host KV through: devicePlugin (the
+	// extended resource, from a kubelet device plugin) or dra (ResourceSlices
+	// of DRADriver; ResourceName through its DeviceClass).
+	// +optional
+	Mode string `json:"mode,omitempty"`
+	// DRADriver is the DRA driver's name (mode dra).
+	// +optional
+	DRADriver string `json:"draDriver,omitempty"`
 	// AgentVersion is the version of the agent that wrote this status.
 	AgentVersion string `json:"agentVersion,omitempty"`
 
@@ -126,12 +134,35 @@ type KVPoolNodeStatus struct {
 	// it started; absent without a keeper.
 	Restart *RestartStatus `json:"restart,omitempty"`
 
+	// Claims are the ResourceClaims the DRA driver has prepared on this
+	// node (mode dra, or left from it), sorted by namespace and name.
+	// +optional
+	// +listType=atomic
+	Claims []PreparedClaim `json:"claims,omitempty"`
+
 	// LastUpdateTime is when the agent last wrote this status: its
 	// heartbeat. The agent rewrites the status at least every 10 seconds;
 	// one older than 30 seconds is from an agent that is not running, and
 	// its Health no longer describes the node. On a graceful stop the agent
 	// writes a final status (Unhealthy, Ready False, reason AgentStopped).
 	LastUpdateTime metav1.Time `json:"lastUpdateTime,omitempty"`
+}
+
+// PreparedClaim is a ResourceClaim the DRA driver prepared: its chunks
+// are granted to it, one token per request.
+type PreparedClaim struct {
+	Namespace string `json:"namespace"`
+	Name      string `json:"name"`
+	UID       string `json:"uid"`
+	// Requests is how many of the claim's requests the driver prepared.
+	Requests int32 `json:"requests"`
+	// Chunks and Bytes are the host KV the claim holds.
+	Chunks int32             `json:"chunks"`
+	Bytes  resource.Quantity `json:"bytes"`
+	// GPUs are the indexes of the GPUs whose chunks it holds.
+	// +optional
+	// +listType=atomic
+	GPUs []int32 `json:"gpus,omitempty"`
 }
 
 // RestartStatus is what an agent took over from the keeper at start.

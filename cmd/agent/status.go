@@ -117,7 +117,11 @@ func printStatus(out io.Writer, r report.Report) error {
 	if !r.Started.IsZero() {
 		up = r.Time.Sub(r.Started).Round(time.Second).String()
 	}
-	fmt.Fprintf(tw, "Node:\t%s\nMode:\t%s\nVersion:\t%s\nUp:\t%s\nReady:\t%s\n", dash(r.Node), dash(r.Mode), dash(r.Version), up, ready)
+	mode := dash(r.Mode)
+	if r.Door != "" {
+		mode += " (" + r.Door + ")"
+	}
+	fmt.Fprintf(tw, "Node:\t%s\nMode:\t%s\nVersion:\t%s\nUp:\t%s\nReady:\t%s\n", dash(r.Node), mode, dash(r.Version), up, ready)
 	if rs := r.Restart; rs != nil {
 		fmt.Fprintf(tw, "Restart:\t%d chunks adopted from the keeper, %d fresh; %d sessions and %d streams restored; gap %s\n",
 			rs.AdoptedChunks, rs.FreshChunks, rs.Sessions, rs.Streams, time.Duration(rs.LastGapSeconds*float64(time.Second)).Round(time.Millisecond))
@@ -153,6 +157,16 @@ func printStatus(out io.Writer, r report.Report) error {
 		for _, s := range r.Sessions {
 			fmt.Fprintf(tw, "%s\t%d\t%s\t%d\t%d\t%d\t%d\t%d\t%d\n", s.Allocation, s.GPU, bytesize.Exact(s.PageSize),
 				s.Chunks, s.Pages, s.Used, s.Pending, s.Streams, s.Requests)
+		}
+	}
+
+	if len(r.Claims) > 0 {
+		fmt.Fprintln(tw)
+		fmt.Fprintln(tw, "CLAIM\tREQUEST\tALLOCATION\tCHUNKS\tBYTES")
+		for _, c := range r.Claims {
+			for _, q := range c.Requests {
+				fmt.Fprintf(tw, "%s/%s\t%s\t%s\t%d\t%s\n", c.Namespace, c.Name, q.Name, q.Allocation, len(q.Chunks), bytesize.Exact(q.Bytes))
+			}
 		}
 	}
 

@@ -127,6 +127,34 @@ func TestStatusTableAndJSON(t *testing.T) {
 	}
 }
 
+// In mode dra the report names the door and every prepared claim, one
+// line per request, with its pool allocation, chunks and bytes.
+func TestStatusClaims(t *testing.T) {
+	rep := &report.Reporter{Pool: pool.New(), Node: "node-a", Mode: "cluster", Door: "dra", Started: time.Now(),
+		Claims: func() []report.Claim {
+			return []report.Claim{{Namespace: "ns", Name: "kv", UID: "u1", Chunks: 3, Bytes: 3 << 30, Requests: []report.ClaimRequest{
+				{Name: "a", Allocation: "alloc-1", Chunks: []string{"gpu0-numa0-0", "gpu0-numa0-1"}, Bytes: 2 << 30},
+				{Name: "b", Allocation: "alloc-2", Chunks: []string{"gpu1-numa1-0"}, Bytes: 1 << 30}}}}
+		}}
+	srv := httptest.NewServer(rep)
+	defer srv.Close()
+	var out bytes.Buffer
+	if err := statusCmd(context.Background(), []string{"--addr", strings.TrimPrefix(srv.URL, "http://")}, &out); err != nil {
+		t.Fatal(err)
+	}
+	text := out.String()
+	var lines []string
+	for _, l := range strings.Split(text, "\n") {
+		if f := strings.Fields(l); len(f) > 0 && (f[0] == "Mode:" || f[0] == "CLAIM" || f[0] == "ns/kv") {
+			lines = append(lines, strings.Join(f, " "))
+		}
+	}
+	want := []string{"Mode: cluster (dra)", "CLAIM REQUEST ALLOCATION CHUNKS BYTES", "ns/kv a alloc-1 2 2Gi", "ns/kv b alloc-2 1 1Gi"}
+	if !slices.Equal(lines, want) {
+		t.Errorf("lines %q, want %q\n%s", lines, want, text)
+	}
+}
+
 func TestStatusErrors(t *testing.T) {
 	// A port nothing listens on.
 	ln, err := net.Listen("tcp", "127.0.0.1:0")

@@ -36,6 +36,17 @@ TOKEN="${KVPOOL_E2E_TOKEN:-kvpool-e2e-admin-token}"
 BRIDGE="kvpoole2e0"
 CNI_BIN="${KVPOOL_E2E_CNI_BIN:-/usr/lib/cni}"
 CTRD_SOCK="$RUN/containerd/containerd.sock"
+# containerd: the 2.x that run.sh builds (CDI on, for the DRA tests) when
+# $BIN/containerd/ has it, else the system's (Debian's 1.6, no CDI).
+CTRD_DIR="${KVPOOL_E2E_CONTAINERD:-$BIN/containerd}"
+if [ -x "$CTRD_DIR/containerd" ] && [ -x "$CTRD_DIR/containerd-shim-runc-v2" ] && [ -x "$CTRD_DIR/ctr" ]; then
+  CTRD_BIN="$CTRD_DIR/containerd" CTR="$CTRD_DIR/ctr" CTRD_V2=1
+else
+  CTRD_BIN=containerd CTR=ctr CTRD_V2=0
+fi
+# CDI specs (DRA drivers write them, containerd 2.x reads them): private to
+# the run, as everything else.
+CDI_DIR="$RUN/cdi"
 # The kubelet keeps device plugin sockets in /var/lib/kubelet/device-plugins
 # whatever its --root-dir, and the agent finds device-plugins/ and
 # pod-resources/ under one directory, so the kubelet gets its default root.
@@ -128,6 +139,72 @@ wait_for() {
   log "$what healthy"
 }
 
+# write_containerd_v2_config: Debian's containerd 1.6 (config version 2).
+write_containerd_v2_config() {
+  cat >"$RUN/containerd/config.toml" <<EOF
+version = 2
+root = "$RUN/containerd/root"
+state = "$RUN/containerd/state"
+disabled_plugins = ["io.containerd.internal.v1.tracing", "io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper"]
+[grpc]
+  address = "$CTRD_SOCK"
+[ttrpc]
+  address = "$CTRD_SOCK.ttrpc"
+[debug]
+  address = ""
+[metrics]
+  address = ""
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "kvpool.local/pause:e2e"
+  restrict_oom_score_adj = true
+  disable_apparmor = true
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "$CNI_BIN"
+    conf_dir = "$RUN/cni/net.d"
+EOF
+}
+
+# write_containerd_v3_config: the containerd 2.x run.sh builds (config
+# version 3, read and migrated by 2.4). CDI is always on in 2.x; its spec
+# directory is the run's.
+write_containerd_v3_config() {
+  mkdir -p "$CDI_DIR"
+  cat >"$RUN/containerd/config.toml" <<EOF
+version = 3
+root = "$RUN/containerd/root"
+state = "$RUN/containerd/state"
+disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.erofs"]
+[grpc]
+  address = "$CTRD_SOCK"
+[ttrpc]
+  address = "$CTRD_SOCK.ttrpc"
+[debug]
+  address = ""
+[metrics]
+  address = ""
+[plugins."io.containerd.cri.v1.images"]
+  snapshotter = "overlayfs"
+  [plugins."io.containerd.cri.v1.images".pinned_images]
+    sandbox = "kvpool.local/pause:e2e"
+[plugins."io.containerd.cri.v1.runtime"]
+  restrict_oom_score_adj = true
+  disable_apparmor = true
+  cdi_spec_dirs = ["$CDI_DIR"]
+  [plugins."io.containerd.cri.v1.runtime".containerd]
+    default_runtime_name = "runc"
+    [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+  [plugins."io.containerd.cri.v1.runtime".cni]
+    bin_dirs = ["$CNI_BIN"]
+    conf_dir = "$RUN/cni/net.d"
+EOF
+}
+
 write_configs() {
   mkdir -p "$RUN"/{pki,etcd,containerd/root,containerd/state,cni/net.d,kubelet,logs,pids,sock,state}
   if [ ! -f "$RUN/pki/sa.key" ]; then
@@ -168,32 +245,11 @@ contexts:
 current-context: e2e
 EOF
 
-  cat >"$RUN/containerd/config.toml" <<EOF
-version = 2
-root = "$RUN/containerd/root"
-state = "$RUN/containerd/state"
-disabled_plugins = ["io.containerd.internal.v1.tracing", "io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper"]
-[grpc]
-  address = "$CTRD_SOCK"
-[ttrpc]
-  address = "$CTRD_SOCK.ttrpc"
-[debug]
-  address = ""
-[metrics]
-  address = ""
-[plugins."io.containerd.grpc.v1.cri"]
-  sandbox_image = "kvpool.local/pause:e2e"
-  restrict_oom_score_adj = true
-  disable_apparmor = true
-  [plugins."io.containerd.grpc.v1.cri".containerd]
-    snapshotter = "overlayfs"
-    default_runtime_name = "runc"
-    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
-      runtime_type = "io.containerd.runc.v2"
-  [plugins."io.containerd.grpc.v1.cri".cni]
-    bin_dir = "$CNI_BIN"
-    conf_dir = "$RUN/cni/net.d"
-EOF
+  if [ "$CTRD_V2" = 1 ]; then
+    write_containerd_v3_config
+  else
+    write_containerd_v2_config
+  fi
 
   cat >"$RUN/cni/net.d/10-kvpool-e2e.conflist" <<EOF
 {
@@ -286,13 +342,15 @@ up() {
 
   # The controllers the chart needs: DaemonSet pods, garbage collection of
   # what helm uninstall deletes, the Node's not-ready taint, service
-  # accounts, their tokens and kube-root-ca.crt (the CA in token volumes).
+  # accounts, their tokens and kube-root-ca.crt (the CA in token volumes);
+  # and for DRA the ResourceClaims of pods' claim templates and their
+  # reservations.
   start kube-controller-manager "$BIN/kube-controller-manager" \
     --kubeconfig="$RUN/kubeconfig" --authentication-kubeconfig="$RUN/kubeconfig" --authorization-kubeconfig="$RUN/kubeconfig" \
     --bind-address=127.0.0.1 --secure-port="$CONTROLLER_MANAGER_PORT" --cert-dir="$RUN/pki/controller-manager" \
     --leader-elect=false --use-service-account-credentials=false \
     --service-account-private-key-file="$RUN/pki/sa.key" --root-ca-file="$RUN/pki/ca.crt" \
-    --controllers=daemonset-controller,garbage-collector-controller,node-lifecycle-controller,serviceaccount-controller,serviceaccount-token-controller,root-ca-certificate-publisher-controller
+    --controllers=daemonset-controller,garbage-collector-controller,node-lifecycle-controller,serviceaccount-controller,serviceaccount-token-controller,root-ca-certificate-publisher-controller,resourceclaim-controller
   wait_for kube-controller-manager 60 curl -fsSk "https://127.0.0.1:$CONTROLLER_MANAGER_PORT/healthz"
   start kube-scheduler "$BIN/kube-scheduler" \
     --kubeconfig="$RUN/kubeconfig" --authentication-kubeconfig="$RUN/kubeconfig" --authorization-kubeconfig="$RUN/kubeconfig" \
@@ -300,14 +358,15 @@ up() {
   wait_for kube-scheduler 60 curl -fsSk "https://127.0.0.1:$SCHEDULER_PORT/healthz"
 
   ls /run/netns 2>/dev/null >"$RUN/netns-before" || true
-  start containerd containerd --config "$RUN/containerd/config.toml"
-  wait_for containerd 30 ctr --address "$CTRD_SOCK" version
+  # containerd finds its shim (and the shim runc) on PATH: ours first.
+  start containerd env PATH="$CTRD_DIR:$PATH" "$CTRD_BIN" --config "$RUN/containerd/config.toml"
+  wait_for containerd 30 "$CTR" --address "$CTRD_SOCK" version
 
   for img in "$RUN"/images/*.tar; do
     [ -f "$img" ] || continue
-    ctr --address "$CTRD_SOCK" -n k8s.io images import --no-unpack=false "$img" >&2
+    "$CTR" --address "$CTRD_SOCK" -n k8s.io images import --no-unpack=false "$img" >&2
   done
-  ctr --address "$CTRD_SOCK" -n k8s.io images ls -q | sed 's/^/[cluster] image: /' >&2
+  "$CTR" --address "$CTRD_SOCK" -n k8s.io images ls -q | sed 's/^/[cluster] image: /' >&2
 
   if [ ! -e "$KUBELET_ROOT" ]; then
     mkdir -p "$KUBELET_ROOT"
@@ -338,15 +397,15 @@ down() {
     # Kill and remove every task and container this containerd runs so that
     # the shims exit and no container outlives the run.
     local c
-    for c in $(ctr --address "$CTRD_SOCK" -n k8s.io tasks ls -q 2>/dev/null); do
-      ctr --address "$CTRD_SOCK" -n k8s.io tasks kill -s SIGKILL "$c" >/dev/null 2>&1 || true
+    for c in $("$CTR" --address "$CTRD_SOCK" -n k8s.io tasks ls -q 2>/dev/null); do
+      "$CTR" --address "$CTRD_SOCK" -n k8s.io tasks kill -s SIGKILL "$c" >/dev/null 2>&1 || true
     done
     sleep 1
-    for c in $(ctr --address "$CTRD_SOCK" -n k8s.io tasks ls -q 2>/dev/null); do
-      ctr --address "$CTRD_SOCK" -n k8s.io tasks delete -f "$c" >/dev/null 2>&1 || true
+    for c in $("$CTR" --address "$CTRD_SOCK" -n k8s.io tasks ls -q 2>/dev/null); do
+      "$CTR" --address "$CTRD_SOCK" -n k8s.io tasks delete -f "$c" >/dev/null 2>&1 || true
     done
-    for c in $(ctr --address "$CTRD_SOCK" -n k8s.io containers ls -q 2>/dev/null); do
-      ctr --address "$CTRD_SOCK" -n k8s.io containers delete "$c" >/dev/null 2>&1 || true
+    for c in $("$CTR" --address "$CTRD_SOCK" -n k8s.io containers ls -q 2>/dev/null); do
+      "$CTR" --address "$CTRD_SOCK" -n k8s.io containers delete "$c" >/dev/null 2>&1 || true
     done
   fi
   stop containerd
@@ -401,6 +460,8 @@ KVPOOL_E2E_RUN=$RUN
 KVPOOL_E2E_NODE=$NODE
 KVPOOL_E2E_KUBELET_DIR=$KUBELET_ROOT
 KVPOOL_E2E_CTL=$E2E_DIR/cluster.sh
+KVPOOL_E2E_CDI_DIR=$CDI_DIR
+KVPOOL_E2E_CONTAINERD_CDI=$CTRD_V2
 EOF
 }
 

@@ -160,9 +160,45 @@ else
 fi
 for b in "${K8S_BINS[@]}"; do ln -sfn "$kdir/$b" "$KVPOOL_E2E_BIN/$b"; done
 
+# ---------------------------------------------- containerd 2.x, cached
+# containerd, its runc shim and ctr from github.com/containerd/containerd/v2
+# (the version containerd/go.mod pins; Debian's 1.6 has no CDI, which DRA
+# drivers' container edits need), cached like the Kubernetes binaries: keyed
+# on containerd/go.sum, the Go version and the binary list. runc is Debian's.
+# cluster.sh uses them when $KVPOOL_E2E_BIN/containerd/ has them.
+step build-containerd
+CTRD_MOD="$E2E_DIR/containerd"
+CTRD_BINS=(containerd containerd-shim-runc-v2 ctr)
+ctrdver=$(cd "$CTRD_MOD" && go list -m -f '{{.Version}}' github.com/containerd/containerd/v2)
+ckey=$({ cat "$CTRD_MOD/go.sum"; go version; echo "$ctrdver ${CTRD_BINS[*]} v1"; } | sha256sum | cut -c1-16)
+cdir="$CACHE/containerd-$ckey"
+have=1
+for b in "${CTRD_BINS[@]}"; do [ -x "$cdir/$b" ] || have=0; done
+if [ $have = 1 ]; then
+  echo "[e2e] cached containerd $ctrdver binaries ($ckey) in $cdir"
+else
+  rm -rf "$cdir.tmp" && mkdir -p "$cdir.tmp"
+  pkgs=()
+  for b in "${CTRD_BINS[@]}"; do pkgs+=("github.com/containerd/containerd/v2/cmd/$b"); done
+  # Static, without cgo: the btrfs snapshotter (cgo) is left out; the
+  # node uses overlayfs.
+  (cd "$CTRD_MOD" && CGO_ENABLED=0 go build -trimpath -tags urfave_cli_no_docs -o "$cdir.tmp/" \
+    -ldflags="-s -w -X github.com/containerd/containerd/v2/version.Version=$ctrdver" "${pkgs[@]}")
+  rm -rf "$cdir" && mv "$cdir.tmp" "$cdir"
+  find "$CACHE" -maxdepth 1 -name 'containerd-*' ! -name "containerd-$ckey" -exec rm -rf {} + 2>/dev/null || true
+  echo "[e2e] built containerd $ctrdver binaries into $cdir"
+fi
+mkdir -p "$KVPOOL_E2E_BIN/containerd"
+for b in "${CTRD_BINS[@]}"; do ln -sfn "$cdir/$b" "$KVPOOL_E2E_BIN/containerd/$b"; done
+"$KVPOOL_E2E_BIN/containerd/containerd" --version | sed 's/^/[e2e] /'
+
 # ------------------------------------------------------------ our binaries
 step build-kvpool
 (cd "$TOOLS" && CGO_ENABLED=0 go build -trimpath -ldflags="-s -w" -o "$KVPOOL_E2E_BIN/" ./cmd/pause ./cmd/ociimage)
+# The test GPU DRA driver (its own module: the DRA helper stays out of the
+# tools module, whose go.sum keys the Kubernetes binaries' cache). A host
+# process: built with the flags of e2e.test below, whose client-go it shares.
+(cd "$TOOLS/gpudra" && go build -o "$KVPOOL_E2E_BIN/gpudra" . && go vet .)
 # The agent as the Dockerfile builds it (cgo: go-nvml dlopens NVML through
 # glibc), with the compile flags of `go build ./...` so CI's build cache
 # serves it; -s -w only change the link.
@@ -222,6 +258,7 @@ set +a
 export KVPOOL_E2E_AGENT="$KVPOOL_E2E_BIN/agent"
 [ -x "$KVPOOL_E2E_BIN/kvclient" ] && export KVPOOL_E2E_KVCLIENT="$KVPOOL_E2E_BIN/kvclient"
 [ -x "$KVPOOL_E2E_BIN/kvpool-helm" ] && export KVPOOL_E2E_HELM="$KVPOOL_E2E_BIN/kvpool-helm"
+[ -x "$KVPOOL_E2E_BIN/gpudra" ] && export KVPOOL_E2E_GPUDRA="$KVPOOL_E2E_BIN/gpudra"
 export KVPOOL_E2E_AGENT_IMAGE=kvpool.local/kvpool-agent:e2e
 (cd "$TOOLS/e2e" && "$KVPOOL_E2E_BIN/e2e.test" -test.v -test.timeout 15m ${KVPOOL_E2E_TEST_ARGS:-})
 

@@ -31,6 +31,7 @@ import (
 
 	"github.com/kvpool/kvpool/internal/bytesize"
 	"github.com/kvpool/kvpool/internal/config"
+	"github.com/kvpool/kvpool/internal/dra"
 	"github.com/kvpool/kvpool/internal/events"
 	"github.com/kvpool/kvpool/internal/gpu"
 	"github.com/kvpool/kvpool/internal/hostmem"
@@ -146,10 +147,12 @@ type agent struct {
 	mu   sync.RWMutex
 	hmem map[string]*hostmem.Chunk
 
-	obs    *observability
-	plug   *pluginRun
-	kube   *kubeParts
-	events events.Events
+	obs  *observability
+	plug *pluginRun
+	// draDriver is the DRA driver (step "dra", mode dra); nil otherwise.
+	draDriver *dra.Driver
+	kube      *kubeParts
+	events    events.Events
 	// static maps standalone tokens to their allocation; tokenChunks the
 	// chunks each token is granted once they are ready.
 	static      map[string]string
@@ -186,6 +189,9 @@ func Boot(parent context.Context, o Options) (*Agent, error) {
 	}
 	t := time.Now()
 	o = o.withDefaults()
+	if err := checkDRAMode(o); err != nil {
+		return nil, err
+	}
 	ctx, cancel := context.WithCancel(parent)
 	a := &agent{log: o.Logger, cfg: o.Config, opts: o, mode: "cluster", socket: o.Socket, pool: pool.New(),
 		hmem: map[string]*hostmem.Chunk{}, events: events.Nop, cancel: cancel, life: lifecycle{log: o.Logger}}
@@ -351,7 +357,10 @@ func (a *agent) logServing(took time.Duration) {
 	if a.obs.healthAddr != nil {
 		attrs = append(attrs, "health", a.obs.healthAddr.String())
 	}
-	if a.plug != nil {
+	switch {
+	case a.draDriver != nil:
+		attrs = append(attrs, "draDriver", a.cfg.DRA.DriverName)
+	case a.plug != nil:
 		attrs = append(attrs, "devicePlugin", a.cfg.ResourceName)
 	}
 	a.log.Info("kvpool agent serving", attrs...)

@@ -116,6 +116,17 @@ func TestBootNeedsConfig(t *testing.T) {
 	}
 }
 
+// Mode dra is cluster mode only: a standalone agent refuses it before it
+// starts anything.
+func TestBootRefusesStandaloneDRA(t *testing.T) {
+	cfg := config.Default()
+	cfg.Mode = config.ModeDRA
+	a, err := Boot(context.Background(), Options{Config: &cfg, Standalone: true, DevicePlugin: true})
+	if err == nil || a != nil || !strings.Contains(err.Error(), "mode dra is for cluster mode") {
+		t.Fatalf("Boot standalone in mode dra: %v, %v", a, err)
+	}
+}
+
 // The hooks an embedder passes are called after the agent's own, and a
 // missing hook on either side is no call.
 func TestChainHooks(t *testing.T) {

@@ -68,6 +68,12 @@ func (a *agent) pluginStep(m mode) func(context.Context) error {
 		if err != nil {
 			return err
 		}
+		if claims := pl.Claims(); !m.dra && len(claims) > 0 {
+			// Left from mode dra: kubelet can only unprepare them through
+			// the DRA driver (docs/dra.md, moving between the doors).
+			a.log.Warn("the checkpoint holds allocations of ResourceClaims the DRA driver prepared; their chunks stay withheld from the device plugin until mode dra runs again and kubelet unprepares them",
+				"allocations", len(claims))
+		}
 		a.plug = &pluginRun{Plugin: pl, Feed: feed, log: a.log, done: make(chan struct{})}
 		a.obs.Metrics.InitPlugin()
 		return nil
@@ -103,16 +109,21 @@ func (r *pluginRun) UnhealthyChunks() map[int]int {
 // serves until the agent's context ends; unregister waits for it to have
 // withdrawn its devices and removed its socket.
 func (a *agent) register(ctx context.Context) error {
-	r := a.plug
+	a.plug.run(ctx, a.plug.Plugin.Run)
+	a.log.Info("device plugin started", "resource", a.cfg.ResourceName, "kubeletDir", a.cfg.KubeletDir, "socketDir", a.cfg.SocketDir)
+	return nil
+}
+
+// run runs loop (the plugin's Run, or Maintain without the device plugin
+// door) until ctx ends; Wait waits for it.
+func (r *pluginRun) run(ctx context.Context, loop func(context.Context) error) {
 	r.started = true
 	go func() {
 		defer close(r.done)
-		if err := r.Plugin.Run(ctx); err != nil {
+		if err := loop(ctx); err != nil {
 			r.log.Error("device plugin stopped", "err", err)
 		}
 	}()
-	r.log.Info("device plugin started", "resource", a.cfg.ResourceName, "kubeletDir", a.cfg.KubeletDir, "socketDir", a.cfg.SocketDir)
-	return nil
 }
 
 func (a *agent) unregister() error {

@@ -37,6 +37,8 @@ var inClusterConfig = rest.InClusterConfig
 // events and its KVPoolNode status.
 type kubeParts struct {
 	node        string
+	nodeUID     types.UID // "" when the Node could not be read
+	cs          kubernetes.Interface
 	allocatable int64 // 0 when the Node could not be read
 	events      events.Events
 	stopEvents  func()
@@ -89,7 +91,7 @@ func connectKube(ctx context.Context, kubeconfig string, log *slog.Logger) (*kub
 	if err != nil {
 		return nil, err
 	}
-	k := &kubeParts{node: name, log: log}
+	k := &kubeParts{node: name, cs: cs, log: log}
 	var uid types.UID
 	gctx, cancel := context.WithTimeout(ctx, 15*time.Second)
 	n, err := cs.CoreV1().Nodes().Get(gctx, name, metav1.GetOptions{})
@@ -98,6 +100,7 @@ func connectKube(ctx context.Context, kubeconfig string, log *slog.Logger) (*kub
 		log.Warn("reading the Node failed; sizing without its allocatable memory", "node", name, "err", err)
 	} else {
 		uid = n.UID
+		k.nodeUID = uid
 		m, err := kubenode.FromNode(n)
 		if err != nil {
 			log.Warn("the Node's allocatable memory is unusable; sizing without it", "node", name, "err", err)
@@ -191,6 +194,9 @@ func (k *kubeParts) runStatus(ctx context.Context, a *agent, wg *sync.WaitGroup)
 				Restart:      a.restartStatus(),
 				// Degraded while the plugin reports unhealthy chunks.
 				UnhealthyChunks: a.plug.UnhealthyChunks(),
+				Mode:            a.cfg.Mode,
+				DRADriver:       a.draDriverName(),
+				Claims:          a.claims(),
 			})
 		})
 	}()

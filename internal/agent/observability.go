@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"time"
 
+	"github.com/kvpool/kvpool/internal/config"
 	"github.com/kvpool/kvpool/internal/health"
 	"github.com/kvpool/kvpool/internal/metrics"
 	"github.com/kvpool/kvpool/internal/report"
@@ -57,6 +58,13 @@ func (a *agent) newObservability(context.Context) error {
 	}
 	a.obs.Report.Restart = a.restartStatus
 	a.obs.Metrics.Restart(a.restartStatus)
+	if !a.opts.Standalone {
+		a.obs.Report.Door = a.cfg.Mode
+	}
+	a.obs.Report.Claims = a.claims
+	if a.cfg.Mode == config.ModeDRA && !a.opts.Standalone {
+		a.obs.Metrics.InitDRA(a.claims)
+	}
 	return nil
 }
 

@@ -84,11 +84,18 @@ func (a *agent) addHealthChecks(ctx context.Context, wg *sync.WaitGroup) error {
 		return nil
 	}
 	h.AddReadiness("kubelet-registration", func(context.Context) error {
-		if !a.plug.Plugin.Registered() {
+		switch {
+		case a.draDriver != nil:
+			if !a.draDriver.Registered() {
+				return errors.New("DRA driver not registered with kubelet")
+			}
+		case !a.plug.Plugin.Registered():
 			return errors.New("device plugin not registered with kubelet")
 		}
 		return nil
 	})
+	// In mode dra the loops are the ledger's (reclaims, renewals), run
+	// without the device plugin door.
 	beat(ctx, wg, h.Heartbeat("device-plugin", heartbeatSilence), func() bool {
 		return a.plug.Running()
 	})

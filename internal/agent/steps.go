@@ -8,6 +8,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/kvpool/kvpool/internal/config"
 )
 
 // step is one part of the agent's start-up: start brings it up, stop
@@ -32,6 +34,9 @@ type mode struct {
 	plugin     bool // the kubelet device plugin: always in a cluster, standalone only with --device-plugin
 	keeper     bool // keeperSocket: the pool is adopted from the keeper and kept there
 	fixed      bool // a fixed standalone layout (--chunks-per-gpu/--chunk-mib, pkg/standalone)
+	// dra: mode "dra" (cluster only): the DRA driver is the front door;
+	// the device plugin's ledger serves it, unregistered.
+	dra bool
 }
 
 func modeOf(o Options) mode {
@@ -40,6 +45,7 @@ func modeOf(o Options) mode {
 		plugin:     !o.Standalone || o.DevicePlugin,
 		keeper:     o.Config.KeeperSocket != "",
 		fixed:      o.Standalone && o.ChunksPerGPU > 0 && o.ChunkBytes > 0,
+		dra:        !o.Standalone && o.Config.Mode == config.ModeDRA,
 	}
 }
 
@@ -48,10 +54,13 @@ func modeOf(o Options) mode {
 func (m mode) static() bool { return m.standalone && !m.plugin }
 
 // String names the mode as docs/architecture.md lists its steps:
-// "cluster" or "standalone", then "+device-plugin" (standalone only),
-// "+fixed" and "+keeper".
+// "cluster" or "standalone", then "+dra" or "+device-plugin" (standalone
+// only), "+fixed" and "+keeper".
 func (m mode) String() string {
 	s := "cluster"
+	if m.dra {
+		s += "+dra"
+	}
 	if m.standalone {
 		s = "standalone"
 		if m.plugin {
@@ -101,7 +110,10 @@ func (a *agent) steps(m mode) []step {
 	add(true, step{name: "serve", start: a.serve, stop: a.served})
 	add(true, background("probes", a.addHealthChecks))
 	add(true, step{name: "endpoints", start: a.startEndpoints})
-	add(m.plugin, step{name: "register", start: a.register, stop: a.unregister})
+	add(m.plugin && !m.dra, step{name: "register", start: a.register, stop: a.unregister})
+	// In mode dra the ledger's loops run unregistered, and the DRA
+	// driver registers with kubelet and publishes the ResourceSlices.
+	add(m.dra, step{name: "dra", start: a.startDRA, stop: a.stopDRA})
 	add(!m.standalone, a.statusStep())
 	add(!m.static(), background("allocate-background", a.allocateBackground))
 	return s

@@ -58,7 +58,7 @@ func TestStepsPerMode(t *testing.T) {
 	a := &agent{cfg: &cfg}
 	var modes []mode
 	for _, keeper := range []bool{false, true} {
-		modes = append(modes, mode{plugin: true, keeper: keeper})
+		modes = append(modes, mode{plugin: true, keeper: keeper}, mode{plugin: true, dra: true, keeper: keeper})
 		for _, plugin := range []bool{false, true} {
 			for _, fixed := range []bool{false, true} {
 				modes = append(modes, mode{standalone: true, plugin: plugin, fixed: fixed, keeper: keeper})
@@ -93,6 +93,10 @@ func TestModeOf(t *testing.T) {
 	cfg := config.Default()
 	kept := config.Default()
 	kept.KeeperSocket = "/run/keeper.sock"
+	draCfg := config.Default()
+	draCfg.Mode = config.ModeDRA
+	draKept := kept
+	draKept.Mode = config.ModeDRA
 	for _, c := range []struct {
 		o    Options
 		want string
@@ -104,6 +108,10 @@ func TestModeOf(t *testing.T) {
 		{Options{Config: &cfg, Standalone: true, ChunksPerGPU: 2}, "standalone"},
 		{Options{Config: &cfg, Standalone: true, ChunksPerGPU: 2, ChunkBytes: 1 << 20}, "standalone+fixed"},
 		{Options{Config: &kept, Standalone: true, DevicePlugin: true}, "standalone+device-plugin+keeper"},
+		{Options{Config: &draCfg}, "cluster+dra"},
+		{Options{Config: &draKept}, "cluster+dra+keeper"},
+		// Standalone has no DRA driver; Boot refuses mode dra there.
+		{Options{Config: &draCfg, Standalone: true, DevicePlugin: true}, "standalone+device-plugin"},
 	} {
 		if got := modeOf(c.o).String(); got != c.want {
 			t.Errorf("%+v: mode %s, want %s", c.o, got, c.want)

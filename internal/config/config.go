@@ -61,6 +61,14 @@ type Config struct {
 	// Kind must be "AgentConfig".
 	Kind string `json:"kind"`
 
+	// Mode is the front door pods get host KV through: "devicePlugin" (the
+	// default: a kubelet device plugin of ResourceName, one device per
+	// chunk) or "dra" (a DRA driver publishing ResourceSlices, DRA section;
+	// the chart's DeviceClass maps ResourceName to it). One at a time: a
+	// node whose allocatable lists ResourceName is served by the device
+	// plugin, whatever DeviceClass names it (docs/dra.md). Cluster mode
+	// only for "dra".
+	Mode string `json:"mode"`
 	// ResourceName is the extended resource advertised to kubelet, one unit
 	// per chunk. Default "kvpool.io/host-kv". Must be a fully qualified
 	// name (domain/name) outside the kubernetes.io domain.
@@ -103,6 +111,8 @@ type Config struct {
 	// Default "0s": off.
 	PollAfterReply Duration `json:"pollAfterReply"`
 
+	// DRA configures the DRA driver (Mode "dra").
+	DRA DRA `json:"dra"`
 	// Sizing decides how much host memory the pool takes and how it is
 	// split into per-GPU pools and chunks.
 	Sizing Sizing `json:"sizing"`
@@ -119,6 +129,20 @@ type Config struct {
 	Log Log `json:"log"`
 	// Standalone configures --standalone mode (no kubelet).
 	Standalone Standalone `json:"standalone"`
+}
+
+// DRA configures the DRA driver. Its sockets go where kubelet looks for
+// them, under KubeletDir: plugins/<DriverName>/dra.sock and
+// plugins_registry/<DriverName>-reg.sock.
+type DRA struct {
+	// DriverName is the DRA driver's name, the domain of its device
+	// attributes, and what the DeviceClasses select. A DNS subdomain of at
+	// most 63 characters. Default "kvpool.io".
+	DriverName string `json:"driverName"`
+	// CDIDir is the container runtime's CDI spec directory, where the
+	// driver writes one spec per prepared claim. Default "/var/run/cdi".
+	// Absolute.
+	CDIDir string `json:"cdiDir"`
 }
 
 // Sizing is the pool sizing policy. The planned pool never exceeds the
@@ -248,6 +272,16 @@ type Standalone struct {
 	PoolBytes Bytes `json:"poolBytes"`
 }
 
+// DefaultDRADriverName is the DRA driver's default name (internal/dra
+// says the same; config imports no Kubernetes code).
+const DefaultDRADriverName = "kvpool.io"
+
+// Mode values.
+const (
+	ModeDevicePlugin = "devicePlugin"
+	ModeDRA          = "dra"
+)
+
 // TokenBinding values.
 const (
 	TokenBindingPod  = "pod"
@@ -268,12 +302,14 @@ func Default() Config {
 	return Config{
 		APIVersion:   APIVersion,
 		Kind:         Kind,
+		Mode:         ModeDevicePlugin,
 		ResourceName: contract.DefaultResourceName,
 		SocketDir:    "/var/lib/kvpool/sock",
 		KubeletDir:   "/var/lib/kubelet",
 		StateDir:     "/var/lib/kvpool/state",
 		TokenBinding: TokenBindingPod,
 		PodLogsDir:   "/var/log/pods",
+		DRA:          DRA{DriverName: DefaultDRADriverName, CDIDir: "/var/run/cdi"},
 		Sizing: Sizing{
 			Fraction:            0.5,
 			ReserveBytes:        8 * GiB,

@@ -113,9 +113,10 @@ func TestParseFullFile(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := Config{
-		APIVersion: APIVersion, Kind: Kind,
+		APIVersion: APIVersion, Kind: Kind, Mode: ModeDRA,
 		ResourceName: "example.com/kv", SocketDir: "/run/kvp/sock", KubeletDir: "/data/kubelet", StateDir: "/data/kvpool/state",
 		TokenBinding: TokenBindingNone, PodLogsDir: "/data/pod-logs",
+		DRA: DRA{DriverName: "kv.example.com", CDIDir: "/etc/cdi"},
 		Sizing: Sizing{PoolBytes: 64 * GiB, Fraction: 0.25, ReserveBytes: 16 * GiB, CgroupHeadroomBytes: GiB,
 			Split: SplitMemory, MinPerGPU: 4 * GiB, MaxPerGPU: 32 * GiB, ChunkBytes: 2 * GiB, HugePages: HugePagesRequire},
 		Reclaim: Reclaim{GracePeriod: Duration{5 * time.Minute}, Interval: Duration{30 * time.Second}},
@@ -197,6 +198,11 @@ func TestParseErrors(t *testing.T) {
 		{"socket dir inside state", head + "socketDir: /var/lib/kvpool/state/sock\nstateDir: /var/lib/kvpool/state\n", `contains the socket directory`},
 		{"token binding", head + "tokenBinding: uid\n", `tokenBinding: Unsupported value: "uid": supported values: "pod", "none"`},
 		{"relative podLogsDir", head + "podLogsDir: logs\n", `podLogsDir: Invalid value: "logs": must be an absolute path`},
+		{"unknown mode", head + "mode: both\n", `mode: Unsupported value: "both": supported values: "devicePlugin", "dra"`},
+		{"mode in the wrong case", head + "mode: DRA\n", `mode: Unsupported value: "DRA"`},
+		{"driver name not a DNS subdomain", head + "dra:\n  driverName: Kv_Pool\n", `dra.driverName: Invalid value: "Kv_Pool": a lowercase RFC 1123 subdomain`},
+		{"driver name too long", head + "dra:\n  driverName: " + strings.Repeat("a", 61) + ".io\n", "dra.driverName: Invalid value: \"" + strings.Repeat("a", 61) + ".io\": must be at most 63 characters"},
+		{"relative cdiDir", head + "dra:\n  cdiDir: cdi\n", `dra.cdiDir: Invalid value: "cdi": must be an absolute path`},
 		{"negative pollAfterReply", head + "pollAfterReply: -1ms\n", `duration "-1ms" is negative`},
 		{"long pollAfterReply", head + "pollAfterReply: 2ms\n", `pollAfterReply: Invalid value: "2ms": must be between 0s and 1ms`},
 		{"long socketDir", head + "socketDir: /" + strings.Repeat("d", 100) + "\n", "longer than a Unix socket address allows"},

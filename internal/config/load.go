@@ -77,6 +77,7 @@ var settings = func() []setting {
 	add := func(field, flagName, env, usage string, a accessor) {
 		l = append(l, setting{field: field, flag: flagName, env: env, usage: usage, get: a.get, set: a.set})
 	}
+	add("mode", "mode", "KVPOOL_MODE", "front door: devicePlugin (kubelet device plugin) or dra (DRA driver, ResourceSlices)", str(func(c *Config) *string { return &c.Mode }))
 	add("resourceName", "resource-name", "KVPOOL_RESOURCE_NAME", "extended resource advertised to kubelet, one unit per chunk", str(func(c *Config) *string { return &c.ResourceName }))
 	add("socketDir", "socket-dir", "KVPOOL_SOCKET_DIR", "host directory of the agent socket (mounted into pods)", str(func(c *Config) *string { return &c.SocketDir }))
 	add("kubeletDir", "kubelet-dir", "KVPOOL_KUBELET_DIR", "kubelet root directory", str(func(c *Config) *string { return &c.KubeletDir }))
@@ -85,6 +86,8 @@ var settings = func() []setting {
 	add("pollAfterReply", "poll-after-reply", "KVPOOL_POLL_AFTER_REPLY", "how long a connection polls for the next request after a reply (0: off, at most 1ms)", dur(func(c *Config) *Duration { return &c.PollAfterReply }))
 	add("keeperSocket", "keeper-socket", "KVPOOL_KEEPER_SOCKET", "the keeper's socket, which keeps the pool across agent restarts (empty: none)", str(func(c *Config) *string { return &c.KeeperSocket }))
 	add("stateDir", "state-dir", "KVPOOL_STATE_DIR", "directory for the agent checkpoint", str(func(c *Config) *string { return &c.StateDir }))
+	add("dra.driverName", "dra-driver-name", "KVPOOL_DRA_DRIVER_NAME", "the DRA driver's name (mode dra)", str(func(c *Config) *string { return &c.DRA.DriverName }))
+	add("dra.cdiDir", "cdi-dir", "KVPOOL_CDI_DIR", "the container runtime's CDI spec directory (mode dra)", str(func(c *Config) *string { return &c.DRA.CDIDir }))
 	add("sizing.poolBytes", "pool-bytes", "KVPOOL_POOL_BYTES", "whole pool size, e.g. 64Gi (0: use --pool-fraction)", qty(func(c *Config) *Bytes { return &c.Sizing.PoolBytes }))
 	add("sizing.fraction", "pool-fraction", "KVPOOL_POOL_FRACTION", "share of usable memory for the pool, in (0, 1]", accessor{func(c *Config) string { return strconv.FormatFloat(c.Sizing.Fraction, 'g', -1, 64) },
 		func(c *Config, s string) error {

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	utilerrors "k8s.io/apimachinery/pkg/util/errors"
+	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/apimachinery/pkg/util/validation/field"
 
 	"github.com/kvpool/kvpool/pkg/contract"
@@ -20,6 +21,10 @@ const MaxPollAfterReply = time.Millisecond
 // maxSunPath is the longest Unix socket path Linux accepts (sun_path is 108
 // bytes including the terminating NUL).
 const maxSunPath = 107
+
+// maxDRADriverName is the longest DRA driver name resource.k8s.io/v1
+// accepts.
+const maxDRADriverName = 63
 
 // Validate checks every field and reports every problem at once: nil when
 // the configuration is usable, else a utilerrors.Aggregate of
@@ -86,6 +91,18 @@ func (c *Config) validateTop() field.ErrorList {
 		if !filepath.IsAbs(d.dir) {
 			errs = append(errs, field.Invalid(p(d.field), d.dir, "must be an absolute path"))
 		}
+	}
+	if c.Mode != ModeDevicePlugin && c.Mode != ModeDRA {
+		errs = append(errs, field.NotSupported(p("mode"), c.Mode, []string{ModeDevicePlugin, ModeDRA}))
+	}
+	if msgs := validation.IsDNS1123Subdomain(c.DRA.DriverName); len(msgs) > 0 || len(c.DRA.DriverName) > maxDRADriverName {
+		if len(c.DRA.DriverName) > maxDRADriverName {
+			msgs = append(msgs, fmt.Sprintf("must be at most %d characters", maxDRADriverName))
+		}
+		errs = append(errs, field.Invalid(p("dra", "driverName"), c.DRA.DriverName, strings.Join(msgs, "; ")))
+	}
+	if !filepath.IsAbs(c.DRA.CDIDir) {
+		errs = append(errs, field.Invalid(p("dra", "cdiDir"), c.DRA.CDIDir, "must be an absolute path"))
 	}
 	if c.TokenBinding != TokenBindingPod && c.TokenBinding != TokenBindingNone {
 		errs = append(errs, field.NotSupported(p("tokenBinding"), c.TokenBinding, []string{TokenBindingPod, TokenBindingNone}))

@@ -15,11 +15,15 @@ import (
 
 // Device is one GPU as the sizing policy sees it.
 type Device struct {
-	Index  int    // NVML index (the CUDA ordinal under CUDA_DEVICE_ORDER=PCI_BUS_ID)
-	UUID   string // "GPU-..."
-	Name   string // product name
-	BusID  string // PCI address as sysfs writes it, "0000:3b:00.0"; empty if unknown
-	Memory int64  // device memory in bytes
+	Index int    // NVML index (the CUDA ordinal under CUDA_DEVICE_ORDER=PCI_BUS_ID)
+	UUID  string // "GPU-..."
+	Name  string // product name
+	BusID string // PCI address as sysfs writes it, "0000:3b:00.0"; empty if unknown
+	// PCIeRoot is the GPU's PCIe root complex, "pci<domain>:<bus>", for
+	// simulated GPUs (SimulatedPCI); empty for discovered ones, whose root
+	// the DRA driver reads from sysfs by BusID.
+	PCIeRoot string
+	Memory   int64 // device memory in bytes
 	// NUMA is the host NUMA node nearest the GPU, or -1 when the platform
 	// does not say (single-node machines, VMs).
 	NUMA      int
@@ -148,7 +152,8 @@ func SysfsNUMANode(sysRoot, busID string) (int, error) {
 }
 
 // Simulated makes n GPUs of memory bytes each for standalone mode, spread
-// round-robin over the given NUMA nodes (all -1 when numaNodes is empty).
+// round-robin over the given NUMA nodes (all -1 when numaNodes is empty),
+// with the PCI addresses of SimulatedPCI.
 func Simulated(n int, memory int64, numaNodes []int) []Device {
 	devs := make([]Device, n)
 	for i := range devs {
@@ -156,12 +161,26 @@ func Simulated(n int, memory int64, numaNodes []int) []Device {
 		if len(numaNodes) > 0 {
 			numa = numaNodes[i%len(numaNodes)]
 		}
+		bus, root := SimulatedPCI(i)
 		devs[i] = Device{
 			Index: i, UUID: fmt.Sprintf("GPU-sim-%08d", i), Name: "kvpool simulated GPU",
-			Memory: memory, NUMA: numa, Simulated: true,
+			BusID: bus, PCIeRoot: root, Memory: memory, NUMA: numa, Simulated: true,
 		}
 	}
 	return devs
+}
+
+// SimulatedPCI is the PCI address and PCIe root complex of simulated GPU
+// i: GPUs in pairs behind one root complex each, as two GPUs share a PCIe
+// switch on common 8-GPU boards. Pair p (i/2) has root bus 0x10*(p%15+1)
+// of PCI domain p/15, and the pair's GPUs the next two buses:
+// GPU 0 0000:11:00.0 and GPU 1 0000:12:00.0 behind pci0000:10, GPU 2
+// 0000:21:00.0 and GPU 3 0000:22:00.0 behind pci0000:20, and so on. The e2e
+// test GPU DRA driver (hack/e2e/tools/cmd/gpudra) publishes the same.
+func SimulatedPCI(i int) (busID, pcieRoot string) {
+	p := i / 2
+	domain, root := p/15, 0x10*(p%15+1)
+	return fmt.Sprintf("%04x:%02x:00.0", domain, root+1+i%2), fmt.Sprintf("pci%04x:%02x", domain, root)
 }
 
 func errorString(ret nvml.Return) string {

@@ -2,6 +2,7 @@ package gpu
 
 import (
 	"errors"
+	"regexp"
 	"strings"
 	"testing"
 
@@ -78,12 +79,12 @@ func TestDiscoverShapes(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := []Device{
-		{0, "GPU-a", "NVIDIA H100 80GB HBM3", "0000:18:00.0", 80 * gib, 0, false},
-		{1, "GPU-b", "NVIDIA H200", "0000:3b:00.0", 141 * gib, 1, false},
-		{2, "GPU-c", "NVIDIA L4", "0000:86:00.0", 24 * gib, -1, false},
-		{3, "GPU-d", "Tesla T4", "0000:5e:00.0", 16 * gib, -1, false},
-		{4, "GPU-e", "NVIDIA A10", "", 24 * gib, -1, false},
-		{5, "GPU-f", "NVIDIA B200", "0001:af:00.0", 180 * gib, 3, false},
+		{0, "GPU-a", "NVIDIA H100 80GB HBM3", "0000:18:00.0", "", 80 * gib, 0, false},
+		{1, "GPU-b", "NVIDIA H200", "0000:3b:00.0", "", 141 * gib, 1, false},
+		{2, "GPU-c", "NVIDIA L4", "0000:86:00.0", "", 24 * gib, -1, false},
+		{3, "GPU-d", "Tesla T4", "0000:5e:00.0", "", 16 * gib, -1, false},
+		{4, "GPU-e", "NVIDIA A10", "", "", 24 * gib, -1, false},
+		{5, "GPU-f", "NVIDIA B200", "0001:af:00.0", "", 180 * gib, 3, false},
 	}
 	if len(got) != len(want) {
 		t.Fatalf("got %d devices, want %d", len(got), len(want))
@@ -260,6 +261,20 @@ func TestSimulated(t *testing.T) {
 	}
 	if got[0].UUID == got[1].UUID {
 		t.Error("simulated UUIDs repeat")
+	}
+	// Pairs behind one root complex each; every address a valid BDF.
+	for i, want := range [][2]string{{"0000:11:00.0", "pci0000:10"}, {"0000:12:00.0", "pci0000:10"}, {"0000:21:00.0", "pci0000:20"}} {
+		if got[i].BusID != want[0] || got[i].PCIeRoot != want[1] {
+			t.Errorf("simulated GPU %d at %s behind %s, want %v", i, got[i].BusID, got[i].PCIeRoot, want)
+		}
+	}
+	seen := map[string]bool{}
+	for i := range 64 {
+		bus, root := SimulatedPCI(i)
+		if seen[bus] || !regexp.MustCompile(`^[0-9a-f]{4}:[0-9a-f]{2}:00\.0$`).MatchString(bus) || !regexp.MustCompile(`^pci[0-9a-f]{4}:[0-9a-f]{2}$`).MatchString(root) {
+			t.Errorf("GPU %d: bus %q root %q (repeated or malformed)", i, bus, root)
+		}
+		seen[bus] = true
 	}
 	for _, d := range Simulated(2, gib, nil) {
 		if d.NUMA != -1 {

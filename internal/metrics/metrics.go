@@ -59,6 +59,11 @@ type Metrics struct {
 	registrations *prometheus.CounterVec
 	reclaims      *prometheus.CounterVec
 
+	// The DRA driver's (observe.Op with Component "dra"; InitDRA
+	// registers them).
+	draOps                           *prometheus.CounterVec
+	draPrepareSecs, draUnprepareSecs prometheus.Histogram
+
 	// Series the hot path uses, resolved once: WithLabelValues hashes its
 	// labels on every call.
 	opSeries  sync.Map // op name -> prometheus.Observer
@@ -180,9 +185,10 @@ func New(src report.Source, opts Options) *Metrics {
 		}, []string{"result"}),
 		reclaims: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: Namespace, Subsystem: "plugin", Name: "reclaims_total",
-			Help: "Allocations taken back by the device plugin, by trigger: pod_gone (no pod held it for the grace period), reassigned (kubelet gave its devices to another pod).",
+			Help: "Allocations taken back, by trigger: pod_gone (no pod held it for the grace period), reassigned (kubelet gave its devices to another pod), unprepared (kubelet unprepared the ResourceClaim it served).",
 		}, []string{"trigger"}),
 	}
+	m.draOps, m.draPrepareSecs, m.draUnprepareSecs = newDRAMetrics()
 	m.reg.MustRegister(m.opDuration, m.offloads, m.reloads, m.discards, m.rejects, m.pagesMoved,
 		m.clientBytes, m.errors, m.limits, m.pinSeconds, m.pinFailures, m.renewSecs, m.renewFails, m.fillSeconds,
 		m.allocations, m.allocateSecs, m.registrations, m.reclaims,
@@ -264,8 +270,10 @@ func (m *Metrics) componentOp(op observe.Op) {
 		}
 		m.registrations.WithLabelValues(result).Inc()
 	case op.Component == observe.ComponentReclaim && op.Err == nil &&
-		(op.Name == observe.OpPodGone || op.Name == observe.OpReassigned):
+		(op.Name == observe.OpPodGone || op.Name == observe.OpReassigned || op.Name == observe.OpUnprepared):
 		m.reclaims.WithLabelValues(op.Name).Inc()
+	case op.Component == observe.ComponentDRA:
+		m.draOp(op)
 	}
 	if op.Err != nil {
 		m.errors.WithLabelValues(op.Component, op.Name, report.Kind(op.Err)).Inc()
@@ -277,7 +285,7 @@ func (m *Metrics) componentOp(op observe.Op) {
 // operations).
 var (
 	PluginAllocateResults = []string{"ok", "invalid", "refused", "unavailable", "failed"}
-	PluginReclaimTriggers = []string{observe.OpPodGone, observe.OpReassigned}
+	PluginReclaimTriggers = []string{observe.OpPodGone, observe.OpReassigned, observe.OpUnprepared}
 )
 
 // InitPlugin creates the device plugin's counter series at zero; the agent

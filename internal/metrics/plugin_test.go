@@ -78,7 +78,7 @@ func TestInitPluginCoversResults(t *testing.T) {
 	if !slices.Equal(PluginAllocateResults, plugin.AllocateResults) {
 		t.Errorf("metrics export results %v, the plugin reports %v", PluginAllocateResults, plugin.AllocateResults)
 	}
-	if !slices.Equal(PluginReclaimTriggers, []string{plugin.ReclaimPodGone, plugin.ReclaimReassigned}) {
+	if !slices.Equal(PluginReclaimTriggers, []string{plugin.ReclaimPodGone, plugin.ReclaimReassigned, plugin.ReclaimUnprepared}) {
 		t.Errorf("reclaim triggers %v", PluginReclaimTriggers)
 	}
 }

@@ -26,6 +26,11 @@ type Input struct {
 	UnhealthyGPUs map[int]bool
 	// Restart is what the agent took over from the keeper (nil: no keeper).
 	Restart *report.Restart
+	// Mode is the front door ("devicePlugin" or "dra"), DRADriver the DRA
+	// driver's name, Claims the claims it prepared.
+	Mode      string
+	DRADriver string
+	Claims    []report.Claim
 }
 
 func bytesQ(n int64) resource.Quantity { return *resource.NewQuantity(n, resource.BinarySI) }
@@ -43,6 +48,15 @@ func Build(node string, in Input) v1alpha1.KVPoolNodeStatus {
 		Allocated:    bytesQ(tot.AllocatedBytes),
 		Used:         bytesQ(tot.UsedBytes),
 		Sessions:     int32(tot.Sessions),
+	}
+	st.Mode, st.DRADriver = in.Mode, in.DRADriver
+	for _, c := range in.Claims {
+		pc := v1alpha1.PreparedClaim{Namespace: c.Namespace, Name: c.Name, UID: c.UID,
+			Requests: int32(len(c.Requests)), Chunks: int32(c.Chunks), Bytes: bytesQ(c.Bytes)}
+		for _, g := range c.GPUs {
+			pc.GPUs = append(pc.GPUs, int32(g))
+		}
+		st.Claims = append(st.Claims, pc)
 	}
 	if r := in.Restart; r != nil {
 		st.Restart = &v1alpha1.RestartStatus{AdoptedChunks: int32(r.AdoptedChunks), FreshChunks: int32(r.FreshChunks),

@@ -411,6 +411,25 @@ func TestBuildRestart(t *testing.T) {
 	}
 }
 
+// The front door and the DRA driver's prepared claims are in the status:
+// each claim's requests, chunks, bytes and GPUs.
+func TestBuildClaims(t *testing.T) {
+	st := Build("n", Input{Mode: "dra", DRADriver: "kvpool.io", Claims: []report.Claim{
+		{Namespace: "ns", Name: "kv", UID: "u1", Requests: []report.ClaimRequest{{Name: "a"}, {Name: "b"}}, Chunks: 3, Bytes: 3 << 30, GPUs: []int{0, 1}},
+	}})
+	if st.Mode != "dra" || st.DRADriver != "kvpool.io" || len(st.Claims) != 1 {
+		t.Fatalf("status %+v", st)
+	}
+	c := st.Claims[0]
+	if c.Namespace != "ns" || c.Name != "kv" || c.UID != "u1" || c.Requests != 2 || c.Chunks != 3 || c.Bytes.String() != "3Gi" ||
+		len(c.GPUs) != 2 || c.GPUs[1] != 1 {
+		t.Errorf("claim %+v", c)
+	}
+	if st := Build("n", Input{Mode: "devicePlugin"}); st.Claims != nil || st.DRADriver != "" {
+		t.Errorf("no claims: %+v", st)
+	}
+}
+
 // The heartbeat does not depend on which wake-up Run acts on: an unchanged
 // status is rewritten by any Sync once lastUpdateTime is Resync old, so a
 // status fed more often than MinInterval (the agent feeds every 5s, writes at

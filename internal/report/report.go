@@ -8,9 +8,12 @@ import (
 
 // Report is what GET /status returns and `agent status` prints.
 type Report struct {
-	Node    string    `json:"node,omitempty"`
-	Version string    `json:"version,omitempty"`
-	Mode    string    `json:"mode,omitempty"` // "cluster" or "standalone"
+	Node    string `json:"node,omitempty"`
+	Version string `json:"version,omitempty"`
+	Mode    string `json:"mode,omitempty"` // "cluster" or "standalone"
+	// Door is the front door pods get host KV through in cluster mode:
+	// "devicePlugin" or "dra".
+	Door    string    `json:"door,omitempty"`
 	Started time.Time `json:"started"`
 	Ready   bool      `json:"ready"`
 	Health  string    `json:"health,omitempty"` // readiness failures, one line; empty when ready
@@ -19,6 +22,8 @@ type Report struct {
 	ErrorsTotal uint64  `json:"errorsTotal"`
 	// Restart is what the agent took over from the keeper; nil without one.
 	Restart *Restart `json:"restart,omitempty"`
+	// Claims are the ResourceClaims the DRA driver prepared.
+	Claims []Claim `json:"claims,omitempty"`
 }
 
 // Reporter assembles Reports. Pool is required; the rest is optional.
@@ -35,6 +40,10 @@ type Reporter struct {
 	Now       func() time.Time // defaults to time.Now
 	// Restart reports what the agent took over from the keeper (nil: no keeper).
 	Restart func() *Restart
+	// Door is the front door (Report.Door).
+	Door string
+	// Claims lists the prepared ResourceClaims (nil: none).
+	Claims func() []Claim
 }
 
 // Report takes a snapshot now.
@@ -48,7 +57,7 @@ func (r *Reporter) Report() Report {
 		targets = r.Targets()
 	}
 	rep := Report{
-		Node: r.Node, Version: r.Version, Mode: r.Mode, Started: r.Started,
+		Node: r.Node, Version: r.Version, Mode: r.Mode, Door: r.Door, Started: r.Started,
 		Snapshot: Take(r.Pool, targets, now()),
 		Errors:   []Entry{},
 		Ready:    true,
@@ -62,6 +71,9 @@ func (r *Reporter) Report() Report {
 	}
 	if r.Restart != nil {
 		rep.Restart = r.Restart()
+	}
+	if r.Claims != nil {
+		rep.Claims = r.Claims()
 	}
 	return rep
 }

@@ -32,6 +32,10 @@ const (
 	OpCheckpoint = "checkpoint" // plugin: the checkpoint could not be read
 	OpPodGone    = "pod_gone"   // reclaim: no pod held the allocation for the grace period
 	OpReassigned = "reassigned" // reclaim: kubelet gave the allocation's devices to another pod
+	OpUnprepared = "unprepared" // reclaim: kubelet unprepared the ResourceClaim the allocation served (DRA)
+	OpPrepare    = "prepare"    // dra: kubelet's NodePrepareResources, one claim
+	OpUnprepare  = "unprepare"  // dra: kubelet's NodeUnprepareResources, one claim
+	OpPublish    = "publish"    // dra: the ResourceSlices published (their controller's errors)
 	OpRenew      = "renew"      // reclaim: fresh memory put behind a reclaimed chunk
 	OpPin        = "pin"        // allocation: a chunk allocated, pre-faulted and locked at start
 	OpWrite      = "write"      // nodestatus: the KVPoolNode status written
@@ -45,6 +49,7 @@ const (
 	ComponentReclaim    = "reclaim"    // reclaims of allocations and renewals of their chunks
 	ComponentAllocation = "allocation" // chunks allocated and pinned at start ("pin")
 	ComponentNodeStatus = "nodestatus" // writes of the KVPoolNode status ("write")
+	ComponentDRA        = "dra"        // the DRA driver: prepare, unprepare, publish
 )
 
 // Op is one completed operation.

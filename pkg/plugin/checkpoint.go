@@ -43,12 +43,15 @@ var ErrNewerCheckpoint = errors.New("plugin checkpoint written by a newer agent"
 //     envelope and this checksum are fixed from version 2 on, so that every
 //     reader can check any later version's file; a later version changes
 //     only the records.
+//   - Version 3: a record may name the ResourceClaim request the DRA
+//     driver prepared it for (Record.Claim); records without one are the
+//     device plugin's, as before.
 //
 // Each version's records are read in their own format (recordV1, ...) and
 // converted to Record; SaveCheckpoint writes checkpointVersion only, and
 // New rewrites a file of an older version at once.
 const (
-	checkpointVersion = 2
+	checkpointVersion = 3
 	oldestCheckpoint  = 1
 )
 
@@ -58,8 +61,38 @@ type Record struct {
 	Devices   []string  `json:"devices"` // sorted
 	FirstSeen time.Time `json:"firstSeen"`
 	// Pod is namespace/name of the pod PodResources last listed as holding
-	// the devices; empty when no pod has been seen with them yet.
+	// the devices; empty when no pod has been seen with them yet. Empty
+	// for a claim's allocation.
 	Pod string `json:"pod,omitempty"`
+	// Claim is the ResourceClaim request the DRA driver prepared this
+	// allocation for; nil for the device plugin's allocations. Its
+	// lifetime is the claim's: Unprepare ends it, PodResources never does.
+	Claim *ClaimRef `json:"claim,omitempty"`
+}
+
+// ClaimRef names the ResourceClaim request an allocation serves, and
+// what the DRA driver asked for it, so that a repeated Prepare (kubelet
+// retries, the agent restarted) is recognised and answered the same.
+type ClaimRef struct {
+	UID       string `json:"uid"`
+	Namespace string `json:"namespace"`
+	Name      string `json:"name"`
+	// Request is the claim's request ("request" or "request/subrequest").
+	Request string `json:"request"`
+	// PodUIDs are the pods the claim was reserved for at the last
+	// Prepare: with tokenBinding "pod" the token works only from them.
+	PodUIDs []string `json:"podUIDs,omitempty"`
+	// Shares are the shares of GPUs' consumable devices the request was
+	// allocated (chunks the ledger picked, listed in Picked); the rest of
+	// the record's devices were named by the scheduler.
+	Shares []Share  `json:"shares,omitempty"`
+	Picked []string `json:"picked,omitempty"` // sorted
+}
+
+// Share is a number of chunks of one GPU, which the ledger picks.
+type Share struct {
+	GPU    int `json:"gpu"`
+	Chunks int `json:"chunks"`
 }
 
 // recordV1 is a record of versions 1 and 2 (which changed only the
@@ -72,10 +105,49 @@ type recordV1 struct {
 	Pod       string    `json:"pod,omitempty"`
 }
 
-// current converts a version 1 record. The two types have the same
-// fields today; once Record changes, this conversion stops compiling and
-// must be written field by field.
-func (r recordV1) current() Record { return Record(r) }
+// current converts a version 1 (or 2) record: a device plugin allocation.
+func (r recordV1) current() Record {
+	return Record{Token: r.Token, Devices: r.Devices, FirstSeen: r.FirstSeen, Pod: r.Pod}
+}
+
+// recordV3 is a record of version 3, frozen like recordV1.
+type recordV3 struct {
+	Token     string    `json:"token"`
+	Devices   []string  `json:"devices"`
+	FirstSeen time.Time `json:"firstSeen"`
+	Pod       string    `json:"pod,omitempty"`
+	Claim     *claimV3  `json:"claim,omitempty"`
+}
+
+type claimV3 struct {
+	UID       string    `json:"uid"`
+	Namespace string    `json:"namespace"`
+	Name      string    `json:"name"`
+	Request   string    `json:"request"`
+	PodUIDs   []string  `json:"podUIDs,omitempty"`
+	Shares    []shareV3 `json:"shares,omitempty"`
+	Picked    []string  `json:"picked,omitempty"`
+}
+
+type shareV3 struct {
+	GPU    int `json:"gpu"`
+	Chunks int `json:"chunks"`
+}
+
+// current converts a version 3 record, field by field.
+func (r recordV3) current() Record {
+	out := Record{Token: r.Token, Devices: r.Devices, FirstSeen: r.FirstSeen, Pod: r.Pod}
+	if c := r.Claim; c != nil {
+		out.Claim = &ClaimRef{UID: c.UID, Namespace: c.Namespace, Name: c.Name, Request: c.Request,
+			PodUIDs: c.PodUIDs, Picked: c.Picked}
+		for _, s := range c.Shares {
+			// A conversion: it stops compiling once Share changes, and
+			// must then be written field by field.
+			out.Claim.Shares = append(out.Claim.Shares, Share(s))
+		}
+	}
+	return out
+}
 
 type checkpointFile struct {
 	Version  int             `json:"version"`
@@ -149,21 +221,41 @@ func decodeCheckpoint(data []byte) ([]Record, int, error) {
 	if f.Version > checkpointVersion {
 		return nil, 0, fmt.Errorf("%w: version %d, this agent reads versions %d to %d", ErrNewerCheckpoint, f.Version, oldestCheckpoint, checkpointVersion)
 	}
-	// Versions 1 and 2 share the records' format.
-	var old []recordV1
-	rdec := json.NewDecoder(bytes.NewReader(compact.Bytes()))
-	rdec.DisallowUnknownFields()
-	if err := rdec.Decode(&old); err != nil {
+	recs, err := decodeRecords(f.Version, compact.Bytes())
+	if err != nil {
 		return nil, 0, fmt.Errorf("%w: records: %v", ErrCorruptCheckpoint, err)
-	}
-	recs := make([]Record, len(old))
-	for i, r := range old {
-		recs[i] = r.current()
 	}
 	if err := checkRecords(recs); err != nil {
 		return nil, 0, err
 	}
 	return recs, f.Version, nil
+}
+
+// decodeRecords reads the records of version in that version's format
+// (versions 1 and 2 share one) and converts them to Record.
+func decodeRecords(version int, data []byte) ([]Record, error) {
+	rdec := json.NewDecoder(bytes.NewReader(data))
+	rdec.DisallowUnknownFields()
+	if version < 3 {
+		var old []recordV1
+		if err := rdec.Decode(&old); err != nil {
+			return nil, err
+		}
+		recs := make([]Record, len(old))
+		for i, r := range old {
+			recs[i] = r.current()
+		}
+		return recs, nil
+	}
+	var v3 []recordV3
+	if err := rdec.Decode(&v3); err != nil {
+		return nil, err
+	}
+	recs := make([]Record, len(v3))
+	for i, r := range v3 {
+		recs[i] = r.current()
+	}
+	return recs, nil
 }
 
 // checkRecords checks what every allocation must be: a well-formed token
@@ -172,6 +264,7 @@ func decodeCheckpoint(data []byte) ([]Record, int, error) {
 func checkRecords(recs []Record) error {
 	tokens := make(map[string]bool, len(recs))
 	devs := make(map[string]string)
+	claims := make(map[string]bool)
 	for i, r := range recs {
 		if !contract.IsToken(r.Token) {
 			return fmt.Errorf("%w: record %d: malformed token", ErrCorruptCheckpoint, i)
@@ -191,6 +284,51 @@ func checkRecords(recs []Record) error {
 				return fmt.Errorf("%w: device %s held by two allocations", ErrCorruptCheckpoint, d)
 			}
 			devs[d] = r.Token
+		}
+		if r.Claim != nil {
+			if err := checkClaim(r, claims); err != nil {
+				return fmt.Errorf("%w: record %d: %v", ErrCorruptCheckpoint, i, err)
+			}
+		}
+	}
+	return nil
+}
+
+// checkClaim checks a claim's allocation: the claim named, its request
+// once, its pods UIDs, its shares positive and its picked chunks among
+// the record's devices, as many as the shares asked. seen collects the
+// claims' requests.
+func checkClaim(r Record, seen map[string]bool) error {
+	c := r.Claim
+	switch {
+	case !ValidUID(c.UID) || c.Name == "" || c.Namespace == "" || c.Request == "":
+		return errors.New("claim without a UID, namespace, name or request")
+	case r.Pod != "":
+		return errors.New("claim allocation names a device plugin pod")
+	case seen[c.UID+"/"+c.Request]:
+		return fmt.Errorf("claim %s request %s prepared twice", c.UID, c.Request)
+	case !slices.IsSorted(c.Picked):
+		return errors.New("picked chunks unsorted")
+	}
+	seen[c.UID+"/"+c.Request] = true
+	for _, u := range c.PodUIDs {
+		if !ValidUID(u) {
+			return fmt.Errorf("pod UID %q", u)
+		}
+	}
+	want := 0
+	for _, s := range c.Shares {
+		if s.Chunks <= 0 || s.GPU < 0 {
+			return fmt.Errorf("share %+v", s)
+		}
+		want += s.Chunks
+	}
+	if len(c.Picked) != want {
+		return fmt.Errorf("%d picked chunks for shares of %d", len(c.Picked), want)
+	}
+	for _, d := range c.Picked {
+		if _, ok := slices.BinarySearch(r.Devices, d); !ok {
+			return fmt.Errorf("picked chunk %s not among the devices", d)
 		}
 	}
 	return nil

@@ -89,12 +89,12 @@ func TestDecodeCheckpointRejects(t *testing.T) {
 		{"not json", []byte("\x00\x01garbage"), "invalid character"},
 		{"trailing data", append(slices.Clone(good), "{}"...), "trailing data"},
 		{"unknown field", []byte(`{"version":1,"checksum":"","records":[],"extra":1}`), "unknown field"},
-		{"no version", []byte(strings.Replace(string(good), `"version": 2`, `"version": 0`, 1)), "version 0"},
-		{"negative version", []byte(strings.Replace(string(good), `"version": 2`, `"version": -1`, 1)), "version -1"},
+		{"no version", []byte(strings.Replace(string(good), `"version": 3`, `"version": 0`, 1)), "version 0"},
+		{"negative version", []byte(strings.Replace(string(good), `"version": 3`, `"version": -1`, 1)), "version -1"},
 		// The version is under the checksum: a damaged version number is
 		// corruption, whether it reads older or newer.
-		{"version damaged down", []byte(strings.Replace(string(good), `"version": 2`, `"version": 1`, 1)), "checksum mismatch"},
-		{"version damaged up", []byte(strings.Replace(string(good), `"version": 2`, `"version": 3`, 1)), "checksum mismatch"},
+		{"version damaged down", []byte(strings.Replace(string(good), `"version": 3`, `"version": 2`, 1)), "checksum mismatch"},
+		{"version damaged up", []byte(strings.Replace(string(good), `"version": 3`, `"version": 4`, 1)), "checksum mismatch"},
 		{"checksum", []byte(strings.Replace(string(good), "gpu0-numa0-1", "gpu0-numa0-2", 1)), "checksum mismatch"},
 		{"records not a list", []byte(`{"version":1,"checksum":"44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a","records":{}}`), "records"},
 		{"bad token", enc(func(r []Record) { r[0].Token = "short" }), "malformed token"},
@@ -103,6 +103,27 @@ func TestDecodeCheckpointRejects(t *testing.T) {
 		{"unsorted devices", enc(func(r []Record) { slices.Reverse(r[0].Devices) }), "empty or unsorted"},
 		{"empty device", enc(func(r []Record) { r[1].Devices = []string{""} }), "empty device ID"},
 		{"device in two allocations", enc(func(r []Record) { r[1].Devices = []string{"gpu0-numa0-1"} }), "held by two allocations"},
+		{"claim without a UID", enc(func(r []Record) { r[1].Claim = &ClaimRef{Namespace: "ns", Name: "c", Request: "kv"} }), "claim without a UID"},
+		{"claim UID not a UID", enc(func(r []Record) { r[1].Claim = &ClaimRef{UID: "../etc", Namespace: "ns", Name: "c", Request: "kv"} }), "claim without a UID"},
+		{"claim without a request", enc(func(r []Record) { r[1].Claim = &ClaimRef{UID: claimA, Namespace: "ns", Name: "c"} }), "or request"},
+		{"claim with a pod", enc(func(r []Record) { r[0].Claim = &ClaimRef{UID: claimA, Namespace: "ns", Name: "c", Request: "kv"} }), "names a device plugin pod"},
+		{"claim request twice", enc(func(r []Record) {
+			r[0].Pod = ""
+			r[0].Claim = &ClaimRef{UID: claimA, Namespace: "ns", Name: "c", Request: "kv"}
+			r[1].Claim = &ClaimRef{UID: claimA, Namespace: "ns", Name: "c", Request: "kv"}
+		}), "prepared twice"},
+		{"claim pod UID", enc(func(r []Record) {
+			r[1].Claim = &ClaimRef{UID: claimA, Namespace: "ns", Name: "c", Request: "kv", PodUIDs: []string{"x"}}
+		}), "pod UID"},
+		{"claim share of nothing", enc(func(r []Record) {
+			r[1].Claim = &ClaimRef{UID: claimA, Namespace: "ns", Name: "c", Request: "kv", Shares: []Share{{GPU: 1, Chunks: 0}}}
+		}), "share"},
+		{"claim picked too few", enc(func(r []Record) {
+			r[1].Claim = &ClaimRef{UID: claimA, Namespace: "ns", Name: "c", Request: "kv", Shares: []Share{{GPU: 1, Chunks: 2}}, Picked: []string{"gpu1-numaX-3"}}
+		}), "1 picked chunks for shares of 2"},
+		{"claim picked elsewhere", enc(func(r []Record) {
+			r[1].Claim = &ClaimRef{UID: claimA, Namespace: "ns", Name: "c", Request: "kv", Shares: []Share{{GPU: 1, Chunks: 1}}, Picked: []string{"gpu1-numaX-4"}}
+		}), "not among the devices"},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {

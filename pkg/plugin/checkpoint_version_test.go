@@ -26,8 +26,50 @@ func v1Records() []Record {
 
 func sameRecords(a, b []Record) bool {
 	return slices.EqualFunc(a, b, func(x, y Record) bool {
-		return x.Token == y.Token && slices.Equal(x.Devices, y.Devices) && x.FirstSeen.Equal(y.FirstSeen) && x.Pod == y.Pod
+		return x.Token == y.Token && slices.Equal(x.Devices, y.Devices) && x.FirstSeen.Equal(y.FirstSeen) && x.Pod == y.Pod &&
+			sameClaim(x.Claim, y.Claim)
 	})
+}
+
+func sameClaim(a, b *ClaimRef) bool {
+	if a == nil || b == nil {
+		return a == b
+	}
+	return a.UID == b.UID && a.Namespace == b.Namespace && a.Name == b.Name && a.Request == b.Request &&
+		slices.Equal(a.PodUIDs, b.PodUIDs) && slices.Equal(a.Shares, b.Shares) && slices.Equal(a.Picked, b.Picked)
+}
+
+// v3Records are the records of testdata/checkpoint-v3.json: a device
+// plugin allocation and a claim's (named chunks and a share).
+func v3Records() []Record {
+	t0 := time.Date(2026, 12, 1, 8, 0, 0, 0, time.UTC)
+	return []Record{
+		{Token: "m_k9URAZLPJZQg1NSHgyPzqKDVzmqY6aPkQBydHCnC4", Devices: []string{"gpu0-numa0-0"}, FirstSeen: t0, Pod: "ns/a"},
+		{Token: "yK43rSgAiwnNsWkH210lRiaE0QF0yfzqmIjvNgKiFkQ", Devices: []string{"gpu1-numa1-0", "gpu1-numa1-1", "gpu1-numa1-2"}, FirstSeen: t0,
+			Claim: &ClaimRef{UID: "0b5a3b0e-5d5c-4cf4-9f43-2f0b9f6d0a11", Namespace: "ns", Name: "kv", Request: "host-kv",
+				PodUIDs: []string{"3f2b1c4d-5e6f-4a7b-8c9d-0e1f2a3b4c5d"}, Shares: []Share{{GPU: 1, Chunks: 2}},
+				Picked: []string{"gpu1-numa1-1", "gpu1-numa1-2"}}},
+	}
+}
+
+// The version 3 golden file decodes to v3Records, and the current
+// encoder writes exactly it: a change of the format is a new version.
+func TestCheckpointV3Golden(t *testing.T) {
+	golden, err := os.ReadFile("testdata/checkpoint-v3.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, version, err := decodeCheckpoint(golden)
+	if err != nil || version != 3 || !sameRecords(got, v3Records()) {
+		t.Fatalf("golden: version %d, %+v, %v", version, got, err)
+	}
+	enc, err := EncodeCheckpoint(v3Records())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(bytes.TrimSpace(golden), enc) {
+		t.Errorf("the encoder no longer writes the version 3 golden file:\n%s", enc)
+	}
 }
 
 // envelope is a checkpoint file of any version with the checksum given.
@@ -63,11 +105,12 @@ func TestDecodeCheckpointVersions(t *testing.T) {
 		t.Fatal(err)
 	}
 	recs := v1Records()
-	v2, err := EncodeCheckpoint(recs)
+	v3, err := EncodeCheckpoint(recs)
 	if err != nil {
 		t.Fatal(err)
 	}
 	body := compactRecords(t, recs)
+	v2 := envelope(t, 2, checksumV2(2, body), recs)
 	for _, c := range []struct {
 		name        string
 		data        []byte
@@ -76,12 +119,14 @@ func TestDecodeCheckpointVersions(t *testing.T) {
 		wantMsg     string
 	}{
 		{"version 1 converts", v1, 1, nil, ""},
-		{"version 2 is current", v2, 2, nil, ""},
+		{"version 2 converts", v2, 2, nil, ""},
+		{"version 3 is current", v3, 3, nil, ""},
 		{"version 1 with the version 2 checksum", envelope(t, 1, checksumV2(1, body), recs), 0, ErrCorruptCheckpoint, "checksum mismatch"},
 		{"version 2 with the version 1 checksum", envelope(t, 2, checksumV1(body), recs), 0, ErrCorruptCheckpoint, "checksum mismatch"},
-		{"newer version", envelope(t, 3, checksumV2(3, body), recs), 0, ErrNewerCheckpoint, "version 3, this agent reads versions 1 to 2"},
+		{"version 2 with a claim (a version 3 field)", envelope(t, 2, checksumV2(2, compactRecords(t, v3Records())), v3Records()), 0, ErrCorruptCheckpoint, "unknown field"},
+		{"newer version", envelope(t, 4, checksumV2(4, body), recs), 0, ErrNewerCheckpoint, "version 4, this agent reads versions 1 to 3"},
 		{"much newer version", envelope(t, 1000, checksumV2(1000, body), recs), 0, ErrNewerCheckpoint, "version 1000"},
-		{"newer version, damaged", envelope(t, 3, checksumV2(2, body), recs), 0, ErrCorruptCheckpoint, "checksum mismatch"},
+		{"newer version, damaged", envelope(t, 4, checksumV2(3, body), recs), 0, ErrCorruptCheckpoint, "checksum mismatch"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			got, version, err := decodeCheckpoint(c.data)
@@ -111,12 +156,13 @@ func TestNewCheckpointVersions(t *testing.T) {
 		t.Fatal(err)
 	}
 	recs := v1Records()
-	v2, err := EncodeCheckpoint(recs)
+	v3, err := EncodeCheckpoint(recs)
 	if err != nil {
 		t.Fatal(err)
 	}
 	body := compactRecords(t, recs)
-	newer := envelope(t, 3, checksumV2(3, body), recs)
+	v2 := envelope(t, 2, checksumV2(2, body), recs)
+	newer := envelope(t, 4, checksumV2(4, body), recs)
 	for _, c := range []struct {
 		name        string
 		file        []byte
@@ -126,10 +172,11 @@ func TestNewCheckpointVersions(t *testing.T) {
 		onDisk      []byte // nil: the current encoding of restored
 	}{
 		{name: "version 1 is converted and rewritten", file: v1, restored: recs},
-		{name: "version 2 is read as it is", file: v2, restored: recs, onDisk: v2},
+		{name: "version 2 is converted and rewritten", file: v2, restored: recs},
+		{name: "version 3 is read as it is", file: v3, restored: recs, onDisk: v3},
 		{name: "newer version is refused and kept", file: newer, refused: true, onDisk: newer},
 		{name: "corrupt version 1 is quarantined", file: bytes.Replace(v1, []byte("gpu1-numaX-3"), []byte("gpu1-numaX-4"), 1), quarantined: true},
-		{name: "damaged newer version is quarantined", file: envelope(t, 3, checksumV1(body), recs), quarantined: true},
+		{name: "damaged newer version is quarantined", file: envelope(t, 4, checksumV1(body), recs), quarantined: true},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			dir := t.TempDir()

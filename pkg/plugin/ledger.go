@@ -29,6 +29,7 @@ import (
 // renewal.
 type ledger struct {
 	pool        Pool
+	devices     Source // the ready chunks (the DRA door picks shares among them)
 	now         func() time.Time
 	grace       time.Duration
 	stateDir    string
@@ -44,8 +45,12 @@ type ledger struct {
 	retry    map[string]retry
 	// scrubFailed: chunks reported unhealthy to chunkHealth
 	scrubFailed map[string]bool
-	withheld    map[string]bool // devices advertised unhealthy: dirty (not yet renewed)
+	withheld    map[string]bool // devices advertised unhealthy: dirty (not yet renewed) or held by a claim
 	overlay     chan struct{}   // closed when withheld changes
+	// changed is closed (and replaced) at every change of the
+	// allocations or of the dirty chunks: the DRA driver republishes its
+	// ResourceSlices then.
+	changed chan struct{}
 }
 
 type alloc struct {
@@ -56,7 +61,7 @@ type alloc struct {
 
 func newLedger(o *Options, log *slog.Logger) *ledger {
 	return &ledger{
-		pool: o.Pool, now: o.Now, grace: o.GracePeriod, stateDir: o.StateDir, log: log,
+		pool: o.Pool, devices: o.Devices, now: o.Now, grace: o.GracePeriod, stateDir: o.StateDir, log: log,
 		reclaimed: o.Reclaimed, chunkHealth: o.ChunkHealth,
 		kick:        make(chan struct{}, 1),
 		allocs:      make(map[string]*alloc),
@@ -66,7 +71,15 @@ func newLedger(o *Options, log *slog.Logger) *ledger {
 		scrubFailed: make(map[string]bool),
 		withheld:    make(map[string]bool),
 		overlay:     make(chan struct{}),
+		changed:     make(chan struct{}),
 	}
+}
+
+// bumpLocked tells the watchers of changed that the allocations or the
+// dirty chunks changed.
+func (l *ledger) bumpLocked() {
+	close(l.changed)
+	l.changed = make(chan struct{})
 }
 
 // restore adds the allocations of a checkpoint and asks the pool for their
@@ -83,6 +96,8 @@ func (l *ledger) restore(recs []Record) {
 		}
 		l.grantLocked(a)
 	}
+	l.setWithheldLocked()
+	l.bumpLocked()
 }
 
 // grantLocked asks the pool for a restored allocation's chunks; chunks that
@@ -143,15 +158,20 @@ func (l *ledger) authorize(token string) (string, error) {
 	return a.ID(), nil
 }
 
-// lookup returns what AuthorizePeer checks a client against.
-func (l *ledger) lookup(token string) (id, pod string, devices []string, ok bool) {
+// lookup returns what AuthorizePeer checks a client against: for a
+// claim's allocation, the UIDs of the pods the claim was reserved for
+// (podUIDs non-nil, possibly empty).
+func (l *ledger) lookup(token string) (id, pod string, devices, podUIDs []string, ok bool) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	a, ok := l.allocs[token]
 	if !ok {
-		return "", "", nil, false
+		return "", "", nil, nil, false
 	}
-	return a.ID(), a.Pod, slices.Clone(a.Devices), true
+	if a.Claim != nil {
+		podUIDs = append([]string{}, a.Claim.PodUIDs...)
+	}
+	return a.ID(), a.Pod, slices.Clone(a.Devices), podUIDs, true
 }
 
 func (l *ledger) grantPending() {
@@ -238,6 +258,9 @@ func (l *ledger) conflictsLocked(sets [][]string) (stale []*alloc, needList bool
 			a := l.byDevice[id]
 			if a == nil {
 				continue
+			}
+			if a.Claim != nil {
+				return nil, false, allocErr(ResultRefused, "device %s is held by ResourceClaim %s/%s (the DRA driver prepared it)", id, a.Claim.Namespace, a.Claim.Name)
 			}
 			if slices.Equal(a.Devices, ids) && a.Pod == "" {
 				continue // a repeated Allocate before the pod was ever listed
@@ -391,6 +414,9 @@ func (l *ledger) grant(sets [][]string, held map[string]string) ([]string, []str
 		ids[i] = a.ID()
 		l.log.Info("allocated", "allocation", a.ID(), "devices", a.Devices)
 	}
+	if len(created) > 0 {
+		l.bumpLocked()
+	}
 	return tokens, ids, nil
 }
 
@@ -423,8 +449,13 @@ func (l *ledger) reclaimLocked(a *alloc) error {
 		delete(l.retry, c.ID)
 	}
 	if l.reclaimed != nil {
-		l.reclaimed(a.Pod, slices.Clone(a.Devices))
+		pod := a.Pod
+		if a.Claim != nil {
+			pod = a.Claim.Namespace + "/" + a.Claim.Name
+		}
+		l.reclaimed(pod, slices.Clone(a.Devices))
 	}
+	l.bumpLocked()
 	select {
 	case l.kick <- struct{}{}:
 	default:
@@ -432,9 +463,10 @@ func (l *ledger) reclaimLocked(a *alloc) error {
 	return nil
 }
 
-// setWithheldLocked recomputes the devices advertised unhealthy: only the
-// dirty ones (a reclaimed chunk not yet renewed), because only they must
-// not go to a pod. A chunk whose pod is gone stays healthy during the grace
+// setWithheldLocked recomputes the devices advertised unhealthy: the
+// dirty ones (a reclaimed chunk not yet renewed), and the ones a
+// ResourceClaim holds (after a move from the DRA driver back to the device
+// plugin), because only they must not go to a pod. A chunk whose pod is gone stays healthy during the grace
 // period: kubelet frees a pod's devices only once the pod is no longer active
 // (the same test PodResources lists by), and when it hands them to a new pod,
 // Allocate reclaims the old allocation (sessions closed, chunks renewed)
@@ -444,6 +476,11 @@ func (l *ledger) setWithheldLocked() {
 	w := make(map[string]bool)
 	for id := range l.dirty {
 		w[id] = true
+	}
+	for id, a := range l.byDevice {
+		if a.Claim != nil {
+			w[id] = true
+		}
 	}
 	if maps.Equal(w, l.withheld) {
 		return
@@ -509,6 +546,7 @@ func (l *ledger) renewed(id string, err error) error {
 	delete(l.dirty, id)
 	delete(l.retry, id)
 	l.chunkHealthLocked(id, true, "")
+	l.bumpLocked()
 	return nil
 }
 
@@ -555,6 +593,9 @@ func (l *ledger) reconcile(held map[string]string) (reclaimed []string, reclaimE
 	var errs []error
 	for _, a := range slices.Collect(maps.Values(l.allocs)) {
 		l.grantLocked(a)
+		if a.Claim != nil {
+			continue // a claim's allocation ends with its Unprepare, never by PodResources
+		}
 		if holder := holderOf(a, held); holder != "" {
 			if a.Pod != holder {
 				l.log.Info("allocation held by pod", "allocation", a.ID(), "pod", holder, "devices", a.Devices)

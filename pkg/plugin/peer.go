@@ -9,6 +9,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -100,7 +101,7 @@ func podUIDFromPath(path string) (string, error) {
 		}
 		// cgroupfs: pod<uid>
 		if rest, ok := strings.CutPrefix(s, "pod"); ok {
-			if !validUID(rest) {
+			if !ValidUID(rest) {
 				return "", fmt.Errorf("cgroup path %q: %q is not a pod UID", path, s)
 			}
 			return rest, nil
@@ -110,7 +111,7 @@ func podUIDFromPath(path string) (string, error) {
 			name := strings.TrimSuffix(s, ".slice")
 			if i := strings.LastIndex(name, "-pod"); i >= 0 {
 				u := strings.ReplaceAll(name[i+len("-pod"):], "_", "-")
-				if !validUID(u) {
+				if !ValidUID(u) {
 					return "", fmt.Errorf("cgroup path %q: %q does not name a pod UID", path, s)
 				}
 				return u, nil
@@ -120,10 +121,10 @@ func podUIDFromPath(path string) (string, error) {
 	return "", nil
 }
 
-// validUID accepts a UUID in its canonical text form, as Kubernetes makes
+// ValidUID accepts a UUID in its canonical text form, as Kubernetes makes
 // pod UIDs (lower-case hex; static pods' UIDs are hashes of 32 hex digits
 // without dashes, accepted too).
-func validUID(u string) bool {
+func ValidUID(u string) bool {
 	hex := func(s string) bool {
 		for _, c := range s {
 			if !(c >= '0' && c <= '9' || c >= 'a' && c <= 'f') {
@@ -164,7 +165,7 @@ func (p *Plugin) AuthorizePeer(ctx context.Context, token string, pid int32) (st
 }
 
 func (p *Plugin) authorizePeer(ctx context.Context, token string, pid int32) (string, error) {
-	id, pod, devs, ok := p.l.lookup(token)
+	id, pod, devs, claimPods, ok := p.l.lookup(token)
 	if !ok {
 		return "", contract.ErrUnknownToken
 	}
@@ -181,6 +182,14 @@ func (p *Plugin) authorizePeer(ctx context.Context, token string, pid int32) (st
 	uid, err := PodUIDFromCgroup(data)
 	if err != nil {
 		return "", fmt.Errorf("%w: pid %d: %v", ErrWrongPod, pid, err)
+	}
+	if claimPods != nil {
+		// A ResourceClaim's token: the pods the claim is reserved for, as
+		// kubelet's Prepare gave them (their UIDs, no name to look up).
+		if slices.Contains(claimPods, uid) {
+			return id, nil
+		}
+		return "", fmt.Errorf("%w: the claim's allocation is reserved for pods %v; the client (pid %d) runs in pod UID %s", ErrWrongPod, claimPods, pid, uid)
 	}
 	if pod != "" && p.podHasUID(pod, uid) {
 		return id, nil

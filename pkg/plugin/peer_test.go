@@ -66,7 +66,7 @@ func FuzzPodUIDFromCgroup(f *testing.F) {
 	f.Add([]byte("0::/user.slice\n"))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		uid, err := PodUIDFromCgroup(data)
-		if err == nil && !validUID(uid) {
+		if err == nil && !ValidUID(uid) {
 			t.Fatalf("accepted UID %q from %q", uid, data)
 		}
 		if err == nil && !strings.Contains(string(data), "kubepods") {

@@ -40,7 +40,11 @@ func (p *Plugin) Endpoint() string {
 // whenever kubelet restarts (kubelet.sock is recreated or the plugin's own
 // socket is removed), and reconciles allocations against PodResources every
 // Interval. It returns when ctx ends.
-func (p *Plugin) Run(ctx context.Context) error {
+func (p *Plugin) Run(ctx context.Context) error { return p.run(ctx, true) }
+
+// run reconciles and renews until ctx ends, and with register serves the
+// device plugin and registers with kubelet.
+func (p *Plugin) run(ctx context.Context, register bool) error {
 	if p.o.Holders == nil {
 		c, err := DialPodResources(filepath.Join(p.o.KubeletDir, "pod-resources", "kubelet.sock"))
 		if err != nil {
@@ -59,6 +63,10 @@ func (p *Plugin) Run(ctx context.Context) error {
 		p.renewLoop(ctx)
 	}()
 	defer func() { <-done; <-done }()
+	if !register {
+		<-ctx.Done()
+		return nil
+	}
 	for {
 		err := p.serveOnce(ctx)
 		if ctx.Err() != nil {

@@ -12,6 +12,7 @@ type renderedConfig struct {
 	PoolBytes, Headroom                           int64
 	HugePages                                     string
 	MetricsAddr, HealthAddr                       string
+	Mode, DRADriver, CDIDir                       string
 }
 
 // loadAgentConfig parses a config file with the agent's own loader
@@ -38,5 +39,8 @@ func loadAgentConfig(t *testing.T, data []byte) renderedConfig {
 		HugePages:    c.Sizing.HugePages,
 		MetricsAddr:  c.Metrics.Address,
 		HealthAddr:   c.Health.Address,
+		Mode:         c.Mode,
+		DRADriver:    c.DRA.DriverName,
+		CDIDir:       c.DRA.CDIDir,
 	}
 }

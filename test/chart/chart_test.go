@@ -3,6 +3,7 @@ package chart_test
 import (
 	"fmt"
 	"reflect"
+	"slices"
 	"sort"
 	"strings"
 	"testing"
@@ -13,6 +14,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	networkingv1 "k8s.io/api/networking/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
+	resourcev1 "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	"sigs.k8s.io/yaml"
 )
@@ -35,6 +37,8 @@ type valueSet struct {
 	netPolicy      bool
 	tolerations    []corev1.Toleration
 	nodeSelector   map[string]string
+	mode           string // "devicePlugin" or "dra"
+	cdiDir         string // mode dra
 }
 
 func defaults() valueSet {
@@ -46,6 +50,8 @@ func defaults() valueSet {
 		stateDir:     "/var/lib/kvpool/state",
 		rbac:         true,
 		tokenBinding: "pod",
+		mode:         "devicePlugin",
+		cdiDir:       "/var/run/cdi",
 		tolerations: []corev1.Toleration{
 			{Key: "nvidia.com/gpu", Operator: corev1.TolerationOpExists, Effect: corev1.TaintEffectNoSchedule},
 		},
@@ -119,7 +125,27 @@ security:
 `
 	open.tokenBinding, open.netPolicy = "none", true
 
-	return []valueSet{def, hp2, hp1, custom, sm, dash, tol, norbac, open}
+	dra := defaults()
+	dra.name = "dra"
+	dra.values = "mode: dra"
+	dra.mode = "dra"
+
+	draCustom := defaults()
+	draCustom.name = "dra-custom-paths"
+	draCustom.values = `
+mode: dra
+resourceName: example.com/kv-cache
+paths: {kubeletDir: /data/kubelet/}
+dra: {driverName: kv.example.com, cdiDir: /etc/cdi, deviceClasses: {chunks: kv-chunks.example.com, bytes: kv-bytes.example.com}}
+`
+	draCustom.mode, draCustom.cdiDir, draCustom.kubeletDir, draCustom.resourceName = "dra", "/etc/cdi", "/data/kubelet", "example.com/kv-cache"
+
+	draNoRBAC := defaults()
+	draNoRBAC.name = "dra-existing-service-account"
+	draNoRBAC.values = "mode: dra\nserviceAccount: {create: false, name: kv-agent}\nrbac: {create: false}"
+	draNoRBAC.mode, draNoRBAC.rbac = "dra", false
+
+	return []valueSet{def, hp2, hp1, custom, sm, dash, tol, norbac, open, dra, draCustom, draNoRBAC}
 }
 
 func parseValues(t testing.TB, s string) map[string]any {
@@ -144,6 +170,9 @@ type rendered struct {
 	binding   *rbacv1.ClusterRoleBinding
 	vap       *admissionv1.ValidatingAdmissionPolicy
 	vapb      *admissionv1.ValidatingAdmissionPolicyBinding
+	sliceVap  *admissionv1.ValidatingAdmissionPolicy // mode dra
+	sliceVapb *admissionv1.ValidatingAdmissionPolicyBinding
+	classes   []*resourcev1.DeviceClass
 	netpol    *networkingv1.NetworkPolicy
 	evRole    *rbacv1.Role
 	evBinding *rbacv1.RoleBinding
@@ -190,9 +219,19 @@ func renderSet(t *testing.T, vs valueSet) rendered {
 		case *rbacv1.RoleBinding:
 			r.evBinding = obj
 		case *admissionv1.ValidatingAdmissionPolicy:
-			r.vap = obj
+			if strings.HasSuffix(obj.Name, "-own-slices") {
+				r.sliceVap = obj
+			} else {
+				r.vap = obj
+			}
 		case *admissionv1.ValidatingAdmissionPolicyBinding:
-			r.vapb = obj
+			if strings.HasSuffix(obj.Name, "-own-slices") {
+				r.sliceVapb = obj
+			} else {
+				r.vapb = obj
+			}
+		case *resourcev1.DeviceClass:
+			r.classes = append(r.classes, obj)
 		case *networkingv1.NetworkPolicy:
 			r.netpol = obj
 		default:
@@ -219,6 +258,7 @@ func TestRender(t *testing.T) {
 			checkMonitoring(t, vs, r)
 			checkConfig(t, vs, r.cm)
 			checkTenantBoundary(t, vs, r)
+			checkDRA(t, vs, r)
 		})
 	}
 }
@@ -229,7 +269,7 @@ func checkNamespaces(t *testing.T, r rendered) {
 		md, _ := o.fields["metadata"].(map[string]any)
 		ns, _ := md["namespace"].(string)
 		clusterScoped := o.kind == "ClusterRole" || o.kind == "ClusterRoleBinding" ||
-			o.kind == "ValidatingAdmissionPolicy" || o.kind == "ValidatingAdmissionPolicyBinding"
+			o.kind == "ValidatingAdmissionPolicy" || o.kind == "ValidatingAdmissionPolicyBinding" || o.kind == "DeviceClass"
 		// Events about a Node live in "default"; so do the rights to write them.
 		eventRights := o.kind == "Role" || o.kind == "RoleBinding"
 		switch {
@@ -350,10 +390,18 @@ func checkMounts(t *testing.T, vs valueSet, r rendered) {
 	// Each host path is mounted at the same path in the container, so the
 	// socket directory the agent names in Allocate is the host's.
 	wantHost := map[string]want{
-		vs.kubeletDir + "/device-plugins": {vs.kubeletDir + "/device-plugins", corev1.HostPathDirectory, false},
-		vs.kubeletDir + "/pod-resources":  {vs.kubeletDir + "/pod-resources", corev1.HostPathDirectory, true},
-		vs.socketDir:                      {vs.socketDir, corev1.HostPathDirectoryOrCreate, false},
-		vs.stateDir:                       {vs.stateDir, corev1.HostPathDirectoryOrCreate, false},
+		vs.kubeletDir + "/pod-resources": {vs.kubeletDir + "/pod-resources", corev1.HostPathDirectory, true},
+		vs.socketDir:                     {vs.socketDir, corev1.HostPathDirectoryOrCreate, false},
+		vs.stateDir:                      {vs.stateDir, corev1.HostPathDirectoryOrCreate, false},
+	}
+	if vs.mode == "dra" {
+		// The DRA driver's sockets where kubelet looks for them, and the
+		// CDI specs where the runtime reads them; no device plugin socket.
+		wantHost[vs.kubeletDir+"/plugins"] = want{vs.kubeletDir + "/plugins", corev1.HostPathDirectoryOrCreate, false}
+		wantHost[vs.kubeletDir+"/plugins_registry"] = want{vs.kubeletDir + "/plugins_registry", corev1.HostPathDirectory, false}
+		wantHost[vs.cdiDir] = want{vs.cdiDir, corev1.HostPathDirectoryOrCreate, false}
+	} else {
+		wantHost[vs.kubeletDir+"/device-plugins"] = want{vs.kubeletDir + "/device-plugins", corev1.HostPathDirectory, false}
 	}
 	if vs.tokenBinding == "pod" {
 		wantHost["/var/log/pods"] = want{"/var/log/pods", corev1.HostPathDirectory, true}
@@ -484,6 +532,14 @@ var clusterRules = []string{
 	"kvpool.io/kvpoolnodes/status/get", "kvpool.io/kvpoolnodes/status/update",
 }
 
+// draRules is what the DRA driver adds in mode dra: the ResourceSlice
+// controller's informer and writes, and Prepare's read of each claim.
+var draRules = []string{
+	"resource.k8s.io/resourceslices/get", "resource.k8s.io/resourceslices/list", "resource.k8s.io/resourceslices/watch",
+	"resource.k8s.io/resourceslices/create", "resource.k8s.io/resourceslices/update", "resource.k8s.io/resourceslices/delete",
+	"resource.k8s.io/resourceclaims/get",
+}
+
 // eventRules is what client-go's event recorder calls, in "default".
 var eventRules = []string{"/events/create", "/events/patch"}
 
@@ -532,7 +588,11 @@ func checkRBAC(t *testing.T, vs valueSet, r rendered) {
 	if r.role == nil || r.binding == nil || r.evRole == nil || r.evBinding == nil || r.sa == nil {
 		t.Fatal("missing ClusterRole, ClusterRoleBinding, events Role, RoleBinding or ServiceAccount")
 	}
-	if got, want := grants(t, r.role.Rules), sorted(clusterRules); !reflect.DeepEqual(got, want) {
+	wantRules := clusterRules
+	if vs.mode == "dra" {
+		wantRules = append(slices.Clone(clusterRules), draRules...)
+	}
+	if got, want := grants(t, r.role.Rules), sorted(wantRules); !reflect.DeepEqual(got, want) {
 		t.Errorf("ClusterRole grants\n  %v\nwant exactly\n  %v", got, want)
 	}
 	if got, want := grants(t, r.evRole.Rules), sorted(eventRules); !reflect.DeepEqual(got, want) {
@@ -617,6 +677,12 @@ func checkConfig(t *testing.T, vs valueSet, cm *corev1.ConfigMap) {
 		HugePages:    hp,
 		MetricsAddr:  ":9464",
 		HealthAddr:   ":8081",
+		Mode:         vs.mode,
+		DRADriver:    "kvpool.io",
+		CDIDir:       vs.cdiDir,
+	}
+	if vs.name == "dra-custom-paths" {
+		want.DRADriver = "kv.example.com"
 	}
 	// kubeletDir is passed through as given; compare it cleaned.
 	cfg.KubeletDir = strings.TrimSuffix(cfg.KubeletDir, "/")

@@ -96,6 +96,14 @@ Fractions and exponents are refused: sizes here are whole bytes.
 {{- printf "%s/pod-resources" (trimSuffix "/" .Values.paths.kubeletDir) -}}
 {{- end -}}
 
+{{- define "kvpool.kubeletPluginsDir" -}}
+{{- printf "%s/plugins" (trimSuffix "/" .Values.paths.kubeletDir) -}}
+{{- end -}}
+
+{{- define "kvpool.pluginsRegistryDir" -}}
+{{- printf "%s/plugins_registry" (trimSuffix "/" .Values.paths.kubeletDir) -}}
+{{- end -}}
+
 {{/*
 kvpool.keeperSocket is the keeper's socket, the same path in the keeper's and
 the agent's containers (both mount keeper.socketDir at that path).
