@@ -87,6 +87,15 @@ func (c *Config) validateTop() field.ErrorList {
 			errs = append(errs, field.Invalid(p(d.field), d.dir, "must be an absolute path"))
 		}
 	}
+	for i, r := range c.GPUResources {
+		name, wild := strings.CutSuffix(r, "*")
+		if wild {
+			name += "x" // a prefix is valid when some name starting with it is
+		}
+		if err := contract.CheckResourceName(name); err != nil || strings.Contains(name, "*") {
+			errs = append(errs, field.Invalid(p("gpuResources").Index(i), r, "an extended resource name (domain/name), or a prefix of one followed by *"))
+		}
+	}
 	if c.TokenBinding != TokenBindingPod && c.TokenBinding != TokenBindingNone {
 		errs = append(errs, field.NotSupported(p("tokenBinding"), c.TokenBinding, []string{TokenBindingPod, TokenBindingNone}))
 	}
