@@ -40,6 +40,10 @@ type GPU struct {
 
 	Chunks       ChunkCounts `json:"chunks"`
 	Sessions     int         `json:"sessions"`
+	// CrossNUMASessions counts the sessions serving this GPU that hold
+	// chunks on another NUMA node than the GPU's; RemoteChunks those chunks.
+	CrossNUMASessions int `json:"crossNumaSessions"`
+	RemoteChunks      int `json:"remoteChunks"`
 	Streams      int         `json:"streams"`
 	Requests     int         `json:"requests"`
 	PagesTotal   int         `json:"pagesTotal"`   // pages of every open session
@@ -62,6 +66,16 @@ func (c ChunkCounts) Total() int { return c.Free + c.Granted + c.Dirty }
 type Session struct {
 	Allocation string `json:"allocation"`
 	GPU        int    `json:"gpu"`
+	// GPUNUMA is the NUMA node of the session's GPU (-1: unknown); of its
+	// chunks, Local are on that node, Remote on another (their copies
+	// cross the socket interconnect), UnknownNUMA where a node is unknown.
+	GPUNUMA     int `json:"gpuNuma"`
+	Local       int `json:"local"`
+	Remote      int `json:"remote"`
+	UnknownNUMA int `json:"unknownNuma"`
+	// Ranks is how many ranks the allocation was shared among when the
+	// session opened (0: not known, as after an agent restart).
+	Ranks int `json:"ranks"`
 	PageSize   int64  `json:"pageSize"`
 	Chunks     int    `json:"chunks"`
 	Pages      int    `json:"pages"`
@@ -95,6 +109,8 @@ func (s Snapshot) Totals() GPU {
 		t.Chunks.Dirty += g.Chunks.Dirty
 		t.Chunks.Bound += g.Chunks.Bound
 		t.Sessions += g.Sessions
+		t.CrossNUMASessions += g.CrossNUMASessions
+		t.RemoteChunks += g.RemoteChunks
 		t.Streams += g.Streams
 		t.Requests += g.Requests
 		t.PagesTotal += g.PagesTotal
@@ -158,12 +174,18 @@ func Take(src Source, targets map[int]int64, now time.Time) Snapshot {
 			}
 			u := s.Usage()
 			spec := s.Spec()
+			l := s.Locality()
 			sessions = append(sessions, Session{
 				Allocation: a, GPU: spec.GPU, PageSize: spec.PageSize,
+				GPUNUMA: l.GPUNUMA, Local: l.Local, Remote: l.Remote, UnknownNUMA: l.Unknown, Ranks: l.Ranks,
 				Chunks: len(s.Chunks()), Pages: u.Capacity, Used: u.Used, Pending: u.Pending,
 				Streams: u.Streams, Requests: u.Requests,
 			})
 			g := gpu(spec.GPU)
+			if l.CrossNUMA() {
+				g.CrossNUMASessions++
+				g.RemoteChunks += l.Remote
+			}
 			g.UsedBytes += int64(u.Used) * spec.PageSize
 			g.Sessions++
 			g.Streams += u.Streams
