@@ -38,17 +38,17 @@ type GPU struct {
 	// that serve this GPU.
 	UsedBytes int64 `json:"usedBytes"`
 
-	Chunks       ChunkCounts `json:"chunks"`
-	Sessions     int         `json:"sessions"`
+	Chunks   ChunkCounts `json:"chunks"`
+	Sessions int         `json:"sessions"`
 	// CrossNUMASessions counts the sessions serving this GPU that hold
 	// chunks on another NUMA node than the GPU's; RemoteChunks those chunks.
 	CrossNUMASessions int `json:"crossNumaSessions"`
 	RemoteChunks      int `json:"remoteChunks"`
-	Streams      int         `json:"streams"`
-	Requests     int         `json:"requests"`
-	PagesTotal   int         `json:"pagesTotal"`   // pages of every open session
-	PagesUsed    int         `json:"pagesUsed"`    // held by streams
-	PagesPending int         `json:"pagesPending"` // released by reloads, awaiting their fence
+	Streams           int `json:"streams"`
+	Requests          int `json:"requests"`
+	PagesTotal        int `json:"pagesTotal"`   // pages of every open session
+	PagesUsed         int `json:"pagesUsed"`    // held by streams
+	PagesPending      int `json:"pagesPending"` // released by reloads, awaiting their fence
 }
 
 // ChunkCounts counts chunks by state.
@@ -75,14 +75,14 @@ type Session struct {
 	UnknownNUMA int `json:"unknownNuma"`
 	// Ranks is how many ranks the allocation was shared among when the
 	// session opened (0: not known, as after an agent restart).
-	Ranks int `json:"ranks"`
-	PageSize   int64  `json:"pageSize"`
-	Chunks     int    `json:"chunks"`
-	Pages      int    `json:"pages"`
-	Used       int    `json:"used"`
-	Pending    int    `json:"pending"`
-	Streams    int    `json:"streams"`
-	Requests   int    `json:"requests"`
+	Ranks    int   `json:"ranks"`
+	PageSize int64 `json:"pageSize"`
+	Chunks   int   `json:"chunks"`
+	Pages    int   `json:"pages"`
+	Used     int   `json:"used"`
+	Pending  int   `json:"pending"`
+	Streams  int   `json:"streams"`
+	Requests int   `json:"requests"`
 }
 
 // Snapshot is the pool at one moment. Each chunk and each session is read
