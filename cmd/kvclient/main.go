@@ -133,6 +133,11 @@ func run(args []string) error {
 	res, err := workload.Run(ctx, cfg)
 	if res != nil {
 		l := res.Locality
+		var ids []string
+		for _, c := range l.Chunks {
+			ids = append(ids, c.ID)
+		}
+		log.Info("kvclient chunks", "device", res.Device, "ids", strings.Join(ids, ","))
 		log.Info("kvclient result", "pid", os.Getpid(), "device", res.Device, "rank", g.rank, "capacity", res.Capacity,
 			"chunks", len(l.Chunks), "gpuNUMA", l.GPUNUMA, "local", l.Local, "remote", l.Remote, "ranks", l.Ranks,
 			"elapsed", time.Since(start).Round(time.Millisecond), "summary", res.Summary())

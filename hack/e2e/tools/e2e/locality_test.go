@@ -45,8 +45,10 @@ fail() { echo "FAIL: $*" >/dev/termination-log; exit 1; }
 [ -n "${NVIDIA_VISIBLE_DEVICES:-}" ] || fail "NVIDIA_VISIBLE_DEVICES is not set"
 [ -n "${KVPOOL_TOKEN:-}" ] || fail "KVPOOL_TOKEN is not set"
 out=$(/kvclient -all-ranks -ops 300 -max-pages -1 2>&1); rc=$?
-printf 'visible=%s\n%s\n' "$NVIDIA_VISIBLE_DEVICES" "$(echo "$out" | grep -e 'kvclient result' -e 'kvclient:' -e 'FAIL' -e 'error')" | tail -c 3800 >/dev/termination-log
+printf 'visible=%s\n%s\n' "$NVIDIA_VISIBLE_DEVICES" "$(echo "$out" | grep -e 'kvclient result' -e 'kvclient chunks' -e 'kvclient:' -e 'FAIL' -e 'error')" | tail -c 3800 >/dev/termination-log
 exit $rc`
+
+var chunksLine = regexp.MustCompile(`kvclient chunks" device=(\S+) ids=(\S+)`)
 
 var resultLine = regexp.MustCompile(`kvclient result.* device=(\S+) rank=(\d+) capacity=(\d+) chunks=(\d+) gpuNUMA=(-?\d+) local=(\d+) remote=(\d+) ranks=(\d+) `)
 
@@ -55,15 +57,25 @@ type rankResult struct {
 	device                      string
 	chunks, local, remote, rank int
 	ranks                       int
+	ids                         []string // the chunks it bound
 }
 
 // engineResults reads a finished engine pod's termination message: the
 // GPUs it was given and each rank's result.
 func engineResults(t *testing.T, msg string) (visible []string, ranks []rankResult) {
 	t.Helper()
+	bound := map[string][]string{}
+	defer func() {
+		for i := range ranks {
+			ranks[i].ids = bound[ranks[i].device]
+		}
+	}()
 	for _, line := range strings.Split(msg, "\n") {
 		if v, ok := strings.CutPrefix(line, "visible="); ok {
 			visible = strings.Split(v, ",")
+		}
+		if m := chunksLine.FindStringSubmatch(line); m != nil {
+			bound[m[1]] = strings.Split(m[2], ",")
 		}
 		if m := resultLine.FindStringSubmatch(line); m != nil {
 			n := func(i int) int { v, _ := strconv.Atoi(m[i]); return v }
@@ -99,6 +111,16 @@ func (c *cluster) runEngines(t *testing.T, pods []*corev1.Pod, chunksPerRank int
 				return
 			}
 			for _, r := range ranks {
+				if len(r.ids) != r.chunks {
+					t.Errorf("%s: rank %d names %d chunks (%v), holds %d", p.Name, r.rank, len(r.ids), r.ids, r.chunks)
+				}
+				foreign := 0
+				for _, id := range r.ids {
+					if !strings.HasPrefix(id, gpuOfUUID(r.device)+"-") {
+						foreign++
+					}
+				}
+				t.Logf("%s: rank %d on %s bound %v (%d sized under another GPU's name)", p.Name, r.rank, r.device, r.ids, foreign)
 				if r.device != visible[r.rank] || r.chunks != chunksPerRank || r.remote != 0 || r.ranks != len(visible) {
 					t.Errorf("%s: rank %d on %s (given %v) holds %d chunks (%d local, %d remote), shared among %d ranks; want %d chunks, %d ranks, none remote",
 						p.Name, r.rank, r.device, visible, r.chunks, r.local, r.remote, r.ranks, chunksPerRank, len(visible))
@@ -178,7 +200,6 @@ func TestGPULocality(t *testing.T) {
 		if len(seen) != localityGPUs {
 			t.Errorf("the pods were given GPUs %v: not every GPU", given)
 		}
-		t.Logf("chunks kubelet gave each pod (sized under whichever GPU's name): %v", c.podDevices(t))
 	})
 
 	t.Run("two-GPU pods, one rank per GPU", func(t *testing.T) {
@@ -196,6 +217,16 @@ func TestGPULocality(t *testing.T) {
 			t.Errorf("the pods were given GPUs %v", given)
 		}
 	})
+}
+
+// gpuOfUUID is the chunk ID prefix of a simulated GPU's share,
+// "gpu<i>" for GPU-sim-<i>.
+func gpuOfUUID(uuid string) string {
+	n, err := strconv.Atoi(strings.TrimPrefix(uuid, "GPU-sim-"))
+	if err != nil {
+		return "?"
+	}
+	return "gpu" + strconv.Itoa(n)
 }
 
 // plannedGPUs reads the agent's plan from its log: each GPU's UUID and the
