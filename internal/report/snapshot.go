@@ -120,6 +120,41 @@ func (s Snapshot) Totals() GPU {
 	return t
 }
 
+// takeSessions lists the open sessions of allocs and adds them up into
+// their GPUs (gpu returns a GPU's entry).
+func takeSessions(src Source, allocs []string, gpu func(int) *GPU) []Session {
+	var sessions []Session
+	for _, a := range allocs {
+		for _, s := range src.Sessions(a) {
+			if s.Closed() {
+				continue
+			}
+			u := s.Usage()
+			spec := s.Spec()
+			l := s.Locality()
+			sessions = append(sessions, Session{
+				Allocation: a, GPU: spec.GPU, PageSize: spec.PageSize,
+				GPUNUMA: l.GPUNUMA, Local: l.Local, Remote: l.Remote, UnknownNUMA: l.Unknown, Ranks: l.Ranks,
+				Chunks: len(s.Chunks()), Pages: u.Capacity, Used: u.Used, Pending: u.Pending,
+				Streams: u.Streams, Requests: u.Requests,
+			})
+			g := gpu(spec.GPU)
+			if l.CrossNUMA() {
+				g.CrossNUMASessions++
+				g.RemoteChunks += l.Remote
+			}
+			g.UsedBytes += int64(u.Used) * spec.PageSize
+			g.Sessions++
+			g.Streams += u.Streams
+			g.Requests += u.Requests
+			g.PagesTotal += u.Capacity
+			g.PagesUsed += u.Used
+			g.PagesPending += u.Pending
+		}
+	}
+	return sessions
+}
+
 // Take reads src. targets, when not nil, gives the planned bytes per GPU; a
 // GPU with a target but no chunk yet still appears, so that allocation
 // progress shows from the first moment.
@@ -166,35 +201,7 @@ func Take(src Source, targets map[int]int64, now time.Time) Snapshot {
 			allocs = append(allocs, c.Allocation)
 		}
 	}
-	var sessions []Session
-	for _, a := range allocs {
-		for _, s := range src.Sessions(a) {
-			if s.Closed() {
-				continue
-			}
-			u := s.Usage()
-			spec := s.Spec()
-			l := s.Locality()
-			sessions = append(sessions, Session{
-				Allocation: a, GPU: spec.GPU, PageSize: spec.PageSize,
-				GPUNUMA: l.GPUNUMA, Local: l.Local, Remote: l.Remote, UnknownNUMA: l.Unknown, Ranks: l.Ranks,
-				Chunks: len(s.Chunks()), Pages: u.Capacity, Used: u.Used, Pending: u.Pending,
-				Streams: u.Streams, Requests: u.Requests,
-			})
-			g := gpu(spec.GPU)
-			if l.CrossNUMA() {
-				g.CrossNUMASessions++
-				g.RemoteChunks += l.Remote
-			}
-			g.UsedBytes += int64(u.Used) * spec.PageSize
-			g.Sessions++
-			g.Streams += u.Streams
-			g.Requests += u.Requests
-			g.PagesTotal += u.Capacity
-			g.PagesUsed += u.Used
-			g.PagesPending += u.Pending
-		}
-	}
+	sessions := takeSessions(src, allocs, gpu)
 	snap := Snapshot{Time: now, GPUs: make([]GPU, 0, len(byGPU)), Sessions: sessions}
 	for _, g := range byGPU {
 		if g.NUMA == -2 {
