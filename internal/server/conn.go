@@ -692,7 +692,7 @@ func (c *conn) handleOpen(body []byte) reply {
 	}
 	gpu, ok := c.s.o.GPUs[m.GpuUuid]
 	if !ok {
-		return fail(wire.StatusUnknownGPU, fmt.Errorf("open: GPU %s is not one of this node's %d GPUs in the agent's plan", m.GpuUuid, len(c.s.o.GPUs)))
+		return fail(wire.StatusUnknownGPU, fmt.Errorf("open: GPU %s is none of this node's %d GPUs (or their MIG instances) in the agent's plan", m.GpuUuid, c.s.gpuCount()))
 	}
 	spec, err := openSpec(gpu, &m)
 	if err != nil {

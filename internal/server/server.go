@@ -3,13 +3,14 @@
 // pkg/pool Pool, passes them their chunks' file descriptors and serves every
 // pool operation. It never touches KV bytes; clients copy them.
 //
-// Sessions outlive connections. A session is keyed by (allocation, GPU) and
-// owned by one client instance (a random ID the client process picks once):
+// Sessions outlive connections. A session is keyed by (allocation, GPU
+// device: a GPU or one of its MIG instances) and owned by one client
+// instance (a random ID the client process picks once):
 //
 //   - the same instance reconnecting from the same process (peer UID and
 //     PID) resumes its session, streams and all; the instance ID presented
 //     by another process counts as another instance;
-//   - a different instance opening the same (allocation, GPU) while the owner
+//   - a different instance opening the same (allocation, device) while the owner
 //     is disconnected replaces it: the old session closes and its pages go
 //     back; while the owner is connected the newcomer gets StatusBusy;
 //   - chunks return to the pool only when the allocation is revoked
@@ -228,6 +229,16 @@ type Ranks struct {
 type key struct {
 	alloc  string
 	device string
+}
+
+// gpuCount is the number of GPUs Options.GPUs names (some by several
+// names).
+func (s *Server) gpuCount() int {
+	seen := map[int]bool{}
+	for _, g := range s.o.GPUs {
+		seen[g] = true
+	}
+	return len(seen)
 }
 
 // deviceKey is a GPU UUID without its "GPU-" or "MIG-" prefix, lower case:
