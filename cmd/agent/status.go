@@ -153,10 +153,14 @@ func printStatus(out io.Writer, r report.Report) error {
 	if len(r.Sessions) == 0 {
 		fmt.Fprintln(tw, "Sessions: none")
 	} else {
-		fmt.Fprintln(tw, "ALLOCATION\tGPU\tPAGE SIZE\tCHUNKS\tPAGES\tUSED\tPENDING\tSTREAMS\tREQUESTS")
+		fmt.Fprintln(tw, "ALLOCATION\tGPU\tNUMA\tCHUNKS LOCAL/REMOTE/UNKNOWN\tPAGE SIZE\tPAGES\tUSED\tPENDING\tSTREAMS\tREQUESTS")
 		for _, s := range r.Sessions {
-			fmt.Fprintf(tw, "%s\t%d\t%s\t%d\t%d\t%d\t%d\t%d\t%d\n", s.Allocation, s.GPU, bytesize.Exact(s.PageSize),
-				s.Chunks, s.Pages, s.Used, s.Pending, s.Streams, s.Requests)
+			numa := "X"
+			if s.GPUNUMA >= 0 {
+				numa = fmt.Sprint(s.GPUNUMA)
+			}
+			fmt.Fprintf(tw, "%s\t%d\t%s\t%d/%d/%d\t%s\t%d\t%d\t%d\t%d\t%d\n", s.Allocation, s.GPU, numa,
+				s.Local, s.Remote, s.UnknownNUMA, bytesize.Exact(s.PageSize), s.Pages, s.Used, s.Pending, s.Streams, s.Requests)
 		}
 	}
 

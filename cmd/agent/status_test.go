@@ -93,7 +93,7 @@ func TestStatusTableAndJSON(t *testing.T) {
 		{"0 ", []string{"0", "0", "256Mi", "128Mi", "64Mi", "3Mi", "1/1/0", "1", "1", "3/0/64"}},
 		{"1 ", []string{"1", "X", "64Mi", "64Mi", "0", "0", "1/0/0", "0", "0", "0/0/0"}},
 		{"all ", []string{"all", "320Mi", "192Mi", "64Mi", "3Mi", "2/1/0", "1", "1", "3/0/64"}},
-		{"pod-uid-1", []string{"pod-uid-1", "0", "1Mi", "1", "64", "3", "0", "1", "1"}},
+		{"pod-uid-1", []string{"pod-uid-1", "0", "0", "1/0/0", "1Mi", "64", "3", "0", "1", "1"}},
 	} {
 		if got := fields(text, c.prefix); strings.Join(got, " ") != strings.Join(c.want, " ") {
 			t.Errorf("line %q: got %q, want %q", c.prefix, got, c.want)

@@ -10,8 +10,10 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	stdsync "sync"
 	"testing"
 
+	"github.com/kvpool/kvpool/internal/server"
 	"github.com/kvpool/kvpool/pkg/client"
 	"github.com/kvpool/kvpool/pkg/cudart"
 	"github.com/kvpool/kvpool/pkg/standalone"
@@ -61,8 +63,17 @@ func TestCProgram(t *testing.T) {
 		}
 	}
 
-	a, err := standalone.Start(standalone.Config{GPUs: 1, ChunksPerGPU: 1, ChunkBytes: 4 << 20, Tokens: []string{"c-abi"},
-		Socket: filepath.Join(dir, "kv.sock"), Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	var mu stdsync.Mutex
+	var opened []int
+	a, err := standalone.Start(standalone.Config{GPUs: 2, ChunksPerGPU: 1, ChunkBytes: 4 << 20, Tokens: []string{"c-abi"},
+		Socket: filepath.Join(dir, "kv.sock"), Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
+		Hooks: server.Hooks{Session: func(ev server.SessionEvent, info server.SessionInfo) {
+			if ev == server.SessionOpened {
+				mu.Lock()
+				opened = append(opened, info.GPU)
+				mu.Unlock()
+			}
+		}}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -70,11 +81,31 @@ func TestCProgram(t *testing.T) {
 	done := make(chan error, 1)
 	go func() { done <- a.Serve(ctx) }()
 	defer func() { cancel(); <-done; a.Close() }()
-	run := exec.Command(prog)
-	run.Env = append(os.Environ(), "KVPOOL_SOCKET="+a.Socket, "KVPOOL_TOKEN=c-abi")
-	out, err := run.CombinedOutput()
-	if err != nil || !strings.Contains(string(out), "C ABI: OK") {
-		t.Fatalf("smoke: %v\n%s", err, out)
+	// Outside a container the simulator's device 0 is the agent's GPU 0; in
+	// a container given GPU 1 (NVIDIA_VISIBLE_DEVICES), device 0 is GPU 1.
+	for _, c := range []struct {
+		env  []string
+		want int
+	}{{nil, 0}, {[]string{cudart.EnvNVIDIAVisible + "=" + cudart.SimulatedUUID(1)}, 1}} {
+		mu.Lock()
+		opened = nil
+		mu.Unlock()
+		run := exec.Command(prog)
+		run.Env = append(append(os.Environ(), "KVPOOL_SOCKET="+a.Socket, "KVPOOL_TOKEN=c-abi"), c.env...)
+		out, err := run.CombinedOutput()
+		if err != nil || !strings.Contains(string(out), "C ABI: OK") {
+			t.Fatalf("smoke %v: %v\n%s", c.env, err, out)
+		}
+		mu.Lock()
+		for _, g := range opened {
+			if g != c.want {
+				t.Errorf("smoke %v: a session opened on host GPU %d, want %d (%v)", c.env, g, c.want, opened)
+			}
+		}
+		if len(opened) == 0 {
+			t.Errorf("smoke %v: no session opened", c.env)
+		}
+		mu.Unlock()
 	}
 }
 

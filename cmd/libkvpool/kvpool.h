@@ -71,7 +71,9 @@ typedef struct kvpool_region {
 
 typedef struct kvpool_options {
 	uint32_t struct_size; /* sizeof(kvpool_options): lets the struct grow */
-	int32_t device;       /* CUDA device ordinal in this process */
+	int32_t device;       /* CUDA device ordinal in this process: the engine's GPU (the agent is told its UUID).
+	                       * On the simulator in a container (NVIDIA_VISIBLE_DEVICES set) the simulated devices
+	                       * are the visible GPUs, in CUDA_VISIBLE_DEVICES order */
 	const char *socket;   /* NULL or "": $KVPOOL_SOCKET, then /var/run/kvpool/kvpool.sock */
 	const char *token;    /* NULL or "": $KVPOOL_TOKEN */
 	const char *backend;  /* "auto" (NULL, ""), "cuda" or "sim" */
@@ -86,6 +88,10 @@ typedef struct kvpool_options {
 	/* Added after the first release: a caller whose struct_size ends before
 	 * a field gets its default. */
 	int64_t spin_wait_us; /* poll for a reply this long before the thread sleeps; 0: 50, negative: never */
+	/* Added with locality binding: */
+	int32_t ranks;    /* sessions (tensor-parallel ranks, one per GPU) sharing the allocation, the engine's
+	                   * world size on this node; 0: the agent counts the container's GPUs */
+	int32_t reserved; /* must be 0 */
 } kvpool_options;
 
 /* Metadata of a stream, as offload_stream recorded it. */
@@ -95,6 +101,19 @@ typedef struct kvpool_stream_meta {
 	int64_t released;
 	int64_t num_pages; /* host pages the stream held */
 } kvpool_stream_meta;
+
+/* Where a session's host memory lies relative to its GPU, as the agent said
+ * at open (kvpool_locality_get). An agent too old to say reports every node
+ * unknown (-1). */
+typedef struct kvpool_locality {
+	uint32_t struct_size; /* sizeof(kvpool_locality), set by the caller */
+	int32_t gpu_numa;     /* NUMA node of the session's GPU; -1 unknown */
+	int32_t ranks;        /* ranks the allocation is shared among; 0 unknown */
+	int32_t chunks;       /* chunks the session holds */
+	int32_t local;        /* of them on gpu_numa */
+	int32_t remote;       /* on another node: copies cross the socket interconnect */
+	int32_t unknown;      /* where a node is unknown */
+} kvpool_locality;
 
 typedef struct kvpool_info {
 	uint64_t session;
@@ -161,6 +180,16 @@ int kvpool_synchronize(kvpool_handle h);
 int kvpool_stream_synchronize(kvpool_handle h, uint64_t stream);
 
 int kvpool_info_get(kvpool_handle h, kvpool_info *out);
+
+/* Where the session's chunks lie relative to its GPU. out->struct_size must
+ * be sizeof(kvpool_locality). */
+int kvpool_locality_get(kvpool_handle h, kvpool_locality *out);
+
+/* The NUMA node of each of the session's chunks, in page order, into
+ * numa[0..cap) (-1 unknown); *n receives the count. When cap is smaller
+ * than the count the call returns KVPOOL_ERR_BUFFER_TOO_SMALL and writes
+ * only *n. */
+int kvpool_chunk_numa(kvpool_handle h, int32_t *numa, int64_t cap, int64_t *n);
 
 /* Drops the connection without ending the session, as a socket failure
  * would; the next call reconnects and resumes. For tests. */

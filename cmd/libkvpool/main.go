@@ -28,6 +28,7 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -72,6 +73,7 @@ const (
 	defaultClientName      = "kvpool-c-abi"
 	maxPagesPerCall        = 1<<31 - 1
 	maxRegionsPerLayout    = 1 << 16
+	maxRanks               = 1024
 	maxStringArgumentBytes = 1 << 20
 )
 
@@ -80,6 +82,8 @@ const (
 const (
 	optionsSize      = C.sizeof_kvpool_options
 	optionsSizeFirst = unsafe.Offsetof(C.kvpool_options{}.spin_wait_us)
+	optionsSizeSpin  = unsafe.Offsetof(C.kvpool_options{}.ranks) // the second release
+	localitySize     = C.sizeof_kvpool_locality
 )
 
 // abiCodes gives the wire statuses their kvpool.h codes: one hop from the
@@ -220,7 +224,7 @@ func loadDriver(backend string, so cudart.SimOptions) (cudart.Driver, *cudart.Si
 	sim := func() (cudart.Driver, *cudart.Sim, error) {
 		if simDriver == nil {
 			simDriver, simOpts = cudart.NewSim(so), so
-		} else if simOpts.Devices != so.Devices || simOpts.CopyDelay != so.CopyDelay {
+		} else if simOpts.Devices != so.Devices || simOpts.CopyDelay != so.CopyDelay || !slices.Equal(simOpts.UUIDs, so.UUIDs) {
 			return nil, nil, fmt.Errorf("kvpool: the simulator of this process runs with %d devices and a copy delay of %v; asked for %d and %v",
 				simOpts.Devices, simOpts.CopyDelay, so.Devices, so.CopyDelay)
 		}
@@ -288,14 +292,50 @@ func int32s(p *C.int32_t, n C.int64_t, what string) ([]int32, error) {
 	return unsafe.Slice((*int32)(unsafe.Pointer(p)), int(n)), nil
 }
 
+// ranksOf is the ranks the caller declares (0 from a struct without the field).
+func ranksOf(opts *C.kvpool_options) int {
+	if uintptr(opts.struct_size) < optionsSize {
+		return 0
+	}
+	return int(opts.ranks)
+}
+
+// simOptions is the simulator kvpool_open would load: sim_devices devices
+// (default 2) named as the agent names its simulated GPUs, or, in a
+// container that lists its visible GPUs (NVIDIA_VISIBLE_DEVICES, then
+// CUDA_VISIBLE_DEVICES), exactly those, so that ordinal i is the i-th GPU
+// the container was given, as CUDA would number them.
+func simOptions(opts *C.kvpool_options) (cudart.SimOptions, error) {
+	so := cudart.SimOptions{Devices: int(opts.sim_devices), CopyDelay: time.Duration(opts.sim_copy_delay_us) * time.Microsecond}
+	vis, err := cudart.VisibleFromEnv()
+	switch {
+	case errors.Is(err, cudart.ErrNoVisibleList):
+	case err != nil:
+		return so, fmt.Errorf("kvpool: simulator: %w", err)
+	case len(vis) == 0:
+		return so, fmt.Errorf("kvpool: simulator: the container sees no GPU (%s=%q)", cudart.EnvNVIDIAVisible, os.Getenv(cudart.EnvNVIDIAVisible))
+	case so.Devices != 0 && so.Devices != len(vis):
+		return so, fmt.Errorf("kvpool: simulator: sim_devices %d, but the container sees %d GPUs", so.Devices, len(vis))
+	default:
+		so.Devices, so.UUIDs = len(vis), vis
+	}
+	if so.Devices == 0 {
+		so.Devices = defaultSimDevices
+	}
+	return so, nil
+}
+
 // openArgs checks kvpool_open's options and returns the regions and the
 // spin wait they give; a code other than statusOK is the call's result.
 func openArgs(opts *C.kvpool_options) ([]cudart.Region, time.Duration, C.int) {
-	if size := uintptr(opts.struct_size); size != optionsSize && size != optionsSizeFirst {
-		return nil, 0, invalid("open: options struct_size %d, this library (ABI %d) takes %d or %d", uint32(opts.struct_size), abiVersion, optionsSizeFirst, optionsSize)
+	if size := uintptr(opts.struct_size); size != optionsSize && size != optionsSizeSpin && size != optionsSizeFirst {
+		return nil, 0, invalid("open: options struct_size %d, this library (ABI %d) takes %d, %d or %d", uint32(opts.struct_size), abiVersion, optionsSizeFirst, optionsSizeSpin, optionsSize)
+	}
+	if uintptr(opts.struct_size) >= optionsSize && (opts.ranks < 0 || opts.ranks > maxRanks || opts.reserved != 0) {
+		return nil, 0, invalid("open: ranks %d (want 0 to %d), reserved %d (want 0)", int32(opts.ranks), maxRanks, int32(opts.reserved))
 	}
 	var spin time.Duration // client default
-	if uintptr(opts.struct_size) >= optionsSize {
+	if uintptr(opts.struct_size) >= optionsSizeSpin {
 		us := int64(opts.spin_wait_us)
 		switch {
 		case us < 0:
@@ -338,9 +378,9 @@ func kvpool_open(opts *C.kvpool_options, out *C.kvpool_handle) C.int {
 	if code != statusOK {
 		return code
 	}
-	so := cudart.SimOptions{Devices: int(opts.sim_devices), CopyDelay: time.Duration(opts.sim_copy_delay_us) * time.Microsecond}
-	if so.Devices == 0 {
-		so.Devices = defaultSimDevices
+	so, err := simOptions(opts)
+	if err != nil {
+		return failErr(err)
 	}
 	drv, sim, err := loadDriver(cString(opts.backend), so)
 	if err != nil {
@@ -374,6 +414,7 @@ func kvpool_open(opts *C.kvpool_options, out *C.kvpool_handle) C.int {
 		Device:   dev,
 		Regions:  regions,
 		MaxPages: int(opts.max_pages),
+		Ranks:    ranksOf(opts),
 		Order:    cudart.Stream(opts.order_stream),
 		Name:     name,
 		Logger:   logger(),
@@ -657,6 +698,44 @@ func kvpool_info_get(hd C.kvpool_handle, out *C.kvpool_info) C.int {
 	out.device, out.simulated = C.int32_t(h.ordinal), 0
 	if h.sim != nil {
 		out.simulated = 1
+	}
+	return statusOK
+}
+
+//export kvpool_locality_get
+func kvpool_locality_get(hd C.kvpool_handle, out *C.kvpool_locality) C.int {
+	h, st := lookup(hd)
+	if h == nil {
+		return st
+	}
+	if out == nil || uintptr(out.struct_size) != localitySize {
+		return invalid("locality: NULL out, or struct_size not %d", localitySize)
+	}
+	l := h.pool.Locality()
+	out.gpu_numa, out.ranks, out.chunks = C.int32_t(l.GPUNUMA), C.int32_t(l.Ranks), C.int32_t(len(l.Chunks))
+	out.local, out.remote, out.unknown = C.int32_t(l.Local), C.int32_t(l.Remote), C.int32_t(l.Unknown)
+	return statusOK
+}
+
+//export kvpool_chunk_numa
+func kvpool_chunk_numa(hd C.kvpool_handle, numa *C.int32_t, capacity C.int64_t, n *C.int64_t) C.int {
+	h, st := lookup(hd)
+	if h == nil {
+		return st
+	}
+	if n == nil || capacity < 0 || (numa == nil && capacity > 0) {
+		return invalid("chunk_numa: NULL count, or a negative capacity %d, or a NULL buffer of capacity %d", int64(capacity), int64(capacity))
+	}
+	l := h.pool.Locality()
+	*n = C.int64_t(len(l.Chunks))
+	if int64(capacity) < int64(len(l.Chunks)) {
+		return fail(errBufferTooSmall, fmt.Errorf("kvpool: chunk_numa: %d chunks, room for %d", len(l.Chunks), int64(capacity)))
+	}
+	if len(l.Chunks) > 0 {
+		out := unsafe.Slice((*int32)(unsafe.Pointer(numa)), len(l.Chunks))
+		for i, c := range l.Chunks {
+			out[i] = int32(c.NUMA)
+		}
 	}
 	return statusOK
 }

@@ -300,6 +300,10 @@ nodeStatusReportFrequency: 2s
 syncFrequency: 5s
 fileCheckFrequency: 5s
 resolvConf: /etc/resolv.conf
+# As docs/install.md recommends for GPU nodes: a pod's devices (GPUs, kvpool
+# chunks) on one NUMA node, all its containers together.
+topologyManagerPolicy: single-numa-node
+topologyManagerScope: pod
 EOF
 }
 

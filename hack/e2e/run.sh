@@ -218,7 +218,7 @@ else
   rm -f "$KVPOOL_E2E_BIN/kvpool-helm"
   echo "[e2e] charts/kvpool is not in this tree yet: no chart to render"
 fi
-(cd "$TOOLS" && go test -c -o "$KVPOOL_E2E_BIN/e2e.test" ./e2e && go vet ./cmd/... ./e2e && env -u KVPOOL_E2E_RUN -u KUBECONFIG go test -count=1 ./cmd/... ./e2e)  # no node yet: only the node-free tests run
+(cd "$TOOLS" && go test -c -o "$KVPOOL_E2E_BIN/e2e.test" ./e2e && go vet ./cmd/... ./e2e ./gpuplugin && env -u KVPOOL_E2E_RUN -u KUBECONFIG go test -count=1 ./cmd/... ./e2e ./gpuplugin)  # no node yet: only the node-free tests run
 ls -laL "$KVPOOL_E2E_BIN" | sed 's/^/[e2e]   /'
 
 # ------------------------------------------------------------------ images

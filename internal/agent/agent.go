@@ -135,11 +135,12 @@ type agent struct {
 	socket string
 	life   lifecycle
 
-	info        *node.Info   // step node
-	allocatable int64        // step kube: the Node's allocatable memory, 0 when unknown
-	devs        []gpu.Device // step gpus
-	gpuSource   string       // where the GPUs came from, for the plan's log line
-	plan        *sizing.Plan // step plan
+	info        *node.Info    // step node
+	allocatable int64         // step kube: the Node's allocatable memory, 0 when unknown
+	devs        []gpu.Device  // step gpus
+	gpuSource   string        // where the GPUs came from, for the plan's log line
+	gpuNames    *gpu.Resolver // what clients and kubelet name the GPUs by
+	plan        *sizing.Plan  // step plan
 	specs       []hostmem.Spec
 
 	pool *pool.Pool
@@ -242,14 +243,20 @@ func (a *agent) readNode(context.Context) error {
 }
 
 // newServer is the step "server": the copy API server over the pool, the
-// chunk files and the agent's authorize (tokens.go).
+// chunk files and the agent's authorize (tokens.go). Clients name their GPU
+// by any UUID of it or of its MIG instances (gpu.Resolver); a session binds
+// the chunks nearest its GPU's NUMA node, shared among its container's
+// ranks (ranks.go).
 func (a *agent) newServer(ctx context.Context) error {
-	uuids := make(map[string]int, len(a.plan.GPUs))
+	a.gpuNames = gpu.NewResolver(a.devs)
+	numa := make(map[int]int, len(a.plan.GPUs))
 	for _, g := range a.plan.GPUs {
-		uuids[g.UUID] = g.GPU
+		numa[g.GPU] = g.NUMA
 	}
 	srv, err := server.New(server.Options{
-		GPUs:      uuids,
+		GPUs:      a.gpuNames.Names(),
+		GPUNUMA:   numa,
+		Ranks:     a.ranks(ctx),
 		Pool:      a.pool,
 		Chunks:    a.chunk,
 		Authorize: a.authorizer(ctx),
@@ -343,6 +350,14 @@ func chainHooks(a, b server.Hooks) server.Hooks {
 				a.Request(r)
 			}
 			b.Request(r)
+		}
+	}
+	if b.Session != nil {
+		out.Session = func(ev server.SessionEvent, info server.SessionInfo) {
+			if a.Session != nil {
+				a.Session(ev, info)
+			}
+			b.Session(ev, info)
 		}
 	}
 	return out

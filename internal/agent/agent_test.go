@@ -141,6 +141,14 @@ func TestChainHooks(t *testing.T) {
 		t.Errorf("calls: %s", got)
 	}
 	calls = nil
+	own.Session = func(ev server.SessionEvent, _ server.SessionInfo) { calls = append(calls, "own "+string(ev)) }
+	extra.Session = func(ev server.SessionEvent, _ server.SessionInfo) { calls = append(calls, "extra "+string(ev)) }
+	chainHooks(own, extra).Session(server.SessionOpened, server.SessionInfo{})
+	if got := strings.Join(calls, "; "); got != "own opened; extra opened" {
+		t.Errorf("session calls: %s", got)
+	}
+	extra.Session = nil
+	calls = nil
 	h = chainHooks(server.Hooks{}, extra)
 	h.Request(server.Request{})
 	if h.Refused != nil || strings.Join(calls, "; ") != "extra request" {

@@ -82,7 +82,8 @@ func (a *agent) pluginStep(m mode) func(context.Context) error {
 
 // pluginOptions is the device plugin's part of the configuration:
 // resourceName, kubeletDir, socketDir, stateDir, reclaim.gracePeriod,
-// reclaim.interval, tokenBinding ("pod": BindPods) and podLogsDir.
+// reclaim.interval, tokenBinding ("pod": BindPods), podLogsDir and
+// gpuResources.
 func pluginOptions(cfg *config.Config) plugin.Options {
 	return plugin.Options{
 		ResourceName: cfg.ResourceName,
@@ -93,6 +94,7 @@ func pluginOptions(cfg *config.Config) plugin.Options {
 		Interval:     cfg.Reclaim.Interval.Duration,
 		BindPods:     cfg.TokenBinding == config.TokenBindingPod,
 		PodLogsDir:   cfg.PodLogsDir,
+		GPUResources: cfg.GPUResources,
 	}
 }
 

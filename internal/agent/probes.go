@@ -18,7 +18,12 @@ import (
 // serverHooks reports every request the socket server answers to obs, and
 // counts every refusal by a limit in m (kvpool_limit_rejects_total).
 func serverHooks(obs observe.Observer, m *metrics.Metrics) server.Hooks {
-	return server.Hooks{Refused: m.LimitRejected, Request: server.ObserveRequests(obs)}
+	return server.Hooks{Refused: m.LimitRejected, Request: server.ObserveRequests(obs),
+		Session: func(ev server.SessionEvent, info server.SessionInfo) {
+			if ev == server.SessionOpened {
+				m.SessionBound(info.GPU, info.Locality.GPUNUMA, info.ChunkNUMA)
+			}
+		}}
 }
 
 // helloHandshake greets the agent's own socket as a client would and

@@ -96,6 +96,15 @@ type Config struct {
 	// where <namespace>_<name>_<uid> directories tie pod names to UIDs for
 	// TokenBinding "pod". Default "/var/log/pods". Absolute.
 	PodLogsDir string `json:"podLogsDir"`
+	// GPUResources are the extended resources whose devices are a
+	// container's GPUs, as kubelet's PodResources lists them: a container
+	// holding an allocation's chunks and N of these devices runs N ranks
+	// that share the allocation fairly (docs/device-plugin.md). A trailing
+	// "*" matches any suffix. Default the NVIDIA device plugin's:
+	// nvidia.com/gpu, nvidia.com/gpu.shared (shared GPUs renamed) and
+	// nvidia.com/mig-* (MIG devices, mixed strategy). Empty: the agent does
+	// not ask, and a container's clients declare their ranks themselves.
+	GPUResources []string `json:"gpuResources"`
 	// KeeperSocket is the Unix socket of the keeper (`agent keeper`), the
 	// small process that holds the pool's memory and books while the agent
 	// restarts, so that a restart or upgrade loses no session or stream.
@@ -310,6 +319,7 @@ func Default() Config {
 		TokenBinding: TokenBindingPod,
 		PodLogsDir:   "/var/log/pods",
 		DRA:          DRA{DriverName: DefaultDRADriverName, CDIDir: "/var/run/cdi"},
+		GPUResources: []string{"nvidia.com/gpu", "nvidia.com/gpu.shared", "nvidia.com/mig-*"},
 		Sizing: Sizing{
 			Fraction:            0.5,
 			ReserveBytes:        8 * GiB,

@@ -115,7 +115,7 @@ func TestParseFullFile(t *testing.T) {
 	want := Config{
 		APIVersion: APIVersion, Kind: Kind, Mode: ModeDRA,
 		ResourceName: "example.com/kv", SocketDir: "/run/kvp/sock", KubeletDir: "/data/kubelet", StateDir: "/data/kvpool/state",
-		TokenBinding: TokenBindingNone, PodLogsDir: "/data/pod-logs",
+		TokenBinding: TokenBindingNone, PodLogsDir: "/data/pod-logs", GPUResources: []string{"example.com/gpu", "example.com/slice-*"},
 		DRA: DRA{DriverName: "kv.example.com", CDIDir: "/etc/cdi"},
 		Sizing: Sizing{PoolBytes: 64 * GiB, Fraction: 0.25, ReserveBytes: 16 * GiB, CgroupHeadroomBytes: GiB,
 			Split: SplitMemory, MinPerGPU: 4 * GiB, MaxPerGPU: 32 * GiB, ChunkBytes: 2 * GiB, HugePages: HugePagesRequire},
@@ -197,6 +197,9 @@ func TestParseErrors(t *testing.T) {
 		{"state inside socket dir, unclean", head + "socketDir: /run/kv\nstateDir: /run/x/../kv/./s\n", "is inside the socket directory"},
 		{"socket dir inside state", head + "socketDir: /var/lib/kvpool/state/sock\nstateDir: /var/lib/kvpool/state\n", `contains the socket directory`},
 		{"token binding", head + "tokenBinding: uid\n", `tokenBinding: Unsupported value: "uid": supported values: "pod", "none"`},
+		{"gpu resource without domain", head + "gpuResources: [gpu]\n", `gpuResources[0]: Invalid value: "gpu": an extended resource name`},
+		{"gpu resource star inside", head + "gpuResources: [nvidia.com/gpu, \"nvidia.com/m*g\"]\n", `gpuResources[1]: Invalid value: "nvidia.com/m*g"`},
+		{"gpu resource only a star", head + "gpuResources: [\"*\"]\n", `gpuResources[0]: Invalid value: "*"`},
 		{"relative podLogsDir", head + "podLogsDir: logs\n", `podLogsDir: Invalid value: "logs": must be an absolute path`},
 		{"unknown mode", head + "mode: both\n", `mode: Unsupported value: "both": supported values: "devicePlugin", "dra"`},
 		{"mode in the wrong case", head + "mode: DRA\n", `mode: Unsupported value: "DRA"`},

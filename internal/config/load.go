@@ -83,6 +83,16 @@ var settings = func() []setting {
 	add("kubeletDir", "kubelet-dir", "KVPOOL_KUBELET_DIR", "kubelet root directory", str(func(c *Config) *string { return &c.KubeletDir }))
 	add("tokenBinding", "token-binding", "KVPOOL_TOKEN_BINDING", "where a token works: pod (only from the pod it was allocated to) or none", str(func(c *Config) *string { return &c.TokenBinding }))
 	add("podLogsDir", "pod-logs-dir", "KVPOOL_POD_LOGS_DIR", "kubelet's pod log directory (ties pod names to UIDs for --token-binding pod)", str(func(c *Config) *string { return &c.PodLogsDir }))
+	add("gpuResources", "gpu-resources", "KVPOOL_GPU_RESOURCES", "comma-separated resources whose devices are a container's GPUs (a trailing * matches any suffix)", accessor{func(c *Config) string { return strings.Join(c.GPUResources, ",") },
+		func(c *Config, s string) error {
+			c.GPUResources = nil
+			for _, r := range strings.Split(s, ",") {
+				if r = strings.TrimSpace(r); r != "" {
+					c.GPUResources = append(c.GPUResources, r)
+				}
+			}
+			return nil
+		}})
 	add("pollAfterReply", "poll-after-reply", "KVPOOL_POLL_AFTER_REPLY", "how long a connection polls for the next request after a reply (0: off, at most 1ms)", dur(func(c *Config) *Duration { return &c.PollAfterReply }))
 	add("keeperSocket", "keeper-socket", "KVPOOL_KEEPER_SOCKET", "the keeper's socket, which keeps the pool across agent restarts (empty: none)", str(func(c *Config) *string { return &c.KeeperSocket }))
 	add("stateDir", "state-dir", "KVPOOL_STATE_DIR", "directory for the agent checkpoint", str(func(c *Config) *string { return &c.StateDir }))

@@ -57,6 +57,8 @@ func (b byLine) Error() string {
 func (c *Config) ValidateFields() field.ErrorList {
 	var errs field.ErrorList
 	errs = append(errs, c.validateTop()...)
+	errs = append(errs, c.validateFrontDoor()...)
+	errs = append(errs, validateGPUResources(field.NewPath("gpuResources"), c.GPUResources)...)
 	errs = append(errs, c.Sizing.validate(field.NewPath("sizing"))...)
 	errs = append(errs, c.Reclaim.validate(field.NewPath("reclaim"))...)
 	errs = append(errs, c.Limits.validate(field.NewPath("limits"))...)
@@ -92,18 +94,6 @@ func (c *Config) validateTop() field.ErrorList {
 			errs = append(errs, field.Invalid(p(d.field), d.dir, "must be an absolute path"))
 		}
 	}
-	if c.Mode != ModeDevicePlugin && c.Mode != ModeDRA {
-		errs = append(errs, field.NotSupported(p("mode"), c.Mode, []string{ModeDevicePlugin, ModeDRA}))
-	}
-	if msgs := validation.IsDNS1123Subdomain(c.DRA.DriverName); len(msgs) > 0 || len(c.DRA.DriverName) > maxDRADriverName {
-		if len(c.DRA.DriverName) > maxDRADriverName {
-			msgs = append(msgs, fmt.Sprintf("must be at most %d characters", maxDRADriverName))
-		}
-		errs = append(errs, field.Invalid(p("dra", "driverName"), c.DRA.DriverName, strings.Join(msgs, "; ")))
-	}
-	if !filepath.IsAbs(c.DRA.CDIDir) {
-		errs = append(errs, field.Invalid(p("dra", "cdiDir"), c.DRA.CDIDir, "must be an absolute path"))
-	}
 	if c.TokenBinding != TokenBindingPod && c.TokenBinding != TokenBindingNone {
 		errs = append(errs, field.NotSupported(p("tokenBinding"), c.TokenBinding, []string{TokenBindingPod, TokenBindingNone}))
 	}
@@ -120,6 +110,42 @@ func (c *Config) validateTop() field.ErrorList {
 	}
 	if filepath.IsAbs(c.SocketDir) && len(c.SocketPath()) > maxSunPath {
 		errs = append(errs, field.Invalid(p("socketDir"), c.SocketDir, fmt.Sprintf("socket path %q is %d bytes, longer than a Unix socket address allows (%d)", c.SocketPath(), len(c.SocketPath()), maxSunPath)))
+	}
+	return errs
+}
+
+// validateFrontDoor checks the front door kubelet talks to (mode) and the
+// DRA driver's settings.
+func (c *Config) validateFrontDoor() field.ErrorList {
+	var errs field.ErrorList
+	p := field.NewPath
+	if c.Mode != ModeDevicePlugin && c.Mode != ModeDRA {
+		errs = append(errs, field.NotSupported(p("mode"), c.Mode, []string{ModeDevicePlugin, ModeDRA}))
+	}
+	if msgs := validation.IsDNS1123Subdomain(c.DRA.DriverName); len(msgs) > 0 || len(c.DRA.DriverName) > maxDRADriverName {
+		if len(c.DRA.DriverName) > maxDRADriverName {
+			msgs = append(msgs, fmt.Sprintf("must be at most %d characters", maxDRADriverName))
+		}
+		errs = append(errs, field.Invalid(p("dra", "driverName"), c.DRA.DriverName, strings.Join(msgs, "; ")))
+	}
+	if !filepath.IsAbs(c.DRA.CDIDir) {
+		errs = append(errs, field.Invalid(p("dra", "cdiDir"), c.DRA.CDIDir, "must be an absolute path"))
+	}
+	return errs
+}
+
+// validateGPUResources checks the resource names (or name prefixes ending
+// in *) that PodResources lists a container's GPUs under.
+func validateGPUResources(gp *field.Path, names []string) field.ErrorList {
+	var errs field.ErrorList
+	for i, r := range names {
+		name, wild := strings.CutSuffix(r, "*")
+		if wild {
+			name += "x" // a prefix is valid when some name starting with it is
+		}
+		if err := contract.CheckResourceName(name); err != nil || strings.Contains(name, "*") {
+			errs = append(errs, field.Invalid(gp.Index(i), r, "an extended resource name (domain/name), or a prefix of one followed by *"))
+		}
 	}
 	return errs
 }

@@ -27,7 +27,18 @@ type Device struct {
 	// NUMA is the host NUMA node nearest the GPU, or -1 when the platform
 	// does not say (single-node machines, VMs).
 	NUMA      int
-	Simulated bool // made up by Simulated, not found on the node
+	Simulated bool  // made up by Simulated, not found on the node
+	MIG       []MIG // its MIG instances when MIG mode is on; nil otherwise
+}
+
+// MIG is one MIG instance of a GPU: a device of its own to CUDA, to the
+// container runtime and to the NVIDIA device plugin, on its GPU's NUMA
+// node.
+type MIG struct {
+	UUID   string // "MIG-<uuid>" (drivers before R470: "MIG-GPU-<gpu uuid>/<gi>/<ci>")
+	Name   string // e.g. "NVIDIA A100-SXM4-40GB MIG 1g.5gb"
+	GI, CI int    // GPU and compute instance IDs
+	Memory int64  // bytes of the instance's device memory
 }
 
 // ErrNoNVML means the NVML library could not be loaded: no NVIDIA driver on
@@ -105,7 +116,62 @@ func describe(lib nvml.Interface, i int, sysRoot string) (Device, error) {
 		}
 		d.NUMA = n
 	}
+	var err error
+	if d.MIG, err = migInstances(h); err != nil {
+		return Device{}, fmt.Errorf("gpu %d: %w", i, err)
+	}
 	return d, nil
+}
+
+// migInstances lists a GPU's MIG instances: none when MIG mode is off or
+// the GPU (or driver) has no MIG.
+func migInstances(h nvml.Device) ([]MIG, error) {
+	mode, _, ret := h.GetMigMode()
+	switch {
+	case ret == nvml.ERROR_NOT_SUPPORTED || ret == nvml.ERROR_FUNCTION_NOT_FOUND:
+		return nil, nil
+	case ret != nvml.SUCCESS:
+		return nil, fmt.Errorf("nvmlDeviceGetMigMode: %v", errorString(ret))
+	case mode != nvml.DEVICE_MIG_ENABLE:
+		return nil, nil
+	}
+	n, ret := h.GetMaxMigDeviceCount()
+	if ret != nvml.SUCCESS {
+		return nil, fmt.Errorf("nvmlDeviceGetMaxMigDeviceCount: %v", errorString(ret))
+	}
+	migs := []MIG{}
+	for i := range n {
+		mh, ret := h.GetMigDeviceHandleByIndex(i)
+		if ret == nvml.ERROR_NOT_FOUND {
+			continue // no instance in this slot
+		}
+		fail := func(call string, ret nvml.Return) ([]MIG, error) {
+			return nil, fmt.Errorf("MIG device %d: %s: %v", i, call, errorString(ret))
+		}
+		if ret != nvml.SUCCESS {
+			return fail("nvmlDeviceGetMigDeviceHandleByIndex", ret)
+		}
+		var m MIG
+		if m.UUID, ret = mh.GetUUID(); ret != nvml.SUCCESS {
+			return fail("nvmlDeviceGetUUID", ret)
+		}
+		if m.GI, ret = mh.GetGpuInstanceId(); ret != nvml.SUCCESS {
+			return fail("nvmlDeviceGetGpuInstanceId", ret)
+		}
+		if m.CI, ret = mh.GetComputeInstanceId(); ret != nvml.SUCCESS {
+			return fail("nvmlDeviceGetComputeInstanceId", ret)
+		}
+		if m.Name, ret = mh.GetName(); ret != nvml.SUCCESS {
+			return fail("nvmlDeviceGetName", ret)
+		}
+		mem, ret := mh.GetMemoryInfo()
+		if ret != nvml.SUCCESS {
+			return fail("nvmlDeviceGetMemoryInfo", ret)
+		}
+		m.Memory = int64(mem.Total)
+		migs = append(migs, m)
+	}
+	return migs, nil
 }
 
 // sysfsBusID turns NVML's bus ID ("00000000:3B:00.0", NUL-padded) into

@@ -2,6 +2,7 @@ package gpu
 
 import (
 	"errors"
+	"reflect"
 	"regexp"
 	"strings"
 	"testing"
@@ -43,6 +44,7 @@ func fake(gpus []shape, shutdowns *int) *mock.Interface {
 				return nvml.PciInfo{BusId: busID(g.bus)}, nvml.SUCCESS
 			},
 			GetNumaNodeIdFunc: func() (int, nvml.Return) { return g.numa, g.numaRet },
+			GetMigModeFunc:    func() (int, int, nvml.Return) { return 0, 0, nvml.ERROR_NOT_SUPPORTED },
 		}
 	}
 	return &mock.Interface{
@@ -79,18 +81,18 @@ func TestDiscoverShapes(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := []Device{
-		{0, "GPU-a", "NVIDIA H100 80GB HBM3", "0000:18:00.0", "", 80 * gib, 0, false},
-		{1, "GPU-b", "NVIDIA H200", "0000:3b:00.0", "", 141 * gib, 1, false},
-		{2, "GPU-c", "NVIDIA L4", "0000:86:00.0", "", 24 * gib, -1, false},
-		{3, "GPU-d", "Tesla T4", "0000:5e:00.0", "", 16 * gib, -1, false},
-		{4, "GPU-e", "NVIDIA A10", "", "", 24 * gib, -1, false},
-		{5, "GPU-f", "NVIDIA B200", "0001:af:00.0", "", 180 * gib, 3, false},
+		{Index: 0, UUID: "GPU-a", Name: "NVIDIA H100 80GB HBM3", BusID: "0000:18:00.0", Memory: 80 * gib, NUMA: 0},
+		{Index: 1, UUID: "GPU-b", Name: "NVIDIA H200", BusID: "0000:3b:00.0", Memory: 141 * gib, NUMA: 1},
+		{Index: 2, UUID: "GPU-c", Name: "NVIDIA L4", BusID: "0000:86:00.0", Memory: 24 * gib, NUMA: -1},
+		{Index: 3, UUID: "GPU-d", Name: "Tesla T4", BusID: "0000:5e:00.0", Memory: 16 * gib, NUMA: -1},
+		{Index: 4, UUID: "GPU-e", Name: "NVIDIA A10", Memory: 24 * gib, NUMA: -1},
+		{Index: 5, UUID: "GPU-f", Name: "NVIDIA B200", BusID: "0001:af:00.0", Memory: 180 * gib, NUMA: 3},
 	}
 	if len(got) != len(want) {
 		t.Fatalf("got %d devices, want %d", len(got), len(want))
 	}
 	for i := range want {
-		if got[i] != want[i] {
+		if !reflect.DeepEqual(got[i], want[i]) {
 			t.Errorf("device %d = %+v, want %+v", i, got[i], want[i])
 		}
 	}

@@ -52,6 +52,7 @@ type Metrics struct {
 	renewSecs   *prometheus.HistogramVec
 	renewFails  *prometheus.CounterVec
 	fillSeconds *prometheus.GaugeVec
+	crossNUMA   *prometheus.CounterVec
 
 	// The device plugin's (observe.Op with Component "plugin" or "reclaim").
 	allocations   *prometheus.CounterVec
@@ -169,6 +170,10 @@ func New(src report.Source, opts Options) *Metrics {
 			Namespace: Namespace, Name: "pool_fill_seconds",
 			Help: "Seconds from agent start until the GPU's pool reached its planned size; absent until it has.",
 		}, []string{"gpu"}),
+		crossNUMA: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: Namespace, Name: "cross_numa_chunks_total",
+			Help: "Chunks bound by new sessions on another NUMA node than the session's GPU (their copies cross the socket interconnect), by GPU, the GPU's node and the chunk's.",
+		}, []string{"gpu", "gpu_numa", "chunk_numa"}),
 		allocations: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: Namespace, Subsystem: "plugin", Name: "allocations_total",
 			Help: "Kubelet's Allocate calls by result: ok, invalid, refused, unavailable, failed.",
@@ -190,7 +195,7 @@ func New(src report.Source, opts Options) *Metrics {
 	}
 	m.draOps, m.draPrepareSecs, m.draUnprepareSecs = newDRAMetrics()
 	m.reg.MustRegister(m.opDuration, m.offloads, m.reloads, m.discards, m.rejects, m.pagesMoved,
-		m.clientBytes, m.errors, m.limits, m.pinSeconds, m.pinFailures, m.renewSecs, m.renewFails, m.fillSeconds,
+		m.clientBytes, m.errors, m.limits, m.pinSeconds, m.pinFailures, m.renewSecs, m.renewFails, m.fillSeconds, m.crossNUMA,
 		m.allocations, m.allocateSecs, m.registrations, m.reclaims,
 		newPoolCollector(src, opts.Targets, opts.Now))
 	if !opts.NoRuntime {
@@ -342,6 +347,18 @@ func (m *Metrics) ChunkRenewFailed(gpu int, err error) {
 // PoolFilled records that gpu's pool reached its planned size d after start.
 func (m *Metrics) PoolFilled(gpu int, d time.Duration) {
 	m.fillSeconds.WithLabelValues(gpuLabel(gpu)).Set(d.Seconds())
+}
+
+// SessionBound counts the chunks a new session on gpu (whose NUMA node is
+// gpuNUMA) bound on other NUMA nodes than its GPU's, in
+// kvpool_cross_numa_chunks_total by node pair; chunks on the GPU's node,
+// or where a node is unknown, are not counted.
+func (m *Metrics) SessionBound(gpu, gpuNUMA int, chunkNUMA []int) {
+	for _, n := range chunkNUMA {
+		if n >= 0 && gpuNUMA >= 0 && n != gpuNUMA {
+			m.crossNUMA.WithLabelValues(gpuLabel(gpu), strconv.Itoa(gpuNUMA), strconv.Itoa(n)).Inc()
+		}
+	}
 }
 
 // InitGPU creates gpu's counter series at zero, so that they are exported

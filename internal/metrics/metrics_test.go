@@ -414,3 +414,27 @@ func TestConcurrentOpsAndScrapes(t *testing.T) {
 		{"kvpool_session_pages", []string{"gpu", "0", "state", "available"}, workers * 16},
 	})
 }
+
+// A session's chunks on other NUMA nodes than its GPU's count by node
+// pair; chunks on the GPU's node, or where a node is unknown, do not.
+func TestCrossNUMAChunks(t *testing.T) {
+	m := New(pool.New(), Options{NoRuntime: true})
+	srv := httptest.NewServer(m.Handler())
+	defer srv.Close()
+	m.SessionBound(3, 1, []int{1, 0, 0, -1})
+	m.SessionBound(3, 1, []int{2})
+	m.SessionBound(0, -1, []int{0, 1})
+	m.SessionBound(5, 0, []int{0, 0})
+	fams := scrape(t, srv.URL)
+	for _, c := range []check{
+		{"kvpool_cross_numa_chunks_total", []string{"gpu", "3", "gpu_numa", "1", "chunk_numa", "0"}, 2},
+		{"kvpool_cross_numa_chunks_total", []string{"gpu", "3", "gpu_numa", "1", "chunk_numa", "2"}, 1},
+	} {
+		if got, ok := value(fams, c.name, c.labels...); !ok || got != c.want {
+			t.Errorf("%s%v = %v (present %v), want %v", c.name, c.labels, got, ok, c.want)
+		}
+	}
+	if n := len(fams["kvpool_cross_numa_chunks_total"].GetMetric()); n != 2 {
+		t.Errorf("%d series, want 2 (no series for local or unknown nodes)", n)
+	}
+}

@@ -38,13 +38,17 @@ type GPU struct {
 	// that serve this GPU.
 	UsedBytes int64 `json:"usedBytes"`
 
-	Chunks       ChunkCounts `json:"chunks"`
-	Sessions     int         `json:"sessions"`
-	Streams      int         `json:"streams"`
-	Requests     int         `json:"requests"`
-	PagesTotal   int         `json:"pagesTotal"`   // pages of every open session
-	PagesUsed    int         `json:"pagesUsed"`    // held by streams
-	PagesPending int         `json:"pagesPending"` // released by reloads, awaiting their fence
+	Chunks   ChunkCounts `json:"chunks"`
+	Sessions int         `json:"sessions"`
+	// CrossNUMASessions counts the sessions serving this GPU that hold
+	// chunks on another NUMA node than the GPU's; RemoteChunks those chunks.
+	CrossNUMASessions int `json:"crossNumaSessions"`
+	RemoteChunks      int `json:"remoteChunks"`
+	Streams           int `json:"streams"`
+	Requests          int `json:"requests"`
+	PagesTotal        int `json:"pagesTotal"`   // pages of every open session
+	PagesUsed         int `json:"pagesUsed"`    // held by streams
+	PagesPending      int `json:"pagesPending"` // released by reloads, awaiting their fence
 }
 
 // ChunkCounts counts chunks by state.
@@ -62,13 +66,23 @@ func (c ChunkCounts) Total() int { return c.Free + c.Granted + c.Dirty }
 type Session struct {
 	Allocation string `json:"allocation"`
 	GPU        int    `json:"gpu"`
-	PageSize   int64  `json:"pageSize"`
-	Chunks     int    `json:"chunks"`
-	Pages      int    `json:"pages"`
-	Used       int    `json:"used"`
-	Pending    int    `json:"pending"`
-	Streams    int    `json:"streams"`
-	Requests   int    `json:"requests"`
+	// GPUNUMA is the NUMA node of the session's GPU (-1: unknown); of its
+	// chunks, Local are on that node, Remote on another (their copies
+	// cross the socket interconnect), UnknownNUMA where a node is unknown.
+	GPUNUMA     int `json:"gpuNuma"`
+	Local       int `json:"local"`
+	Remote      int `json:"remote"`
+	UnknownNUMA int `json:"unknownNuma"`
+	// Ranks is how many ranks the allocation was shared among when the
+	// session opened (0: not known, as after an agent restart).
+	Ranks    int   `json:"ranks"`
+	PageSize int64 `json:"pageSize"`
+	Chunks   int   `json:"chunks"`
+	Pages    int   `json:"pages"`
+	Used     int   `json:"used"`
+	Pending  int   `json:"pending"`
+	Streams  int   `json:"streams"`
+	Requests int   `json:"requests"`
 }
 
 // Snapshot is the pool at one moment. Each chunk and each session is read
@@ -95,6 +109,8 @@ func (s Snapshot) Totals() GPU {
 		t.Chunks.Dirty += g.Chunks.Dirty
 		t.Chunks.Bound += g.Chunks.Bound
 		t.Sessions += g.Sessions
+		t.CrossNUMASessions += g.CrossNUMASessions
+		t.RemoteChunks += g.RemoteChunks
 		t.Streams += g.Streams
 		t.Requests += g.Requests
 		t.PagesTotal += g.PagesTotal
@@ -102,6 +118,41 @@ func (s Snapshot) Totals() GPU {
 		t.PagesPending += g.PagesPending
 	}
 	return t
+}
+
+// takeSessions lists the open sessions of allocs and adds them up into
+// their GPUs (gpu returns a GPU's entry).
+func takeSessions(src Source, allocs []string, gpu func(int) *GPU) []Session {
+	var sessions []Session
+	for _, a := range allocs {
+		for _, s := range src.Sessions(a) {
+			if s.Closed() {
+				continue
+			}
+			u := s.Usage()
+			spec := s.Spec()
+			l := s.Locality()
+			sessions = append(sessions, Session{
+				Allocation: a, GPU: spec.GPU, PageSize: spec.PageSize,
+				GPUNUMA: l.GPUNUMA, Local: l.Local, Remote: l.Remote, UnknownNUMA: l.Unknown, Ranks: l.Ranks,
+				Chunks: len(s.Chunks()), Pages: u.Capacity, Used: u.Used, Pending: u.Pending,
+				Streams: u.Streams, Requests: u.Requests,
+			})
+			g := gpu(spec.GPU)
+			if l.CrossNUMA() {
+				g.CrossNUMASessions++
+				g.RemoteChunks += l.Remote
+			}
+			g.UsedBytes += int64(u.Used) * spec.PageSize
+			g.Sessions++
+			g.Streams += u.Streams
+			g.Requests += u.Requests
+			g.PagesTotal += u.Capacity
+			g.PagesUsed += u.Used
+			g.PagesPending += u.Pending
+		}
+	}
+	return sessions
 }
 
 // Take reads src. targets, when not nil, gives the planned bytes per GPU; a
@@ -150,29 +201,7 @@ func Take(src Source, targets map[int]int64, now time.Time) Snapshot {
 			allocs = append(allocs, c.Allocation)
 		}
 	}
-	var sessions []Session
-	for _, a := range allocs {
-		for _, s := range src.Sessions(a) {
-			if s.Closed() {
-				continue
-			}
-			u := s.Usage()
-			spec := s.Spec()
-			sessions = append(sessions, Session{
-				Allocation: a, GPU: spec.GPU, PageSize: spec.PageSize,
-				Chunks: len(s.Chunks()), Pages: u.Capacity, Used: u.Used, Pending: u.Pending,
-				Streams: u.Streams, Requests: u.Requests,
-			})
-			g := gpu(spec.GPU)
-			g.UsedBytes += int64(u.Used) * spec.PageSize
-			g.Sessions++
-			g.Streams += u.Streams
-			g.Requests += u.Requests
-			g.PagesTotal += u.Capacity
-			g.PagesUsed += u.Used
-			g.PagesPending += u.Pending
-		}
-	}
+	sessions := takeSessions(src, allocs, gpu)
 	snap := Snapshot{Time: now, GPUs: make([]GPU, 0, len(byGPU)), Sessions: sessions}
 	for _, g := range byGPU {
 		if g.NUMA == -2 {

@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"slices"
 	"time"
 
 	"google.golang.org/protobuf/encoding/protowire"
@@ -29,6 +30,8 @@ const (
 	MaxInstanceID = 64
 	maxPageBytes  = 1 << 40
 	maxUUID       = 128
+	// maxRanks bounds the ranks an Open may declare.
+	maxRanks = 1024
 )
 
 // openSpec checks an Open's regions and returns the pool session's
@@ -681,12 +684,15 @@ func (c *conn) handleOpen(body []byte) reply {
 	if n := len(m.InstanceId); n < MinInstanceID || n > MaxInstanceID {
 		return fail(wire.StatusBadRequest, fmt.Errorf("instance ID of %d bytes, want %d to %d", n, MinInstanceID, MaxInstanceID))
 	}
+	if m.Ranks > maxRanks {
+		return fail(wire.StatusBadRequest, fmt.Errorf("open: %d ranks declared, at most %d", m.Ranks, maxRanks))
+	}
 	if m.GpuUuid == "" || len(m.GpuUuid) > maxUUID {
 		return fail(wire.StatusBadRequest, fmt.Errorf("open: GPU UUID of %d bytes, want 1 to %d (the UUID the CUDA driver reports, \"GPU-...\")", len(m.GpuUuid), maxUUID))
 	}
 	gpu, ok := c.s.o.GPUs[m.GpuUuid]
 	if !ok {
-		return fail(wire.StatusUnknownGPU, fmt.Errorf("open: GPU %s is not one of this node's %d GPUs in the agent's plan", m.GpuUuid, len(c.s.o.GPUs)))
+		return fail(wire.StatusUnknownGPU, fmt.Errorf("open: GPU %s is none of this node's %d GPUs (or their MIG instances) in the agent's plan", m.GpuUuid, c.s.gpuCount()))
 	}
 	spec, err := openSpec(gpu, &m)
 	if err != nil {
@@ -703,16 +709,19 @@ func (c *conn) handleOpen(body []byte) reply {
 		c.unauthorized(err)
 		return fail(wire.StatusUnauthorized, fmt.Errorf("open: token: %w", err))
 	}
-	e, ev, r := c.s.attach(c, key{alloc: alloc, gpu: gpu}, m.GpuUuid, instanceString(m.InstanceId), spec, len(m.Regions))
+	near := c.s.near(alloc, gpu, int(m.Ranks))
+	e, ev, r := c.s.attach(c, key{alloc: alloc, device: deviceKey(m.GpuUuid)}, gpu, m.GpuUuid, instanceString(m.InstanceId), spec, near, len(m.Regions))
 	if e == nil {
 		return r
 	}
 	c.stage()
 	// Build the reply outside the server lock: chunk lookups may be slow.
 	chunks := e.ps.Chunks()
+	loc := e.ps.Locality()
 	rep := &wire.OpenReply{
 		Session: e.id, Resumed: ev == SessionResumed, PageSize: uint64(spec.PageSize),
 		PagesPerChunk: uint32(e.ps.PagesPerChunk()), Capacity: uint32(e.ps.Capacity()),
+		GpuNuma: proto.Int32(int32(near.NUMA)), Ranks: uint32(max(loc.Ranks, 0)),
 	}
 	fds := make([]int, 0, len(chunks))
 	for _, ch := range chunks {
@@ -721,7 +730,7 @@ func (c *conn) handleOpen(body []byte) reply {
 			c.s.detach(c, e)
 			return fail(wire.StatusInternal, fmt.Errorf("open: chunk %s has no memory", ch.ID))
 		}
-		rep.Chunks = append(rep.Chunks, &wire.ChunkGrant{Id: ch.ID, Size: uint64(ch.Size)})
+		rep.Chunks = append(rep.Chunks, &wire.ChunkGrant{Id: ch.ID, Size: uint64(ch.Size), Numa: proto.Int32(int32(max(ch.NUMA, -1)))})
 		fds = append(fds, int(hc.File.Fd()))
 	}
 	c.s.mu.Lock()
@@ -731,9 +740,44 @@ func (c *conn) handleOpen(body []byte) reply {
 	return reply{body: rep, fds: fds}
 }
 
+// near is where an Open's GPU sits and who shares its allocation: the
+// GPU's NUMA node (Options.GPUNUMA), the ranks the client declared or else
+// Options.Ranks says, and the other ranks' GPUs when those are known and
+// as many as the ranks.
+func (s *Server) near(alloc string, gpu, declared int) pool.Near {
+	near := pool.Near{NUMA: s.numaOf(gpu), Ranks: declared}
+	if s.o.Ranks == nil {
+		return near
+	}
+	rk := s.o.Ranks(alloc)
+	if near.Ranks == 0 {
+		near.Ranks = rk.Count
+	}
+	if near.Ranks == 0 || len(rk.GPUs) != near.Ranks || !slices.Contains(rk.GPUs, gpu) {
+		return near
+	}
+	self := false
+	for _, g := range rk.GPUs {
+		if g == gpu && !self {
+			self = true // one rank on this GPU is the session itself
+			continue
+		}
+		near.Peers = append(near.Peers, pool.Place{GPU: g, NUMA: s.numaOf(g)})
+	}
+	return near
+}
+
+// numaOf is a host GPU's NUMA node, -1 when unknown.
+func (s *Server) numaOf(gpu int) int {
+	if n, ok := s.o.GPUNUMA[gpu]; ok && n >= 0 {
+		return n
+	}
+	return -1
+}
+
 // attach finds or creates the session of k for instance inst, of geometry
 // spec from a layout of that many regions, and makes c its connection.
-func (s *Server) attach(c *conn, k key, uuid, inst string, spec pool.Spec, regions int) (*entry, SessionEvent, reply) {
+func (s *Server) attach(c *conn, k key, gpu int, uuid, inst string, spec pool.Spec, near pool.Near, regions int) (*entry, SessionEvent, reply) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	e := s.sessions[k]
@@ -761,7 +805,7 @@ func (s *Server) attach(c *conn, k key, uuid, inst string, spec pool.Spec, regio
 			return e, SessionResumed, reply{}
 		}
 		if e.conn != nil {
-			return nil, "", fail(wire.StatusBusy, fmt.Errorf("open: GPU %d of this allocation is held by live session %d (pid %d)", k.gpu, e.id, e.peer.PID))
+			return nil, "", fail(wire.StatusBusy, fmt.Errorf("open: GPU %s of this allocation is held by live session %d (pid %d)", uuid, e.id, e.peer.PID))
 		}
 		info := e.infoLocked()
 		replaced = &info
@@ -774,7 +818,7 @@ func (s *Server) attach(c *conn, k key, uuid, inst string, spec pool.Spec, regio
 		}
 		return nil, "", r
 	}
-	ps, err := s.o.Pool.Open(k.alloc, spec)
+	ps, err := s.o.Pool.OpenNear(k.alloc, spec, near)
 	if replaced != nil {
 		// Hooks run under s.mu here; they must not block (documented).
 		s.hookSessionLocked(SessionReplaced, *replaced)
@@ -784,7 +828,7 @@ func (s *Server) attach(c *conn, k key, uuid, inst string, spec pool.Spec, regio
 		r.err = fmt.Errorf("open: %w", err)
 		return nil, "", r
 	}
-	e = &entry{id: ps.ID(), key: k, uuid: uuid, instance: inst, short: shortID(inst), ps: ps, regions: regions, opened: time.Now(), conn: c, peer: c.peer}
+	e = &entry{id: ps.ID(), key: k, gpu: gpu, uuid: uuid, instance: inst, short: shortID(inst), ps: ps, regions: regions, opened: time.Now(), conn: c, peer: c.peer}
 	if j := s.o.Journal; j != nil {
 		info := &OpenInfo{Allocation: k.alloc, Instance: inst, UUID: uuid, Peer: c.peer, Regions: regions, Image: ps.Image()}
 		if replaced != nil {

@@ -3,6 +3,7 @@ package server
 import (
 	"errors"
 	"fmt"
+	"strconv"
 	"sync"
 	"time"
 
@@ -89,11 +90,14 @@ func (s *Server) Restore(rs []RestoredSession) error {
 		if ps == nil || ps.Closed() {
 			return errors.New("server: restore: a closed or missing session")
 		}
-		k := key{alloc: ps.Allocation(), gpu: ps.Spec().GPU}
-		if _, ok := s.sessions[k]; ok {
-			return fmt.Errorf("server: restore: two sessions for allocation %s GPU %d", k.alloc, k.gpu)
+		k := key{alloc: ps.Allocation(), device: deviceKey(r.UUID)}
+		if r.UUID == "" {
+			k.device = "gpu " + strconv.Itoa(ps.Spec().GPU) // books of an agent that kept no UUID
 		}
-		e := &entry{id: ps.ID(), key: k, uuid: r.UUID, instance: r.Instance, short: shortID(r.Instance), ps: ps,
+		if _, ok := s.sessions[k]; ok {
+			return fmt.Errorf("server: restore: two sessions for allocation %s GPU %s", k.alloc, r.UUID)
+		}
+		e := &entry{id: ps.ID(), key: k, uuid: r.UUID, gpu: ps.Spec().GPU, instance: r.Instance, short: shortID(r.Instance), ps: ps,
 			regions: r.Regions, peer: r.Peer, opened: time.Now(), lastSeen: time.Now()}
 		e.last.LastReply = r.Last
 		s.sessions[k] = e

@@ -3,13 +3,14 @@
 // pkg/pool Pool, passes them their chunks' file descriptors and serves every
 // pool operation. It never touches KV bytes; clients copy them.
 //
-// Sessions outlive connections. A session is keyed by (allocation, GPU) and
-// owned by one client instance (a random ID the client process picks once):
+// Sessions outlive connections. A session is keyed by (allocation, GPU
+// device: a GPU or one of its MIG instances) and owned by one client
+// instance (a random ID the client process picks once):
 //
 //   - the same instance reconnecting from the same process (peer UID and
 //     PID) resumes its session, streams and all; the instance ID presented
 //     by another process counts as another instance;
-//   - a different instance opening the same (allocation, GPU) while the owner
+//   - a different instance opening the same (allocation, device) while the owner
 //     is disconnected replaces it: the old session closes and its pages go
 //     back; while the owner is connected the newcomer gets StatusBusy;
 //   - chunks return to the pool only when the allocation is revoked
@@ -31,6 +32,7 @@ import (
 	"net"
 	"sort"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -47,10 +49,11 @@ import (
 // ChunkSource returns the memory of a chunk the pool knows by ID.
 type ChunkSource func(id string) (*hostmem.Chunk, bool)
 
-// Pool is the part of *pool.Pool the server uses: it opens sessions and
-// closes them; everything else is the pool session's.
+// Pool is the part of *pool.Pool the server uses: it opens sessions (by
+// locality: pool.Near) and closes them; everything else is the pool
+// session's.
 type Pool interface {
-	Open(alloc string, spec pool.Spec) (*pool.Session, error)
+	OpenNear(alloc string, spec pool.Spec, near pool.Near) (*pool.Session, error)
 	Close(s *pool.Session)
 }
 
@@ -162,10 +165,19 @@ type Options struct {
 	Logger    *slog.Logger // default slog.Default()
 	Hooks     Hooks
 	Name      string // sent in HelloReply; default "kvpool-agent"
-	// GPUs maps each GPU of the node's plan, by UUID ("GPU-..."), to its
-	// host index (NVML's), which is how the pool keys chunks. An Open
-	// naming a UUID not in it gets StatusUnknownGPU.
+	// GPUs maps each GPU of the node's plan, by every UUID a client may
+	// name it with ("GPU-...", and its MIG instances' "MIG-..."), to its
+	// host index (NVML's), which is how the pool knows GPUs. An Open naming
+	// a UUID not in it gets StatusUnknownGPU.
 	GPUs map[string]int
+	// GPUNUMA gives each host GPU's NUMA node; a GPU it lacks is on an
+	// unknown node (-1). A session binds the chunks nearest its GPU.
+	GPUNUMA map[int]int
+	// Ranks, when set, says which GPUs run the ranks of the container that
+	// holds an allocation, for the fair share of a new session (an Open
+	// that declares its ranks overrides the count). It is called for each
+	// Open outside the server's lock and may ask kubelet.
+	Ranks func(alloc string) Ranks
 	// Limits bound every per-tenant resource; zero fields take
 	// DefaultLimits.
 	Limits Limits
@@ -204,9 +216,43 @@ type Server struct {
 	wg sync.WaitGroup
 }
 
+// Ranks are the ranks (one per GPU) of the container that holds an
+// allocation.
+type Ranks struct {
+	Count int   // ranks sharing the allocation; 0: not known (pool.Near's default)
+	GPUs  []int // the host GPU of each rank when known (len Count), else nil
+}
+
+// key names a session: its allocation and its GPU device, as the client
+// named it (deviceKey), so that two MIG instances of one GPU are two
+// sessions.
 type key struct {
-	alloc string
-	gpu   int
+	alloc  string
+	device string
+}
+
+// gpuCount is the number of GPUs Options.GPUs names (some by several
+// names).
+func (s *Server) gpuCount() int {
+	seen := map[int]bool{}
+	for _, g := range s.o.GPUs {
+		seen[g] = true
+	}
+	return len(seen)
+}
+
+// deviceKey is a GPU UUID without its "GPU-" or "MIG-" prefix, lower case:
+// the CUDA driver's UUID of a MIG instance, formatted as a GPU's, and
+// NVML's "MIG-" name of it are one device.
+func deviceKey(uuid string) string {
+	u := strings.ToLower(uuid)
+	if rest, ok := strings.CutPrefix(u, "gpu-"); ok {
+		return rest
+	}
+	if rest, ok := strings.CutPrefix(u, "mig-"); ok {
+		return rest
+	}
+	return u
 }
 
 // entry is a session as the server tracks it across connections.
@@ -222,6 +268,7 @@ type entry struct {
 	peer     unixsock.Peer
 	lastSeen time.Time
 	uuid     string
+	gpu      int // host index of the GPU
 
 	opMu   sync.Mutex // held from a change to its record in the journal
 	last   lastReply  // the answer to the last changing request
@@ -247,15 +294,19 @@ type moreReply struct {
 type SessionInfo struct {
 	ID         uint64
 	Allocation string
-	GPU        int    // host index of the GPU whose chunks the session holds
+	GPU        int    // host index of the session's GPU
 	GPUUUID    string // as the client named it
-	Instance   string // ShortID of the instance: never the whole ID
-	Connected  bool
-	Peer       unixsock.Peer // of the current or last connection
-	PageSize   int64
-	Opened     time.Time
-	LastSeen   time.Time // last disconnect; zero while connected
-	Usage      pool.Usage
+	// Locality is where the session's chunks lie relative to its GPU;
+	// ChunkNUMA is each bound chunk's NUMA node, in page order.
+	Locality  pool.Locality
+	ChunkNUMA []int
+	Instance  string // ShortID of the instance: never the whole ID
+	Connected bool
+	Peer      unixsock.Peer // of the current or last connection
+	PageSize  int64
+	Opened    time.Time
+	LastSeen  time.Time // last disconnect; zero while connected
+	Usage     pool.Usage
 }
 
 // New checks o and returns a server.
@@ -439,16 +490,32 @@ func (s *Server) Sessions() []SessionInfo {
 }
 
 func (e *entry) infoLocked() SessionInfo {
-	return SessionInfo{
-		ID: e.id, Allocation: e.key.alloc, GPU: e.key.gpu, GPUUUID: e.uuid, Instance: e.short,
+	info := SessionInfo{
+		ID: e.id, Allocation: e.key.alloc, GPU: e.gpu, GPUUUID: e.uuid, Instance: e.short,
 		Connected: e.conn != nil, Peer: e.peer, PageSize: e.ps.Spec().PageSize,
-		Opened: e.opened, LastSeen: e.lastSeen, Usage: e.ps.Usage(),
+		Opened: e.opened, LastSeen: e.lastSeen, Usage: e.ps.Usage(), Locality: e.ps.Locality(),
 	}
+	for _, ch := range e.ps.Chunks() {
+		info.ChunkNUMA = append(info.ChunkNUMA, ch.NUMA)
+	}
+	return info
 }
 
 func (s *Server) hookSession(ev SessionEvent, info SessionInfo) {
-	s.log.Info("session "+string(ev), "session", info.ID, "allocation", info.Allocation, "gpu", info.GPU,
-		"instance", info.Instance, "pid", info.Peer.PID, "uid", info.Peer.UID)
+	attrs := []any{"session", info.ID, "allocation", info.Allocation, "gpu", info.GPU,
+		"instance", info.Instance, "pid", info.Peer.PID, "uid", info.Peer.UID}
+	if ev == SessionOpened {
+		l := info.Locality
+		attrs = append(attrs, "gpuNUMA", l.GPUNUMA, "ranks", l.Ranks, "chunks", len(info.ChunkNUMA),
+			"local", l.Local, "remote", l.Remote, "unknownNUMA", l.Unknown)
+	}
+	s.log.Info("session "+string(ev), attrs...)
+	if ev == SessionOpened && info.Locality.CrossNUMA() {
+		// Once per session: a resume or reconnect does not say it again.
+		s.log.Warn("session bound chunks on another NUMA node than its GPU: its copies cross the socket interconnect",
+			"session", info.ID, "allocation", info.Allocation, "gpu", info.GPU, "gpuNUMA", info.Locality.GPUNUMA,
+			"chunkNUMA", info.ChunkNUMA, "remote", info.Locality.Remote, "of", len(info.ChunkNUMA))
+	}
 	if s.o.Hooks.Session != nil {
 		s.o.Hooks.Session(ev, info)
 	}

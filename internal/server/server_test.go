@@ -192,8 +192,8 @@ func (r *raw) hello() {
 	}
 }
 
-// testGPUs is the node's plan in these tests: GPUs 0 and 1 have chunks,
-// GPU 2 has none.
+// testGPUs is the node's plan in these tests: GPUs 0 and 1 have chunks
+// sized under their names, GPU 2 has none.
 var testGPUs = map[string]int{gpuUUID(0): 0, gpuUUID(1): 1, gpuUUID(2): 2}
 
 func gpuUUID(g uint32) string { return fmt.Sprintf("GPU-0000000%d-test", g) }
@@ -314,7 +314,8 @@ func TestBadInput(t *testing.T) {
 		{"GPU not in the plan", "hello", withBody(wire.OpOpen, openMsg("tok-a", 7, "instance-x")), nil, wire.StatusUnknownGPU},
 		{"GPU UUID of another node", "hello", withBody(wire.OpOpen, &wire.Open{Token: "tok-a", GpuUuid: "GPU-19999", InstanceId: []byte("instance-x"),
 			Regions: []*wire.Region{{BytesPerPage: 4096, PageCount: 4}}}), nil, wire.StatusUnknownGPU},
-		{"GPU without chunks in the allocation", "hello", withBody(wire.OpOpen, openMsg("tok-a", 2, "instance-x")), nil, wire.StatusNoGPUChunks},
+		{"too many ranks declared", "hello", withBody(wire.OpOpen, &wire.Open{Token: "tok-a", GpuUuid: gpuUUID(1), InstanceId: []byte("instance-x"),
+			Regions: []*wire.Region{{BytesPerPage: 4096, PageCount: 4}}, Ranks: 1025}), nil, wire.StatusBadRequest},
 		{"more with no long reply", "open", withBody(wire.OpMore, &wire.More{}), nil, wire.StatusBadRequest},
 		{"more before open", "hello", withBody(wire.OpMore, &wire.More{}), nil, wire.StatusNoSession},
 		{"pages beyond the device", "open", withBody(wire.OpPages, &wire.Pages{GpuPages: make([]int32, 33)}), nil, wire.StatusPageCount},
@@ -560,11 +561,11 @@ type countingPool struct {
 	opens, closes int
 }
 
-func (p *countingPool) Open(alloc string, spec pool.Spec) (*pool.Session, error) {
+func (p *countingPool) OpenNear(alloc string, spec pool.Spec, near pool.Near) (*pool.Session, error) {
 	p.mu.Lock()
 	p.opens++
 	p.mu.Unlock()
-	return p.Pool.Open(alloc, spec)
+	return p.Pool.OpenNear(alloc, spec, near)
 }
 
 func (p *countingPool) Close(s *pool.Session) {
@@ -574,7 +575,7 @@ func (p *countingPool) Close(s *pool.Session) {
 	p.Pool.Close(s)
 }
 
-// The server reaches the pool through its Pool seam alone (Open, Close),
+// The server reaches the pool through its Pool seam alone (OpenNear, Close),
 // and gives the one Authorizer the token with the peer's credentials.
 func TestPoolAndAuthorizeSeams(t *testing.T) {
 	var cp *countingPool

@@ -6,7 +6,6 @@ package workload
 import (
 	"bytes"
 	"context"
-	"errors"
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
@@ -16,21 +15,27 @@ import (
 
 	"github.com/kvpool/kvpool/pkg/client"
 	"github.com/kvpool/kvpool/pkg/cudart"
-	"github.com/kvpool/kvpool/pkg/poolerr"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
 
 // Config of a workload run.
 type Config struct {
 	Socket, Token string
-	// GPU is the simulated GPU of the session, named like the agent's
-	// simulated GPU of that index (cudart.SimulatedUUID). Negative: the
-	// first simulated GPU of which the allocation holds chunks (a pod does
-	// not know which GPU's chunks kubelet gave it).
-	GPU         int
+	// Device is the UUID of the GPU the session serves, the way an engine
+	// has it: given (by the container's visible devices,
+	// cudart.VisibleDevices), not chosen. The simulated device the
+	// workload copies with carries that UUID, as the driver would report
+	// it. Empty: the agent's simulated GPU of index GPU.
+	Device string
+	// GPU, when Device is empty, is a simulated GPU of the agent's, by
+	// index (cudart.SimulatedUUID): for tests and benchmarks that pick one.
+	GPU int
+	// Ranks is the world size the client declares (client.Options.Ranks);
+	// 0: the agent counts the container's GPUs.
+	Ranks       int
 	DevicePages int    // device KV cache pages (default 256)
 	PageBytes   uint64 // bytes per page in each of the two regions, K and V (default 16 KiB)
-	MaxPages    int    // host pages to ask for (default 128; negative: all the chunks of the GPU, Options.MaxPages 0)
+	MaxPages    int    // host pages to ask for (default 128; negative: the session's fair share, Options.MaxPages 0)
 	MaxStream   int    // most pages in one stream (default 16)
 	Ops         int    // mixed operations after the checks (default 2000)
 	Duration    time.Duration
@@ -90,7 +95,8 @@ type Result struct {
 	Checks      int // assertions that held
 	Elapsed     time.Duration
 	Capacity    int
-	GPU         int // the simulated GPU the session served
+	Device      string          // the UUID of the GPU the session served
+	Locality    client.Locality // where its chunks lie, as the agent said
 }
 
 func (r *Result) op(o Op) *OpStats {
@@ -139,31 +145,22 @@ type runner struct {
 // mismatch or unexpected outcome.
 func Run(ctx context.Context, cfg Config) (*Result, error) {
 	cfg.defaults()
-	gpus := []int{cfg.GPU}
-	if cfg.GPU < 0 {
-		gpus = make([]int, maxAutoGPU)
-		for i := range gpus {
-			gpus[i] = i
+	uuid := cfg.Device
+	if uuid == "" {
+		if cfg.GPU < 0 {
+			return nil, fmt.Errorf("workload: no GPU: Device is empty and GPU %d is negative", cfg.GPU)
 		}
+		uuid = cudart.SimulatedUUID(cfg.GPU)
 	}
-	var r *runner
-	for _, g := range gpus {
-		var err error
-		r, err = open(ctx, cfg, g)
-		if err == nil {
-			break
-		}
-		if cfg.GPU >= 0 || !errors.Is(err, poolerr.ErrNoGPUChunks) {
-			return nil, err
-		}
-	}
-	if r == nil {
-		return nil, fmt.Errorf("workload: the allocation holds no chunk of simulated GPUs 0 to %d", maxAutoGPU-1)
+	r, err := open(ctx, cfg, uuid)
+	if err != nil {
+		return nil, err
 	}
 	defer r.dev.Close()
 	defer r.p.Close()
 	_, r.capacity, _ = r.p.Session()
 	r.res.Capacity = r.capacity
+	r.res.Locality = r.p.Locality()
 	start := time.Now()
 	if err := r.checks(); err != nil {
 		return r.res, err
@@ -175,19 +172,16 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 	return r.res, nil
 }
 
-// maxAutoGPU bounds the simulated GPUs a negative Config.GPU tries.
-const maxAutoGPU = 64
-
-// open makes simulated device gpu (a device named like the agent's
-// simulated GPU gpu), its KV cache and a session on it.
-func open(ctx context.Context, cfg Config, gpu int) (*runner, error) {
-	sim := cudart.NewSim(cudart.SimOptions{Devices: 1, UUIDs: []string{cudart.SimulatedUUID(gpu)},
+// open makes a simulated device of UUID uuid, its KV cache and a session
+// on it.
+func open(ctx context.Context, cfg Config, uuid string) (*runner, error) {
+	sim := cudart.NewSim(cudart.SimOptions{Devices: 1, UUIDs: []string{uuid},
 		MemoryBytes: 2*uint64(cfg.DevicePages)*cfg.PageBytes + 1<<20, CopyDelay: cfg.CopyDelay})
 	dev, err := sim.Open(0)
 	if err != nil {
 		return nil, err
 	}
-	r := &runner{cfg: cfg, rng: rand.New(rand.NewPCG(cfg.Seed, 0x6b76)), dev: dev, res: &Result{Ops: map[Op]*OpStats{}, GPU: gpu},
+	r := &runner{cfg: cfg, rng: rand.New(rand.NewPCG(cfg.Seed, 0x6b76)), dev: dev, res: &Result{Ops: map[Op]*OpStats{}, Device: uuid},
 		buf: make([]byte, 2*cfg.PageBytes), want: make([]byte, 2*cfg.PageBytes), poison: bytes.Repeat([]byte{0xA5}, int(2*cfg.PageBytes))}
 	size := uint64(cfg.DevicePages) * cfg.PageBytes
 	if r.k, err = dev.MemAlloc(size); err != nil {
@@ -199,7 +193,7 @@ func open(ctx context.Context, cfg Config, gpu int) (*runner, error) {
 		return nil, err
 	}
 	r.p, err = client.Open(ctx, client.Options{
-		Socket: cfg.Socket, Token: cfg.Token, Device: dev, MaxPages: max(cfg.MaxPages, 0), InstanceID: cfg.InstanceID,
+		Socket: cfg.Socket, Token: cfg.Token, Device: dev, MaxPages: max(cfg.MaxPages, 0), Ranks: cfg.Ranks, InstanceID: cfg.InstanceID,
 		Name: "kvpool-workload", Logger: cfg.Logger,
 		Regions: []cudart.Region{
 			{Base: r.k, Stride: cfg.PageBytes, PageBytes: cfg.PageBytes, Pages: cfg.DevicePages},

@@ -38,19 +38,32 @@ import (
 // maxRegister is the most bytes registered with CUDA in one call.
 const maxRegister = 64 << 30
 
+// maxRanks bounds Options.Ranks, as the agent does.
+const maxRanks = 1024
+
 // Options configure Open.
 type Options struct {
-	Socket string        // default $KVPOOL_SOCKET, then contract.ContainerSocket
-	Token  string        // default $KVPOOL_TOKEN
-	Device cudart.Device // the GPU whose KV cache this pool serves
+	Socket string // default $KVPOOL_SOCKET, then contract.ContainerSocket
+	Token  string // default $KVPOOL_TOKEN
+	// Device is the GPU whose KV cache this pool serves: the engine's own
+	// (the device its KV tensors live on), never one picked to suit the
+	// chunks. The agent is told its UUID (Device.UUID, as the driver names
+	// it: the same inside a container and on the host) and binds the
+	// chunks nearest it.
+	Device cudart.Device
 	// Regions is the device KV cache's layout: one cudart.Region per
 	// array of pages (a layer's K and V tensors, or each layer of a
 	// layer-major cache); one host page holds a device page's bytes of
 	// every region, in region order, back to back.
 	Regions []cudart.Region
-	// MaxPages is the host pages wanted; 0 takes all the chunks of the
-	// allocation that no other session holds.
+	// MaxPages is the host pages wanted; 0 takes this session's fair share
+	// of the allocation: its unbound chunks divided among the ranks that
+	// have no session yet (docs/device-plugin.md).
 	MaxPages int
+	// Ranks is how many sessions (tensor-parallel ranks, one per GPU) share
+	// the allocation, when the engine knows it (its world size on this
+	// node); 0 lets the agent count the container's GPUs.
+	Ranks int
 	// Order is the engine stream whose earlier work each copy must follow
 	// (the kernels that wrote the pages being offloaded, or last read the
 	// pages being reloaded onto). Default: the device's default stream.
@@ -170,6 +183,7 @@ type CPUPagePool struct {
 	ppc      int
 	capacity int
 	chunks   []mappedChunk
+	locality Locality
 
 	layout      cudart.Layout
 	mover       *cudart.Mover
@@ -194,6 +208,51 @@ type mappedChunk struct {
 	size uint64
 	mem  []byte
 	base uintptr
+}
+
+// Locality is where a session's host memory lies relative to its GPU, as
+// the agent told it at open.
+type Locality struct {
+	GPUNUMA int // NUMA node of the GPU; -1 unknown (or an agent that does not say)
+	Ranks   int // ranks the allocation is shared among; 0 unknown
+	// Chunks are the session's chunks in page order, with their nodes.
+	Chunks []ChunkLocality
+	// Local, Remote and Unknown count the chunks on the GPU's node, on
+	// another node (copies cross the socket interconnect) and where a node
+	// is unknown.
+	Local, Remote, Unknown int
+}
+
+// ChunkLocality is one chunk of a session and its NUMA node (-1 unknown).
+type ChunkLocality struct {
+	ID   string
+	NUMA int
+}
+
+// CrossNUMA reports whether any chunk lies on another NUMA node than the GPU.
+func (l Locality) CrossNUMA() bool { return l.Remote > 0 }
+
+func localityOf(rep *wire.OpenReply) Locality {
+	l := Locality{GPUNUMA: -1, Ranks: int(rep.Ranks)}
+	if rep.GpuNuma != nil && rep.GetGpuNuma() >= 0 {
+		l.GPUNUMA = int(rep.GetGpuNuma())
+	}
+	for _, c := range rep.Chunks {
+		n := -1
+		if c.Numa != nil && c.GetNuma() >= 0 {
+			n = int(c.GetNuma())
+		}
+		l.Chunks = append(l.Chunks, ChunkLocality{ID: c.Id, NUMA: n})
+		switch {
+		case n < 0 || l.GPUNUMA < 0:
+			l.Unknown++
+		case n == l.GPUNUMA:
+			l.Local++
+		default:
+			l.Remote++
+		}
+	}
+	return l
 }
 
 // pendingReload pairs the agent's fence ticket of a reload with the mover's
@@ -223,6 +282,9 @@ func Open(ctx context.Context, o Options) (*CPUPagePool, error) {
 	}
 	if o.MaxPages < 0 {
 		return nil, fmt.Errorf("kvpool: MaxPages %d is negative", o.MaxPages)
+	}
+	if o.Ranks < 0 || o.Ranks > maxRanks {
+		return nil, fmt.Errorf("kvpool: Ranks %d, want 0 to %d", o.Ranks, maxRanks)
 	}
 	switch {
 	case o.SpinWait == 0:
@@ -395,7 +457,7 @@ func (p *CPUPagePool) connect(ctx context.Context) error {
 		p.dropConn()
 		return fmt.Errorf("kvpool: the agent speaks protocol version %d, this client needs version %d: upgrade the agent", hr.Version, wire.Version)
 	}
-	req := &wire.Open{Token: p.o.Token, GpuUuid: p.dev.UUID(), InstanceId: p.o.InstanceID, MaxPages: uint32(p.o.MaxPages)}
+	req := &wire.Open{Token: p.o.Token, GpuUuid: p.dev.UUID(), InstanceId: p.o.InstanceID, MaxPages: uint32(p.o.MaxPages), Ranks: uint32(p.o.Ranks)}
 	for _, r := range p.layout.Regions {
 		req.Regions = append(req.Regions, &wire.Region{BytesPerPage: r.PageBytes, PageCount: uint32(r.Pages)})
 	}
@@ -411,7 +473,7 @@ func (p *CPUPagePool) connect(ctx context.Context) error {
 		return err
 	}
 	p.log.Debug("kvpool session", "session", rep.Session, "resumed", rep.Resumed, "capacity", rep.Capacity,
-		"page_size", rep.PageSize, "chunks", len(rep.Chunks))
+		"page_size", rep.PageSize, "chunks", len(rep.Chunks), "gpu_numa", p.locality.GPUNUMA, "ranks", p.locality.Ranks)
 	return nil
 }
 
@@ -464,7 +526,14 @@ func (p *CPUPagePool) adopt(rep *wire.OpenReply, files []*os.File) error {
 			}
 		}
 	}
+	fresh := !same || !rep.Resumed
 	p.session, p.pageSize, p.ppc, p.capacity = rep.Session, rep.PageSize, int(rep.PagesPerChunk), int(rep.Capacity)
+	p.locality = localityOf(rep)
+	if l := p.locality; fresh && l.CrossNUMA() {
+		// Once per session: a resume of the same chunks says nothing new.
+		p.log.Warn("kvpool: host KV chunks on another NUMA node than the GPU; their copies cross the socket interconnect",
+			"device", p.dev.UUID(), "gpu_numa", l.GPUNUMA, "remote", l.Remote, "chunks", len(l.Chunks), "session", rep.Session)
+	}
 	return nil
 }
 

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"math/rand/v2"
 	"path/filepath"
 	"slices"
@@ -328,10 +329,10 @@ func TestSeedSemantics(t *testing.T) {
 
 // TestMultiGPUPod is a pod holding the chunks of host GPUs 4 and 5 of 6,
 // with one rank per GPU: inside the container they are CUDA ordinals 0
-// and 1, named by their host UUIDs. Each rank, with MaxPages 0, binds only
-// its GPU's chunks; the agent counts each session and each request under
-// the host GPU; a rank on a GPU without chunks in the allocation, or on a
-// GPU the node does not have, gets a clear error.
+// and 1, named by their host UUIDs. Each rank, with MaxPages 0, binds its
+// fair share, its own GPU's chunks first; the agent counts each session
+// and each request under the host GPU; a third rank finds every chunk
+// bound, and a rank on a GPU the node does not have gets a clear error.
 func TestMultiGPUPod(t *testing.T) {
 	var mu stdsync.Mutex
 	reqGPU := map[int]int{}
@@ -415,13 +416,13 @@ func TestMultiGPUPod(t *testing.T) {
 			t.Fatalf("chunk %s of GPU %d bound", s.ID, s.GPU)
 		}
 	}
-	// A rank on host GPU 0, which has no chunk in this pod's allocation.
+	// A third rank, on host GPU 0: the two ranks hold every chunk.
 	dev2, _ := sim.Open(2)
 	k2 := newPages(t, dev2, 8, 4096)
 	_, err = client.Open(context.Background(), client.Options{Socket: a.Socket, Token: "tok", Device: dev2,
 		Regions: k2.regions(), InstanceID: []byte("instance-tp-pod"), Logger: quiet})
-	if !errors.Is(err, poolerr.ErrNoGPUChunks) {
-		t.Fatalf("open on a GPU without chunks: %v", err)
+	if !errors.Is(err, poolerr.ErrNoCapacity) {
+		t.Fatalf("open with every chunk bound: %v", err)
 	}
 	// A GPU this node does not have.
 	other := cudart.NewSim(cudart.SimOptions{Devices: 1, UUIDs: []string{"GPU-19999"}})
@@ -492,5 +493,80 @@ func TestOffloadWaitDoesNotBlockOthers(t *testing.T) {
 	}
 	if err := <-done; err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestEngineGivenGPU: the engine's GPU, not the chunks, decides the
+// session's GPU. A pod given GPU 3 (its CUDA ordinal 0) whose chunks were
+// all sized under GPU 0's name binds them; the open reply's locality says
+// where they lie; declared ranks split the allocation.
+func TestEngineGivenGPU(t *testing.T) {
+	a := serveAgent(t, standalone.Config{GPUs: 4, ChunksPerGPU: 4, ChunkBytes: 1 << 20, Tokens: []string{"tok"}})
+	chunks, err := a.Pool.Revoke("standalone-0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var gpu0 []string
+	for _, c := range chunks {
+		if err := a.Pool.Scrubbed(c.ID); err != nil {
+			t.Fatal(err)
+		}
+		if c.GPU == 0 {
+			gpu0 = append(gpu0, c.ID)
+		}
+	}
+	if err := a.Pool.Grant("standalone-0", gpu0); err != nil {
+		t.Fatal(err)
+	}
+	// The container was given host GPUs 3 and 1; the engine runs two ranks.
+	sim := cudart.NewSim(cudart.SimOptions{Devices: 2, UUIDs: []string{cudart.SimulatedUUID(3), cudart.SimulatedUUID(1)}})
+	for r := range 2 {
+		dev, _ := sim.Open(r)
+		kv := newPages(t, dev, 64, 4096)
+		p, err := client.Open(context.Background(), client.Options{Socket: a.Socket, Token: "tok", Device: dev,
+			Regions: kv.regions(), Ranks: 2, InstanceID: []byte(fmt.Sprint("instance-engine-", r)), Logger: quiet})
+		if err != nil {
+			t.Fatalf("rank %d on %s: %v", r, dev.UUID(), err)
+		}
+		defer p.Close()
+		l := p.Locality()
+		if len(l.Chunks) != 2 || l.Ranks != 2 || l.Local+l.Remote+l.Unknown != 2 {
+			t.Fatalf("rank %d: locality %+v", r, l)
+		}
+		for _, c := range l.Chunks {
+			if !slices.Contains(gpu0, c.ID) {
+				t.Fatalf("rank %d bound %s", r, c.ID)
+			}
+		}
+		kv.writeAll(t, byte(r+7))
+		if ok, err := p.OffloadStream("req", "kv", []int32{4, 5}, 0, 0, 0); !ok || err != nil {
+			t.Fatal(ok, err)
+		}
+		sync(t, p, kv.dev)
+		if _, err := p.ReloadStream("req", "kv", []int32{20, 21}); err != nil {
+			t.Fatal(err)
+		}
+		sync(t, p, kv.dev)
+		mem := kv.readAll(t)
+		for i, d := range []int32{20, 21} {
+			if !bytes.Equal(mem[d*4096:(d+1)*4096], stampOf(int32(i+4), byte(r+7), 4096)) {
+				t.Fatalf("rank %d: page %d has the wrong bytes", r, d)
+			}
+		}
+	}
+	byGPU := map[int]int{}
+	for _, s := range a.Server.Sessions() {
+		byGPU[s.GPU] = len(s.ChunkNUMA)
+	}
+	if !maps.Equal(byGPU, map[int]int{3: 2, 1: 2}) {
+		t.Fatalf("sessions by host GPU: %v", byGPU)
+	}
+	if _, err := client.Open(context.Background(), client.Options{Socket: a.Socket, Token: "tok", Device: nil}); err == nil {
+		t.Fatal("open without a device")
+	}
+	dev, _ := sim.Open(0)
+	if _, err := client.Open(context.Background(), client.Options{Socket: a.Socket, Token: "tok", Device: dev, Ranks: -1,
+		Regions: newPages(t, dev, 8, 4096).regions()}); err == nil {
+		t.Fatal("negative ranks accepted")
 	}
 }

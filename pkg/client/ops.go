@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -481,6 +482,16 @@ func (p *CPUPagePool) Session() (id uint64, capacity int, pageSize uint64) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return p.session, p.capacity, p.pageSize
+}
+
+// Locality says where the session's chunks lie relative to its GPU, as the
+// agent told it when the session was opened (or last resumed).
+func (p *CPUPagePool) Locality() Locality {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	l := p.locality
+	l.Chunks = slices.Clone(l.Chunks)
+	return l
 }
 
 // Disconnect drops the connection without ending the session, as a crash

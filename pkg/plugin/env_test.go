@@ -167,6 +167,8 @@ func (e *env) options(p Pool) Options {
 		Now:         e.clock.Now,
 		Logger:      quietLogger(),
 		Observer:    &e.obs,
+
+		GPUResources: []string{"nvidia.com/gpu", "nvidia.com/mig-*"},
 	}
 }
 

@@ -57,6 +57,10 @@ type alloc struct {
 	Record
 	granted  bool      // the pool holds the grant
 	lastSeen time.Time // last time a pod held it; FirstSeen until then
+	// gpus are the GPU device IDs of the container holding it, once
+	// kubelet has listed them (gpusKnown); ContainerGPUs.
+	gpus      []string
+	gpusKnown bool
 }
 
 func newLedger(o *Options, log *slog.Logger) *ledger {

@@ -75,7 +75,13 @@ type Options struct {
 	// take as long as allocating the chunk takes.
 	Renew func(id string) error
 	// Holders overrides the PodResources client dialled from KubeletDir.
+	// One that is also a ContainerLister answers ContainerGPUs.
 	Holders Holders
+	// GPUResources names the resources whose devices are a container's
+	// GPUs (a trailing "*" matches by prefix), for ContainerGPUs: the
+	// configuration's gpuResources (its default is the NVIDIA device
+	// plugin's). Empty: ContainerGPUs finds none.
+	GPUResources []string
 	// Observer is told of every Allocate, registration and reconcile
 	// (component "plugin") and of every reclaim and renewal (component
 	// "reclaim"); default observe.Nop. It must not block.

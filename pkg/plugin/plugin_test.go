@@ -346,14 +346,23 @@ func TestGetPreferredAllocation(t *testing.T) {
 		size  int32
 		want  []string
 	}{
-		{"one node, contiguous", all, nil, 3, []string{"gpu0-numa0-0", "gpu0-numa0-1", "gpu0-numa0-2"}},
-		{"the node that fits", []string{"gpu0-numa0-0", "gpu0-numa0-2", "gpu1-numa1-0", "gpu1-numa1-1", "gpu1-numa1-2"}, nil, 3,
-			[]string{"gpu1-numa1-0", "gpu1-numa1-1", "gpu1-numa1-2"}},
+		// Kubelet's hint names one node: only its devices are offered.
+		{"one node, contiguous", all[:4], nil, 3, []string{"gpu0-numa0-0", "gpu0-numa0-1", "gpu0-numa0-2"}},
+		{"the hint's node", all[4:], nil, 2, []string{"gpu1-numa1-0", "gpu1-numa1-1"}},
+		// Every node offered (a pod spanning nodes, or no hint): spread.
+		{"spread over the nodes", all, nil, 3, []string{"gpu0-numa0-0", "gpu0-numa0-1", "gpu1-numa1-0"}},
+		{"the fuller node takes the remainder", []string{"gpu0-numa0-0", "gpu0-numa0-2", "gpu1-numa1-0", "gpu1-numa1-1", "gpu1-numa1-2"}, nil, 3,
+			[]string{"gpu0-numa0-0", "gpu1-numa1-0", "gpu1-numa1-1"}},
+		{"a short node's part comes from the other", []string{"gpu0-numa0-3", "gpu1-numa1-0", "gpu1-numa1-1", "gpu1-numa1-2", "gpu1-numa1-3"}, nil, 4,
+			[]string{"gpu0-numa0-3", "gpu1-numa1-0", "gpu1-numa1-1", "gpu1-numa1-2"}},
 		{"contiguous beats first", []string{"gpu0-numa0-0", "gpu0-numa0-2", "gpu0-numa0-3"}, nil, 2, []string{"gpu0-numa0-2", "gpu0-numa0-3"}},
 		{"must include pulls its node", all, []string{"gpu1-numa1-2"}, 2, []string{"gpu1-numa1-2", "gpu1-numa1-1"}},
 		{"must include, next to it", all, []string{"gpu1-numa1-3"}, 3, []string{"gpu1-numa1-3", "gpu1-numa1-1", "gpu1-numa1-2"}},
 		{"must include is everything", all, []string{"gpu0-numa0-3", "gpu1-numa1-0"}, 2, []string{"gpu0-numa0-3", "gpu1-numa1-0"}},
-		{"spills to a second node", all, nil, 6, []string{"gpu0-numa0-0", "gpu0-numa0-1", "gpu0-numa0-2", "gpu0-numa0-3", "gpu1-numa1-0", "gpu1-numa1-1"}},
+		{"an even spread", all, nil, 6, []string{"gpu0-numa0-0", "gpu0-numa0-1", "gpu0-numa0-2", "gpu1-numa1-0", "gpu1-numa1-1", "gpu1-numa1-2"}},
+		{"must include spills to a second node", all, []string{"gpu0-numa0-0"}, 6, []string{"gpu0-numa0-0", "gpu0-numa0-1", "gpu0-numa0-2", "gpu0-numa0-3", "gpu1-numa1-0", "gpu1-numa1-1"}},
+		{"devices of no known node only when the known ones lack", []string{"gpu0-numa0-0", "odd-device", "gpu1-numa1-0"}, nil, 3,
+			[]string{"gpu0-numa0-0", "gpu1-numa1-0", "odd-device"}},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {

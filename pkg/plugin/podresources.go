@@ -31,11 +31,9 @@ func DialPodResources(socket string) (*PodResourcesClient, error) {
 // Held lists the devices of resource that running pods hold, mapped to
 // "namespace/name" of the holder.
 func (c *PodResourcesClient) Held(ctx context.Context, resource string) (map[string]string, error) {
-	ctx, cancel := context.WithTimeout(ctx, c.timeout)
-	defer cancel()
-	resp, err := c.client.List(ctx, &podresourcesv1.ListPodResourcesRequest{})
+	resp, err := c.list(ctx)
 	if err != nil {
-		return nil, fmt.Errorf("pod resources list: %w", err)
+		return nil, err
 	}
 	held := make(map[string]string)
 	for _, pod := range resp.GetPodResources() {
@@ -52,6 +50,16 @@ func (c *PodResourcesClient) Held(ctx context.Context, resource string) (map[str
 		}
 	}
 	return held, nil
+}
+
+func (c *PodResourcesClient) list(ctx context.Context) (*podresourcesv1.ListPodResourcesResponse, error) {
+	ctx, cancel := context.WithTimeout(ctx, c.timeout)
+	defer cancel()
+	resp, err := c.client.List(ctx, &podresourcesv1.ListPodResourcesRequest{})
+	if err != nil {
+		return nil, fmt.Errorf("pod resources list: %w", err)
+	}
+	return resp, nil
 }
 
 // Close releases the connection.

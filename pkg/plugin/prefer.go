@@ -38,12 +38,23 @@ type cand struct {
 	parsed         bool
 }
 
-// Prefer picks size devices out of available: every must-include device,
-// then the rest from one NUMA node where possible (the node of the
-// must-include devices first) and, within a node, a run of one GPU's chunks
-// with the closest indices. numa gives each known device's node; devices it
-// lacks fall back to the node in their ID. The result never holds a device
-// outside available and never more than size.
+// Prefer picks size devices out of available: every must-include device;
+// then, when there are must-include devices, the rest from their NUMA node
+// first, then the nodes that fit the rest (spreadFrom); without them, the
+// rest spread evenly over the NUMA nodes of the available devices (spread).
+// Within a node it takes a run of one GPU's chunks with the closest
+// indices. numa gives each known device's node; devices it lacks fall back
+// to the node in their ID. The result never holds a device outside
+// available and never more than size.
+//
+// Why spread: kubelet's Topology Manager passes only the devices of the
+// NUMA nodes its hint names when they suffice (so a pod whose GPU sits on
+// one node sees only that node's chunks), and every node's devices when the
+// pod spans nodes (its GPUs do) or there is no hint (policy none). kvpool
+// never learns which GPUs a pod got; a pod spanning nodes has its GPUs on
+// each of them, and its ranks each bind chunks on their own node when the
+// chunks are spread the same way. Without a hint an even spread costs on
+// average what one node would, and never all of a pod's chunks.
 func Prefer(available, must []string, size int, numa map[string]int) ([]string, error) {
 	if size <= 0 {
 		return nil, fmt.Errorf("allocation size %d", size)
@@ -73,6 +84,19 @@ func Prefer(available, must []string, size int, numa map[string]int) ([]string, 
 		c := describe(id, numa)
 		groups[c.numa] = append(groups[c.numa], c)
 	}
+	if len(must) == 0 {
+		take := spread(groups, need)
+		nodes := slices.Sorted(maps.Keys(groups))
+		if len(nodes) > 0 && nodes[0] < 0 {
+			nodes = append(nodes[1:], -1) // devices of no known node last
+		}
+		for _, n := range nodes {
+			if k := take[n]; k > 0 {
+				out = append(out, bestRun(groups[n], k, nil)...)
+			}
+		}
+		return out, nil
+	}
 	for _, n := range orderNodes(groups, m.numa, need) {
 		if need == 0 {
 			break
@@ -83,6 +107,40 @@ func Prefer(available, must []string, size int, numa map[string]int) ([]string, 
 		need -= len(pick)
 	}
 	return out, nil
+}
+
+// spread divides need devices over the known NUMA nodes of groups: an equal
+// part each (the nodes with the most devices take the remainder), no node
+// more than it has, what a node lacks taken from those with the most to
+// spare; devices of no known node (-1) only when the known ones lack.
+func spread(groups map[int][]cand, need int) map[int]int {
+	var nodes []int
+	for n := range groups {
+		if n >= 0 {
+			nodes = append(nodes, n)
+		}
+	}
+	// Most devices first, then by node: who takes a remainder or a shortfall.
+	slices.SortFunc(nodes, func(a, b int) int { return cmp.Or(cmp.Compare(len(groups[b]), len(groups[a])), cmp.Compare(a, b)) })
+	take := make(map[int]int, len(groups))
+	left := need
+	for i, n := range nodes {
+		part := need / len(nodes)
+		if i < need%len(nodes) {
+			part++
+		}
+		take[n] = min(part, len(groups[n]))
+		left -= take[n]
+	}
+	for _, n := range append(nodes, -1) {
+		if left == 0 {
+			break
+		}
+		extra := min(left, len(groups[n])-take[n])
+		take[n] += extra
+		left -= extra
+	}
+	return take
 }
 
 // mustPick is the must-include devices taken: in order, by ID, how many

@@ -250,6 +250,7 @@ func (p *Pool) restoreSession(si SessionImage) (*Session, error) {
 	}
 	s := newSession(p, a, si.Spec, chunks, si.PPC, si.Capacity)
 	s.id, s.ticket = si.ID, si.Ticket
+	s.near.NUMA = p.homeNUMA(si.Spec.GPU)
 	used := make([]bool, si.Capacity)
 	if err := s.restoreStreams(si.Streams, used); err != nil {
 		return nil, err

@@ -323,7 +323,7 @@ func TestPoolMisuse(t *testing.T) {
 // TestPoolLifecycle walks a chunk through grant, use, revoke, scrub and a
 // second grant, and checks that a repeated Grant is idempotent.
 func TestPoolLifecycle(t *testing.T) {
-	t.Run("sessions bind only their own GPU's chunks", testOwnGPU)
+	t.Run("each rank binds its own GPU's chunks first", testOwnGPU)
 	p := testPool(t)
 	ids := []string{"gpu0-c0", "gpu0-c1"}
 	must(t, p.Grant("A", ids))
@@ -336,13 +336,12 @@ func TestPoolLifecycle(t *testing.T) {
 	if _, err := s.Offload("r", "l", []int32{0, 1, 2}, Meta{StoredLen: 3}, nil); err != nil {
 		t.Fatal(err)
 	}
-	// Another session on A cannot bind: both chunks are taken; and a
-	// session for GPU 1 never binds GPU 0's chunks.
-	if _, err := p.Open("A", Spec{GPU: 0, PageSize: 16 << 10, DevicePages: 8}); !errors.Is(err, poolerr.ErrNoCapacity) {
-		t.Fatalf("second open: %v", err)
-	}
-	if _, err := p.Open("A", Spec{GPU: 1, PageSize: 16 << 10, DevicePages: 8}); !errors.Is(err, poolerr.ErrNoGPUChunks) {
-		t.Fatalf("open for a GPU without chunks: %v", err)
+	// Another session on A cannot bind: both chunks are taken, whatever
+	// its GPU.
+	for gpu := range 2 {
+		if _, err := p.Open("A", Spec{GPU: gpu, PageSize: 16 << 10, DevicePages: 8}); !errors.Is(err, poolerr.ErrNoCapacity) {
+			t.Fatalf("second open for GPU %d: %v", gpu, err)
+		}
 	}
 	chunks, err := p.Revoke("A")
 	must(t, err)
@@ -369,9 +368,11 @@ func TestPoolLifecycle(t *testing.T) {
 	must(t, p.Check())
 }
 
-// testOwnGPU: an allocation holding chunks of host GPUs 4 and 5 (of 6),
-// one session per GPU with MaxPages 0: each binds exactly its GPU's
-// chunks, and a session for GPU 0 is refused.
+// testOwnGPU: an allocation holding chunks of host GPUs 4 and 5 (of 6,
+// both on NUMA node 1), one session per GPU with MaxPages 0: the
+// allocation is shared by one rank per GPU it names, and each binds
+// exactly its GPU's chunks. A session for GPU 0 (node 0) then finds every
+// chunk bound; alone, it binds them all, on the other node.
 func testOwnGPU(t *testing.T) {
 	p := New()
 	var ids []string
@@ -385,7 +386,7 @@ func testOwnGPU(t *testing.T) {
 		}
 	}
 	must(t, p.Grant("pod", ids))
-	for _, gpu := range []int{4, 5} {
+	for _, gpu := range []int{5, 4} {
 		s, err := p.Open("pod", Spec{GPU: gpu, PageSize: 4 << 10, DevicePages: 8})
 		must(t, err)
 		for _, c := range s.Chunks() {
@@ -396,9 +397,19 @@ func testOwnGPU(t *testing.T) {
 		if len(s.Chunks()) != 2 || s.Capacity() != 32 {
 			t.Fatalf("session of GPU %d: %d chunks, capacity %d", gpu, len(s.Chunks()), s.Capacity())
 		}
+		if l := s.Locality(); l != (Locality{GPUNUMA: 1, Ranks: 2, Local: 2}) {
+			t.Fatalf("session of GPU %d: locality %+v", gpu, l)
+		}
 	}
-	if _, err := p.Open("pod", Spec{GPU: 0, PageSize: 4 << 10, DevicePages: 8}); !errors.Is(err, poolerr.ErrNoGPUChunks) {
-		t.Fatalf("open for GPU 0: %v", err)
+	if _, err := p.Open("pod", Spec{GPU: 0, PageSize: 4 << 10, DevicePages: 8}); !errors.Is(err, poolerr.ErrNoCapacity) {
+		t.Fatalf("open for GPU 0 with every chunk bound: %v", err)
+	}
+	// A pod of GPU 0 given GPU 3's chunks (the other node): bound, remote.
+	must(t, p.Grant("other", []string{"gpu3-c0", "gpu3-c1"}))
+	s, err := p.Open("other", Spec{GPU: 0, PageSize: 4 << 10, DevicePages: 8})
+	must(t, err)
+	if l := s.Locality(); l != (Locality{GPUNUMA: 0, Ranks: 1, Remote: 2}) || !l.CrossNUMA() || s.Capacity() != 32 {
+		t.Fatalf("GPU 0 on GPU 3's chunks: locality %+v, capacity %d", l, s.Capacity())
 	}
 	must(t, p.Check())
 }

@@ -434,6 +434,86 @@ func TestModel(t *testing.T) {
 	}
 }
 
+// TestModelRanks is TestModel for one container of four tensor-parallel
+// ranks (GPUs 0-3 on two NUMA nodes) sharing one allocation whose eight
+// chunks were all sized under GPU 0's name, beside a single-rank pod: each
+// rank binds its part (two chunks, on its node where the allocation has
+// them), is driven against its own model concurrently with the others, and
+// now and then closes and reopens (a rank restarting), getting a fresh
+// part of the same size while the other ranks keep theirs. Run it with
+// -race.
+func TestModelRanks(t *testing.T) {
+	steps := 3000
+	if testing.Short() {
+		steps = 400
+	}
+	for seed := range uint64(3) {
+		t.Run(fmt.Sprint("seed", seed), func(t *testing.T) {
+			n := newNode(t, 4, 2, 8)
+			ids := append(n.free(0)[:6], n.free(1)[:2]...) // 6 on node 0, 2 on node 1
+			must(t, n.p.Grant("tp", ids))
+			must(t, n.p.Grant("solo", n.free(1)[:1]))
+			gpus := []int{0, 1, 2, 3}
+			var mu sync.Mutex // guards opening, so parts are taken one rank at a time
+			open := func(r int) *Session {
+				mu.Lock()
+				defer mu.Unlock()
+				s, err := n.p.OpenNear("tp", spec(gpus[r]), n.near(gpus, r))
+				if err != nil {
+					t.Error(err)
+					return nil
+				}
+				if len(s.Chunks()) != 2 {
+					t.Errorf("rank %d holds %d chunks, want 2", r, len(s.Chunks()))
+				}
+				return s
+			}
+			var wg sync.WaitGroup
+			for r := range gpus {
+				s := open(r)
+				if s == nil {
+					return
+				}
+				d := &driver{t: t, rng: rand.New(rand.NewPCG(seed, uint64(r))), s: s,
+					m: newModel(s.Capacity()), name: fmt.Sprintf("rank %d", r), dev: 64}
+				wg.Go(func() {
+					for i := range steps {
+						if i > 0 && d.rng.IntN(500) == 0 {
+							n.p.Close(d.s)
+							if d.s = open(r); d.s == nil {
+								return
+							}
+							d.m = newModel(d.s.Capacity())
+						}
+						d.step()
+						d.verify()
+					}
+				})
+			}
+			solo, err := n.p.OpenNear("solo", spec(3), Near{NUMA: 1, Ranks: 1})
+			must(t, err)
+			sd := &driver{t: t, rng: rand.New(rand.NewPCG(seed, 9)), s: solo, m: newModel(solo.Capacity()), name: "solo", dev: 64}
+			wg.Go(func() {
+				for range steps {
+					sd.step()
+					sd.verify()
+				}
+			})
+			wg.Wait()
+			must(t, n.p.Check())
+			local := 0
+			for _, s := range n.p.Sessions("tp") {
+				local += s.Locality().Local
+			}
+			// The two node-1 ranks hold the two node-1 chunks; the node-0
+			// ranks hold four of the six node-0 chunks: 6 local of 8.
+			if local != 6 {
+				t.Errorf("%d of the container's 8 chunks on their rank's node, want 6", local)
+			}
+		})
+	}
+}
+
 func must(t testing.TB, err error) {
 	t.Helper()
 	if err != nil {

@@ -1,10 +1,12 @@
 // Package pool is the agent's bookkeeping of host KV pages.
 //
-// Memory arrives as chunks: byte regions the agent allocated, each belonging
-// to one GPU's pool. An allocation (the chunks kubelet assigned to one pod)
-// groups chunks; sessions (one per client process and GPU, for example one per
-// tensor-parallel rank) open on an allocation, bind whole chunks from it, and
-// carve them into pages of the session's own size. A session then keeps the
+// Memory arrives as chunks: byte regions the agent allocated, each sized
+// under one GPU's share of the pool and lying on one NUMA node. An
+// allocation (the chunks kubelet assigned to one pod) groups chunks;
+// sessions (one per client process and GPU, for example one per
+// tensor-parallel rank) open on an allocation, bind whole chunks from it by
+// closeness to their GPU (bind.go: locality, not identity; the ranks share
+// fairly), and carve them into pages of the session's own size. A session then keeps the
 // stream table of the seed API: streams keyed by (rid, label), each holding
 // host pages and the metadata that must survive the round trip.
 //
@@ -26,8 +28,8 @@ import (
 
 // Chunk is a region of host memory that the pool may hand out.
 type Chunk struct {
-	ID   string // stable, unique name, e.g. "gpu0-numa1-c0007"
-	GPU  int    // index of the GPU whose pool the chunk belongs to
+	ID   string // stable, unique name, e.g. "gpu0-numa1-7"
+	GPU  int    // index of the GPU whose share of the pool the chunk was sized under; binding does not depend on it
 	NUMA int    // NUMA node the memory is on, -1 when unknown
 	Size int64  // bytes
 }
@@ -55,10 +57,10 @@ func (s ChunkState) String() string {
 
 // Spec is a session's geometry.
 type Spec struct {
-	GPU         int   // the GPU the session copies to and from; only chunks of its pool are bound
+	GPU         int   // host index of the GPU the session copies to and from
 	PageSize    int64 // bytes per host page
 	DevicePages int   // valid device page indices are [0, DevicePages)
-	MaxPages    int   // host pages wanted; 0 binds every unbound chunk of the GPU in the allocation
+	MaxPages    int   // host pages wanted; 0 binds the session's fair share of the allocation (OpenNear)
 }
 
 // Pool tracks chunks, allocations and sessions.
@@ -237,13 +239,27 @@ func (p *Pool) Revoke(alloc string) ([]Chunk, error) {
 	return out, nil
 }
 
-// Open starts a session on an allocation, binding enough of its unbound
-// chunks of spec.GPU to hold spec.MaxPages pages of spec.PageSize bytes
-// (every unbound chunk of that GPU when MaxPages is 0). Chunks of other GPUs
-// are never bound: each rank of a pod takes its own GPU's chunks. An
-// allocation with no chunk of the GPU gets poolerr.ErrNoGPUChunks; one whose chunks
-// of the GPU are all bound, or too few, poolerr.ErrNoCapacity.
+// Open starts a session on an allocation for a GPU whose NUMA node the pool
+// takes from that GPU's own chunks, shared as Near's zero Ranks says: see
+// OpenNear.
 func (p *Pool) Open(alloc string, spec Spec) (*Session, error) {
+	p.mu.Lock()
+	near := Near{NUMA: p.homeNUMA(spec.GPU)}
+	p.mu.Unlock()
+	return p.OpenNear(alloc, spec, near)
+}
+
+// OpenNear starts a session on an allocation for spec.GPU, which sits where
+// near says. It binds unbound chunks of the allocation by closeness to the
+// GPU, never by the GPU they were sized under: chunks on the GPU's NUMA
+// node first (the GPU's own first among them), then chunks whose node is
+// unknown, then other nodes. With spec.MaxPages 0 it binds its fair share:
+// the unbound chunks divided among the ranks (near.Ranks) that have no
+// session yet, this one included, rounded up. An explicit MaxPages binds
+// the chunks that many pages need, as long as every other rank without a
+// session is left its equal part (rounded down); else, and when every
+// chunk is bound, poolerr.ErrNoCapacity.
+func (p *Pool) OpenNear(alloc string, spec Spec, near Near) (*Session, error) {
 	switch {
 	case spec.PageSize <= 0:
 		return nil, fmt.Errorf("open: %w: page size %d", poolerr.ErrBadSize, spec.PageSize)
@@ -251,6 +267,11 @@ func (p *Pool) Open(alloc string, spec Spec) (*Session, error) {
 		return nil, fmt.Errorf("open: %w: device page count %d", poolerr.ErrBadSize, spec.DevicePages)
 	case spec.MaxPages < 0:
 		return nil, fmt.Errorf("open: %w: max pages %d", poolerr.ErrBadSize, spec.MaxPages)
+	case near.Ranks < 0:
+		return nil, fmt.Errorf("open: %w: %d ranks", poolerr.ErrBadSize, near.Ranks)
+	}
+	if near.NUMA < 0 {
+		near.NUMA = -1
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -258,50 +279,17 @@ func (p *Pool) Open(alloc string, spec Spec) (*Session, error) {
 	if !ok {
 		return nil, fmt.Errorf("open on %s: %w", alloc, poolerr.ErrUnknownAllocation)
 	}
-	var unbound []*chunk
-	mine := 0
-	for _, ch := range a.chunks {
-		if ch.GPU != spec.GPU {
-			continue
-		}
-		mine++
-		if ch.session == nil {
-			unbound = append(unbound, ch)
-		}
+	chosen, ppc, sh, err := choose(a, alloc, spec, near)
+	if err != nil {
+		return nil, err
 	}
-	if mine == 0 {
-		return nil, fmt.Errorf("open on %s for GPU %d: %w (its %d chunks are of other GPUs)", alloc, spec.GPU, poolerr.ErrNoGPUChunks, len(a.chunks))
-	}
-	if len(unbound) == 0 {
-		return nil, fmt.Errorf("open on %s for GPU %d: %w: its %d chunks of this GPU are bound to another session", alloc, spec.GPU, poolerr.ErrNoCapacity, mine)
-	}
-	// All chunks of one allocation should share a size; the smallest decides
-	// the pages per chunk so that every chunk holds the same count.
-	size := unbound[0].Size
-	for _, ch := range unbound {
-		size = min(size, ch.Size)
-	}
-	if spec.PageSize > size {
-		return nil, fmt.Errorf("open on %s: %w: page size %d exceeds chunk size %d", alloc, poolerr.ErrBadSize, spec.PageSize, size)
-	}
-	ppc := int(size / spec.PageSize)
-	want := len(unbound)
-	if spec.MaxPages > 0 {
-		want = (spec.MaxPages + ppc - 1) / ppc
-		if want > len(unbound) {
-			return nil, fmt.Errorf("open on %s for GPU %d: %w: %d pages of %d bytes need %d chunks, %d of this GPU unbound",
-				alloc, spec.GPU, poolerr.ErrNoCapacity, spec.MaxPages, spec.PageSize, want, len(unbound))
-		}
-	}
-	if int64(want)*int64(ppc) > maxPages {
-		return nil, fmt.Errorf("open on %s: %w: %d pages exceed the limit of %d", alloc, poolerr.ErrBadSize, int64(want)*int64(ppc), maxPages)
-	}
-	chosen := unbound[:want:want]
-	capacity := want * ppc
+	capacity := len(chosen) * ppc
 	if spec.MaxPages > 0 {
 		capacity = spec.MaxPages
 	}
+	near.Ranks, near.Peers = sh.ranks, nil
 	s := newSession(p, a, spec, chosen, ppc, capacity)
+	s.near = near
 	p.lastID++
 	s.id = p.lastID
 	for _, ch := range chosen {

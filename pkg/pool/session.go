@@ -51,6 +51,7 @@ type Session struct {
 	chunks   []*chunk // bound, in page order: page p lives in chunks[p/ppc]
 	ppc      int
 	capacity int
+	near     Near // where the GPU sits, and the ranks the allocation was shared among (no peers)
 
 	mu     sync.Mutex
 	closed bool
@@ -132,7 +133,7 @@ type slabBlock [1 << slabShift]stream
 
 func newSession(p *Pool, a *allocation, spec Spec, chunks []*chunk, ppc, capacity int) *Session {
 	s := &Session{
-		pool: p, alloc: a, spec: spec, chunks: chunks, ppc: ppc, capacity: capacity,
+		pool: p, alloc: a, spec: spec, chunks: chunks, ppc: ppc, capacity: capacity, near: Near{NUMA: -1},
 		next:     make([]int32, capacity),
 		freeHead: nilPage,
 		nfree:    capacity,

@@ -45,8 +45,9 @@ var (
 	ErrUnknownAllocation = errors.New("unknown allocation")
 	ErrAllocationExists  = errors.New("allocation already holds other chunks")
 	ErrNoCapacity        = errors.New("allocation has too few unbound chunks")
-	// ErrNoGPUChunks reports a session for a GPU of which the allocation
-	// holds no chunk: a session binds only chunks of its own GPU.
+	// ErrNoGPUChunks is what status 21 stands for: an older agent's refusal
+	// of a session for a GPU under whose name the allocation holds no
+	// chunk. The pool binds by locality and never returns it.
 	ErrNoGPUChunks = errors.New("allocation holds no chunk of this GPU")
 	// ErrUnknownGPU reports an Open for a GPU the agent does not serve:
 	// its UUID is not in the node's plan (a GPU of another node, or a

@@ -197,8 +197,9 @@ type Open struct {
 	Token         string                 `protobuf:"bytes,1,opt,name=token,proto3" json:"token,omitempty"`                             // allocation token (KVPOOL_TOKEN)
 	InstanceId    []byte                 `protobuf:"bytes,3,opt,name=instance_id,json=instanceId,proto3" json:"instance_id,omitempty"` // 16 random bytes, fixed for the client process
 	Regions       []*Region              `protobuf:"bytes,4,rep,name=regions,proto3" json:"regions,omitempty"`
-	MaxPages      uint32                 `protobuf:"varint,5,opt,name=max_pages,json=maxPages,proto3" json:"max_pages,omitempty"` // host pages wanted; 0 = every chunk of this GPU it can bind
-	GpuUuid       string                 `protobuf:"bytes,6,opt,name=gpu_uuid,json=gpuUuid,proto3" json:"gpu_uuid,omitempty"`     // the GPU the session serves, as its driver names it ("GPU-...")
+	MaxPages      uint32                 `protobuf:"varint,5,opt,name=max_pages,json=maxPages,proto3" json:"max_pages,omitempty"` // host pages wanted; 0 = the session's fair share of the allocation
+	GpuUuid       string                 `protobuf:"bytes,6,opt,name=gpu_uuid,json=gpuUuid,proto3" json:"gpu_uuid,omitempty"`     // the GPU the session serves, as its driver names it ("GPU-...", "MIG-...")
+	Ranks         uint32                 `protobuf:"varint,7,opt,name=ranks,proto3" json:"ranks,omitempty"`                       // sessions (tensor-parallel ranks) that share the allocation, as the client knows it; 0 = the agent decides
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -268,10 +269,18 @@ func (x *Open) GetGpuUuid() string {
 	return ""
 }
 
+func (x *Open) GetRanks() uint32 {
+	if x != nil {
+		return x.Ranks
+	}
+	return 0
+}
+
 type ChunkGrant struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Id            string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
 	Size          uint64                 `protobuf:"varint,2,opt,name=size,proto3" json:"size,omitempty"`
+	Numa          *int32                 `protobuf:"varint,3,opt,name=numa,proto3,oneof" json:"numa,omitempty"` // NUMA node of the chunk's memory, -1 unknown; absent from agents before it was added
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -320,6 +329,13 @@ func (x *ChunkGrant) GetSize() uint64 {
 	return 0
 }
 
+func (x *ChunkGrant) GetNuma() int32 {
+	if x != nil && x.Numa != nil {
+		return *x.Numa
+	}
+	return 0
+}
+
 // OpenReply travels with one SCM_RIGHTS fd per chunk, in the order of chunks.
 type OpenReply struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
@@ -327,8 +343,10 @@ type OpenReply struct {
 	Resumed       bool                   `protobuf:"varint,2,opt,name=resumed,proto3" json:"resumed,omitempty"`                   // an existing session of this instance was resumed
 	PageSize      uint64                 `protobuf:"varint,3,opt,name=page_size,json=pageSize,proto3" json:"page_size,omitempty"` // host bytes per page
 	PagesPerChunk uint32                 `protobuf:"varint,4,opt,name=pages_per_chunk,json=pagesPerChunk,proto3" json:"pages_per_chunk,omitempty"`
-	Capacity      uint32                 `protobuf:"varint,5,opt,name=capacity,proto3" json:"capacity,omitempty"` // host pages of the session
-	Chunks        []*ChunkGrant          `protobuf:"bytes,6,rep,name=chunks,proto3" json:"chunks,omitempty"`      // page p lives in chunks[p / pages_per_chunk]
+	Capacity      uint32                 `protobuf:"varint,5,opt,name=capacity,proto3" json:"capacity,omitempty"`                    // host pages of the session
+	Chunks        []*ChunkGrant          `protobuf:"bytes,6,rep,name=chunks,proto3" json:"chunks,omitempty"`                         // page p lives in chunks[p / pages_per_chunk]
+	GpuNuma       *int32                 `protobuf:"varint,7,opt,name=gpu_numa,json=gpuNuma,proto3,oneof" json:"gpu_numa,omitempty"` // NUMA node of the session's GPU, -1 unknown; absent from agents before it was added
+	Ranks         uint32                 `protobuf:"varint,8,opt,name=ranks,proto3" json:"ranks,omitempty"`                          // the ranks the allocation is shared among, this session included
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -403,6 +421,20 @@ func (x *OpenReply) GetChunks() []*ChunkGrant {
 		return x.Chunks
 	}
 	return nil
+}
+
+func (x *OpenReply) GetGpuNuma() int32 {
+	if x != nil && x.GpuNuma != nil {
+		return *x.GpuNuma
+	}
+	return 0
+}
+
+func (x *OpenReply) GetRanks() uint32 {
+	if x != nil {
+		return x.Ranks
+	}
+	return 0
 }
 
 type Offload struct {
@@ -1273,25 +1305,31 @@ const file_kvpool_proto_rawDesc = "" +
 	"\x06Region\x12$\n" +
 	"\x0ebytes_per_page\x18\x01 \x01(\x04R\fbytesPerPage\x12\x1d\n" +
 	"\n" +
-	"page_count\x18\x02 \x01(\rR\tpageCount\"\xad\x01\n" +
+	"page_count\x18\x02 \x01(\rR\tpageCount\"\xc3\x01\n" +
 	"\x04Open\x12\x14\n" +
 	"\x05token\x18\x01 \x01(\tR\x05token\x12\x1f\n" +
 	"\vinstance_id\x18\x03 \x01(\fR\n" +
 	"instanceId\x120\n" +
 	"\aregions\x18\x04 \x03(\v2\x16.kvpool.wire.v1.RegionR\aregions\x12\x1b\n" +
 	"\tmax_pages\x18\x05 \x01(\rR\bmaxPages\x12\x19\n" +
-	"\bgpu_uuid\x18\x06 \x01(\tR\agpuUuidJ\x04\b\x02\x10\x03\"0\n" +
+	"\bgpu_uuid\x18\x06 \x01(\tR\agpuUuid\x12\x14\n" +
+	"\x05ranks\x18\a \x01(\rR\x05ranksJ\x04\b\x02\x10\x03\"R\n" +
 	"\n" +
 	"ChunkGrant\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x12\n" +
-	"\x04size\x18\x02 \x01(\x04R\x04size\"\xd4\x01\n" +
+	"\x04size\x18\x02 \x01(\x04R\x04size\x12\x17\n" +
+	"\x04numa\x18\x03 \x01(\x05H\x00R\x04numa\x88\x01\x01B\a\n" +
+	"\x05_numa\"\x97\x02\n" +
 	"\tOpenReply\x12\x18\n" +
 	"\asession\x18\x01 \x01(\x04R\asession\x12\x18\n" +
 	"\aresumed\x18\x02 \x01(\bR\aresumed\x12\x1b\n" +
 	"\tpage_size\x18\x03 \x01(\x04R\bpageSize\x12&\n" +
 	"\x0fpages_per_chunk\x18\x04 \x01(\rR\rpagesPerChunk\x12\x1a\n" +
 	"\bcapacity\x18\x05 \x01(\rR\bcapacity\x122\n" +
-	"\x06chunks\x18\x06 \x03(\v2\x1a.kvpool.wire.v1.ChunkGrantR\x06chunks\"\xa5\x01\n" +
+	"\x06chunks\x18\x06 \x03(\v2\x1a.kvpool.wire.v1.ChunkGrantR\x06chunks\x12\x1e\n" +
+	"\bgpu_numa\x18\a \x01(\x05H\x00R\agpuNuma\x88\x01\x01\x12\x14\n" +
+	"\x05ranks\x18\b \x01(\rR\x05ranksB\v\n" +
+	"\t_gpu_numa\"\xa5\x01\n" +
 	"\aOffload\x12\x10\n" +
 	"\x03rid\x18\x01 \x01(\tR\x03rid\x12\x14\n" +
 	"\x05label\x18\x02 \x01(\tR\x05label\x12\x1b\n" +
@@ -1403,6 +1441,8 @@ func file_kvpool_proto_init() {
 	if File_kvpool_proto != nil {
 		return
 	}
+	file_kvpool_proto_msgTypes[4].OneofWrappers = []any{}
+	file_kvpool_proto_msgTypes[5].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{

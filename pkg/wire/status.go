@@ -33,7 +33,7 @@ const (
 	StatusUnexpectedFDs   Status = 18 // a request carried file descriptors
 	StatusInternal        Status = 19
 	StatusUnknownGPU      Status = 20 // Open names a GPU that is not in the node's plan
-	StatusNoGPUChunks     Status = 21 // the allocation holds no chunk of the session's GPU
+	StatusNoGPUChunks     Status = 21 // no longer sent: agents that bound only chunks sized under the session's GPU's name refused others with it
 )
 
 // Statuses 23 to 27 are the tenant bounds' (docs/security.md).

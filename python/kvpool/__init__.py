@@ -10,10 +10,10 @@ from .errors import (BadNameError, BadSizeError, BusyError, CUDAError, Disconnec
                      DuplicateStreamError, InvalidArgumentError, KVPoolError, LayoutError, NoCapacityError,
                      PageCountError, PageIndexError, ProtocolError, SessionClosedError, UnauthorizedError,
                      UnknownStreamError)
-from .pool import CPUPagePool, OffloadedStream
+from .pool import CPUPagePool, OffloadedStream, locality
 
 __all__ = [
-    "CPUPagePool", "OffloadedStream", "KVPoolError", "InvalidArgumentError", "UnknownStreamError",
+    "CPUPagePool", "OffloadedStream", "locality", "KVPoolError", "InvalidArgumentError", "UnknownStreamError",
     "DuplicateStreamError", "PageCountError", "PageIndexError", "DuplicateIndexError", "BadNameError",
     "BadSizeError", "SessionClosedError", "DisconnectedError", "ProtocolError", "CUDAError",
     "UnauthorizedError", "BusyError", "NoCapacityError", "LayoutError",

@@ -58,6 +58,8 @@ class Options(ctypes.Structure):
         ("timeout_ms", ctypes.c_int64),
         ("sim_copy_delay_us", ctypes.c_int64),
         ("spin_wait_us", ctypes.c_int64),
+        ("ranks", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
     ]
 
 
@@ -67,6 +69,18 @@ class StreamMeta(ctypes.Structure):
         ("position", ctypes.c_int64),
         ("released", ctypes.c_int64),
         ("num_pages", ctypes.c_int64),
+    ]
+
+
+class Locality(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("gpu_numa", ctypes.c_int32),
+        ("ranks", ctypes.c_int32),
+        ("chunks", ctypes.c_int32),
+        ("local", ctypes.c_int32),
+        ("remote", ctypes.c_int32),
+        ("unknown", ctypes.c_int32),
     ]
 
 
@@ -107,6 +121,8 @@ _SIGNATURES = {
     "kvpool_synchronize": ([H], ctypes.c_int),
     "kvpool_stream_synchronize": ([H, ctypes.c_uint64], ctypes.c_int),
     "kvpool_info_get": ([H, ctypes.POINTER(Info)], ctypes.c_int),
+    "kvpool_locality_get": ([H, ctypes.POINTER(Locality)], ctypes.c_int),
+    "kvpool_chunk_numa": ([H, P, I64, ctypes.POINTER(I64)], ctypes.c_int),
     "kvpool_disconnect": ([H], ctypes.c_int),
 }
 

@@ -42,7 +42,7 @@ def _overrides(config):
 
 
 _KNOWN = {"socket", "token", "backend", "device", "page_axis", "name", "timeout_s", "sim_copy_delay_us",
-          "sim_devices", "order_stream", "spin_wait_us"}
+          "sim_devices", "order_stream", "spin_wait_us", "ranks"}
 
 
 def _pages(indices):
@@ -95,7 +95,11 @@ class CPUPagePool:
     is read, for overrides: socket, token, backend ("auto", "cuda", "sim"),
     device, page_axis (default 1), name, timeout_s, order_stream,
     sim_copy_delay_us, sim_devices, spin_wait_us (how long a call polls for
-    the agent's reply before its thread sleeps; default 50, negative: never).
+    the agent's reply before its thread sleeps; default 50, negative: never),
+    ranks (the tensor-parallel ranks on this node that share the pod's host
+    KV, one per GPU; default 0: the agent counts the container's GPUs).
+    The GPU is the kv_cache's own device (cuda:N, the engine's), never one
+    chosen to suit the host memory.
     kv_cache: the device KV cache (see kvpool.layout).
     max_cpu_pages: host pages this pool holds.
     """
@@ -149,6 +153,7 @@ class CPUPagePool:
         opts.timeout_ms = int(float(o.get("timeout_s", 30)) * 1000)
         opts.sim_copy_delay_us = int(o.get("sim_copy_delay_us", 0))
         opts.spin_wait_us = int(o.get("spin_wait_us", 0))
+        opts.ranks = int(o.get("ranks", 0))
         h = ctypes.c_uint64()
         self._check(self._lib.kvpool_open(ctypes.byref(opts), ctypes.byref(h)))
         self._h = h.value
@@ -324,8 +329,30 @@ class CPUPagePool:
         return {"session": i.session, "capacity": i.capacity, "host_page_bytes": i.host_page_bytes,
                 "device": i.device, "simulated": bool(i.simulated)}
 
+    def _locality(self):
+        """kvpool.locality(pool): the class keeps the seed's surface."""
+        h = self._handle()
+        loc = L.Locality()
+        loc.struct_size = ctypes.sizeof(L.Locality)
+        self._check(self._lib.kvpool_locality_get(h, ctypes.byref(loc)))
+        n = ctypes.c_int64()
+        buf = (ctypes.c_int32 * max(loc.chunks, 1))()
+        self._check(self._lib.kvpool_chunk_numa(h, buf, len(buf), ctypes.byref(n)))
+        return {"gpu_numa": loc.gpu_numa, "ranks": loc.ranks, "local": loc.local, "remote": loc.remote,
+                "unknown": loc.unknown, "chunk_numa": list(buf[:n.value])}
+
     def _disconnect(self):
         self._check(self._lib.kvpool_disconnect(self._handle()))
+
+
+def locality(pool):
+    """Where pool's host memory lies relative to its GPU, as the agent said
+    when the session opened: the GPU's NUMA node (gpu_numa), the ranks the
+    pod's host KV is shared among, how many chunks are on the GPU's node
+    (local), on another (remote: their copies cross the socket interconnect)
+    or unknown, and each chunk's node (chunk_numa, -1 unknown). A function,
+    not a method, so that CPUPagePool keeps exactly the seed's surface."""
+    return pool._locality()
 
 
 class _Buffers:

@@ -473,3 +473,22 @@ def test_missing_library_is_a_clear_error(agent):
     r = subprocess.run([sys.executable, "-c", "import numpy, kvpool; kvpool.CPUPagePool(None, numpy.zeros((1,4,4)), 1)"],
                        env=agent.env(KVPOOL_LIBRARY="/nonexistent/libkvpool.so"), capture_output=True, text=True)
     assert r.returncode != 0 and "does not exist" in r.stderr and "KVPOOL_LIBRARY" in r.stderr, r.stderr
+
+
+def test_locality(agent):
+    """The pool says where its host memory lies relative to its GPU: every
+    chunk counted once (local, remote or unknown), each chunk's node, and
+    the ranks the pod's host KV is shared among (declared here)."""
+    kv = np.zeros((2, 8, 16), dtype=np.uint8)
+    p = kvpool.CPUPagePool(config(ranks=1), kv, 4)
+    try:
+        loc = kvpool.locality(p)
+        assert set(loc) == {"gpu_numa", "ranks", "local", "remote", "unknown", "chunk_numa"}
+        assert loc["ranks"] == 1
+        assert len(loc["chunk_numa"]) == loc["local"] + loc["remote"] + loc["unknown"] >= 1
+        assert loc["remote"] == 0  # one NUMA node of the simulated GPUs' host
+        assert all(n == loc["gpu_numa"] or n == -1 or loc["gpu_numa"] == -1 for n in loc["chunk_numa"])
+    finally:
+        p.close()
+    with pytest.raises(kvpool.InvalidArgumentError):
+        kvpool.CPUPagePool(config(ranks=-1), kv, 4)

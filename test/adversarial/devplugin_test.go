@@ -14,6 +14,7 @@ import (
 
 	"github.com/kvpool/kvpool/internal/sizing"
 	"github.com/kvpool/kvpool/pkg/contract"
+	"github.com/kvpool/kvpool/pkg/cudart"
 	"github.com/kvpool/kvpool/pkg/plugin/kubelettest"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
@@ -59,10 +60,12 @@ func startClusterAgent(t *testing.T, extra ...string) *clusterAgent {
 	return c
 }
 
-// grant lists ids as held by pod and allocates them; it returns the token.
+// grant lists ids as held by pod, with both simulated GPUs (a pod of two
+// ranks), and allocates them; it returns the token.
 func (c *clusterAgent) grant(t *testing.T, pod string, ids ...string) string {
 	t.Helper()
-	c.pods.SetPods(map[string]map[string][]string{pod: {contract.DefaultResourceName: ids}})
+	c.pods.SetPods(map[string]map[string][]string{pod: {contract.DefaultResourceName: ids,
+		"nvidia.com/gpu": {cudart.SimulatedUUID(0), cudart.SimulatedUUID(1)}}})
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	resp, err := c.kubelet.Client().Allocate(ctx, &pluginapi.AllocateRequest{ContainerRequests: []*pluginapi.ContainerAllocateRequest{{DevicesIds: ids}}})

@@ -113,10 +113,43 @@ int main(void) {
 	CHECK(kvpool_open(&bad, &h) == KVPOOL_OK && h != 0, "open with the first release's struct_size");
 	CHECK(kvpool_close(h) == KVPOOL_OK, "close");
 	h = 0;
+	bad = o;
+	bad.ranks = -1;
+	CHECK(kvpool_open(&bad, &h) == KVPOOL_ERR_INVALID && h == 0, "open with negative ranks");
+	kvpool_last_error(msg, sizeof msg);
+	CHECK(strstr(msg, "ranks") != NULL, "message for ranks: %s", msg);
+	bad = o;
+	bad.reserved = 1;
+	CHECK(kvpool_open(&bad, &h) == KVPOOL_ERR_INVALID && h == 0, "open with reserved set");
+	/* The second release's struct ends before ranks: not read. */
+	bad = o;
+	bad.struct_size = offsetof(kvpool_options, ranks);
+	bad.ranks = -5;
+	CHECK(kvpool_open(&bad, &h) == KVPOOL_OK && h != 0, "open with the second release's struct_size");
+	CHECK(kvpool_close(h) == KVPOOL_OK, "close");
+	h = 0;
 	CHECK(kvpool_open(NULL, &h) == KVPOOL_ERR_INVALID, "open with NULL options");
 	CHECK(kvpool_offload(12345, "r", 1, "l", 1, NULL, 0, 0, 0, 0) == KVPOOL_ERR_BAD_HANDLE, "bad handle");
 
+	o.ranks = 1;
 	CHECK(kvpool_open(&o, &h) == KVPOOL_OK && h != 0, "open");
+	/* Where the session's one chunk lies: on the GPU's node, or unknown. */
+	kvpool_locality loc;
+	memset(&loc, 0, sizeof loc);
+	CHECK(kvpool_locality_get(h, &loc) == KVPOOL_ERR_INVALID, "locality without struct_size");
+	loc.struct_size = sizeof loc;
+	CHECK(kvpool_locality_get(h, &loc) == KVPOOL_OK && loc.chunks == 1 && loc.ranks == 1 && loc.remote == 0 &&
+	          loc.local + loc.unknown == 1,
+	      "locality: gpu_numa %d, ranks %d, chunks %d, local %d, remote %d, unknown %d", loc.gpu_numa, loc.ranks,
+	      loc.chunks, loc.local, loc.remote, loc.unknown);
+	int32_t numa[4] = {-9, -9, -9, -9};
+	int64_t nchunks = 0;
+	CHECK(kvpool_chunk_numa(h, numa, 0, &nchunks) == KVPOOL_ERR_BUFFER_TOO_SMALL && nchunks == 1 && numa[0] == -9,
+	      "chunk_numa into no room");
+	CHECK(kvpool_chunk_numa(h, numa, 4, &nchunks) == KVPOOL_OK && nchunks == 1 && numa[1] == -9 &&
+	          (loc.local == 1 ? numa[0] == loc.gpu_numa : numa[0] == -1 || loc.gpu_numa == -1),
+	      "chunk_numa: %d of %lld", numa[0], (long long)nchunks);
+	CHECK(kvpool_chunk_numa(h, NULL, 4, &nchunks) == KVPOOL_ERR_INVALID, "chunk_numa NULL buffer");
 	kvpool_info info;
 	CHECK(kvpool_info_get(h, &info) == KVPOOL_OK && info.capacity == 8 && info.host_page_bytes == 2 * PAGE &&
 	          info.simulated == 1,

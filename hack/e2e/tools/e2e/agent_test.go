@@ -100,7 +100,20 @@ type agent struct {
 // for the kubelet root directory).
 func (c *cluster) startAgent(t *testing.T) *agent {
 	t.Helper()
-	dir := filepath.Join(c.Run, "agent")
+	args := "--simulate-gpus 2 --resource-name " + resourceName +
+		" --kubelet-dir {kubelet} --socket-dir {run}/sock --state-dir {run}/state" +
+		" --reclaim-grace-period " + gracePeriod.String() + " --reclaim-interval " + reconcile.String()
+	if s := os.Getenv("KVPOOL_E2E_AGENT_ARGS"); s != "" {
+		args = s
+	}
+	return c.startAgentWith(t, "agent", args)
+}
+
+// startAgentWith runs the agent with args (as startAgent's), its config
+// and log named after name.
+func (c *cluster) startAgentWith(t *testing.T, name, argLine string) *agent {
+	t.Helper()
+	dir := filepath.Join(c.Run, name)
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		t.Fatal(err)
 	}
@@ -109,17 +122,12 @@ func (c *cluster) startAgent(t *testing.T) *agent {
 	if err := os.WriteFile(cfg, []byte(agentConfig(c.Run, c.KubeletDir, freePort(t), healthPort)), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	args := strings.Fields("--simulate-gpus 2 --resource-name " + resourceName +
-		" --kubelet-dir {kubelet} --socket-dir {run}/sock --state-dir {run}/state" +
-		" --reclaim-grace-period " + gracePeriod.String() + " --reclaim-interval " + reconcile.String())
-	if s := os.Getenv("KVPOOL_E2E_AGENT_ARGS"); s != "" {
-		args = strings.Fields(s)
-	}
+	args := strings.Fields(argLine)
 	r := strings.NewReplacer("{config}", cfg, "{run}", c.Run, "{kubelet}", c.KubeletDir)
 	for i := range args {
 		args[i] = r.Replace(args[i])
 	}
-	logPath := filepath.Join(c.Run, "logs", "agent.log")
+	logPath := filepath.Join(c.Run, "logs", name+".log")
 	logf, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	if err != nil {
 		t.Fatal(err)
@@ -353,9 +361,11 @@ type podCheck struct {
 	socket bool // the agent serves its socket: it must be in the container
 	client bool // run the kvclient against it
 	// ranks, when not zero, runs one kvclient per GPU 0..ranks-1 at once
-	// (a tensor-parallel pod), each asking for all of its GPU's chunks
-	// (-max-pages -1), and wants each to get rankPages host pages; and one
-	// more on a GPU the node does not have, which must be refused.
+	// (a tensor-parallel pod whose engine declares its world size, -ranks:
+	// the pod requests no nvidia.com/gpu for the agent to count), each
+	// asking for its fair share (-max-pages -1), and wants each to get
+	// rankPages host pages; and one more on a GPU the node does not have,
+	// which must be refused.
 	ranks, rankPages int
 }
 
@@ -384,14 +394,14 @@ fail() { echo "FAIL: $*" >/dev/termination-log; exit 1; }
 	}
 	if pc.ranks > 0 {
 		for g := range pc.ranks {
-			s += fmt.Sprintf("/kvclient %s -gpu %d -max-pages -1 >/tmp/rank%d 2>&1 & pid%d=$!\n", args, g, g, g)
+			s += fmt.Sprintf("/kvclient %s -gpu %d -ranks %d -max-pages -1 >/tmp/rank%d 2>&1 & pid%d=$!\n", args, g, pc.ranks, g, g)
 		}
 		stranger := pc.ranks + 8
 		s += fmt.Sprintf("/kvclient -ops 10 -gpu %d >/tmp/stranger 2>&1 && fail \"a kvclient on GPU %d, which the node does not have, was served\"\n", stranger, stranger)
 		s += "grep -q 'unknown gpu' /tmp/stranger || fail \"stranger: $(tail -c 300 /tmp/stranger)\"\n"
 		for g := range pc.ranks {
 			s += fmt.Sprintf("wait $pid%d || fail \"rank %d: $(tail -c 800 /tmp/rank%d)\"\n", g, g, g)
-			s += fmt.Sprintf("grep -q 'kvclient result.* gpu=%d capacity=%d ' /tmp/rank%d || fail \"rank %d did not get its GPU's %d pages: $(grep 'kvclient result' /tmp/rank%d)\"\n",
+			s += fmt.Sprintf("grep -q 'kvclient result.* device=GPU-sim-%08d .*capacity=%d ' /tmp/rank%d || fail \"rank %d did not get its share, %d pages: $(grep 'kvclient result' /tmp/rank%d)\"\n",
 				g, pc.rankPages, g, g, pc.rankPages, g)
 		}
 		return s + `printf 'contract ok; ranks ok\n%s\n' "$(grep -h 'kvclient result' /tmp/rank*)" | tail -c 3500 >/dev/termination-log`
@@ -509,8 +519,10 @@ func TestAgent(t *testing.T) {
 		}
 		c.createPod(t, c.podSpec("greedy", []string{"/pause"}, 3, resourceName))
 		p := c.waitPod(t, "greedy", 60*time.Second, corev1.PodFailed, corev1.PodRunning)
-		if p.Status.Phase != corev1.PodFailed ||
-			(p.Status.Reason != "UnexpectedAdmissionError" && !strings.HasPrefix(p.Status.Reason, "OutOf")) {
+		// The kubelet runs the Topology Manager: no NUMA placement of 3
+		// devices exists when 2 are free, so its admission refuses first.
+		if p.Status.Phase != corev1.PodFailed || (p.Status.Reason != "UnexpectedAdmissionError" &&
+			p.Status.Reason != "TopologyAffinityError" && !strings.HasPrefix(p.Status.Reason, "OutOf")) {
 			t.Fatalf("greedy (3 units, 2 free) was not refused by admission: %s", describePod(p))
 		}
 		t.Logf("greedy refused: %s: %s", p.Status.Reason, p.Status.Message)
@@ -558,8 +570,8 @@ func TestAgent(t *testing.T) {
 
 		// The pool hands out every chunk again: a pod takes all of them,
 		// and runs one rank per GPU (GPU 1 is a non-zero-based host GPU):
-		// each rank, asking for all it can bind, binds only its own GPU's
-		// chunks (poolChunks/2 chunks of 8 MiB in 32 KiB host pages).
+		// each rank, asking for its fair share, binds half the chunks
+		// (poolChunks/2 chunks of 8 MiB in 32 KiB host pages).
 		all := pc
 		if pc.client {
 			all.ranks, all.rankPages = 2, poolChunks/2*chunkBytes/(32<<10)
@@ -596,8 +608,10 @@ func TestAgent(t *testing.T) {
 		})
 		// Right after a restart the kubelet admits pods before it has synced
 		// with the re-registered plugin and may refuse them
-		// (UnexpectedAdmissionError, "Available: 0"); a scheduler would
-		// retry. The plugin must become usable within the deadline.
+		// (UnexpectedAdmissionError, "Available: 0"; with the Topology
+		// Manager, TopologyAffinityError: no device yet to place); a
+		// scheduler would retry. The plugin must become usable within the
+		// deadline.
 		deadline := time.Now().Add(60 * time.Second)
 		for try := 1; ; try++ {
 			name := fmt.Sprintf("after-restart-%d", try)
@@ -607,7 +621,7 @@ func TestAgent(t *testing.T) {
 				t.Logf("%s (try %d, %v after the restart) said:\n%s", name, try, time.Since(restarted).Round(100*time.Millisecond), terminationMessage(p))
 				break
 			}
-			if p.Status.Reason != "UnexpectedAdmissionError" || time.Now().After(deadline) {
+			if (p.Status.Reason != "UnexpectedAdmissionError" && p.Status.Reason != "TopologyAffinityError") || time.Now().After(deadline) {
 				t.Fatalf("%s: %s\n%s", name, describePod(p), terminationMessage(p))
 			}
 			t.Logf("%s refused by admission (%s); retrying", name, p.Status.Message)
