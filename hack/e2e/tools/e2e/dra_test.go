@@ -512,7 +512,9 @@ func TestDRA(t *testing.T) {
 		pre := `[ -n "${KVCLIENT_GPU:-}" ] || fail "no KVCLIENT_GPU from the GPU driver"
 [ "$NVIDIA_VISIBLE_DEVICES" = "$(printf 'GPU-sim-%08d' "$KVCLIENT_GPU")" ] || fail "GPU $NVIDIA_VISIBLE_DEVICES is not index $KVCLIENT_GPU"
 echo "gpu $NVIDIA_VISIBLE_DEVICES index $KVCLIENT_GPU"`
-		c.createPod(t, withClaim(c.draPod("dra-gpu", holdingScript(pre, `-ops 300 -max-pages -1 -gpu "$KVCLIENT_GPU"`), 0), "gpu-kv"))
+		// No -gpu: the client takes the GPU the GPU driver gave the
+		// container (NVIDIA_VISIBLE_DEVICES), as an engine does.
+		c.createPod(t, withClaim(c.draPod("dra-gpu", holdingScript(pre, `-ops 300 -max-pages -1`), 0), "gpu-kv"))
 		p, log := c.waitDone(t, "dra-gpu", 120*time.Second)
 		cl := c.claimOf(t, p)
 		gpu, kv := results(cl, gpuDriver), results(cl, draDriver)
@@ -524,7 +526,8 @@ echo "gpu $NVIDIA_VISIBLE_DEVICES index $KVCLIENT_GPU"`
 		if root := attrString(d.all[share], "resource.kubernetes.io/pcieRoot"); root == "" || root != attrString(gs.all["gpu-2"], "resource.kubernetes.io/pcieRoot") {
 			t.Errorf("host KV %s on PCIe root %q, the GPU on %q", share, root, attrString(gs.all["gpu-2"], "resource.kubernetes.io/pcieRoot"))
 		}
-		if !strings.Contains(log, "gpu GPU-sim-00000002 index 2") || !strings.Contains(log, fmt.Sprintf("gpu=2 capacity=%d ", 2*chunkBytes/hostPage)) {
+		if !strings.Contains(log, "gpu GPU-sim-00000002 index 2") ||
+			!strings.Contains(log, fmt.Sprintf("device=GPU-sim-00000002 rank=0 capacity=%d chunks=2 ", 2*chunkBytes/hostPage)) {
 			t.Errorf("the client did not run on GPU 2 with the claim's 2 chunks:\n%s", log)
 		}
 		t.Logf("GPU gpu-2 with host KV %s (%s)", share, kv[0])
