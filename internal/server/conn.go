@@ -769,20 +769,17 @@ func (s *Server) attach(c *conn, k key, uuid, inst string, spec pool.Spec, regio
 		delete(s.sessions, k)
 	}
 	if r, ok := s.checkSessionsLocked(c, k); !ok {
-		if replaced != nil {
-			s.hookSessionLocked(SessionReplaced, *replaced)
-		}
-		return nil, "", r
+		return nil, "", s.failedOpenLocked(replaced, r)
 	}
 	ps, err := s.o.Pool.Open(k.alloc, spec)
-	if replaced != nil {
-		// Hooks run under s.mu here; they must not block (documented).
-		s.hookSessionLocked(SessionReplaced, *replaced)
-	}
 	if err != nil {
 		r := errReply(err)
 		r.err = fmt.Errorf("open: %w", err)
-		return nil, "", r
+		return nil, "", s.failedOpenLocked(replaced, r)
+	}
+	if replaced != nil {
+		// Hooks run under s.mu here; they must not block (documented).
+		s.hookSessionLocked(SessionReplaced, *replaced)
 	}
 	e = &entry{id: ps.ID(), key: k, uuid: uuid, instance: inst, short: shortID(inst), ps: ps, regions: regions, opened: time.Now(), conn: c, peer: c.peer}
 	if j := s.o.Journal; j != nil {
@@ -792,7 +789,10 @@ func (s *Server) attach(c *conn, k key, uuid, inst string, spec pool.Spec, regio
 		}
 		if err := j.Session(SessionOp{Session: ps.ID(), Op: wire.OpOpen, Open: info}); err != nil {
 			s.o.Pool.Close(ps)
-			return nil, "", fail(wire.StatusInternal, fmt.Errorf("open: the agent cannot record the session: %w", err))
+			// The replaced session is closed in the pool; the books
+			// must say so too, or a restart would bring it back.
+			r := fail(wire.StatusInternal, fmt.Errorf("open: the agent cannot record the session: %w", err))
+			return nil, "", s.failedOpenLocked(replaced, r)
 		}
 	}
 	s.sessions[k] = e
@@ -801,6 +801,24 @@ func (s *Server) attach(c *conn, k key, uuid, inst string, spec pool.Spec, regio
 }
 
 func (s *Server) hookSessionLocked(ev SessionEvent, info SessionInfo) { s.hookSession(ev, info) }
+
+// failedOpenLocked ends an open that failed after it had replaced the
+// disconnected owner's session (replaced, nil when it had not): that
+// session is closed in the pool, so the books record its close, or a
+// restart would bring it back over whatever later opens on its chunks. It
+// returns r, or StatusInternal when the close cannot be recorded.
+func (s *Server) failedOpenLocked(replaced *SessionInfo, r reply) reply {
+	if replaced == nil {
+		return r
+	}
+	s.hookSessionLocked(SessionReplaced, *replaced)
+	if j := s.o.Journal; j != nil {
+		if err := j.Session(SessionOp{Session: replaced.ID, Op: wire.OpClose}); err != nil {
+			return fail(wire.StatusInternal, fmt.Errorf("%w; and the agent cannot record the close of the session it replaced: %w", r.err, err))
+		}
+	}
+	return r
+}
 
 // detach undoes attach after a failure to build the reply.
 func (s *Server) detach(c *conn, e *entry) {

@@ -292,3 +292,84 @@ func TestRestartReplaysLongReply(t *testing.T) {
 		t.Fatalf("usage after the resend: %s %s %+v (want %d pages in 1 stream: done once)", st, msg, &u, n)
 	}
 }
+
+// An open by another instance that replaces the disconnected owner's
+// session and then fails (no capacity, a limit) closes that session in the
+// pool, and the books record the close: after a restart the old owner
+// does not come back to a session whose chunks a later session wrote, and
+// the later session keeps its streams (issue 23, defect 1).
+func TestFailedReplacementIsJournaled(t *testing.T) {
+	p, chunks, b, store := booksPool(t)
+	a1, _ := journaled(t, p, chunks, b, nil)
+
+	owner := dial(t, a1)
+	first := owner.open(0, "instance-old")
+	if st, msg := owner.do(wire.OpOffload, 0, &wire.Offload{Rid: "old", Label: "l", GpuPages: []int32{1, 2}}, &wire.OffloadReply{}); st != 0 {
+		t.Fatalf("offload: %s %s", st, msg)
+	}
+	owner.c.Close()
+	waitDisconnected(t, a1.srv, first.Session)
+
+	// Another process opens for more pages than the allocation holds: the
+	// owner's session is replaced, then the open fails.
+	other := dial(t, a1)
+	other.hello()
+	big := openMsg("tok-a", 0, "instance-new")
+	big.MaxPages = 1 << 20
+	if st, _ := other.do(wire.OpOpen, 0, big, &wire.OpenReply{}); st != wire.StatusNoCapacity {
+		t.Fatalf("open for too many pages: %s", st)
+	}
+	if err := b.Check(p.Export()); err != nil {
+		t.Fatalf("after the failed open: %v", err)
+	}
+	// It opens again, within the allocation, and offloads.
+	var later wire.OpenReply
+	if st, msg := other.do(wire.OpOpen, 0, openMsg("tok-a", 0, "instance-new"), &later); st != 0 || later.Resumed {
+		t.Fatalf("open: %s %s %+v", st, msg, &later)
+	}
+	if st, msg := other.do(wire.OpOffload, 0, &wire.Offload{Rid: "new", Label: "l", GpuPages: []int32{3}}, &wire.OffloadReply{}); st != 0 {
+		t.Fatalf("offload: %s %s", st, msg)
+	}
+	other.c.Close()
+	waitDisconnected(t, a1.srv, later.Session)
+	b.Close()
+
+	a2 := restartFrom(t, store, chunks)
+	// The later session is the one kept, with its stream.
+	r := dial(t, a2)
+	res := r.open(0, "instance-new")
+	if !res.Resumed || res.Session != later.Session {
+		t.Fatalf("the later session after the restart: %+v, want session %d resumed", res, later.Session)
+	}
+	var n wire.NumPagesReply
+	if st, msg := r.do(wire.OpNumPages, 0, &wire.Stream{Rid: "new", Label: "l"}, &n); st != 0 || n.Pages != 1 {
+		t.Fatalf("the later session's stream after the restart: %s %s %d pages", st, msg, n.Pages)
+	}
+	r.c.Close()
+	waitDisconnected(t, a2.srv, later.Session)
+	// The old owner is a replaced instance: it gets a fresh session.
+	o := dial(t, a2)
+	if res := o.open(0, "instance-old"); res.Resumed || res.Session == first.Session {
+		t.Fatalf("the replaced owner came back: %+v", res)
+	}
+}
+
+// waitDisconnected waits until the server has seen session id's connection
+// close.
+func waitDisconnected(t *testing.T, srv *server.Server, id uint64) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		busy := false
+		for _, in := range srv.Sessions() {
+			busy = busy || (in.ID == id && in.Connected)
+		}
+		if !busy {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("session %d still connected", id)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
