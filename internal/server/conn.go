@@ -341,6 +341,11 @@ func (c *conn) handle(h wire.Header, body []byte) reply {
 	if c.e == nil {
 		return fail(wire.StatusNoSession, fmt.Errorf("%s before a session was opened on this connection", h.Op))
 	}
+	if h.Op == wire.OpOffload || h.Op == wire.OpReload {
+		// Staged pages are the next offload's or reload's, whatever
+		// becomes of it: refused by a limit, a decode error, the pool.
+		defer c.dropStaged()
+	}
 	if r, done := c.prepare(h); done {
 		return r
 	}
@@ -393,7 +398,6 @@ func (c *conn) prepare(h wire.Header) (r reply, done bool) {
 	}
 	if replayable(h.Op) {
 		if body, ok := e.cached(h.Seq, h.Op); ok {
-			c.dropStaged()
 			return reply{raw: body}, true
 		}
 	}
@@ -422,7 +426,6 @@ func (c *conn) handleOffload(body []byte) reply {
 	ps := c.e.ps
 	m := &c.offload
 	if err := wire.DecodeBody(body, m); err != nil {
-		c.dropStaged()
 		return fail(wire.StatusBadRequest, err)
 	}
 	if r, ok := c.checkStreams(ps, m.Rid, m.Label); !ok {
@@ -431,7 +434,6 @@ func (c *conn) handleOffload(body []byte) reply {
 	var err error
 	c.pages, err = ps.Offload(m.Rid, m.Label, c.withStaged(m.GpuPages),
 		pool.Meta{StoredLen: m.StoredLen, Position: m.Position, Released: m.Released}, c.pages[:0])
-	c.dropStaged()
 	rep := &c.offRep
 	rep.Ok, rep.HostPages, rep.Total = err == nil, c.pages, 0
 	if errors.Is(err, poolerr.ErrFull) || errors.Is(err, poolerr.ErrNoPages) {
@@ -451,11 +453,9 @@ func (c *conn) handleOffload(body []byte) reply {
 func (c *conn) handleReload(body []byte) reply {
 	m := &c.reload
 	if err := wire.DecodeBody(body, m); err != nil {
-		c.dropStaged()
 		return fail(wire.StatusBadRequest, err)
 	}
 	rl, err := c.e.ps.Reload(m.Rid, m.Label, c.withStaged(m.GpuPages), c.pages[:0])
-	c.dropStaged()
 	c.pages = rl.Pages
 	if err != nil {
 		return errReply(err)

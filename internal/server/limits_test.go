@@ -197,3 +197,37 @@ func TestRevokedSessionsSwept(t *testing.T) {
 		}
 	}
 }
+
+// A limit that refuses a long offload drops its staged device pages too:
+// the next offload records its own pages alone (issue 23: a refused long
+// offload used to leave its pages packets staged, and a 3-page offload
+// then asked for 24,579 pages).
+func TestRefusedLongOffloadDropsItsPages(t *testing.T) {
+	a, ref := limitedServer(t, server.Limits{MaxNameBytesPerSession: 8})
+	r := dial(t, a)
+	r.hello()
+	m := openMsg("tok-a", 0, "instance-long-limit")
+	m.Regions = []*wire.Region{{BytesPerPage: 256, PageCount: 30000}}
+	if st, msg := r.do(wire.OpOpen, 0, m, &wire.OpenReply{}); st != 0 {
+		t.Fatalf("open: %s %s", st, msg)
+	}
+	head := make([]int32, wire.MaxPagesPerPacket)
+	for i := range head {
+		head[i] = int32(i)
+	}
+	if st, msg := r.do(wire.OpPages, 0, &wire.Pages{GpuPages: head}, nil); st != 0 {
+		t.Fatalf("pages: %s %s", st, msg)
+	}
+	st, msg := r.do(wire.OpOffload, 0, &wire.Offload{Rid: "a-long-request-id", Label: "kv", GpuPages: []int32{29000, 29001}}, &wire.OffloadReply{})
+	wantLimit(t, st, msg, "limits.maxNameBytesPerSession")
+	if ref.count(server.RefusedNameBytes) != 1 {
+		t.Fatal("not counted")
+	}
+	var rep wire.OffloadReply
+	if st, msg := r.do(wire.OpOffload, 0, &wire.Offload{Rid: "r", Label: "kv", GpuPages: []int32{7, 8, 9}}, &rep); st != 0 || !rep.Ok || len(rep.HostPages) != 3 || rep.Total != 0 {
+		t.Fatalf("a 3-page offload after the refused long one: %s %s ok %v, %d host pages, total %d", st, msg, rep.Ok, len(rep.HostPages), rep.Total)
+	}
+	if u := r.usage(); u.Used != 3 || u.Streams != 1 {
+		t.Fatalf("usage %+v, want 3 pages in 1 stream", u)
+	}
+}
