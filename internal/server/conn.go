@@ -411,6 +411,10 @@ func (c *conn) handlePages(body []byte) reply {
 		c.dropStaged()
 		return fail(wire.StatusBadRequest, err)
 	}
+	if r, ok := checkPacketPages(wire.OpPages, len(m.GpuPages)); !ok {
+		c.dropStaged()
+		return r
+	}
 	if dev := c.e.ps.Spec().DevicePages; len(c.staged)+len(m.GpuPages) > dev {
 		n := len(c.staged) + len(m.GpuPages)
 		c.dropStaged()
@@ -427,6 +431,9 @@ func (c *conn) handleOffload(body []byte) reply {
 	m := &c.offload
 	if err := wire.DecodeBody(body, m); err != nil {
 		return fail(wire.StatusBadRequest, err)
+	}
+	if r, ok := checkPacketPages(wire.OpOffload, len(m.GpuPages)); !ok {
+		return r
 	}
 	if r, ok := c.checkStreams(ps, m.Rid, m.Label); !ok {
 		return r
@@ -454,6 +461,9 @@ func (c *conn) handleReload(body []byte) reply {
 	m := &c.reload
 	if err := wire.DecodeBody(body, m); err != nil {
 		return fail(wire.StatusBadRequest, err)
+	}
+	if r, ok := checkPacketPages(wire.OpReload, len(m.GpuPages)); !ok {
+		return r
 	}
 	rl, err := c.e.ps.Reload(m.Rid, m.Label, c.withStaged(m.GpuPages), c.pages[:0])
 	c.pages = rl.Pages
@@ -565,6 +575,17 @@ func (c *conn) decodeOpen(body []byte, m proto.Message) (r reply, ok bool) {
 	}
 	if c.e.ps.Closed() {
 		return errReply(poolerr.ErrClosed), false
+	}
+	return reply{}, true
+}
+
+// checkPacketPages refuses a packet that names more device pages than
+// the protocol lets one packet carry (wire.MaxPagesPerPacket): a longer
+// list travels as pages packets.
+func checkPacketPages(op wire.Op, n int) (reply, bool) {
+	if n > wire.MaxPagesPerPacket {
+		return fail(wire.StatusBadRequest, fmt.Errorf("%s: %d device pages in one packet, at most %d (send the rest ahead in pages packets)",
+			op, n, wire.MaxPagesPerPacket)), false
 	}
 	return reply{}, true
 }

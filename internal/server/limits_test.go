@@ -6,6 +6,8 @@ import (
 	"testing"
 	"time"
 
+	"google.golang.org/protobuf/proto"
+
 	"github.com/kvpool/kvpool/internal/server"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
@@ -229,5 +231,44 @@ func TestRefusedLongOffloadDropsItsPages(t *testing.T) {
 	}
 	if u := r.usage(); u.Used != 3 || u.Streams != 1 {
 		t.Fatalf("usage %+v, want 3 pages in 1 stream", u)
+	}
+}
+
+// A packet naming more device pages than the protocol allows one packet
+// (wire.MaxPagesPerPacket) is refused, whatever its op, and changes
+// nothing: longer lists travel as pages packets.
+func TestPacketPageBound(t *testing.T) {
+	a, _ := limitedServer(t, server.Limits{})
+	r := dial(t, a)
+	r.hello()
+	m := openMsg("tok-a", 0, "instance-packet-bound")
+	m.Regions = []*wire.Region{{BytesPerPage: 256, PageCount: 30000}}
+	if st, msg := r.do(wire.OpOpen, 0, m, &wire.OpenReply{}); st != 0 {
+		t.Fatalf("open: %s %s", st, msg)
+	}
+	over := make([]int32, wire.MaxPagesPerPacket+1)
+	for i := range over {
+		over[i] = int32(i)
+	}
+	for _, c := range []struct {
+		op  wire.Op
+		req proto.Message
+	}{
+		{wire.OpPages, &wire.Pages{GpuPages: over}},
+		{wire.OpOffload, &wire.Offload{Rid: "r", GpuPages: over}},
+		{wire.OpReload, &wire.Reload{Rid: "r", GpuPages: over}},
+	} {
+		st, msg := r.do(c.op, 0, c.req, nil)
+		if st != wire.StatusBadRequest || !strings.Contains(msg, "24577 device pages in one packet, at most 24576") {
+			t.Fatalf("%s of %d pages: %s %q", c.op, len(over), st, msg)
+		}
+	}
+	if u := r.usage(); u.Used != 0 || u.Streams != 0 {
+		t.Fatalf("usage %+v after refused packets", u)
+	}
+	// Nothing was staged: a short offload records its own pages alone.
+	var rep wire.OffloadReply
+	if st, msg := r.do(wire.OpOffload, 0, &wire.Offload{Rid: "r", GpuPages: []int32{1, 2}}, &rep); st != 0 || len(rep.HostPages) != 2 {
+		t.Fatalf("offload: %s %s %+v", st, msg, &rep)
 	}
 }
