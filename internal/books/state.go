@@ -348,6 +348,13 @@ func (st *State) open(op server.SessionOp) {
 // everything Restore would rebuild. For tests and the chaos harness.
 func (st *State) Check(img pool.Image) error {
 	mine := st.Image()
+	// The books know the last session ID from the opens they recorded; a
+	// pool that has opened none since it was made or restored counts
+	// from its own epoch (pool.New), which is higher.
+	if mine.LastSession > img.LastSession {
+		return fmt.Errorf("books and pool differ: the books' last session %d, the pool's %d", mine.LastSession, img.LastSession)
+	}
+	mine.LastSession, img.LastSession = 0, 0
 	// Streams of one request keep their order; requests are ordered by ID
 	// in both.
 	for _, m := range []*pool.Image{&mine, &img} {

@@ -20,6 +20,7 @@ package pool
 import (
 	"fmt"
 	"sync"
+	"time"
 
 	"github.com/kvpool/kvpool/pkg/poolerr"
 )
@@ -67,7 +68,7 @@ type Pool struct {
 	chunks  map[string]*chunk
 	order   []*chunk // in AddChunk order, for stable listings
 	allocs  map[string]*allocation
-	lastID  uint64  // the last session ID handed out
+	lastID  uint64  // the last session ID handed out; New starts it at sessionEpoch
 	journal Journal // nil: no books
 }
 
@@ -84,10 +85,19 @@ type allocation struct {
 	sessions map[*Session]struct{}
 }
 
-// New returns an empty pool.
+// New returns an empty pool. Its session IDs start above sessionEpoch,
+// the microseconds since 1970 when it was made, so that a fresh pool (one
+// that could not be restored after an agent restart) never hands out an ID
+// that an earlier pool gave a client which may still hold it.
 func New() *Pool {
-	return &Pool{chunks: make(map[string]*chunk), allocs: make(map[string]*allocation)}
+	return &Pool{chunks: make(map[string]*chunk), allocs: make(map[string]*allocation), lastID: sessionEpoch()}
 }
+
+// sessionEpoch is where a fresh pool's session IDs start: the clock in
+// microseconds. An earlier pool could reach it only by handing out more
+// than one session per microsecond of its life; the IDs stay below 2^53,
+// exact in JSON and in a float64.
+func sessionEpoch() uint64 { return uint64(time.Now().UnixMicro()) }
 
 // AddChunk makes a freshly allocated (zeroed) chunk available.
 func (p *Pool) AddChunk(c Chunk) error {
