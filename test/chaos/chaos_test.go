@@ -8,8 +8,8 @@
 // agent's memory and fds and the keeper's memfds must stay bounded.
 //
 // KVPOOL_CHAOS_KILLS and KVPOOL_CHAOS_TERMS set the numbers of SIGKILLs
-// and SIGTERMs (default 100 and 20); KVPOOL_CHAOS_MAX_UP the longest the
-// agent runs between two kills (default 400ms).
+// and SIGTERMs (default 100 and 20); KVPOOL_CHAOS_MAX_UP_MS the longest
+// the agent runs between two kills, in milliseconds (default 400).
 package chaos
 
 import (
