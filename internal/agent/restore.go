@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"path/filepath"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -13,6 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvpool/kvpool/internal/books"
+	"github.com/kvpool/kvpool/internal/config"
 	"github.com/kvpool/kvpool/internal/hostmem"
 	"github.com/kvpool/kvpool/internal/keeper"
 	"github.com/kvpool/kvpool/internal/report"
@@ -48,6 +50,11 @@ type restart struct {
 // released, and the agent starts fresh.
 func (a *agent) restore() error {
 	path := a.cfg.KeeperSocket
+	// The configuration checked socketDir; the socket the agent serves
+	// may be elsewhere (--socket).
+	if err := config.CheckKeeperSocket(filepath.Dir(a.socket), path); err != nil {
+		return err
+	}
 	kc, held, err := keeper.Connect(path, keeperWait)
 	if err != nil {
 		return fmt.Errorf("keeper: %w (is `agent keeper --socket %s` running?)", err, path)

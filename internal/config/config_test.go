@@ -195,6 +195,8 @@ func TestParseErrors(t *testing.T) {
 		{"state inside socket dir", head + "socketDir: /var/lib/kvpool\nstateDir: /var/lib/kvpool/state\n", `stateDir: Invalid value: "/var/lib/kvpool/state": is inside the socket directory "/var/lib/kvpool", which pods mount`},
 		{"state inside socket dir, unclean", head + "socketDir: /run/kv\nstateDir: /run/x/../kv/./s\n", "is inside the socket directory"},
 		{"socket dir inside state", head + "socketDir: /var/lib/kvpool/state/sock\nstateDir: /var/lib/kvpool/state\n", `contains the socket directory`},
+		{"keeper socket in socket dir", head + "socketDir: /var/lib/kvpool/sock\nkeeperSocket: /var/lib/kvpool/sock/keeper.sock\n", `keeperSocket: Invalid value: "/var/lib/kvpool/sock/keeper.sock": is inside the socket directory "/var/lib/kvpool/sock", which pods mount`},
+		{"keeper socket below socket dir, unclean", head + "socketDir: /run/kv\nkeeperSocket: /run/x/../kv/k/./keeper.sock\n", "is inside the socket directory"},
 		{"token binding", head + "tokenBinding: uid\n", `tokenBinding: Unsupported value: "uid": supported values: "pod", "none"`},
 		{"relative podLogsDir", head + "podLogsDir: logs\n", `podLogsDir: Invalid value: "logs": must be an absolute path`},
 		{"negative pollAfterReply", head + "pollAfterReply: -1ms\n", `duration "-1ms" is negative`},

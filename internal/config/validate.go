@@ -100,6 +100,10 @@ func (c *Config) validateTop() field.ErrorList {
 	}
 	if k := c.KeeperSocket; k != "" && (!filepath.IsAbs(k) || len(k) > maxSunPath) {
 		errs = append(errs, field.Invalid(p("keeperSocket"), k, fmt.Sprintf("must be an absolute path of at most %d bytes", maxSunPath)))
+	} else if k != "" && filepath.IsAbs(c.SocketDir) {
+		if msg := checkKeeperSocket(c.SocketDir, k); msg != "" {
+			errs = append(errs, field.Invalid(p("keeperSocket"), k, msg))
+		}
 	}
 	if filepath.IsAbs(c.SocketDir) && len(c.SocketPath()) > maxSunPath {
 		errs = append(errs, field.Invalid(p("socketDir"), c.SocketDir, fmt.Sprintf("socket path %q is %d bytes, longer than a Unix socket address allows (%d)", c.SocketPath(), len(c.SocketPath()), maxSunPath)))
@@ -271,6 +275,27 @@ func checkDirs(socketDir, stateDir string) string {
 		return fmt.Sprintf("contains the socket directory %q; keep them apart (pods mount the socket directory)", socketDir)
 	}
 	return ""
+}
+
+// CheckKeeperSocket refuses a keeper socket inside the socket directory
+// (which pods mount): a process in a pod could connect to the keeper and
+// take the pool's chunks and books while the agent is down, or hold the
+// agent's place. Both paths must be absolute; they are compared cleaned,
+// without following symbolic links.
+func CheckKeeperSocket(socketDir, keeperSocket string) error {
+	if msg := checkKeeperSocket(socketDir, keeperSocket); msg != "" {
+		return fmt.Errorf("keeper socket %q %s", keeperSocket, msg)
+	}
+	return nil
+}
+
+func checkKeeperSocket(socketDir, keeperSocket string) string {
+	sock, keeper := filepath.Clean(socketDir), filepath.Clean(keeperSocket)
+	rel, err := filepath.Rel(sock, keeper)
+	if err != nil || rel == ".." || strings.HasPrefix(rel, "../") {
+		return ""
+	}
+	return fmt.Sprintf("is inside the socket directory %q, which pods mount: a process in a pod could take the pool's chunks and books from the keeper while the agent is down; put it outside (the chart's default is /var/lib/kvpool/keeper/keeper.sock)", socketDir)
 }
 
 func checkAddress(addr string) string {

@@ -248,3 +248,57 @@ func FuzzParseRequest(f *testing.F) {
 		}
 	})
 }
+
+// Idle connections cannot grow the keeper past MaxConns, nor keep the
+// agent out: at the bound the oldest connection that is not the agent's
+// is closed for the new one, and an idle one is closed after IdleTimeout
+// (issue 23: the keeper took any number of idle connections, each with
+// its 256 KiB buffer).
+func TestKeeperBoundsConnections(t *testing.T) {
+	old := idleTimeout
+	idleTimeout = 300 * time.Millisecond
+	defer func() { idleTimeout = old }()
+	_, path := start(t)
+	dial := func() *net.UnixConn {
+		uc, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: path, Net: "unixpacket"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { uc.Close() })
+		return uc
+	}
+	closed := func(uc *net.UnixConn, within time.Duration) bool {
+		uc.SetReadDeadline(time.Now().Add(within))
+		n, err := uc.Read(make([]byte, 64))
+		return n == 0 && err != nil && !errors.Is(err, os.ErrDeadlineExceeded)
+	}
+	var idle []*net.UnixConn
+	for range MaxConns + 8 {
+		idle = append(idle, dial())
+	}
+	// The first 8 were closed to make room for the last 8.
+	for i, uc := range idle[:8] {
+		if !closed(uc, 2*time.Second) {
+			t.Fatalf("connection %d of %d still open past the bound of %d", i, len(idle), MaxConns)
+		}
+	}
+	// The agent gets in while the rest are idle, and its connection
+	// outlives IdleTimeout while the idle ones do not.
+	c, _, err := Connect(path, time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	time.Sleep(2 * idleTimeout)
+	for i, uc := range idle[8:] {
+		if !closed(uc, time.Second) {
+			t.Fatalf("idle connection %d still open after IdleTimeout", i)
+		}
+	}
+	for range MaxConns + 4 { // a new flood while the agent is in
+		dial()
+	}
+	if err := c.Put(Item{ID: "c", Size: 4096}, memfd(t, 4096, 1)); err != nil {
+		t.Fatalf("the agent's connection after a flood at the bound: %v", err)
+	}
+}

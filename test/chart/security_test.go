@@ -26,6 +26,13 @@ func checkTenantBoundary(t *testing.T, vs valueSet, r rendered) {
 	if err := config.CheckDirs(c.SocketDir, c.StateDir); err != nil {
 		t.Errorf("rendered directories: %v", err)
 	}
+	for _, e := range r.ds.Spec.Template.Spec.Containers[0].Env {
+		if e.Name == "KVPOOL_KEEPER_SOCKET" {
+			if err := config.CheckKeeperSocket(c.SocketDir, e.Value); err != nil {
+				t.Errorf("rendered keeper socket: %v", err)
+			}
+		}
+	}
 
 	var gml *corev1.EnvVar
 	for i, e := range r.ds.Spec.Template.Spec.Containers[0].Env {
