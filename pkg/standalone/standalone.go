@@ -35,6 +35,11 @@ type Config struct {
 // /tmp/kvpool-<uid>/kvpool.sock when XDG_RUNTIME_DIR is unset.
 func DefaultSocket() string { return agent.DefaultSocket() }
 
+// AllocationName is the pool allocation of a standalone token (a digest
+// of the token, so that the allocation follows the token whatever the
+// order of Config.Tokens).
+func AllocationName(token string) string { return agent.AllocationName(token) }
+
 // Agent is a running standalone agent.
 type Agent struct {
 	Pool   *pool.Pool
