@@ -12,19 +12,21 @@ import (
 	"github.com/kvpool/kvpool/pkg/wire"
 )
 
-// The bounds of one session's stream table at the defaults
-// (server.DefaultLimits): streams, and request ID plus label bytes.
+// The bounds of the stream tables at the defaults (server.DefaultLimits):
+// one session's streams and request ID plus label bytes, and every
+// session's together.
 var (
-	limStreams = server.DefaultLimits.MaxStreamsPerSession
-	limNames   = server.DefaultLimits.MaxNameBytesPerSession
+	limStreams   = server.DefaultLimits.MaxStreamsPerSession
+	limNames     = server.DefaultLimits.MaxNameBytesPerSession
+	limAllStream = server.DefaultLimits.MaxStreams
+	limAllNames  = server.DefaultLimits.MaxNameBytes
 )
 
-// atLimits journals sessions sessions into fresh books, each at both
-// bounds of its stream table: limStreams streams of one page whose request
-// ID and label take limNames bytes in all (the worst case the limits
-// allow for names), with distinct request IDs (one map entry each). It
-// returns the pool and the books.
-func atLimits(tb testing.TB, sessions int, withBooks bool) (*pool.Pool, *Books, *memStore) {
+// atLimits journals sessions sessions into fresh books (none when
+// withBooks is false), each of streams streams of one page whose request
+// IDs and labels take names bytes in all, with distinct request IDs (one
+// map entry each). It returns the pool and the books.
+func atLimits(tb testing.TB, sessions, streams int, names int64, withBooks bool) (*pool.Pool, *Books, *memStore) {
 	tb.Helper()
 	p := pool.New()
 	store := &memStore{}
@@ -35,7 +37,7 @@ func atLimits(tb testing.TB, sessions int, withBooks bool) (*pool.Pool, *Books, 
 		must(tb, err)
 		p.SetJournal(b)
 	}
-	perName := int(limNames) / limStreams // 128 bytes: rid and a 2-byte label
+	perName := int(names) / streams // a rid and a 2-byte label
 	seq := uint32(0)
 	for i := range sessions {
 		id := fmt.Sprintf("chunk-%d", i)
@@ -53,7 +55,7 @@ func atLimits(tb testing.TB, sessions int, withBooks bool) (*pool.Pool, *Books, 
 			must(tb, b.Session(server.SessionOp{Session: ps.ID(), Op: wire.OpOpen, Open: info}))
 		}
 		pad := strings.Repeat("r", perName-2-8)
-		for s := range limStreams {
+		for s := range streams {
 			rid := fmt.Sprintf("%s%08x", pad, s)
 			m := pool.Meta{StoredLen: int64(s), Position: int64(s)}
 			pages, err := ps.Offload(rid, "kv", []int32{int32(s % 1024)}, m, nil)
@@ -64,8 +66,8 @@ func atLimits(tb testing.TB, sessions int, withBooks bool) (*pool.Pool, *Books, 
 					Reply: []byte{8, 1}}))
 			}
 		}
-		if u := ps.Usage(); u.Streams != limStreams || u.NameBytes != limNames {
-			tb.Fatalf("session at %d streams and %d name bytes, want %d and %d", u.Streams, u.NameBytes, limStreams, limNames)
+		if u := ps.Usage(); u.Streams != streams || u.NameBytes != int64(streams*perName) {
+			tb.Fatalf("session at %d streams and %d name bytes, want %d and %d", u.Streams, u.NameBytes, streams, streams*perName)
 		}
 	}
 	return p, b, store
@@ -79,27 +81,35 @@ func heapInUse() int64 {
 	return int64(m.HeapAlloc)
 }
 
-// BenchmarkRestoreAtLimits is what an agent restart costs per session at
-// the bounds of its stream table: the books of two such sessions are
-// replayed (Load), the pool rebuilt from them (pool.Restore) and the books
-// compacted into a fresh memfd (Start), as the agent's keeper step does.
-// It reports the time per session and the heap the restored pool and books
-// keep per session, beside what the same sessions cost a live pool without
-// books (the pool alone) and the size of the snapshot.
+// BenchmarkRestoreAtLimits is what an agent restart costs at the bounds
+// of the stream tables: the books are replayed (Load), the pool rebuilt
+// from them (pool.Restore) and the books compacted into a fresh memfd
+// (Start), as the agent's keeper step does. "session" is two sessions at
+// one session's bounds (2^17 streams and 16 MiB of names each, 128 bytes
+// a stream), "agent" the agent's bounds for every session together (2^19
+// streams and 32 MiB of names, in four sessions). It reports the time, the
+// heap the restored pool and books keep, what the same sessions cost a
+// live pool (the books keep nothing in the heap), the snapshot and the
+// books memfd, per session and in all.
 //
-//	go test -run XXX -bench RestoreAtLimits -benchtime 3x ./internal/books/
+//	go test -run XXX -bench RestoreAtLimits -benchtime 2x ./internal/books/
 func BenchmarkRestoreAtLimits(b *testing.B) {
-	const sessions = 2
+	b.Run("session", func(b *testing.B) { benchRestore(b, 2, limStreams, limNames) })
+	b.Run("agent", func(b *testing.B) { benchRestore(b, 4, limAllStream/4, limAllNames/4) })
+}
+
+func benchRestore(b *testing.B, sessions, streams int, names int64) {
 	base := heapInUse()
-	p, _, _ := atLimits(b, sessions, false)
+	p, _, _ := atLimits(b, sessions, streams, names, false)
 	live := heapInUse() - base
 	runtime.KeepAlive(p)
 	p = nil
-	_, bk, store := atLimits(b, sessions, true)
+	_, bk, store := atLimits(b, sessions, streams, names, true)
 	bk.Close()
 	bk = nil
 	var restored int64
-	var snap float64
+	var snap, memfd float64
+	var took time.Duration
 	b.ResetTimer()
 	for range b.N {
 		b.StopTimer()
@@ -113,21 +123,27 @@ func BenchmarkRestoreAtLimits(b *testing.B) {
 		must(b, err)
 		b2, err := Start(st, info.Gen, store, nil)
 		must(b, err)
-		snap = float64(b2.Stats().Snapshot)
 		p2.SetJournal(b2)
 		rs := st.Restored(ss)
-		took := time.Since(t0)
+		took = time.Since(t0)
 		b.StopTimer()
+		st = nil
 		restored = heapInUse() - empty
 		runtime.KeepAlive(p2)
 		runtime.KeepAlive(rs)
+		s := b2.Stats()
+		snap, memfd = float64(s.Snapshot), float64(s.Capacity)
 		b2.Close()
-		b.ReportMetric(took.Seconds()*1000/sessions, "restore-ms/session")
 		b.StartTimer()
 	}
 	b.StopTimer()
-	mib := func(n int64) float64 { return float64(n) / (1 << 20) / sessions }
-	b.ReportMetric(mib(restored), "restored-MiB/session")
-	b.ReportMetric(mib(live), "live-pool-MiB/session")
-	b.ReportMetric(snap/(1<<20)/sessions, "snapshot-MiB/session")
+	mib := func(n float64) float64 { return n / (1 << 20) }
+	per := float64(sessions)
+	b.ReportMetric(took.Seconds(), "restore-s")
+	b.ReportMetric(took.Seconds()*1000/per, "restore-ms/session")
+	b.ReportMetric(mib(float64(restored))/per, "restored-MiB/session")
+	b.ReportMetric(mib(float64(live))/per, "live-pool-MiB/session")
+	b.ReportMetric(mib(snap)/per, "snapshot-MiB/session")
+	b.ReportMetric(mib(memfd), "books-memfd-MiB")
+	b.ReportMetric(float64(restored)/float64(sessions*streams), "restored-B/stream")
 }

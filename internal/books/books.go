@@ -18,11 +18,13 @@
 //	         u32 payload length, u32 CRC-32C of the payload, payload,
 //	         zero padding to 4 bytes, u32 commit word (written last)
 //
-// The first record is a snapshot of the whole state; the others are
-// changes (pool table events, chunk generations, session ops). When the
-// log is full the books compact: the current state is written as the
-// snapshot of a fresh memfd, the keeper is handed that memfd (replacing the
-// old one), and appending goes on there. A new agent always compacts at
+// The first records are a snapshot of the whole state, in parts of about
+// 4 MiB (format version 2; version 1 wrote it as one record); the others
+// are changes (pool table events, chunk generations, session ops). When
+// the log is full the books compact: they replay the memfd and write the
+// state as the snapshot of a fresh memfd, the keeper is handed that memfd
+// (replacing the old one), and appending goes on there. The heap holds no
+// copy of the state between compactions. A new agent always compacts at
 // start, so it never appends over a torn record.
 package books
 
@@ -246,22 +248,33 @@ func (b *Books) compactLocked(st *State, extra int) error {
 	binary.LittleEndian.PutUint64(mem[16:], b.gen+1)
 	binary.LittleEndian.PutUint64(mem[24:], capacity)
 	off := uint64(headerSize)
+	// resize makes the log c bytes (the file and its mapping; a smaller
+	// size only cuts off what was never written).
+	resize := func(c uint64) error {
+		if c > capacity {
+			if err := f.Truncate(int64(headerSize + c)); err != nil {
+				return fmt.Errorf("books: grow to %d: %w", headerSize+c, err)
+			}
+		}
+		m, err := unix.Mremap(mem, int(headerSize+c), unix.MREMAP_MAYMOVE)
+		if err != nil {
+			return fmt.Errorf("books: resize to %d: %w", headerSize+c, err)
+		}
+		if c < capacity {
+			if err := f.Truncate(int64(headerSize + c)); err != nil {
+				return fmt.Errorf("books: shrink to %d: %w", headerSize+c, err)
+			}
+		}
+		mem, capacity = m, c
+		binary.LittleEndian.PutUint64(mem[24:], capacity)
+		return nil
+	}
 	// grow makes room for need more bytes after off.
 	grow := func(need uint64) error {
 		if off+need <= headerSize+capacity {
 			return nil
 		}
-		c := roundPage(max(2*capacity, off+need-headerSize))
-		if err := f.Truncate(int64(headerSize + c)); err != nil {
-			return fmt.Errorf("books: grow to %d: %w", headerSize+c, err)
-		}
-		m, err := unix.Mremap(mem, int(headerSize+c), unix.MREMAP_MAYMOVE)
-		if err != nil {
-			return fmt.Errorf("books: grow to %d: %w", headerSize+c, err)
-		}
-		mem, capacity = m, c
-		binary.LittleEndian.PutUint64(mem[24:], capacity)
-		return nil
+		return resize(roundPage(max(2*capacity, off+need-headerSize)))
 	}
 	w := newSnapWriter(b.buf, func(payload []byte) error {
 		if err := grow(recordSize(len(payload)) + 8); err != nil {
@@ -278,8 +291,8 @@ func (b *Books) compactLocked(st *State, extra int) error {
 	// The log has as much room again (at least minLog) before the next
 	// compaction: a compaction, which costs about a snapshot, comes after
 	// about a snapshot's bytes of records.
-	if err == nil {
-		err = grow(snap + max(uint64(minLog), snap) + uint64(extra) + 32)
+	if final := roundPage(snap + max(uint64(minLog), snap) + uint64(extra) + 32); err == nil && final != capacity {
+		err = resize(final)
 	}
 	if err == nil {
 		err = b.store.PutBooks(b.gen+1, f)

@@ -21,6 +21,11 @@ const MaxPollAfterReply = time.Millisecond
 // bytes including the terminating NUL).
 const maxSunPath = 107
 
+// MaxDevicePages is the most limits.maxDevicePages may be: a change's
+// record in the books, up to 5 bytes per device page, then stays far
+// within what the books replay (1 GiB).
+const MaxDevicePages = 1 << 27
+
 // Validate checks every field and reports every problem at once: nil when
 // the configuration is usable, else a utilerrors.Aggregate of
 // *field.Error (k8s.io/apimachinery), each naming its field by YAML path
@@ -167,7 +172,8 @@ func (lim *Limits) validate(lp *field.Path) field.ErrorList {
 		v    int
 	}{{"maxConns", lim.MaxConns}, {"maxConnsPerUID", lim.MaxConnsPerUID}, {"maxConnsPerPID", lim.MaxConnsPerPID},
 		{"probeConns", lim.ProbeConns}, {"maxSessions", lim.MaxSessions},
-		{"maxSessionsPerAllocation", lim.MaxSessionsPerAllocation}, {"maxStreamsPerSession", lim.MaxStreamsPerSession}} {
+		{"maxSessionsPerAllocation", lim.MaxSessionsPerAllocation}, {"maxStreamsPerSession", lim.MaxStreamsPerSession},
+		{"maxStreams", lim.MaxStreams}} {
 		if f.v <= 0 {
 			errs = append(errs, field.Invalid(lp.Child(f.name), f.v, "must be a positive count"))
 		}
@@ -189,8 +195,14 @@ func (lim *Limits) validate(lp *field.Path) field.ErrorList {
 	if lim.MaxNameBytesPerSession < 2*KiB {
 		errs = append(errs, field.Invalid(lp.Child("maxNameBytesPerSession"), lim.MaxNameBytesPerSession.String(), "must be at least 2Ki (one stream with the longest request ID and label)"))
 	}
-	if lim.MaxDevicePages <= 0 || lim.MaxDevicePages > 1<<31-2 {
-		errs = append(errs, field.Invalid(lp.Child("maxDevicePages"), lim.MaxDevicePages, fmt.Sprintf("must be 1 to %d", 1<<31-2)))
+	if lim.MaxStreams > 0 && lim.MaxStreams < lim.MaxStreamsPerSession {
+		errs = append(errs, field.Invalid(lp.Child("maxStreams"), lim.MaxStreams, fmt.Sprintf("must not be less than limits.maxStreamsPerSession %d", lim.MaxStreamsPerSession)))
+	}
+	if lim.MaxNameBytes < lim.MaxNameBytesPerSession {
+		errs = append(errs, field.Invalid(lp.Child("maxNameBytes"), lim.MaxNameBytes.String(), fmt.Sprintf("must not be less than limits.maxNameBytesPerSession %s", lim.MaxNameBytesPerSession)))
+	}
+	if lim.MaxDevicePages <= 0 || lim.MaxDevicePages > MaxDevicePages {
+		errs = append(errs, field.Invalid(lp.Child("maxDevicePages"), lim.MaxDevicePages, fmt.Sprintf("must be 1 to %d", MaxDevicePages)))
 	}
 	if lim.MaxClientName < 16 || lim.MaxClientName > 2048 {
 		errs = append(errs, field.Invalid(lp.Child("maxClientName"), lim.MaxClientName, "must be 16 to 2048"))

@@ -46,6 +46,12 @@ type Limits struct {
 	// labels (counted once per stream).
 	MaxStreamsPerSession   int
 	MaxNameBytesPerSession int64
+	// MaxStreams and MaxNameBytes bound the same over every session
+	// together (pool.StreamTotals): what the agent's heap, its books and
+	// the time of its restart grow with. Concurrent offloads may overshoot
+	// them by one stream each.
+	MaxStreams   int
+	MaxNameBytes int64
 	// MaxDevicePages bounds a layout's device pages (the smallest region's
 	// page count): the pool keeps a duplicate-check bitmap of one bit per
 	// device page for each session.
@@ -66,6 +72,8 @@ var DefaultLimits = Limits{
 	MaxSessionsPerAllocation: 64,
 	MaxStreamsPerSession:     1 << 17,
 	MaxNameBytesPerSession:   16 << 20,
+	MaxStreams:               1 << 19,
+	MaxNameBytes:             32 << 20,
 	MaxDevicePages:           1 << 24,
 	MaxClientName:            256,
 }
@@ -84,6 +92,7 @@ func (l Limits) withDefaults() Limits {
 	set(&l.MaxSessions, d.MaxSessions)
 	set(&l.MaxSessionsPerAllocation, d.MaxSessionsPerAllocation)
 	set(&l.MaxStreamsPerSession, d.MaxStreamsPerSession)
+	set(&l.MaxStreams, d.MaxStreams)
 	set(&l.MaxDevicePages, d.MaxDevicePages)
 	set(&l.MaxClientName, d.MaxClientName)
 	if l.HelloTimeout <= 0 {
@@ -94,6 +103,9 @@ func (l Limits) withDefaults() Limits {
 	}
 	if l.MaxNameBytesPerSession <= 0 {
 		l.MaxNameBytesPerSession = d.MaxNameBytesPerSession
+	}
+	if l.MaxNameBytes <= 0 {
+		l.MaxNameBytes = d.MaxNameBytes
 	}
 	return l
 }
@@ -111,6 +123,8 @@ const (
 	RefusedAllocSessions   = "sessions_per_allocation"
 	RefusedStreams         = "streams"
 	RefusedNameBytes       = "name_bytes"
+	RefusedStreamsTotal    = "streams_total"
+	RefusedNameBytesTotal  = "name_bytes_total"
 	RefusedDevicePages     = "device_pages"
 	RefusedClientName      = "client_name"
 	RefusedUnauthorized    = "unauthorized"
@@ -121,7 +135,7 @@ const (
 // RefusalReasons lists every reason, for metrics that start at zero.
 var RefusalReasons = []string{RefusedConns, RefusedConnsPerUID, RefusedConnsPerPID, RefusedProbeConns,
 	RefusedHelloTimeout, RefusedOpenTimeout, RefusedSessions, RefusedAllocSessions, RefusedStreams,
-	RefusedNameBytes, RefusedDevicePages, RefusedClientName, RefusedUnauthorized, RefusedNotOwner,
+	RefusedNameBytes, RefusedStreamsTotal, RefusedNameBytesTotal, RefusedDevicePages, RefusedClientName, RefusedUnauthorized, RefusedNotOwner,
 	RefusedAcceptTemporary}
 
 // refused counts a refusal and logs it, rate-limited per reason.
@@ -292,6 +306,15 @@ func (c *conn) checkStreams(ps *pool.Session, rid, label string) (reply, bool) {
 	if n := u.NameBytes + int64(len(rid)+len(label)); n > l.MaxNameBytesPerSession {
 		c.s.refused(RefusedNameBytes, c.peer, "offload refused: too many name bytes", "session", c.e.id)
 		return fail(wire.StatusLimit, fmt.Errorf("offload: request IDs and labels would take %d bytes, more than the session's %d (limits.maxNameBytesPerSession)", n, l.MaxNameBytesPerSession)), false
+	}
+	streams, names := c.s.o.Pool.StreamTotals()
+	if streams >= l.MaxStreams {
+		c.s.refused(RefusedStreamsTotal, c.peer, "offload refused: the agent holds its limit of streams", "session", c.e.id)
+		return fail(wire.StatusLimit, fmt.Errorf("offload: the agent's sessions hold %d streams, the limit (limits.maxStreams)", streams)), false
+	}
+	if n := names + int64(len(rid)+len(label)); n > l.MaxNameBytes {
+		c.s.refused(RefusedNameBytesTotal, c.peer, "offload refused: the agent holds its limit of name bytes", "session", c.e.id)
+		return fail(wire.StatusLimit, fmt.Errorf("offload: the agent's request IDs and labels would take %d bytes, more than its %d (limits.maxNameBytes)", n, l.MaxNameBytes)), false
 	}
 	return reply{}, true
 }

@@ -1,6 +1,7 @@
 package server_test
 
 import (
+	"fmt"
 	"strings"
 	"sync"
 	"testing"
@@ -270,5 +271,60 @@ func TestPacketPageBound(t *testing.T) {
 	var rep wire.OffloadReply
 	if st, msg := r.do(wire.OpOffload, 0, &wire.Offload{Rid: "r", GpuPages: []int32{1, 2}}, &rep); st != 0 || len(rep.HostPages) != 2 {
 		t.Fatalf("offload: %s %s %+v", st, msg, &rep)
+	}
+}
+
+// limits.maxStreams and limits.maxNameBytes bound every session's stream
+// table together: sessions each within their own bounds cannot, together,
+// grow the agent's heap, books and restart time past them (issue 23: about
+// 80 sessions at the name-bytes bound made a snapshot the books could not
+// read back, 7.9 GB of heap and a 40 s restore). A refusal changes nothing,
+// and room freed in one session is room for another.
+func TestLimitsAcrossSessions(t *testing.T) {
+	a, ref := limitedServer(t, server.Limits{MaxStreamsPerSession: 4, MaxStreams: 5, MaxNameBytesPerSession: 4096, MaxNameBytes: 1500})
+	r0, r1 := dial(t, a), dial(t, a)
+	r0.open(0, "instance-gpu0")
+	r1.open(1, "instance-gpu1")
+	offload := func(r *raw, rid string, page int32) (wire.Status, string) {
+		var rep wire.OffloadReply
+		return r.do(wire.OpOffload, 0, &wire.Offload{Rid: rid, Label: "kv", GpuPages: []int32{page}}, &rep)
+	}
+	for i := range 4 {
+		if st, msg := offload(r0, fmt.Sprint("r", i), int32(i)); st != 0 {
+			t.Fatalf("offload %d: %s %s", i, st, msg)
+		}
+	}
+	if st, msg := offload(r1, "other", 0); st != 0 {
+		t.Fatalf("the fifth stream, in the other session: %s %s", st, msg)
+	}
+	st, msg := offload(r1, "sixth", 1)
+	wantLimit(t, st, msg, "limits.maxStreams")
+	if ref.count(server.RefusedStreamsTotal) != 1 || r1.usage().Streams != 1 {
+		t.Fatal("not counted, or the refusal changed the session")
+	}
+	if st, msg := r0.do(wire.OpDiscard, 0, &wire.Stream{Rid: "r0", Label: "kv"}, nil); st != 0 {
+		t.Fatalf("discard: %s %s", st, msg)
+	}
+	if st, msg := offload(r1, "sixth", 1); st != 0 {
+		t.Fatalf("after a stream of the other session went: %s %s", st, msg)
+	}
+	// Names: the other session's long request ID would pass its own
+	// bound but not the agent's.
+	for _, rid := range []string{"r1", "r2"} {
+		if st, msg := r0.do(wire.OpDiscard, 0, &wire.Stream{Rid: rid, Label: "kv"}, nil); st != 0 {
+			t.Fatalf("discard: %s %s", st, msg)
+		}
+	}
+	st, msg = offload(r0, strings.Repeat("n", 1000), 7)
+	if st != 0 {
+		t.Fatalf("a long name within both bounds: %s %s", st, msg)
+	}
+	st, msg = offload(r1, strings.Repeat("m", 1000), 9)
+	wantLimit(t, st, msg, "limits.maxNameBytes")
+	if ref.count(server.RefusedNameBytesTotal) != 1 {
+		t.Fatal("not counted")
+	}
+	if ts, tn := a.pool.StreamTotals(); ts != 4 || tn != 4+7+7+1002 { // r3, other, sixth and the long one
+		t.Fatalf("totals %d streams, %d name bytes", ts, tn)
 	}
 }

@@ -52,6 +52,9 @@ type ChunkSource func(id string) (*hostmem.Chunk, bool)
 type Pool interface {
 	Open(alloc string, spec pool.Spec) (*pool.Session, error)
 	Close(s *pool.Session)
+	// StreamTotals is every session's streams and name bytes together,
+	// for Limits.MaxStreams and MaxNameBytes.
+	StreamTotals() (streams int, nameBytes int64)
 }
 
 var _ Pool = (*pool.Pool)(nil)

@@ -175,6 +175,8 @@ func (p *Pool) Restore(img Image) ([]*Session, error) {
 	out, err := p.restoreLocked(img)
 	if err != nil {
 		p.chunks, p.order, p.allocs, p.lastID = make(map[string]*chunk), nil, make(map[string]*allocation), sessionEpoch()
+		p.streams.Store(0)
+		p.names.Store(0)
 		return nil, fmt.Errorf("restore: %w", err)
 	}
 	return out, nil
@@ -341,6 +343,7 @@ func (s *Session) restoreStreams(streams []StreamImage, used []bool) error {
 		_, l := s.find(st.Rid, st.Label)
 		s.link(st.Rid, l, slot)
 		s.names += int64(len(st.Rid) + len(st.Label))
+		s.pool.names.Add(int64(len(st.Rid) + len(st.Label)))
 	}
 	return nil
 }

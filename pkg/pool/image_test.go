@@ -237,3 +237,49 @@ func TestFreshPoolsDoNotReuseSessionIDs(t *testing.T) {
 		t.Fatalf("restored last session %d, the image's %d", got, img.LastSession)
 	}
 }
+
+// StreamTotals is the sum of the sessions' stream tables, through every
+// operation, a close, a revoke and a restore.
+func TestStreamTotals(t *testing.T) {
+	sums := func(p *Pool) (int, int64) {
+		var streams int
+		var names int64
+		for _, a := range p.Export().Allocations {
+			for _, s := range p.Sessions(a.ID) {
+				u := s.Usage()
+				streams, names = streams+u.Streams, names+u.NameBytes
+			}
+		}
+		return streams, names
+	}
+	check := func(p *Pool, when string) {
+		t.Helper()
+		ts, tn := p.StreamTotals()
+		if s, n := sums(p); ts != s || tn != n {
+			t.Fatalf("%s: totals %d streams, %d name bytes; the sessions hold %d and %d", when, ts, tn, s, n)
+		}
+	}
+	for seed := range uint64(4) {
+		p := busyPool(t, seed)
+		if s, _ := p.StreamTotals(); s == 0 {
+			t.Fatal("no streams to count")
+		}
+		check(p, "after the history")
+		q := New()
+		if _, err := q.Restore(p.Export()); err != nil {
+			t.Fatal(err)
+		}
+		check(q, "restored")
+		ss := p.Sessions("a")
+		p.Close(ss[0])
+		check(p, "after a close")
+		if _, err := p.Revoke("a"); err != nil {
+			t.Fatal(err)
+		}
+		check(p, "after a revoke")
+		if _, err := q.Restore(Image{}); err == nil {
+			t.Fatal("restore into a pool that is not empty")
+		}
+		check(q, "after a refused restore")
+	}
+}

@@ -20,6 +20,7 @@ package pool
 import (
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvpool/kvpool/pkg/poolerr"
@@ -70,6 +71,10 @@ type Pool struct {
 	allocs  map[string]*allocation
 	lastID  uint64  // the last session ID handed out; New starts it at sessionEpoch
 	journal Journal // nil: no books
+
+	// streams and names total the sessions' stream tables: streams, and
+	// bytes of request IDs and labels (StreamTotals).
+	streams, names atomic.Int64
 }
 
 type chunk struct {
@@ -341,6 +346,13 @@ func (p *Pool) closeLocked(s *Session) {
 	}
 	delete(s.alloc.sessions, s)
 	s.dropAll()
+}
+
+// StreamTotals is what every open session's stream table holds together:
+// its streams, and the bytes of their request IDs and labels (counted once
+// per stream). The server bounds them across sessions. It takes no lock.
+func (p *Pool) StreamTotals() (streams int, nameBytes int64) {
+	return int(p.streams.Load()), p.names.Load()
 }
 
 // ChunkInfo is a chunk as Chunks lists it.
