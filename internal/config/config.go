@@ -16,6 +16,7 @@ package config
 import (
 	"fmt"
 	"path/filepath"
+	"reflect"
 	"time"
 
 	"github.com/kvpool/kvpool/internal/server"
@@ -300,6 +301,20 @@ func Default() Config {
 		Log:        Log{Level: "info", Format: "text"},
 		Standalone: Standalone{Tokens: []string{"dev"}, GPUs: 2, PoolBytes: 512 * MiB},
 	}
+}
+
+// LimitsFrom is the configuration of the server's limits l, every zero
+// field of l taking server.DefaultLimits' (for embedders: pkg/standalone).
+func LimitsFrom(l server.Limits) Limits {
+	d := limitsOf(server.DefaultLimits)
+	c := limitsOf(l)
+	dv, cv := reflect.ValueOf(&d).Elem(), reflect.ValueOf(&c).Elem()
+	for i := range cv.NumField() {
+		if cv.Field(i).IsZero() {
+			cv.Field(i).Set(dv.Field(i))
+		}
+	}
+	return c
 }
 
 // limitsOf is the configuration of the server's limits l; Server is the

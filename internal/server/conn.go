@@ -75,8 +75,11 @@ type conn struct {
 	log  *slog.Logger
 
 	hello bool
-	e     *entry    // the session this connection serves, nil before open
+	e     *entry    // the session this connection serves, nil before open; set under Server.mu
 	since time.Time // connected; the hello and open deadlines count from it
+	// evicted: closed to make room at a connection bound, its place
+	// released already (Server.mu).
+	evicted bool
 
 	in, out []byte
 	pages   []int32
@@ -313,7 +316,9 @@ func (c *conn) finish() {
 	s := c.s
 	s.mu.Lock()
 	delete(s.conns, c)
-	s.releaseLocked(c.peer)
+	if !c.evicted {
+		s.releaseLocked(c.peer)
+	}
 	var info SessionInfo
 	detached := false
 	if e := c.e; e != nil && e.conn == c {

@@ -40,6 +40,7 @@ func limitedServer(t *testing.T, lim server.Limits) (*agent, *refusals) {
 	a := startServerWith(t, func(o *server.Options) {
 		o.Limits = lim
 		o.Hooks.Refused = ref.hook
+		o.EvictAfter = time.Hour // the bounds alone: TestIdleConnectionsMakeRoom has eviction
 	})
 	return a, ref
 }
@@ -326,5 +327,91 @@ func TestLimitsAcrossSessions(t *testing.T) {
 	}
 	if ts, tn := a.pool.StreamTotals(); ts != 4 || tn != 4+7+7+1002 { // r3, other, sixth and the long one
 		t.Fatalf("totals %d streams, %d name bytes", ts, tn)
+	}
+}
+
+// Connections without a session cannot keep out a client that opens one:
+// at a connection bound the oldest of them (at least EvictAfter old) is
+// closed to make room, however many a process re-dials; connections with
+// sessions are never closed for that, and once every place holds one the
+// new connection is refused and Refusing says so (issue 23: processes
+// re-dialing idle connections kept new clients of their uid out at its
+// cap, and health stayed 200).
+func TestIdleConnectionsMakeRoom(t *testing.T) {
+	ref := &refusals{}
+	a := startServerWith(t, func(o *server.Options) {
+		o.Limits = server.Limits{MaxConns: 4, MaxConnsPerUID: 4, MaxConnsPerPID: 4}
+		o.Hooks.Refused = ref.hook
+		o.EvictAfter = 300 * time.Millisecond
+	})
+	// Two allocations of a chunk per GPU each: four sessions.
+	chunks, err := a.pool.Revoke("A")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range chunks {
+		if err := a.pool.Scrubbed(c.ID); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := a.pool.Grant("A", []string{"gpu0-numaX-0", "gpu1-numaX-0"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.pool.Grant("B", []string{"gpu0-numaX-1", "gpu1-numaX-1"}); err != nil {
+		t.Fatal(err)
+	}
+	var idle []*raw
+	for range 4 {
+		r := dial(t, a)
+		r.hello()
+		idle = append(idle, r)
+	}
+	if _, ok := a.srv.Refusing(time.Minute); ok {
+		t.Fatal("refusing before any refusal")
+	}
+	time.Sleep(400 * time.Millisecond)
+	// Each new client opens its session: the oldest idle one makes room.
+	for i := range 2 {
+		r := dial(t, a)
+		r.open(uint32(i), fmt.Sprint("instance-room-", i))
+		if _, _, _, ok := idle[i].recv(); ok {
+			t.Fatalf("idle connection %d still open", i)
+		}
+	}
+	if n := ref.count(server.RefusedEvicted); n != 2 {
+		t.Fatalf("%d evictions counted, want 2", n)
+	}
+	// A connection newer than EvictAfter is safe: a third client finds
+	// the two left too young only until they age.
+	young := dial(t, a)
+	young.hello()
+	r := dial(t, a) // within EvictAfter of young's dial, but idle[2] is old
+	r.hello()
+	if _, _, _, ok := idle[2].recv(); ok {
+		t.Fatal("the old idle connection stayed while a new one waited")
+	}
+	// Now four places: two sessions, young and r, none evictable yet: a
+	// refusal, but of churn (the agent is not refusing clients).
+	full := dial(t, a)
+	st, msg := full.do(wire.OpHello, 0, &wire.Hello{Version: wire.Version}, &wire.HelloReply{})
+	wantLimit(t, st, msg, "none could make room")
+	if why, ok := a.srv.Refusing(time.Minute); ok {
+		t.Fatalf("Refusing with places held by connections without sessions: %q", why)
+	}
+	// Every place holds a session: now the agent refuses clients.
+	for i, c := range []*raw{young, r} {
+		if st, msg := c.do(wire.OpOpen, 0, openMsg("tok-b", uint32(i), fmt.Sprint("instance-b-", i)), &wire.OpenReply{}); st != 0 {
+			t.Fatalf("open: %s %s", st, msg)
+		}
+	}
+	full = dial(t, a)
+	st, msg = full.do(wire.OpHello, 0, &wire.Hello{Version: wire.Version}, &wire.HelloReply{})
+	wantLimit(t, st, msg, "none could make room")
+	why, ok := a.srv.Refusing(time.Minute)
+	if !ok || !strings.Contains(why, "at most 4 connections") {
+		t.Fatalf("Refusing: %q %v", why, ok)
+	}
+	if _, ok := a.srv.Refusing(0); ok {
+		t.Fatal("a refusal older than the window still reported")
 	}
 }

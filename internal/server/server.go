@@ -177,6 +177,12 @@ type Options struct {
 	// against the tenants' bounds. 0: none is set apart (embedders whose
 	// clients share the server's process).
 	ProbePID int
+	// EvictAfter is how old a connection without a session must be before
+	// a new connection may take its place at a connection bound of Limits
+	// (time for a client to say hello and open): connections that never
+	// open a session cannot keep out one that does. Default
+	// DefaultEvictAfter; negative: never (a full bound refuses).
+	EvictAfter time.Duration
 	// SweepInterval is how often sessions of revoked allocations are
 	// dropped; default 1s.
 	SweepInterval time.Duration
@@ -189,6 +195,9 @@ type Options struct {
 	Journal Journal
 }
 
+// DefaultEvictAfter is Options.EvictAfter's default.
+const DefaultEvictAfter = 100 * time.Millisecond
+
 // Server serves the copy API. Create it with New.
 type Server struct {
 	o        Options
@@ -196,6 +205,9 @@ type Server struct {
 	lim      Limits
 	rlog     *rateLog
 	refusing atomic.Int32 // connections being refused now
+	// lastRefusal is the last connection refused at a connection bound
+	// (Refusing).
+	lastRefusal atomic.Pointer[refusal]
 
 	mu       sync.Mutex
 	sessions map[key]*entry
@@ -277,6 +289,9 @@ func New(o Options) (*Server, error) {
 	}
 	if o.SweepInterval <= 0 {
 		o.SweepInterval = time.Second
+	}
+	if o.EvictAfter == 0 {
+		o.EvictAfter = DefaultEvictAfter
 	}
 	s := &Server{o: o, log: o.Logger, lim: o.Limits.withDefaults(), sessions: make(map[key]*entry), conns: make(map[*conn]struct{}),
 		counts: connCounts{uid: map[uint32]int{}, pid: map[int32]int{}}}

@@ -29,6 +29,9 @@ type Config struct {
 	Socket       string   // default DefaultSocket()
 	Logger       *slog.Logger
 	Hooks        server.Hooks
+	// Limits bound what tenants may hold; zero fields take
+	// server.DefaultLimits.
+	Limits server.Limits
 }
 
 // DefaultSocket is $XDG_RUNTIME_DIR/kvpool/kvpool.sock, or
@@ -93,6 +96,7 @@ func Start(c Config) (*Agent, error) {
 	cfg.Metrics.Address, cfg.Health.Address = "", ""
 	cfg.Standalone.GPUs = c.GPUs
 	cfg.Standalone.Tokens = c.Tokens
+	cfg.Limits = config.LimitsFrom(c.Limits)
 	ctx, cancel := context.WithCancel(context.Background())
 	a, err := agent.Boot(ctx, agent.Options{
 		Config: &cfg, Standalone: true, Socket: c.Socket,

@@ -112,3 +112,34 @@ func TestRow17KeeperSocket(t *testing.T) {
 		t.Logf("keeper fds: baseline %d, at most %d under the flood; the agent connected and holds %d chunks in it", base, worst, st.Chunks)
 	})
 }
+
+// Row 18: idle connections cannot lock a tenant out. Four processes of
+// the tenant's own uid hold every connection the uid may have (each at its
+// per-process bound) with connections that say hello and never open, and
+// dial again the moment one is closed; the well-behaved client, of the same
+// uid, still opens its session and passes (the oldest idle connection makes
+// room for it), and the agent stays ready: it never refused a client it
+// could make room for.
+func TestRow18IdleConnectionsCannotLockOut(t *testing.T) {
+	a := startAgent(t)
+	var hs []*helper
+	for range limConns / limConnsPerPID {
+		h := startHelper(t, a, fmt.Sprintf("redial %d", limConnsPerPID))
+		h.expect(t, "redialing")
+		hs = append(hs, h)
+	}
+	time.Sleep(time.Second) // every place taken, and the squatters older than the eviction grace
+	before := a.rejects("evicted_idle")
+	g := startGood(t, a, 0, 2*time.Second)
+	g.wait(t)
+	if ev := a.rejects("evicted_idle") - before; ev < 1 {
+		t.Errorf("the good client got in without an eviction: %v (were the squatters at the bound?)", ev)
+	}
+	if a.probe("/readyz") != 200 {
+		t.Errorf("/readyz %d while connections without sessions made room", a.probe("/readyz"))
+	}
+	for _, h := range hs {
+		h.stop()
+	}
+	t.Logf("evictions: %.0f; refused at a bound: %.0f", a.rejects("evicted_idle")-before, a.rejects("conns")+a.rejects("conns_per_uid")+a.rejects("conns_per_pid"))
+}
