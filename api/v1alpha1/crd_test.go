@@ -58,7 +58,8 @@ func full() *v1alpha1.KVPoolNode {
 				Allocated: q("2Gi"), Used: q("512Mi"), Chunks: chunks, Healthy: true}},
 			Conditions: []metav1.Condition{{Type: v1alpha1.ConditionReady, Status: metav1.ConditionTrue,
 				ObservedGeneration: 1, LastTransitionTime: ts, Reason: "ChecksPassed", Message: "ok"}},
-			Restart:        &v1alpha1.RestartStatus{AdoptedChunks: 3, FreshChunks: 1, LastGapMilliseconds: 120},
+			Restart: &v1alpha1.RestartStatus{AdoptedChunks: 3, FreshChunks: 1, LastGapMilliseconds: 120,
+				KeeperConnected: true, KeeperLosses: 2, PoolLost: true},
 			LastUpdateTime: ts,
 		},
 	}

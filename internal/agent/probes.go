@@ -78,6 +78,14 @@ func (a *agent) addHealthChecks(ctx context.Context, wg *sync.WaitGroup) error {
 	h := a.obs.Health
 	dial := health.Dial(wire.Network, a.socket, helloHandshake)
 	h.AddReadiness("socket", dial)
+	if a.restart != nil {
+		h.AddReadiness("keeper", func(context.Context) error {
+			if err := a.durable(); err != nil {
+				return fmt.Errorf("%w; changes are refused until a keeper holds the pool again", err)
+			}
+			return nil
+		})
+	}
 	h.AddReadiness("connections", func(context.Context) error {
 		if why, ok := a.srv.Refusing(refusingWindow); ok {
 			return fmt.Errorf("refusing new clients: %s", why)

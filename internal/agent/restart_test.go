@@ -167,3 +167,139 @@ func TestReorderedTokensKeepTheirAllocations(t *testing.T) {
 		}
 	}
 }
+
+// stopKeeper ends an in-process keeper as a kill does: its connections
+// close and every fd it held with them.
+type keeperProc struct {
+	path   string
+	k      *keeper.Keeper
+	cancel context.CancelFunc
+	done   chan error
+}
+
+func runKeeper(t *testing.T, path string) *keeperProc {
+	t.Helper()
+	l, err := keeper.Listen(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	kp := &keeperProc{path: path, k: keeper.New(quietLog), done: make(chan error, 1)}
+	ctx, cancel := context.WithCancel(context.Background())
+	kp.cancel = cancel
+	go func() { kp.done <- kp.k.Serve(ctx, l) }()
+	t.Cleanup(kp.kill)
+	return kp
+}
+
+func (kp *keeperProc) kill() {
+	if kp.cancel == nil {
+		return
+	}
+	kp.cancel()
+	<-kp.done
+	kp.k.Close()
+	kp.cancel = nil
+}
+
+func waitUntil(t *testing.T, what string, ok func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for !ok() {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: not within 20s", what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// The keeper lost and replaced under a client: the agent sees the loss at
+// once, refuses changes ("retry") while reads go on, says so (readiness,
+// the restart report), reconnects to the new keeper and hands it every
+// chunk and the books; then changes are served again, and an agent
+// restart on the new keeper finds every session and stream (issue 23: the
+// agent never connected to the new keeper, renewals failed with "keeper
+// put: broken pipe", and the next compaction made it exit).
+func TestKeeperLostAndReplaced(t *testing.T) {
+	dir := t.TempDir()
+	ksock := filepath.Join(dir, "keeper", "keeper.sock")
+	k1 := runKeeper(t, ksock)
+	a, stop := keptAgent(t, dir, ksock, []string{"tenant-a"})
+	w := dialAgent(t, a.Socket())
+	first := w.open("tenant-a", "instance-a")
+	if st, msg := w.do(wire.OpOffload, &wire.Offload{Rid: "before", Label: "kv", GpuPages: []int32{1, 2}}, &wire.OffloadReply{}); st != 0 {
+		t.Fatalf("offload: %s %s", st, msg)
+	}
+	k1.kill()
+	waitUntil(t, "the loss seen", func() bool { return a.a.durable() != nil })
+	if r := a.a.restartStatus(); r.KeeperConnected || r.KeeperLosses != 1 {
+		t.Fatalf("restart report while lost: %+v", r)
+	}
+	if st, msg := w.do(wire.OpOffload, &wire.Offload{Rid: "during", Label: "kv", GpuPages: []int32{3}}, &wire.OffloadReply{}); st != wire.StatusUnavailable {
+		t.Fatalf("an offload while the keeper is lost: %s %s", st, msg)
+	}
+	var n wire.NumPagesReply
+	if st, _ := w.do(wire.OpNumPages, &wire.Stream{Rid: "before", Label: "kv"}, &n); st != 0 || n.Pages != 2 {
+		t.Fatalf("a read while the keeper is lost: %s %d", st, n.Pages)
+	}
+	k2 := runKeeper(t, ksock)
+	waitUntil(t, "the new keeper takes the pool", func() bool { return a.a.durable() == nil })
+	st := k2.k.Stat()
+	if st.Chunks != len(a.a.hmem) || !st.Books || !st.Agent {
+		t.Fatalf("the new keeper holds %+v, the agent %d chunks", st, len(a.a.hmem))
+	}
+	if r := a.a.restartStatus(); !r.KeeperConnected || r.KeeperLosses != 1 {
+		t.Fatalf("restart report after the reconnect: %+v", r)
+	}
+	if st, msg := w.do(wire.OpOffload, &wire.Offload{Rid: "after", Label: "kv", GpuPages: []int32{3}}, &wire.OffloadReply{}); st != 0 {
+		t.Fatalf("an offload once a keeper holds the pool: %s %s", st, msg)
+	}
+	w.c.Close()
+	stop()
+
+	a2, stop2 := keptAgent(t, dir, ksock, []string{"tenant-a"})
+	defer stop2()
+	w2 := dialAgent(t, a2.Socket())
+	if got := w2.open("tenant-a", "instance-a"); !got.Resumed || got.Session != first.Session {
+		t.Fatalf("after an agent restart on the new keeper: %+v", got)
+	}
+	for rid, pages := range map[string]uint32{"before": 2, "after": 1} {
+		var n wire.NumPagesReply
+		if st, msg := w2.do(wire.OpNumPages, &wire.Stream{Rid: rid, Label: "kv"}, &n); st != 0 || n.Pages != pages {
+			t.Fatalf("stream %s after the restart: %s %s, %d pages", rid, st, msg, n.Pages)
+		}
+	}
+	if r := a2.a.restartStatus(); r.PoolLost || r.AdoptedChunks != len(a2.a.hmem) {
+		t.Fatalf("the restart on the new keeper: %+v", r)
+	}
+}
+
+// A keeper that lost the pool while no agent held it (both gone): the next
+// agent finds it empty though its marker says it held books, and says the
+// pool and its sessions were lost, not an ordinary first start.
+func TestPoolLostAtStart(t *testing.T) {
+	dir := t.TempDir()
+	ksock := filepath.Join(dir, "keeper", "keeper.sock")
+	k1 := runKeeper(t, ksock)
+	a, stop := keptAgent(t, dir, ksock, []string{"tenant-a"})
+	w := dialAgent(t, a.Socket())
+	first := w.open("tenant-a", "instance-a")
+	w.c.Close()
+	stop()
+	k1.kill()
+	runKeeper(t, ksock)
+	a2, stop2 := keptAgent(t, dir, ksock, []string{"tenant-a"})
+	r := a2.a.restartStatus()
+	if !r.PoolLost || r.LostChunks == 0 || r.AdoptedChunks != 0 {
+		t.Fatalf("a start on a keeper that lost the pool: %+v", r)
+	}
+	if got := dialAgent(t, a2.Socket()).open("tenant-a", "instance-a"); got.Resumed || got.Session == first.Session {
+		t.Fatalf("the lost session came back: %+v", got)
+	}
+	// A start after that one, on the same keeper, is an ordinary restart.
+	stop2()
+	a3, stop3 := keptAgent(t, dir, ksock, []string{"tenant-a"})
+	defer stop3()
+	if r := a3.a.restartStatus(); r.PoolLost {
+		t.Fatalf("the next restart says the pool was lost again: %+v", r)
+	}
+}

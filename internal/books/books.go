@@ -191,6 +191,10 @@ type Books struct {
 	broken   error
 	lastSnap uint64 // bytes of the last snapshot written, its parts' records included
 	skipped  int    // records the last replay skipped
+	// unkept is why no keeper holds the current memfd (its PutBooks
+	// failed: the keeper is lost), nil when one does; onUnkept is told.
+	unkept   error
+	onUnkept func(error)
 
 	compactions atomic.Int64
 	records     atomic.Int64
@@ -211,7 +215,47 @@ func Start(st *State, gen uint64, store Store, fatal func(error)) (*Books, error
 	if err := b.compactLocked(st, 0); err != nil {
 		return nil, err
 	}
+	if b.unkept != nil {
+		return nil, fmt.Errorf("books: hand the books to the keeper: %w", b.unkept)
+	}
 	return b, nil
+}
+
+// OnUnkept makes f be told (under the books' lock: it must not call back)
+// when a compaction could not hand its memfd to the store: the books go on
+// in a memfd that only this process holds, which an agent restart would
+// lose, until Rehand hands it to a store again.
+func (b *Books) OnUnkept(f func(error)) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.onUnkept = f
+}
+
+// Unkept is why no store holds the current books (nil when one does).
+func (b *Books) Unkept() error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.unkept
+}
+
+// Rehand compacts the books into a fresh memfd and hands it to store,
+// which keeps them from then on (a new keeper, after the old one was lost:
+// the agent has handed it every chunk first).
+func (b *Books) Rehand(store Store) error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.broken != nil {
+		return b.broken
+	}
+	b.store = store
+	st, err := b.stateLocked()
+	if err != nil {
+		return err
+	}
+	if err := b.compactLocked(st, 0); err != nil {
+		return err
+	}
+	return b.unkept
 }
 
 // state replays the books as they stand.
@@ -227,7 +271,9 @@ func (b *Books) stateLocked() (*State, error) {
 // bytes of records, hands it to the store and switches to it. The
 // snapshot goes in parts (snapWriter), each a record of at most about
 // snapPart bytes, so whatever the state's size replay reads it back; the
-// memfd grows as the parts need.
+// memfd grows as the parts need. A store that does not take the memfd
+// (the keeper is lost) does not stop the books: they go on in it, unkept
+// (OnUnkept), so that nothing recorded is lost while this process lives.
 func (b *Books) compactLocked(st *State, extra int) error {
 	capacity := roundPage(max(uint64(minLog), 2*b.lastSnap+uint64(extra)+64))
 	fd, err := unix.MemfdCreate("kvpool-books", unix.MFD_CLOEXEC)
@@ -294,22 +340,21 @@ func (b *Books) compactLocked(st *State, extra int) error {
 	if final := roundPage(snap + max(uint64(minLog), snap) + uint64(extra) + 32); err == nil && final != capacity {
 		err = resize(final)
 	}
-	if err == nil {
-		err = b.store.PutBooks(b.gen+1, f)
-		if err != nil {
-			err = fmt.Errorf("books: hand the books to the keeper: %w", err)
-		}
-	}
 	if err != nil {
 		unix.Munmap(mem)
 		return fail(err)
 	}
+	unkept := b.store.PutBooks(b.gen+1, f)
 	if b.mem != nil {
 		unix.Munmap(b.mem)
 		b.f.Close()
 	}
 	b.f, b.mem, b.gen, b.off, b.end = f, mem, b.gen+1, off, headerSize+capacity
 	b.lastSnap, b.skipped = snap, st.Skipped
+	b.unkept = unkept
+	if unkept != nil && b.onUnkept != nil {
+		b.onUnkept(unkept)
+	}
 	b.touchLocked()
 	b.compactions.Add(1)
 	return nil

@@ -274,21 +274,30 @@ func TestCompaction(t *testing.T) {
 		t.Fatalf("stats %+v, %d puts", s, r.store.puts)
 	}
 	must(t, r.load().Check(r.p.Export()))
-	// A store that fails stops the books: nothing more is acknowledged.
+	// A store that fails (the keeper is lost) does not stop the books:
+	// they go on in a memfd of their own, unkept, and say so; handed to a
+	// store again they are whole.
 	r.store.fail = errors.New("keeper gone")
-	var fatal error
-	r.b.fatal = func(err error) { fatal = err }
-	var err error
-	for i := 0; err == nil && i < 100000; i++ {
-		r.seq++
-		err = r.b.Session(server.SessionOp{Session: r.ss[0].ID(), Seq: r.seq, Fence: 1})
+	var told error
+	r.b.OnUnkept(func(err error) { told = err })
+	r.b.fatal = func(err error) { t.Errorf("fatal: %v", err) }
+	for i := 0; told == nil && i < 100000; i++ {
+		r.step(i)
 	}
-	if err == nil || fatal == nil {
-		t.Fatalf("books kept acknowledging without a store: %v %v", err, fatal)
+	if told == nil || !errors.Is(r.b.Unkept(), r.store.fail) {
+		t.Fatalf("a compaction the store refused: told %v, unkept %v", told, r.b.Unkept())
 	}
-	if r.b.Session(server.SessionOp{Session: 1, Fence: 1}) == nil {
-		t.Fatal("broken books acknowledged a change")
+	for i := range 200 {
+		r.step(i)
 	}
+	fresh := &memStore{}
+	must(t, r.b.Rehand(fresh))
+	if r.b.Unkept() != nil || fresh.f == nil {
+		t.Fatalf("after Rehand: unkept %v", r.b.Unkept())
+	}
+	st, _, err := Load(fresh.f)
+	must(t, err)
+	must(t, st.Check(r.p.Export()))
 }
 
 func TestLoadRefuses(t *testing.T) {

@@ -302,3 +302,83 @@ func TestKeeperBoundsConnections(t *testing.T) {
 		t.Fatalf("the agent's connection after a flood at the bound: %v", err)
 	}
 }
+
+// The client sees its keeper's loss: a keeper that exits closes the
+// connection and Lost fires at once, with no request in flight; one that
+// stops answering (SIGSTOP: the socket stays open) fails the next request
+// within CallTimeout; either way every later request fails at once with
+// ErrLost (issue 23: a stopped keeper stalled every journaled call and
+// open, with no error and no bound).
+func TestClientSeesKeeperLoss(t *testing.T) {
+	old := CallTimeout
+	CallTimeout = 200 * time.Millisecond
+	defer func() { CallTimeout = old }()
+
+	// Exited.
+	path := filepath.Join(t.TempDir(), "keeper.sock")
+	l, err := Listen(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	k := New(nil)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- k.Serve(ctx, l) }()
+	c, _, err := Connect(path, time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Ping(); err != nil {
+		t.Fatal(err)
+	}
+	cancel()
+	<-done
+	k.Close()
+	select {
+	case <-c.Lost():
+	case <-time.After(2 * time.Second):
+		t.Fatal("the client did not see its keeper exit")
+	}
+	if err := c.Put(Item{ID: "x", Size: 4096}, memfd(t, 4096, 0)); !errors.Is(err, ErrLost) {
+		t.Fatalf("put to an exited keeper: %v", err)
+	}
+
+	// Stopped: it took the connection and answered hello, and then
+	// nothing more.
+	path = filepath.Join(t.TempDir(), "stalled.sock")
+	sl, err := Listen(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sl.Close()
+	go func() {
+		uc, err := sl.AcceptUnix()
+		if err != nil {
+			return
+		}
+		defer uc.Close()
+		buf := make([]byte, maxPacket)
+		uc.Read(buf) // hello
+		send(uc, message{V: Version, Op: "state"}, nil)
+		send(uc, message{Op: "end"}, nil)
+		time.Sleep(10 * time.Second) // stopped
+	}()
+	c, _, err = Connect(path, time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	_, err = c.Ping()
+	if !errors.Is(err, ErrLost) || time.Since(start) > 2*time.Second {
+		t.Fatalf("ping of a stopped keeper: %v after %s", err, time.Since(start))
+	}
+	select {
+	case <-c.Lost():
+	default:
+		t.Fatal("a stopped keeper's client not marked lost")
+	}
+	start = time.Now()
+	if err := c.Drop("x"); !errors.Is(err, ErrLost) || time.Since(start) > 50*time.Millisecond {
+		t.Fatalf("a request after the loss: %v after %s", err, time.Since(start))
+	}
+}

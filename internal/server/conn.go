@@ -354,6 +354,11 @@ func (c *conn) handle(h wire.Header, body []byte) reply {
 	if r, done := c.prepare(h); done {
 		return r
 	}
+	if replayable(h.Op) {
+		if r, ok := c.s.durable(h.Op); !ok {
+			return r
+		}
+	}
 	switch h.Op {
 	case wire.OpPages:
 		return c.handlePages(body)
@@ -789,10 +794,15 @@ func (s *Server) attach(c *conn, k key, uuid, inst string, spec pool.Spec, regio
 		if e.conn != nil {
 			return nil, "", fail(wire.StatusBusy, fmt.Errorf("open: GPU %d of this allocation is held by live session %d (pid %d)", k.gpu, e.id, e.peer.PID))
 		}
+		if r, ok := s.durable(wire.OpOpen); !ok {
+			return nil, "", r
+		}
 		info := e.infoLocked()
 		replaced = &info
 		s.o.Pool.Close(e.ps)
 		delete(s.sessions, k)
+	} else if r, ok := s.durable(wire.OpOpen); !ok {
+		return nil, "", r
 	}
 	if r, ok := s.checkSessionsLocked(c, k); !ok {
 		return nil, "", s.failedOpenLocked(replaced, r)
@@ -827,6 +837,18 @@ func (s *Server) attach(c *conn, k key, uuid, inst string, spec pool.Spec, regio
 }
 
 func (s *Server) hookSessionLocked(ev SessionEvent, info SessionInfo) { s.hookSession(ev, info) }
+
+// durable refuses a change, "unavailable, retry", while Options.Durable
+// says it would not survive a restart.
+func (s *Server) durable(op wire.Op) (reply, bool) {
+	if s.o.Durable == nil {
+		return reply{}, true
+	}
+	if err := s.o.Durable(); err != nil {
+		return fail(wire.StatusUnavailable, fmt.Errorf("%s: %w; nothing was done, retry", op, err)), false
+	}
+	return reply{}, true
+}
 
 // failedOpenLocked ends an open that failed after it had replaced the
 // disconnected owner's session (replaced, nil when it had not): that

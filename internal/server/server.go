@@ -193,6 +193,14 @@ type Options struct {
 	// Journal, when set, records every session change before its answer
 	// is sent (internal/books), so that sessions survive an agent restart.
 	Journal Journal
+	// Durable, when set, says whether a change recorded now would survive
+	// an agent restart (nil) or not, and why (the keeper is lost). While
+	// it does not, every request that would change a session (offload,
+	// reload, discard, remove_request, close, an open of a new session)
+	// is answered StatusUnavailable ("retry") with that reason and changes
+	// nothing; reads, resumes and resent requests whose answer is kept
+	// are served. It is called under the server's lock: it must not block.
+	Durable func() error
 }
 
 // DefaultEvictAfter is Options.EvictAfter's default.
