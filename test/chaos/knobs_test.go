@@ -15,11 +15,15 @@ func TestKnobsDocumented(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	loss, err := os.ReadFile("keeperloss_test.go")
+	if err != nil {
+		t.Fatal(err)
+	}
 	arch, err := os.ReadFile("../../docs/architecture.md")
 	if err != nil {
 		t.Fatal(err)
 	}
-	read := regexp.MustCompile(`envInt\(t, "(KVPOOL_CHAOS_[A-Z_]+)"`).FindAllStringSubmatch(string(src), -1)
+	read := regexp.MustCompile(`envInt\(t, "(KVPOOL_CHAOS_[A-Z_]+)"`).FindAllStringSubmatch(string(src)+string(loss), -1)
 	if len(read) == 0 {
 		t.Fatal("no knob found in chaos_test.go")
 	}
