@@ -103,7 +103,6 @@ func benchRestore(b *testing.B, sessions, streams int, names int64) {
 	p, _, _ := atLimits(b, sessions, streams, names, false)
 	live := heapInUse() - base
 	runtime.KeepAlive(p)
-	p = nil
 	_, bk, store := atLimits(b, sessions, streams, names, true)
 	bk.Close()
 	bk = nil

@@ -275,81 +275,32 @@ func (b *Books) stateLocked() (*State, error) {
 // (the keeper is lost) does not stop the books: they go on in it, unkept
 // (OnUnkept), so that nothing recorded is lost while this process lives.
 func (b *Books) compactLocked(st *State, extra int) error {
-	capacity := roundPage(max(uint64(minLog), 2*b.lastSnap+uint64(extra)+64))
-	fd, err := unix.MemfdCreate("kvpool-books", unix.MFD_CLOEXEC)
+	lf, err := newLogFile(b.gen+1, roundPage(max(uint64(minLog), 2*b.lastSnap+uint64(extra)+64)))
 	if err != nil {
-		return fmt.Errorf("books: memfd: %w", err)
+		return err
 	}
-	f := os.NewFile(uintptr(fd), "kvpool-books")
-	fail := func(err error) error { f.Close(); return err }
-	if err := f.Truncate(int64(headerSize + capacity)); err != nil {
-		return fail(fmt.Errorf("books: size %d: %w", headerSize+capacity, err))
-	}
-	mem, err := unix.Mmap(fd, 0, int(headerSize+capacity), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
-	if err != nil {
-		return fail(fmt.Errorf("books: map: %w", err))
-	}
-	copy(mem, magic)
-	binary.LittleEndian.PutUint32(mem[8:], FormatVersion)
-	binary.LittleEndian.PutUint64(mem[16:], b.gen+1)
-	binary.LittleEndian.PutUint64(mem[24:], capacity)
-	off := uint64(headerSize)
-	// resize makes the log c bytes (the file and its mapping; a smaller
-	// size only cuts off what was never written).
-	resize := func(c uint64) error {
-		if c > capacity {
-			if err := f.Truncate(int64(headerSize + c)); err != nil {
-				return fmt.Errorf("books: grow to %d: %w", headerSize+c, err)
-			}
-		}
-		m, err := unix.Mremap(mem, int(headerSize+c), unix.MREMAP_MAYMOVE)
-		if err != nil {
-			return fmt.Errorf("books: resize to %d: %w", headerSize+c, err)
-		}
-		if c < capacity {
-			if err := f.Truncate(int64(headerSize + c)); err != nil {
-				return fmt.Errorf("books: shrink to %d: %w", headerSize+c, err)
-			}
-		}
-		mem, capacity = m, c
-		binary.LittleEndian.PutUint64(mem[24:], capacity)
-		return nil
-	}
-	// grow makes room for need more bytes after off.
-	grow := func(need uint64) error {
-		if off+need <= headerSize+capacity {
-			return nil
-		}
-		return resize(roundPage(max(2*capacity, off+need-headerSize)))
-	}
-	w := newSnapWriter(b.buf, func(payload []byte) error {
-		if err := grow(recordSize(len(payload)) + 8); err != nil {
-			return err
-		}
-		off = writeRecord(mem, off, payload)
-		return nil
-	})
+	w := newSnapWriter(b.buf, lf.append)
 	err = writeSnapshot(w, st)
 	if cap(w.e) <= 2*snapPart {
 		b.buf = w.e[:0]
 	}
-	snap := off - headerSize
+	snap := lf.off - headerSize
 	// The log has as much room again (at least minLog) before the next
 	// compaction: a compaction, which costs about a snapshot, comes after
 	// about a snapshot's bytes of records.
-	if final := roundPage(snap + max(uint64(minLog), snap) + uint64(extra) + 32); err == nil && final != capacity {
-		err = resize(final)
+	if final := roundPage(snap + max(uint64(minLog), snap) + uint64(extra) + 32); err == nil && final != lf.capacity {
+		err = lf.resize(final)
 	}
 	if err != nil {
-		unix.Munmap(mem)
-		return fail(err)
+		lf.close()
+		return err
 	}
-	unkept := b.store.PutBooks(b.gen+1, f)
+	unkept := b.store.PutBooks(b.gen+1, lf.f)
 	if b.mem != nil {
 		unix.Munmap(b.mem)
 		b.f.Close()
 	}
-	b.f, b.mem, b.gen, b.off, b.end = f, mem, b.gen+1, off, headerSize+capacity
+	b.f, b.mem, b.gen, b.off, b.end = lf.f, lf.mem, b.gen+1, lf.off, headerSize+lf.capacity
 	b.lastSnap, b.skipped = snap, st.Skipped
 	b.unkept = unkept
 	if unkept != nil && b.onUnkept != nil {
@@ -358,6 +309,78 @@ func (b *Books) compactLocked(st *State, extra int) error {
 	b.touchLocked()
 	b.compactions.Add(1)
 	return nil
+}
+
+// logFile is a books memfd being written by a compaction: its mapping,
+// capacity (of the log, after the header) and the end of what is written.
+type logFile struct {
+	f        *os.File
+	mem      []byte
+	capacity uint64
+	off      uint64
+}
+
+// newLogFile makes a books memfd of generation gen with a log of
+// capacity bytes, its header written.
+func newLogFile(gen, capacity uint64) (*logFile, error) {
+	fd, err := unix.MemfdCreate("kvpool-books", unix.MFD_CLOEXEC)
+	if err != nil {
+		return nil, fmt.Errorf("books: memfd: %w", err)
+	}
+	f := os.NewFile(uintptr(fd), "kvpool-books")
+	if err := f.Truncate(int64(headerSize + capacity)); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("books: size %d: %w", headerSize+capacity, err)
+	}
+	mem, err := unix.Mmap(fd, 0, int(headerSize+capacity), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		f.Close()
+		return nil, fmt.Errorf("books: map: %w", err)
+	}
+	copy(mem, magic)
+	binary.LittleEndian.PutUint32(mem[8:], FormatVersion)
+	binary.LittleEndian.PutUint64(mem[16:], gen)
+	binary.LittleEndian.PutUint64(mem[24:], capacity)
+	return &logFile{f: f, mem: mem, capacity: capacity, off: headerSize}, nil
+}
+
+// resize makes the log c bytes: the file and its mapping, and the
+// header's capacity (a smaller size only cuts off what was never written).
+func (l *logFile) resize(c uint64) error {
+	if c > l.capacity {
+		if err := l.f.Truncate(int64(headerSize + c)); err != nil {
+			return fmt.Errorf("books: grow to %d: %w", headerSize+c, err)
+		}
+	}
+	m, err := unix.Mremap(l.mem, int(headerSize+c), unix.MREMAP_MAYMOVE)
+	if err != nil {
+		return fmt.Errorf("books: resize to %d: %w", headerSize+c, err)
+	}
+	if c < l.capacity {
+		if err := l.f.Truncate(int64(headerSize + c)); err != nil {
+			return fmt.Errorf("books: shrink to %d: %w", headerSize+c, err)
+		}
+	}
+	l.mem, l.capacity = m, c
+	binary.LittleEndian.PutUint64(l.mem[24:], l.capacity)
+	return nil
+}
+
+// append writes one record, growing the log (doubling) when it must.
+func (l *logFile) append(payload []byte) error {
+	need := recordSize(len(payload)) + 8 // and a zero length after it
+	if l.off+need > headerSize+l.capacity {
+		if err := l.resize(roundPage(max(2*l.capacity, l.off+need-headerSize))); err != nil {
+			return err
+		}
+	}
+	l.off = writeRecord(l.mem, l.off, payload)
+	return nil
+}
+
+func (l *logFile) close() {
+	unix.Munmap(l.mem)
+	l.f.Close()
 }
 
 func roundPage(n uint64) uint64 { return (n + 4095) &^ 4095 }

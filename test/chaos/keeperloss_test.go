@@ -130,7 +130,9 @@ func TestKeeperLossChaos(t *testing.T) {
 			exited = make(chan struct{})
 			ag = startAgent()
 			watch(ag)
-			waitFor(t, func() bool { return regexp.MustCompile(`pool adopted from the keeper" chunks=` + strconv.Itoa(chunks)).Match(ag.log.Bytes()) })
+			waitFor(t, func() bool {
+				return regexp.MustCompile(`pool adopted from the keeper" chunks=` + strconv.Itoa(chunks)).Match(ag.log.Bytes())
+			})
 			if strings.Contains(ag.log.String(), "the keeper lost the pool") {
 				t.Fatalf("round %d: the agent after a kept pool says it was lost:\n%s", round, ag.log)
 			}
