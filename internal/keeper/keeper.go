@@ -153,6 +153,8 @@ type Keeper struct {
 	booksGen uint64
 	agent    *net.UnixConn // the connected agent, nil when none
 
+	idle time.Duration // IdleTimeout, from idleTimeout when made
+
 	// evicted counts connections closed at MaxConns since evictLogged
 	// (guarded by Serve's connection lock).
 	evicted     int
@@ -164,7 +166,7 @@ func New(log *slog.Logger) *Keeper {
 	if log == nil {
 		log = slog.Default()
 	}
-	return &Keeper{log: log, chunks: map[string]held{}}
+	return &Keeper{log: log, chunks: map[string]held{}, idle: idleTimeout}
 }
 
 // Listen creates the keeper's socket at path, mode 0600 in a directory
@@ -301,7 +303,7 @@ func (k *Keeper) serveConn(uc *net.UnixConn) {
 	buf := make([]byte, maxPacket)
 	oob := make([]byte, unix.CmsgSpace(4*maxRequestFDs))
 	for {
-		deadline := time.Now().Add(idleTimeout)
+		deadline := time.Now().Add(k.idle)
 		if isAgent {
 			deadline = time.Time{} // the agent's connection lives as long as the agent
 		}

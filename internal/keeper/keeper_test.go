@@ -257,8 +257,8 @@ func FuzzParseRequest(f *testing.F) {
 func TestKeeperBoundsConnections(t *testing.T) {
 	old := idleTimeout
 	idleTimeout = 300 * time.Millisecond
-	defer func() { idleTimeout = old }()
-	_, path := start(t)
+	_, path := start(t) // the keeper takes idleTimeout when made
+	idleTimeout = old
 	dial := func() *net.UnixConn {
 		uc, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: path, Net: "unixpacket"})
 		if err != nil {
