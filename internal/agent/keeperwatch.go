@@ -198,19 +198,22 @@ type keeperChunk struct {
 }
 
 // The keeper marker: a small file in the state directory that says what
-// the keeper held when this agent last handed it the books. A later agent
-// that finds the keeper empty though the marker says it held books knows
-// that the keeper lost the pool (it was restarted while no agent held the
-// pool), and says so, instead of starting as if for the first time.
+// the keeper held when this agent last handed it the books, while that
+// was worth losing (allocations or sessions; with none the file is
+// removed, so an uninstall leaves nothing). A later agent that finds the
+// keeper empty though the marker says it held books knows that the keeper
+// lost the pool (it was restarted while no agent held the pool), and says
+// so, instead of starting as if for the first time.
 
 // markerFile is the marker's name in the state directory.
 const markerFile = "keeper-pool.json"
 
 type marker struct {
-	BooksGen uint64    `json:"booksGen"`
-	Chunks   int       `json:"chunks"`
-	Sessions int       `json:"sessions"`
-	Written  time.Time `json:"written"`
+	BooksGen    uint64    `json:"booksGen"`
+	Chunks      int       `json:"chunks"`
+	Allocations int       `json:"allocations"`
+	Sessions    int       `json:"sessions"`
+	Written     time.Time `json:"written"`
 }
 
 // poolLoss is what the agent found at start: the keeper had lost the pool
@@ -240,27 +243,51 @@ func (a *agent) readMarker() marker {
 }
 
 // writeMarker records what the keeper holds now (atomically: a temporary
-// file renamed). A failure is logged: the marker only sharpens what a
+// file renamed), or removes the marker when the pool holds no allocation
+// and no session. A failure is logged: the marker only sharpens what a
 // later agent says.
 func (a *agent) writeMarker() {
 	r := a.restart
-	m := marker{BooksGen: r.books.Stats().Gen, Chunks: len(a.srvChunks()), Written: time.Now().UTC()}
+	m := marker{BooksGen: r.books.Stats().Gen, Chunks: len(a.srvChunks()), Allocations: a.allocations(), Written: time.Now().UTC()}
 	if a.srv != nil {
 		m.Sessions = len(a.srv.Sessions())
 	}
-	data, _ := json.Marshal(m)
-	dir := filepath.Dir(a.markerPath())
-	err := os.MkdirAll(dir, 0o700)
-	if err == nil {
-		tmp := a.markerPath() + ".tmp"
-		if err = os.WriteFile(tmp, data, 0o600); err == nil {
-			err = os.Rename(tmp, a.markerPath())
+	r.markedSessions.Store(int64(m.Sessions))
+	r.markedAllocs.Store(int64(m.Allocations))
+	var err error
+	if m.Allocations == 0 && m.Sessions == 0 {
+		if err = os.Remove(a.markerPath()); errors.Is(err, os.ErrNotExist) {
+			err = nil
+		}
+	} else {
+		data, _ := json.Marshal(m)
+		if err = os.MkdirAll(filepath.Dir(a.markerPath()), 0o700); err == nil {
+			tmp := a.markerPath() + ".tmp"
+			if err = os.WriteFile(tmp, data, 0o600); err == nil {
+				err = os.Rename(tmp, a.markerPath())
+			}
 		}
 	}
 	if err != nil {
 		a.log.Warn("keeper marker not written", "path", a.markerPath(), "err", err)
 	}
-	r.markedSessions.Store(int64(m.Sessions))
+}
+
+// markerStale says whether the marker's counts differ from the pool's.
+func (a *agent) markerStale() bool {
+	r := a.restart
+	return int64(len(a.srv.Sessions())) != r.markedSessions.Load() || int64(a.allocations()) != r.markedAllocs.Load()
+}
+
+// allocations counts the pool's allocations.
+func (a *agent) allocations() int {
+	seen := map[string]bool{}
+	for _, c := range a.pool.Chunks() {
+		if c.Allocation != "" {
+			seen[c.Allocation] = true
+		}
+	}
+	return len(seen)
 }
 
 // srvChunks lists the chunks the agent holds.
@@ -279,4 +306,5 @@ type keeperCounters struct {
 	lost           atomic.Pointer[keeperLoss] // non-nil while no keeper holds the pool
 	losses         atomic.Int64
 	markedSessions atomic.Int64 // sessions the marker last said
+	markedAllocs   atomic.Int64 // allocations the marker last said
 }

@@ -172,6 +172,9 @@ func (a *agent) closeKeeper() error {
 	if r == nil {
 		return nil
 	}
+	if r.books != nil && r.lost.Load() == nil {
+		a.writeMarker() // a stop with nothing to lose leaves no marker
+	}
 	if r.books != nil {
 		r.books.Close()
 	}
@@ -348,7 +351,8 @@ func (a *agent) settleRestored() error {
 
 // heartbeat leaves a sign of life in the books until ctx ends, so that the
 // next agent can tell how long the pool went unserved, and keeps the
-// keeper marker's count of sessions current (every 30 s when it changed).
+// keeper marker current (every 3 s, when the pool's allocations or
+// sessions changed).
 func (a *agent) heartbeat(ctx context.Context) {
 	t := time.NewTicker(100 * time.Millisecond)
 	defer t.Stop()
@@ -359,7 +363,7 @@ func (a *agent) heartbeat(ctx context.Context) {
 		case <-t.C:
 			a.restart.books.Touch()
 		}
-		if r := a.restart; i%300 == 0 && r.lost.Load() == nil && int64(len(a.srv.Sessions())) != r.markedSessions.Load() {
+		if r := a.restart; i%30 == 0 && r.lost.Load() == nil && a.markerStale() {
 			a.writeMarker()
 		}
 	}
