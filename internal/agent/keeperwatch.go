@@ -101,10 +101,12 @@ func (a *agent) watchKeeper(ctx context.Context) {
 		case <-kc.Lost():
 			err = kc.Err()
 		case <-t.C:
-			if r.lost.Load() == nil {
-				if _, err = kc.Ping(); err == nil {
-					continue
-				}
+			if l := r.lost.Load(); l != nil {
+				err = l.err // lost on another path (a put, the books): reconnect
+				break
+			}
+			if _, err = kc.Ping(); err == nil {
+				continue
 			}
 		}
 		if ctx.Err() != nil {
