@@ -65,12 +65,13 @@ func TestKeeperLossChaos(t *testing.T) {
 		return a
 	}
 	ag := startAgent()
-	defer func() { ag.cmd.Process.Kill(); ag.cmd.Wait() }()
-	exited := make(chan struct{})
+	exited := make(chan struct{}) // closed when ag exits (watch waits for it)
 	watch := func(a *agentProc) {
-		go func() { a.cmd.Wait(); close(exited) }()
+		done := exited
+		go func() { a.cmd.Wait(); close(done) }()
 	}
 	watch(ag)
+	defer func() { ag.cmd.Process.Kill(); <-exited }()
 	clients := startClients(t, clientBin, agentSock)
 	defer stopClients(clients)
 
