@@ -49,6 +49,11 @@ const (
 	ConditionReady = "Ready"
 	// ConditionPoolComplete is true once every planned chunk is ready.
 	ConditionPoolComplete = "PoolComplete"
+	// ConditionPoolKept (with a keeper) is true while the keeper holds the
+	// pool and its books, so that an agent restart keeps every session;
+	// false, reason KeeperLost, while it is lost. Reason PoolLostAtStart
+	// (still true) says that the keeper had lost an earlier agent's pool.
+	ConditionPoolKept = "PoolKept"
 )
 
 // KVPoolNode is the status of one node's host KV pool. It is cluster scoped,
@@ -179,6 +184,19 @@ type RestartStatus struct {
 	// first start).
 	// +kubebuilder:validation:Minimum=0
 	LastGapMilliseconds int64 `json:"lastGapMilliseconds"`
+	// KeeperConnected says whether the keeper holds the pool and its books
+	// now. While it does not, changes to sessions are refused (clients
+	// retry) and the agent reconnects to the keeper.
+	KeeperConnected bool `json:"keeperConnected"`
+	// KeeperLosses counts the keeper connections this agent lost.
+	// +kubebuilder:validation:Minimum=0
+	// +optional
+	KeeperLosses int32 `json:"keeperLosses,omitempty"`
+	// PoolLost says that at this agent's start the keeper held none of the
+	// pool an earlier agent had kept in it: that pool's sessions and
+	// streams are gone.
+	// +optional
+	PoolLost bool `json:"poolLost,omitempty"`
 }
 
 // ChunkCounts counts chunks by state.

@@ -52,11 +52,15 @@ func plan(ctx context.Context, args []string, out io.Writer, getenv func(string)
 	fs := flag.NewFlagSet("agent plan", flag.ContinueOnError)
 	fs.SetOutput(out)
 	fs.Usage = func() {
-		fmt.Fprintln(out, "usage: agent plan [--json] [--standalone] [config flags]\n\nPrints the pool the agent would allocate on this node, per GPU, and the input that bound it. Allocates nothing.")
+		fmt.Fprintln(out, "usage: agent plan [--json] [--standalone | --simulate-gpus N] [config flags]\n\n"+
+			"Prints the pool the agent would allocate on this node, per GPU, and the input that bound it. Allocates nothing.\n"+
+			"On a node without NVML, --simulate-gpus N plans what the configuration (--config) says for N simulated GPUs,\n"+
+			"as `agent serve --simulate-gpus N` would run it; --standalone plans standalone mode's own small pool.")
 		fs.PrintDefaults()
 	}
 	asJSON := fs.Bool("json", false, "print the plan as JSON")
-	standalone := fs.Bool("standalone", false, "plan for simulated GPUs when NVML is absent, with standalone.poolBytes")
+	standalone := fs.Bool("standalone", false, "plan standalone mode's pool (standalone.poolBytes) for simulated GPUs when NVML is absent")
+	simulate := fs.Int("simulate-gpus", 0, "plan the configuration's sizing for this many simulated GPUs instead of NVML's (as serve --simulate-gpus)")
 	root := fs.String("root", "/", "root of the /proc and /sys trees to read (for tests)")
 	config.RegisterFlags(fs)
 	if err := fs.Parse(args); errors.Is(err, flag.ErrHelp) {
@@ -66,6 +70,9 @@ func plan(ctx context.Context, args []string, out io.Writer, getenv func(string)
 	}
 	if fs.NArg() > 0 {
 		return fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	if *simulate < 0 || (*simulate > 0 && *standalone) {
+		return errors.New("--simulate-gpus takes a positive count and does not go with --standalone (which plans for standalone.gpus)")
 	}
 	cfg, _, err := config.Load("", getenv, fs)
 	if err != nil {
@@ -78,24 +85,15 @@ func plan(ctx context.Context, args []string, out io.Writer, getenv func(string)
 	if err != nil {
 		return err
 	}
-	rep := planReport{Mode: "node", GPUs: "NVML", Node: nodeSummary{
+	rep := planReport{Mode: "node", Node: nodeSummary{
 		MemTotal: info.MemTotal, MemAvailable: info.MemAvailable,
 		CgroupVersion: info.Cgroup.Version, CgroupLimit: info.Cgroup.Limit, NUMANodes: len(info.NUMANodes),
 	}}
-	devs, err := gpu.Discover(lib, *root)
-	switch {
-	case errors.Is(err, gpu.ErrNoNVML) && *standalone:
-		var numa []int
-		for _, n := range info.NUMANodes {
-			numa = append(numa, n.ID)
-		}
-		devs = gpu.Simulated(cfg.Standalone.GPUs, agent.SimulatedGPUMemory, numa)
-		rep.GPUs = fmt.Sprintf("simulated (%d; no NVML on this node)", len(devs))
-	case errors.Is(err, gpu.ErrNoNVML):
-		return fmt.Errorf("%w\n(use --standalone to plan for %d simulated GPUs)", err, cfg.Standalone.GPUs)
-	case err != nil:
+	devs, source, err := planGPUs(lib, *root, info, cfg.Standalone.GPUs, *simulate, *standalone)
+	if err != nil {
 		return err
 	}
+	rep.GPUs = source
 	in := sizing.Input{Node: info}
 	for _, d := range devs {
 		in.GPUs = append(in.GPUs, sizing.GPU{Index: d.Index, UUID: d.UUID, NUMA: d.NUMA, Memory: d.Memory})
@@ -123,6 +121,31 @@ func plan(ctx context.Context, args []string, out io.Writer, getenv func(string)
 	}
 	printPlan(out, rep)
 	return nil
+}
+
+// planGPUs finds the GPUs to plan for: simulate simulated ones (the
+// configuration's sizing applies, as for `serve --simulate-gpus`), else
+// NVML's; standalone falls back to standalone.gpus simulated GPUs where
+// NVML is absent.
+func planGPUs(lib nvml.Interface, root string, info *node.Info, standaloneGPUs, simulate int, standalone bool) ([]gpu.Device, string, error) {
+	var numa []int
+	for _, n := range info.NUMANodes {
+		numa = append(numa, n.ID)
+	}
+	if simulate > 0 {
+		return gpu.Simulated(simulate, agent.SimulatedGPUMemory, numa), fmt.Sprintf("simulated (--simulate-gpus %d)", simulate), nil
+	}
+	devs, err := gpu.Discover(lib, root)
+	switch {
+	case errors.Is(err, gpu.ErrNoNVML) && standalone:
+		devs = gpu.Simulated(standaloneGPUs, agent.SimulatedGPUMemory, numa)
+		return devs, fmt.Sprintf("simulated (%d; no NVML on this node)", len(devs)), nil
+	case errors.Is(err, gpu.ErrNoNVML):
+		return nil, "", fmt.Errorf("%w\n(use --simulate-gpus N to plan this configuration for N simulated GPUs, or --standalone for standalone mode's pool)", err)
+	case err != nil:
+		return nil, "", err
+	}
+	return devs, "NVML", nil
 }
 
 // inClusterConfig finds the API server from inside a pod; tests replace it.

@@ -105,7 +105,9 @@ func TestPlanErrors(t *testing.T) {
 		lib  nvml.Interface
 		want string
 	}{
-		{"no NVML without standalone", []string{"--root", hybrid}, nil, noNVML(), "use --standalone"},
+		{"no NVML without standalone", []string{"--root", hybrid}, nil, noNVML(), "use --simulate-gpus N"},
+		{"simulate with standalone", []string{"--root", hybrid, "--standalone", "--simulate-gpus", "2"}, nil, noNVML(), "does not go with --standalone"},
+		{"simulate negative", []string{"--root", hybrid, "--simulate-gpus", "-1"}, nil, noNVML(), "positive count"},
 		{"unknown flag", []string{"--bogus"}, nil, noNVML(), "flag provided but not defined: -bogus"},
 		{"stray argument", []string{"--standalone", "now"}, nil, noNVML(), `unexpected arguments ["now"]`},
 		{"bad flag value", []string{"--split", "numa", "--standalone"}, nil, noNVML(), "sizing.split"},
@@ -203,5 +205,25 @@ func TestPlanInCluster(t *testing.T) {
 	}
 	if r.Node.Allocatable != 0 || r.Plan.Bound != "cgroup limit - sizing.cgroupHeadroomBytes" {
 		t.Errorf("forbidden: allocatable %d, bound %q", r.Node.Allocatable, r.Plan.Bound)
+	}
+}
+
+// --simulate-gpus plans the configuration's own sizing (node mode, not
+// standalone's pool) for simulated GPUs where NVML is absent.
+func TestPlanSimulatedGPUs(t *testing.T) {
+	cfg := t.TempDir() + "/agent.yaml"
+	if err := os.WriteFile(cfg, []byte("apiVersion: config.kvpool.io/v1alpha1\nkind: AgentConfig\nsizing: {poolBytes: 12Gi, chunkBytes: 2Gi, hugePages: never}\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	var out bytes.Buffer
+	if err := plan(context.Background(), []string{"--config", cfg, "--simulate-gpus", "3", "--json", "--root", twoNUMA}, &out, noEnv, noNVML()); err != nil {
+		t.Fatal(err)
+	}
+	var r planReport
+	if err := json.Unmarshal(out.Bytes(), &r); err != nil {
+		t.Fatal(err)
+	}
+	if r.Mode != "node" || r.GPUs != "simulated (--simulate-gpus 3)" || len(r.Plan.GPUs) != 3 || r.Plan.Total != 12<<30 || r.Plan.ChunkBytes != 2<<30 {
+		t.Fatalf("plan %+v: mode %q, GPUs %q", r.Plan, r.Mode, r.GPUs)
 	}
 }

@@ -263,6 +263,7 @@ func (a *agent) newServer(ctx context.Context) error {
 		Logger:    a.log,
 		Hooks:     chainHooks(serverHooks(a.obs.Observer, a.obs.Metrics), a.opts.Hooks),
 		Journal:   a.journal(),
+		Durable:   a.durableCheck(),
 		Name:      "kvpool-agent " + a.opts.Version + " (" + a.mode + ")",
 		Limits:    a.cfg.Limits.Server(),
 		ProbePID:  os.Getpid(),
@@ -405,6 +406,15 @@ func (a *agent) wait(ctx context.Context) error {
 		return errors.Join(fatal, stopErr)
 	}
 	return errors.Join(a.serveErr, stopErr)
+}
+
+// durableCheck is the server's Options.Durable: with a keeper, whether it
+// holds the pool (keeperwatch.go); nil without one.
+func (a *agent) durableCheck() func() error {
+	if a.restart == nil {
+		return nil
+	}
+	return a.durable
 }
 
 // journal is the server's journal: the books, when there is a keeper.

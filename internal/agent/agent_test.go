@@ -18,6 +18,7 @@ import (
 	"github.com/kvpool/kvpool/internal/node"
 	"github.com/kvpool/kvpool/internal/server"
 	"github.com/kvpool/kvpool/internal/sizing"
+	"github.com/kvpool/kvpool/pkg/pool"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
 
@@ -100,7 +101,7 @@ func TestStandaloneTokensNeedChunks(t *testing.T) {
 	} {
 		cfg := config.Default()
 		cfg.Standalone.Tokens = c.tokens
-		a := &agent{cfg: &cfg, plan: plan, opts: Options{Standalone: true}}
+		a := &agent{cfg: &cfg, plan: plan, opts: Options{Standalone: true}, pool: pool.New()}
 		if err := a.prepareTokens(); err == nil || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("%q: %v, want %q", c.tokens, err, c.want)
 		}

@@ -25,9 +25,10 @@ import (
 	"github.com/kvpool/kvpool/internal/report"
 )
 
-// statusInterval is how often the KVPoolNode status is rebuilt (the writer
-// writes only changes, at a bounded rate).
-const statusInterval = 5 * time.Second
+// statusInterval is how often the KVPoolNode status is rebuilt: a change
+// of readiness or health is written within about this long (the writer
+// writes other changes at a bounded rate).
+const statusInterval = time.Second
 
 // inClusterConfig is the service account's API server config; tests
 // replace it.

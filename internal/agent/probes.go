@@ -64,6 +64,10 @@ func helloHandshake(ctx context.Context, conn net.Conn) error {
 	return nil
 }
 
+// refusingWindow is how long after the socket server refused a new
+// client at a connection bound the readiness check "connections" fails.
+const refusingWindow = 10 * time.Second
+
 // heartbeatPeriod is how often the liveness loops check their component;
 // a component silent for heartbeatSilence fails liveness.
 const (
@@ -79,6 +83,20 @@ func (a *agent) addHealthChecks(ctx context.Context, wg *sync.WaitGroup) error {
 	h := a.obs.Health
 	dial := health.Dial(wire.Network, a.socket, helloHandshake)
 	h.AddReadiness("socket", dial)
+	if a.restart != nil {
+		h.AddReadiness("keeper", func(context.Context) error {
+			if err := a.durable(); err != nil {
+				return fmt.Errorf("%w; changes are refused until a keeper holds the pool again", err)
+			}
+			return nil
+		})
+	}
+	h.AddReadiness("connections", func(context.Context) error {
+		if why, ok := a.srv.Refusing(refusingWindow); ok {
+			return fmt.Errorf("refusing new clients: %s", why)
+		}
+		return nil
+	})
 	server := h.Heartbeat("socket-server", heartbeatSilence)
 	beat(ctx, wg, server, func() bool {
 		c, cancel := context.WithTimeout(ctx, heartbeatPeriod)

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"path/filepath"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -13,6 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvpool/kvpool/internal/books"
+	"github.com/kvpool/kvpool/internal/config"
 	"github.com/kvpool/kvpool/internal/hostmem"
 	"github.com/kvpool/kvpool/internal/keeper"
 	"github.com/kvpool/kvpool/internal/report"
@@ -26,7 +28,8 @@ const keeperWait = 30 * time.Second
 
 // restart is what the agent took over from the keeper at start.
 type restart struct {
-	keeper   *keeper.Client
+	kmu      sync.Mutex
+	keeper   *keeper.Client // kmu: replaced when the agent connects to a new keeper (keeperwatch.go)
 	books    *books.Books
 	genMu    sync.Mutex
 	gens     map[string]uint64 // memfd generation of each chunk the agent holds; genMu
@@ -38,6 +41,10 @@ type restart struct {
 	lastAlive time.Time
 	gap       time.Duration
 	fresh     atomic.Int64 // chunks allocated by this agent
+	// poolLost: at start the keeper held none of the pool an earlier
+	// agent had kept in it (the marker says what); nil otherwise.
+	poolLost *poolLoss
+	keeperCounters
 }
 
 // restore is the step "keeper": it connects to the keeper, replays the
@@ -48,12 +55,24 @@ type restart struct {
 // released, and the agent starts fresh.
 func (a *agent) restore() error {
 	path := a.cfg.KeeperSocket
+	// The configuration checked socketDir; the socket the agent serves
+	// may be elsewhere (--socket).
+	if err := config.CheckKeeperSocket(filepath.Dir(a.socket), path); err != nil {
+		return err
+	}
 	kc, held, err := keeper.Connect(path, keeperWait)
 	if err != nil {
 		return fmt.Errorf("keeper: %w (is `agent keeper --socket %s` running?)", err, path)
 	}
 	r := &restart{keeper: kc, gens: map[string]uint64{}, adopted: map[string]bool{}}
 	a.restart = r
+	if m := a.readMarker(); held.Books == nil && m.BooksGen > 0 {
+		r.poolLost = &poolLoss{marker: m}
+		a.log.Error("the keeper lost the pool: it holds no books, though it held generation "+fmt.Sprint(m.BooksGen)+
+			" for the previous agent; that pool's sessions and streams are gone, and the pool is allocated fresh",
+			"keeper", path, "chunksThen", m.Chunks, "sessionsThen", m.Sessions, "markedAt", m.Written)
+		a.events.PoolLost(m.Chunks, m.Sessions)
+	}
 	st, info, held := a.loadBooks(held)
 	r.lastAlive = info.LastAlive
 	if err := a.adoptAll(st, held); err != nil {
@@ -79,6 +98,7 @@ func (a *agent) restore() error {
 	if err != nil {
 		return err
 	}
+	b.OnUnkept(a.keeperLost)
 	r.books = b
 	a.pool.SetJournal(b)
 	if len(held.Chunks) > 0 || len(r.adopted) > 0 {
@@ -126,7 +146,7 @@ func (a *agent) adoptAll(st *books.State, held *keeper.State) error {
 			a.log.Warn("dropping a kept chunk", "chunk", h.ID, "why", why)
 			h.File.Close()
 			st.Forget(h.ID)
-			if err := r.keeper.Drop(h.ID); err != nil {
+			if err := r.client().Drop(h.ID); err != nil {
 				return fmt.Errorf("keeper: %w", err)
 			}
 			continue
@@ -152,10 +172,13 @@ func (a *agent) closeKeeper() error {
 	if r == nil {
 		return nil
 	}
+	if r.books != nil && r.lost.Load() == nil {
+		a.writeMarker() // a stop with nothing to lose leaves no marker
+	}
 	if r.books != nil {
 		r.books.Close()
 	}
-	if err := r.keeper.Close(); err != nil && !errors.Is(err, net.ErrClosed) {
+	if err := r.client().Close(); err != nil && !errors.Is(err, net.ErrClosed) {
 		return fmt.Errorf("keeper: %w", err)
 	}
 	return nil
@@ -168,7 +191,8 @@ func (a *agent) restoreSessions(context.Context) error {
 }
 
 // startHeartbeat is the step "heartbeat": the restart's gap is logged,
-// and the books get a sign of life until the agent stops.
+// the books get a sign of life and the keeper is watched until the agent
+// stops (keeperwatch.go).
 func (a *agent) startHeartbeat(ctx context.Context, wg *sync.WaitGroup) error {
 	r := a.restart
 	if !r.lastAlive.IsZero() {
@@ -176,14 +200,16 @@ func (a *agent) startHeartbeat(ctx context.Context, wg *sync.WaitGroup) error {
 		a.log.Info("serving again after a restart", "gap", r.gap.Round(time.Millisecond),
 			"adoptedChunks", len(r.adopted), "sessions", len(r.sessions), "streams", r.streams)
 	}
+	a.writeMarker()
 	wg.Go(func() { a.heartbeat(ctx) })
+	wg.Go(func() { a.watchKeeper(ctx) })
 	return nil
 }
 
 // release makes the keeper drop everything it holds.
 func (a *agent) release(held *keeper.State) {
 	held.Close()
-	if err := a.restart.keeper.Reset(); err != nil {
+	if err := a.restart.client().Reset(); err != nil {
 		a.log.Error("keeper reset", "err", err)
 	}
 }
@@ -257,8 +283,14 @@ func (a *agent) keep(id string, c *hostmem.Chunk) error {
 		return fmt.Errorf("seals of chunk %s: %w", id, err)
 	}
 	gen := r.gens[id] + 1
-	if err := r.keeper.Put(keeper.Item{ID: id, Gen: gen, Size: c.Size, Seals: seals}, c.File); err != nil {
-		return err
+	if r.lost.Load() == nil {
+		if err := r.client().Put(keeper.Item{ID: id, Gen: gen, Size: c.Size, Seals: seals}, c.File); errors.Is(err, keeper.ErrLost) {
+			// The keeper is gone: the agent holds the chunk, and hands it
+			// to the next keeper with the rest (rehand).
+			a.keeperLost(err)
+		} else if err != nil {
+			return err
+		}
 	}
 	if err := r.books.ChunkGen(id, gen, seals); err != nil {
 		return err
@@ -318,16 +350,21 @@ func (a *agent) settleRestored() error {
 }
 
 // heartbeat leaves a sign of life in the books until ctx ends, so that the
-// next agent can tell how long the pool went unserved.
+// next agent can tell how long the pool went unserved, and keeps the
+// keeper marker current (every 3 s, when the pool's allocations or
+// sessions changed).
 func (a *agent) heartbeat(ctx context.Context) {
 	t := time.NewTicker(100 * time.Millisecond)
 	defer t.Stop()
-	for {
+	for i := 1; ; i++ {
 		select {
 		case <-ctx.Done():
 			return
 		case <-t.C:
 			a.restart.books.Touch()
+		}
+		if r := a.restart; i%30 == 0 && r.lost.Load() == nil && a.markerStale() {
+			a.writeMarker()
 		}
 	}
 }
@@ -338,6 +375,14 @@ func (a *agent) restartStatus() *report.Restart {
 	if r == nil {
 		return nil
 	}
-	return &report.Restart{Keeper: a.cfg.KeeperSocket, AdoptedChunks: len(r.adopted), FreshChunks: int(r.fresh.Load()),
-		Sessions: len(r.sessions), Streams: r.streams, LastGapSeconds: r.gap.Seconds()}
+	rs := &report.Restart{Keeper: a.cfg.KeeperSocket, AdoptedChunks: len(r.adopted), FreshChunks: int(r.fresh.Load()),
+		Sessions: len(r.sessions), Streams: r.streams, LastGapSeconds: r.gap.Seconds(),
+		KeeperConnected: true, KeeperLosses: int(r.losses.Load())}
+	if l := r.lost.Load(); l != nil {
+		rs.KeeperConnected, rs.KeeperLostSeconds, rs.KeeperError = false, time.Since(l.at).Seconds(), l.err.Error()
+	}
+	if p := r.poolLost; p != nil {
+		rs.PoolLost, rs.LostChunks, rs.LostSessions = true, p.Chunks, p.Sessions
+	}
+	return rs
 }

@@ -1,10 +1,14 @@
 package agent
 
 import (
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
+	"strings"
 	"syscall"
 
 	"github.com/kvpool/kvpool/pkg/contract"
@@ -57,31 +61,61 @@ func CheckSocketDir(dir string) error {
 	return nil
 }
 
-// Allocations splits each GPU's chunk IDs among the standalone tokens:
-// token i gets chunks i, i+n, i+2n, ... of every GPU (n tokens), as pool
-// allocation "standalone-<i>". It returns each token's allocation and chunk
-// IDs.
-func Allocations(tokens []string, gpus [][]string) (alloc map[string]string, chunks map[string][]string, err error) {
+// AllocationName is the pool allocation of a standalone token: named by
+// the token itself (a digest of it, never the token), not by its place in
+// the list, so that restarting with the tokens in another order keeps each
+// tenant's allocation, chunks and streams. (A short, guessable token stays
+// guessable from its digest, as it is against the socket: use long random
+// tokens.)
+func AllocationName(token string) string {
+	h := sha256.Sum256([]byte("kvpool standalone allocation\x00" + token))
+	return "standalone-" + hex.EncodeToString(h[:8])
+}
+
+// Allocations splits each GPU's chunk IDs among the standalone tokens, as
+// pool allocations named by AllocationName. kept holds the chunks of
+// allocations restored from the keeper: a token whose allocation is there
+// keeps exactly those chunks; the other tokens share the rest of each GPU's
+// chunks, token i (in the order of their allocation names, whatever the
+// order given) taking chunks i, i+n, i+2n, ... of every GPU (n tokens). It
+// returns each token's allocation and chunk IDs.
+func Allocations(tokens []string, gpus [][]string, kept map[string][]string) (alloc map[string]string, chunks map[string][]string, err error) {
 	if len(tokens) == 0 {
 		return nil, nil, errors.New("standalone: no tokens")
 	}
 	alloc = make(map[string]string, len(tokens))
-	for i, t := range tokens {
+	var fresh []string // tokens without a kept allocation
+	taken := map[string]bool{}
+	chunks = make(map[string][]string, len(tokens))
+	for _, t := range tokens {
 		if err := contract.CheckStaticToken(t); err != nil {
-			return nil, nil, fmt.Errorf("standalone tokens %q: %w", tokens, err)
+			return nil, nil, fmt.Errorf("standalone tokens: %w", err)
 		}
 		if _, dup := alloc[t]; dup {
-			return nil, nil, fmt.Errorf("standalone tokens %q: %q given twice (they must be distinct)", tokens, t)
+			return nil, nil, fmt.Errorf("standalone tokens: a token is given twice (they must be distinct)")
 		}
-		alloc[t] = fmt.Sprintf("standalone-%d", i)
+		alloc[t] = AllocationName(t)
+		if ids, ok := kept[alloc[t]]; ok {
+			chunks[t] = slices.Clone(ids)
+			for _, id := range ids {
+				taken[id] = true
+			}
+			continue
+		}
+		fresh = append(fresh, t)
 	}
-	chunks = make(map[string][]string, len(tokens))
-	for g, ids := range gpus {
-		if len(ids) < len(tokens) {
-			return nil, nil, fmt.Errorf("%d standalone tokens need at least as many chunks per GPU; GPU %d has %d", len(tokens), g, len(ids))
+	slices.SortFunc(fresh, func(a, b string) int { return strings.Compare(alloc[a], alloc[b]) })
+	if len(fresh) == 0 {
+		return alloc, chunks, nil
+	}
+	for g, all := range gpus {
+		ids := slices.DeleteFunc(slices.Clone(all), func(id string) bool { return taken[id] })
+		if len(ids) < len(fresh) {
+			return nil, nil, fmt.Errorf("%d standalone tokens need at least as many chunks per GPU; GPU %d has %d (%d held by allocations kept from before the restart)",
+				len(fresh), g, len(ids), len(all)-len(ids))
 		}
 		for i, id := range ids {
-			t := tokens[i%len(tokens)]
+			t := fresh[i%len(fresh)]
 			chunks[t] = append(chunks[t], id)
 		}
 	}

@@ -14,7 +14,9 @@ import (
 )
 
 // prepareTokens is the step "tokens" (standalone without the device
-// plugin): each standalone token gets every n-th chunk of each GPU.
+// plugin): each standalone token keeps the chunks of its allocation
+// restored from the keeper, and the others get every n-th chunk of each
+// GPU (Allocations).
 func (a *agent) prepareTokens() error {
 	toks := a.cfg.Standalone.Tokens
 	if a.opts.RandomToken {
@@ -24,7 +26,16 @@ func (a *agent) prepareTokens() error {
 	for i, g := range a.plan.GPUs {
 		gpus[i] = g.ChunkIDs()
 	}
-	static, chunks, err := Allocations(toks, gpus)
+	kept := map[string][]string{}
+	for _, c := range a.pool.Chunks() {
+		if c.Allocation != "" {
+			kept[c.Allocation] = append(kept[c.Allocation], c.ID)
+		}
+	}
+	for id := range kept {
+		kept[id], _ = a.pool.Allocation(id) // in grant order
+	}
+	static, chunks, err := Allocations(toks, gpus, kept)
 	if err != nil {
 		return err
 	}

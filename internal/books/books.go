@@ -18,11 +18,13 @@
 //	         u32 payload length, u32 CRC-32C of the payload, payload,
 //	         zero padding to 4 bytes, u32 commit word (written last)
 //
-// The first record is a snapshot of the whole state; the others are
-// changes (pool table events, chunk generations, session ops). When the
-// log is full the books compact: the current state is written as the
-// snapshot of a fresh memfd, the keeper is handed that memfd (replacing the
-// old one), and appending goes on there. A new agent always compacts at
+// The first records are a snapshot of the whole state, in parts of about
+// 4 MiB (format version 2; version 1 wrote it as one record); the others
+// are changes (pool table events, chunk generations, session ops). When
+// the log is full the books compact: they replay the memfd and write the
+// state as the snapshot of a fresh memfd, the keeper is handed that memfd
+// (replacing the old one), and appending goes on there. The heap holds no
+// copy of the state between compactions. A new agent always compacts at
 // start, so it never appends over a torn record.
 package books
 
@@ -43,8 +45,13 @@ import (
 	"github.com/kvpool/kvpool/pkg/pool"
 )
 
-// FormatVersion is the books layout this package reads and writes.
-const FormatVersion = 1
+// FormatVersion is the books layout this package writes. Version 2
+// writes snapshots in parts (recSnapshotPart); version 1 books (one
+// snapshot record, which could outgrow what replay accepts) are read too.
+const FormatVersion = 2
+
+// minFormatVersion is the oldest layout this package reads.
+const minFormatVersion = 1
 
 const (
 	magic      = "KVPBOOKS"
@@ -53,9 +60,11 @@ const (
 	// defaultMinLog is the smallest log capacity of a books memfd. The memfd is
 	// sparse: only written pages take memory.
 	defaultMinLog = 16 << 20
-	// maxRecord bounds one record's payload.
-	maxRecord = 1 << 30
 )
+
+// maxRecord bounds one record's payload (a variable for tests). The
+// snapshot is written in parts far below it, so no state outgrows it.
+var maxRecord = 1 << 30
 
 // ErrIncompatible reports books of another format version.
 var ErrIncompatible = errors.New("books written by an incompatible agent version")
@@ -108,8 +117,8 @@ func replay(mem []byte) (*State, uint64, error) {
 	if len(mem) < headerSize || string(mem[:8]) != magic {
 		return nil, 0, fmt.Errorf("%w: no books header", ErrCorrupt)
 	}
-	if v := binary.LittleEndian.Uint32(mem[8:]); v != FormatVersion {
-		return nil, 0, fmt.Errorf("%w: the books are format version %d, this agent reads version %d", ErrIncompatible, v, FormatVersion)
+	if v := binary.LittleEndian.Uint32(mem[8:]); v < minFormatVersion || v > FormatVersion {
+		return nil, 0, fmt.Errorf("%w: the books are format version %d, this agent reads versions %d to %d", ErrIncompatible, v, minFormatVersion, FormatVersion)
 	}
 	gen := binary.LittleEndian.Uint64(mem[16:])
 	capacity := binary.LittleEndian.Uint64(mem[24:])
@@ -118,6 +127,7 @@ func replay(mem []byte) (*State, uint64, error) {
 		end = headerSize + capacity
 	}
 	var st *State
+	var parts [][]byte // of a snapshot in parts, until its last
 	off := uint64(headerSize)
 	for off+8 <= end {
 		n := uint64(binary.LittleEndian.Uint32(mem[off:]))
@@ -125,7 +135,7 @@ func replay(mem []byte) (*State, uint64, error) {
 			break
 		}
 		pad := (n + 3) &^ 3
-		if n > maxRecord || off+8+pad+4 > end {
+		if n > uint64(maxRecord) || off+8+pad+4 > end {
 			break // a torn length: the record was never committed
 		}
 		if atomic.LoadUint32((*uint32)(unsafe.Pointer(&mem[off+8+pad]))) != commitWord {
@@ -136,8 +146,21 @@ func replay(mem []byte) (*State, uint64, error) {
 			return nil, 0, fmt.Errorf("%w: checksum of the committed record at %d", ErrCorrupt, off)
 		}
 		var err error
-		if st, err = decodeRecord(st, payload); err != nil {
-			return nil, 0, fmt.Errorf("record at %d: %w", off, err)
+		switch {
+		case st == nil && len(payload) >= 2 && payload[0] == recSnapshotPart && payload[1]&1 == 0:
+			parts = append(parts, payload[2:])
+		case st == nil && len(parts) > 0:
+			if len(payload) < 2 || payload[0] != recSnapshotPart {
+				return nil, 0, fmt.Errorf("%w: record at %d interrupts the snapshot's %d parts", ErrCorrupt, off, len(parts))
+			}
+			if st, err = decodeSnapshot(append(parts, payload[2:])); err != nil {
+				return nil, 0, fmt.Errorf("snapshot ending at %d: %w", off, err)
+			}
+			parts = nil
+		default:
+			if st, err = decodeRecord(st, payload); err != nil {
+				return nil, 0, fmt.Errorf("record at %d: %w", off, err)
+			}
 		}
 		off += 8 + pad + 4
 	}
@@ -149,19 +172,29 @@ func replay(mem []byte) (*State, uint64, error) {
 
 // Books appends to the books memfd. It implements pool.Journal and
 // server.Journal. Its methods are safe for concurrent use.
+//
+// The books keep no copy of the state in memory: the memfd is the state
+// (a snapshot and the changes after it). A compaction replays it and
+// writes what it read as the snapshot of a fresh memfd; between
+// compactions the agent's heap holds only the pool.
 type Books struct {
 	store Store
 	fatal func(error)
 
-	mu     sync.Mutex
-	st     *State
-	f      *os.File
-	mem    []byte
-	gen    uint64
-	off    uint64
-	end    uint64
-	buf    enc
-	broken error
+	mu       sync.Mutex
+	f        *os.File
+	mem      []byte
+	gen      uint64
+	off      uint64
+	end      uint64
+	buf      enc
+	broken   error
+	lastSnap uint64 // bytes of the last snapshot written, its parts' records included
+	skipped  int    // records the last replay skipped
+	// unkept is why no keeper holds the current memfd (its PutBooks
+	// failed: the keeper is lost), nil when one does; onUnkept is told.
+	unkept   error
+	onUnkept func(error)
 
 	compactions atomic.Int64
 	records     atomic.Int64
@@ -170,60 +203,190 @@ type Books struct {
 // Start writes st as the snapshot of a fresh books memfd of generation
 // gen+1, hands it to store and returns the books, which record every later
 // change. fatal is called (once) when a change can no longer be recorded:
-// the process must stop, since what it answers would not survive it.
+// the process must stop, since what it answers would not survive it. The
+// books do not keep st.
 func Start(st *State, gen uint64, store Store, fatal func(error)) (*Books, error) {
 	if fatal == nil {
 		fatal = func(error) {}
 	}
-	b := &Books{store: store, fatal: fatal, st: st, gen: gen}
+	b := &Books{store: store, fatal: fatal, gen: gen}
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if err := b.compactLocked(0); err != nil {
+	if err := b.compactLocked(st, 0); err != nil {
 		return nil, err
+	}
+	if b.unkept != nil {
+		return nil, fmt.Errorf("books: hand the books to the keeper: %w", b.unkept)
 	}
 	return b, nil
 }
 
-// compactLocked writes the state into a fresh memfd with room for extra
-// more bytes of records, hands it to the store and switches to it.
-func (b *Books) compactLocked(extra int) error {
-	snap := appendSnapshot(b.buf[:0], b.st)
-	b.buf = snap[:0]
-	capacity := uint64(max(minLog, 4*(len(snap)+12), 2*(len(snap)+extra+24)))
-	capacity = (capacity + 4095) &^ 4095
-	fd, err := unix.MemfdCreate("kvpool-books", unix.MFD_CLOEXEC)
+// OnUnkept makes f be told (under the books' lock: it must not call back)
+// when a compaction could not hand its memfd to the store: the books go on
+// in a memfd that only this process holds, which an agent restart would
+// lose, until Rehand hands it to a store again.
+func (b *Books) OnUnkept(f func(error)) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.onUnkept = f
+}
+
+// Unkept is why no store holds the current books (nil when one does).
+func (b *Books) Unkept() error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.unkept
+}
+
+// Rehand compacts the books into a fresh memfd and hands it to store,
+// which keeps them from then on (a new keeper, after the old one was lost:
+// the agent has handed it every chunk first).
+func (b *Books) Rehand(store Store) error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.broken != nil {
+		return b.broken
+	}
+	b.store = store
+	st, err := b.stateLocked()
 	if err != nil {
-		return fmt.Errorf("books: memfd: %w", err)
+		return err
 	}
-	f := os.NewFile(uintptr(fd), "kvpool-books")
-	if err := f.Truncate(int64(headerSize + capacity)); err != nil {
-		f.Close()
-		return fmt.Errorf("books: size %d: %w", headerSize+capacity, err)
+	if err := b.compactLocked(st, 0); err != nil {
+		return err
 	}
-	mem, err := unix.Mmap(fd, 0, int(headerSize+capacity), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	return b.unkept
+}
+
+// state replays the books as they stand.
+func (b *Books) stateLocked() (*State, error) {
+	if b.mem == nil {
+		return nil, errors.New("books: closed")
+	}
+	st, _, err := replay(b.mem[:b.end])
+	return st, err
+}
+
+// compactLocked writes st into a fresh memfd with room for extra more
+// bytes of records, hands it to the store and switches to it. The
+// snapshot goes in parts (snapWriter), each a record of at most about
+// snapPart bytes, so whatever the state's size replay reads it back; the
+// memfd grows as the parts need. A store that does not take the memfd
+// (the keeper is lost) does not stop the books: they go on in it, unkept
+// (OnUnkept), so that nothing recorded is lost while this process lives.
+func (b *Books) compactLocked(st *State, extra int) error {
+	lf, err := newLogFile(b.gen+1, roundPage(max(uint64(minLog), 2*b.lastSnap+uint64(extra)+64)))
 	if err != nil {
-		f.Close()
-		return fmt.Errorf("books: map: %w", err)
+		return err
 	}
-	copy(mem, magic)
-	binary.LittleEndian.PutUint32(mem[8:], FormatVersion)
-	binary.LittleEndian.PutUint64(mem[16:], b.gen+1)
-	binary.LittleEndian.PutUint64(mem[24:], capacity)
-	off := writeRecord(mem, headerSize, snap)
-	if err := b.store.PutBooks(b.gen+1, f); err != nil {
-		unix.Munmap(mem)
-		f.Close()
-		return fmt.Errorf("books: hand the books to the keeper: %w", err)
+	w := newSnapWriter(b.buf, lf.append)
+	err = writeSnapshot(w, st)
+	if cap(w.e) <= 2*snapPart {
+		b.buf = w.e[:0]
 	}
+	snap := lf.off - headerSize
+	// The log has as much room again (at least minLog) before the next
+	// compaction: a compaction, which costs about a snapshot, comes after
+	// about a snapshot's bytes of records.
+	if final := roundPage(snap + max(uint64(minLog), snap) + uint64(extra) + 32); err == nil && final != lf.capacity {
+		err = lf.resize(final)
+	}
+	if err != nil {
+		lf.close()
+		return err
+	}
+	unkept := b.store.PutBooks(b.gen+1, lf.f)
 	if b.mem != nil {
 		unix.Munmap(b.mem)
 		b.f.Close()
 	}
-	b.f, b.mem, b.gen, b.off, b.end = f, mem, b.gen+1, off, headerSize+capacity
+	b.f, b.mem, b.gen, b.off, b.end = lf.f, lf.mem, b.gen+1, lf.off, headerSize+lf.capacity
+	b.lastSnap, b.skipped = snap, st.Skipped
+	b.unkept = unkept
+	if unkept != nil && b.onUnkept != nil {
+		b.onUnkept(unkept)
+	}
 	b.touchLocked()
 	b.compactions.Add(1)
 	return nil
 }
+
+// logFile is a books memfd being written by a compaction: its mapping,
+// capacity (of the log, after the header) and the end of what is written.
+type logFile struct {
+	f        *os.File
+	mem      []byte
+	capacity uint64
+	off      uint64
+}
+
+// newLogFile makes a books memfd of generation gen with a log of
+// capacity bytes, its header written.
+func newLogFile(gen, capacity uint64) (*logFile, error) {
+	fd, err := unix.MemfdCreate("kvpool-books", unix.MFD_CLOEXEC)
+	if err != nil {
+		return nil, fmt.Errorf("books: memfd: %w", err)
+	}
+	f := os.NewFile(uintptr(fd), "kvpool-books")
+	if err := f.Truncate(int64(headerSize + capacity)); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("books: size %d: %w", headerSize+capacity, err)
+	}
+	mem, err := unix.Mmap(fd, 0, int(headerSize+capacity), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		f.Close()
+		return nil, fmt.Errorf("books: map: %w", err)
+	}
+	copy(mem, magic)
+	binary.LittleEndian.PutUint32(mem[8:], FormatVersion)
+	binary.LittleEndian.PutUint64(mem[16:], gen)
+	binary.LittleEndian.PutUint64(mem[24:], capacity)
+	return &logFile{f: f, mem: mem, capacity: capacity, off: headerSize}, nil
+}
+
+// resize makes the log c bytes: the file and its mapping, and the
+// header's capacity (a smaller size only cuts off what was never written).
+func (l *logFile) resize(c uint64) error {
+	if c > l.capacity {
+		if err := l.f.Truncate(int64(headerSize + c)); err != nil {
+			return fmt.Errorf("books: grow to %d: %w", headerSize+c, err)
+		}
+	}
+	m, err := unix.Mremap(l.mem, int(headerSize+c), unix.MREMAP_MAYMOVE)
+	if err != nil {
+		return fmt.Errorf("books: resize to %d: %w", headerSize+c, err)
+	}
+	if c < l.capacity {
+		if err := l.f.Truncate(int64(headerSize + c)); err != nil {
+			return fmt.Errorf("books: shrink to %d: %w", headerSize+c, err)
+		}
+	}
+	l.mem, l.capacity = m, c
+	binary.LittleEndian.PutUint64(l.mem[24:], l.capacity)
+	return nil
+}
+
+// append writes one record, growing the log (doubling) when it must.
+func (l *logFile) append(payload []byte) error {
+	need := recordSize(len(payload)) + 8 // and a zero length after it
+	if l.off+need > headerSize+l.capacity {
+		if err := l.resize(roundPage(max(2*l.capacity, l.off+need-headerSize))); err != nil {
+			return err
+		}
+	}
+	l.off = writeRecord(l.mem, l.off, payload)
+	return nil
+}
+
+func (l *logFile) close() {
+	unix.Munmap(l.mem)
+	l.f.Close()
+}
+
+func roundPage(n uint64) uint64 { return (n + 4095) &^ 4095 }
+
+// recordSize is the bytes a record of n payload bytes takes in the log.
+func recordSize(n int) uint64 { return 8 + (uint64(n)+3)&^3 + 4 }
 
 // writeRecord writes payload at off in mem, the commit word last, and
 // returns the offset after it. The caller checked that it fits.
@@ -248,10 +411,14 @@ func (b *Books) appendLocked() error {
 	if len(rec) > maxRecord {
 		return fmt.Errorf("books: a record of %d bytes", len(rec))
 	}
-	need := 8 + (uint64(len(rec))+3)&^3 + 4 + 8 // and a zero length after it
+	need := recordSize(len(rec)) + 8 // and a zero length after it
 	if b.off+need > b.end {
 		saved := append([]byte(nil), rec...)
-		if err := b.compactLocked(len(saved)); err != nil {
+		st, err := b.stateLocked()
+		if err == nil {
+			err = b.compactLocked(st, len(saved))
+		}
+		if err != nil {
 			b.broken = err
 			b.fatal(err)
 			return err
@@ -283,9 +450,7 @@ func (b *Books) Record(ev pool.Event) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	b.buf = appendEvent(b.buf[:0], ev)
-	if b.appendLocked() == nil {
-		b.st.applyEvent(ev)
-	}
+	_ = b.appendLocked() // a failure is fatal (appendLocked)
 }
 
 // Session implements server.Journal.
@@ -293,11 +458,7 @@ func (b *Books) Session(op server.SessionOp) error {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	b.buf = appendSessionOp(b.buf[:0], &op)
-	if err := b.appendLocked(); err != nil {
-		return err
-	}
-	b.st.applySession(op)
-	return nil
+	return b.appendLocked()
 }
 
 // ChunkGen records that chunk id is now held by the memfd of generation
@@ -306,11 +467,7 @@ func (b *Books) ChunkGen(id string, gen uint64, seals int) error {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	b.buf = appendChunkGen(b.buf[:0], id, gen, seals)
-	if err := b.appendLocked(); err != nil {
-		return err
-	}
-	b.st.SetGen(id, gen, seals)
-	return nil
+	return b.appendLocked()
 }
 
 // Stats describe the books.
@@ -320,7 +477,8 @@ type Stats struct {
 	Capacity    uint64 // of the current memfd, header included
 	Records     int64  // appended by this process
 	Compactions int64
-	Skipped     int
+	Skipped     int    // records the last replay (the last compaction's) skipped
+	Snapshot    uint64 // bytes of the last snapshot, its records' framing included
 }
 
 // Stats returns the books' figures.
@@ -328,14 +486,19 @@ func (b *Books) Stats() Stats {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	return Stats{Gen: b.gen, LogBytes: b.off, Capacity: b.end, Records: b.records.Load(),
-		Compactions: b.compactions.Load(), Skipped: b.st.Skipped}
+		Compactions: b.compactions.Load(), Skipped: b.skipped, Snapshot: b.lastSnap}
 }
 
-// Check compares the books with the pool's export (tests, chaos harness).
+// Check replays the books and compares them with the pool's export
+// (tests, chaos harness).
 func (b *Books) Check(img pool.Image) error {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	return b.st.Check(img)
+	st, err := b.stateLocked()
+	if err != nil {
+		return err
+	}
+	return st.Check(img)
 }
 
 // Close unmaps the books; the store keeps the memfd.

@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"slices"
 
 	"github.com/kvpool/kvpool/internal/server"
 	"github.com/kvpool/kvpool/pkg/pool"
@@ -17,6 +18,9 @@ const (
 	recEvent    = 2
 	recChunkGen = 3
 	recSession  = 4
+	// recSnapshotPart is one part of a snapshot (format version 2): a
+	// flags byte (1: the last part), then the next bytes of the snapshot.
+	recSnapshotPart = 5
 )
 
 // ErrCorrupt wraps every decoding failure of a record.
@@ -49,42 +53,97 @@ func (e enc) peer(p unixsock.Peer) enc {
 	return e.i(int64(p.PID)).u(uint64(p.UID)).u(uint64(p.GID))
 }
 
+// dec reads a record's payload, or a snapshot written in parts
+// (segments): a value may span two segments.
 type dec struct {
-	b   []byte
-	err error
+	b    []byte   // the unread bytes of the current segment
+	rest [][]byte // the segments after it
+	left int      // unread bytes in b and rest together
+	err  error
+}
+
+func newDec(segs ...[]byte) *dec {
+	d := &dec{}
+	for _, s := range segs {
+		d.left += len(s)
+	}
+	if len(segs) > 0 {
+		d.b, d.rest = segs[0], segs[1:]
+	}
+	return d
 }
 
 func (d *dec) fail(what string) {
 	if d.err == nil {
 		d.err = fmt.Errorf("%w: %s", ErrCorrupt, what)
 	}
-	d.b = nil
+	d.b, d.rest, d.left = nil, nil, 0
+}
+
+// settle moves past exhausted segments.
+func (d *dec) settle() {
+	for len(d.b) == 0 && len(d.rest) > 0 {
+		d.b, d.rest = d.rest[0], d.rest[1:]
+	}
+}
+
+// skip consumes n bytes, which must be unread.
+func (d *dec) skip(n int) {
+	d.left -= n
+	for n > 0 {
+		d.settle()
+		k := min(n, len(d.b))
+		d.b, n = d.b[k:], n-k
+	}
+}
+
+// head returns the next bytes, at least want of them when that many are
+// left: the current segment's, or a copy into tmp of those that span
+// segments.
+func (d *dec) head(want int, tmp []byte) []byte {
+	d.settle()
+	if len(d.b) >= want || len(d.rest) == 0 {
+		return d.b
+	}
+	n := 0
+	b, rest := d.b, d.rest
+	for n < want {
+		k := copy(tmp[n:want], b)
+		n += k
+		if len(rest) == 0 {
+			break
+		}
+		b, rest = rest[0], rest[1:]
+	}
+	return tmp[:n]
 }
 
 func (d *dec) u() uint64 {
-	v, n := binary.Uvarint(d.b)
+	var tmp [binary.MaxVarintLen64]byte
+	v, n := binary.Uvarint(d.head(len(tmp), tmp[:]))
 	if n <= 0 {
 		d.fail("bad unsigned varint")
 		return 0
 	}
-	d.b = d.b[n:]
+	d.skip(n)
 	return v
 }
 
 func (d *dec) i() int64 {
-	v, n := binary.Varint(d.b)
+	var tmp [binary.MaxVarintLen64]byte
+	v, n := binary.Varint(d.head(len(tmp), tmp[:]))
 	if n <= 0 {
 		d.fail("bad varint")
 		return 0
 	}
-	d.b = d.b[n:]
+	d.skip(n)
 	return v
 }
 
 // n reads a count of elements of at least one byte each.
 func (d *dec) n() int {
 	v := d.u()
-	if v > uint64(len(d.b)) {
+	if v > uint64(d.left) {
 		d.fail("count beyond the record")
 		return 0
 	}
@@ -101,13 +160,26 @@ func (d *dec) int() int {
 }
 
 func (d *dec) byte() byte {
+	d.settle()
 	if len(d.b) == 0 {
 		d.fail("short record")
 		return 0
 	}
 	c := d.b[0]
-	d.b = d.b[1:]
+	d.skip(1)
 	return c
+}
+
+// bytes reads a length-prefixed byte string; in calls it the slice to
+// copy it into (every segment it spans).
+func (d *dec) bytesInto(n int, out []byte) {
+	for off := 0; off < n; {
+		d.settle()
+		k := copy(out[off:n], d.b)
+		off += k
+		d.b = d.b[k:]
+	}
+	d.left -= n
 }
 
 func (d *dec) raw() []byte {
@@ -115,12 +187,26 @@ func (d *dec) raw() []byte {
 	if d.err != nil {
 		return nil
 	}
-	out := append([]byte{}, d.b[:n]...)
-	d.b = d.b[n:]
+	out := make([]byte, n)
+	d.bytesInto(n, out)
 	return out
 }
 
-func (d *dec) str() string { return string(d.raw()) }
+func (d *dec) str() string {
+	n := d.n()
+	if d.err != nil || n == 0 {
+		return ""
+	}
+	d.settle()
+	if n <= len(d.b) {
+		s := string(d.b[:n])
+		d.b, d.left = d.b[n:], d.left-n
+		return s
+	}
+	out := make([]byte, n)
+	d.bytesInto(n, out)
+	return string(out)
+}
 
 func (d *dec) strs() []string {
 	n := d.n()
@@ -235,38 +321,137 @@ func (d *dec) sessionOp() server.SessionOp {
 	return op
 }
 
-func appendSnapshot(e enc, st *State) enc {
-	e = append(e, recSnapshot).u(st.lastSession)
-	e = e.u(uint64(len(st.chunks)))
+// snapPart bounds the bytes of one snapshot part, far below maxRecord,
+// whatever the state's size: a snapshot is written as parts, each a
+// record of its own (recSnapshotPart), the last one flagged.
+var snapPart = 4 << 20
+
+// cutEvery is how many page indices a snapshot writes between two
+// chances to end a part: with the longest names written whole, a part is
+// at most snapPart plus partSlack bytes.
+const (
+	cutEvery  = 1024
+	partSlack = 2 + 2*binary.MaxVarintLen64 + 2*1024 + 3*binary.MaxVarintLen64 + cutEvery*binary.MaxVarintLen32
+)
+
+// snapWriter encodes a snapshot into parts of about snapPart bytes and
+// hands each, as a record's payload, to emit. A part may end anywhere,
+// inside a value too: the decoder reads across parts.
+type snapWriter struct {
+	e    enc // [recSnapshotPart, flags] then the part's bytes
+	emit func(payload []byte) error
+	err  error
+}
+
+func newSnapWriter(buf enc, emit func([]byte) error) *snapWriter {
+	return &snapWriter{e: append(buf[:0], recSnapshotPart, 0), emit: emit}
+}
+
+// cut emits the part once it is full.
+func (w *snapWriter) cut() {
+	if len(w.e) >= snapPart+2 {
+		w.flush(false)
+	}
+}
+
+func (w *snapWriter) flush(last bool) {
+	if last {
+		w.e[1] = 1
+	}
+	if w.err == nil {
+		w.err = w.emit(w.e)
+	}
+	w.e = append(w.e[:0], recSnapshotPart, 0)
+}
+
+// pages writes a page list, cutting parts inside a long one.
+func (w *snapWriter) pages(ps []int32) {
+	w.e = w.e.u(uint64(len(ps)))
+	for i, p := range ps {
+		w.e = w.e.u(uint64(uint32(p)))
+		if i%cutEvery == cutEvery-1 {
+			w.cut()
+		}
+	}
+}
+
+// strs writes a list of names (an allocation's or a session's chunk
+// IDs), cutting parts inside a long one.
+func (w *snapWriter) strs(ss []string) {
+	w.e = w.e.u(uint64(len(ss)))
+	for _, x := range ss {
+		w.e = w.e.str(x)
+		w.cut()
+	}
+}
+
+// writeSnapshot writes st through w, the last part flagged; it returns the
+// first error of emit.
+func writeSnapshot(w *snapWriter, st *State) error {
+	w.e = w.e.u(st.lastSession)
+	w.e = w.e.u(uint64(len(st.chunks)))
 	for _, c := range st.chunks {
 		g := st.gens[c.ID]
-		e = e.str(c.ID).i(int64(c.GPU)).i(int64(c.NUMA)).i(c.Size)
-		e = append(e, byte(c.State)).u(g.gen).i(int64(g.seals))
+		w.e = w.e.str(c.ID).i(int64(c.GPU)).i(int64(c.NUMA)).i(c.Size)
+		w.e = append(w.e, byte(c.State)).u(g.gen).i(int64(g.seals))
+		w.cut()
 	}
 	ids := sortedKeys(st.allocs)
-	e = e.u(uint64(len(ids)))
+	w.e = w.e.u(uint64(len(ids)))
 	for _, id := range ids {
-		e = e.str(id).strs(st.allocs[id])
+		w.e = w.e.str(id)
+		w.strs(st.allocs[id])
 	}
-	e = e.u(uint64(len(st.sessions)))
-	for _, s := range st.sessions {
-		e = appendSessionImage(e, &s.Image)
-		e = appendLayout(e.str(s.Instance).str(s.UUID).peer(s.Peer), s.Image.Spec, s.Regions)
-		e = append(e.u(uint64(s.Last.Seq)), byte(s.Last.Op), byte(s.Last.Status)).bytes(s.Last.Body).pages(s.Last.Pages)
-		rids := sortedKeys(s.rids)
-		e = e.u(uint64(len(rids)))
-		for _, rid := range rids {
-			e = e.str(rid).u(uint64(len(s.rids[rid])))
-			for _, x := range s.rids[rid] {
-				e = e.str(x.label).meta(x.meta).pages(x.pages)
+	w.e = w.e.u(uint64(len(st.sessions)))
+	for _, sid := range sortedIDs(st.sessions) {
+		s := st.sessions[sid]
+		si := &s.Image
+		w.e = w.e.u(si.ID).str(si.Allocation)
+		w.e = w.e.i(int64(si.Spec.GPU)).i(si.Spec.PageSize).i(int64(si.Spec.DevicePages)).i(int64(si.Spec.MaxPages))
+		w.strs(si.Chunks)
+		w.e = w.e.i(int64(si.PPC)).i(int64(si.Capacity)).u(si.Ticket)
+		w.e = appendLayout(w.e.str(s.Instance).str(s.UUID).peer(s.Peer), s.Image.Spec, s.Regions)
+		w.e = append(w.e.u(uint64(s.Last.Seq)), byte(s.Last.Op), byte(s.Last.Status)).bytes(s.Last.Body)
+		w.pages(s.Last.Pages)
+		// Requests in map order: their order means nothing (each
+		// request's streams keep theirs), and sorting 2^17 of them would
+		// cost more than writing them.
+		w.e = w.e.u(uint64(len(s.rids)))
+		for rid, list := range s.rids {
+			w.e = w.e.str(rid).u(uint64(len(list)))
+			for _, x := range list {
+				w.e = w.e.str(x.label).meta(x.meta)
+				w.pages(x.pages)
+				w.cut()
 			}
 		}
-		e = e.u(uint64(len(s.pending)))
+		w.e = w.e.u(uint64(len(s.pending)))
 		for _, p := range s.pending {
-			e = e.u(p.Ticket).pages(p.Pages)
+			w.e = w.e.u(p.Ticket)
+			w.pages(p.Pages)
+			w.cut()
 		}
 	}
+	w.flush(true)
+	return w.err
+}
+
+// appendSnapshot appends st as one snapshot record (recSnapshot, the
+// format's first version wrote these; tests and the fuzzer build them).
+func appendSnapshot(e enc, st *State) enc {
+	e = append(e, recSnapshot)
+	w := newSnapWriter(nil, func(p []byte) error { e = append(e, p[2:]...); return nil })
+	_ = writeSnapshot(w, st)
 	return e
+}
+
+func sortedIDs[V any](m map[uint64]V) []uint64 {
+	out := make([]uint64, 0, len(m))
+	for id := range m {
+		out = append(out, id)
+	}
+	slices.Sort(out)
+	return out
 }
 
 func (d *dec) snapshot() *State {
@@ -321,15 +506,39 @@ func (d *dec) snapshot() *State {
 	return st
 }
 
+// decodeSnapshot reads a snapshot written in parts: the parts' bytes
+// after their record type and flags, in order.
+func decodeSnapshot(parts [][]byte) (*State, error) {
+	d := newDec(parts...)
+	st := d.snapshot()
+	if d.err != nil {
+		return nil, d.err
+	}
+	if d.left != 0 {
+		return nil, fmt.Errorf("%w: %d bytes after the snapshot", ErrCorrupt, d.left)
+	}
+	return st, nil
+}
+
 // decodeRecord applies one record's payload to st (nil before the
-// snapshot: only a snapshot may come first). It returns the state.
+// snapshot: only a snapshot may come first: a recSnapshot record, or here
+// a snapshot in one part; replay gathers the parts of a longer one). It
+// returns the state.
 func decodeRecord(st *State, payload []byte) (*State, error) {
-	d := &dec{b: payload}
+	d := newDec(payload)
 	typ := d.byte()
-	if st == nil && typ != recSnapshot {
+	if st == nil && typ != recSnapshot && typ != recSnapshotPart {
 		return nil, fmt.Errorf("%w: the books start with record type %d, not a snapshot", ErrCorrupt, typ)
 	}
 	switch typ {
+	case recSnapshotPart:
+		if st != nil {
+			return nil, fmt.Errorf("%w: a second snapshot", ErrCorrupt)
+		}
+		if d.byte()&1 == 0 {
+			return nil, fmt.Errorf("%w: a snapshot part without the rest", ErrCorrupt)
+		}
+		st = d.snapshot()
 	case recSnapshot:
 		if st != nil {
 			return nil, fmt.Errorf("%w: a second snapshot", ErrCorrupt)
@@ -356,8 +565,8 @@ func decodeRecord(st *State, payload []byte) (*State, error) {
 	if d.err != nil {
 		return nil, d.err
 	}
-	if len(d.b) != 0 {
-		return nil, fmt.Errorf("%w: %d bytes after the record", ErrCorrupt, len(d.b))
+	if d.left != 0 {
+		return nil, fmt.Errorf("%w: %d bytes after the record", ErrCorrupt, d.left)
 	}
 	return st, nil
 }

@@ -103,7 +103,8 @@ func (st *State) Streams() int {
 	return n
 }
 
-// Image returns the state as pool.Restore takes it.
+// Image returns the state as pool.Restore takes it. Its page lists are the
+// state's own: neither may change them while the other is in use.
 func (st *State) Image() pool.Image {
 	img := pool.Image{LastSession: st.lastSession}
 	for _, c := range st.chunks {
@@ -126,14 +127,14 @@ func (st *State) Image() pool.Image {
 func (s *Session) image() pool.SessionImage {
 	si := s.Image
 	si.Chunks = slices.Clone(si.Chunks)
-	si.Streams, si.Pending = nil, nil
-	for _, rid := range sortedKeys(s.rids) {
-		for _, x := range s.rids[rid] {
-			si.Streams = append(si.Streams, pool.StreamImage{Rid: rid, Label: x.label, Meta: x.meta, Pages: slices.Clone(x.pages)})
+	si.Streams, si.Pending = make([]pool.StreamImage, 0, s.streams()), nil
+	for rid, list := range s.rids { // in no order: Restore needs none across requests
+		for _, x := range list {
+			si.Streams = append(si.Streams, pool.StreamImage{Rid: rid, Label: x.label, Meta: x.meta, Pages: x.pages})
 		}
 	}
 	for _, p := range s.pending {
-		si.Pending = append(si.Pending, pool.PendingImage{Ticket: p.Ticket, Pages: slices.Clone(p.Pages)})
+		si.Pending = append(si.Pending, pool.PendingImage{Ticket: p.Ticket, Pages: p.Pages})
 	}
 	return si
 }
@@ -302,6 +303,14 @@ func (st *State) applySession(op server.SessionOp) {
 	}
 }
 
+func (s *Session) streams() int {
+	n := 0
+	for _, list := range s.rids {
+		n += len(list)
+	}
+	return n
+}
+
 func (s *Session) find(rid, label string) int {
 	for i, x := range s.rids[rid] {
 		if x.label == label {
@@ -348,8 +357,15 @@ func (st *State) open(op server.SessionOp) {
 // everything Restore would rebuild. For tests and the chaos harness.
 func (st *State) Check(img pool.Image) error {
 	mine := st.Image()
-	// Streams of one request keep their order; requests are ordered by ID
-	// in both.
+	// The books know the last session ID from the opens they recorded; a
+	// pool that has opened none since it was made or restored counts
+	// from its own epoch (pool.New), which is higher.
+	if mine.LastSession > img.LastSession {
+		return fmt.Errorf("books and pool differ: the books' last session %d, the pool's %d", mine.LastSession, img.LastSession)
+	}
+	mine.LastSession, img.LastSession = 0, 0
+	// Streams of one request keep their order; requests are sorted here
+	// (the books list them in no order).
 	for _, m := range []*pool.Image{&mine, &img} {
 		for i := range m.Sessions {
 			s := &m.Sessions[i]

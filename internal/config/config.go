@@ -16,6 +16,7 @@ package config
 import (
 	"fmt"
 	"path/filepath"
+	"reflect"
 	"time"
 
 	"github.com/kvpool/kvpool/internal/server"
@@ -233,8 +234,16 @@ type Limits struct {
 	// one session holds, counted once per stream. At least 2Ki (one stream
 	// of the longest names). Default "16Mi".
 	MaxNameBytesPerSession Bytes `json:"maxNameBytesPerSession"`
+	// MaxStreams and MaxNameBytes bound the same over every session
+	// together: what the agent's heap, its books and its restart time
+	// grow with (docs/sizing.md, "Agent memory"). At least the
+	// per-session bounds. The chart derives both from pool.headroom.
+	// Defaults 524288 and "32Mi" (for the default 512Mi headroom).
+	MaxStreams   int   `json:"maxStreams"`
+	MaxNameBytes Bytes `json:"maxNameBytes"`
 	// MaxDevicePages bounds the device pages of a session's layout; the
-	// agent keeps one bit per device page per session. 1 to 2147483646.
+	// agent keeps one bit per device page per session, and a change's
+	// record in the books holds up to 5 bytes per page. 1 to 134217728.
 	// Default 16777216 (a 2 MiB bitmap).
 	MaxDevicePages int `json:"maxDevicePages"`
 	// MaxClientName bounds the client name of a hello, in bytes. 16 to
@@ -340,6 +349,20 @@ func Default() Config {
 	}
 }
 
+// LimitsFrom is the configuration of the server's limits l, every zero
+// field of l taking server.DefaultLimits' (for embedders: pkg/standalone).
+func LimitsFrom(l server.Limits) Limits {
+	d := limitsOf(server.DefaultLimits)
+	c := limitsOf(l)
+	dv, cv := reflect.ValueOf(&d).Elem(), reflect.ValueOf(&c).Elem()
+	for i := range cv.NumField() {
+		if cv.Field(i).IsZero() {
+			cv.Field(i).Set(dv.Field(i))
+		}
+	}
+	return c
+}
+
 // limitsOf is the configuration of the server's limits l; Server is the
 // way back.
 func limitsOf(l server.Limits) Limits {
@@ -348,6 +371,7 @@ func limitsOf(l server.Limits) Limits {
 		ProbeConns: l.ProbeConns, HelloTimeout: Duration{l.HelloTimeout}, OpenTimeout: Duration{l.OpenTimeout},
 		MaxSessions: l.MaxSessions, MaxSessionsPerAllocation: l.MaxSessionsPerAllocation,
 		MaxStreamsPerSession: l.MaxStreamsPerSession, MaxNameBytesPerSession: Bytes(l.MaxNameBytesPerSession),
+		MaxStreams: l.MaxStreams, MaxNameBytes: Bytes(l.MaxNameBytes),
 		MaxDevicePages: l.MaxDevicePages, MaxClientName: l.MaxClientName,
 	}
 }
@@ -359,6 +383,7 @@ func (l Limits) Server() server.Limits {
 		ProbeConns: l.ProbeConns, HelloTimeout: l.HelloTimeout.Duration, OpenTimeout: l.OpenTimeout.Duration,
 		MaxSessions: l.MaxSessions, MaxSessionsPerAllocation: l.MaxSessionsPerAllocation,
 		MaxStreamsPerSession: l.MaxStreamsPerSession, MaxNameBytesPerSession: int64(l.MaxNameBytesPerSession),
+		MaxStreams: l.MaxStreams, MaxNameBytes: int64(l.MaxNameBytes),
 		MaxDevicePages: l.MaxDevicePages, MaxClientName: l.MaxClientName,
 	}
 }

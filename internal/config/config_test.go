@@ -123,7 +123,7 @@ func TestParseFullFile(t *testing.T) {
 		Limits: Limits{MaxConns: 2000, MaxConnsPerUID: 1000, MaxConnsPerPID: 100, ProbeConns: 4,
 			HelloTimeout: Duration{2 * time.Second}, OpenTimeout: Duration{10 * time.Second},
 			MaxSessions: 500, MaxSessionsPerAllocation: 16, MaxStreamsPerSession: 65536,
-			MaxNameBytesPerSession: 8 * MiB, MaxDevicePages: 1 << 20, MaxClientName: 128},
+			MaxNameBytesPerSession: 8 * MiB, MaxStreams: 200000, MaxNameBytes: 24 * MiB, MaxDevicePages: 1 << 20, MaxClientName: 128},
 		Metrics:    Metrics{Address: "127.0.0.1:9000"},
 		Health:     Health{Address: ":9001"},
 		Log:        Log{Level: "debug", Format: "json"},
@@ -196,6 +196,8 @@ func TestParseErrors(t *testing.T) {
 		{"state inside socket dir", head + "socketDir: /var/lib/kvpool\nstateDir: /var/lib/kvpool/state\n", `stateDir: Invalid value: "/var/lib/kvpool/state": is inside the socket directory "/var/lib/kvpool", which pods mount`},
 		{"state inside socket dir, unclean", head + "socketDir: /run/kv\nstateDir: /run/x/../kv/./s\n", "is inside the socket directory"},
 		{"socket dir inside state", head + "socketDir: /var/lib/kvpool/state/sock\nstateDir: /var/lib/kvpool/state\n", `contains the socket directory`},
+		{"keeper socket in socket dir", head + "socketDir: /var/lib/kvpool/sock\nkeeperSocket: /var/lib/kvpool/sock/keeper.sock\n", `keeperSocket: Invalid value: "/var/lib/kvpool/sock/keeper.sock": is inside the socket directory "/var/lib/kvpool/sock", which pods mount`},
+		{"keeper socket below socket dir, unclean", head + "socketDir: /run/kv\nkeeperSocket: /run/x/../kv/k/./keeper.sock\n", "is inside the socket directory"},
 		{"token binding", head + "tokenBinding: uid\n", `tokenBinding: Unsupported value: "uid": supported values: "pod", "none"`},
 		{"gpu resource without domain", head + "gpuResources: [gpu]\n", `gpuResources[0]: Invalid value: "gpu": an extended resource name`},
 		{"gpu resource star inside", head + "gpuResources: [nvidia.com/gpu, \"nvidia.com/m*g\"]\n", `gpuResources[1]: Invalid value: "nvidia.com/m*g"`},
@@ -235,7 +237,9 @@ func TestParseErrors(t *testing.T) {
 		{"open before hello", head + "limits:\n  helloTimeout: 20s\n", `limits.openTimeout: Invalid value: "15s": must not be less than limits.helloTimeout 20s`},
 		{"zero hello", head + "limits:\n  helloTimeout: 0s\n", `limits.helloTimeout: Invalid value: "0s"`},
 		{"tiny name budget", head + "limits:\n  maxNameBytesPerSession: 1Ki\n", `limits.maxNameBytesPerSession: Invalid value: "1Ki": must be at least 2Ki`},
-		{"huge device pages", head + "limits:\n  maxDevicePages: 2147483647\n", "limits.maxDevicePages: Invalid value: 2147483647: must be 1 to 2147483646"},
+		{"huge device pages", head + "limits:\n  maxDevicePages: 2147483647\n", "limits.maxDevicePages: Invalid value: 2147483647: must be 1 to 134217728"},
+		{"streams below a session's", head + "limits:\n  maxStreams: 1000\n", "limits.maxStreams: Invalid value: 1000: must not be less than limits.maxStreamsPerSession 131072"},
+		{"name bytes below a session's", head + "limits:\n  maxNameBytes: 1Mi\n", `limits.maxNameBytes: Invalid value: "1Mi": must not be less than limits.maxNameBytesPerSession 16Mi`},
 		{"long client name", head + "limits:\n  maxClientName: 4096\n", "limits.maxClientName: Invalid value: 4096: must be 16 to 2048"},
 	}
 	for _, c := range cases {

@@ -128,6 +128,8 @@ var settings = func() []setting {
 	add("limits.maxSessionsPerAllocation", "max-sessions-per-allocation", "KVPOOL_MAX_SESSIONS_PER_ALLOCATION", "sessions of one allocation", integer(func(c *Config) *int { return &lim(c).MaxSessionsPerAllocation }))
 	add("limits.maxStreamsPerSession", "max-streams-per-session", "KVPOOL_MAX_STREAMS_PER_SESSION", "streams one session may hold", integer(func(c *Config) *int { return &lim(c).MaxStreamsPerSession }))
 	add("limits.maxNameBytesPerSession", "max-name-bytes-per-session", "KVPOOL_MAX_NAME_BYTES_PER_SESSION", "bytes of request IDs and labels one session may hold", qty(func(c *Config) *Bytes { return &lim(c).MaxNameBytesPerSession }))
+	add("limits.maxStreams", "max-streams", "KVPOOL_MAX_STREAMS", "streams every session together may hold", integer(func(c *Config) *int { return &lim(c).MaxStreams }))
+	add("limits.maxNameBytes", "max-name-bytes", "KVPOOL_MAX_NAME_BYTES", "bytes of request IDs and labels every session together may hold", qty(func(c *Config) *Bytes { return &lim(c).MaxNameBytes }))
 	add("limits.maxDevicePages", "max-device-pages", "KVPOOL_MAX_DEVICE_PAGES", "device pages a session's layout may name", integer(func(c *Config) *int { return &lim(c).MaxDevicePages }))
 	add("limits.maxClientName", "max-client-name", "KVPOOL_MAX_CLIENT_NAME", "bytes of a client's name in its hello", integer(func(c *Config) *int { return &lim(c).MaxClientName }))
 	add("metrics.address", "metrics-address", "KVPOOL_METRICS_ADDRESS", "host:port for /metrics (empty: off)", str(func(c *Config) *string { return &c.Metrics.Address }))

@@ -26,6 +26,11 @@ const maxSunPath = 107
 // accepts.
 const maxDRADriverName = 63
 
+// MaxDevicePages is the most limits.maxDevicePages may be: a change's
+// record in the books, up to 5 bytes per device page, then stays far
+// within what the books replay (1 GiB).
+const MaxDevicePages = 1 << 27
+
 // Validate checks every field and reports every problem at once: nil when
 // the configuration is usable, else a utilerrors.Aggregate of
 // *field.Error (k8s.io/apimachinery), each naming its field by YAML path
@@ -107,6 +112,10 @@ func (c *Config) validateTop() field.ErrorList {
 	}
 	if k := c.KeeperSocket; k != "" && (!filepath.IsAbs(k) || len(k) > maxSunPath) {
 		errs = append(errs, field.Invalid(p("keeperSocket"), k, fmt.Sprintf("must be an absolute path of at most %d bytes", maxSunPath)))
+	} else if k != "" && filepath.IsAbs(c.SocketDir) {
+		if msg := checkKeeperSocket(c.SocketDir, k); msg != "" {
+			errs = append(errs, field.Invalid(p("keeperSocket"), k, msg))
+		}
 	}
 	if filepath.IsAbs(c.SocketDir) && len(c.SocketPath()) > maxSunPath {
 		errs = append(errs, field.Invalid(p("socketDir"), c.SocketDir, fmt.Sprintf("socket path %q is %d bytes, longer than a Unix socket address allows (%d)", c.SocketPath(), len(c.SocketPath()), maxSunPath)))
@@ -206,7 +215,8 @@ func (lim *Limits) validate(lp *field.Path) field.ErrorList {
 		v    int
 	}{{"maxConns", lim.MaxConns}, {"maxConnsPerUID", lim.MaxConnsPerUID}, {"maxConnsPerPID", lim.MaxConnsPerPID},
 		{"probeConns", lim.ProbeConns}, {"maxSessions", lim.MaxSessions},
-		{"maxSessionsPerAllocation", lim.MaxSessionsPerAllocation}, {"maxStreamsPerSession", lim.MaxStreamsPerSession}} {
+		{"maxSessionsPerAllocation", lim.MaxSessionsPerAllocation}, {"maxStreamsPerSession", lim.MaxStreamsPerSession},
+		{"maxStreams", lim.MaxStreams}} {
 		if f.v <= 0 {
 			errs = append(errs, field.Invalid(lp.Child(f.name), f.v, "must be a positive count"))
 		}
@@ -228,8 +238,14 @@ func (lim *Limits) validate(lp *field.Path) field.ErrorList {
 	if lim.MaxNameBytesPerSession < 2*KiB {
 		errs = append(errs, field.Invalid(lp.Child("maxNameBytesPerSession"), lim.MaxNameBytesPerSession.String(), "must be at least 2Ki (one stream with the longest request ID and label)"))
 	}
-	if lim.MaxDevicePages <= 0 || lim.MaxDevicePages > 1<<31-2 {
-		errs = append(errs, field.Invalid(lp.Child("maxDevicePages"), lim.MaxDevicePages, fmt.Sprintf("must be 1 to %d", 1<<31-2)))
+	if lim.MaxStreams > 0 && lim.MaxStreams < lim.MaxStreamsPerSession {
+		errs = append(errs, field.Invalid(lp.Child("maxStreams"), lim.MaxStreams, fmt.Sprintf("must not be less than limits.maxStreamsPerSession %d", lim.MaxStreamsPerSession)))
+	}
+	if lim.MaxNameBytes < lim.MaxNameBytesPerSession {
+		errs = append(errs, field.Invalid(lp.Child("maxNameBytes"), lim.MaxNameBytes.String(), fmt.Sprintf("must not be less than limits.maxNameBytesPerSession %s", lim.MaxNameBytesPerSession)))
+	}
+	if lim.MaxDevicePages <= 0 || lim.MaxDevicePages > MaxDevicePages {
+		errs = append(errs, field.Invalid(lp.Child("maxDevicePages"), lim.MaxDevicePages, fmt.Sprintf("must be 1 to %d", MaxDevicePages)))
 	}
 	if lim.MaxClientName < 16 || lim.MaxClientName > 2048 {
 		errs = append(errs, field.Invalid(lp.Child("maxClientName"), lim.MaxClientName, "must be 16 to 2048"))
@@ -314,6 +330,27 @@ func checkDirs(socketDir, stateDir string) string {
 		return fmt.Sprintf("contains the socket directory %q; keep them apart (pods mount the socket directory)", socketDir)
 	}
 	return ""
+}
+
+// CheckKeeperSocket refuses a keeper socket inside the socket directory
+// (which pods mount): a process in a pod could connect to the keeper and
+// take the pool's chunks and books while the agent is down, or hold the
+// agent's place. Both paths must be absolute; they are compared cleaned,
+// without following symbolic links.
+func CheckKeeperSocket(socketDir, keeperSocket string) error {
+	if msg := checkKeeperSocket(socketDir, keeperSocket); msg != "" {
+		return fmt.Errorf("keeper socket %q %s", keeperSocket, msg)
+	}
+	return nil
+}
+
+func checkKeeperSocket(socketDir, keeperSocket string) string {
+	sock, keeper := filepath.Clean(socketDir), filepath.Clean(keeperSocket)
+	rel, err := filepath.Rel(sock, keeper)
+	if err != nil || rel == ".." || strings.HasPrefix(rel, "../") {
+		return ""
+	}
+	return fmt.Sprintf("is inside the socket directory %q, which pods mount: a process in a pod could take the pool's chunks and books from the keeper while the agent is down; put it outside (the chart's default is /var/lib/kvpool/keeper/keeper.sock)", socketDir)
 }
 
 func checkAddress(addr string) string {

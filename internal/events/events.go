@@ -24,6 +24,9 @@ const (
 	ReasonChunkUnhealthy    = "KVPoolChunkUnhealthy"
 	ReasonChunkRecovered    = "KVPoolChunkRecovered"
 	ReasonChunksReclaimed   = "KVPoolChunksReclaimed"
+	ReasonKeeperLost        = "KVPoolKeeperLost"
+	ReasonKeeperReconnected = "KVPoolKeeperReconnected"
+	ReasonPoolLost          = "KVPoolLost"
 )
 
 // Component is the event source the agent reports as.
@@ -42,6 +45,15 @@ type Events interface {
 	// ChunksReclaimed: the pod holding chunks is gone, and its chunks were
 	// taken back (and will be scrubbed) after the grace period.
 	ChunksReclaimed(pod string, chunks []string)
+	// KeeperLost: the keeper no longer holds the pool (it exited, or does
+	// not answer); changes are refused until a keeper holds it again.
+	KeeperLost(reason string)
+	// KeeperReconnected: a keeper holds the pool again (the agent handed
+	// it every chunk and the books), after the loss lasted for.
+	KeeperReconnected(chunks int, after time.Duration)
+	// PoolLost: at start the keeper held none of the pool an earlier agent
+	// had kept in it: its sessions and streams are gone.
+	PoolLost(chunks, sessions int)
 }
 
 // Nop posts nothing; for standalone mode and tests.
@@ -49,11 +61,14 @@ var Nop Events = nop{}
 
 type nop struct{}
 
-func (nop) PoolReady(int64, int, time.Duration) {}
-func (nop) HugePagesFallback(string)            {}
-func (nop) ChunkUnhealthy(string, string)       {}
-func (nop) ChunkRecovered(string)               {}
-func (nop) ChunksReclaimed(string, []string)    {}
+func (nop) PoolReady(int64, int, time.Duration)  {}
+func (nop) HugePagesFallback(string)             {}
+func (nop) ChunkUnhealthy(string, string)        {}
+func (nop) ChunkRecovered(string)                {}
+func (nop) ChunksReclaimed(string, []string)     {}
+func (nop) KeeperLost(string)                    {}
+func (nop) KeeperReconnected(int, time.Duration) {}
+func (nop) PoolLost(int, int)                    {}
 
 // NodeRef is the reference events about node name are attached to. Kubelet
 // uses the node name as the UID of its node events; pass the Node's real UID
@@ -108,6 +123,21 @@ func (r *recorder) ChunkRecovered(id string) {
 func (r *recorder) ChunksReclaimed(pod string, chunks []string) {
 	r.rec.Eventf(r.ref, corev1.EventTypeNormal, ReasonChunksReclaimed,
 		"reclaimed %d chunks of pod %s, which is gone: %s", len(chunks), pod, listIDs(chunks, 8))
+}
+
+func (r *recorder) KeeperLost(reason string) {
+	r.rec.Eventf(r.ref, corev1.EventTypeWarning, ReasonKeeperLost,
+		"keeper lost (%s): changes to sessions are refused (clients retry) until a keeper holds the pool again; the agent holds it meanwhile and reconnects", reason)
+}
+
+func (r *recorder) KeeperReconnected(chunks int, after time.Duration) {
+	r.rec.Eventf(r.ref, corev1.EventTypeNormal, ReasonKeeperReconnected,
+		"a keeper holds the pool again (%d chunks and the books handed over, %s after the loss): nothing was lost", chunks, after.Round(time.Millisecond))
+}
+
+func (r *recorder) PoolLost(chunks, sessions int) {
+	r.rec.Eventf(r.ref, corev1.EventTypeWarning, ReasonPoolLost,
+		"the keeper lost the pool an earlier agent had kept in it (%d chunks, about %d sessions): those sessions and streams are gone; the pool is allocated fresh", chunks, sessions)
 }
 
 // listIDs joins at most n IDs, noting how many more there are, so a message

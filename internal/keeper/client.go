@@ -16,13 +16,37 @@ import (
 // ErrBusy reports that another agent is connected to the keeper.
 var ErrBusy = errors.New("another agent is connected to this keeper")
 
+// ErrLost reports a keeper connection that is gone: the keeper closed it
+// (it exited or was killed), or did not answer within CallTimeout (it is
+// stopped or stalled), or broke the protocol. Nothing more is kept through
+// it; the agent must connect again (to a new keeper) and hand it what it
+// holds.
+var ErrLost = errors.New("keeper lost")
+
+// CallTimeout bounds every request to the keeper, hello and its state
+// transfer included: a keeper that does not answer within it is taken for
+// lost (a stopped process never closes its socket).
+var CallTimeout = 3 * time.Second
+
 // Client is the agent's connection to its keeper. Its methods are safe for
-// concurrent use; requests are serialized.
+// concurrent use; requests are serialized. A goroutine reads the
+// connection all along, so that the keeper's death is seen at once
+// (Lost), not at the next request.
 type Client struct {
 	mu  sync.Mutex
 	uc  *net.UnixConn
 	buf []byte
 	oob []byte
+
+	replies  chan reply
+	lost     chan struct{}
+	lostOnce sync.Once
+	lostErr  error
+}
+
+type reply struct {
+	m     message
+	files []*os.File
 }
 
 // Held is one chunk the keeper handed back: the item and its memfd.
@@ -67,13 +91,68 @@ func connect(path string) (*Client, *State, error) {
 	if err != nil {
 		return nil, nil, fmt.Errorf("keeper: dial %s: %w", path, err)
 	}
-	c := &Client{uc: uc, buf: make([]byte, maxPacket), oob: make([]byte, unix.CmsgSpace(4*batch+4))}
+	c := &Client{uc: uc, buf: make([]byte, maxPacket), oob: make([]byte, unix.CmsgSpace(4*batch+4)),
+		replies: make(chan reply, 1), lost: make(chan struct{})}
+	// The state comes in batches; the whole of it within a few times
+	// CallTimeout (65536 chunks are 512 batches).
+	if err := uc.SetDeadline(time.Now().Add(4 * CallTimeout)); err != nil {
+		uc.Close()
+		return nil, nil, fmt.Errorf("keeper: %w", err)
+	}
 	st, err := c.hello()
+	if err == nil {
+		err = uc.SetDeadline(time.Time{})
+	}
 	if err != nil {
 		uc.Close()
+		if st != nil {
+			st.Close()
+		}
 		return nil, nil, err
 	}
+	go c.readLoop()
 	return c, st, nil
+}
+
+// readLoop reads the keeper's answers until the connection ends, and
+// marks the client lost then.
+func (c *Client) readLoop() {
+	for {
+		m, files, err := c.recv()
+		if err != nil {
+			c.lose(err)
+			return
+		}
+		select {
+		case c.replies <- reply{m: m, files: files}:
+		default:
+			closeAll(files)
+			c.lose(fmt.Errorf("keeper: an answer to no request: %s", m.Op))
+			return
+		}
+	}
+}
+
+// lose marks the client lost for err and closes the connection.
+func (c *Client) lose(err error) {
+	c.lostOnce.Do(func() {
+		c.lostErr = fmt.Errorf("%w: %v", ErrLost, err)
+		close(c.lost)
+		c.uc.Close()
+	})
+}
+
+// Lost is closed when the connection to the keeper is gone (Err says why).
+func (c *Client) Lost() <-chan struct{} { return c.lost }
+
+// Err is why the client is lost (wrapping ErrLost), nil while it is not.
+func (c *Client) Err() error {
+	select {
+	case <-c.lost:
+		return c.lostErr
+	default:
+		return nil
+	}
 }
 
 func (c *Client) hello() (*State, error) {
@@ -158,16 +237,42 @@ func (c *Client) recv() (message, []*os.File, error) {
 	return m, files, nil
 }
 
-func (c *Client) call(m message, fds []int) error {
+// call sends m and waits for the keeper's answer, at most CallTimeout; a
+// keeper that breaks the connection or does not answer in time is lost
+// (ErrLost), and every later call fails at once.
+func (c *Client) call(m message, fds []int) (message, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if err := send(c.uc, m, fds); err != nil {
-		return fmt.Errorf("keeper %s: %w", m.Op, err)
+	if err := c.Err(); err != nil {
+		return message{}, fmt.Errorf("keeper %s: %w", m.Op, err)
 	}
-	rep, files, err := c.recv()
-	closeAll(files)
+	if err := c.uc.SetWriteDeadline(time.Now().Add(CallTimeout)); err != nil {
+		c.lose(err)
+		return message{}, fmt.Errorf("keeper %s: %w", m.Op, c.Err())
+	}
+	if err := send(c.uc, m, fds); err != nil {
+		c.lose(err)
+		return message{}, fmt.Errorf("keeper %s: %w", m.Op, c.Err())
+	}
+	t := time.NewTimer(CallTimeout)
+	defer t.Stop()
+	select {
+	case r := <-c.replies:
+		closeAll(r.files)
+		return r.m, nil
+	case <-c.lost:
+		return message{}, fmt.Errorf("keeper %s: %w", m.Op, c.Err())
+	case <-t.C:
+		c.lose(fmt.Errorf("no answer within %v: the keeper is stopped or stalled", CallTimeout))
+		return message{}, fmt.Errorf("keeper %s: %w", m.Op, c.Err())
+	}
+}
+
+// do is call for a request answered "ok".
+func (c *Client) do(m message, fds []int) error {
+	rep, err := c.call(m, fds)
 	if err != nil {
-		return fmt.Errorf("keeper %s: %w", m.Op, err)
+		return err
 	}
 	if rep.Op != "ok" {
 		return fmt.Errorf("keeper %s: %s", m.Op, rep.Error)
@@ -175,28 +280,47 @@ func (c *Client) call(m message, fds []int) error {
 	return nil
 }
 
+// Ping asks the keeper what it holds over the agent's connection: an
+// answer within CallTimeout says it lives; a stopped keeper (SIGSTOP)
+// makes the client lost.
+func (c *Client) Ping() (Stat, error) {
+	rep, err := c.call(message{Op: "stat"}, nil)
+	if err != nil {
+		return Stat{}, err
+	}
+	if rep.Op != "stat" || rep.Stat == nil {
+		return Stat{}, fmt.Errorf("keeper stat: answered %s: %s", rep.Op, rep.Error)
+	}
+	return *rep.Stat, nil
+}
+
 // Put hands the keeper a chunk's memfd, replacing any it holds under the
 // same ID. The agent keeps its own fd.
 func (c *Client) Put(it Item, f *os.File) error {
-	return c.call(message{Op: "put", Items: []Item{it}}, []int{int(f.Fd())})
+	return c.do(message{Op: "put", Items: []Item{it}}, []int{int(f.Fd())})
 }
 
 // Drop makes the keeper close its fd of chunk id (a no-op when it has none).
 func (c *Client) Drop(id string) error {
-	return c.call(message{Op: "drop", Items: []Item{{ID: id}}}, nil)
+	return c.do(message{Op: "drop", Items: []Item{{ID: id}}}, nil)
 }
 
 // PutBooks hands the keeper the books memfd of generation gen, replacing
 // the previous books.
 func (c *Client) PutBooks(gen uint64, f *os.File) error {
-	return c.call(message{Op: "books", Gen: gen}, []int{int(f.Fd())})
+	return c.do(message{Op: "books", Gen: gen}, []int{int(f.Fd())})
 }
 
 // Reset makes the keeper close everything it holds.
-func (c *Client) Reset() error { return c.call(message{Op: "reset"}, nil) }
+func (c *Client) Reset() error { return c.do(message{Op: "reset"}, nil) }
 
-// Close closes the connection; the keeper keeps what it holds.
-func (c *Client) Close() error { return c.uc.Close() }
+// Close closes the connection; the keeper keeps what it holds. The client
+// is lost from then on.
+func (c *Client) Close() error {
+	err := c.uc.Close()
+	c.lose(errors.New("closed by the agent"))
+	return err
+}
 
 // Seals returns the seals of a memfd (F_GET_SEALS).
 func Seals(f *os.File) (int, error) {
@@ -212,6 +336,9 @@ func Query(path string) (Stat, error) {
 	}
 	defer uc.Close()
 	c := &Client{uc: uc, buf: make([]byte, maxPacket), oob: make([]byte, unix.CmsgSpace(16))}
+	if err := uc.SetDeadline(time.Now().Add(CallTimeout)); err != nil {
+		return Stat{}, err
+	}
 	if err := send(uc, message{Op: "stat"}, nil); err != nil {
 		return Stat{}, err
 	}

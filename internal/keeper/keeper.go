@@ -55,6 +55,15 @@ const (
 	// maxRequestFDs is the most fds a request's control buffer takes;
 	// every request carries at most one.
 	maxRequestFDs = 4
+	// MaxConns bounds the keeper's connections, each with a maxPacket
+	// buffer (4 MiB in all): at the bound the oldest connection that is
+	// not the agent's is closed for the new one, so idle connections can
+	// neither grow the keeper past its memory limit nor keep the agent
+	// out.
+	MaxConns = 16
+	// IdleTimeout closes a connection that is not the agent's after this
+	// long without a request.
+	IdleTimeout = 10 * time.Second
 )
 
 // Item names one held memfd.
@@ -143,6 +152,13 @@ type Keeper struct {
 	books    *os.File
 	booksGen uint64
 	agent    *net.UnixConn // the connected agent, nil when none
+
+	idle time.Duration // IdleTimeout, from idleTimeout when made
+
+	// evicted counts connections closed at MaxConns since evictLogged
+	// (guarded by Serve's connection lock).
+	evicted     int
+	evictLogged time.Time
 }
 
 // New returns an empty keeper.
@@ -150,7 +166,7 @@ func New(log *slog.Logger) *Keeper {
 	if log == nil {
 		log = slog.Default()
 	}
-	return &Keeper{log: log, chunks: map[string]held{}}
+	return &Keeper{log: log, chunks: map[string]held{}, idle: idleTimeout}
 }
 
 // Listen creates the keeper's socket at path, mode 0600 in a directory
@@ -169,12 +185,20 @@ func Listen(path string) (*net.UnixListener, error) {
 // accept failure (out of file descriptors, say) is logged and retried
 // (unixsock.Acceptor).
 func (k *Keeper) Serve(ctx context.Context, l *net.UnixListener) error {
-	conns := map[*net.UnixConn]bool{}
+	conns := map[*net.UnixConn]time.Time{} // -> when accepted
 	var cmu sync.Mutex
 	err := unixsock.Acceptor{
 		Admit: func(uc *net.UnixConn) func() {
+			if peer, err := unixsock.PeerOf(uc); err != nil || peer.UID != uint32(os.Getuid()) {
+				k.log.Warn("keeper: refusing a connection from another user", "uid", peer.UID, "err", err)
+				uc.Close()
+				return nil
+			}
 			cmu.Lock()
-			conns[uc] = true
+			if len(conns) >= MaxConns {
+				k.evictOldest(conns)
+			}
+			conns[uc] = time.Now()
 			cmu.Unlock()
 			return func() {
 				k.serveConn(uc)
@@ -199,6 +223,33 @@ func (k *Keeper) Serve(ctx context.Context, l *net.UnixListener) error {
 	}
 	return nil
 }
+
+// evictOldest closes the oldest of conns that is not the agent's, to make
+// room at MaxConns. Its goroutine removes it from conns.
+func (k *Keeper) evictOldest(conns map[*net.UnixConn]time.Time) {
+	k.mu.Lock()
+	agent := k.agent
+	k.mu.Unlock()
+	var oldest *net.UnixConn
+	for uc, at := range conns {
+		if uc != agent && (oldest == nil || at.Before(conns[oldest])) {
+			oldest = uc
+		}
+	}
+	if oldest != nil {
+		k.evicted++
+		if now := time.Now(); now.Sub(k.evictLogged) >= time.Second {
+			k.log.Warn("keeper: at its connection limit; closing the oldest connections that are not the agent's",
+				"limit", MaxConns, "closed", k.evicted)
+			k.evictLogged, k.evicted = now, 0
+		}
+		oldest.Close()
+		delete(conns, oldest)
+	}
+}
+
+// idleTimeout is IdleTimeout (a variable for tests).
+var idleTimeout = IdleTimeout
 
 // Close drops every held fd.
 func (k *Keeper) Close() {
@@ -240,10 +291,6 @@ func (k *Keeper) statLocked() Stat {
 
 func (k *Keeper) serveConn(uc *net.UnixConn) {
 	defer uc.Close()
-	if peer, err := unixsock.PeerOf(uc); err != nil || peer.UID != uint32(os.Getuid()) {
-		k.log.Warn("keeper: refusing a connection from another user", "uid", peer.UID, "err", err)
-		return
-	}
 	isAgent := false
 	defer func() {
 		if isAgent {
@@ -256,6 +303,13 @@ func (k *Keeper) serveConn(uc *net.UnixConn) {
 	buf := make([]byte, maxPacket)
 	oob := make([]byte, unix.CmsgSpace(4*maxRequestFDs))
 	for {
+		deadline := time.Now().Add(k.idle)
+		if isAgent {
+			deadline = time.Time{} // the agent's connection lives as long as the agent
+		}
+		if uc.SetReadDeadline(deadline) != nil {
+			return
+		}
 		n, oobn, flags, _, err := uc.ReadMsgUnix(buf, oob)
 		if err != nil || n == 0 {
 			return

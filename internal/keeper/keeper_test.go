@@ -248,3 +248,137 @@ func FuzzParseRequest(f *testing.F) {
 		}
 	})
 }
+
+// Idle connections cannot grow the keeper past MaxConns, nor keep the
+// agent out: at the bound the oldest connection that is not the agent's
+// is closed for the new one, and an idle one is closed after IdleTimeout
+// (issue 23: the keeper took any number of idle connections, each with
+// its 256 KiB buffer).
+func TestKeeperBoundsConnections(t *testing.T) {
+	old := idleTimeout
+	idleTimeout = 300 * time.Millisecond
+	_, path := start(t) // the keeper takes idleTimeout when made
+	idleTimeout = old
+	dial := func() *net.UnixConn {
+		uc, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: path, Net: "unixpacket"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { uc.Close() })
+		return uc
+	}
+	closed := func(uc *net.UnixConn, within time.Duration) bool {
+		uc.SetReadDeadline(time.Now().Add(within))
+		n, err := uc.Read(make([]byte, 64))
+		return n == 0 && err != nil && !errors.Is(err, os.ErrDeadlineExceeded)
+	}
+	var idle []*net.UnixConn
+	for range MaxConns + 8 {
+		idle = append(idle, dial())
+	}
+	// The first 8 were closed to make room for the last 8.
+	for i, uc := range idle[:8] {
+		if !closed(uc, 2*time.Second) {
+			t.Fatalf("connection %d of %d still open past the bound of %d", i, len(idle), MaxConns)
+		}
+	}
+	// The agent gets in while the rest are idle, and its connection
+	// outlives IdleTimeout while the idle ones do not.
+	c, _, err := Connect(path, time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	time.Sleep(2 * idleTimeout)
+	for i, uc := range idle[8:] {
+		if !closed(uc, time.Second) {
+			t.Fatalf("idle connection %d still open after IdleTimeout", i)
+		}
+	}
+	for range MaxConns + 4 { // a new flood while the agent is in
+		dial()
+	}
+	if err := c.Put(Item{ID: "c", Size: 4096}, memfd(t, 4096, 1)); err != nil {
+		t.Fatalf("the agent's connection after a flood at the bound: %v", err)
+	}
+}
+
+// The client sees its keeper's loss: a keeper that exits closes the
+// connection and Lost fires at once, with no request in flight; one that
+// stops answering (SIGSTOP: the socket stays open) fails the next request
+// within CallTimeout; either way every later request fails at once with
+// ErrLost (issue 23: a stopped keeper stalled every journaled call and
+// open, with no error and no bound).
+func TestClientSeesKeeperLoss(t *testing.T) {
+	old := CallTimeout
+	CallTimeout = 200 * time.Millisecond
+	defer func() { CallTimeout = old }()
+
+	// Exited.
+	path := filepath.Join(t.TempDir(), "keeper.sock")
+	l, err := Listen(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	k := New(nil)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- k.Serve(ctx, l) }()
+	c, _, err := Connect(path, time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Ping(); err != nil {
+		t.Fatal(err)
+	}
+	cancel()
+	<-done
+	k.Close()
+	select {
+	case <-c.Lost():
+	case <-time.After(2 * time.Second):
+		t.Fatal("the client did not see its keeper exit")
+	}
+	if err := c.Put(Item{ID: "x", Size: 4096}, memfd(t, 4096, 0)); !errors.Is(err, ErrLost) {
+		t.Fatalf("put to an exited keeper: %v", err)
+	}
+
+	// Stopped: it took the connection and answered hello, and then
+	// nothing more.
+	path = filepath.Join(t.TempDir(), "stalled.sock")
+	sl, err := Listen(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sl.Close()
+	go func() {
+		uc, err := sl.AcceptUnix()
+		if err != nil {
+			return
+		}
+		defer uc.Close()
+		buf := make([]byte, maxPacket)
+		uc.Read(buf) // hello
+		send(uc, message{V: Version, Op: "state"}, nil)
+		send(uc, message{Op: "end"}, nil)
+		time.Sleep(10 * time.Second) // stopped
+	}()
+	c, _, err = Connect(path, time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	_, err = c.Ping()
+	if !errors.Is(err, ErrLost) || time.Since(start) > 2*time.Second {
+		t.Fatalf("ping of a stopped keeper: %v after %s", err, time.Since(start))
+	}
+	select {
+	case <-c.Lost():
+	default:
+		t.Fatal("a stopped keeper's client not marked lost")
+	}
+	start = time.Now()
+	if err := c.Drop("x"); !errors.Is(err, ErrLost) || time.Since(start) > 50*time.Millisecond {
+		t.Fatalf("a request after the loss: %v after %s", err, time.Since(start))
+	}
+}

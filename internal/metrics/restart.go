@@ -21,19 +21,38 @@ func (m *Metrics) Restart(f func() *report.Restart) {
 			func(r *report.Restart) float64 { return float64(r.FreshChunks) }),
 		gauge("restart_gap_seconds", "How long the pool went unserved before this agent started serving: from the previous agent's last sign of life (0 on a first start).",
 			func(r *report.Restart) float64 { return r.LastGapSeconds }),
+		gauge("keeper_connected", "1 while the keeper holds the pool and its books; 0 while it is lost (changes are refused, the agent reconnects).",
+			func(r *report.Restart) float64 { return b2f(r.KeeperConnected) }),
+		&restartGauge{desc: prometheus.NewDesc(prometheus.BuildFQName(Namespace, "", "keeper_losses_total"),
+			"Keeper connections this agent lost (the keeper exited, or did not answer within its deadline).", nil, nil),
+			f: f, v: func(r *report.Restart) float64 { return float64(r.KeeperLosses) }, kind: prometheus.CounterValue},
+		gauge("pool_lost_at_start", "1 when at this agent's start the keeper held none of the pool an earlier agent had kept in it (its sessions and streams are gone).",
+			func(r *report.Restart) float64 { return b2f(r.PoolLost) }),
 	)
+}
+
+func b2f(b bool) float64 {
+	if b {
+		return 1
+	}
+	return 0
 }
 
 type restartGauge struct {
 	desc *prometheus.Desc
 	f    func() *report.Restart
 	v    func(*report.Restart) float64
+	kind prometheus.ValueType // GaugeValue when zero
 }
 
 func (g *restartGauge) Describe(ch chan<- *prometheus.Desc) { ch <- g.desc }
 
 func (g *restartGauge) Collect(ch chan<- prometheus.Metric) {
 	if r := g.f(); r != nil {
-		ch <- prometheus.MustNewConstMetric(g.desc, prometheus.GaugeValue, g.v(r))
+		kind := g.kind
+		if kind == 0 {
+			kind = prometheus.GaugeValue
+		}
+		ch <- prometheus.MustNewConstMetric(g.desc, kind, g.v(r))
 	}
 }

@@ -60,7 +60,8 @@ func Build(node string, in Input) v1alpha1.KVPoolNodeStatus {
 	}
 	if r := in.Restart; r != nil {
 		st.Restart = &v1alpha1.RestartStatus{AdoptedChunks: int32(r.AdoptedChunks), FreshChunks: int32(r.FreshChunks),
-			LastGapMilliseconds: int64(r.LastGapSeconds * 1000)}
+			LastGapMilliseconds: int64(r.LastGapSeconds * 1000), KeeperConnected: r.KeeperConnected,
+			KeeperLosses: int32(r.KeeperLosses), PoolLost: r.PoolLost}
 	}
 	var sick []string
 	for _, g := range in.Snapshot.GPUs {
@@ -109,5 +110,23 @@ func Build(node string, in Input) v1alpha1.KVPoolNodeStatus {
 		complete.Status, complete.Reason = metav1.ConditionFalse, "Allocating"
 	}
 	st.Conditions = []metav1.Condition{ready, complete}
+	if r := in.Restart; r != nil {
+		st.Conditions = append(st.Conditions, keptCondition(r))
+	}
 	return st
+}
+
+// keptCondition is PoolKept: whether the keeper holds the pool.
+func keptCondition(r *report.Restart) metav1.Condition {
+	c := metav1.Condition{Type: v1alpha1.ConditionPoolKept, Status: metav1.ConditionTrue, Reason: "KeeperHoldsPool",
+		Message: "the keeper holds the pool and its books: an agent restart keeps every session"}
+	switch {
+	case !r.KeeperConnected:
+		c.Status, c.Reason = metav1.ConditionFalse, "KeeperLost"
+		c.Message = fmt.Sprintf("the keeper is lost (%s): changes are refused, clients retry; the agent holds the pool and reconnects", r.KeeperError)
+	case r.PoolLost:
+		c.Reason = "PoolLostAtStart"
+		c.Message = fmt.Sprintf("the keeper holds the pool, but at this agent's start it had lost an earlier agent's pool (%d chunks, about %d sessions): those sessions and streams are gone", r.LostChunks, r.LostSessions)
+	}
+	return c
 }

@@ -4,7 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"testing/synctest"
@@ -12,6 +14,7 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	apimeta "k8s.io/apimachinery/pkg/api/meta"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -547,4 +550,75 @@ func TestStoppedRetriesConflicts(t *testing.T) {
 			t.Errorf("conflict: the other writer's label is gone: %v", obj.Labels)
 		}
 	}
+}
+
+// A change of health or of a condition (the agent became ready) is
+// written at once, within UrgentInterval, however recent the last write;
+// other changes still wait out MinInterval; and the heartbeat comes Resync
+// after the last write, so no status goes unwritten longer (issue 23: the
+// status said "device plugin not registered" for 5-10 s after the pod was
+// Ready). On synctest's virtual clock, with the agent's own timings.
+func TestUrgentChangesWrittenAtOnce(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		var n counts
+		var mu sync.Mutex
+		var writeTimes []time.Time
+		c := newClient(t, &n, interceptor.Funcs{
+			SubResourceUpdate: func(ctx context.Context, cl client.Client, sub string, obj client.Object, opts ...client.SubResourceUpdateOption) error {
+				mu.Lock()
+				writeTimes = append(writeTimes, time.Now())
+				mu.Unlock()
+				return cl.SubResource(sub).Update(ctx, obj, opts...)
+			},
+		}, node("n1"))
+		writes := func() []time.Time {
+			mu.Lock()
+			defer mu.Unlock()
+			return slices.Clone(writeTimes)
+		}
+		w := NewWriter(c, "n1", Options{})
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- w.Run(ctx) }()
+		start := time.Now()
+		at := func(d time.Duration) { time.Sleep(time.Until(start.Add(d))); synctest.Wait() }
+		snap := snapshot(t)
+		w.Set(Build("n1", Input{Snapshot: snap, Ready: false, Reason: "device plugin not registered with kubelet"}))
+		at(0)
+		if len(writes()) != 1 {
+			t.Fatalf("%d writes at start, want 1", len(writes()))
+		}
+		at(2 * time.Second)
+		w.Set(Build("n1", Input{Snapshot: snap, Ready: true}))
+		at(2*time.Second + 10*time.Millisecond)
+		if len(writes()) != 2 || !apimeta.IsStatusConditionTrue(get(t, c, "n1").Status.Conditions, v1alpha1.ConditionReady) {
+			t.Fatalf("readiness 2s after the first write: %d writes, Ready %v", len(writes()),
+				apimeta.IsStatusConditionTrue(get(t, c, "n1").Status.Conditions, v1alpha1.ConditionReady))
+		}
+		// A change of counts only waits out MinInterval.
+		st := Build("n1", Input{Snapshot: snap, Ready: true})
+		st.Sessions = 5
+		w.Set(st)
+		at(5 * time.Second)
+		if len(writes()) != 2 {
+			t.Fatalf("a count change was written %s after an urgent one", writes()[2].Sub(writes()[1]))
+		}
+		at(12*time.Second + 10*time.Millisecond)
+		if len(writes()) != 3 || get(t, c, "n1").Status.Sessions != 5 {
+			t.Fatalf("the count change after MinInterval: %d writes", len(writes()))
+		}
+		// Nothing changes: the heartbeat comes Resync after the last write.
+		at(12*time.Second + 3*Heartbeat + 10*time.Millisecond)
+		w2 := writes()
+		for i := 1; i < len(w2); i++ {
+			if gap := w2[i].Sub(w2[i-1]); gap > Heartbeat {
+				t.Errorf("writes %d and %d are %s apart, more than the heartbeat %s", i-1, i, gap, Heartbeat)
+			}
+		}
+		if len(writes()) != 6 {
+			t.Errorf("%d writes, want 3 and one per heartbeat (6)", len(writes()))
+		}
+		cancel()
+		<-done
+	})
 }

@@ -24,8 +24,13 @@ type Options struct {
 	// MinInterval is the least time between two writes; default 10s.
 	// Changes within it are coalesced: only the latest is written.
 	MinInterval time.Duration
-	// Resync rewrites an unchanged status this often, refreshing
-	// LastUpdateTime: the agent's heartbeat. A status whose LastUpdateTime
+	// UrgentInterval is the least time between two writes when the
+	// status's health or a condition's status or reason changed (the
+	// agent became ready, the keeper was lost): such a change is written
+	// at once, at most this often; default 1s.
+	UrgentInterval time.Duration
+	// Resync rewrites an unchanged status this long after the last write,
+	// refreshing LastUpdateTime: the agent's heartbeat. A status whose LastUpdateTime
 	// is older than StaleAfter is from an agent that is not running.
 	// Default Heartbeat; negative disables it.
 	Resync time.Duration
@@ -63,6 +68,27 @@ type Writer struct {
 	pending *v1alpha1.KVPoolNodeStatus
 	nodeRef *metav1.OwnerReference
 	written time.Time
+	// writtenKey is urgencyKey of the last status written.
+	writtenKey string
+}
+
+// urgencyKey is what of a status makes its change urgent: its health and
+// each condition's status and reason (not the messages, which carry
+// counts).
+func urgencyKey(st *v1alpha1.KVPoolNodeStatus) string {
+	key := string(st.Health)
+	for _, c := range st.Conditions {
+		key += "|" + c.Type + "=" + string(c.Status) + "/" + c.Reason
+	}
+	return key
+}
+
+// urgent says whether the pending status differs from the last written
+// one in its urgencyKey.
+func (w *Writer) urgent() bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.pending != nil && urgencyKey(w.pending) != w.writtenKey
 }
 
 // NewWriter returns a Writer for node. c must know the v1alpha1 and core
@@ -70,6 +96,9 @@ type Writer struct {
 func NewWriter(c client.Client, node string, opts Options) *Writer {
 	if opts.MinInterval <= 0 {
 		opts.MinInterval = 10 * time.Second
+	}
+	if opts.UrgentInterval <= 0 {
+		opts.UrgentInterval = min(time.Second, opts.MinInterval)
 	}
 	if opts.Resync == 0 {
 		opts.Resync = Heartbeat
@@ -105,17 +134,20 @@ func (w *Writer) Set(st v1alpha1.KVPoolNodeStatus) {
 }
 
 // Run writes until ctx ends: after each Set, but never twice within
-// MinInterval; a failed write is retried after MinInterval. A conflict is
-// such a failure too, reported and retried by the next pass (which reads
-// the object afresh), not at once: an immediate retry would break the
-// MinInterval bound on the agent's API writes. Stopped, which has no next
-// pass, retries conflicts at once.
+// MinInterval, or UrgentInterval when the health or a condition changed
+// (those are written at once); and Resync after the last write when
+// nothing changed (the heartbeat). A failed write is retried after
+// MinInterval (UrgentInterval for an urgent status). A conflict is such a failure too, reported and retried by
+// the next pass (which reads the object afresh), not at once: an immediate
+// retry would break the MinInterval bound on the agent's API writes.
+// Stopped, which has no next pass, retries conflicts at once.
 func (w *Writer) Run(ctx context.Context) error {
-	var resync <-chan time.Time
+	var beat <-chan time.Time
+	var resync *time.Timer
 	if w.opts.Resync > 0 {
-		t := time.NewTicker(w.opts.Resync)
-		defer t.Stop()
-		resync = t.C
+		resync = time.NewTimer(w.opts.Resync)
+		defer resync.Stop()
+		beat = resync.C
 	}
 	var last time.Time
 	for {
@@ -124,38 +156,72 @@ func (w *Writer) Run(ctx context.Context) error {
 		case <-ctx.Done():
 			return ctx.Err()
 		case <-w.kick:
-		case <-resync:
+		case <-beat:
 			force = true
 		}
-		if wait := time.Until(last.Add(w.opts.MinInterval)); wait > 0 && !last.IsZero() {
-			t := time.NewTimer(wait)
-			select {
-			case <-ctx.Done():
-				t.Stop()
-				return ctx.Err()
-			case <-t.C:
-			}
+		if err := w.waitTurn(ctx, last); err != nil {
+			return err
 		}
 		last = time.Now()
-		if err := w.Sync(ctx, force); err != nil {
+		err := w.Sync(ctx, force)
+		if resync != nil {
+			resync.Reset(w.opts.Resync)
+		}
+		if err != nil {
 			if ctx.Err() != nil {
 				return ctx.Err()
 			}
-			w.opts.Log.Warn("write KVPoolNode status", "node", w.node, "err", err)
-			w.mu.Lock()
-			obs := w.obs
-			w.mu.Unlock()
-			if obs != nil {
-				observe.Report(obs, observe.ComponentNodeStatus, observe.OpWrite, err)
-			}
-			if w.opts.OnError != nil {
-				w.opts.OnError(err)
-			}
-			select { // retry after MinInterval
-			case w.kick <- struct{}{}:
-			default:
-			}
+			w.failed(err)
 		}
+	}
+}
+
+// waitTurn waits until a write is allowed after the one at last:
+// MinInterval, cut to UrgentInterval as soon as the pending status is
+// urgent (a Set during the wait may make it so).
+func (w *Writer) waitTurn(ctx context.Context, last time.Time) error {
+	if last.IsZero() {
+		return nil
+	}
+	for {
+		interval := w.opts.MinInterval
+		if w.urgent() {
+			interval = w.opts.UrgentInterval
+		}
+		wait := time.Until(last.Add(interval))
+		if wait <= 0 {
+			return nil
+		}
+		t := time.NewTimer(wait)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return ctx.Err()
+		case <-t.C:
+			return nil
+		case <-w.kick:
+			// A new status, which the write after this wait takes; its
+			// urgency may shorten the wait.
+			t.Stop()
+		}
+	}
+}
+
+// failed reports a failed write and asks for a retry after MinInterval.
+func (w *Writer) failed(err error) {
+	w.opts.Log.Warn("write KVPoolNode status", "node", w.node, "err", err)
+	w.mu.Lock()
+	obs := w.obs
+	w.mu.Unlock()
+	if obs != nil {
+		observe.Report(obs, observe.ComponentNodeStatus, observe.OpWrite, err)
+	}
+	if w.opts.OnError != nil {
+		w.opts.OnError(err)
+	}
+	select { // retry after MinInterval
+	case w.kick <- struct{}{}:
+	default:
 	}
 }
 
@@ -208,6 +274,7 @@ func (w *Writer) Sync(ctx context.Context, force bool) error {
 	}
 	w.mu.Lock()
 	w.written = now.Time
+	w.writtenKey = urgencyKey(want)
 	w.mu.Unlock()
 	return nil
 }

@@ -12,4 +12,18 @@ type Restart struct {
 	Sessions       int     `json:"sessions"`
 	Streams        int     `json:"streams"`
 	LastGapSeconds float64 `json:"lastGapSeconds"`
+	// KeeperConnected says whether the keeper holds the pool and its books
+	// now; while it does not (KeeperLostSeconds long, for KeeperError) the
+	// agent refuses changes ("retry") and reconnects. KeeperLosses counts
+	// the keepers this agent lost.
+	KeeperConnected   bool    `json:"keeperConnected"`
+	KeeperLosses      int     `json:"keeperLosses"`
+	KeeperLostSeconds float64 `json:"keeperLostSeconds,omitempty"`
+	KeeperError       string  `json:"keeperError,omitempty"`
+	// PoolLost says that at start the keeper held none of the pool an
+	// earlier agent had kept in it (LostChunks chunks and about
+	// LostSessions sessions then): those sessions and streams are gone.
+	PoolLost     bool `json:"poolLost,omitempty"`
+	LostChunks   int  `json:"lostChunks,omitempty"`
+	LostSessions int  `json:"lostSessions,omitempty"`
 }

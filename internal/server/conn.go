@@ -78,8 +78,11 @@ type conn struct {
 	log  *slog.Logger
 
 	hello bool
-	e     *entry    // the session this connection serves, nil before open
+	e     *entry    // the session this connection serves, nil before open; set under Server.mu
 	since time.Time // connected; the hello and open deadlines count from it
+	// evicted: closed to make room at a connection bound, its place
+	// released already (Server.mu).
+	evicted bool
 
 	in, out []byte
 	pages   []int32
@@ -316,7 +319,9 @@ func (c *conn) finish() {
 	s := c.s
 	s.mu.Lock()
 	delete(s.conns, c)
-	s.releaseLocked(c.peer)
+	if !c.evicted {
+		s.releaseLocked(c.peer)
+	}
 	var info SessionInfo
 	detached := false
 	if e := c.e; e != nil && e.conn == c {
@@ -344,8 +349,18 @@ func (c *conn) handle(h wire.Header, body []byte) reply {
 	if c.e == nil {
 		return fail(wire.StatusNoSession, fmt.Errorf("%s before a session was opened on this connection", h.Op))
 	}
+	if h.Op == wire.OpOffload || h.Op == wire.OpReload {
+		// Staged pages are the next offload's or reload's, whatever
+		// becomes of it: refused by a limit, a decode error, the pool.
+		defer c.dropStaged()
+	}
 	if r, done := c.prepare(h); done {
 		return r
+	}
+	if replayable(h.Op) {
+		if r, ok := c.s.durable(h.Op); !ok {
+			return r
+		}
 	}
 	switch h.Op {
 	case wire.OpPages:
@@ -396,7 +411,6 @@ func (c *conn) prepare(h wire.Header) (r reply, done bool) {
 	}
 	if replayable(h.Op) {
 		if body, ok := e.cached(h.Seq, h.Op); ok {
-			c.dropStaged()
 			return reply{raw: body}, true
 		}
 	}
@@ -409,6 +423,10 @@ func (c *conn) handlePages(body []byte) reply {
 	if err := wire.DecodeBody(body, m); err != nil {
 		c.dropStaged()
 		return fail(wire.StatusBadRequest, err)
+	}
+	if r, ok := checkPacketPages(wire.OpPages, len(m.GpuPages)); !ok {
+		c.dropStaged()
+		return r
 	}
 	if dev := c.e.ps.Spec().DevicePages; len(c.staged)+len(m.GpuPages) > dev {
 		n := len(c.staged) + len(m.GpuPages)
@@ -425,8 +443,10 @@ func (c *conn) handleOffload(body []byte) reply {
 	ps := c.e.ps
 	m := &c.offload
 	if err := wire.DecodeBody(body, m); err != nil {
-		c.dropStaged()
 		return fail(wire.StatusBadRequest, err)
+	}
+	if r, ok := checkPacketPages(wire.OpOffload, len(m.GpuPages)); !ok {
+		return r
 	}
 	if r, ok := c.checkStreams(ps, m.Rid, m.Label); !ok {
 		return r
@@ -434,7 +454,6 @@ func (c *conn) handleOffload(body []byte) reply {
 	var err error
 	c.pages, err = ps.Offload(m.Rid, m.Label, c.withStaged(m.GpuPages),
 		pool.Meta{StoredLen: m.StoredLen, Position: m.Position, Released: m.Released}, c.pages[:0])
-	c.dropStaged()
 	rep := &c.offRep
 	rep.Ok, rep.HostPages, rep.Total = err == nil, c.pages, 0
 	if errors.Is(err, poolerr.ErrFull) || errors.Is(err, poolerr.ErrNoPages) {
@@ -454,11 +473,12 @@ func (c *conn) handleOffload(body []byte) reply {
 func (c *conn) handleReload(body []byte) reply {
 	m := &c.reload
 	if err := wire.DecodeBody(body, m); err != nil {
-		c.dropStaged()
 		return fail(wire.StatusBadRequest, err)
 	}
+	if r, ok := checkPacketPages(wire.OpReload, len(m.GpuPages)); !ok {
+		return r
+	}
 	rl, err := c.e.ps.Reload(m.Rid, m.Label, c.withStaged(m.GpuPages), c.pages[:0])
-	c.dropStaged()
 	c.pages = rl.Pages
 	if err != nil {
 		return errReply(err)
@@ -568,6 +588,17 @@ func (c *conn) decodeOpen(body []byte, m proto.Message) (r reply, ok bool) {
 	}
 	if c.e.ps.Closed() {
 		return errReply(poolerr.ErrClosed), false
+	}
+	return reply{}, true
+}
+
+// checkPacketPages refuses a packet that names more device pages than
+// the protocol lets one packet carry (wire.MaxPagesPerPacket): a longer
+// list travels as pages packets.
+func checkPacketPages(op wire.Op, n int) (reply, bool) {
+	if n > wire.MaxPagesPerPacket {
+		return fail(wire.StatusBadRequest, fmt.Errorf("%s: %d device pages in one packet, at most %d (send the rest ahead in pages packets)",
+			op, n, wire.MaxPagesPerPacket)), false
 	}
 	return reply{}, true
 }
@@ -807,26 +838,28 @@ func (s *Server) attach(c *conn, k key, gpu int, uuid, inst string, spec pool.Sp
 		if e.conn != nil {
 			return nil, "", fail(wire.StatusBusy, fmt.Errorf("open: GPU %s of this allocation is held by live session %d (pid %d)", uuid, e.id, e.peer.PID))
 		}
+		if r, ok := s.durable(wire.OpOpen); !ok {
+			return nil, "", r
+		}
 		info := e.infoLocked()
 		replaced = &info
 		s.o.Pool.Close(e.ps)
 		delete(s.sessions, k)
-	}
-	if r, ok := s.checkSessionsLocked(c, k); !ok {
-		if replaced != nil {
-			s.hookSessionLocked(SessionReplaced, *replaced)
-		}
+	} else if r, ok := s.durable(wire.OpOpen); !ok {
 		return nil, "", r
 	}
-	ps, err := s.o.Pool.OpenNear(k.alloc, spec, near)
-	if replaced != nil {
-		// Hooks run under s.mu here; they must not block (documented).
-		s.hookSessionLocked(SessionReplaced, *replaced)
+	if r, ok := s.checkSessionsLocked(c, k); !ok {
+		return nil, "", s.failedOpenLocked(replaced, r)
 	}
+	ps, err := s.o.Pool.OpenNear(k.alloc, spec, near)
 	if err != nil {
 		r := errReply(err)
 		r.err = fmt.Errorf("open: %w", err)
-		return nil, "", r
+		return nil, "", s.failedOpenLocked(replaced, r)
+	}
+	if replaced != nil {
+		// Hooks run under s.mu here; they must not block (documented).
+		s.hookSessionLocked(SessionReplaced, *replaced)
 	}
 	e = &entry{id: ps.ID(), key: k, gpu: gpu, uuid: uuid, instance: inst, short: shortID(inst), ps: ps, regions: regions, opened: time.Now(), conn: c, peer: c.peer}
 	if j := s.o.Journal; j != nil {
@@ -836,7 +869,10 @@ func (s *Server) attach(c *conn, k key, gpu int, uuid, inst string, spec pool.Sp
 		}
 		if err := j.Session(SessionOp{Session: ps.ID(), Op: wire.OpOpen, Open: info}); err != nil {
 			s.o.Pool.Close(ps)
-			return nil, "", fail(wire.StatusInternal, fmt.Errorf("open: the agent cannot record the session: %w", err))
+			// The replaced session is closed in the pool; the books
+			// must say so too, or a restart would bring it back.
+			r := fail(wire.StatusInternal, fmt.Errorf("open: the agent cannot record the session: %w", err))
+			return nil, "", s.failedOpenLocked(replaced, r)
 		}
 	}
 	s.sessions[k] = e
@@ -845,6 +881,36 @@ func (s *Server) attach(c *conn, k key, gpu int, uuid, inst string, spec pool.Sp
 }
 
 func (s *Server) hookSessionLocked(ev SessionEvent, info SessionInfo) { s.hookSession(ev, info) }
+
+// durable refuses a change, "unavailable, retry", while Options.Durable
+// says it would not survive a restart.
+func (s *Server) durable(op wire.Op) (reply, bool) {
+	if s.o.Durable == nil {
+		return reply{}, true
+	}
+	if err := s.o.Durable(); err != nil {
+		return fail(wire.StatusUnavailable, fmt.Errorf("%s: %w; nothing was done, retry", op, err)), false
+	}
+	return reply{}, true
+}
+
+// failedOpenLocked ends an open that failed after it had replaced the
+// disconnected owner's session (replaced, nil when it had not): that
+// session is closed in the pool, so the books record its close, or a
+// restart would bring it back over whatever later opens on its chunks. It
+// returns r, or StatusInternal when the close cannot be recorded.
+func (s *Server) failedOpenLocked(replaced *SessionInfo, r reply) reply {
+	if replaced == nil {
+		return r
+	}
+	s.hookSessionLocked(SessionReplaced, *replaced)
+	if j := s.o.Journal; j != nil {
+		if err := j.Session(SessionOp{Session: replaced.ID, Op: wire.OpClose}); err != nil {
+			return fail(wire.StatusInternal, fmt.Errorf("%w; and the agent cannot record the close of the session it replaced: %w", r.err, err))
+		}
+	}
+	return r
+}
 
 // detach undoes attach after a failure to build the reply.
 func (s *Server) detach(c *conn, e *entry) {

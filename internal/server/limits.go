@@ -46,6 +46,12 @@ type Limits struct {
 	// labels (counted once per stream).
 	MaxStreamsPerSession   int
 	MaxNameBytesPerSession int64
+	// MaxStreams and MaxNameBytes bound the same over every session
+	// together (pool.StreamTotals): what the agent's heap, its books and
+	// the time of its restart grow with. Concurrent offloads may overshoot
+	// them by one stream each.
+	MaxStreams   int
+	MaxNameBytes int64
 	// MaxDevicePages bounds a layout's device pages (the smallest region's
 	// page count): the pool keeps a duplicate-check bitmap of one bit per
 	// device page for each session.
@@ -66,6 +72,8 @@ var DefaultLimits = Limits{
 	MaxSessionsPerAllocation: 64,
 	MaxStreamsPerSession:     1 << 17,
 	MaxNameBytesPerSession:   16 << 20,
+	MaxStreams:               1 << 19,
+	MaxNameBytes:             32 << 20,
 	MaxDevicePages:           1 << 24,
 	MaxClientName:            256,
 }
@@ -84,6 +92,7 @@ func (l Limits) withDefaults() Limits {
 	set(&l.MaxSessions, d.MaxSessions)
 	set(&l.MaxSessionsPerAllocation, d.MaxSessionsPerAllocation)
 	set(&l.MaxStreamsPerSession, d.MaxStreamsPerSession)
+	set(&l.MaxStreams, d.MaxStreams)
 	set(&l.MaxDevicePages, d.MaxDevicePages)
 	set(&l.MaxClientName, d.MaxClientName)
 	if l.HelloTimeout <= 0 {
@@ -94,6 +103,9 @@ func (l Limits) withDefaults() Limits {
 	}
 	if l.MaxNameBytesPerSession <= 0 {
 		l.MaxNameBytesPerSession = d.MaxNameBytesPerSession
+	}
+	if l.MaxNameBytes <= 0 {
+		l.MaxNameBytes = d.MaxNameBytes
 	}
 	return l
 }
@@ -111,18 +123,24 @@ const (
 	RefusedAllocSessions   = "sessions_per_allocation"
 	RefusedStreams         = "streams"
 	RefusedNameBytes       = "name_bytes"
+	RefusedStreamsTotal    = "streams_total"
+	RefusedNameBytesTotal  = "name_bytes_total"
 	RefusedDevicePages     = "device_pages"
 	RefusedClientName      = "client_name"
 	RefusedUnauthorized    = "unauthorized"
 	RefusedNotOwner        = "not_owner"
 	RefusedAcceptTemporary = "accept_temporary"
+	// RefusedEvicted counts connections without a session closed to make
+	// room for a new one at a connection bound (not a refusal of the new
+	// one, which is served).
+	RefusedEvicted = "evicted_idle"
 )
 
 // RefusalReasons lists every reason, for metrics that start at zero.
 var RefusalReasons = []string{RefusedConns, RefusedConnsPerUID, RefusedConnsPerPID, RefusedProbeConns,
 	RefusedHelloTimeout, RefusedOpenTimeout, RefusedSessions, RefusedAllocSessions, RefusedStreams,
-	RefusedNameBytes, RefusedDevicePages, RefusedClientName, RefusedUnauthorized, RefusedNotOwner,
-	RefusedAcceptTemporary}
+	RefusedNameBytes, RefusedStreamsTotal, RefusedNameBytesTotal, RefusedDevicePages, RefusedClientName, RefusedUnauthorized, RefusedNotOwner,
+	RefusedAcceptTemporary, RefusedEvicted}
 
 // refused counts a refusal and logs it, rate-limited per reason.
 func (s *Server) refused(reason string, peer unixsock.Peer, msg string, args ...any) {
@@ -144,7 +162,10 @@ func (s *Server) isProbe(p unixsock.Peer) bool { return s.o.ProbePID > 0 && int(
 
 // admitLocked decides whether a connection from peer may be served. It
 // returns the refusal reason and message, or "" when admitted (and then
-// counts the connection).
+// counts the connection). At a connection bound it first makes room by
+// closing the oldest connection within that bound that has no session
+// (evictLocked): connections that never open a session, however many a
+// process re-dials, cannot keep out a client that opens one.
 func (s *Server) admitLocked(p unixsock.Peer) (string, string) {
 	n, l := &s.counts, &s.lim
 	if s.isProbe(p) {
@@ -154,13 +175,32 @@ func (s *Server) admitLocked(p unixsock.Peer) (string, string) {
 		n.probes++
 		return "", ""
 	}
-	switch {
-	case n.total >= l.MaxConns:
-		return RefusedConns, fmt.Sprintf("the agent serves at most %d connections", l.MaxConns)
-	case n.uid[p.UID] >= l.MaxConnsPerUID:
-		return RefusedConnsPerUID, fmt.Sprintf("uid %d holds %d connections, the limit", p.UID, l.MaxConnsPerUID)
-	case p.PID != 0 && n.pid[p.PID] >= l.MaxConnsPerPID:
-		return RefusedConnsPerPID, fmt.Sprintf("pid %d holds %d connections, the limit", p.PID, l.MaxConnsPerPID)
+	room := func(full bool, reason, msg string, sameUID, samePID bool) (string, string) {
+		if !full {
+			return "", ""
+		}
+		evicted, young := s.evictLocked(p, sameUID, samePID)
+		if evicted {
+			return "", ""
+		}
+		msg += " (none could make room: each has a session or is new)"
+		if !young {
+			// Every place holds a session: the agent refuses clients
+			// (Refusing). Places taken by connections too new to close
+			// are churn of connections that never open, not that.
+			s.lastRefusal.Store(&refusal{at: time.Now(), why: msg})
+		}
+		return reason, msg
+	}
+	// Each bound is checked after the room the one before made.
+	if r, m := room(n.total >= l.MaxConns, RefusedConns, fmt.Sprintf("the agent serves at most %d connections", l.MaxConns), false, false); r != "" {
+		return r, m
+	}
+	if r, m := room(n.uid[p.UID] >= l.MaxConnsPerUID, RefusedConnsPerUID, fmt.Sprintf("uid %d holds %d connections, the limit", p.UID, l.MaxConnsPerUID), true, false); r != "" {
+		return r, m
+	}
+	if r, m := room(p.PID != 0 && n.pid[p.PID] >= l.MaxConnsPerPID, RefusedConnsPerPID, fmt.Sprintf("pid %d holds %d connections, the limit", p.PID, l.MaxConnsPerPID), true, true); r != "" {
+		return r, m
 	}
 	n.total++
 	n.uid[p.UID]++
@@ -168,6 +208,56 @@ func (s *Server) admitLocked(p unixsock.Peer) (string, string) {
 		n.pid[p.PID]++
 	}
 	return "", ""
+}
+
+// evictLocked closes the oldest connection without a session of peer's
+// uid (sameUID), of its process (samePID) or of anyone, at least
+// EvictAfter old, and releases its place at once. It reports whether it
+// found one, and whether connections without a session too new to close
+// hold places of that bound.
+func (s *Server) evictLocked(p unixsock.Peer, sameUID, samePID bool) (evicted, young bool) {
+	if s.o.EvictAfter < 0 {
+		return false, false
+	}
+	var oldest *conn
+	cutoff := time.Now().Add(-s.o.EvictAfter)
+	for c := range s.conns {
+		switch {
+		case c.e != nil || c.evicted || s.isProbe(c.peer):
+		case sameUID && c.peer.UID != p.UID, samePID && c.peer.PID != p.PID:
+		case !c.since.Before(cutoff):
+			young = true
+		case oldest == nil || c.since.Before(oldest.since):
+			oldest = c
+		}
+	}
+	if oldest == nil {
+		return false, young
+	}
+	oldest.evicted = true
+	s.releaseLocked(oldest.peer)
+	oldest.wc.Close()
+	s.refused(RefusedEvicted, oldest.peer, "closing a connection without a session to make room for a new one", "conn", oldest.id,
+		"age", time.Since(oldest.since).Round(time.Millisecond))
+	return true, young
+}
+
+// refusal is the last connection refused at a bound.
+type refusal struct {
+	at  time.Time
+	why string
+}
+
+// Refusing reports whether the server refused a new connection at one of
+// its connection bounds within the last window (every place held by a
+// connection with a session, so none could be made), and why. Health
+// checks report it.
+func (s *Server) Refusing(window time.Duration) (string, bool) {
+	r := s.lastRefusal.Load()
+	if r == nil || time.Since(r.at) > window {
+		return "", false
+	}
+	return r.why, true
 }
 
 // releaseLocked undoes admitLocked when a connection ends.
@@ -292,6 +382,15 @@ func (c *conn) checkStreams(ps *pool.Session, rid, label string) (reply, bool) {
 	if n := u.NameBytes + int64(len(rid)+len(label)); n > l.MaxNameBytesPerSession {
 		c.s.refused(RefusedNameBytes, c.peer, "offload refused: too many name bytes", "session", c.e.id)
 		return fail(wire.StatusLimit, fmt.Errorf("offload: request IDs and labels would take %d bytes, more than the session's %d (limits.maxNameBytesPerSession)", n, l.MaxNameBytesPerSession)), false
+	}
+	streams, names := c.s.o.Pool.StreamTotals()
+	if streams >= l.MaxStreams {
+		c.s.refused(RefusedStreamsTotal, c.peer, "offload refused: the agent holds its limit of streams", "session", c.e.id)
+		return fail(wire.StatusLimit, fmt.Errorf("offload: the agent's sessions hold %d streams, the limit (limits.maxStreams)", streams)), false
+	}
+	if n := names + int64(len(rid)+len(label)); n > l.MaxNameBytes {
+		c.s.refused(RefusedNameBytesTotal, c.peer, "offload refused: the agent holds its limit of name bytes", "session", c.e.id)
+		return fail(wire.StatusLimit, fmt.Errorf("offload: the agent's request IDs and labels would take %d bytes, more than its %d (limits.maxNameBytes)", n, l.MaxNameBytes)), false
 	}
 	return reply{}, true
 }

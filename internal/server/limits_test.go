@@ -1,10 +1,13 @@
 package server_test
 
 import (
+	"fmt"
 	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	"google.golang.org/protobuf/proto"
 
 	"github.com/kvpool/kvpool/internal/server"
 	"github.com/kvpool/kvpool/pkg/wire"
@@ -37,6 +40,7 @@ func limitedServer(t *testing.T, lim server.Limits) (*agent, *refusals) {
 	a := startServerWith(t, func(o *server.Options) {
 		o.Limits = lim
 		o.Hooks.Refused = ref.hook
+		o.EvictAfter = time.Hour // the bounds alone: TestIdleConnectionsMakeRoom has eviction
 	})
 	return a, ref
 }
@@ -195,5 +199,219 @@ func TestRevokedSessionsSwept(t *testing.T) {
 		if info.Allocation != "A" || len(info.Instance) != 8 || strings.Contains(info.Instance, "instance") {
 			t.Fatalf("revoked session info %+v: want allocation A and an 8-digit instance hash", info)
 		}
+	}
+}
+
+// A limit that refuses a long offload drops its staged device pages too:
+// the next offload records its own pages alone (issue 23: a refused long
+// offload used to leave its pages packets staged, and a 3-page offload
+// then asked for 24,579 pages).
+func TestRefusedLongOffloadDropsItsPages(t *testing.T) {
+	a, ref := limitedServer(t, server.Limits{MaxNameBytesPerSession: 8})
+	r := dial(t, a)
+	r.hello()
+	m := openMsg("tok-a", 0, "instance-long-limit")
+	m.Regions = []*wire.Region{{BytesPerPage: 256, PageCount: 30000}}
+	if st, msg := r.do(wire.OpOpen, 0, m, &wire.OpenReply{}); st != 0 {
+		t.Fatalf("open: %s %s", st, msg)
+	}
+	head := make([]int32, wire.MaxPagesPerPacket)
+	for i := range head {
+		head[i] = int32(i)
+	}
+	if st, msg := r.do(wire.OpPages, 0, &wire.Pages{GpuPages: head}, nil); st != 0 {
+		t.Fatalf("pages: %s %s", st, msg)
+	}
+	st, msg := r.do(wire.OpOffload, 0, &wire.Offload{Rid: "a-long-request-id", Label: "kv", GpuPages: []int32{29000, 29001}}, &wire.OffloadReply{})
+	wantLimit(t, st, msg, "limits.maxNameBytesPerSession")
+	if ref.count(server.RefusedNameBytes) != 1 {
+		t.Fatal("not counted")
+	}
+	var rep wire.OffloadReply
+	if st, msg := r.do(wire.OpOffload, 0, &wire.Offload{Rid: "r", Label: "kv", GpuPages: []int32{7, 8, 9}}, &rep); st != 0 || !rep.Ok || len(rep.HostPages) != 3 || rep.Total != 0 {
+		t.Fatalf("a 3-page offload after the refused long one: %s %s ok %v, %d host pages, total %d", st, msg, rep.Ok, len(rep.HostPages), rep.Total)
+	}
+	if u := r.usage(); u.Used != 3 || u.Streams != 1 {
+		t.Fatalf("usage %+v, want 3 pages in 1 stream", u)
+	}
+}
+
+// A packet naming more device pages than the protocol allows one packet
+// (wire.MaxPagesPerPacket) is refused, whatever its op, and changes
+// nothing: longer lists travel as pages packets.
+func TestPacketPageBound(t *testing.T) {
+	a, _ := limitedServer(t, server.Limits{})
+	r := dial(t, a)
+	r.hello()
+	m := openMsg("tok-a", 0, "instance-packet-bound")
+	m.Regions = []*wire.Region{{BytesPerPage: 256, PageCount: 30000}}
+	if st, msg := r.do(wire.OpOpen, 0, m, &wire.OpenReply{}); st != 0 {
+		t.Fatalf("open: %s %s", st, msg)
+	}
+	over := make([]int32, wire.MaxPagesPerPacket+1)
+	for i := range over {
+		over[i] = int32(i)
+	}
+	for _, c := range []struct {
+		op  wire.Op
+		req proto.Message
+	}{
+		{wire.OpPages, &wire.Pages{GpuPages: over}},
+		{wire.OpOffload, &wire.Offload{Rid: "r", GpuPages: over}},
+		{wire.OpReload, &wire.Reload{Rid: "r", GpuPages: over}},
+	} {
+		st, msg := r.do(c.op, 0, c.req, nil)
+		if st != wire.StatusBadRequest || !strings.Contains(msg, "24577 device pages in one packet, at most 24576") {
+			t.Fatalf("%s of %d pages: %s %q", c.op, len(over), st, msg)
+		}
+	}
+	if u := r.usage(); u.Used != 0 || u.Streams != 0 {
+		t.Fatalf("usage %+v after refused packets", u)
+	}
+	// Nothing was staged: a short offload records its own pages alone.
+	var rep wire.OffloadReply
+	if st, msg := r.do(wire.OpOffload, 0, &wire.Offload{Rid: "r", GpuPages: []int32{1, 2}}, &rep); st != 0 || len(rep.HostPages) != 2 {
+		t.Fatalf("offload: %s %s %+v", st, msg, &rep)
+	}
+}
+
+// limits.maxStreams and limits.maxNameBytes bound every session's stream
+// table together: sessions each within their own bounds cannot, together,
+// grow the agent's heap, books and restart time past them (issue 23: about
+// 80 sessions at the name-bytes bound made a snapshot the books could not
+// read back, 7.9 GB of heap and a 40 s restore). A refusal changes nothing,
+// and room freed in one session is room for another.
+func TestLimitsAcrossSessions(t *testing.T) {
+	a, ref := limitedServer(t, server.Limits{MaxStreamsPerSession: 4, MaxStreams: 5, MaxNameBytesPerSession: 4096, MaxNameBytes: 1500})
+	r0, r1 := dial(t, a), dial(t, a)
+	r0.open(0, "instance-gpu0")
+	r1.open(1, "instance-gpu1")
+	offload := func(r *raw, rid string, page int32) (wire.Status, string) {
+		var rep wire.OffloadReply
+		return r.do(wire.OpOffload, 0, &wire.Offload{Rid: rid, Label: "kv", GpuPages: []int32{page}}, &rep)
+	}
+	for i := range 4 {
+		if st, msg := offload(r0, fmt.Sprint("r", i), int32(i)); st != 0 {
+			t.Fatalf("offload %d: %s %s", i, st, msg)
+		}
+	}
+	if st, msg := offload(r1, "other", 0); st != 0 {
+		t.Fatalf("the fifth stream, in the other session: %s %s", st, msg)
+	}
+	st, msg := offload(r1, "sixth", 1)
+	wantLimit(t, st, msg, "limits.maxStreams")
+	if ref.count(server.RefusedStreamsTotal) != 1 || r1.usage().Streams != 1 {
+		t.Fatal("not counted, or the refusal changed the session")
+	}
+	if st, msg := r0.do(wire.OpDiscard, 0, &wire.Stream{Rid: "r0", Label: "kv"}, nil); st != 0 {
+		t.Fatalf("discard: %s %s", st, msg)
+	}
+	if st, msg := offload(r1, "sixth", 1); st != 0 {
+		t.Fatalf("after a stream of the other session went: %s %s", st, msg)
+	}
+	// Names: the other session's long request ID would pass its own
+	// bound but not the agent's.
+	for _, rid := range []string{"r1", "r2"} {
+		if st, msg := r0.do(wire.OpDiscard, 0, &wire.Stream{Rid: rid, Label: "kv"}, nil); st != 0 {
+			t.Fatalf("discard: %s %s", st, msg)
+		}
+	}
+	st, msg = offload(r0, strings.Repeat("n", 1000), 7)
+	if st != 0 {
+		t.Fatalf("a long name within both bounds: %s %s", st, msg)
+	}
+	st, msg = offload(r1, strings.Repeat("m", 1000), 9)
+	wantLimit(t, st, msg, "limits.maxNameBytes")
+	if ref.count(server.RefusedNameBytesTotal) != 1 {
+		t.Fatal("not counted")
+	}
+	if ts, tn := a.pool.StreamTotals(); ts != 4 || tn != 4+7+7+1002 { // r3, other, sixth and the long one
+		t.Fatalf("totals %d streams, %d name bytes", ts, tn)
+	}
+}
+
+// Connections without a session cannot keep out a client that opens one:
+// at a connection bound the oldest of them (at least EvictAfter old) is
+// closed to make room, however many a process re-dials; connections with
+// sessions are never closed for that, and once every place holds one the
+// new connection is refused and Refusing says so (issue 23: processes
+// re-dialing idle connections kept new clients of their uid out at its
+// cap, and health stayed 200).
+func TestIdleConnectionsMakeRoom(t *testing.T) {
+	ref := &refusals{}
+	a := startServerWith(t, func(o *server.Options) {
+		o.Limits = server.Limits{MaxConns: 4, MaxConnsPerUID: 4, MaxConnsPerPID: 4}
+		o.Hooks.Refused = ref.hook
+		o.EvictAfter = 300 * time.Millisecond
+	})
+	// Two allocations of a chunk per GPU each: four sessions.
+	chunks, err := a.pool.Revoke("A")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range chunks {
+		if err := a.pool.Scrubbed(c.ID); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := a.pool.Grant("A", []string{"gpu0-numaX-0", "gpu1-numaX-0"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.pool.Grant("B", []string{"gpu0-numaX-1", "gpu1-numaX-1"}); err != nil {
+		t.Fatal(err)
+	}
+	var idle []*raw
+	for range 4 {
+		r := dial(t, a)
+		r.hello()
+		idle = append(idle, r)
+	}
+	if _, ok := a.srv.Refusing(time.Minute); ok {
+		t.Fatal("refusing before any refusal")
+	}
+	time.Sleep(400 * time.Millisecond)
+	// Each new client opens its session: the oldest idle one makes room.
+	for i := range 2 {
+		r := dial(t, a)
+		r.open(uint32(i), fmt.Sprint("instance-room-", i))
+		if _, _, _, ok := idle[i].recv(); ok {
+			t.Fatalf("idle connection %d still open", i)
+		}
+	}
+	if n := ref.count(server.RefusedEvicted); n != 2 {
+		t.Fatalf("%d evictions counted, want 2", n)
+	}
+	// A connection newer than EvictAfter is safe: a third client finds
+	// the two left too young only until they age.
+	young := dial(t, a)
+	young.hello()
+	r := dial(t, a) // within EvictAfter of young's dial, but idle[2] is old
+	r.hello()
+	if _, _, _, ok := idle[2].recv(); ok {
+		t.Fatal("the old idle connection stayed while a new one waited")
+	}
+	// Now four places: two sessions, young and r, none evictable yet: a
+	// refusal, but of churn (the agent is not refusing clients).
+	full := dial(t, a)
+	st, msg := full.do(wire.OpHello, 0, &wire.Hello{Version: wire.Version}, &wire.HelloReply{})
+	wantLimit(t, st, msg, "none could make room")
+	if why, ok := a.srv.Refusing(time.Minute); ok {
+		t.Fatalf("Refusing with places held by connections without sessions: %q", why)
+	}
+	// Every place holds a session: now the agent refuses clients.
+	for i, c := range []*raw{young, r} {
+		if st, msg := c.do(wire.OpOpen, 0, openMsg("tok-b", uint32(i), fmt.Sprint("instance-b-", i)), &wire.OpenReply{}); st != 0 {
+			t.Fatalf("open: %s %s", st, msg)
+		}
+	}
+	full = dial(t, a)
+	st, msg = full.do(wire.OpHello, 0, &wire.Hello{Version: wire.Version}, &wire.HelloReply{})
+	wantLimit(t, st, msg, "none could make room")
+	why, ok := a.srv.Refusing(time.Minute)
+	if !ok || !strings.Contains(why, "at most 4 connections") {
+		t.Fatalf("Refusing: %q %v", why, ok)
+	}
+	if _, ok := a.srv.Refusing(0); ok {
+		t.Fatal("a refusal older than the window still reported")
 	}
 }

@@ -3,15 +3,19 @@ package server_test
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
 	"reflect"
 	"slices"
+	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"golang.org/x/sys/unix"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/kvpool/kvpool/internal/books"
 	"github.com/kvpool/kvpool/internal/hostmem"
@@ -290,5 +294,179 @@ func TestRestartReplaysLongReply(t *testing.T) {
 	var u wire.UsageReply
 	if st, msg := r2.do(wire.OpUsage, 0, nil, &u); st != 0 || u.Used != n || u.Streams != 1 {
 		t.Fatalf("usage after the resend: %s %s %+v (want %d pages in 1 stream: done once)", st, msg, &u, n)
+	}
+}
+
+// An open by another instance that replaces the disconnected owner's
+// session and then fails (no capacity, a limit) closes that session in the
+// pool, and the books record the close: after a restart the old owner
+// does not come back to a session whose chunks a later session wrote, and
+// the later session keeps its streams (issue 23, defect 1).
+func TestFailedReplacementIsJournaled(t *testing.T) {
+	p, chunks, b, store := booksPool(t)
+	a1, _ := journaled(t, p, chunks, b, nil)
+
+	owner := dial(t, a1)
+	first := owner.open(0, "instance-old")
+	if st, msg := owner.do(wire.OpOffload, 0, &wire.Offload{Rid: "old", Label: "l", GpuPages: []int32{1, 2}}, &wire.OffloadReply{}); st != 0 {
+		t.Fatalf("offload: %s %s", st, msg)
+	}
+	owner.c.Close()
+	waitDisconnected(t, a1.srv, first.Session)
+
+	// Another process opens for more pages than the allocation holds: the
+	// owner's session is replaced, then the open fails.
+	other := dial(t, a1)
+	other.hello()
+	big := openMsg("tok-a", 0, "instance-new")
+	big.MaxPages = 1 << 20
+	if st, _ := other.do(wire.OpOpen, 0, big, &wire.OpenReply{}); st != wire.StatusNoCapacity {
+		t.Fatalf("open for too many pages: %s", st)
+	}
+	if err := b.Check(p.Export()); err != nil {
+		t.Fatalf("after the failed open: %v", err)
+	}
+	// It opens again, within the allocation, and offloads.
+	var later wire.OpenReply
+	if st, msg := other.do(wire.OpOpen, 0, openMsg("tok-a", 0, "instance-new"), &later); st != 0 || later.Resumed {
+		t.Fatalf("open: %s %s %+v", st, msg, &later)
+	}
+	if st, msg := other.do(wire.OpOffload, 0, &wire.Offload{Rid: "new", Label: "l", GpuPages: []int32{3}}, &wire.OffloadReply{}); st != 0 {
+		t.Fatalf("offload: %s %s", st, msg)
+	}
+	other.c.Close()
+	waitDisconnected(t, a1.srv, later.Session)
+	b.Close()
+
+	a2 := restartFrom(t, store, chunks)
+	// The later session is the one kept, with its stream.
+	r := dial(t, a2)
+	res := r.open(0, "instance-new")
+	if !res.Resumed || res.Session != later.Session {
+		t.Fatalf("the later session after the restart: %+v, want session %d resumed", res, later.Session)
+	}
+	var n wire.NumPagesReply
+	if st, msg := r.do(wire.OpNumPages, 0, &wire.Stream{Rid: "new", Label: "l"}, &n); st != 0 || n.Pages != 1 {
+		t.Fatalf("the later session's stream after the restart: %s %s %d pages", st, msg, n.Pages)
+	}
+	r.c.Close()
+	waitDisconnected(t, a2.srv, later.Session)
+	// The old owner is a replaced instance: it gets a fresh session.
+	o := dial(t, a2)
+	if res := o.open(0, "instance-old"); res.Resumed || res.Session == first.Session {
+		t.Fatalf("the replaced owner came back: %+v", res)
+	}
+}
+
+// waitDisconnected waits until the server has seen session id's connection
+// close.
+func waitDisconnected(t *testing.T, srv *server.Server, id uint64) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		busy := false
+		for _, in := range srv.Sessions() {
+			busy = busy || (in.ID == id && in.Connected)
+		}
+		if !busy {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("session %d still connected", id)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// While Options.Durable says a change would not survive a restart (the
+// keeper is lost), every changing request is answered "unavailable,
+// retry" and changes nothing, while reads, resumes and resent requests
+// whose answer is kept are served; once it is durable again the same
+// requests succeed.
+func TestChangesWaitForDurability(t *testing.T) {
+	p, chunks, b, _ := booksPool(t)
+	var lost atomic.Bool
+	a := &agent{pool: p, chunks: chunks}
+	srv, err := server.New(server.Options{Pool: p, Logger: quiet, Journal: b, GPUs: testGPUs,
+		Chunks:    func(id string) (*hostmem.Chunk, bool) { c, ok := chunks[id]; return c, ok },
+		Authorize: server.StaticTokens(map[string]string{"tok-a": "A"}),
+		Durable: func() error {
+			if lost.Load() {
+				return errors.New("the keeper is lost")
+			}
+			return nil
+		}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a.srv = srv
+	a.socket = filepath.Join(t.TempDir(), "kv.sock")
+	l, err := server.Listen(a.socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- srv.Serve(ctx, l) }()
+	t.Cleanup(func() { cancel(); <-done })
+
+	r := dial(t, a)
+	first := r.open(0, "instance-durable")
+	off := &wire.Offload{Rid: "r", Label: "l", GpuPages: []int32{1, 2}}
+	rep1 := r.sendSeq(wire.OpOffload, 50, off)
+	before := p.Export()
+	lost.Store(true)
+	wantUnavailable := func(pkt []byte, what string) {
+		t.Helper()
+		h, body, err := wire.ParseHeader(pkt)
+		var e wire.Error
+		if err != nil || h.Status != wire.StatusUnavailable || wire.DecodeBody(body, &e) != nil || !strings.Contains(e.Message, "the keeper is lost") {
+			t.Fatalf("%s while the keeper is lost: status %s %q %v", what, h.Status, e.Message, err)
+		}
+	}
+	// A resend of the last change is answered as before.
+	if again := r.sendSeq(wire.OpOffload, 50, off); !bytes.Equal(again, rep1) {
+		t.Fatal("the resent offload was not answered from the kept answer")
+	}
+	wantUnavailable(r.sendSeq(wire.OpOffload, 51, &wire.Offload{Rid: "r2", Label: "l", GpuPages: []int32{3}}), "offload")
+	for _, c := range []struct {
+		op  wire.Op
+		req proto.Message
+	}{
+		{wire.OpReload, &wire.Reload{Rid: "r", Label: "l", GpuPages: []int32{5, 6}}},
+		{wire.OpDiscard, &wire.Stream{Rid: "r", Label: "l"}},
+		{wire.OpRemoveRequest, &wire.Request{Rid: "r"}},
+		{wire.OpClose, nil},
+	} {
+		st, msg := r.do(c.op, 0, c.req, nil)
+		if st != wire.StatusUnavailable || !strings.Contains(msg, "retry") {
+			t.Fatalf("%s while the keeper is lost: %s %q", c.op, st, msg)
+		}
+	}
+	var n wire.NumPagesReply
+	if st, msg := r.do(wire.OpNumPages, 0, &wire.Stream{Rid: "r", Label: "l"}, &n); st != 0 || n.Pages != 2 {
+		t.Fatalf("a read while the keeper is lost: %s %s %d", st, msg, n.Pages)
+	}
+	// A resume is served; a new session is not.
+	r.c.Close()
+	waitDisconnected(t, srv, first.Session)
+	r = dial(t, a)
+	if res := r.open(0, "instance-durable"); !res.Resumed {
+		t.Fatalf("resume while the keeper is lost: %+v", res)
+	}
+	other := dial(t, a)
+	other.hello()
+	if st, _ := other.do(wire.OpOpen, 0, openMsg("tok-a", 1, "instance-other"), &wire.OpenReply{}); st != wire.StatusUnavailable {
+		t.Fatalf("a new session while the keeper is lost: %s", st)
+	}
+	if got := p.Export(); !reflect.DeepEqual(got, before) {
+		t.Fatalf("the refused requests changed the pool:\n%+v\n%+v", got, before)
+	}
+	lost.Store(false)
+	if st, msg := r.do(wire.OpReload, 0, &wire.Reload{Rid: "r", Label: "l", GpuPages: []int32{5, 6}}, &wire.ReloadReply{}); st != 0 {
+		t.Fatalf("reload once durable again: %s %s", st, msg)
+	}
+	if err := b.Check(p.Export()); err != nil {
+		t.Fatal(err)
 	}
 }

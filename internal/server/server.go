@@ -55,6 +55,9 @@ type ChunkSource func(id string) (*hostmem.Chunk, bool)
 type Pool interface {
 	OpenNear(alloc string, spec pool.Spec, near pool.Near) (*pool.Session, error)
 	Close(s *pool.Session)
+	// StreamTotals is every session's streams and name bytes together,
+	// for Limits.MaxStreams and MaxNameBytes.
+	StreamTotals() (streams int, nameBytes int64)
 }
 
 var _ Pool = (*pool.Pool)(nil)
@@ -186,6 +189,12 @@ type Options struct {
 	// against the tenants' bounds. 0: none is set apart (embedders whose
 	// clients share the server's process).
 	ProbePID int
+	// EvictAfter is how old a connection without a session must be before
+	// a new connection may take its place at a connection bound of Limits
+	// (time for a client to say hello and open): connections that never
+	// open a session cannot keep out one that does. Default
+	// DefaultEvictAfter; negative: never (a full bound refuses).
+	EvictAfter time.Duration
 	// SweepInterval is how often sessions of revoked allocations are
 	// dropped; default 1s.
 	SweepInterval time.Duration
@@ -196,7 +205,18 @@ type Options struct {
 	// Journal, when set, records every session change before its answer
 	// is sent (internal/books), so that sessions survive an agent restart.
 	Journal Journal
+	// Durable, when set, says whether a change recorded now would survive
+	// an agent restart (nil) or not, and why (the keeper is lost). While
+	// it does not, every request that would change a session (offload,
+	// reload, discard, remove_request, close, an open of a new session)
+	// is answered StatusUnavailable ("retry") with that reason and changes
+	// nothing; reads, resumes and resent requests whose answer is kept
+	// are served. It is called under the server's lock: it must not block.
+	Durable func() error
 }
+
+// DefaultEvictAfter is Options.EvictAfter's default.
+const DefaultEvictAfter = 100 * time.Millisecond
 
 // Server serves the copy API. Create it with New.
 type Server struct {
@@ -205,6 +225,9 @@ type Server struct {
 	lim      Limits
 	rlog     *rateLog
 	refusing atomic.Int32 // connections being refused now
+	// lastRefusal is the last connection refused at a connection bound
+	// (Refusing).
+	lastRefusal atomic.Pointer[refusal]
 
 	mu       sync.Mutex
 	sessions map[key]*entry
@@ -325,6 +348,9 @@ func New(o Options) (*Server, error) {
 	}
 	if o.SweepInterval <= 0 {
 		o.SweepInterval = time.Second
+	}
+	if o.EvictAfter == 0 {
+		o.EvictAfter = DefaultEvictAfter
 	}
 	s := &Server{o: o, log: o.Logger, lim: o.Limits.withDefaults(), sessions: make(map[key]*entry), conns: make(map[*conn]struct{}),
 		counts: connCounts{uid: map[uint32]int{}, pid: map[int32]int{}}}

@@ -467,7 +467,7 @@ func TestRevokeAndReplace(t *testing.T) {
 
 func TestMaxConns(t *testing.T) {
 	a := &agent{pool: pool.New(), chunks: map[string]*hostmem.Chunk{}}
-	srv, err := server.New(server.Options{Pool: a.pool, Logger: quiet, Limits: server.Limits{MaxConns: 2},
+	srv, err := server.New(server.Options{Pool: a.pool, Logger: quiet, Limits: server.Limits{MaxConns: 2}, EvictAfter: -1,
 		Chunks:    func(string) (*hostmem.Chunk, bool) { return nil, false },
 		Authorize: server.StaticTokens(nil)})
 	if err != nil {

@@ -343,27 +343,57 @@ func retryable(err error) bool {
 // errDial marks a failed dial (no socket yet, or nobody listening).
 var errDial = errors.New("dial")
 
-// backoff waits before the next try, less as the deadline nears.
-func backoff(try int, deadline time.Time) {
-	d := min(time.Duration(1<<min(try, 5))*5*time.Millisecond, 100*time.Millisecond, max(time.Until(deadline), 0))
+// backoff waits before the next try, less as the deadline nears: 5 ms
+// doubling to most (100 ms for a restart, longer for a refusal by a
+// limit, so that refused clients do not crowd the agent).
+func backoff(try int, most time.Duration, deadline time.Time) {
+	d := min(time.Duration(1<<min(try, 8))*5*time.Millisecond, most, max(time.Until(deadline), 0))
 	time.Sleep(d)
 }
 
+// BusyRetryFor is how long opening a session retries "busy" (another
+// client holds the GPU's session): long enough for the agent to see the
+// connection of a previous owner that just exited close, short enough
+// that a live owner's refusal comes back soon.
+const BusyRetryFor = 2 * time.Second
+
+// limitBackoff is the longest wait between tries after a refusal by one
+// of the agent's bounds.
+const limitBackoff = time.Second
+
+// isStatus reports whether err is the agent's refusal with status st.
+func isStatus(err error, st wire.Status) bool {
+	var e *Error
+	return errors.As(err, &e) && e.Status == st
+}
+
 // reconnect connects and opens (or resumes) the session, retrying what an
-// agent restart causes until deadline.
+// agent restart causes until deadline, and what else passes: a refusal by
+// the agent's connection or session bounds (status limit: its places fill
+// and empty), with a backoff up to a second, until deadline; and "busy"
+// for BusyRetryFor (the previous owner's connection may not be seen
+// closed yet).
 func (p *CPUPagePool) reconnect(ctx context.Context, deadline time.Time) error {
+	busyUntil := time.Now().Add(BusyRetryFor)
 	for try := 0; ; try++ {
 		err := p.connect(ctx)
 		if err == nil {
 			return nil
 		}
-		if !retryable(err) || time.Now().After(deadline) || ctx.Err() != nil {
-			if retryable(err) {
+		limit := isStatus(err, wire.StatusLimit)
+		retry := retryable(err) || limit || isStatus(err, wire.StatusBusy) && time.Now().Before(busyUntil)
+		if !retry || time.Now().After(deadline) || ctx.Err() != nil {
+			if retryable(err) || limit {
 				return fmt.Errorf("%w: %w", ErrUnavailable, err)
 			}
 			return err
 		}
-		backoff(try, deadline)
+		most := 100 * time.Millisecond
+		if limit {
+			most = limitBackoff
+		}
+		p.log.Debug("kvpool: retrying the session", "try", try, "err", err)
+		backoff(try, most, deadline)
 	}
 }
 
@@ -421,7 +451,7 @@ func (p *CPUPagePool) callWith(op wire.Op, before func() error, req, rep proto.M
 			return nil, fmt.Errorf("%w: %w", ErrUnavailable, err)
 		}
 		p.log.Debug("kvpool: retrying after an agent restart", "op", op, "err", err)
-		backoff(try, deadline)
+		backoff(try, 100*time.Millisecond, deadline)
 	}
 }
 

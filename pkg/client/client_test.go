@@ -933,3 +933,47 @@ func TestOffloadOutlastsPendingUnderContention(t *testing.T) {
 		}
 	}
 }
+
+// Opening a session retries what passes: "busy" right after the previous
+// owner's connection closed (the agent has not seen it close yet), for
+// BusyRetryFor, and a refusal by the agent's session bounds (status
+// limit) with a backoff, within RetryFor; a live owner's "busy" comes back
+// after BusyRetryFor (issue 23: neither was retried).
+func TestOpenRetriesBusyAndLimits(t *testing.T) {
+	a := serveAgent(t, standalone.Config{GPUs: 2, ChunksPerGPU: 1, ChunkBytes: 1 << 20, Tokens: []string{"tok"},
+		Limits: server.Limits{MaxSessionsPerAllocation: 1}})
+	sim := cudart.NewSim(cudart.SimOptions{Devices: 2})
+	dev0, _ := sim.Open(0)
+	dev1, _ := sim.Open(1)
+	c0, c1 := newKV(t, dev0, 16, 4096), newKV(t, dev1, 16, 4096)
+	owner := openPool(t, a, dev0, c0, []byte("owner-process"), 0)
+	open := func(dev cudart.Device, c *kv, inst string) (*client.CPUPagePool, error) {
+		return client.Open(context.Background(), client.Options{Socket: a.Socket, Token: "tok", Device: dev,
+			Regions: c.regions, InstanceID: []byte(inst), Logger: quiet, RetryFor: 10 * time.Second})
+	}
+	// A live owner: busy, after the retries.
+	start := time.Now()
+	if _, err := open(dev0, c0, "second-process"); !isStatus(err, wire.StatusBusy) || time.Since(start) < client.BusyRetryFor {
+		t.Fatalf("open over a live owner: %v after %s, want busy after %s", err, time.Since(start), client.BusyRetryFor)
+	}
+	// The owner goes while the new process tries: it gets the GPU.
+	go func() { time.Sleep(300 * time.Millisecond); owner.Disconnect() }()
+	p, err := open(dev0, c0, "second-process")
+	if err != nil {
+		t.Fatalf("open as the owner went: %v", err)
+	}
+	// GPU 1 of the allocation is over its sessions bound while GPU 0's
+	// session lives; the open waits for room.
+	go func() { time.Sleep(300 * time.Millisecond); p.Close() }()
+	start = time.Now()
+	q, err := open(dev1, c1, "third-process")
+	if err != nil || time.Since(start) < 250*time.Millisecond {
+		t.Fatalf("open over the sessions bound: %v after %s", err, time.Since(start))
+	}
+	q.Close()
+}
+
+func isStatus(err error, st wire.Status) bool {
+	var e *client.Error
+	return errors.As(err, &e) && e.Status == st
+}

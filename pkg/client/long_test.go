@@ -345,7 +345,7 @@ func TestMultiGPUPod(t *testing.T) {
 			}
 		}}})
 	// The pod was given GPU 4's and GPU 5's chunks only.
-	chunks, err := a.Pool.Revoke("standalone-0")
+	chunks, err := a.Pool.Revoke(standalone.AllocationName("tok"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -358,7 +358,7 @@ func TestMultiGPUPod(t *testing.T) {
 			mine = append(mine, c.ID)
 		}
 	}
-	if err := a.Pool.Grant("standalone-0", mine); err != nil {
+	if err := a.Pool.Grant(standalone.AllocationName("tok"), mine); err != nil {
 		t.Fatal(err)
 	}
 	hostUUID := func(i int) string { return cudart.SimulatedUUID(i) }

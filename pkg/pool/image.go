@@ -174,7 +174,9 @@ func (p *Pool) Restore(img Image) ([]*Session, error) {
 	}
 	out, err := p.restoreLocked(img)
 	if err != nil {
-		p.chunks, p.order, p.allocs, p.lastID = make(map[string]*chunk), nil, make(map[string]*allocation), 0
+		p.chunks, p.order, p.allocs, p.lastID = make(map[string]*chunk), nil, make(map[string]*allocation), sessionEpoch()
+		p.streams.Store(0)
+		p.names.Store(0)
 		return nil, fmt.Errorf("restore: %w", err)
 	}
 	return out, nil
@@ -221,7 +223,11 @@ func (p *Pool) restoreLocked(img Image) ([]*Session, error) {
 			return nil, fmt.Errorf("chunk %s is granted but in no allocation", ch.ID)
 		}
 	}
-	p.lastID = img.LastSession
+	if img.LastSession > 0 {
+		// The image's IDs go on from its last one; an image that never
+		// opened a session keeps this pool's epoch.
+		p.lastID = img.LastSession
+	}
 	out := make([]*Session, 0, len(img.Sessions))
 	seen := map[uint64]bool{}
 	for _, si := range img.Sessions {
@@ -338,6 +344,7 @@ func (s *Session) restoreStreams(streams []StreamImage, used []bool) error {
 		_, l := s.find(st.Rid, st.Label)
 		s.link(st.Rid, l, slot)
 		s.names += int64(len(st.Rid) + len(st.Label))
+		s.pool.names.Add(int64(len(st.Rid) + len(st.Label)))
 	}
 	return nil
 }

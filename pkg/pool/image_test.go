@@ -6,6 +6,7 @@ import (
 	"math/rand/v2"
 	"reflect"
 	"testing"
+	"time"
 
 	"github.com/kvpool/kvpool/pkg/poolerr"
 )
@@ -196,5 +197,89 @@ func TestJournalSeesTableChanges(t *testing.T) {
 	want := []EventKind{EventAddChunk, EventAddChunk, EventGrant, EventRevoke, EventScrubbed, EventRemoveChunk}
 	if !reflect.DeepEqual(kinds, want) {
 		t.Fatalf("events %v, want %v", kinds, want)
+	}
+}
+
+// A fresh pool never hands out a session ID an earlier pool did: its IDs
+// start above the clock (in microseconds) of its making, and a pool
+// restored from an image that never opened a session keeps that epoch
+// (issue 23: a client that lost its session could get its old ID back).
+func TestFreshPoolsDoNotReuseSessionIDs(t *testing.T) {
+	open := func(p *Pool) uint64 {
+		t.Helper()
+		must(t, p.AddChunk(Chunk{ID: "c0", Size: 1 << 16}))
+		must(t, p.Grant("a", []string{"c0"}))
+		s, err := p.Open("a", Spec{PageSize: 1024, DevicePages: 8})
+		must(t, err)
+		return s.ID()
+	}
+	first := open(New())
+	time.Sleep(time.Millisecond)
+	second := open(New())
+	if second <= first {
+		t.Fatalf("a later fresh pool's first session is %d, an earlier one's %d", second, first)
+	}
+	time.Sleep(time.Millisecond)
+	p := New()
+	if _, err := p.Restore(Image{}); err != nil {
+		t.Fatal(err)
+	}
+	if third := open(p); third <= second {
+		t.Fatalf("a pool restored from an empty image opened session %d, after %d", third, second)
+	}
+	// An image's own IDs go on from its last one.
+	img := busyPool(t, 1).Export()
+	q := New()
+	if _, err := q.Restore(img); err != nil {
+		t.Fatal(err)
+	}
+	if got := q.Export().LastSession; got != img.LastSession {
+		t.Fatalf("restored last session %d, the image's %d", got, img.LastSession)
+	}
+}
+
+// StreamTotals is the sum of the sessions' stream tables, through every
+// operation, a close, a revoke and a restore.
+func TestStreamTotals(t *testing.T) {
+	sums := func(p *Pool) (int, int64) {
+		var streams int
+		var names int64
+		for _, a := range p.Export().Allocations {
+			for _, s := range p.Sessions(a.ID) {
+				u := s.Usage()
+				streams, names = streams+u.Streams, names+u.NameBytes
+			}
+		}
+		return streams, names
+	}
+	check := func(p *Pool, when string) {
+		t.Helper()
+		ts, tn := p.StreamTotals()
+		if s, n := sums(p); ts != s || tn != n {
+			t.Fatalf("%s: totals %d streams, %d name bytes; the sessions hold %d and %d", when, ts, tn, s, n)
+		}
+	}
+	for seed := range uint64(4) {
+		p := busyPool(t, seed)
+		if s, _ := p.StreamTotals(); s == 0 {
+			t.Fatal("no streams to count")
+		}
+		check(p, "after the history")
+		q := New()
+		if _, err := q.Restore(p.Export()); err != nil {
+			t.Fatal(err)
+		}
+		check(q, "restored")
+		ss := p.Sessions("a")
+		p.Close(ss[0])
+		check(p, "after a close")
+		if _, err := p.Revoke("a"); err != nil {
+			t.Fatal(err)
+		}
+		check(p, "after a revoke")
+		if _, err := q.Restore(Image{}); err == nil {
+			t.Fatal("restore into a pool that is not empty")
+		}
+		check(q, "after a refused restore")
 	}
 }

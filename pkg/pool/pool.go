@@ -22,6 +22,8 @@ package pool
 import (
 	"fmt"
 	"sync"
+	"sync/atomic"
+	"time"
 
 	"github.com/kvpool/kvpool/pkg/poolerr"
 )
@@ -69,8 +71,12 @@ type Pool struct {
 	chunks  map[string]*chunk
 	order   []*chunk // in AddChunk order, for stable listings
 	allocs  map[string]*allocation
-	lastID  uint64  // the last session ID handed out
+	lastID  uint64  // the last session ID handed out; New starts it at sessionEpoch
 	journal Journal // nil: no books
+
+	// streams and names total the sessions' stream tables: streams, and
+	// bytes of request IDs and labels (StreamTotals).
+	streams, names atomic.Int64
 }
 
 type chunk struct {
@@ -86,10 +92,19 @@ type allocation struct {
 	sessions map[*Session]struct{}
 }
 
-// New returns an empty pool.
+// New returns an empty pool. Its session IDs start above sessionEpoch,
+// the microseconds since 1970 when it was made, so that a fresh pool (one
+// that could not be restored after an agent restart) never hands out an ID
+// that an earlier pool gave a client which may still hold it.
 func New() *Pool {
-	return &Pool{chunks: make(map[string]*chunk), allocs: make(map[string]*allocation)}
+	return &Pool{chunks: make(map[string]*chunk), allocs: make(map[string]*allocation), lastID: sessionEpoch()}
 }
+
+// sessionEpoch is where a fresh pool's session IDs start: the clock in
+// microseconds. An earlier pool could reach it only by handing out more
+// than one session per microsecond of its life; the IDs stay below 2^53,
+// exact in JSON and in a float64.
+func sessionEpoch() uint64 { return uint64(time.Now().UnixMicro()) }
 
 // AddChunk makes a freshly allocated (zeroed) chunk available.
 func (p *Pool) AddChunk(c Chunk) error {
@@ -319,6 +334,13 @@ func (p *Pool) closeLocked(s *Session) {
 	}
 	delete(s.alloc.sessions, s)
 	s.dropAll()
+}
+
+// StreamTotals is what every open session's stream table holds together:
+// its streams, and the bytes of their request IDs and labels (counted once
+// per stream). The server bounds them across sessions. It takes no lock.
+func (p *Pool) StreamTotals() (streams int, nameBytes int64) {
+	return int(p.streams.Load()), p.names.Load()
 }
 
 // ChunkInfo is a chunk as Chunks lists it.

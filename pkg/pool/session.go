@@ -249,6 +249,7 @@ func (s *Session) link(rid string, l ridList, slot int32) {
 	}
 	s.rids[rid] = l
 	s.nstreams++
+	s.pool.streams.Add(1)
 	s.used += int(st.n)
 }
 
@@ -277,6 +278,8 @@ func (s *Session) unlink(rid string, l ridList, slot int32) {
 	s.used -= int(st.n)
 	s.nstreams--
 	s.names -= int64(len(rid) + len(st.label))
+	s.pool.streams.Add(-1)
+	s.pool.names.Add(-int64(len(rid) + len(st.label)))
 	s.freeSlotAt(slot)
 }
 
@@ -371,6 +374,7 @@ func (s *Session) Offload(rid, label string, gpuPages []int32, m Meta, dst []int
 	*s.at(slot) = stream{label: s.intern(label), meta: m, head: head, tail: tail, n: int32(n)}
 	s.link(rid, list, slot)
 	s.names += int64(len(rid) + len(label))
+	s.pool.names.Add(int64(len(rid) + len(label)))
 	return dst, nil
 }
 
@@ -508,6 +512,8 @@ func (s *Session) RemoveRequest(rid string) (int, error) {
 		s.used -= int(st.n)
 		s.nstreams--
 		s.names -= int64(len(rid) + len(st.label))
+		s.pool.streams.Add(-1)
+		s.pool.names.Add(-int64(len(rid) + len(st.label)))
 		s.freeSlotAt(slot)
 		removed++
 		slot = next
@@ -598,6 +604,8 @@ func (s *Session) Closed() bool {
 
 // dropAll forgets every stream and pending release. Called with s.mu held.
 func (s *Session) dropAll() {
+	s.pool.streams.Add(-int64(s.nstreams))
+	s.pool.names.Add(-s.names)
 	s.rids = make(map[string]ridList)
 	s.slab, s.freeSlot = nil, nilPage
 	s.pending, s.phead = nil, 0

@@ -29,11 +29,19 @@ type Config struct {
 	Socket       string   // default DefaultSocket()
 	Logger       *slog.Logger
 	Hooks        server.Hooks
+	// Limits bound what tenants may hold; zero fields take
+	// server.DefaultLimits.
+	Limits server.Limits
 }
 
 // DefaultSocket is $XDG_RUNTIME_DIR/kvpool/kvpool.sock, or
 // /tmp/kvpool-<uid>/kvpool.sock when XDG_RUNTIME_DIR is unset.
 func DefaultSocket() string { return agent.DefaultSocket() }
+
+// AllocationName is the pool allocation of a standalone token (a digest
+// of the token, so that the allocation follows the token whatever the
+// order of Config.Tokens).
+func AllocationName(token string) string { return agent.AllocationName(token) }
 
 // Agent is a running standalone agent.
 type Agent struct {
@@ -88,6 +96,7 @@ func Start(c Config) (*Agent, error) {
 	cfg.Metrics.Address, cfg.Health.Address = "", ""
 	cfg.Standalone.GPUs = c.GPUs
 	cfg.Standalone.Tokens = c.Tokens
+	cfg.Limits = config.LimitsFrom(c.Limits)
 	ctx, cancel := context.WithCancel(context.Background())
 	a, err := agent.Boot(ctx, agent.Options{
 		Config: &cfg, Standalone: true, Socket: c.Socket,

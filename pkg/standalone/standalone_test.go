@@ -43,7 +43,7 @@ func TestStartServeClose(t *testing.T) {
 		t.Errorf("tokens %v: want two disjoint pairs", a.Tokens)
 	}
 	for tok, ids := range a.Tokens {
-		alloc := map[string]string{"a": "standalone-0", "b": "standalone-1"}[tok]
+		alloc := AllocationName(tok)
 		got, err := a.Pool.Allocation(alloc)
 		if err != nil || !slices.Equal(slices.Sorted(slices.Values(got)), slices.Sorted(slices.Values(ids))) {
 			t.Errorf("allocation %s: %v, %v; want %v", alloc, got, err, ids)

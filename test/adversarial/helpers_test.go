@@ -19,6 +19,8 @@ import (
 //
 //	hold N     keep N connections open that never say hello, redialing
 //	           those the agent closes; prints "held" once N were tried
+//	redial N   keep N connections that say hello and never open, each
+//	           dialed again the moment the agent closes it
 //	owner      open a session (token, GPU 1, instance from the
 //	           environment), offload stream "secret", print "ready"; on
 //	           the stdin line "drop" close the connection, print "dropped"
@@ -62,6 +64,33 @@ func runHelper(role string) int {
 				}
 			}
 		}
+	case strings.HasPrefix(role, "redial "):
+		// Connections that say hello and never open, each dialed again
+		// the moment the agent closes it.
+		n, _ := strconv.Atoi(strings.TrimPrefix(role, "redial "))
+		for range n {
+			go func() {
+				for {
+					c, err := wire.Dial(sock)
+					if err != nil {
+						time.Sleep(time.Millisecond)
+						continue
+					}
+					pkt, _ := wire.AppendPacket(nil, wire.Header{Op: wire.OpHello, Seq: 1}, &wire.Hello{Version: wire.Version, Client: "squatter"})
+					_ = c.Send(pkt, nil)
+					var b [4096]byte
+					for {
+						if _, err := c.UnixConn().Read(b[:]); err != nil {
+							break
+						}
+					}
+					c.Close()
+				}
+			}()
+		}
+		fmt.Println("redialing")
+		<-stop
+		return 0
 	case role == "owner":
 		c, err := wire.Dial(sock)
 		if err != nil {

@@ -8,8 +8,12 @@
 // agent's memory and fds and the keeper's memfds must stay bounded.
 //
 // KVPOOL_CHAOS_KILLS and KVPOOL_CHAOS_TERMS set the numbers of SIGKILLs
-// and SIGTERMs (default 100 and 20); KVPOOL_CHAOS_MAX_UP the longest the
-// agent runs between two kills (default 400ms).
+// and SIGTERMs (default 100 and 20); KVPOOL_CHAOS_MAX_UP_MS the longest
+// the agent runs between two kills, in milliseconds (default 400).
+//
+// TestKeeperLossChaos (keeperloss_test.go) takes the keeper away instead:
+// KVPOOL_CHAOS_KEEPER_ROUNDS rounds (default 6) of SIGKILL, SIGTERM and
+// SIGSTOP of the keeper under the same clients.
 package chaos
 
 import (
@@ -155,44 +159,8 @@ func TestAgentRestartChaos(t *testing.T) {
 	}()
 	waitFor(t, func() bool { return hello(agentSock) == nil })
 
-	// The clients: every token on every GPU.
-	type clientProc struct {
-		cmd   *exec.Cmd
-		stdin interface{ Close() error }
-		out   bytes.Buffer
-		errb  bytes.Buffer
-	}
-	var clients []*clientProc
-	for i, tok := range tokens {
-		for g := range gpus {
-			c := &clientProc{}
-			args := []string{"--socket", agentSock, "--token", tok, "--gpu", strconv.Itoa(g), "--seed", strconv.Itoa(100 + i*gpus + g)}
-			if i == len(tokens)-1 && g == gpus-1 {
-				// One client's streams are sometimes longer than a packet's
-				// page list: pages, offload and more, resent across kills.
-				args = append(args, "--long")
-			}
-			c.cmd = exec.Command(clientBin, args...)
-			c.cmd.Stdout, c.cmd.Stderr = &c.out, &c.errb
-			in, err := c.cmd.StdinPipe()
-			if err != nil {
-				t.Fatal(err)
-			}
-			c.stdin = in
-			if err := c.cmd.Start(); err != nil {
-				t.Fatal(err)
-			}
-			clients = append(clients, c)
-		}
-	}
-	defer func() {
-		for _, c := range clients {
-			if c.cmd.ProcessState == nil {
-				c.cmd.Process.Kill()
-				c.cmd.Wait()
-			}
-		}
-	}()
+	clients := startClients(t, clientBin, agentSock)
+	defer stopClients(clients)
 
 	signals := slices.Repeat([]syscall.Signal{syscall.SIGKILL}, kills)
 	signals = append(signals, slices.Repeat([]syscall.Signal{syscall.SIGTERM}, terms)...)
@@ -256,6 +224,82 @@ func TestAgentRestartChaos(t *testing.T) {
 	// Let the clients run a little on the last agent, then stop them: each
 	// verifies every stream it still holds.
 	time.Sleep(300 * time.Millisecond)
+	total := finishClients(t, clients)
+	if total.Offloads < len(signals) || total.Reloads == 0 {
+		t.Errorf("too little work to mean anything: %d offloads, %d reloads", total.Offloads, total.Reloads)
+	}
+	slices.Sort(gaps)
+	slices.Sort(reported)
+	t.Logf("gap from kill to serving (harness): p50 %v, p99 %v, max %v over %d restarts",
+		pct(gaps, 50), pct(gaps, 99), gaps[len(gaps)-1], len(gaps))
+	if len(reported) > 0 {
+		t.Logf("gap the agent reported (last sign of life to serving): p50 %v, p99 %v", pct(reported, 50), pct(reported, 99))
+	}
+	t.Logf("bounded: agent RSS max %d MiB, agent fds max %d, keeper fds max %d, books memfd max %d MiB; keeper held %d chunks of %d MiB throughout",
+		maxRSS>>20, maxFDs, maxKeeperFDs, maxBooks>>20, chunks, chunkMiB)
+	t.Logf("streams: %d offloaded, %d reloaded and verified, %d verified at the end, %d offloads refused", total.Offloads, total.Reloads, total.Final, total.Refused)
+	// Bounds: the chunks the agent maps (32 MiB) plus a Go process; fds:
+	// chunks, books, keeper, sockets and clients; the keeper: chunks and books.
+	if maxRSS > 256<<20 || maxFDs > 64 || maxKeeperFDs > 32 || maxBooks > 64<<20 {
+		t.Errorf("resources not bounded: agent RSS %d MiB, fds %d; keeper fds %d; books %d MiB", maxRSS>>20, maxFDs, maxKeeperFDs, maxBooks>>20)
+	}
+	if strings.Contains(keeperLog.String(), "level=ERROR") {
+		t.Errorf("the keeper logged an error:\n%s", keeperLog.String())
+	}
+}
+
+// clientProc is one chaosclient process.
+type clientProc struct {
+	cmd   *exec.Cmd
+	stdin interface{ Close() error }
+	out   bytes.Buffer
+	errb  bytes.Buffer
+}
+
+// startClients starts the clients: every token on every GPU; the last
+// one's streams are sometimes longer than a packet's page list (pages,
+// offload and more, resent across kills).
+func startClients(t *testing.T, clientBin, agentSock string) []*clientProc {
+	t.Helper()
+	var clients []*clientProc
+	for i, tok := range tokens {
+		for g := range gpus {
+			c := &clientProc{}
+			args := []string{"--socket", agentSock, "--token", tok, "--gpu", strconv.Itoa(g), "--seed", strconv.Itoa(100 + i*gpus + g)}
+			if i == len(tokens)-1 && g == gpus-1 {
+				args = append(args, "--long")
+			}
+			c.cmd = exec.Command(clientBin, args...)
+			c.cmd.Stdout, c.cmd.Stderr = &c.out, &c.errb
+			in, err := c.cmd.StdinPipe()
+			if err != nil {
+				t.Fatal(err)
+			}
+			c.stdin = in
+			if err := c.cmd.Start(); err != nil {
+				t.Fatal(err)
+			}
+			clients = append(clients, c)
+		}
+	}
+	return clients
+}
+
+// stopClients kills the clients still running.
+func stopClients(clients []*clientProc) {
+	for _, c := range clients {
+		if c.cmd.ProcessState == nil {
+			c.cmd.Process.Kill()
+			c.cmd.Wait()
+		}
+	}
+}
+
+// finishClients stops the clients, each verifying every stream it still
+// holds, and wants none lost, corrupt or failed, and one session each. It
+// returns their totals.
+func finishClients(t *testing.T, clients []*clientProc) clientResult {
+	t.Helper()
 	var total clientResult
 	for _, c := range clients {
 		c.stdin.Close()
@@ -280,28 +324,9 @@ func TestAgentRestartChaos(t *testing.T) {
 		total.Reloads += r.Reloads
 		total.Final += r.Final
 		total.Refused += r.Refused
+		total.LongestCall = max(total.LongestCall, r.LongestCall)
 	}
-	if total.Offloads < len(signals) || total.Reloads == 0 {
-		t.Errorf("too little work to mean anything: %d offloads, %d reloads", total.Offloads, total.Reloads)
-	}
-	slices.Sort(gaps)
-	slices.Sort(reported)
-	t.Logf("gap from kill to serving (harness): p50 %v, p99 %v, max %v over %d restarts",
-		pct(gaps, 50), pct(gaps, 99), gaps[len(gaps)-1], len(gaps))
-	if len(reported) > 0 {
-		t.Logf("gap the agent reported (last sign of life to serving): p50 %v, p99 %v", pct(reported, 50), pct(reported, 99))
-	}
-	t.Logf("bounded: agent RSS max %d MiB, agent fds max %d, keeper fds max %d, books memfd max %d MiB; keeper held %d chunks of %d MiB throughout",
-		maxRSS>>20, maxFDs, maxKeeperFDs, maxBooks>>20, chunks, chunkMiB)
-	t.Logf("streams: %d offloaded, %d reloaded and verified, %d verified at the end, %d offloads refused", total.Offloads, total.Reloads, total.Final, total.Refused)
-	// Bounds: the chunks the agent maps (32 MiB) plus a Go process; fds:
-	// chunks, books, keeper, sockets and clients; the keeper: chunks and books.
-	if maxRSS > 256<<20 || maxFDs > 64 || maxKeeperFDs > 32 || maxBooks > 64<<20 {
-		t.Errorf("resources not bounded: agent RSS %d MiB, fds %d; keeper fds %d; books %d MiB", maxRSS>>20, maxFDs, maxKeeperFDs, maxBooks>>20)
-	}
-	if strings.Contains(keeperLog.String(), "level=ERROR") {
-		t.Errorf("the keeper logged an error:\n%s", keeperLog.String())
-	}
+	return total
 }
 
 func pct(d []time.Duration, p int) time.Duration {

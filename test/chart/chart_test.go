@@ -763,6 +763,8 @@ func TestRejectsBadValues(t *testing.T) {
 		{"state dir is the socket dir", "paths: {socketDir: /var/lib/kvpool, stateDir: /var/lib/kvpool/}", "must not overlap"},
 		{"state dir inside the socket dir", "paths: {socketDir: /var/lib/kvpool/sock, stateDir: /var/lib/kvpool/sock/state}", "must not overlap"},
 		{"socket dir inside the state dir", "paths: {socketDir: /var/lib/kvpool/state/sock, stateDir: /var/lib/kvpool/state}", "must not overlap"},
+		{"keeper socket in the socket dir", "keeper: {socketDir: /var/lib/kvpool/sock}", "keeper.socketDir (/var/lib/kvpool/sock) must not be paths.socketDir"},
+		{"keeper socket below the socket dir", "keeper: {socketDir: /var/lib/kvpool/sock/keeper/}", "must not be paths.socketDir"},
 		{"token binding unknown", "security: {tokenBinding: uid}", "tokenBinding"},
 		{"GOMEMLIMIT share too small", "security: {goMemLimitPercent: 5}", "goMemLimitPercent"},
 		{"relative pod logs dir", "security: {podLogsDir: var/log/pods}", "podLogsDir"},

@@ -26,6 +26,14 @@ func checkTenantBoundary(t *testing.T, vs valueSet, r rendered) {
 	if err := config.CheckDirs(c.SocketDir, c.StateDir); err != nil {
 		t.Errorf("rendered directories: %v", err)
 	}
+	checkStreamBounds(t, vs, c)
+	for _, e := range r.ds.Spec.Template.Spec.Containers[0].Env {
+		if e.Name == "KVPOOL_KEEPER_SOCKET" {
+			if err := config.CheckKeeperSocket(c.SocketDir, e.Value); err != nil {
+				t.Errorf("rendered keeper socket: %v", err)
+			}
+		}
+	}
 
 	var gml *corev1.EnvVar
 	for i, e := range r.ds.Spec.Template.Spec.Containers[0].Env {
@@ -80,5 +88,34 @@ func checkTenantBoundary(t *testing.T, vs valueSet, r rendered) {
 	}
 	if v := r.vap.Spec.Validations; len(v) != 1 || !strings.Contains(v[0].Expression, "request.userInfo.extra['authentication.kubernetes.io/node-name'].exists(n, n == request.name)") {
 		t.Errorf("policy validations %+v", v)
+	}
+}
+
+// The measured cost of the stream tables (docs/sizing.md, "Agent memory"):
+// heap and books memfd per stream, and per byte of its names.
+const (
+	costPerStream   = 213
+	costPerNameByte = 3
+)
+
+// checkStreamBounds: the chart derives the bounds over every session's
+// stream tables from pool.headroom, so that at those bounds the stream
+// tables take at most about 40 % of it (the Go heap limit is 80 %).
+func checkStreamBounds(t *testing.T, vs valueSet, c *config.Config) {
+	t.Helper()
+	h := mustBytes(t, vs.headroom)
+	l := c.Limits
+	if want := max(h/1024, 1); int64(l.MaxStreams) != want {
+		t.Errorf("limits.maxStreams %d, want pool.headroom / 1Ki = %d", l.MaxStreams, want)
+	}
+	if want := max(h/16, 2048); int64(l.MaxNameBytes) != want {
+		t.Errorf("limits.maxNameBytes %d, want pool.headroom / 16 = %d", l.MaxNameBytes, want)
+	}
+	if l.MaxStreamsPerSession > l.MaxStreams || l.MaxNameBytesPerSession > l.MaxNameBytes {
+		t.Errorf("one session's bounds %d streams, %d name bytes exceed every session's %d, %d",
+			l.MaxStreamsPerSession, l.MaxNameBytesPerSession, l.MaxStreams, l.MaxNameBytes)
+	}
+	if cost := int64(l.MaxStreams)*costPerStream + int64(l.MaxNameBytes)*costPerNameByte; h >= 64<<20 && cost > h*45/100 {
+		t.Errorf("stream tables at their bounds cost about %d MiB, more than 45%% of the %d MiB headroom", cost>>20, h>>20)
 	}
 }

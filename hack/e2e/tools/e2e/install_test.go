@@ -572,6 +572,8 @@ func TestChartInstall(t *testing.T) {
 		c.deletePod(t, "chart-after-crash")
 	})
 
+	t.Run("keeper deleted under a workload", c.keeperDeletedUnderWorkload) // keeper_test.go
+
 	t.Run("uninstall leaves nothing on the node", func(t *testing.T) {
 		// Pods are gone; their allocations are reclaimed (grace + reconcile)
 		// before the agent goes, so nothing is left to keep.

@@ -1,0 +1,305 @@
+package agent
+
+import (
+	"context"
+	"io"
+	"log/slog"
+	"path/filepath"
+	"slices"
+	"testing"
+	"time"
+
+	"google.golang.org/protobuf/proto"
+
+	"github.com/kvpool/kvpool/internal/config"
+	"github.com/kvpool/kvpool/internal/keeper"
+	"github.com/kvpool/kvpool/pkg/cudart"
+	"github.com/kvpool/kvpool/pkg/wire"
+)
+
+var quietLog = slog.New(slog.NewTextHandler(io.Discard, nil))
+
+// startKeeper serves an in-process keeper on a socket of its own.
+func startKeeper(t *testing.T) (string, *keeper.Keeper) {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "keeper", "keeper.sock")
+	l, err := keeper.Listen(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	k := keeper.New(quietLog)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- k.Serve(ctx, l) }()
+	t.Cleanup(func() { cancel(); <-done; k.Close() })
+	return path, k
+}
+
+// keptAgent boots a standalone agent with the keeper at keeperSock and a
+// fixed layout; stop ends it (as a SIGTERM does).
+func keptAgent(t *testing.T, dir, keeperSock string, tokens []string) (a *Agent, stop func()) {
+	t.Helper()
+	cfg := config.Default()
+	cfg.SocketDir, cfg.StateDir = filepath.Join(dir, "sock"), filepath.Join(dir, "state")
+	cfg.Metrics.Address, cfg.Health.Address = "", ""
+	cfg.KeeperSocket = keeperSock
+	cfg.Standalone.Tokens = tokens
+	ctx, cancel := context.WithCancel(context.Background())
+	a, err := Boot(ctx, Options{Config: &cfg, Standalone: true, ChunksPerGPU: 2, ChunkBytes: 2 << 20, Logger: quietLog})
+	if err != nil {
+		cancel()
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- a.Wait(ctx) }()
+	return a, func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("agent stop: %v", err)
+		}
+	}
+}
+
+// wireClient is a minimal client speaking the protocol by hand.
+type wireClient struct {
+	t   *testing.T
+	c   *wire.Conn
+	seq uint32
+	buf []byte
+}
+
+func dialAgent(t *testing.T, socket string) *wireClient {
+	t.Helper()
+	c, err := wire.Dial(socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	w := &wireClient{t: t, c: c, buf: make([]byte, wire.MaxMessage+1)}
+	if st, msg := w.do(wire.OpHello, &wire.Hello{Version: wire.Version, Client: "test"}, &wire.HelloReply{}); st != 0 {
+		t.Fatalf("hello: %s %s", st, msg)
+	}
+	return w
+}
+
+func (w *wireClient) do(op wire.Op, req, rep proto.Message) (wire.Status, string) {
+	w.t.Helper()
+	w.seq++
+	pkt, err := wire.AppendPacket(nil, wire.Header{Op: op, Seq: w.seq}, req)
+	if err != nil {
+		w.t.Fatal(err)
+	}
+	if err := w.c.Send(pkt, nil); err != nil {
+		w.t.Fatal(err)
+	}
+	w.c.UnixConn().SetReadDeadline(time.Now().Add(10 * time.Second))
+	got, files, err := w.c.Recv(w.buf)
+	for _, f := range files {
+		f.Close()
+	}
+	if err != nil {
+		w.t.Fatal(err)
+	}
+	h, body, err := wire.ParseHeader(got)
+	if err != nil {
+		w.t.Fatal(err)
+	}
+	if h.Status != 0 {
+		var e wire.Error
+		_ = wire.DecodeBody(body, &e)
+		return h.Status, e.Message
+	}
+	if err := wire.DecodeBody(body, rep); err != nil {
+		w.t.Fatal(err)
+	}
+	return 0, ""
+}
+
+func (w *wireClient) open(token, inst string) *wire.OpenReply {
+	w.t.Helper()
+	var rep wire.OpenReply
+	if st, msg := w.do(wire.OpOpen, &wire.Open{Token: token, GpuUuid: cudart.SimulatedUUID(0), InstanceId: []byte(inst),
+		Regions: []*wire.Region{{BytesPerPage: 4096, PageCount: 64}}}, &rep); st != 0 {
+		w.t.Fatalf("open with %s: %s %s", token, st, msg)
+	}
+	return &rep
+}
+
+func chunkIDs(r *wire.OpenReply) []string {
+	var ids []string
+	for _, c := range r.Chunks {
+		ids = append(ids, c.Id)
+	}
+	return ids
+}
+
+// A standalone allocation follows its token: an agent restarted with the
+// tokens in another order gives each tenant its own chunks, session and
+// streams back (issue 23: allocations named by position handed tenant A's
+// chunks and streams to tenant B).
+func TestReorderedTokensKeepTheirAllocations(t *testing.T) {
+	dir := t.TempDir()
+	ksock, _ := startKeeper(t)
+	a, stop := keptAgent(t, dir, ksock, []string{"tenant-a", "tenant-b"})
+	first := map[string]*wire.OpenReply{}
+	for _, tok := range []string{"tenant-a", "tenant-b"} {
+		w := dialAgent(t, a.Socket())
+		first[tok] = w.open(tok, "instance-"+tok)
+		if st, msg := w.do(wire.OpOffload, &wire.Offload{Rid: "req-of-" + tok, Label: "kv", GpuPages: []int32{1, 2, 3}}, &wire.OffloadReply{}); st != 0 {
+			t.Fatalf("offload: %s %s", st, msg)
+		}
+		w.c.Close()
+	}
+	stop()
+
+	a2, stop2 := keptAgent(t, dir, ksock, []string{"tenant-b", "tenant-a"})
+	defer stop2()
+	for _, tok := range []string{"tenant-a", "tenant-b"} {
+		w := dialAgent(t, a2.Socket())
+		got := w.open(tok, "instance-"+tok)
+		if !got.Resumed || got.Session != first[tok].Session || !slices.Equal(chunkIDs(got), chunkIDs(first[tok])) {
+			t.Fatalf("%s after the restart with reordered tokens: resumed %v, session %d chunks %v; before: session %d chunks %v",
+				tok, got.Resumed, got.Session, chunkIDs(got), first[tok].Session, chunkIDs(first[tok]))
+		}
+		var n wire.NumPagesReply
+		if st, msg := w.do(wire.OpNumPages, &wire.Stream{Rid: "req-of-" + tok, Label: "kv"}, &n); st != 0 || n.Pages != 3 {
+			t.Fatalf("%s's stream after the restart: %s %s, %d pages", tok, st, msg, n.Pages)
+		}
+	}
+}
+
+// stopKeeper ends an in-process keeper as a kill does: its connections
+// close and every fd it held with them.
+type keeperProc struct {
+	path   string
+	k      *keeper.Keeper
+	cancel context.CancelFunc
+	done   chan error
+}
+
+func runKeeper(t *testing.T, path string) *keeperProc {
+	t.Helper()
+	l, err := keeper.Listen(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	kp := &keeperProc{path: path, k: keeper.New(quietLog), done: make(chan error, 1)}
+	ctx, cancel := context.WithCancel(context.Background())
+	kp.cancel = cancel
+	go func() { kp.done <- kp.k.Serve(ctx, l) }()
+	t.Cleanup(kp.kill)
+	return kp
+}
+
+func (kp *keeperProc) kill() {
+	if kp.cancel == nil {
+		return
+	}
+	kp.cancel()
+	<-kp.done
+	kp.k.Close()
+	kp.cancel = nil
+}
+
+func waitUntil(t *testing.T, what string, ok func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for !ok() {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: not within 20s", what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// The keeper lost and replaced under a client: the agent sees the loss at
+// once, refuses changes ("retry") while reads go on, says so (readiness,
+// the restart report), reconnects to the new keeper and hands it every
+// chunk and the books; then changes are served again, and an agent
+// restart on the new keeper finds every session and stream (issue 23: the
+// agent never connected to the new keeper, renewals failed with "keeper
+// put: broken pipe", and the next compaction made it exit).
+func TestKeeperLostAndReplaced(t *testing.T) {
+	dir := t.TempDir()
+	ksock := filepath.Join(dir, "keeper", "keeper.sock")
+	k1 := runKeeper(t, ksock)
+	a, stop := keptAgent(t, dir, ksock, []string{"tenant-a"})
+	w := dialAgent(t, a.Socket())
+	first := w.open("tenant-a", "instance-a")
+	if st, msg := w.do(wire.OpOffload, &wire.Offload{Rid: "before", Label: "kv", GpuPages: []int32{1, 2}}, &wire.OffloadReply{}); st != 0 {
+		t.Fatalf("offload: %s %s", st, msg)
+	}
+	k1.kill()
+	waitUntil(t, "the loss seen", func() bool { return a.a.durable() != nil })
+	if r := a.a.restartStatus(); r.KeeperConnected || r.KeeperLosses != 1 {
+		t.Fatalf("restart report while lost: %+v", r)
+	}
+	if st, msg := w.do(wire.OpOffload, &wire.Offload{Rid: "during", Label: "kv", GpuPages: []int32{3}}, &wire.OffloadReply{}); st != wire.StatusUnavailable {
+		t.Fatalf("an offload while the keeper is lost: %s %s", st, msg)
+	}
+	var n wire.NumPagesReply
+	if st, _ := w.do(wire.OpNumPages, &wire.Stream{Rid: "before", Label: "kv"}, &n); st != 0 || n.Pages != 2 {
+		t.Fatalf("a read while the keeper is lost: %s %d", st, n.Pages)
+	}
+	k2 := runKeeper(t, ksock)
+	waitUntil(t, "the new keeper takes the pool", func() bool { return a.a.durable() == nil })
+	st := k2.k.Stat()
+	if st.Chunks != len(a.a.hmem) || !st.Books || !st.Agent {
+		t.Fatalf("the new keeper holds %+v, the agent %d chunks", st, len(a.a.hmem))
+	}
+	if r := a.a.restartStatus(); !r.KeeperConnected || r.KeeperLosses != 1 {
+		t.Fatalf("restart report after the reconnect: %+v", r)
+	}
+	if st, msg := w.do(wire.OpOffload, &wire.Offload{Rid: "after", Label: "kv", GpuPages: []int32{3}}, &wire.OffloadReply{}); st != 0 {
+		t.Fatalf("an offload once a keeper holds the pool: %s %s", st, msg)
+	}
+	w.c.Close()
+	stop()
+
+	a2, stop2 := keptAgent(t, dir, ksock, []string{"tenant-a"})
+	defer stop2()
+	w2 := dialAgent(t, a2.Socket())
+	if got := w2.open("tenant-a", "instance-a"); !got.Resumed || got.Session != first.Session {
+		t.Fatalf("after an agent restart on the new keeper: %+v", got)
+	}
+	for rid, pages := range map[string]uint32{"before": 2, "after": 1} {
+		var n wire.NumPagesReply
+		if st, msg := w2.do(wire.OpNumPages, &wire.Stream{Rid: rid, Label: "kv"}, &n); st != 0 || n.Pages != pages {
+			t.Fatalf("stream %s after the restart: %s %s, %d pages", rid, st, msg, n.Pages)
+		}
+	}
+	if r := a2.a.restartStatus(); r.PoolLost || r.AdoptedChunks != len(a2.a.hmem) {
+		t.Fatalf("the restart on the new keeper: %+v", r)
+	}
+}
+
+// A keeper that lost the pool while no agent held it (both gone): the next
+// agent finds it empty though its marker says it held books, and says the
+// pool and its sessions were lost, not an ordinary first start.
+func TestPoolLostAtStart(t *testing.T) {
+	dir := t.TempDir()
+	ksock := filepath.Join(dir, "keeper", "keeper.sock")
+	k1 := runKeeper(t, ksock)
+	a, stop := keptAgent(t, dir, ksock, []string{"tenant-a"})
+	w := dialAgent(t, a.Socket())
+	first := w.open("tenant-a", "instance-a")
+	w.c.Close()
+	stop()
+	k1.kill()
+	runKeeper(t, ksock)
+	a2, stop2 := keptAgent(t, dir, ksock, []string{"tenant-a"})
+	r := a2.a.restartStatus()
+	if !r.PoolLost || r.LostChunks == 0 || r.AdoptedChunks != 0 {
+		t.Fatalf("a start on a keeper that lost the pool: %+v", r)
+	}
+	if got := dialAgent(t, a2.Socket()).open("tenant-a", "instance-a"); got.Resumed || got.Session == first.Session {
+		t.Fatalf("the lost session came back: %+v", got)
+	}
+	// A start after that one, on the same keeper, is an ordinary restart.
+	stop2()
+	a3, stop3 := keptAgent(t, dir, ksock, []string{"tenant-a"})
+	defer stop3()
+	if r := a3.a.restartStatus(); r.PoolLost {
+		t.Fatalf("the next restart says the pool was lost again: %+v", r)
+	}
+}

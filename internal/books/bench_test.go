@@ -1,0 +1,148 @@
+package books
+
+import (
+	"fmt"
+	"runtime"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvpool/kvpool/internal/server"
+	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/wire"
+)
+
+// The bounds of the stream tables at the defaults (server.DefaultLimits):
+// one session's streams and request ID plus label bytes, and every
+// session's together.
+var (
+	limStreams   = server.DefaultLimits.MaxStreamsPerSession
+	limNames     = server.DefaultLimits.MaxNameBytesPerSession
+	limAllStream = server.DefaultLimits.MaxStreams
+	limAllNames  = server.DefaultLimits.MaxNameBytes
+)
+
+// atLimits journals sessions sessions into fresh books (none when
+// withBooks is false), each of streams streams of one page whose request
+// IDs and labels take names bytes in all, with distinct request IDs (one
+// map entry each). It returns the pool and the books.
+func atLimits(tb testing.TB, sessions, streams int, names int64, withBooks bool) (*pool.Pool, *Books, *memStore) {
+	tb.Helper()
+	p := pool.New()
+	store := &memStore{}
+	var b *Books
+	if withBooks {
+		var err error
+		b, err = Start(NewState(), 0, store, func(err error) { tb.Errorf("fatal: %v", err) })
+		must(tb, err)
+		p.SetJournal(b)
+	}
+	perName := int(names) / streams // a rid and a 2-byte label
+	seq := uint32(0)
+	for i := range sessions {
+		id := fmt.Sprintf("chunk-%d", i)
+		must(tb, p.AddChunk(pool.Chunk{ID: id, Size: 1 << 30}))
+		if b != nil {
+			must(tb, b.ChunkGen(id, 1, 0))
+		}
+		alloc := fmt.Sprintf("alloc-%d", i)
+		must(tb, p.Grant(alloc, []string{id}))
+		ps, err := p.Open(alloc, pool.Spec{PageSize: 4096, DevicePages: 1024})
+		must(tb, err)
+		if b != nil {
+			info := &server.OpenInfo{Allocation: alloc, Instance: fmt.Sprintf("%032x", i), UUID: "GPU-sim-00000000", Regions: 1,
+				Image: pool.SessionImage{ID: ps.ID(), Allocation: alloc, Spec: ps.Spec(), Chunks: []string{id}, PPC: ps.PagesPerChunk(), Capacity: ps.Capacity()}}
+			must(tb, b.Session(server.SessionOp{Session: ps.ID(), Op: wire.OpOpen, Open: info}))
+		}
+		pad := strings.Repeat("r", perName-2-8)
+		for s := range streams {
+			rid := fmt.Sprintf("%s%08x", pad, s)
+			m := pool.Meta{StoredLen: int64(s), Position: int64(s)}
+			pages, err := ps.Offload(rid, "kv", []int32{int32(s % 1024)}, m, nil)
+			must(tb, err)
+			if b != nil {
+				seq++
+				must(tb, b.Session(server.SessionOp{Session: ps.ID(), Op: wire.OpOffload, Seq: seq, Rid: rid, Label: "kv", Meta: m, Pages: pages,
+					Reply: []byte{8, 1}}))
+			}
+		}
+		if u := ps.Usage(); u.Streams != streams || u.NameBytes != int64(streams*perName) {
+			tb.Fatalf("session at %d streams and %d name bytes, want %d and %d", u.Streams, u.NameBytes, streams, streams*perName)
+		}
+	}
+	return p, b, store
+}
+
+func heapInUse() int64 {
+	runtime.GC()
+	runtime.GC()
+	var m runtime.MemStats
+	runtime.ReadMemStats(&m)
+	return int64(m.HeapAlloc)
+}
+
+// BenchmarkRestoreAtLimits is what an agent restart costs at the bounds
+// of the stream tables: the books are replayed (Load), the pool rebuilt
+// from them (pool.Restore) and the books compacted into a fresh memfd
+// (Start), as the agent's keeper step does. "session" is two sessions at
+// one session's bounds (2^17 streams and 16 MiB of names each, 128 bytes
+// a stream), "agent" the agent's bounds for every session together (2^19
+// streams and 32 MiB of names, in four sessions). It reports the time, the
+// heap the restored pool and books keep, what the same sessions cost a
+// live pool (the books keep nothing in the heap), the snapshot and the
+// books memfd, per session and in all.
+//
+//	go test -run XXX -bench RestoreAtLimits -benchtime 2x ./internal/books/
+func BenchmarkRestoreAtLimits(b *testing.B) {
+	b.Run("session", func(b *testing.B) { benchRestore(b, 2, limStreams, limNames) })
+	b.Run("agent", func(b *testing.B) { benchRestore(b, 4, limAllStream/4, limAllNames/4) })
+}
+
+func benchRestore(b *testing.B, sessions, streams int, names int64) {
+	base := heapInUse()
+	p, _, _ := atLimits(b, sessions, streams, names, false)
+	live := heapInUse() - base
+	runtime.KeepAlive(p)
+	_, bk, store := atLimits(b, sessions, streams, names, true)
+	bk.Close()
+	bk = nil
+	var restored int64
+	var snap, memfd float64
+	var took time.Duration
+	b.ResetTimer()
+	for range b.N {
+		b.StopTimer()
+		empty := heapInUse()
+		b.StartTimer()
+		t0 := time.Now()
+		st, info, err := Load(store.f)
+		must(b, err)
+		p2 := pool.New()
+		ss, err := p2.Restore(st.Image())
+		must(b, err)
+		b2, err := Start(st, info.Gen, store, nil)
+		must(b, err)
+		p2.SetJournal(b2)
+		rs := st.Restored(ss)
+		took = time.Since(t0)
+		b.StopTimer()
+		st = nil
+		restored = heapInUse() - empty
+		runtime.KeepAlive(p2)
+		runtime.KeepAlive(rs)
+		s := b2.Stats()
+		snap, memfd = float64(s.Snapshot), float64(s.Capacity)
+		b2.Close()
+		b.StartTimer()
+	}
+	b.StopTimer()
+	mib := func(n float64) float64 { return n / (1 << 20) }
+	per := float64(sessions)
+	b.ReportMetric(took.Seconds(), "restore-s")
+	b.ReportMetric(took.Seconds()*1000/per, "restore-ms/session")
+	b.ReportMetric(mib(float64(restored))/per, "restored-MiB/session")
+	b.ReportMetric(mib(float64(live))/per, "live-pool-MiB/session")
+	b.ReportMetric(mib(snap)/per, "snapshot-MiB/session")
+	b.ReportMetric(mib(memfd), "books-memfd-MiB")
+	b.ReportMetric(float64(restored)/float64(sessions*streams), "restored-B/stream")
+}
