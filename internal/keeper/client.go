@@ -73,17 +73,29 @@ func (s *State) Close() {
 }
 
 // Connect dials the keeper at path, says hello and receives everything it
-// holds. An ErrBusy keeper (the previous agent's connection is still
-// closing) is retried until wait passes.
+// holds. What passes is retried until wait passes: an ErrBusy keeper (the
+// previous agent's connection is still closing), a keeper not listening
+// yet, and a connection the keeper closed before the hello was through (at
+// its connection bound it closes the oldest that is not the agent's, and
+// an agent that has not said hello yet is not known to be one).
 func Connect(path string, wait time.Duration) (*Client, *State, error) {
 	deadline := time.Now().Add(wait)
 	for {
 		c, st, err := connect(path)
-		if err == nil || time.Now().After(deadline) || !(errors.Is(err, ErrBusy) || errors.Is(err, unix.ECONNREFUSED) || errors.Is(err, unix.ENOENT)) {
+		if err == nil || time.Now().After(deadline) || !retryable(err) {
 			return c, st, err
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
+}
+
+func retryable(err error) bool {
+	for _, e := range []error{ErrBusy, unix.ECONNREFUSED, unix.ENOENT, unix.ECONNRESET, unix.EPIPE} {
+		if errors.Is(err, e) {
+			return true
+		}
+	}
+	return false
 }
 
 func connect(path string) (*Client, *State, error) {

@@ -61,7 +61,10 @@ type mKey struct {
 }
 
 // mLayout is the pool: allocation A holds 4 chunks of GPU 0 and one of
-// GPUs 1 and 2, B four of GPU 0.
+// GPUs 1 and 2, B four of GPU 0. Sessions bind by locality and share an
+// allocation fairly among its ranks, one per GPU its chunks name (pool
+// OpenNear): the model books each session's share by the same rule
+// (predictOpen), not its GPU's own chunks.
 var mLayout = map[mKey]int{{"A", 0}: 4, {"A", 1}: 1, {"A", 2}: 1, {"B", 0}: 4}
 
 var mTokens = map[string]string{"tok-a": "A", "tok-b": "B"}
@@ -615,7 +618,7 @@ func (m *modelRun) openWith(c *mClient, maxPages int, mustResume bool) bool {
 		m.fail("hello: %v %s %s", err, st, msg)
 	}
 	inst := hex.EncodeToString(c.inst)
-	want, wantSt := m.predictOpen(c, k, inst, maxPages)
+	want, capacity, wantSt := m.predictOpen(c, k, inst, maxPages)
 	seq = c.next()
 	open := &wire.Open{Token: c.token, GpuUuid: gpuUUID(uint32(c.gpu)), InstanceId: c.inst, MaxPages: uint32(maxPages),
 		Regions: []*wire.Region{{BytesPerPage: mPageSize, PageCount: mDevPages}}}
@@ -650,10 +653,6 @@ func (m *modelRun) openWith(c *mClient, maxPages int, mustResume bool) bool {
 		if s != nil && rep.Session <= s.id {
 			m.fail("%s: the new session has ID %d, not above the replaced one's %d", c.name, rep.Session, s.id)
 		}
-		capacity := maxPages
-		if capacity == 0 {
-			capacity = mLayout[k] * mPPC
-		}
 		if int(rep.Capacity) != capacity {
 			m.fail("%s: capacity %d, the model %d", c.name, rep.Capacity, capacity)
 		}
@@ -669,18 +668,18 @@ func (m *modelRun) openWith(c *mClient, maxPages int, mustResume bool) bool {
 }
 
 // predictOpen is what the model expects of an open: "resume" or "new"
-// with status 0, or the refusal's status. A replacement drops the
-// disconnected owner's session from the model at once, as the server does
-// whether or not the open then succeeds.
-func (m *modelRun) predictOpen(c *mClient, k mKey, inst string, maxPages int) (string, wire.Status) {
+// with status 0 and the new session's capacity, or the refusal's status.
+// A replacement drops the disconnected owner's session from the model at
+// once, as the server does whether or not the open then succeeds.
+func (m *modelRun) predictOpen(c *mClient, k mKey, inst string, maxPages int) (string, int, wire.Status) {
 	s := m.sessions[k]
 	if s != nil && s.inst == inst {
-		return "resume", 0
+		return "resume", s.capacity, 0
 	}
 	if s != nil {
 		for _, o := range m.clients {
 			if o.conn != nil && o.sid == s.id {
-				return "", wire.StatusBusy
+				return "", 0, wire.StatusBusy
 			}
 		}
 		delete(m.sessions, k) // replaced
@@ -692,12 +691,33 @@ func (m *modelRun) predictOpen(c *mClient, k mKey, inst string, maxPages int) (s
 		}
 	}
 	if n >= mLimits.MaxSessionsPerAllocation {
-		return "", wire.StatusLimit
+		return "", 0, wire.StatusLimit
 	}
-	if maxPages > mLayout[k]*mPPC {
-		return "", wire.StatusNoCapacity
+	// The share (pkg/pool bind.go): the allocation's unbound chunks, split
+	// among its ranks without a session yet (at least this one).
+	total, ranks, bound := 0, 0, 0
+	for kk, chunks := range mLayout {
+		if kk.alloc == k.alloc {
+			total += chunks
+			ranks++
+		}
 	}
-	return "new", 0
+	for kk, o := range m.sessions {
+		if kk.alloc == k.alloc {
+			bound += (o.capacity + mPPC - 1) / mPPC
+		}
+	}
+	unbound, waiting := total-bound, max(1, ranks-n)
+	if unbound == 0 {
+		return "", 0, wire.StatusNoCapacity
+	}
+	if maxPages == 0 {
+		return "new", (unbound + waiting - 1) / waiting * mPPC, 0
+	}
+	if want, limit := (maxPages+mPPC-1)/mPPC, unbound-(waiting-1)*(unbound/waiting); want > limit {
+		return "", 0, wire.StatusNoCapacity
+	}
+	return "new", maxPages, 0
 }
 
 var (

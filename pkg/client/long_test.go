@@ -502,7 +502,13 @@ func TestOffloadWaitDoesNotBlockOthers(t *testing.T) {
 // where they lie; declared ranks split the allocation.
 func TestEngineGivenGPU(t *testing.T) {
 	a := serveAgent(t, standalone.Config{GPUs: 4, ChunksPerGPU: 4, ChunkBytes: 1 << 20, Tokens: []string{"tok"}})
-	chunks, err := a.Pool.Revoke("standalone-0")
+	// The one token's allocation (standalone allocations are named by
+	// their token's digest).
+	var alloc string
+	for _, c := range a.Pool.Chunks() {
+		alloc = c.Allocation
+	}
+	chunks, err := a.Pool.Revoke(alloc)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -515,7 +521,7 @@ func TestEngineGivenGPU(t *testing.T) {
 			gpu0 = append(gpu0, c.ID)
 		}
 	}
-	if err := a.Pool.Grant("standalone-0", gpu0); err != nil {
+	if err := a.Pool.Grant(alloc, gpu0); err != nil {
 		t.Fatal(err)
 	}
 	// The container was given host GPUs 3 and 1; the engine runs two ranks.
