@@ -106,9 +106,19 @@ func dash(s string) string {
 	return s
 }
 
-// printStatus writes the report as tables.
+// printStatus writes the report as tables: the agent, its GPUs, its
+// sessions, the claims it serves and its recent errors.
 func printStatus(out io.Writer, r report.Report) error {
 	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
+	printAgent(tw, r)
+	printGPUs(tw, r)
+	printSessions(tw, r)
+	printClaims(tw, r)
+	printErrors(tw, r)
+	return tw.Flush()
+}
+
+func printAgent(tw io.Writer, r report.Report) {
 	ready := "yes"
 	if !r.Ready {
 		ready = "no: " + r.Health
@@ -126,8 +136,10 @@ func printStatus(out io.Writer, r report.Report) error {
 		fmt.Fprintf(tw, "Restart:\t%d chunks adopted from the keeper, %d fresh; %d sessions and %d streams restored; gap %s\n",
 			rs.AdoptedChunks, rs.FreshChunks, rs.Sessions, rs.Streams, time.Duration(rs.LastGapSeconds*float64(time.Second)).Round(time.Millisecond))
 	}
-	fmt.Fprintln(tw)
+}
 
+func printGPUs(tw io.Writer, r report.Report) {
+	fmt.Fprintln(tw)
 	fmt.Fprintln(tw, "GPU\tNUMA\tTARGET\tREADY\tALLOCATED\tUSED\tCHUNKS FREE/GRANTED/DIRTY\tSESSIONS\tSTREAMS\tPAGES USED/PENDING/TOTAL")
 	row := func(name, numa string, g report.GPU) {
 		target := "-"
@@ -139,54 +151,60 @@ func printStatus(out io.Writer, r report.Report) error {
 			g.Chunks.Free, g.Chunks.Granted, g.Chunks.Dirty, g.Sessions, g.Streams, g.PagesUsed, g.PagesPending, g.PagesTotal)
 	}
 	for _, g := range r.GPUs {
-		numa := "X"
-		if g.NUMA >= 0 {
-			numa = fmt.Sprint(g.NUMA)
-		}
-		row(fmt.Sprint(g.Index), numa, g)
+		row(fmt.Sprint(g.Index), numaName(g.NUMA), g)
 	}
 	if len(r.GPUs) > 1 {
 		row("all", "", r.Totals())
 	}
+}
 
+// numaName is a NUMA node as the tables show it: X when unknown.
+func numaName(n int) string {
+	if n < 0 {
+		return "X"
+	}
+	return fmt.Sprint(n)
+}
+
+func printSessions(tw io.Writer, r report.Report) {
 	fmt.Fprintln(tw)
 	if len(r.Sessions) == 0 {
 		fmt.Fprintln(tw, "Sessions: none")
-	} else {
-		fmt.Fprintln(tw, "ALLOCATION\tGPU\tNUMA\tCHUNKS LOCAL/REMOTE/UNKNOWN\tPAGE SIZE\tPAGES\tUSED\tPENDING\tSTREAMS\tREQUESTS")
-		for _, s := range r.Sessions {
-			numa := "X"
-			if s.GPUNUMA >= 0 {
-				numa = fmt.Sprint(s.GPUNUMA)
-			}
-			fmt.Fprintf(tw, "%s\t%d\t%s\t%d/%d/%d\t%s\t%d\t%d\t%d\t%d\t%d\n", s.Allocation, s.GPU, numa,
-				s.Local, s.Remote, s.UnknownNUMA, bytesize.Exact(s.PageSize), s.Pages, s.Used, s.Pending, s.Streams, s.Requests)
+		return
+	}
+	fmt.Fprintln(tw, "ALLOCATION\tGPU\tNUMA\tCHUNKS LOCAL/REMOTE/UNKNOWN\tPAGE SIZE\tPAGES\tUSED\tPENDING\tSTREAMS\tREQUESTS")
+	for _, s := range r.Sessions {
+		fmt.Fprintf(tw, "%s\t%d\t%s\t%d/%d/%d\t%s\t%d\t%d\t%d\t%d\t%d\n", s.Allocation, s.GPU, numaName(s.GPUNUMA),
+			s.Local, s.Remote, s.UnknownNUMA, bytesize.Exact(s.PageSize), s.Pages, s.Used, s.Pending, s.Streams, s.Requests)
+	}
+}
+
+func printClaims(tw io.Writer, r report.Report) {
+	if len(r.Claims) == 0 {
+		return
+	}
+	fmt.Fprintln(tw)
+	fmt.Fprintln(tw, "CLAIM\tREQUEST\tALLOCATION\tCHUNKS\tBYTES")
+	for _, c := range r.Claims {
+		for _, q := range c.Requests {
+			fmt.Fprintf(tw, "%s/%s\t%s\t%s\t%d\t%s\n", c.Namespace, c.Name, q.Name, q.Allocation, len(q.Chunks), bytesize.Exact(q.Bytes))
 		}
 	}
+}
 
-	if len(r.Claims) > 0 {
-		fmt.Fprintln(tw)
-		fmt.Fprintln(tw, "CLAIM\tREQUEST\tALLOCATION\tCHUNKS\tBYTES")
-		for _, c := range r.Claims {
-			for _, q := range c.Requests {
-				fmt.Fprintf(tw, "%s/%s\t%s\t%s\t%d\t%s\n", c.Namespace, c.Name, q.Name, q.Allocation, len(q.Chunks), bytesize.Exact(q.Bytes))
-			}
-		}
-	}
-
+func printErrors(tw io.Writer, r report.Report) {
 	fmt.Fprintln(tw)
 	if len(r.Errors) == 0 {
 		fmt.Fprintln(tw, "Recent errors: none")
-	} else {
-		fmt.Fprintf(tw, "Recent errors (last %d of %d):\n", len(r.Errors), r.ErrorsTotal)
-		fmt.Fprintln(tw, "TIME\tCOMPONENT\tOP\tKIND\tSESSION\tALLOCATION\tMESSAGE")
-		for i := len(r.Errors) - 1; i >= 0; i-- { // newest first
-			e := r.Errors[i]
-			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\n", e.Time.UTC().Format(time.RFC3339), e.Component, dash(e.Op), e.Kind,
-				dash(e.Session), dash(e.Allocation), oneLine(e.Message))
-		}
+		return
 	}
-	return tw.Flush()
+	fmt.Fprintf(tw, "Recent errors (last %d of %d):\n", len(r.Errors), r.ErrorsTotal)
+	fmt.Fprintln(tw, "TIME\tCOMPONENT\tOP\tKIND\tSESSION\tALLOCATION\tMESSAGE")
+	for i := len(r.Errors) - 1; i >= 0; i-- { // newest first
+		e := r.Errors[i]
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\n", e.Time.UTC().Format(time.RFC3339), e.Component, dash(e.Op), e.Kind,
+			dash(e.Session), dash(e.Allocation), oneLine(e.Message))
+	}
 }
 
 func oneLine(s string) string {

@@ -116,8 +116,11 @@ func TestTenantBoundary(t *testing.T) {
 			}
 			time.Sleep(250 * time.Millisecond)
 		}
-		if a.rejects("conns") == 0 {
-			t.Error("no connection was refused for the total bound: the test did not fill the slots")
+		// At the total bound a dial either closes the oldest idle holder
+		// (evicted_idle) or, when every holder is too new to close, is
+		// refused (conns); which one a loaded machine shows is timing.
+		if a.rejects("conns")+a.rejects("evicted_idle") == 0 {
+			t.Error("no connection was refused or evicted at the total bound: the test did not fill the slots")
 		}
 		good.wait(t)
 		for _, h := range hs {
