@@ -4,6 +4,7 @@ import (
 	"context"
 	"io"
 	"log/slog"
+	"os"
 	"path/filepath"
 	"slices"
 	"testing"
@@ -301,5 +302,37 @@ func TestPoolLostAtStart(t *testing.T) {
 	defer stop3()
 	if r := a3.a.restartStatus(); r.PoolLost {
 		t.Fatalf("the next restart says the pool was lost again: %+v", r)
+	}
+}
+
+// A stop with nothing to lose leaves no marker, even while the keeper is
+// lost: an uninstall deletes the keeper's pod beside the agent's, and the
+// marker written while the pool still held an allocation, since reclaimed,
+// made the e2e uninstall leave it behind (and would make the next install
+// report a lost pool).
+func TestNoMarkerAfterAStopWithNothingToLose(t *testing.T) {
+	dir := t.TempDir()
+	ksock := filepath.Join(dir, "keeper", "keeper.sock")
+	k := runKeeper(t, ksock)
+	a, stop := keptAgent(t, dir, ksock, []string{"tenant-a"})
+	if _, err := os.Stat(a.a.markerPath()); err != nil {
+		t.Fatalf("no keeper marker while the pool holds an allocation: %v", err)
+	}
+	// The allocation reclaimed (as the plugin does for a pod that is gone),
+	// then the keeper lost before the marker's next refresh (3 s).
+	revoked := map[string]bool{}
+	for _, c := range a.a.pool.Chunks() {
+		if c.Allocation != "" && !revoked[c.Allocation] {
+			revoked[c.Allocation] = true
+			if _, err := a.a.pool.Revoke(c.Allocation); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	k.kill()
+	waitUntil(t, "the loss seen", func() bool { return a.a.durable() != nil })
+	stop()
+	if _, err := os.Stat(a.a.markerPath()); !os.IsNotExist(err) {
+		t.Fatalf("the keeper marker is left after a stop with nothing to lose: %v", err)
 	}
 }

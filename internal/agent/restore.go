@@ -172,8 +172,11 @@ func (a *agent) closeKeeper() error {
 	if r == nil {
 		return nil
 	}
-	if r.books != nil && r.lost.Load() == nil {
-		a.writeMarker() // a stop with nothing to lose leaves no marker
+	if r.books != nil {
+		// A stop with nothing to lose leaves no marker; with something, the
+		// marker says what a later agent will not find if the keeper is
+		// lost (while it is lost, what this stop loses).
+		a.writeMarker()
 	}
 	if r.books != nil {
 		r.books.Close()
