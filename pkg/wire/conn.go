@@ -81,9 +81,11 @@ const (
 	//     another thread, followed by a poll that found nothing, ends the
 	//     spin (after such a yield a peer on the same CPU has usually
 	//     replied, so that one poll is still made);
-	//   - and a Conn whose spin was ended that way does not spin for its
-	//     next 1, 2, 4 ... 64 Recvs (spinBackoff): a contended CPU stays
-	//     contended for a while, and each cut spin cost a yield to it.
+	//   - and a Conn whose spin saw a yield run another thread, whether
+	//     the reply came then or not, does not spin for its next 1, 2, 4
+	//     ... 64 Recvs (spinBackoff): a contended CPU stays contended for
+	//     a while, and on a CPU shared with the peer the kernel wait
+	//     hands it the CPU as well as a yield does.
 	//
 	// docs/benchmarks.md has the sweep that chose it.
 	SpinBudgeted SpinRule = iota
@@ -169,11 +171,12 @@ func keepSpinning(rule SpinRule, elapsed, window time.Duration, callers, budget 
 }
 
 // maxSpinBackoff is the most Recvs a Conn skips the spin for after its
-// spins were cut by a contended CPU.
+// spins met a contended CPU.
 const maxSpinBackoff = 64
 
 // spinBackoff returns how many Recvs to skip the spin for after one whose
-// spin was cut by contention (cut) or not, given the last backoff: it
+// spin met contention (cut: a yield ran another thread) or not, given the
+// last backoff: it
 // doubles with every cut spin, up to maxSpinBackoff, and is gone at the
 // first spin that was not cut.
 func spinBackoff(last int, cut bool) int {
@@ -212,7 +215,9 @@ func spinBackoff(last int, cut bool) int {
 // saves the wake-up of a sleeping thread on an idle CPU, which on a VM
 // costs tens of µs (docs/benchmarks.md); between polls the thread yields,
 // so a peer on the same CPU runs at once. Clients spin by default; the
-// agent only when configured to (pollAfterReply).
+// agent only when configured to (pollAfterReply). The process's SpinRule
+// decides when a spin runs at all: by default only where it costs nobody
+// CPU (SpinBudgeted).
 type Conn struct {
 	uc  *net.UnixConn
 	rc  syscall.RawConn
@@ -472,23 +477,20 @@ func (c *Conn) spinFor(fd, flags uintptr) bool {
 	}
 	start := time.Now()
 	m := &c.rmsg
-	switched := false
+	switched, cut := false, false
 	for {
 		c.rn, _, c.rerrno = syscall.RawSyscall(unix.SYS_RECVMSG, fd, uintptr(unsafe.Pointer(m)), flags|unix.MSG_DONTWAIT)
 		switch c.rerrno {
 		case 0:
 			spun.Add(1)
-			c.backof = spinBackoff(c.backof, false)
+			c.backoff(rule, cut)
 			return true
 		case unix.EAGAIN, unix.EINTR:
 		default:
 			return true
 		}
 		if !keepSpinning(rule, time.Since(start), c.spin, int(spinConns.Load()), budget, switched) {
-			if rule == SpinBudgeted {
-				c.backof = spinBackoff(c.backof, switched)
-				c.skip = c.backof
-			}
+			c.backoff(rule, cut)
 			return false
 		}
 		// The peer may be runnable on this very CPU: let it run.
@@ -496,9 +498,19 @@ func (c *Conn) spinFor(fd, flags uintptr) bool {
 		if rule == SpinBudgeted {
 			n := c.involuntarySwitches()
 			switched, switches = n < 0 || n != switches, n
+			cut = cut || switched
 		}
 		m.SetControllen(len(c.oob))
 		m.Flags = 0
+	}
+}
+
+// backoff sets the Recvs the next spins are skipped for, after a spin
+// during which a yield ran another thread (cut) or none did.
+func (c *Conn) backoff(rule SpinRule, cut bool) {
+	if rule == SpinBudgeted {
+		c.backof = spinBackoff(c.backof, cut)
+		c.skip = c.backof
 	}
 }
 
