@@ -83,6 +83,15 @@ func run(args []string) error {
 	socket := fs.String("socket", "", "internal: agent socket")
 	token := fs.String("token", "", "internal: allocation token")
 	profile := fs.String("profile-dir", "", "write CPU profiles of the agent and client processes (agent-*.pprof, client-*.pprof) here")
+	sweep := fs.Bool("sweep", false, "run the concurrency sweep instead: offload+reload pairs from many sessions at once, per spin mode")
+	sessions := fs.String("sessions", "1,4,16,64", "sweep: sessions (calling goroutines) in one client process")
+	procs := fs.String("procs", "1,4,16,64", "sweep: client processes of one session each")
+	spins := fs.String("spins", "off,always,rule", "sweep: the client spin modes compared (off, always: the spin before issue 25, rule: the default)")
+	sweepTime := fs.Duration("sweep-time", time.Second, "sweep: how long each case calls")
+	repeat := fs.Int("repeat", 3, "sweep: repeats of every case")
+	gpus := fs.Int("gpus", 1, "internal: the agent's simulated GPUs")
+	spinMode := fs.String("spin-mode", "rule", "internal: the sweep client's spin mode")
+	gpuBase := fs.Int("gpu-base", 0, "internal: the sweep client's first GPU")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -99,7 +108,13 @@ func run(args []string) error {
 	}
 	switch *role {
 	case "agent":
-		return agentMain(*socket)
+		return agentMain(*socket, *gpus)
+	case "sweep":
+		n, err := strconv.Atoi(*sessions)
+		if err != nil {
+			return fmt.Errorf("-sessions %q: %w", *sessions, err)
+		}
+		return sweepMain(*socket, *token, *spinMode, *gpuBase, n, *pages, *pageBytes)
 	case "client":
 		return clientMain(*socket, *token, *pages, *pageBytes, *spin)
 	case "echo":
@@ -125,16 +140,52 @@ func run(args []string) error {
 		return err
 	}
 	fmt.Fprintf(os.Stderr, "latbench: echo floor built with %s; CPUs %d and %d\n", cc, cpuA, cpuB)
-	sizes := packetSizes(*pages)
-	var reps []placementReport
-	for _, pl := range []struct {
+	placements := []struct {
 		name           string
 		agent, clientC []int
 	}{
 		{"one CPU", []int{cpuA}, []int{cpuA}},
 		{"two CPUs", []int{cpuA}, []int{cpuB}},
 		{"shared", []int{cpuA, cpuB}, []int{cpuA, cpuB}},
-	} {
+	}
+	if *sweep {
+		cfg := sweepConfig{spins: strings.Split(*spins, ","), dur: *sweepTime, repeat: *repeat, pages: *pages, pageBytes: *pageBytes}
+		if cfg.sessions, err = parseInts(*sessions); err != nil {
+			return fmt.Errorf("-sessions: %w", err)
+		}
+		if cfg.procs, err = parseInts(*procs); err != nil {
+			return fmt.Errorf("-procs: %w", err)
+		}
+		for _, m := range cfg.spins {
+			if _, ok := spinModes[m]; !ok {
+				return fmt.Errorf("-spins: unknown mode %q (off, always, rule)", m)
+			}
+		}
+		if cfg.dur <= 0 || cfg.repeat < 1 {
+			return errors.New("-sweep-time and -repeat must be positive")
+		}
+		var cells []sweepCell
+		for _, pl := range placements {
+			if !slices.Contains(strings.Split(*only, ","), strings.Fields(pl.name)[0]) {
+				continue
+			}
+			c, err := runSweep(dir, pl.name, pl.agent, pl.clientC, cfg)
+			cells = append(cells, c...)
+			if err != nil {
+				return fmt.Errorf("%s: %w", pl.name, err)
+			}
+		}
+		if *asJSON {
+			e := json.NewEncoder(os.Stdout)
+			e.SetIndent("", "  ")
+			return e.Encode(cells)
+		}
+		printSweep(os.Stdout, cells, cfg.spins)
+		return nil
+	}
+	sizes := packetSizes(*pages)
+	var reps []placementReport
+	for _, pl := range placements {
 		key := strings.Fields(pl.name)[0]
 		if !slices.Contains(strings.Split(*only, ","), key) {
 			continue
@@ -466,9 +517,13 @@ func printReports(w io.Writer, reps []placementReport) {
 }
 
 // agentMain runs an embedded standalone agent until stdin closes.
-func agentMain(socket string) error {
+func agentMain(socket string, gpus int) error {
 	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
-	a, err := standalone.Start(standalone.Config{GPUs: 1, ChunksPerGPU: 1, ChunkBytes: 64 << 20, Socket: socket, Logger: log})
+	chunk := int64(64 << 20)
+	if gpus > 1 {
+		chunk = 4 << 20 // a sweep's sessions take 256 pages each
+	}
+	a, err := standalone.Start(standalone.Config{GPUs: gpus, ChunksPerGPU: 1, ChunkBytes: chunk, Socket: socket, Logger: log})
 	if err != nil {
 		return err
 	}

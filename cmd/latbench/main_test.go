@@ -70,3 +70,49 @@ func TestLatbenchRejects(t *testing.T) {
 		}
 	}
 }
+
+func TestLatbenchSweep(t *testing.T) {
+	out, err := os.CreateTemp(t.TempDir(), "out")
+	if err != nil {
+		t.Fatal(err)
+	}
+	stdout := os.Stdout
+	os.Stdout = out
+	err = run([]string{"-sweep", "-sessions", "1,2", "-procs", "2", "-sweep-time", "100ms", "-repeat", "1", "-placements", "one", "-json"})
+	os.Stdout = stdout
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := os.ReadFile(out.Name())
+	if err != nil {
+		t.Fatal(err)
+	}
+	var cells []sweepCell
+	if err := json.Unmarshal(b, &cells); err != nil {
+		t.Fatalf("%v: %s", err, b)
+	}
+	// 1x1, 1x2 and 2x1, each under the three spin modes.
+	if len(cells) != 9 {
+		t.Fatalf("%d cells, want 9: %s", len(cells), b)
+	}
+	for _, c := range cells {
+		if c.Pairs < 1 || c.PairsPerSec <= 0 || c.P50 <= 0 || c.P99 < c.P50 || c.Procs*c.Sessions > 2 {
+			t.Errorf("%+v", c)
+		}
+	}
+}
+
+func TestSweepRejects(t *testing.T) {
+	for _, args := range [][]string{
+		{"-sweep", "-sessions", "0"},
+		{"-sweep", "-procs", "65"},
+		{"-sweep", "-spins", "sometimes"},
+		{"-sweep", "-sweep-time", "0s"},
+		{"-role", "sweep", "-sessions", "1", "-spin-mode", "sometimes"},
+		{"-role", "sweep", "-sessions", "1", "-gpu-base", "64"},
+	} {
+		if err := run(args); err == nil {
+			t.Errorf("%v: no error", args)
+		}
+	}
+}

@@ -94,8 +94,12 @@ type Options struct {
 	// polls. A reply within it costs no thread wake-up, which is most of
 	// a round trip's time when the agent runs on another, idle CPU; the
 	// price is up to SpinWait of this thread's CPU per request, spent
-	// while the call waits anyway. Default DefaultSpinWait, at most
-	// wire.SpinLimit; negative: no spinning.
+	// while the call waits anyway. The process's spin rule
+	// (wire.SetSpinRule; default wire.SpinBudgeted) decides when a call
+	// spins at all: only with no more sessions in the process than spare
+	// CPUs, and while the thread's CPU is not wanted by another thread, so
+	// that the spin never costs other callers or the agent. Default
+	// DefaultSpinWait, at most wire.SpinLimit; negative: no spinning.
 	SpinWait time.Duration
 }
 

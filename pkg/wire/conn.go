@@ -64,6 +64,128 @@ func KernelWait() time.Duration { return time.Duration(kernelWait.Load()) }
 // SpinLimit is the longest spin SetSpin accepts.
 const SpinLimit = time.Millisecond
 
+// SpinRule says when a Conn that may spin (SetSpin) does, process-wide.
+type SpinRule int32
+
+const (
+	// SpinBudgeted, the default, spins only where the spin costs nobody
+	// anything (keepSpinning):
+	//
+	//   - while the process has no more spinning Conns open than spare
+	//     CPUs (spinBudget: GOMAXPROCS, or the CPUs it may run on if
+	//     fewer, less one, at least one), so that a spinner never holds a
+	//     P that another caller of the process, woken or busy with its
+	//     copies, needs;
+	//   - while this thread's CPU is its own, so that it never takes CPU
+	//     time the agent or another process wants: a yield that ran
+	//     another thread, followed by a poll that found nothing, ends the
+	//     spin (after such a yield a peer on the same CPU has usually
+	//     replied, so that one poll is still made);
+	//   - and a Conn whose spin saw a yield run another thread, whether
+	//     the reply came then or not, does not spin for its next 1, 2, 4
+	//     ... 64 Recvs (spinBackoff): a contended CPU stays contended for
+	//     a while, and on a CPU shared with the peer the kernel wait
+	//     hands it the CPU as well as a yield does.
+	//
+	// docs/benchmarks.md has the sweep that chose it.
+	SpinBudgeted SpinRule = iota
+	// SpinAlways spins every Recv for its whole window, whatever else
+	// wants the CPU: the rule before issue 25, for a process whose few
+	// callers each own a CPU that nothing else uses.
+	SpinAlways
+)
+
+func (r SpinRule) String() string {
+	switch r {
+	case SpinBudgeted:
+		return "budgeted"
+	case SpinAlways:
+		return "always"
+	}
+	return fmt.Sprintf("SpinRule(%d)", int32(r))
+}
+
+// spinRule is the process's SpinRule.
+var spinRule atomic.Int32
+
+// SetSpinRule sets the spin rule of every Conn of the process from the
+// next Recv on.
+func SetSpinRule(r SpinRule) error {
+	if r != SpinBudgeted && r != SpinAlways {
+		return fmt.Errorf("wire: unknown spin rule %d", int32(r))
+	}
+	spinRule.Store(int32(r))
+	return nil
+}
+
+// CurrentSpinRule returns the process's spin rule (SetSpinRule).
+func CurrentSpinRule() SpinRule { return SpinRule(spinRule.Load()) }
+
+// spinConns counts the open Conns of the process that may spin: its
+// callers.
+var spinConns atomic.Int32
+
+// affinityCPUs is how many CPUs the process could run on when it started
+// (0: unknown).
+var affinityCPUs = func() int {
+	var s unix.CPUSet
+	if unix.SchedGetaffinity(0, &s) != nil {
+		return 0
+	}
+	return s.Count()
+}()
+
+// spinBudget is the most spinning Conns with which a Conn still spins
+// under SpinBudgeted: the process's spare CPUs, at least one. A variable
+// for tests.
+var spinBudget = func() int { return spareCPUs(runtime.GOMAXPROCS(0), affinityCPUs) }
+
+// spareCPUs is the spin budget of a process with procs Ps that may run on
+// cpus CPUs (0: unknown): one CPU is left to everything else the process
+// does, but a lone caller spins even on a single CPU, where its yields
+// give the peer the CPU at once.
+func spareCPUs(procs, cpus int) int {
+	n := procs
+	if cpus > 0 {
+		n = min(n, cpus)
+	}
+	return max(1, n-1)
+}
+
+// keepSpinning is the spin rule: after a poll that found nothing, at
+// elapsed into a spin of window, with callers spinning Conns open in the
+// process and a budget of them, whether to poll again. switched says that
+// the yield before that poll ran another thread on this CPU.
+func keepSpinning(rule SpinRule, elapsed, window time.Duration, callers, budget int, switched bool) bool {
+	switch {
+	case elapsed >= window:
+		return false
+	case rule == SpinAlways:
+		return true
+	case callers > budget:
+		return false // a P we hold may be wanted by another caller
+	case switched:
+		return false // the CPU is not ours: someone else wants it
+	}
+	return true
+}
+
+// maxSpinBackoff is the most Recvs a Conn skips the spin for after its
+// spins met a contended CPU.
+const maxSpinBackoff = 64
+
+// spinBackoff returns how many Recvs to skip the spin for after one whose
+// spin met contention (cut: a yield ran another thread) or not, given the
+// last backoff: it
+// doubles with every cut spin, up to maxSpinBackoff, and is gone at the
+// first spin that was not cut.
+func spinBackoff(last int, cut bool) int {
+	if !cut {
+		return 0
+	}
+	return min(max(1, 2*last), maxSpinBackoff)
+}
+
 // Conn sends and receives packets on a SOCK_SEQPACKET Unix connection. A
 // Conn is not safe for concurrent use by several readers or several
 // writers; one reader and one writer may run at once.
@@ -93,7 +215,9 @@ const SpinLimit = time.Millisecond
 // saves the wake-up of a sleeping thread on an idle CPU, which on a VM
 // costs tens of µs (docs/benchmarks.md); between polls the thread yields,
 // so a peer on the same CPU runs at once. Clients spin by default; the
-// agent only when configured to (pollAfterReply).
+// agent only when configured to (pollAfterReply). The process's SpinRule
+// decides when a spin runs at all: by default only where it costs nobody
+// CPU (SpinBudgeted).
 type Conn struct {
 	uc  *net.UnixConn
 	rc  syscall.RawConn
@@ -119,6 +243,10 @@ type Conn struct {
 	rblock bool
 	rspin  bool          // the next recvStep polls first (c.spin)
 	spin   time.Duration // SetSpin; guarded by rmu
+	rusage unix.Rusage   // the spin's scratch, for its context switches
+	skip   int           // Recvs left without a spin (spinBackoff)
+	backof int           // the last spinBackoff
+	counts atomic.Bool   // counted in spinConns
 	readF  func(fd uintptr) bool
 
 	closed atomic.Bool
@@ -183,6 +311,7 @@ func (c *Conn) Close() error {
 		if c.direct {
 			open.Add(-1)
 		}
+		c.uncount()
 		if c.rc != nil {
 			// Wake a reader blocked in recvmsg: the file is closed only
 			// once it has returned.
@@ -207,7 +336,22 @@ func (c *Conn) SetSpin(d time.Duration) error {
 	c.rmu.Lock()
 	c.spin = d
 	c.rmu.Unlock()
+	if d == 0 {
+		c.uncount()
+	} else if !c.closed.Load() && c.counts.CompareAndSwap(false, true) {
+		spinConns.Add(1)
+		if c.closed.Load() {
+			c.uncount() // Close ran meanwhile and found nothing counted
+		}
+	}
 	return nil
+}
+
+// uncount takes the Conn out of spinConns, once.
+func (c *Conn) uncount() {
+	if c.counts.CompareAndSwap(true, false) {
+		spinConns.Add(-1)
+	}
 }
 
 // mayBlock reports whether Recv may wait in the kernel now.
@@ -261,9 +405,17 @@ func (c *Conn) Send(pkt []byte, fds []int) error {
 	return nil
 }
 
-// sendStep is the write step of Send: it never blocks in the kernel.
+// sendStep is the write step of Send: it never blocks in the kernel. A
+// packet without files goes by sendto, which spares the kernel the copy of
+// the message header and the import of an iovec that sendmsg makes (on
+// one CPU, measured in C, about 0.2 µs of a 8 µs round trip a call).
 func (c *Conn) sendStep(fd uintptr) bool {
-	c.wn, _, c.werrno = syscall.RawSyscall(unix.SYS_SENDMSG, fd, uintptr(unsafe.Pointer(&c.wmsg)), unix.MSG_DONTWAIT|unix.MSG_NOSIGNAL)
+	const flags = unix.MSG_DONTWAIT | unix.MSG_NOSIGNAL
+	if c.wmsg.Control == nil && c.wiov.Base != nil {
+		c.wn, _, c.werrno = syscall.RawSyscall6(unix.SYS_SENDTO, fd, uintptr(unsafe.Pointer(c.wiov.Base)), uintptr(c.wiov.Len), flags, 0, 0)
+	} else {
+		c.wn, _, c.werrno = syscall.RawSyscall(unix.SYS_SENDMSG, fd, uintptr(unsafe.Pointer(&c.wmsg)), flags)
+	}
 	return c.werrno != unix.EAGAIN && c.werrno != unix.EINTR
 }
 
@@ -301,29 +453,75 @@ func (c *Conn) recvStep(fd uintptr) bool {
 }
 
 // spinFor polls for a packet for up to c.spin, yielding the CPU between
-// polls, and reports whether the last poll is Recv's result (a packet, the
-// end of the connection or an error other than "nothing yet").
+// polls, as long as the spin rule (keepSpinning) allows, and reports
+// whether the last poll is Recv's result (a packet, the end of the
+// connection or an error other than "nothing yet").
 func (c *Conn) spinFor(fd, flags uintptr) bool {
+	rule := CurrentSpinRule()
+	budget := 0
+	var switches int64
+	if rule == SpinBudgeted {
+		if c.skip > 0 {
+			c.skip--
+			return false
+		}
+		budget = spinBudget()
+		if int(spinConns.Load()) > budget {
+			return false
+		}
+		// The thread's involuntary context switches tell whether a
+		// yield ran another thread: keep to this thread meanwhile.
+		runtime.LockOSThread()
+		defer runtime.UnlockOSThread()
+		switches = c.involuntarySwitches()
+	}
 	start := time.Now()
 	m := &c.rmsg
+	switched, cut := false, false
 	for {
 		c.rn, _, c.rerrno = syscall.RawSyscall(unix.SYS_RECVMSG, fd, uintptr(unsafe.Pointer(m)), flags|unix.MSG_DONTWAIT)
 		switch c.rerrno {
 		case 0:
 			spun.Add(1)
+			c.backoff(rule, cut)
 			return true
 		case unix.EAGAIN, unix.EINTR:
 		default:
 			return true
 		}
-		if time.Since(start) >= c.spin {
+		if !keepSpinning(rule, time.Since(start), c.spin, int(spinConns.Load()), budget, switched) {
+			c.backoff(rule, cut)
 			return false
 		}
 		// The peer may be runnable on this very CPU: let it run.
 		_, _, _ = syscall.RawSyscall(unix.SYS_SCHED_YIELD, 0, 0, 0)
+		if rule == SpinBudgeted {
+			n := c.involuntarySwitches()
+			switched, switches = n < 0 || n != switches, n
+			cut = cut || switched
+		}
 		m.SetControllen(len(c.oob))
 		m.Flags = 0
 	}
+}
+
+// backoff sets the Recvs the next spins are skipped for, after a spin
+// during which a yield ran another thread (cut) or none did.
+func (c *Conn) backoff(rule SpinRule, cut bool) {
+	if rule == SpinBudgeted {
+		c.backof = spinBackoff(c.backof, cut)
+		c.skip = c.backof
+	}
+}
+
+// involuntarySwitches returns the calling thread's involuntary context
+// switches (a yield that ran another thread is one); -1 when the kernel
+// does not say, which ends a budgeted spin at its first yield.
+func (c *Conn) involuntarySwitches() int64 {
+	if _, _, e := syscall.RawSyscall(unix.SYS_GETRUSAGE, uintptr(unix.RUSAGE_THREAD), uintptr(unsafe.Pointer(&c.rusage)), 0); e != 0 {
+		return -1
+	}
+	return c.rusage.Nivcsw
 }
 
 // Recv reads one packet into buf (which should have room for MaxMessage+1

@@ -6,8 +6,12 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"runtime"
+	"syscall"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // pair returns both ends of a fresh connection.
@@ -137,6 +141,10 @@ func TestConnSpin(t *testing.T) {
 		}
 	}
 	buf := make([]byte, MaxMessage+1)
+	// The spin's mechanics, under the rule that always spins: the budgeted
+	// rule would end a spin whose yield ran the sending goroutine, or any
+	// other thread of this machine.
+	withSpinRule(t, SpinAlways)
 	inMode(t, func(t *testing.T) {
 		// A packet that comes while Recv spins is taken by the spin: no
 		// kernel wait, no poller. The spin is longer than SetSpin allows,
@@ -185,6 +193,155 @@ func TestConnSpin(t *testing.T) {
 		}
 	case <-time.After(10 * time.Second):
 		t.Fatal("closing the conn did not end the spin")
+	}
+}
+
+// withSpinRule sets the process's spin rule for the rest of the test.
+func withSpinRule(t *testing.T, r SpinRule) {
+	t.Helper()
+	old := CurrentSpinRule()
+	if err := SetSpinRule(r); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = SetSpinRule(old) })
+}
+
+func TestSetSpinRule(t *testing.T) {
+	if CurrentSpinRule() != SpinBudgeted {
+		t.Fatalf("default spin rule %v, want %v", CurrentSpinRule(), SpinBudgeted)
+	}
+	for _, bad := range []SpinRule{-1, 2, 1 << 20} {
+		if err := SetSpinRule(bad); err == nil || CurrentSpinRule() != SpinBudgeted {
+			t.Fatalf("SetSpinRule(%v): %v, rule now %v", bad, err, CurrentSpinRule())
+		}
+	}
+	withSpinRule(t, SpinAlways)
+	if CurrentSpinRule() != SpinAlways || SpinAlways.String() != "always" || SpinBudgeted.String() != "budgeted" || SpinRule(7).String() != "SpinRule(7)" {
+		t.Fatalf("rule %v after SetSpinRule(SpinAlways)", CurrentSpinRule())
+	}
+}
+
+func TestSpareCPUs(t *testing.T) {
+	for _, c := range []struct{ procs, cpus, want int }{
+		{1, 1, 1},   // a lone CPU: the lone caller still spins
+		{1, 0, 1},   // affinity unknown
+		{2, 2, 1},   // one CPU left to the rest of the process
+		{8, 8, 7},   // seven spinners at most
+		{8, 2, 1},   // GOMAXPROCS above the CPUs the process may use
+		{2, 16, 1},  // a CPU quota below the CPUs
+		{64, 0, 63}, // affinity unknown: GOMAXPROCS alone
+	} {
+		if got := spareCPUs(c.procs, c.cpus); got != c.want {
+			t.Errorf("spareCPUs(%d, %d) = %d, want %d", c.procs, c.cpus, got, c.want)
+		}
+	}
+}
+
+func TestKeepSpinning(t *testing.T) {
+	const w = 50 * time.Microsecond
+	for _, c := range []struct {
+		name            string
+		rule            SpinRule
+		elapsed         time.Duration
+		waiting, budget int
+		switched, want  bool
+	}{
+		{"lone caller on its own CPU", SpinBudgeted, 10 * time.Microsecond, 1, 1, false, true},
+		{"window over", SpinBudgeted, w, 1, 1, false, false},
+		{"window over, always", SpinAlways, w + 1, 1, 1, false, false},
+		{"more callers than spare CPUs", SpinBudgeted, 0, 2, 1, false, false},
+		{"as many callers as spare CPUs", SpinBudgeted, 0, 7, 7, false, true},
+		{"the yield ran another thread", SpinBudgeted, time.Microsecond, 1, 1, true, false},
+		{"always: crowded", SpinAlways, time.Microsecond, 64, 1, false, true},
+		{"always: the CPU taken", SpinAlways, time.Microsecond, 1, 1, true, true},
+	} {
+		if got := keepSpinning(c.rule, c.elapsed, w, c.waiting, c.budget, c.switched); got != c.want {
+			t.Errorf("%s: keepSpinning = %v, want %v", c.name, got, c.want)
+		}
+	}
+}
+
+func TestSpinBackoff(t *testing.T) {
+	last := 0
+	for i, c := range []struct {
+		cut  bool
+		want int
+	}{
+		{false, 0}, {true, 1}, {true, 2}, {true, 4}, {true, 8}, {true, 16},
+		{true, 32}, {true, 64}, {true, 64}, {false, 0}, {true, 1}, {false, 0},
+	} {
+		if last = spinBackoff(last, c.cut); last != c.want {
+			t.Fatalf("step %d (cut %v): backoff %d, want %d", i, c.cut, last, c.want)
+		}
+	}
+}
+
+// A Conn spins only within the process's budget of spinning Conns, which
+// counts each open Conn with a spin once.
+func TestConnSpinBudget(t *testing.T) {
+	base := spinConns.Load()
+	c, s := pair(t)
+	buf := make([]byte, MaxMessage+1)
+	withSpinRule(t, SpinBudgeted)
+	for _, d := range []time.Duration{time.Minute, time.Second, 0, 0, time.Minute} {
+		s.SetSpin(min(d, SpinLimit))
+		want := base
+		if d > 0 {
+			want++
+		}
+		if n := spinConns.Load(); n != want {
+			t.Fatalf("after SetSpin(%v): %d spinning conns counted, want %d", d, n, want)
+		}
+	}
+	old := spinBudget
+	spinBudget = func() int { return 0 } // every caller is one too many
+	t.Cleanup(func() { spinBudget = old })
+	inMode(t, func(t *testing.T) {
+		s.spin = time.Minute
+		spins := spun.Load()
+		go func() {
+			time.Sleep(time.Millisecond)
+			c.Send([]byte("soon"), nil)
+		}()
+		if pkt, _, err := s.Recv(buf); err != nil || string(pkt) != "soon" {
+			t.Fatalf("recv %q %v", pkt, err)
+		}
+		if n := spun.Load() - spins; n != 0 {
+			t.Fatalf("%d packets taken by a spin over the budget", n)
+		}
+	})
+	// A backoff skips the spin for as many Recvs, whatever the budget.
+	spinBudget = func() int { return 1 << 20 }
+	s.skip = 2
+	for i := range 3 {
+		spins := spun.Load()
+		c.Send([]byte("x"), nil)
+		time.Sleep(time.Millisecond) // in the socket before Recv polls
+		if _, _, err := s.Recv(buf); err != nil {
+			t.Fatal(err)
+		}
+		if got, want := spun.Load()-spins, int64(min(i/2, 1)); got != want {
+			t.Fatalf("recv %d: %d packets taken by the spin, want %d", i, got, want)
+		}
+	}
+	s.Close()
+	s.Close()
+	if err := s.SetSpin(time.Millisecond); err != nil || spinConns.Load() != base {
+		t.Fatalf("after Close: SetSpin %v, %d spinning conns counted, want %d", err, spinConns.Load(), base)
+	}
+}
+
+// The context switch reading the budgeted spin relies on works here.
+func TestInvoluntarySwitches(t *testing.T) {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	var c Conn
+	a := c.involuntarySwitches()
+	for range 100 {
+		_, _, _ = syscall.RawSyscall(unix.SYS_SCHED_YIELD, 0, 0, 0)
+	}
+	if b := c.involuntarySwitches(); a < 0 || b < a {
+		t.Fatalf("involuntary switches %d then %d", a, b)
 	}
 }
 
