@@ -56,16 +56,35 @@ func BenchmarkMemset(b *testing.B) {
 	})
 }
 
-// memset sets every byte of buf to v by doubling copies (memmove speed;
-// clear would be a memclr, which is as fast, but v != 0 keeps the kernel's
-// zero page out of the picture).
-func memset(buf []byte, v byte) {
-	if len(buf) == 0 {
-		return
-	}
-	buf[0] = v
-	for n := 1; n < len(buf); n *= 2 {
-		copy(buf[n:], buf[:n])
+// memset is fill (probe.go).
+func memset(buf []byte, v byte) { fill(buf, v) }
+
+// BenchmarkPin is the figure of issue 25 point 5: each iteration times a
+// memset of fresh anonymous memory and then the pinning of a chunk of the
+// same size (Alloc: pre-faulted, locked), with the same number of threads,
+// back to back (MeasurePin), so that both see the same machine load. It
+// reports both rates and their ratio (pin over memset; the goal is >= 0.8),
+// by wall time and by CPU time (steadier where other work shares the CPUs).
+func BenchmarkPin(b *testing.B) {
+	for _, workers := range []int{1, 2} {
+		b.Run(fmt.Sprintf("workers=%d", workers), func(b *testing.B) {
+			var sum PinRate
+			for b.Loop() {
+				r, err := MeasurePin(Options{Size: benchBytes, Workers: workers, Lock: true, LockFallback: true})
+				if err != nil {
+					b.Fatal(err)
+				}
+				sum.Bytes += r.Bytes
+				sum.Memset += r.Memset
+				sum.Pin += r.Pin
+				sum.MemsetCPU += r.MemsetCPU
+				sum.PinCPU += r.PinCPU
+			}
+			b.ReportMetric(sum.PinBytesPerSecond()/1e6, "pin-MB/s")
+			b.ReportMetric(sum.MemsetBytesPerSecond()/1e6, "memset-MB/s")
+			b.ReportMetric(sum.Ratio(), "ratio")
+			b.ReportMetric(sum.CPURatio(), "cpu-ratio")
+		})
 	}
 }
 
