@@ -203,7 +203,15 @@ func (c *Chunk) setup(o Options) error {
 		}
 	}
 	if o.Prefault {
-		if err := populate(c.Mem, c.PageSize, max(o.Workers, 1), o.CPUs); err != nil {
+		// Ordinary pages are allocated in the file first (fallocate: the
+		// kernel fills the file without a fault per page), then mapped:
+		// about a tenth faster than faulting them in. Huge pages fault
+		// in 2 MiB or 1 GiB at a time and gain nothing.
+		var file *os.File
+		if c.PageSize == int64(os.Getpagesize()) {
+			file = c.File
+		}
+		if err := populate(c.Mem, file, c.PageSize, max(o.Workers, 1), o.CPUs); err != nil {
 			return err
 		}
 	}
@@ -277,9 +285,12 @@ const maxCPU = len(unix.CPUSet{}) * 64
 
 // populate faults mem in with workers goroutines, each taking a contiguous
 // share (whole pages), each on an OS thread bound to cpus when cpus is set.
-// It uses MADV_POPULATE_WRITE, or writes a byte per page on kernels
-// without it (before 5.14).
-func populate(mem []byte, pageSize int64, workers int, cpus []int) error {
+// Where file is set (mem maps it from offset 0), each worker allocates
+// its share in the file (fallocate; the kernel runs one at a time per
+// file) and maps it, a step at a time. It maps with
+// MADV_POPULATE_WRITE, or writes a byte per page on kernels without it
+// (before 5.14).
+func populate(mem []byte, file *os.File, pageSize int64, workers int, cpus []int) error {
 	pages := int64(len(mem)) / pageSize
 	workers = int(min(int64(workers), pages))
 	per := (pages + int64(workers) - 1) / int64(workers)
@@ -295,7 +306,7 @@ func populate(mem []byte, pageSize int64, workers int, cpus []int) error {
 			continue
 		}
 		wg.Add(1)
-		go func(w int, part []byte) {
+		go func(w int, lo int64, part []byte) {
 			defer wg.Done()
 			if len(cpus) > 0 {
 				// The thread keeps its binding and ends with this
@@ -304,13 +315,48 @@ func populate(mem []byte, pageSize int64, workers int, cpus []int) error {
 				runtime.LockOSThread()
 				_ = unix.SchedSetaffinity(0, &set) // unbound where refused: only slower
 			}
-			if err := populatePart(part, pageSize); err != nil {
-				errs[w] = fmt.Errorf("hostmem: pre-fault %s: %w", bytesize.Exact(int64(len(part))), explainFault(err))
+			// A step at a time, so that the workers' fallocates (one at
+			// a time per file) interleave with their mapping.
+			for off := int64(0); off < int64(len(part)) && errs[w] == nil; off += fallocateStep {
+				step := part[off:min(off+fallocateStep, int64(len(part)))]
+				if err := allocatePart(file, lo+off, int64(len(step))); err != nil {
+					errs[w] = fmt.Errorf("hostmem: allocate %s of the file: %w", bytesize.Exact(int64(len(step))), explainFault(err))
+				} else if err := populatePart(step, pageSize); err != nil {
+					errs[w] = fmt.Errorf("hostmem: pre-fault %s: %w", bytesize.Exact(int64(len(step))), explainFault(err))
+				}
 			}
-		}(w, mem[lo:hi])
+		}(w, lo, mem[lo:hi])
 	}
 	wg.Wait()
 	return errors.Join(errs...)
+}
+
+// fallocateStep is how much of a file one fallocate call allocates: the
+// kernel gives up a call that a signal interrupts (EINTR, undoing it), so
+// a call must be short enough to finish between signals.
+const fallocateStep = 64 << 20
+
+// allocatePart allocates n bytes of f from off (nothing where f is nil),
+// a step at a time, retrying a step that a signal interrupted; a file
+// system without fallocate leaves it to the faults.
+func allocatePart(f *os.File, off, n int64) error {
+	if f == nil {
+		return nil
+	}
+	for end := off + n; off < end; {
+		step := min(fallocateStep, end-off)
+		err := unix.Fallocate(int(f.Fd()), 0, off, step)
+		switch {
+		case errors.Is(err, unix.EINTR):
+			continue
+		case errors.Is(err, unix.EOPNOTSUPP) || errors.Is(err, unix.ENOSYS):
+			return nil
+		case err != nil:
+			return err
+		}
+		off += step
+	}
+	return nil
 }
 
 func populatePart(part []byte, pageSize int64) error {

@@ -280,7 +280,7 @@ func TestNUMABind(t *testing.T) {
 // and lowers it by n after (not back to a saved value, so that another
 // process reserving pages meanwhile keeps them); it skips when that is not
 // permitted.
-func reserveHugePages(t *testing.T, n int) {
+func reserveHugePages(t testing.TB, n int) {
 	t.Helper()
 	const p = "/proc/sys/vm/nr_hugepages"
 	read := func() (int, error) {
