@@ -8,7 +8,9 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"path/filepath"
 	"runtime"
+	"strings"
 	"sync"
 	"time"
 	"unsafe"
@@ -206,9 +208,12 @@ func (c *Chunk) setup(o Options) error {
 		// Ordinary pages are allocated in the file first (fallocate: the
 		// kernel fills the file without a fault per page), then mapped:
 		// about a tenth faster than faulting them in. Huge pages fault
-		// in 2 MiB or 1 GiB at a time and gain nothing.
+		// in 2 MiB or 1 GiB at a time and gain nothing, and where
+		// shared-memory THP may apply the faults are what get them (a
+		// fallocate, which has no mapping to see MADV_HUGEPAGE, would
+		// fill the file with ordinary pages first).
 		var file *os.File
-		if c.PageSize == int64(os.Getpagesize()) {
+		if c.PageSize == int64(os.Getpagesize()) && !shmemTHP() {
 			file = c.File
 		}
 		if err := populate(c.Mem, file, c.PageSize, max(o.Workers, 1), o.CPUs); err != nil {
@@ -329,6 +334,31 @@ func populate(mem []byte, file *os.File, pageSize int64, workers int, cpus []int
 	}
 	wg.Wait()
 	return errors.Join(errs...)
+}
+
+// shmemTHP reports whether shared-memory transparent huge pages may back
+// a chunk that asks for them (MADV_HUGEPAGE): the global setting, or that
+// of any size, is other than never or deny; false where the kernel has no
+// such setting. Read for every chunk (a few small files; the administrator
+// may change the setting while the agent runs).
+func shmemTHP() bool {
+	const dir = "/sys/kernel/mm/transparent_hugepage"
+	paths, _ := filepath.Glob(dir + "/hugepages-*kB/shmem_enabled")
+	for _, p := range append([]string{dir + "/shmem_enabled"}, paths...) {
+		data, err := os.ReadFile(p)
+		if err != nil {
+			continue
+		}
+		for _, f := range strings.Fields(string(data)) {
+			if mode, ok := strings.CutPrefix(f, "["); ok {
+				switch strings.TrimSuffix(mode, "]") {
+				case "always", "within_size", "advise", "force":
+					return true
+				}
+			}
+		}
+	}
+	return false
 }
 
 // fallocateStep is how much of a file one fallocate call allocates: the
