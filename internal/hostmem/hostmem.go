@@ -183,7 +183,7 @@ func (c *Chunk) create(name string, ps int64) error {
 // the chunk is also pre-faulted: mlock2(MLOCK_ONFAULT) marks the mapping
 // locked without touching it, so that each page is locked as the
 // pre-fault maps it, in one pass (a plain mlock after the pre-fault walks
-// every page a second time, about a fifth of the cost of pinning).
+// every page a second time: about a sixth of what pinning took).
 func (c *Chunk) setup(o Options) error {
 	if o.Bind {
 		if err := c.bind(o.Node); err != nil {
