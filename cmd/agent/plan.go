@@ -25,7 +25,8 @@ import (
 )
 
 // runPlan is `agent plan`: discover the node and its GPUs, apply the sizing
-// policy and print the plan, allocating nothing.
+// policy and print the plan, with an estimate of the time to pin it; it
+// allocates nothing but the estimate's probe (freed at once).
 func runPlan(ctx context.Context, args []string) error {
 	return plan(ctx, args, os.Stdout, os.Getenv, nvml.New())
 }
@@ -37,6 +38,10 @@ type planReport struct {
 	Node   nodeSummary   `json:"node"`
 	Policy config.Sizing `json:"policy"`
 	Plan   *sizing.Plan  `json:"plan"`
+	// PinEstimate is how long the pool takes to pin at start; absent with
+	// the reason in NoPinEstimate.
+	PinEstimate   *pinEstimate `json:"pinEstimate,omitempty"`
+	NoPinEstimate string       `json:"noPinEstimate,omitempty"`
 }
 
 type nodeSummary struct {
@@ -53,7 +58,9 @@ func plan(ctx context.Context, args []string, out io.Writer, getenv func(string)
 	fs.SetOutput(out)
 	fs.Usage = func() {
 		fmt.Fprintln(out, "usage: agent plan [--json] [--standalone | --simulate-gpus N] [config flags]\n\n"+
-			"Prints the pool the agent would allocate on this node, per GPU, and the input that bound it. Allocates nothing.\n"+
+			"Prints the pool the agent would allocate on this node, per GPU, and the input that bound it, and how long pinning it\n"+
+			"would take at start. Allocates nothing but a short probe that measures the pinning rate (--pin-probe bytes per\n"+
+			"NUMA node, pinned as the agent pins and freed at once; --pin-rate gives the rate instead, --pin-probe 0 skips it).\n"+
 			"On a node without NVML, --simulate-gpus N plans what the configuration (--config) says for N simulated GPUs,\n"+
 			"as `agent serve --simulate-gpus N` would run it; --standalone plans standalone mode's own small pool.")
 		fs.PrintDefaults()
@@ -62,6 +69,9 @@ func plan(ctx context.Context, args []string, out io.Writer, getenv func(string)
 	standalone := fs.Bool("standalone", false, "plan standalone mode's pool (standalone.poolBytes) for simulated GPUs when NVML is absent")
 	simulate := fs.Int("simulate-gpus", 0, "plan the configuration's sizing for this many simulated GPUs instead of NVML's (as serve --simulate-gpus)")
 	root := fs.String("root", "/", "root of the /proc and /sys trees to read (for tests)")
+	pinProbe, pinRate := config.Bytes(defaultPinProbe), config.Bytes(0)
+	fs.Func("pin-probe", "bytes to pin on each NUMA node to measure the pinning rate for the estimate (0: no probe; only with --root /) (default 64Mi)", bytesFlag(&pinProbe))
+	fs.Func("pin-rate", "pinning rate per NUMA node, bytes per second, for the estimate instead of a probe (e.g. kvpool_pool_pin_bytes_per_second of a node like this one)", bytesFlag(&pinRate))
 	config.RegisterFlags(fs)
 	if err := fs.Parse(args); errors.Is(err, flag.ErrHelp) {
 		return nil // usage printed
@@ -114,6 +124,19 @@ func plan(ctx context.Context, args []string, out io.Writer, getenv func(string)
 		return err
 	}
 	rep.Plan = p
+	switch {
+	case pinRate > 0:
+		rep.PinEstimate = givenPin(p, info, int64(pinRate))
+	case pinProbe == 0:
+		rep.NoPinEstimate = "--pin-probe 0"
+	case *root != "/":
+		rep.NoPinEstimate = "--root names another node's tree: give its rate with --pin-rate"
+	default:
+		if rep.PinEstimate, err = probePin(p, info, int64(pinProbe)); err != nil {
+			rep.NoPinEstimate = err.Error()
+			fmt.Fprintln(os.Stderr, "agent plan: warning:", err)
+		}
+	}
 	if *asJSON {
 		enc := json.NewEncoder(out)
 		enc.SetIndent("", "  ")
@@ -208,5 +231,24 @@ func printPlan(out io.Writer, r planReport) {
 	tw.Flush()
 	for _, w := range p.Warnings {
 		fmt.Fprintln(out, "warning:", w)
+	}
+	printPinEstimate(out, r.PinEstimate, r.NoPinEstimate)
+}
+
+// defaultPinProbe is --pin-probe's default: large enough that the
+// kernel's per-call costs do not show, small enough to take well under a
+// second per NUMA node.
+const defaultPinProbe = 64 << 20
+
+// bytesFlag parses a flag's size ("64Mi", "2G", "1048576"; never
+// negative) into b.
+func bytesFlag(b *config.Bytes) func(string) error {
+	return func(s string) error {
+		v, err := config.ParseBytes(s)
+		if err != nil {
+			return err
+		}
+		*b = v
+		return nil
 	}
 }

@@ -85,6 +85,87 @@ func TestPlanDGXJSON(t *testing.T) {
 	}
 }
 
+// The estimate at a given rate (--pin-rate) on the DGX tree: two NUMA
+// nodes of four GPUs, pinned side by side, the GPUs of a node in turn.
+func TestPlanPinEstimateGiven(t *testing.T) {
+	var out bytes.Buffer
+	args := []string{"--json", "--root", twoNUMA, "--pool-bytes", "512Gi", "--huge-pages", "never", "--pin-rate", "2Gi"}
+	if err := plan(context.Background(), args, &out, noEnv, dgx()); err != nil {
+		t.Fatal(err)
+	}
+	var r planReport
+	if err := json.Unmarshal(out.Bytes(), &r); err != nil {
+		t.Fatalf("%v\n%s", err, out.String())
+	}
+	e := r.PinEstimate
+	if e == nil || e.Source != "--pin-rate" || len(e.Nodes) != 2 || r.NoPinEstimate != "" {
+		t.Fatalf("estimate %+v (none: %q)", e, r.NoPinEstimate)
+	}
+	for i, n := range e.Nodes {
+		// 4 GPUs of 37 1Gi chunks at 2Gi/s; the tree's nodes have 64 CPUs
+		// each, so 8 workers.
+		if n.NUMA != i || n.GPUs != 4 || n.Bytes != 4*37<<30 || n.Workers != 8 || n.PinBytesPerSecond != 2<<30 || n.ReadySeconds != 74 || n.Ratio != 0 {
+			t.Errorf("node %d: %+v", i, n)
+		}
+	}
+	if e.FirstChunkSeconds != 0.5 || e.EveryGPUSeconds != 2 || e.ReadySeconds != 74 || e.Note != "" {
+		t.Errorf("estimate %+v", e)
+	}
+	out.Reset()
+	if err := plan(context.Background(), args[1:], &out, noEnv, dgx()); err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"pinning estimate (a rate given by --pin-rate)", "first chunk in 0.50 s, every GPU serving in 2.00 s, pool ready in 74.0 s"} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("table lacks %q:\n%s", want, out.String())
+		}
+	}
+	// Another node's tree and no rate: no estimate, and why.
+	out.Reset()
+	if err := plan(context.Background(), args[:len(args)-2], &out, noEnv, dgx()); err != nil {
+		t.Fatal(err)
+	}
+	r = planReport{}
+	if err := json.Unmarshal(out.Bytes(), &r); err != nil || r.PinEstimate != nil || !strings.Contains(r.NoPinEstimate, "give its rate with --pin-rate") {
+		t.Errorf("without a rate: %v, %q", err, r.NoPinEstimate)
+	}
+}
+
+// The probe pins on this machine's NUMA nodes and measures a memset of
+// fresh memory beside it.
+func TestPlanPinProbe(t *testing.T) {
+	var out bytes.Buffer
+	if err := plan(context.Background(), []string{"--json", "--standalone", "--pin-probe", "8Mi"}, &out, noEnv, noNVML()); err != nil {
+		t.Fatal(err)
+	}
+	var r planReport
+	if err := json.Unmarshal(out.Bytes(), &r); err != nil {
+		t.Fatalf("%v\n%s", err, out.String())
+	}
+	e := r.PinEstimate
+	if e == nil || e.Source != "probe" || e.ProbeBytes != 8<<20 || len(e.Nodes) == 0 {
+		t.Fatalf("estimate %+v (none: %q)", e, r.NoPinEstimate)
+	}
+	var total int64
+	for _, n := range e.Nodes {
+		total += n.Bytes
+		if n.PinBytesPerSecond <= 0 || n.MemsetBytesPerSecond <= 0 || n.Ratio <= 0 || n.Workers < 1 || n.ReadySeconds <= 0 {
+			t.Errorf("node %+v", n)
+		}
+	}
+	if total != r.Plan.Total || e.ReadySeconds <= 0 || e.FirstChunkSeconds <= 0 || e.FirstChunkSeconds > e.ReadySeconds {
+		t.Errorf("estimate %+v for a %d-byte pool", e, r.Plan.Total)
+	}
+	out.Reset()
+	if err := plan(context.Background(), []string{"--json", "--standalone", "--pin-probe", "0"}, &out, noEnv, noNVML()); err != nil {
+		t.Fatal(err)
+	}
+	r = planReport{}
+	if err := json.Unmarshal(out.Bytes(), &r); err != nil || r.PinEstimate != nil || r.NoPinEstimate != "--pin-probe 0" {
+		t.Errorf("--pin-probe 0: %v, %+v, %q", err, r.PinEstimate, r.NoPinEstimate)
+	}
+}
+
 func TestPlanHelp(t *testing.T) {
 	var out bytes.Buffer
 	if err := plan(context.Background(), []string{"--help"}, &out, noEnv, noNVML()); err != nil {
@@ -115,6 +196,8 @@ func TestPlanErrors(t *testing.T) {
 		{"missing root", []string{"--standalone", "--root", "/nonexistent"}, nil, noNVML(), "no such file"},
 		{"policy cannot be met", []string{"--root", twoNUMA, "--min-per-gpu", "64Gi"}, nil, dgx(), "less than sizing.minPerGPU 64Gi"},
 		{"NVML fails", []string{"--root", twoNUMA}, nil, &mock.Interface{InitFunc: func() nvml.Return { return nvml.ERROR_NO_PERMISSION }}, "nvmlInit"},
+		{"negative probe", []string{"--standalone", "--pin-probe", "-1Mi"}, nil, noNVML(), `invalid value "-1Mi" for flag -pin-probe: quantity "-1Mi": want a non-negative number`},
+		{"bad rate", []string{"--standalone", "--pin-rate", "fast"}, nil, noNVML(), `invalid value "fast" for flag -pin-rate`},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {

@@ -336,6 +336,9 @@ func TestClusterModeAllocateAndClient(t *testing.T) {
 		`(?m)^kvpool_pages_moved_total\{direction="reload",gpu="1"\} [1-9]`,
 		`(?m)^kvpool_client_copied_bytes_total\{direction="offload",gpu="1"\} [1-9]`,
 		`(?m)^kvpool_offload_rejects_total\{gpu="1",reason="full"\} [1-9]`,
+		// The start's pinning: every GPU's first chunk, a rate per lane.
+		`(?m)^kvpool_pool_first_chunk_seconds\{gpu="1"\} [0-9]`,
+		`(?m)^kvpool_pool_pin_bytes_per_second\{numa="-?[0-9]+"\} [1-9]`,
 	} {
 		if !regexp.MustCompile(want).Match(body) {
 			t.Errorf("metrics lack %s:\n%s", want, grepLines(string(body), "kvpool_"))

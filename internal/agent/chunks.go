@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"runtime"
 	"slices"
 	"strings"
 	"sync"
@@ -92,8 +91,7 @@ func (a *agent) planStep(m mode) step {
 			return err
 		}
 		a.plan = p
-		workers := max(1, min(runtime.NumCPU()/2, 8))
-		a.specs = p.Specs(hugePages, workers)
+		a.specs = p.Specs(hugePages, sizing.NodeWorkers(a.info))
 		if lockFallback {
 			for i := range a.specs {
 				a.specs[i].LockFallback = true
@@ -253,10 +251,12 @@ func (a *agent) allocateBackground(ctx context.Context, wg *sync.WaitGroup) erro
 // filling is one run of allocate: where each chunk goes and how far each
 // GPU's pool is.
 type filling struct {
-	start, last  time.Time
+	start        time.Time
 	gpuOf        map[string]int   // chunk ID -> GPU
 	wantPage     map[string]int64 // chunk ID -> planned page size
 	left         map[int]int      // GPU -> chunks still to come
+	first        map[int]bool     // GPU -> has a chunk of this run in the pool
+	laneBytes    map[int]int64    // NUMA lane -> bytes pinned in this run
 	fellBack     bool             // a huge page fallback was posted
 	ready, total int
 }
@@ -264,7 +264,8 @@ type filling struct {
 // allocate allocates the planned chunks one by one, adding each to the
 // pool (and so to the device plugin's device list) as soon as it is ready.
 func (a *agent) allocate(ctx context.Context) {
-	f := &filling{start: time.Now(), gpuOf: map[string]int{}, wantPage: map[string]int64{}, left: map[int]int{}}
+	f := &filling{start: time.Now(), gpuOf: map[string]int{}, wantPage: map[string]int64{}, left: map[int]int{},
+		first: map[int]bool{}, laneBytes: map[int]int64{}}
 	for _, g := range a.plan.GPUs {
 		f.left[g.GPU] = g.Chunks
 		for _, id := range g.ChunkIDs() {
@@ -280,7 +281,6 @@ func (a *agent) allocate(ctx context.Context) {
 		}
 		specs = append(specs, s)
 	}
-	f.last = f.start
 	f.ready, f.total = len(a.specs)-len(specs), len(a.specs)
 	for r := range hostmem.AllocateAll(ctx, specs, a.log) {
 		if !a.place(f, r) {
@@ -338,8 +338,13 @@ func (a *agent) place(f *filling, r hostmem.Result) bool {
 	if a.restart != nil {
 		a.restart.fresh.Add(1)
 	}
-	a.obs.Metrics.ChunkPinned(g, now.Sub(f.last))
-	f.last = now
+	f.laneBytes[r.Lane] += c.Size
+	a.obs.Metrics.ChunkPinned(g, r.Took)
+	a.obs.Metrics.PinRate(r.Lane, f.laneBytes[r.Lane], now.Sub(f.start))
+	if !f.first[g] {
+		f.first[g] = true
+		a.obs.Metrics.FirstChunk(g, now.Sub(f.start))
+	}
 	if f.left[g]--; f.left[g] == 0 {
 		a.obs.Metrics.PoolFilled(g, now.Sub(f.start))
 	}

@@ -2,6 +2,8 @@ package hostmem
 
 import (
 	"fmt"
+	"os"
+	"strings"
 	"testing"
 
 	"golang.org/x/sys/unix"
@@ -56,17 +58,85 @@ func BenchmarkMemset(b *testing.B) {
 	})
 }
 
-// memset sets every byte of buf to v by doubling copies (memmove speed;
-// clear would be a memclr, which is as fast, but v != 0 keeps the kernel's
-// zero page out of the picture).
-func memset(buf []byte, v byte) {
-	if len(buf) == 0 {
+// memset is fill (probe.go).
+func memset(buf []byte, v byte) { fill(buf, v) }
+
+// BenchmarkPin is the figure of issue 25 point 5: each iteration times a
+// memset of fresh anonymous memory (ordinary pages) and then the pinning
+// of a chunk of the same size (Alloc: pre-faulted, locked), with the same
+// number of threads, back to back (MeasurePin), so that both see the same
+// machine load. It reports both rates and their ratio (pin over memset;
+// the goal is >= 0.8), by wall time and by CPU time (steadier where other
+// work shares the CPUs). pages=4k is the default chunk; pages=thp the same
+// with shared-memory transparent huge pages allowed ("advise", set for the
+// run and put back; skipped where that is not permitted); pages=2M a
+// hugetlb chunk (2 MiB pages reserved for the run).
+func BenchmarkPin(b *testing.B) {
+	for _, pages := range []string{"4k", "thp", "2M"} {
+		for _, workers := range []int{1, 2} {
+			b.Run(fmt.Sprintf("pages=%s/workers=%d", pages, workers), func(b *testing.B) {
+				o := Options{Size: benchBytes, Workers: workers, Lock: true, LockFallback: true}
+				switch pages {
+				case "thp":
+					allowShmemTHP(b)
+				case "2M":
+					reserveHugePages(b, benchBytes/hugePage2M)
+					o.PageSize = hugePage2M
+				}
+				benchPin(b, o)
+			})
+		}
+	}
+}
+
+func benchPin(b *testing.B, o Options) {
+	var sum PinRate
+	for b.Loop() {
+		r, err := MeasurePin(o)
+		if err != nil {
+			b.Fatal(err)
+		}
+		if r.PageSize != max(o.PageSize, int64(os.Getpagesize())) {
+			b.Fatalf("chunk of %d-byte pages, want %d", r.PageSize, o.PageSize)
+		}
+		sum.Bytes += r.Bytes
+		sum.Memset += r.Memset
+		sum.Pin += r.Pin
+		sum.MemsetCPU += r.MemsetCPU
+		sum.PinCPU += r.PinCPU
+	}
+	b.ReportMetric(sum.PinBytesPerSecond()/1e6, "pin-MB/s")
+	b.ReportMetric(sum.MemsetBytesPerSecond()/1e6, "memset-MB/s")
+	b.ReportMetric(sum.Ratio(), "ratio")
+	b.ReportMetric(sum.CPURatio(), "cpu-ratio")
+}
+
+// allowShmemTHP sets shared-memory transparent huge pages to "advise" (the
+// chunks ask with MADV_HUGEPAGE) for the benchmark and puts the setting
+// back after; it skips where the setting cannot be read or written.
+func allowShmemTHP(b *testing.B) {
+	const p = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
+	data, err := os.ReadFile(p)
+	if err != nil {
+		b.Skipf("no shared-memory THP setting: %v", err)
+	}
+	old := ""
+	for _, f := range strings.Fields(string(data)) {
+		if strings.HasPrefix(f, "[") {
+			old = strings.Trim(f, "[]")
+		}
+	}
+	if old == "advise" || old == "always" || old == "within_size" || old == "force" {
 		return
 	}
-	buf[0] = v
-	for n := 1; n < len(buf); n *= 2 {
-		copy(buf[n:], buf[:n])
+	if err := os.WriteFile(p, []byte("advise"), 0); err != nil {
+		b.Skipf("cannot allow shared-memory THP (needs root): %v", err)
 	}
+	b.Cleanup(func() {
+		if err := os.WriteFile(p, []byte(old), 0); err != nil {
+			b.Errorf("put %s back to %q: %v", p, old, err)
+		}
+	})
 }
 
 // BenchmarkRenew is what a reclaim costs per chunk: Drop of a chunk that a

@@ -120,6 +120,11 @@ func TestLockedAndFreed(t *testing.T) {
 	if shm1-shm0 < size {
 		t.Errorf("RssShmem grew by %d after pre-faulting, want >= %d", shm1-shm0, size)
 	}
+	// Every page is in place and locked (mlock2 MLOCK_ONFAULT before the
+	// pre-fault: VmLck alone counts the range, not the pages).
+	if rss, locked := smaps(t, c.Mem, "Rss"), smaps(t, c.Mem, "Locked"); rss != size || locked != size {
+		t.Errorf("mapping: Rss %d, Locked %d, want %d each", rss, locked, size)
+	}
 	fd := int(c.File.Fd())
 	if err := c.Close(); err != nil {
 		t.Fatal(err)
@@ -179,6 +184,8 @@ func TestBadOptions(t *testing.T) {
 		{"negative node", Options{Size: mib, Bind: true, Node: -1}, "NUMA node -1 out of range"},
 		{"huge node", Options{Size: mib, Bind: true, Node: 5000}, "NUMA node 5000 out of range"},
 		{"offline node", Options{Size: mib, Bind: true, Node: 1000}, "bind to NUMA node 1000"},
+		{"negative CPU", Options{Size: mib, Prefault: true, CPUs: []int{0, -1}}, "CPU -1 out of range"},
+		{"huge CPU", Options{Size: mib, Prefault: true, CPUs: []int{1 << 20}}, "CPU 1048576 out of range"},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -196,6 +203,33 @@ func TestBadOptions(t *testing.T) {
 			}
 		})
 	}
+}
+
+// smaps reads field (in bytes) of the mapping that starts at mem from
+// /proc/self/smaps.
+func smaps(t *testing.T, mem []byte, field string) int64 {
+	t.Helper()
+	data, err := os.ReadFile("/proc/self/smaps")
+	if err != nil {
+		t.Skipf("no /proc/self/smaps: %v", err)
+	}
+	addr := fmt.Sprintf("%x-", uintptr(unsafe.Pointer(&mem[0])))
+	in := false
+	for _, l := range strings.Split(string(data), "\n") {
+		f := strings.Fields(l)
+		switch {
+		case len(f) > 0 && strings.Contains(f[0], "-") && !strings.HasSuffix(f[0], ":"):
+			in = strings.HasPrefix(l, addr)
+		case in && len(f) == 3 && f[0] == field+":":
+			kb, err := strconv.ParseInt(f[1], 10, 64)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return kb << 10
+		}
+	}
+	t.Fatalf("mapping %s or its %s not in smaps", addr, field)
+	return 0
 }
 
 // numaPolicy reads the policy of the mapping at addr from numa_maps.
@@ -246,7 +280,7 @@ func TestNUMABind(t *testing.T) {
 // and lowers it by n after (not back to a saved value, so that another
 // process reserving pages meanwhile keeps them); it skips when that is not
 // permitted.
-func reserveHugePages(t *testing.T, n int) {
+func reserveHugePages(t testing.TB, n int) {
 	t.Helper()
 	const p = "/proc/sys/vm/nr_hugepages"
 	read := func() (int, error) {
@@ -397,6 +431,63 @@ func TestAllocateAllStops(t *testing.T) {
 		case <-deadline:
 			t.Fatal("channel not closed after cancel")
 		}
+	}
+}
+
+// Specs of two NUMA lanes (node 0, and unbound) are pinned side by side:
+// every chunk arrives once, each lane's in its own order, with its lane
+// and time; a failure on one lane stops the other, and what that lane
+// finishes afterwards is freed, not sent.
+func TestAllocateAllLanes(t *testing.T) {
+	var specs []Spec
+	for i := range 6 {
+		specs = append(specs,
+			Spec{ID: fmt.Sprintf("b%d", i), Options: Options{Size: 2 * mib, Prefault: true, Bind: true, Node: 0, CPUs: []int{0}}},
+			Spec{ID: fmt.Sprintf("u%d", i), Options: Options{Size: 2 * mib, Prefault: true, Workers: 2}})
+	}
+	last := map[byte]int{'b': -1, 'u': -1}
+	n := 0
+	for r := range AllocateAll(context.Background(), specs, slog.New(slog.DiscardHandler)) {
+		if r.Err != nil {
+			t.Fatal(r.Err)
+		}
+		n++
+		k, _ := strconv.Atoi(r.ID[1:])
+		wantLane := -1
+		if r.ID[0] == 'b' {
+			wantLane = 0
+		}
+		if k != last[r.ID[0]]+1 || r.Lane != wantLane || r.Took <= 0 || r.Done != n || r.Total != 12 {
+			t.Errorf("result %s: lane %d, took %v, done %d of %d (after %d of its lane)", r.ID, r.Lane, r.Took, r.Done, r.Total, last[r.ID[0]])
+		}
+		last[r.ID[0]] = k
+		r.Chunk.Close()
+	}
+	if n != 12 {
+		t.Fatalf("%d results, want 12", n)
+	}
+
+	// Lane -1 fails at its second chunk (a size of 5 bytes); lane 0 has
+	// 40 chunks to do and stops well before.
+	specs = []Spec{{ID: "u0", Options: Options{Size: mib}}, {ID: "u1", Options: Options{Size: 5}}}
+	for i := range 40 {
+		specs = append(specs, Spec{ID: fmt.Sprintf("b%d", i), Options: Options{Size: 8 * mib, Prefault: true, Bind: true}})
+	}
+	var got []string
+	failed := false
+	for r := range AllocateAll(context.Background(), specs, slog.New(slog.DiscardHandler)) {
+		if failed {
+			t.Errorf("result %s after the failure", r.ID)
+		}
+		got = append(got, r.ID)
+		if r.Err != nil {
+			failed = r.ID == "u1"
+			continue
+		}
+		r.Chunk.Close()
+	}
+	if !failed || len(got) >= len(specs) {
+		t.Errorf("results %v: want u1's failure last, before lane 0 finished", got)
 	}
 }
 

@@ -52,6 +52,8 @@ type Metrics struct {
 	renewSecs   *prometheus.HistogramVec
 	renewFails  *prometheus.CounterVec
 	fillSeconds *prometheus.GaugeVec
+	firstChunk  *prometheus.GaugeVec
+	pinRate     *prometheus.GaugeVec
 	crossNUMA   *prometheus.CounterVec
 
 	// The device plugin's (observe.Op with Component "plugin" or "reclaim").
@@ -149,7 +151,7 @@ func New(src report.Source, opts Options) *Metrics {
 		}, []string{"reason"}),
 		pinSeconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Namespace: Namespace, Name: "chunk_pin_seconds",
-			Help: "Time to allocate, pre-fault and lock one chunk at start.",
+			Help: "Time to allocate, pre-fault and lock one chunk at start (its own Alloc; NUMA nodes pin side by side).",
 			// 10 ms to about 40 s.
 			Buckets: prometheus.ExponentialBuckets(0.01, 2, 13),
 		}, []string{"gpu"}),
@@ -170,6 +172,14 @@ func New(src report.Source, opts Options) *Metrics {
 			Namespace: Namespace, Name: "pool_fill_seconds",
 			Help: "Seconds from agent start until the GPU's pool reached its planned size; absent until it has.",
 		}, []string{"gpu"}),
+		firstChunk: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Namespace: Namespace, Name: "pool_first_chunk_seconds",
+			Help: "Seconds from the start of the pool's allocation until the GPU's first chunk was in the pool (the GPU serves from then on); absent until it is.",
+		}, []string{"gpu"}),
+		pinRate: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Namespace: Namespace, Name: "pool_pin_bytes_per_second",
+			Help: "Bytes pinned at start on the NUMA node (-1: unbound chunks) over the seconds since the allocation started, as of its latest chunk.",
+		}, []string{"numa"}),
 		crossNUMA: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: Namespace, Name: "cross_numa_chunks_total",
 			Help: "Chunks bound by new sessions on another NUMA node than the session's GPU (their copies cross the socket interconnect), by GPU, the GPU's node and the chunk's.",
@@ -195,7 +205,7 @@ func New(src report.Source, opts Options) *Metrics {
 	}
 	m.draOps, m.draPrepareSecs, m.draUnprepareSecs = newDRAMetrics()
 	m.reg.MustRegister(m.opDuration, m.offloads, m.reloads, m.discards, m.rejects, m.pagesMoved,
-		m.clientBytes, m.errors, m.limits, m.pinSeconds, m.pinFailures, m.renewSecs, m.renewFails, m.fillSeconds, m.crossNUMA,
+		m.clientBytes, m.errors, m.limits, m.pinSeconds, m.pinFailures, m.renewSecs, m.renewFails, m.fillSeconds, m.firstChunk, m.pinRate, m.crossNUMA,
 		m.allocations, m.allocateSecs, m.registrations, m.reclaims,
 		newPoolCollector(src, opts.Targets, opts.Now))
 	if !opts.NoRuntime {
@@ -347,6 +357,21 @@ func (m *Metrics) ChunkRenewFailed(gpu int, err error) {
 // PoolFilled records that gpu's pool reached its planned size d after start.
 func (m *Metrics) PoolFilled(gpu int, d time.Duration) {
 	m.fillSeconds.WithLabelValues(gpuLabel(gpu)).Set(d.Seconds())
+}
+
+// FirstChunk records that gpu's first chunk was in the pool d after the
+// allocation started.
+func (m *Metrics) FirstChunk(gpu int, d time.Duration) {
+	m.firstChunk.WithLabelValues(gpuLabel(gpu)).Set(d.Seconds())
+}
+
+// PinRate records the start's pinning rate on a NUMA node (-1: unbound
+// chunks): bytes pinned there in d since the allocation started.
+func (m *Metrics) PinRate(numa int, bytes int64, d time.Duration) {
+	if d <= 0 {
+		return
+	}
+	m.pinRate.WithLabelValues(strconv.Itoa(numa)).Set(float64(bytes) / d.Seconds())
 }
 
 // SessionBound counts the chunks a new session on gpu (whose NUMA node is

@@ -216,6 +216,10 @@ func TestScrapeAfterWorkload(t *testing.T) {
 	m.ChunkPinFailed(1, pinErr)
 	observe.Report(sv.obs, observe.ComponentAllocation, observe.OpPin, pinErr)
 	m.PoolFilled(1, 3*time.Second)
+	m.FirstChunk(1, 250*time.Millisecond)
+	m.PinRate(0, 3*mib, 2*time.Second)
+	m.PinRate(-1, mib, time.Second)
+	m.PinRate(-1, 2*mib, 0) // no time yet: no rate, the last one stays
 
 	fams := scrape(t, srv.URL)
 	expect(t, fams, []check{
@@ -236,6 +240,9 @@ func TestScrapeAfterWorkload(t *testing.T) {
 		{"kvpool_chunk_pin_seconds", []string{"gpu", "0"}, 2},
 		{"kvpool_chunk_pin_failures_total", []string{"gpu", "1"}, 1},
 		{"kvpool_pool_fill_seconds", []string{"gpu", "1"}, 3},
+		{"kvpool_pool_first_chunk_seconds", []string{"gpu", "1"}, 0.25},
+		{"kvpool_pool_pin_bytes_per_second", []string{"numa", "0"}, 1.5 * mib},
+		{"kvpool_pool_pin_bytes_per_second", []string{"numa", "-1"}, mib},
 
 		{"kvpool_pool_ready_bytes", []string{"gpu", "0"}, 4 * mib},
 		{"kvpool_pool_ready_bytes", []string{"gpu", "1"}, 2 * mib},

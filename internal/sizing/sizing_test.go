@@ -403,9 +403,22 @@ func TestPlanAllocates(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	specs := p.Specs(s.HugePages, 2)
-	if len(specs) != 4 || specs[0].ID != contract.ChunkID(0, numa, 0) || specs[3].ID != "gpu1-numaX-1" {
+	specs := p.Specs(s.HugePages, NodeWorkers(info))
+	// The GPUs in turn: each has a chunk after the first round.
+	want := []string{contract.ChunkID(0, numa, 0), "gpu1-numaX-0", contract.ChunkID(0, numa, 1), "gpu1-numaX-1"}
+	if len(specs) != 4 {
 		t.Fatalf("specs %+v", specs)
+	}
+	for i, sp := range specs {
+		if sp.ID != want[i] || sp.Workers < 1 {
+			t.Errorf("spec %d: %s with %d workers, want %s", i, sp.ID, sp.Workers, want[i])
+		}
+	}
+	if numa >= 0 && len(specs[0].CPUs) == 0 && info.NUMANodes[0].CPUs != "" {
+		t.Errorf("spec %s: no CPUs though node %d lists %q", specs[0].ID, numa, info.NUMANodes[0].CPUs)
+	}
+	if len(specs[1].CPUs) != 0 {
+		t.Errorf("spec %s of an unknown node bound to CPUs %v", specs[1].ID, specs[1].CPUs)
 	}
 	for r := range hostmem.AllocateAll(context.Background(), specs, slog.New(slog.DiscardHandler)) {
 		if r.Err != nil {

@@ -1,28 +1,71 @@
 package sizing
 
 import (
+	"runtime"
+
 	"github.com/kvpool/kvpool/internal/config"
 	"github.com/kvpool/kvpool/internal/hostmem"
+	"github.com/kvpool/kvpool/internal/node"
 )
 
-// Specs turns the plan into chunk allocations for hostmem.AllocateAll, in
-// GPU order: each chunk named by contract.ChunkID, bound to its GPU's NUMA node
-// when known, pre-faulted by workers goroutines and locked. Under the
+// Workers says how many threads pre-fault each chunk of NUMA node numa
+// (-1: unknown) and which CPUs they run on (nil: any).
+type Workers func(numa int) (n int, cpus []int)
+
+// maxWorkers bounds the threads pre-faulting one chunk: more than this
+// contend in the kernel for the chunk's page cache rather than add speed.
+const maxWorkers = 8
+
+// NodeWorkers is the agent's Workers: half the CPUs of the chunk's NUMA
+// node (the other half left to kubelet and the pods starting beside the
+// agent), 1 to 8, bound to that node's CPUs; for an unknown node (or one
+// whose CPU list is unreadable), half the CPUs the process may run on,
+// unbound.
+func NodeWorkers(info *node.Info) Workers {
+	return func(numa int) (int, []int) {
+		if info != nil && numa >= 0 {
+			for _, n := range info.NUMANodes {
+				if cpus, err := node.ParseCPUList(n.CPUs); n.ID == numa && err == nil && len(cpus) > 0 {
+					return max(1, min(len(cpus)/2, maxWorkers)), cpus
+				}
+			}
+		}
+		return max(1, min(runtime.NumCPU()/2, maxWorkers)), nil
+	}
+}
+
+// Specs turns the plan into chunk allocations for hostmem.AllocateAll:
+// each chunk named by contract.ChunkID, bound to its GPU's NUMA node when
+// known, pre-faulted by workers' threads and locked. The order takes the
+// GPUs in turn (chunk 0 of every GPU, then chunk 1, ...), so that every
+// GPU has a chunk to serve early while the rest pin; AllocateAll pins each
+// NUMA node's chunks in this order, the nodes side by side. Under the
 // "prefer" huge page policy a chunk falls back to ordinary pages if its
 // huge pages are gone by the time it is allocated.
-func (p *Plan) Specs(hugePages string, workers int) []hostmem.Spec {
+func (p *Plan) Specs(hugePages string, workers Workers) []hostmem.Spec {
 	var specs []hostmem.Spec
-	for _, g := range p.GPUs {
-		for _, id := range g.ChunkIDs() {
-			specs = append(specs, hostmem.Spec{ID: id, Options: hostmem.Options{
+	ids := make([][]string, len(p.GPUs))
+	most := 0
+	for i, g := range p.GPUs {
+		ids[i] = g.ChunkIDs()
+		most = max(most, len(ids[i]))
+	}
+	for k := range most {
+		for i, g := range p.GPUs {
+			if k >= len(ids[i]) {
+				continue
+			}
+			n, cpus := workers(g.NUMA)
+			specs = append(specs, hostmem.Spec{ID: ids[i][k], Options: hostmem.Options{
 				Size:         p.ChunkBytes,
-				Name:         "kvpool-" + id,
+				Name:         "kvpool-" + ids[i][k],
 				PageSize:     g.PageSize,
 				HugeFallback: hugePages != config.HugePagesRequire,
 				Bind:         g.NUMA >= 0,
 				Node:         max(g.NUMA, 0),
 				Prefault:     true,
-				Workers:      workers,
+				Workers:      n,
+				CPUs:         cpus,
 				Lock:         true,
 			}})
 		}
