@@ -109,100 +109,10 @@ func New(src report.Source, opts Options) *Metrics {
 	if opts.Now == nil {
 		opts.Now = time.Now
 	}
-	m := &Metrics{
-		reg: prometheus.NewRegistry(),
-		opDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Namespace: Namespace, Subsystem: "server", Name: "op_duration_seconds",
-			Help: "Time the agent spent serving one socket operation, by operation.",
-			// 5 µs to about 0.75 s.
-			Buckets: prometheus.ExponentialBuckets(5e-6, 2.5, 14),
-		}, []string{"op"}),
-		offloads: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Namespace: Namespace, Name: "offloads_total",
-			Help: "Streams offloaded to host pages (successful offload calls).",
-		}, []string{"gpu"}),
-		reloads: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Namespace: Namespace, Name: "reloads_total",
-			Help: "Streams reloaded from host pages (successful reload calls).",
-		}, []string{"gpu"}),
-		discards: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Namespace: Namespace, Name: "discards_total",
-			Help: "Offloaded streams discarded after an aborted offload.",
-		}, []string{"gpu"}),
-		rejects: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Namespace: Namespace, Name: "offload_rejects_total",
-			Help: "Offloads refused because the session's pool could not hold every page (reason full), or could only after a pending reload is fenced (reason pending).",
-		}, []string{"gpu", "reason"}),
-		pagesMoved: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Namespace: Namespace, Name: "pages_moved_total",
-			Help: "Host pages handed out by offloads or returned by reloads.",
-		}, []string{"gpu", "direction"}),
-		clientBytes: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Namespace: Namespace, Name: "client_copied_bytes_total",
-			Help: "Bytes clients copied between GPU and host pages: host pages offloaded or reloaded times the session's host page size.",
-		}, []string{"gpu", "direction"}),
-		errors: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Namespace: Namespace, Name: "errors_total",
-			Help: "Errors by component, operation and kind (full-pool rejects are not errors; see kvpool_offload_rejects_total).",
-		}, []string{"component", "op", "kind"}),
-		limits: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Namespace: Namespace, Name: "limit_rejects_total",
-			Help: "Connections and requests the socket server refused by a per-tenant bound, a bad token, a resume by another process, or a temporary accept failure, by reason.",
-		}, []string{"reason"}),
-		pinSeconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Namespace: Namespace, Name: "chunk_pin_seconds",
-			Help: "Time to allocate, pre-fault and lock one chunk at start (its own Alloc; NUMA nodes pin side by side).",
-			// 10 ms to about 40 s.
-			Buckets: prometheus.ExponentialBuckets(0.01, 2, 13),
-		}, []string{"gpu"}),
-		pinFailures: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Namespace: Namespace, Name: "chunk_pin_failures_total",
-			Help: "Chunks that could not be allocated, pre-faulted or locked.",
-		}, []string{"gpu"}),
-		renewSecs: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Namespace: Namespace, Name: "chunk_renew_seconds",
-			Help:    "Time to replace a reclaimed chunk with fresh memory (drop the old, allocate, bind, pre-fault, lock and seal the new).",
-			Buckets: prometheus.ExponentialBuckets(0.01, 2, 13),
-		}, []string{"gpu"}),
-		renewFails: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Namespace: Namespace, Name: "chunk_renew_failures_total",
-			Help: "Failed attempts to replace a reclaimed chunk (the chunk stays unhealthy and is retried).",
-		}, []string{"gpu"}),
-		fillSeconds: prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Namespace: Namespace, Name: "pool_fill_seconds",
-			Help: "Seconds from agent start until the GPU's pool reached its planned size; absent until it has.",
-		}, []string{"gpu"}),
-		firstChunk: prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Namespace: Namespace, Name: "pool_first_chunk_seconds",
-			Help: "Seconds from the start of the pool's allocation until the GPU's first chunk was in the pool (the GPU serves from then on); absent until it is.",
-		}, []string{"gpu"}),
-		pinRate: prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Namespace: Namespace, Name: "pool_pin_bytes_per_second",
-			Help: "Bytes pinned at start on the NUMA node (-1: unbound chunks) over the seconds since the allocation started, as of its latest chunk.",
-		}, []string{"numa"}),
-		crossNUMA: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Namespace: Namespace, Name: "cross_numa_chunks_total",
-			Help: "Chunks bound by new sessions on another NUMA node than the session's GPU (their copies cross the socket interconnect), by GPU, the GPU's node and the chunk's.",
-		}, []string{"gpu", "gpu_numa", "chunk_numa"}),
-		allocations: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Namespace: Namespace, Subsystem: "plugin", Name: "allocations_total",
-			Help: "Kubelet's Allocate calls by result: ok, invalid, refused, unavailable, failed.",
-		}, []string{"result"}),
-		allocateSecs: prometheus.NewHistogram(prometheus.HistogramOpts{
-			Namespace: Namespace, Subsystem: "plugin", Name: "allocate_duration_seconds",
-			Help: "Time the device plugin spent answering one Allocate, PodResources calls and chunk renewals included.",
-			// 100 µs to about 105 s.
-			Buckets: prometheus.ExponentialBuckets(1e-4, 2, 21),
-		}),
-		registrations: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Namespace: Namespace, Subsystem: "plugin", Name: "registrations_total",
-			Help: "Registrations of the device plugin with kubelet by result: ok, failed.",
-		}, []string{"result"}),
-		reclaims: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Namespace: Namespace, Subsystem: "plugin", Name: "reclaims_total",
-			Help: "Allocations taken back, by trigger: pod_gone (no pod held it for the grace period), reassigned (kubelet gave its devices to another pod), unprepared (kubelet unprepared the ResourceClaim it served).",
-		}, []string{"trigger"}),
-	}
+	m := &Metrics{reg: prometheus.NewRegistry()}
+	m.initServer()
+	m.initChunks()
+	m.initPlugin()
 	m.draOps, m.draPrepareSecs, m.draUnprepareSecs = newDRAMetrics()
 	m.reg.MustRegister(m.opDuration, m.offloads, m.reloads, m.discards, m.rejects, m.pagesMoved,
 		m.clientBytes, m.errors, m.limits, m.pinSeconds, m.pinFailures, m.renewSecs, m.renewFails, m.fillSeconds, m.firstChunk, m.pinRate, m.crossNUMA,
@@ -212,6 +122,91 @@ func New(src report.Source, opts Options) *Metrics {
 		m.reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	}
 	return m
+}
+
+// counterVec and gaugeVec make a kvpool_<name> series by labels.
+func counterVec(name, help string, labels ...string) *prometheus.CounterVec {
+	return prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: Namespace, Name: name, Help: help}, labels)
+}
+
+func gaugeVec(name, help string, labels ...string) *prometheus.GaugeVec {
+	return prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: Namespace, Name: name, Help: help}, labels)
+}
+
+// initServer makes the socket server's metrics: operations and what they
+// moved, refusals and errors.
+func (m *Metrics) initServer() {
+	m.opDuration = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Namespace: Namespace, Subsystem: "server", Name: "op_duration_seconds",
+		Help: "Time the agent spent serving one socket operation, by operation.",
+		// 5 µs to about 0.75 s.
+		Buckets: prometheus.ExponentialBuckets(5e-6, 2.5, 14),
+	}, []string{"op"})
+	m.offloads = counterVec("offloads_total", "Streams offloaded to host pages (successful offload calls).", "gpu")
+	m.reloads = counterVec("reloads_total", "Streams reloaded from host pages (successful reload calls).", "gpu")
+	m.discards = counterVec("discards_total", "Offloaded streams discarded after an aborted offload.", "gpu")
+	m.rejects = counterVec("offload_rejects_total",
+		"Offloads refused because the session's pool could not hold every page (reason full), or could only after a pending reload is fenced (reason pending).",
+		"gpu", "reason")
+	m.pagesMoved = counterVec("pages_moved_total", "Host pages handed out by offloads or returned by reloads.", "gpu", "direction")
+	m.clientBytes = counterVec("client_copied_bytes_total",
+		"Bytes clients copied between GPU and host pages: host pages offloaded or reloaded times the session's host page size.",
+		"gpu", "direction")
+	m.errors = counterVec("errors_total",
+		"Errors by component, operation and kind (full-pool rejects are not errors; see kvpool_offload_rejects_total).",
+		"component", "op", "kind")
+	m.limits = counterVec("limit_rejects_total",
+		"Connections and requests the socket server refused by a per-tenant bound, a bad token, a resume by another process, or a temporary accept failure, by reason.",
+		"reason")
+	m.crossNUMA = counterVec("cross_numa_chunks_total",
+		"Chunks bound by new sessions on another NUMA node than the session's GPU (their copies cross the socket interconnect), by GPU, the GPU's node and the chunk's.",
+		"gpu", "gpu_numa", "chunk_numa")
+}
+
+// initChunks makes the metrics of the pool's memory: pinning at start,
+// renewals, and how soon each GPU served.
+func (m *Metrics) initChunks() {
+	// 10 ms to about 40 s.
+	chunkBuckets := prometheus.ExponentialBuckets(0.01, 2, 13)
+	m.pinSeconds = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Namespace: Namespace, Name: "chunk_pin_seconds",
+		Help:    "Time to allocate, pre-fault and lock one chunk at start (its own Alloc; NUMA nodes pin side by side).",
+		Buckets: chunkBuckets,
+	}, []string{"gpu"})
+	m.pinFailures = counterVec("chunk_pin_failures_total", "Chunks that could not be allocated, pre-faulted or locked.", "gpu")
+	m.renewSecs = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Namespace: Namespace, Name: "chunk_renew_seconds",
+		Help:    "Time to replace a reclaimed chunk with fresh memory (drop the old, allocate, bind, pre-fault, lock and seal the new).",
+		Buckets: chunkBuckets,
+	}, []string{"gpu"})
+	m.renewFails = counterVec("chunk_renew_failures_total",
+		"Failed attempts to replace a reclaimed chunk (the chunk stays unhealthy and is retried).", "gpu")
+	m.fillSeconds = gaugeVec("pool_fill_seconds",
+		"Seconds from agent start until the GPU's pool reached its planned size; absent until it has.", "gpu")
+	m.firstChunk = gaugeVec("pool_first_chunk_seconds",
+		"Seconds from the start of the pool's allocation until the GPU's first chunk was in the pool (the GPU serves from then on); absent until it is.",
+		"gpu")
+	m.pinRate = gaugeVec("pool_pin_bytes_per_second",
+		"Bytes pinned at start on the NUMA node (-1: unbound chunks) over the seconds since the allocation started, as of its latest chunk.",
+		"numa")
+}
+
+// initPlugin makes the device plugin's metrics.
+func (m *Metrics) initPlugin() {
+	plugin := func(name, help string, labels ...string) *prometheus.CounterVec {
+		return prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: Namespace, Subsystem: "plugin", Name: name, Help: help}, labels)
+	}
+	m.allocations = plugin("allocations_total", "Kubelet's Allocate calls by result: ok, invalid, refused, unavailable, failed.", "result")
+	m.allocateSecs = prometheus.NewHistogram(prometheus.HistogramOpts{
+		Namespace: Namespace, Subsystem: "plugin", Name: "allocate_duration_seconds",
+		Help: "Time the device plugin spent answering one Allocate, PodResources calls and chunk renewals included.",
+		// 100 µs to about 105 s.
+		Buckets: prometheus.ExponentialBuckets(1e-4, 2, 21),
+	})
+	m.registrations = plugin("registrations_total", "Registrations of the device plugin with kubelet by result: ok, failed.", "result")
+	m.reclaims = plugin("reclaims_total",
+		"Allocations taken back, by trigger: pod_gone (no pod held it for the grace period), reassigned (kubelet gave its devices to another pod), unprepared (kubelet unprepared the ResourceClaim it served).",
+		"trigger")
 }
 
 // Registry is the registry the metrics live on; add more collectors to it.
