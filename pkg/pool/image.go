@@ -153,7 +153,7 @@ func (s *Session) Image() SessionImage {
 	for _, rid := range rids {
 		for slot := s.rids[rid].first; slot != nilPage; slot = s.at(slot).next {
 			st := s.at(slot)
-			si.Streams = append(si.Streams, StreamImage{Rid: rid, Label: st.label, Meta: st.meta, Pages: chain(st.head)})
+			si.Streams = append(si.Streams, StreamImage{Rid: rid, Label: s.labelOf(slot), Meta: st.meta, Pages: chain(st.head)})
 		}
 	}
 	for _, r := range s.pending[s.phead:] {
@@ -340,7 +340,8 @@ func (s *Session) restoreStreams(streams []StreamImage, used []bool) error {
 			return fmt.Errorf("%q/%q: %w", st.Rid, st.Label, err)
 		}
 		slot := s.newSlot()
-		*s.at(slot) = stream{label: s.intern(st.Label), meta: st.Meta, head: head, tail: tail, n: int32(len(st.Pages))}
+		*s.at(slot) = stream{meta: st.Meta, head: head, tail: tail, n: int32(len(st.Pages))}
+		s.setLabel(slot, st.Label)
 		_, l := s.find(st.Rid, st.Label)
 		s.link(st.Rid, l, slot)
 		s.names += int64(len(st.Rid) + len(st.Label))
