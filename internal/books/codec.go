@@ -486,7 +486,12 @@ func (d *dec) snapshot() *State {
 		if s.Last.Pages = d.pages(); len(s.Last.Pages) == 0 {
 			s.Last.Pages = nil
 		}
-		for range d.n() {
+		// The table sized for its requests at once (a count the record
+		// bounds, and no more than 2^20 entries ahead): growing it a
+		// request at a time rehashed it again and again.
+		nrids := d.n()
+		s.rids = make(map[string][]*stream, min(nrids, 1<<20))
+		for range nrids {
 			rid := d.str()
 			for range d.n() {
 				s.rids[rid] = append(s.rids[rid], &stream{label: d.str(), meta: d.meta(), pages: d.pages()})

@@ -246,6 +246,11 @@ func (s *Session) find(rid, label string) (int32, ridList) {
 	if !ok {
 		return nilPage, l
 	}
+	return s.findIn(rid, l, label)
+}
+
+// findIn is find in rid's list l.
+func (s *Session) findIn(rid string, l ridList, label string) (int32, ridList) {
 	if l.n > indexFrom {
 		if slot, ok := s.byLabel[rid][label]; ok {
 			return slot, l
@@ -263,6 +268,11 @@ func (s *Session) find(rid, label string) (int32, ridList) {
 // link appends a new stream in slot to rid's list l (zero when rid has no
 // stream yet).
 func (s *Session) link(rid string, l ridList, slot int32) {
+	s.rids[rid] = s.linkOnly(rid, l, slot)
+}
+
+// linkOnly is link but for storing the list: it returns it.
+func (s *Session) linkOnly(rid string, l ridList, slot int32) ridList {
 	st := s.at(slot)
 	st.next = nilPage
 	if l.n > 0 {
@@ -284,10 +294,10 @@ func (s *Session) link(rid string, l ridList, slot int32) {
 		}
 		s.byLabel[strings.Clone(rid)] = idx
 	}
-	s.rids[rid] = l
 	s.nstreams++
 	s.pool.streams.Add(1)
 	s.used += int(st.n)
+	return l
 }
 
 // unlink removes slot from rid's list l and frees the slot.
