@@ -166,6 +166,9 @@ func replay(mem []byte) (*State, uint64, uint64, error) {
 			}
 			parts = nil
 		default:
+			if st != nil {
+				st.aliasReplies = true // ownReplies below, before mem goes
+			}
 			if st, err = decodeRecord(st, payload); err != nil {
 				return nil, 0, 0, fmt.Errorf("record at %d: %w", off, err)
 			}
@@ -175,6 +178,7 @@ func replay(mem []byte) (*State, uint64, uint64, error) {
 	if st == nil {
 		return nil, 0, 0, fmt.Errorf("%w: no committed snapshot", ErrCorrupt)
 	}
+	st.ownReplies()
 	return st, gen, off, nil
 }
 

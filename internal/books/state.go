@@ -36,6 +36,12 @@ type State struct {
 	srcEnd uint64
 	forgot []string
 	dirty  bool
+
+	// labels interns the labels of replayed session ops; aliasReplies:
+	// the replies they keep are slices of the records (replay's, which
+	// copies each session's last one at its end: ownReplies).
+	labels       map[string]string
+	aliasReplies bool
 }
 
 type gen struct {
@@ -61,7 +67,7 @@ type Session struct {
 	Regions  int // of the layout it was opened with; its geometry is Image.Spec
 	Last     server.LastReply
 
-	rids    map[string][]*stream
+	rids    map[string][]stream
 	pending []pool.PendingImage
 }
 
@@ -73,7 +79,20 @@ type stream struct {
 
 // NewState returns empty books.
 func NewState() *State {
-	return &State{byID: map[string]*Chunk{}, allocs: map[string][]string{}, sessions: map[uint64]*Session{}, gens: map[string]gen{}}
+	return &State{byID: map[string]*Chunk{}, allocs: map[string][]string{}, sessions: map[uint64]*Session{}, gens: map[string]gen{},
+		labels: map[string]string{}}
+}
+
+// ownReplies makes the last reply each session keeps its own copy, not a
+// slice of a record (aliasReplies), and stops aliasing.
+func (st *State) ownReplies() {
+	if !st.aliasReplies {
+		return
+	}
+	for _, s := range st.sessions {
+		s.Last.Body = slices.Clone(s.Last.Body)
+	}
+	st.aliasReplies = false
 }
 
 // Chunks lists the chunks in the order they were added.
@@ -280,7 +299,7 @@ func (st *State) applySession(op server.SessionOp) {
 			return
 		}
 		// op is the decoder's own (decodeRecord): its pages are kept.
-		s.rids[op.Rid] = append(list, &stream{label: op.Label, meta: op.Meta, pages: op.Pages})
+		s.rids[op.Rid] = append(list, stream{label: op.Label, meta: op.Meta, pages: op.Pages})
 	case wire.OpReload, wire.OpDiscard:
 		i := s.find(op.Rid, op.Label)
 		if i < 0 && op.Op == wire.OpDiscard {
@@ -331,7 +350,7 @@ func (s *Session) streams() int {
 func (s *Session) find(rid, label string) int { return indexOf(s.rids[rid], label) }
 
 // indexOf is the index of label's stream in a request's list, or -1.
-func indexOf(list []*stream, label string) int {
+func indexOf(list []stream, label string) int {
 	for i, x := range list {
 		if x.label == label {
 			return i
@@ -369,7 +388,7 @@ func (st *State) open(op server.SessionOp) {
 	img := o.Image
 	img.Chunks = slices.Clone(img.Chunks)
 	img.Streams, img.Pending = nil, nil
-	st.sessions[img.ID] = &Session{Image: img, Instance: o.Instance, UUID: o.UUID, Peer: o.Peer, Regions: o.Regions, rids: map[string][]*stream{}}
+	st.sessions[img.ID] = &Session{Image: img, Instance: o.Instance, UUID: o.UUID, Peer: o.Peer, Regions: o.Regions, rids: map[string][]stream{}}
 	st.lastSession = max(st.lastSession, img.ID)
 }
 
