@@ -16,6 +16,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"text/tabwriter"
 	"time"
@@ -140,102 +141,31 @@ var agentLogLevel = "warn"
 // restarts kills and restarts, the check of every stream.
 func probeRestart(ctx context.Context, bin string, n, restarts int, settle time.Duration) (restartRow, error) {
 	row := restartRow{Streams: n}
-	dir, err := os.MkdirTemp("", "kvbench-restart-")
+	pr, err := startProbe(bin)
 	if err != nil {
 		return row, err
 	}
-	defer os.RemoveAll(dir)
-	keeperSock := filepath.Join(dir, "keeper.sock")
-	kp := exec.Command(bin, "keeper", "--socket", keeperSock, "--log-level", "warn")
-	kp.Stderr = os.Stderr
-	if err := kp.Start(); err != nil {
-		return row, err
-	}
-	defer func() {
-		kp.Process.Signal(syscall.SIGTERM)
-		kp.Wait()
-	}()
-	if err := waitUntil(10*time.Second, func() bool { _, err := keeper.Query(keeperSock); return err == nil }); err != nil {
-		return row, fmt.Errorf("keeper: %w", err)
-	}
-	sock := filepath.Join(dir, "sock", "kv.sock")
-	if err := os.Mkdir(filepath.Dir(sock), 0o755); err != nil {
-		return row, err
-	}
-	// Two chunks of 16 MiB of 128-byte host pages: 262,144 pages, room for
-	// one session at its stream bound.
-	args := []string{"--standalone", "--socket", sock, "--keeper-socket", keeperSock, "--standalone-gpus", "1",
-		"--chunks-per-gpu", "2", "--chunk-mib", "16", "--state-dir", filepath.Join(dir, "state"),
-		"--log-level", agentLogLevel, "--standalone-tokens", "bench-token"}
-	var agentLog bytes.Buffer
-	start := func() (*exec.Cmd, error) {
-		c := exec.Command(bin, args...)
-		c.Stderr = &agentLog
-		return c, c.Start()
-	}
-	ag, err := start()
-	if err != nil {
-		return row, err
-	}
-	defer func() {
-		ag.Process.Signal(syscall.SIGTERM)
-		ag.Wait()
-		if s := agentLog.String(); strings.Contains(s, "level=ERROR") || agentLogLevel != "warn" {
-			fmt.Fprintf(os.Stderr, "kvbench: the agents' log (%d streams):\n%s", n, s)
-		}
-	}()
+	defer pr.stop(n)
 	dev, regions, err := probeDevice()
 	if err != nil {
 		return row, err
 	}
 	defer dev.Close()
-	fill, err := openProbe(ctx, sock, dev, regions, 10*time.Second)
-	if err != nil {
-		return row, err
-	}
-	rid := func(i int) string { return fmt.Sprintf("req-%07d", i) }
-	for i := range n {
-		ok, err := fill.OffloadStream(rid(i), "kv", []int32{int32(i % 16)}, int64(i), int64(i), 0)
-		if err != nil || !ok {
-			return row, fmt.Errorf("offload %d: %v, %v", i, ok, err)
-		}
-	}
-	if err := fill.Synchronize(); err != nil {
-		return row, err
-	}
-	// The probe's calls do not retry (it polls itself, every ms): a
-	// second pool of the same instance takes the session over.
-	fill.Disconnect()
-	p, err := openProbe(ctx, sock, dev, regions, -1)
+	p, err := pr.fill(ctx, dev, regions, n)
 	if err != nil {
 		return row, err
 	}
 	defer p.Close()
 	time.Sleep(settle)
-	row.RSSBefore, row.AnonBefore = procRSS(ag.Process.Pid)
+	row.RSSBefore, row.AnonBefore = procRSS(pr.agent.Process.Pid)
 	for range restarts {
-		t0 := time.Now()
-		ag.Process.Signal(syscall.SIGKILL)
-		ag.Wait()
-		if ag, err = start(); err != nil {
+		gap, err := pr.restart(p)
+		if err != nil {
 			return row, err
 		}
-		for {
-			ok, err := p.IsOffloaded(rid(0))
-			if err == nil {
-				if !ok {
-					return row, errors.New("the restarted agent lost the first stream")
-				}
-				break
-			}
-			if time.Since(t0) > 30*time.Second {
-				return row, fmt.Errorf("not serving 30 s after the kill: %w\n%s", err, agentLog.String())
-			}
-			time.Sleep(time.Millisecond)
-		}
-		row.GapsMs = append(row.GapsMs, float64(time.Since(t0).Microseconds())/1e3)
+		row.GapsMs = append(row.GapsMs, float64(gap.Microseconds())/1e3)
 		time.Sleep(settle)
-		rss, anon := procRSS(ag.Process.Pid)
+		rss, anon := procRSS(pr.agent.Process.Pid)
 		row.RSSAfter, row.AnonAfter = append(row.RSSAfter, rss), append(row.AnonAfter, anon)
 	}
 	u, err := p.Usage()
@@ -243,14 +173,152 @@ func probeRestart(ctx context.Context, bin string, n, restarts int, settle time.
 		return row, fmt.Errorf("after the restarts: %d streams (%v), want %d", u.Streams, err, n)
 	}
 	for _, i := range []int{0, n / 2, n - 1} {
-		if k, err := p.NumPages(rid(i), "kv"); err != nil || k != 1 {
-			return row, fmt.Errorf("stream %s after the restarts: %d pages (%v), want 1", rid(i), k, err)
+		if k, err := p.NumPages(probeRid(i), "kv"); err != nil || k != 1 {
+			return row, fmt.Errorf("stream %s after the restarts: %d pages (%v), want 1", probeRid(i), k, err)
 		}
 	}
 	g := slices.Clone(row.GapsMs)
 	slices.Sort(g)
 	row.GapP50Ms = g[len(g)/2]
 	return row, nil
+}
+
+func probeRid(i int) string { return fmt.Sprintf("req-%07d", i) }
+
+// probe is one stream count's keeper and agent processes.
+type probe struct {
+	dir, sock string
+	args      []string
+	bin       string
+	keeper    *exec.Cmd
+	agent     *exec.Cmd
+	log       syncBuffer // every agent's stderr
+}
+
+// syncBuffer is a bytes.Buffer the agents' stderr copiers write while the
+// probe may read it.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// startProbe starts a keeper and an agent on it in a fresh directory.
+func startProbe(bin string) (*probe, error) {
+	dir, err := os.MkdirTemp("", "kvbench-restart-")
+	if err != nil {
+		return nil, err
+	}
+	pr := &probe{dir: dir, bin: bin, sock: filepath.Join(dir, "sock", "kv.sock")}
+	keeperSock := filepath.Join(dir, "keeper.sock")
+	pr.keeper = exec.Command(bin, "keeper", "--socket", keeperSock, "--log-level", "warn")
+	pr.keeper.Stderr = os.Stderr
+	if err := pr.keeper.Start(); err != nil {
+		os.RemoveAll(dir)
+		return nil, err
+	}
+	if err := waitUntil(10*time.Second, func() bool { _, err := keeper.Query(keeperSock); return err == nil }); err != nil {
+		pr.stop(0)
+		return nil, fmt.Errorf("keeper: %w", err)
+	}
+	if err := os.Mkdir(filepath.Dir(pr.sock), 0o755); err != nil {
+		pr.stop(0)
+		return nil, err
+	}
+	// Two chunks of 16 MiB of 128-byte host pages: 262,144 pages, room for
+	// one session at its stream bound.
+	pr.args = []string{"--standalone", "--socket", pr.sock, "--keeper-socket", keeperSock, "--standalone-gpus", "1",
+		"--chunks-per-gpu", "2", "--chunk-mib", "16", "--state-dir", filepath.Join(dir, "state"),
+		"--log-level", agentLogLevel, "--standalone-tokens", "bench-token"}
+	if err := pr.startAgent(); err != nil {
+		pr.stop(0)
+		return nil, err
+	}
+	return pr, nil
+}
+
+func (pr *probe) startAgent() error {
+	pr.agent = exec.Command(pr.bin, pr.args...)
+	pr.agent.Stderr = &pr.log
+	if err := pr.agent.Start(); err != nil {
+		pr.agent = nil
+		return err
+	}
+	return nil
+}
+
+// stop ends the agent and the keeper (SIGTERM) and removes the
+// directory; the agents' log goes to stderr when it has errors or when
+// asked for (--agent-log-level).
+func (pr *probe) stop(n int) {
+	for _, c := range []*exec.Cmd{pr.agent, pr.keeper} {
+		if c != nil && c.Process != nil {
+			_ = c.Process.Signal(syscall.SIGTERM)
+			_ = c.Wait()
+		}
+	}
+	if s := pr.log.String(); strings.Contains(s, "level=ERROR") || agentLogLevel != "warn" {
+		fmt.Fprintf(os.Stderr, "kvbench: the agents' log (%d streams):\n%s", n, s)
+	}
+	os.RemoveAll(pr.dir)
+}
+
+// fill offloads n one-page streams and returns the pool the probe polls
+// with: the same instance, taking the session over, with no retries (it
+// polls itself, every ms).
+func (pr *probe) fill(ctx context.Context, dev cudart.Device, regions []cudart.Region, n int) (*client.CPUPagePool, error) {
+	fill, err := openProbe(ctx, pr.sock, dev, regions, 10*time.Second)
+	if err != nil {
+		return nil, err
+	}
+	for i := range n {
+		ok, err := fill.OffloadStream(probeRid(i), "kv", []int32{int32(i % 16)}, int64(i), int64(i), 0)
+		if err != nil || !ok {
+			return nil, fmt.Errorf("offload %d: %v, %v", i, ok, err)
+		}
+	}
+	if err := fill.Synchronize(); err != nil {
+		return nil, err
+	}
+	fill.Disconnect()
+	return openProbe(ctx, pr.sock, dev, regions, -1)
+}
+
+// restart kills the agent with SIGKILL, starts another and returns the
+// time until p's is_offloaded of the first stream succeeds.
+func (pr *probe) restart(p *client.CPUPagePool) (time.Duration, error) {
+	t0 := time.Now()
+	if err := pr.agent.Process.Signal(syscall.SIGKILL); err != nil {
+		return 0, err
+	}
+	_ = pr.agent.Wait() // killed: the error says so
+	if err := pr.startAgent(); err != nil {
+		return 0, err
+	}
+	for {
+		ok, err := p.IsOffloaded(probeRid(0))
+		if err == nil {
+			if !ok {
+				return 0, errors.New("the restarted agent lost the first stream")
+			}
+			return time.Since(t0), nil
+		}
+		if time.Since(t0) > 30*time.Second {
+			return 0, fmt.Errorf("not serving 30 s after the kill: %w\n%s", err, pr.log.String())
+		}
+		time.Sleep(time.Millisecond)
+	}
 }
 
 // probeDevice makes the probe's simulated GPU: 16 device pages in two

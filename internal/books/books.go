@@ -541,7 +541,7 @@ type Stats struct {
 	Records     int64  // appended by this process
 	Compactions int64
 	Skipped     int    // records the last replay (the last compaction's) skipped
-	Snapshot    uint64 // bytes of the last snapshot, its records' framing included
+	Snapshot    uint64 // bytes of the last snapshot, its records' framing included (after a start that copied the kept log: the bytes copied)
 }
 
 // Stats returns the books' figures.
