@@ -24,8 +24,9 @@
 // the log is full the books compact: they replay the memfd and write the
 // state as the snapshot of a fresh memfd, the keeper is handed that memfd
 // (replacing the old one), and appending goes on there. The heap holds no
-// copy of the state between compactions. A new agent always compacts at
-// start, so it never appends over a torn record.
+// copy of the state between compactions. A new agent always starts a
+// fresh memfd (Start): a copy of the records it replayed, up to the last
+// committed one, or a compaction; so it never appends over a torn record.
 package books
 
 import (
@@ -165,6 +166,7 @@ func replay(mem []byte) (*State, uint64, uint64, error) {
 				return nil, 0, 0, fmt.Errorf("snapshot ending at %d: %w", off, err)
 			}
 			parts = nil
+			st.snapEnd = off + 8 + pad + 4
 		default:
 			if st != nil {
 				st.aliasReplies = true // ownReplies below, before mem goes
@@ -172,6 +174,9 @@ func replay(mem []byte) (*State, uint64, uint64, error) {
 			if st, err = decodeRecord(st, payload); err != nil {
 				return nil, 0, 0, fmt.Errorf("record at %d: %w", off, err)
 			}
+		}
+		if st != nil && st.snapEnd == 0 {
+			st.snapEnd = off + 8 + pad + 4 // a snapshot in one record
 		}
 		off += 8 + pad + 4
 	}
@@ -307,7 +312,16 @@ func (b *Books) startLocked(st *State) error {
 		forgets = appendEvent(forgets[:0], pool.Event{Kind: pool.EventRemoveChunk, Chunk: pool.Chunk{ID: id}})
 		kept += recordSize(len(forgets))
 	}
-	lf, err := newLogFile(b.gen+1, roundPage(kept+max(uint64(minLog), kept)+64))
+	// The room a compaction of this snapshot would have left: a kept log
+	// past it is compacted (so that neither the memfd nor the next replay
+	// grows from restart to restart), one within it copied, and the copy
+	// gets that room, as if the agent had not restarted.
+	snap := st.snapEnd - headerSize
+	room := snap + max(uint64(minLog), snap)
+	if kept+64 > room {
+		return b.compactLocked(st, 0)
+	}
+	lf, err := newLogFile(b.gen+1, roundPage(room))
 	if err != nil {
 		return err
 	}
@@ -320,7 +334,7 @@ func (b *Books) startLocked(st *State) error {
 			return err
 		}
 	}
-	b.install(lf, lf.off-headerSize, st.Skipped)
+	b.install(lf, snap, st.Skipped)
 	return nil
 }
 
@@ -541,7 +555,7 @@ type Stats struct {
 	Records     int64  // appended by this process
 	Compactions int64
 	Skipped     int    // records the last replay (the last compaction's) skipped
-	Snapshot    uint64 // bytes of the last snapshot, its records' framing included (after a start that copied the kept log: the bytes copied)
+	Snapshot    uint64 // bytes of the last snapshot, its records' framing included
 }
 
 // Stats returns the books' figures.

@@ -551,3 +551,42 @@ func btoi(b bool) int {
 	}
 	return 0
 }
+
+// TestStartCompactsALongKeptLog: a kept log longer than the room a
+// compaction of its snapshot leaves (here: written with a larger minimum
+// log) is compacted at start, not copied, so neither the memfd nor the
+// next replay grows from restart to restart; a copied one keeps that room.
+func TestStartCompactsALongKeptLog(t *testing.T) {
+	r := newRig(t, 9)
+	for i := range 6000 {
+		r.step(i)
+	}
+	r.b.Close()
+	old := minLog
+	minLog = 16 << 10
+	defer func() { minLog = old }()
+	st, info, err := Load(r.store.f)
+	must(t, err)
+	if st.srcEnd-headerSize <= uint64(minLog) {
+		t.Fatalf("the kept log is %d bytes, want more than %d", st.srcEnd-headerSize, minLog)
+	}
+	want := st.Image()
+	b, err := Start(st, info.Gen, r.store, nil)
+	must(t, err)
+	defer b.Close()
+	s := b.Stats()
+	if s.LogBytes-headerSize != s.Snapshot || s.Capacity-headerSize < s.Snapshot+uint64(minLog) {
+		t.Fatalf("started with %d bytes of log, %d of snapshot, capacity %d: want a fresh snapshot and its room", s.LogBytes, s.Snapshot, s.Capacity)
+	}
+	st2, _, err := Load(r.store.f)
+	must(t, err)
+	must(t, st2.Check(want))
+	// Started again from the compacted books, it copies them.
+	b.Close()
+	b2, err := Start(st2, info.Gen+1, r.store, nil)
+	must(t, err)
+	defer b2.Close()
+	if s2 := b2.Stats(); s2.LogBytes != s.LogBytes || s2.Capacity != s.Capacity {
+		t.Fatalf("second start: %+v, want the copy of %+v", s2, s)
+	}
+}

@@ -34,8 +34,10 @@ type State struct {
 	// change Start cannot record that way (SetGen) came after Load.
 	src    *os.File
 	srcEnd uint64
-	forgot []string
-	dirty  bool
+	// snapEnd is where the snapshot that began the replayed books ended.
+	snapEnd uint64
+	forgot  []string
+	dirty   bool
 
 	// labels interns the labels of replayed session ops; aliasReplies:
 	// the replies they keep are slices of the records (replay's, which
