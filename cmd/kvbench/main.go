@@ -4,6 +4,7 @@
 //
 //	kvbench [--json] [--workers N] [--duration d]     embedded standalone agent
 //	kvbench --socket PATH --token T                    a running agent
+//	kvbench restart [--streams 1,10000,...]             the restart probe: agent and keeper as processes, SIGKILL, time to serving
 package main
 
 import (
@@ -87,6 +88,9 @@ type options struct {
 // embedded agent unless --socket names one, runs the workers against it
 // beside the echo floor, and prints the report.
 func run(ctx context.Context, args []string) error {
+	if len(args) > 0 && args[0] == "restart" {
+		return runRestart(ctx, args[1:])
+	}
 	fs := flag.NewFlagSet("kvbench", flag.ContinueOnError)
 	socket := fs.String("socket", "", "a running agent's socket (default: start an embedded standalone agent)")
 	token := fs.String("token", os.Getenv("KVPOOL_TOKEN"), "allocation token, with --socket")

@@ -7,6 +7,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"runtime/debug"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -73,11 +74,14 @@ func (a *agent) restore() error {
 			"keeper", path, "chunksThen", m.Chunks, "sessionsThen", m.Sessions, "markedAt", m.Written)
 		a.events.PoolLost(m.Chunks, m.Sessions)
 	}
+	t0 := time.Now()
 	st, info, held := a.loadBooks(held)
 	r.lastAlive = info.LastAlive
+	tLoad := time.Now()
 	if err := a.adoptAll(st, held); err != nil {
 		return err
 	}
+	tAdopt := time.Now()
 	sessions, err := a.pool.Restore(st.Image())
 	if err != nil {
 		a.log.Error("the books do not rebuild a consistent pool; releasing the keeper's state and starting fresh", "err", err)
@@ -94,16 +98,20 @@ func (a *agent) restore() error {
 	}
 	r.sessions = st.Restored(sessions)
 	r.streams = st.Streams()
+	tPool := time.Now()
 	b, err := books.Start(st, info.Gen, kc, a.booksFailed)
 	if err != nil {
 		return err
 	}
+	tBooks := time.Now()
 	b.OnUnkept(a.keeperLost)
 	r.books = b
 	a.pool.SetJournal(b)
 	if len(held.Chunks) > 0 || len(r.adopted) > 0 {
 		a.log.Info("pool adopted from the keeper", "chunks", len(r.adopted), "sessions", len(r.sessions),
-			"streams", r.streams, "booksGen", info.Gen)
+			"streams", r.streams, "booksGen", info.Gen, "load", tLoad.Sub(t0).Round(time.Microsecond),
+			"adopt", tAdopt.Sub(tLoad).Round(time.Microsecond), "rebuild", tPool.Sub(tAdopt).Round(time.Microsecond),
+			"books", tBooks.Sub(tPool).Round(time.Microsecond))
 	}
 	return nil
 }
@@ -204,6 +212,13 @@ func (a *agent) startHeartbeat(ctx context.Context, wg *sync.WaitGroup) error {
 			"adoptedChunks", len(r.adopted), "sessions", len(r.sessions), "streams", r.streams)
 	}
 	a.writeMarker()
+	if r.streams > 0 {
+		// The restore's garbage (the books' decoded state, the pool's
+		// image) goes back to the system now, not bit by bit: the
+		// restarted agent's resident memory is what the one it replaced
+		// held, not the restore's peak.
+		wg.Go(debug.FreeOSMemory)
+	}
 	wg.Go(func() { a.heartbeat(ctx) })
 	wg.Go(func() { a.watchKeeper(ctx) })
 	return nil

@@ -24,8 +24,9 @@
 // the log is full the books compact: they replay the memfd and write the
 // state as the snapshot of a fresh memfd, the keeper is handed that memfd
 // (replacing the old one), and appending goes on there. The heap holds no
-// copy of the state between compactions. A new agent always compacts at
-// start, so it never appends over a torn record.
+// copy of the state between compactions. A new agent always starts a
+// fresh memfd (Start): a copy of the records it replayed, up to the last
+// committed one, or a compaction; so it never appends over a torn record.
 package books
 
 import (
@@ -101,9 +102,16 @@ func Load(f *os.File) (*State, Info, error) {
 		return nil, info, fmt.Errorf("books: map: %w", err)
 	}
 	defer unix.Munmap(mem)
-	state, gen, err := replay(mem)
+	state, gen, end, err := replay(mem)
 	if err != nil {
 		return nil, info, err
+	}
+	if binary.LittleEndian.Uint32(mem[8:]) == FormatVersion {
+		// Start copies what was committed instead of writing the state
+		// again (State.src).
+		if fd, err := unix.FcntlInt(f.Fd(), unix.F_DUPFD_CLOEXEC, 0); err == nil {
+			state.src, state.srcEnd = os.NewFile(uintptr(fd), "kvpool-books-kept"), end
+		}
 	}
 	info.Gen = gen
 	if ns := int64(binary.LittleEndian.Uint64(mem[32:])); ns > 0 {
@@ -112,13 +120,14 @@ func Load(f *os.File) (*State, Info, error) {
 	return state, info, nil
 }
 
-// replay reads books from mem.
-func replay(mem []byte) (*State, uint64, error) {
+// replay reads books from mem. It returns the state, the generation and
+// the end of the last committed record.
+func replay(mem []byte) (*State, uint64, uint64, error) {
 	if len(mem) < headerSize || string(mem[:8]) != magic {
-		return nil, 0, fmt.Errorf("%w: no books header", ErrCorrupt)
+		return nil, 0, 0, fmt.Errorf("%w: no books header", ErrCorrupt)
 	}
 	if v := binary.LittleEndian.Uint32(mem[8:]); v < minFormatVersion || v > FormatVersion {
-		return nil, 0, fmt.Errorf("%w: the books are format version %d, this agent reads versions %d to %d", ErrIncompatible, v, minFormatVersion, FormatVersion)
+		return nil, 0, 0, fmt.Errorf("%w: the books are format version %d, this agent reads versions %d to %d", ErrIncompatible, v, minFormatVersion, FormatVersion)
 	}
 	gen := binary.LittleEndian.Uint64(mem[16:])
 	capacity := binary.LittleEndian.Uint64(mem[24:])
@@ -143,7 +152,7 @@ func replay(mem []byte) (*State, uint64, error) {
 		}
 		payload := mem[off+8 : off+8+n]
 		if crc32.Checksum(payload, castagnoli) != binary.LittleEndian.Uint32(mem[off+4:]) {
-			return nil, 0, fmt.Errorf("%w: checksum of the committed record at %d", ErrCorrupt, off)
+			return nil, 0, 0, fmt.Errorf("%w: checksum of the committed record at %d", ErrCorrupt, off)
 		}
 		var err error
 		switch {
@@ -151,23 +160,31 @@ func replay(mem []byte) (*State, uint64, error) {
 			parts = append(parts, payload[2:])
 		case st == nil && len(parts) > 0:
 			if len(payload) < 2 || payload[0] != recSnapshotPart {
-				return nil, 0, fmt.Errorf("%w: record at %d interrupts the snapshot's %d parts", ErrCorrupt, off, len(parts))
+				return nil, 0, 0, fmt.Errorf("%w: record at %d interrupts the snapshot's %d parts", ErrCorrupt, off, len(parts))
 			}
 			if st, err = decodeSnapshot(append(parts, payload[2:])); err != nil {
-				return nil, 0, fmt.Errorf("snapshot ending at %d: %w", off, err)
+				return nil, 0, 0, fmt.Errorf("snapshot ending at %d: %w", off, err)
 			}
 			parts = nil
+			st.snapEnd = off + 8 + pad + 4
 		default:
-			if st, err = decodeRecord(st, payload); err != nil {
-				return nil, 0, fmt.Errorf("record at %d: %w", off, err)
+			if st != nil {
+				st.aliasReplies = true // ownReplies below, before mem goes
 			}
+			if st, err = decodeRecord(st, payload); err != nil {
+				return nil, 0, 0, fmt.Errorf("record at %d: %w", off, err)
+			}
+		}
+		if st != nil && st.snapEnd == 0 {
+			st.snapEnd = off + 8 + pad + 4 // a snapshot in one record
 		}
 		off += 8 + pad + 4
 	}
 	if st == nil {
-		return nil, 0, fmt.Errorf("%w: no committed snapshot", ErrCorrupt)
+		return nil, 0, 0, fmt.Errorf("%w: no committed snapshot", ErrCorrupt)
 	}
-	return st, gen, nil
+	st.ownReplies()
+	return st, gen, off, nil
 }
 
 // Books appends to the books memfd. It implements pool.Journal and
@@ -212,7 +229,7 @@ func Start(st *State, gen uint64, store Store, fatal func(error)) (*Books, error
 	b := &Books{store: store, fatal: fatal, gen: gen}
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if err := b.compactLocked(st, 0); err != nil {
+	if err := b.startLocked(st); err != nil {
 		return nil, err
 	}
 	if b.unkept != nil {
@@ -263,8 +280,62 @@ func (b *Books) stateLocked() (*State, error) {
 	if b.mem == nil {
 		return nil, errors.New("books: closed")
 	}
-	st, _, err := replay(b.mem[:b.end])
+	st, _, _, err := replay(b.mem[:b.end])
 	return st, err
+}
+
+// startLocked writes the first memfd of the books: a copy of the records
+// Load read, when st came from Load in this format and changed since only
+// by Forget (each then recorded as a chunk's removal, which replays as a
+// Forget), else a compaction of st. The copy costs a memcpy of the kept
+// log where a compaction decodes and encodes every stream: an agent serves
+// sooner after a restart, and the log compacts when it fills, as always.
+func (b *Books) startLocked(st *State) error {
+	src := st.src
+	st.src = nil
+	if src == nil || st.dirty {
+		if src != nil {
+			src.Close()
+		}
+		return b.compactLocked(st, 0)
+	}
+	defer src.Close()
+	size := int(st.srcEnd)
+	mem, err := unix.Mmap(int(src.Fd()), 0, size, unix.PROT_READ, unix.MAP_SHARED)
+	if err != nil {
+		return b.compactLocked(st, 0)
+	}
+	defer unix.Munmap(mem)
+	kept := st.srcEnd - headerSize
+	var forgets enc
+	for _, id := range st.forgot {
+		forgets = appendEvent(forgets[:0], pool.Event{Kind: pool.EventRemoveChunk, Chunk: pool.Chunk{ID: id}})
+		kept += recordSize(len(forgets))
+	}
+	// The room a compaction of this snapshot would have left: a kept log
+	// past it is compacted (so that neither the memfd nor the next replay
+	// grows from restart to restart), one within it copied, and the copy
+	// gets that room, as if the agent had not restarted.
+	snap := st.snapEnd - headerSize
+	room := snap + max(uint64(minLog), snap)
+	if kept+64 > room {
+		return b.compactLocked(st, 0)
+	}
+	lf, err := newLogFile(b.gen+1, roundPage(room))
+	if err != nil {
+		return err
+	}
+	copy(lf.mem[headerSize:], mem[headerSize:size])
+	lf.off = st.srcEnd
+	for _, id := range st.forgot {
+		b.buf = appendEvent(b.buf[:0], pool.Event{Kind: pool.EventRemoveChunk, Chunk: pool.Chunk{ID: id}})
+		if err = lf.append(b.buf); err != nil {
+			lf.close()
+			return err
+		}
+	}
+	b.install(lf, snap, st.Skipped)
+	return nil
 }
 
 // compactLocked writes st into a fresh memfd with room for extra more
@@ -295,20 +366,26 @@ func (b *Books) compactLocked(st *State, extra int) error {
 		lf.close()
 		return err
 	}
+	b.install(lf, snap, st.Skipped)
+	return nil
+}
+
+// install hands lf, of snap bytes of snapshot, to the store and makes it
+// the books' memfd.
+func (b *Books) install(lf *logFile, snap uint64, skipped int) {
 	unkept := b.store.PutBooks(b.gen+1, lf.f)
 	if b.mem != nil {
 		unix.Munmap(b.mem)
 		b.f.Close()
 	}
 	b.f, b.mem, b.gen, b.off, b.end = lf.f, lf.mem, b.gen+1, lf.off, headerSize+lf.capacity
-	b.lastSnap, b.skipped = snap, st.Skipped
+	b.lastSnap, b.skipped = snap, skipped
 	b.unkept = unkept
 	if unkept != nil && b.onUnkept != nil {
 		b.onUnkept(unkept)
 	}
 	b.touchLocked()
 	b.compactions.Add(1)
-	return nil
 }
 
 // logFile is a books memfd being written by a compaction: its mapping,

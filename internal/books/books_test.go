@@ -210,7 +210,7 @@ func TestTornRecordIsIgnored(t *testing.T) {
 		r.step(i)
 	}
 	before := snapshotMem(t, r.store.f)
-	wantBefore, _, err := replay(before)
+	wantBefore, _, _, err := replay(before)
 	must(t, err)
 	// One more change that touches several pages.
 	ps := r.ss[0]
@@ -220,7 +220,7 @@ func TestTornRecordIsIgnored(t *testing.T) {
 	r.seq++
 	must(t, r.b.Session(server.SessionOp{Session: ps.ID(), Op: wire.OpOffload, Seq: r.seq, Rid: "torn", Label: "x", Pages: pages, Reply: []byte("reply")}))
 	after := snapshotMem(t, r.store.f)
-	wantAfter, _, err := replay(after)
+	wantAfter, _, _, err := replay(after)
 	must(t, err)
 	if wantAfter.Streams() != wantBefore.Streams()+1 {
 		t.Fatalf("streams %d then %d", wantBefore.Streams(), wantAfter.Streams())
@@ -238,7 +238,7 @@ func TestTornRecordIsIgnored(t *testing.T) {
 	// and every subset that lacks the commit word.
 	for cut := lo; cut < hi; cut++ {
 		mem := append(append([]byte{}, after[:cut]...), before[cut:]...)
-		st, _, err := replay(mem)
+		st, _, _, err := replay(mem)
 		must(t, err)
 		if st.Streams() != wantBefore.Streams() {
 			t.Fatalf("cut at %d: %d streams, want %d", cut, st.Streams(), wantBefore.Streams())
@@ -247,7 +247,7 @@ func TestTornRecordIsIgnored(t *testing.T) {
 	// Committed but corrupted: refused, not silently replayed.
 	bad := append([]byte{}, after...)
 	bad[lo+10] ^= 0xff
-	if _, _, err := replay(bad); !errors.Is(err, ErrCorrupt) {
+	if _, _, _, err := replay(bad); !errors.Is(err, ErrCorrupt) {
 		t.Fatalf("corrupt record: %v", err)
 	}
 }
@@ -311,7 +311,7 @@ func TestLoadRefuses(t *testing.T) {
 	for name, breakIt := range cases {
 		mem := append([]byte{}, good...)
 		breakIt(mem)
-		_, _, err := replay(mem)
+		_, _, _, err := replay(mem)
 		if err == nil {
 			t.Fatalf("%s: accepted", name)
 		}
@@ -319,7 +319,7 @@ func TestLoadRefuses(t *testing.T) {
 			t.Fatalf("%s: %v", name, err)
 		}
 	}
-	if _, _, err := replay(good[:100]); err == nil {
+	if _, _, _, err := replay(good[:100]); err == nil {
 		t.Fatal("short books accepted")
 	}
 }
@@ -388,7 +388,7 @@ func FuzzReplay(f *testing.F) {
 		if len(records) == 0 {
 			mem = mem[:len(hdr)] // shorter than a header, too
 		}
-		st, _, err := replay(mem)
+		st, _, _, err := replay(mem)
 		if err == nil && st == nil {
 			t.Fatal("no state and no error")
 		}
@@ -479,10 +479,114 @@ func TestReadsFormatVersion1(t *testing.T) {
 	binary.LittleEndian.PutUint64(mem[16:], 7)
 	binary.LittleEndian.PutUint64(mem[24:], uint64(len(mem)-headerSize))
 	writeRecord(mem, headerSize, snap)
-	got, gen, err := replay(mem)
+	got, gen, _, err := replay(mem)
 	must(t, err)
 	if gen != 7 {
 		t.Fatalf("generation %d", gen)
 	}
 	must(t, got.Check(r.p.Export()))
+}
+
+// TestStartCopiesTheKeptLog: books started from Load copy the records
+// they read (the bytes of the log, not a new snapshot), without a torn
+// record at its end, and record the chunks forgotten in between as
+// removals; a change Start cannot record that way (SetGen) makes it
+// compact instead. Either way the next Load reads what Start was given.
+func TestStartCopiesTheKeptLog(t *testing.T) {
+	for _, tc := range []struct {
+		name           string
+		forget, setGen bool
+	}{{"as kept", false, false}, {"a chunk forgotten", true, false}, {"a generation set", false, true}} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := newRig(t, 7)
+			for i := range 300 {
+				r.step(i)
+			}
+			kept := snapshotMem(t, r.store.f)
+			// A torn record after the last committed one: its length and
+			// payload, no commit word.
+			_, _, end, err := replay(kept)
+			must(t, err)
+			binary.LittleEndian.PutUint32(r.b.mem[end:], 16)
+			copy(r.b.mem[end+8:], "torn record body")
+			r.b.Close()
+			st, info, err := Load(r.store.f)
+			must(t, err)
+			if tc.forget {
+				st.Forget("c4") // revokes b and closes its session
+			}
+			if tc.setGen {
+				st.SetGen("c0", 9, 0)
+			}
+			want := st.Image()
+			b, err := Start(st, info.Gen, r.store, func(err error) { t.Errorf("fatal: %v", err) })
+			must(t, err)
+			defer b.Close()
+			copied := !tc.setGen
+			if got := string(b.mem[headerSize:end]) == string(kept[headerSize:end]); got != copied {
+				t.Fatalf("the new memfd holds the kept log's bytes: %v, want %v", got, copied)
+			}
+			if b.mem[end] != 0 && !tc.forget && copied {
+				t.Fatalf("the torn record was copied")
+			}
+			st2, info2, err := Load(r.store.f)
+			must(t, err)
+			if info2.Gen != info.Gen+1 {
+				t.Fatalf("generation %d after %d", info2.Gen, info.Gen)
+			}
+			must(t, st2.Check(want))
+			if _, ok := st2.Chunk("c4"); ok == tc.forget {
+				t.Fatalf("chunk c4 in the books: %v, forgotten %v", ok, tc.forget)
+			}
+			if len(want.Sessions) != 3-btoi(tc.forget) {
+				t.Fatalf("%d sessions, want %d", len(want.Sessions), 3-btoi(tc.forget))
+			}
+		})
+	}
+}
+
+func btoi(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+// TestStartCompactsALongKeptLog: a kept log longer than the room a
+// compaction of its snapshot leaves (here: written with a larger minimum
+// log) is compacted at start, not copied, so neither the memfd nor the
+// next replay grows from restart to restart; a copied one keeps that room.
+func TestStartCompactsALongKeptLog(t *testing.T) {
+	r := newRig(t, 9)
+	for i := range 6000 {
+		r.step(i)
+	}
+	r.b.Close()
+	old := minLog
+	minLog = 16 << 10
+	defer func() { minLog = old }()
+	st, info, err := Load(r.store.f)
+	must(t, err)
+	if st.srcEnd-headerSize <= uint64(minLog) {
+		t.Fatalf("the kept log is %d bytes, want more than %d", st.srcEnd-headerSize, minLog)
+	}
+	want := st.Image()
+	b, err := Start(st, info.Gen, r.store, nil)
+	must(t, err)
+	defer b.Close()
+	s := b.Stats()
+	if s.LogBytes-headerSize != s.Snapshot || s.Capacity-headerSize < s.Snapshot+uint64(minLog) {
+		t.Fatalf("started with %d bytes of log, %d of snapshot, capacity %d: want a fresh snapshot and its room", s.LogBytes, s.Snapshot, s.Capacity)
+	}
+	st2, _, err := Load(r.store.f)
+	must(t, err)
+	must(t, st2.Check(want))
+	// Started again from the compacted books, it copies them.
+	b.Close()
+	b2, err := Start(st2, info.Gen+1, r.store, nil)
+	must(t, err)
+	defer b2.Close()
+	if s2 := b2.Stats(); s2.LogBytes != s.LogBytes || s2.Capacity != s.Capacity {
+		t.Fatalf("second start: %+v, want the copy of %+v", s2, s)
+	}
 }

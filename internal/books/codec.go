@@ -60,6 +60,12 @@ type dec struct {
 	rest [][]byte // the segments after it
 	left int      // unread bytes in b and rest together
 	err  error
+	// labels, when set, interns the labels of session ops (State.labels):
+	// a replay of many records makes each label once, not once a record.
+	labels map[string]string
+	// alias: session ops' replies are slices of the payload, not copies
+	// (replay copies the one each session keeps, at its end).
+	alias bool
 }
 
 func newDec(segs ...[]byte) *dec {
@@ -187,6 +193,11 @@ func (d *dec) raw() []byte {
 	if d.err != nil {
 		return nil
 	}
+	if d.settle(); d.alias && n <= len(d.b) {
+		out := d.b[:n:n]
+		d.b, d.left = d.b[n:], d.left-n
+		return out
+	}
 	out := make([]byte, n)
 	d.bytesInto(n, out)
 	return out
@@ -207,6 +218,36 @@ func (d *dec) str() string {
 	d.bytesInto(n, out)
 	return string(out)
 }
+
+// label reads a string as str does, from the intern table when there is
+// one (d.labels, at most maxLabels entries).
+func (d *dec) label() string {
+	if d.labels == nil {
+		return d.str()
+	}
+	n := d.n()
+	if d.err != nil || n == 0 {
+		return ""
+	}
+	if d.settle(); n > len(d.b) {
+		out := make([]byte, n)
+		d.bytesInto(n, out)
+		return string(out)
+	}
+	b := d.b[:n]
+	d.b, d.left = d.b[n:], d.left-n
+	if l, ok := d.labels[string(b)]; ok {
+		return l
+	}
+	l := string(b)
+	if len(d.labels) < maxLabels {
+		d.labels[l] = l
+	}
+	return l
+}
+
+// maxLabels bounds the labels a replay interns.
+const maxLabels = 256
 
 func (d *dec) strs() []string {
 	n := d.n()
@@ -309,7 +350,7 @@ func (d *dec) sessionOp() server.SessionOp {
 		d.fail("sequence number out of range")
 	}
 	op.Seq = uint32(seq)
-	op.Fence, op.Rid, op.Label, op.Meta = d.u(), d.str(), d.str(), d.meta()
+	op.Fence, op.Rid, op.Label, op.Meta = d.u(), d.str(), d.label(), d.meta()
 	op.Pages, op.Ticket = d.pages(), d.u()
 	op.Status, op.Reply = wire.Status(d.byte()), d.raw()
 	if d.byte() == 1 {
@@ -478,7 +519,7 @@ func (d *dec) snapshot() *State {
 		st.allocs[id] = d.strs()
 	}
 	for range d.n() {
-		s := &Session{Image: d.sessionImage(), rids: map[string][]*stream{}}
+		s := &Session{Image: d.sessionImage(), rids: map[string][]stream{}}
 		s.Instance, s.UUID, s.Peer = d.str(), d.str(), d.peer()
 		s.Regions = d.regions()
 		seq := d.u()
@@ -486,10 +527,15 @@ func (d *dec) snapshot() *State {
 		if s.Last.Pages = d.pages(); len(s.Last.Pages) == 0 {
 			s.Last.Pages = nil
 		}
-		for range d.n() {
+		// The table sized for its requests at once (a count the record
+		// bounds, and no more than 2^20 entries ahead): growing it a
+		// request at a time rehashed it again and again.
+		nrids := d.n()
+		s.rids = make(map[string][]stream, min(nrids, 1<<20))
+		for range nrids {
 			rid := d.str()
 			for range d.n() {
-				s.rids[rid] = append(s.rids[rid], &stream{label: d.str(), meta: d.meta(), pages: d.pages()})
+				s.rids[rid] = append(s.rids[rid], stream{label: d.str(), meta: d.meta(), pages: d.pages()})
 			}
 		}
 		for range d.n() {
@@ -525,7 +571,10 @@ func decodeSnapshot(parts [][]byte) (*State, error) {
 // a snapshot in one part; replay gathers the parts of a longer one). It
 // returns the state.
 func decodeRecord(st *State, payload []byte) (*State, error) {
-	d := newDec(payload)
+	d := &dec{b: payload, left: len(payload)}
+	if st != nil {
+		d.labels, d.alias = st.labels, st.aliasReplies
+	}
 	typ := d.byte()
 	if st == nil && typ != recSnapshot && typ != recSnapshotPart {
 		return nil, fmt.Errorf("%w: the books start with record type %d, not a snapshot", ErrCorrupt, typ)

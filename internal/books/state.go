@@ -2,6 +2,7 @@ package books
 
 import (
 	"fmt"
+	"os"
 	"slices"
 	"sort"
 
@@ -26,6 +27,23 @@ type State struct {
 	// Skipped counts records that named something already gone (a session
 	// op recorded after a revoke that closed the session, say).
 	Skipped int
+
+	// src is the books memfd Load read, in this format, up to srcEnd
+	// (its last committed record), for Start to copy; forgot lists the
+	// chunks Forget removed since (Start records their removal); dirty: a
+	// change Start cannot record that way (SetGen) came after Load.
+	src    *os.File
+	srcEnd uint64
+	// snapEnd is where the snapshot that began the replayed books ended.
+	snapEnd uint64
+	forgot  []string
+	dirty   bool
+
+	// labels interns the labels of replayed session ops; aliasReplies:
+	// the replies they keep are slices of the records (replay's, which
+	// copies each session's last one at its end: ownReplies).
+	labels       map[string]string
+	aliasReplies bool
 }
 
 type gen struct {
@@ -51,7 +69,7 @@ type Session struct {
 	Regions  int // of the layout it was opened with; its geometry is Image.Spec
 	Last     server.LastReply
 
-	rids    map[string][]*stream
+	rids    map[string][]stream
 	pending []pool.PendingImage
 }
 
@@ -63,7 +81,20 @@ type stream struct {
 
 // NewState returns empty books.
 func NewState() *State {
-	return &State{byID: map[string]*Chunk{}, allocs: map[string][]string{}, sessions: map[uint64]*Session{}, gens: map[string]gen{}}
+	return &State{byID: map[string]*Chunk{}, allocs: map[string][]string{}, sessions: map[uint64]*Session{}, gens: map[string]gen{},
+		labels: map[string]string{}}
+}
+
+// ownReplies makes the last reply each session keeps its own copy, not a
+// slice of a record (aliasReplies), and stops aliasing.
+func (st *State) ownReplies() {
+	if !st.aliasReplies {
+		return
+	}
+	for _, s := range st.sessions {
+		s.Last.Body = slices.Clone(s.Last.Body)
+	}
+	st.aliasReplies = false
 }
 
 // Chunks lists the chunks in the order they were added.
@@ -157,6 +188,9 @@ func (st *State) Restored(sessions []*pool.Session) []server.RestoredSession {
 // lost it, or the plan no longer has it). The allocation holding it is
 // revoked, with its sessions.
 func (st *State) Forget(id string) {
+	if st.src != nil {
+		st.forgot = append(st.forgot, id)
+	}
 	delete(st.gens, id)
 	c, ok := st.byID[id]
 	if !ok {
@@ -174,6 +208,7 @@ func (st *State) Forget(id string) {
 
 // SetGen records the memfd generation and seals of chunk id.
 func (st *State) SetGen(id string, g uint64, seals int) {
+	st.dirty = st.dirty || st.src != nil
 	st.gens[id] = gen{gen: g, seals: seals}
 }
 
@@ -260,11 +295,13 @@ func (st *State) applySession(op server.SessionOp) {
 	}
 	switch op.Op {
 	case wire.OpOffload:
-		if s.find(op.Rid, op.Label) >= 0 {
+		list := s.rids[op.Rid]
+		if indexOf(list, op.Label) >= 0 {
 			st.Skipped++
 			return
 		}
-		s.rids[op.Rid] = append(s.rids[op.Rid], &stream{label: op.Label, meta: op.Meta, pages: slices.Clone(op.Pages)})
+		// op is the decoder's own (decodeRecord): its pages are kept.
+		s.rids[op.Rid] = append(list, stream{label: op.Label, meta: op.Meta, pages: op.Pages})
 	case wire.OpReload, wire.OpDiscard:
 		i := s.find(op.Rid, op.Label)
 		if i < 0 && op.Op == wire.OpDiscard {
@@ -296,10 +333,11 @@ func (st *State) applySession(op server.SessionOp) {
 		st.Skipped++
 		return
 	}
-	s.Last = server.LastReply{Seq: op.Seq, Op: op.Op, Status: op.Status, Body: slices.Clone(op.Reply)}
+	s.Last = server.LastReply{Seq: op.Seq, Op: op.Op, Status: op.Status, Body: op.Reply}
 	if len(op.Pages) > wire.MaxPagesPerPacket {
-		// The rest of a long reply, for OpMore after a resend.
-		s.Last.Pages = slices.Clone(op.Pages)
+		// The rest of a long reply, for OpMore after a resend (shared
+		// with the stream: neither changes them).
+		s.Last.Pages = op.Pages
 	}
 }
 
@@ -311,8 +349,11 @@ func (s *Session) streams() int {
 	return n
 }
 
-func (s *Session) find(rid, label string) int {
-	for i, x := range s.rids[rid] {
+func (s *Session) find(rid, label string) int { return indexOf(s.rids[rid], label) }
+
+// indexOf is the index of label's stream in a request's list, or -1.
+func indexOf(list []stream, label string) int {
+	for i, x := range list {
 		if x.label == label {
 			return i
 		}
@@ -349,7 +390,7 @@ func (st *State) open(op server.SessionOp) {
 	img := o.Image
 	img.Chunks = slices.Clone(img.Chunks)
 	img.Streams, img.Pending = nil, nil
-	st.sessions[img.ID] = &Session{Image: img, Instance: o.Instance, UUID: o.UUID, Peer: o.Peer, Regions: o.Regions, rids: map[string][]*stream{}}
+	st.sessions[img.ID] = &Session{Image: img, Instance: o.Instance, UUID: o.UUID, Peer: o.Peer, Regions: o.Regions, rids: map[string][]stream{}}
 	st.lastSession = max(st.lastSession, img.ID)
 }
 

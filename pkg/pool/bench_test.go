@@ -10,7 +10,7 @@ import (
 // benchSession opens a session of pages host pages of 4 KiB over 4,096
 // device pages, fills it with `others` streams of 8 pages each, and returns it
 // with the heap bytes its bookkeeping uses per host page.
-func benchSession(b *testing.B, pages, others int) (*Session, float64) {
+func benchSession(b testing.TB, pages, others int) (*Session, float64) {
 	b.Helper()
 	const pageSize, chunkSize = 4 << 10, 64 << 20
 	p := New()
@@ -76,6 +76,35 @@ func benchOffloadReload64(b *testing.B, pages, others int) {
 	b.ReportMetric(perPage, "bytes/page")
 	if err := s.Check(); err != nil {
 		b.Fatal(err)
+	}
+}
+
+// maxBytesPerPage is the bar for the pool's bookkeeping at scale: the
+// heap a session's books take per host page, with 1,000,000 pages holding
+// 100,000 streams of 8 pages (the names counted).
+const maxBytesPerPage = 16
+
+// TestBytesPerPage fails when the bookkeeping of a session of 1,000,000
+// host pages holding 100,000 streams (8 pages each, request IDs of 11
+// bytes made fresh per call as a server decodes them, one label) takes
+// more than maxBytesPerPage of heap per page. It measures bytes (the
+// heap's growth across the session, after a collection), not time, so it
+// is deterministic up to the runtime's map layout.
+func TestBytesPerPage(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds a session of 1,000,000 pages")
+	}
+	s, perPage := benchSession(t, 1_000_000, 100_000)
+	t.Logf("%.2f bytes per page (bar %d)", perPage, maxBytesPerPage)
+	if perPage > maxBytesPerPage {
+		t.Fatalf("the pool's books take %.2f bytes per host page at 1,000,000 pages and 100,000 streams, over the bar of %d",
+			perPage, maxBytesPerPage)
+	}
+	if u := s.Usage(); u.Streams != 100_000 || u.Used != 800_000 {
+		t.Fatalf("usage %+v, want 100000 streams holding 800000 pages", u)
+	}
+	if err := s.Check(); err != nil {
+		t.Fatal(err)
 	}
 }
 

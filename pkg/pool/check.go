@@ -67,7 +67,7 @@ func (s *Session) checkList(owner []byte, what string, head, tail int32, n int) 
 // checkStreams checks every request's list of streams, their label index
 // and their pages, and the stream and page counters.
 func (s *Session) checkStreams(owner []byte) error {
-	used, streams := 0, 0
+	used, streams, own := 0, 0, 0
 	for rid, l := range s.rids {
 		if l.first == nilPage || l.last == nilPage {
 			return fmt.Errorf("request %q has no streams", rid)
@@ -76,17 +76,24 @@ func (s *Session) checkStreams(owner []byte) error {
 		prev := int32(nilPage)
 		for slot := l.first; slot != nilPage; slot = s.at(slot).next {
 			st := s.at(slot)
-			if labels[st.label] {
-				return fmt.Errorf("stream %q/%q listed twice", rid, st.label)
+			label, err := s.checkLabel(slot)
+			if err != nil {
+				return fmt.Errorf("request %q: %w", rid, err)
 			}
-			labels[st.label] = true
+			if st.label == ownLabel {
+				own++
+			}
+			if labels[label] {
+				return fmt.Errorf("stream %q/%q listed twice", rid, label)
+			}
+			labels[label] = true
 			if st.prev != prev {
-				return fmt.Errorf("stream %q/%q: back link %d, want %d", rid, st.label, st.prev, prev)
+				return fmt.Errorf("stream %q/%q: back link %d, want %d", rid, label, st.prev, prev)
 			}
-			if l.byLabel != nil && l.byLabel[st.label] != slot {
-				return fmt.Errorf("stream %q/%q: not indexed at slot %d", rid, st.label, slot)
+			if idx := s.byLabel[rid]; idx != nil && idx[label] != slot {
+				return fmt.Errorf("stream %q/%q: not indexed at slot %d", rid, label, slot)
 			}
-			if err := s.checkList(owner, fmt.Sprintf("stream %q/%q", rid, st.label), st.head, st.tail, int(st.n)); err != nil {
+			if err := s.checkList(owner, fmt.Sprintf("stream %q/%q", rid, label), st.head, st.tail, int(st.n)); err != nil {
 				return err
 			}
 			used += int(st.n)
@@ -96,14 +103,35 @@ func (s *Session) checkStreams(owner []byte) error {
 		if prev != l.last || int(l.n) != len(labels) {
 			return fmt.Errorf("request %q: last stream %d, count %d; list ends at %d after %d", rid, l.last, l.n, prev, len(labels))
 		}
-		if (l.byLabel == nil && l.n > indexFrom) || (l.byLabel != nil && len(l.byLabel) != len(labels)) {
-			return fmt.Errorf("request %q: %d streams, label index of %d", rid, l.n, len(l.byLabel))
+		if idx, ok := s.byLabel[rid]; ok != (l.n > indexFrom) || (ok && len(idx) != len(labels)) {
+			return fmt.Errorf("request %q: %d streams, label index of %d", rid, l.n, len(idx))
 		}
 	}
 	if used != s.used || streams != s.nstreams {
 		return fmt.Errorf("streams hold %d pages in %d streams, counters say %d in %d", used, streams, s.used, s.nstreams)
 	}
+	if own != len(s.ownLabels) || len(s.byLabel) > len(s.rids) {
+		return fmt.Errorf("%d streams keep their own label, %d own labels kept; %d label indexes for %d requests",
+			own, len(s.ownLabels), len(s.byLabel), len(s.rids))
+	}
 	return nil
+}
+
+// checkLabel returns the label of the stream in slot: an index into the
+// intern table, or a label of its own that the table does not hold.
+func (s *Session) checkLabel(slot int32) (string, error) {
+	i := s.at(slot).label
+	if i == ownLabel {
+		l, ok := s.ownLabels[slot]
+		if _, interned := s.labelIdx[l]; !ok || interned || len(s.labels) < maxInterned {
+			return "", fmt.Errorf("slot %d: own label %q kept %v, interned %v, table of %d", slot, l, ok, interned, len(s.labels))
+		}
+		return l, nil
+	}
+	if i < 0 || int(i) >= len(s.labels) || s.labelIdx[s.labels[i]] != i {
+		return "", fmt.Errorf("slot %d: label index %d, table of %d", slot, i, len(s.labels))
+	}
+	return s.labels[i], nil
 }
 
 // checkPending checks the pending releases: tickets in order, their pages,

@@ -153,7 +153,7 @@ func (s *Session) Image() SessionImage {
 	for _, rid := range rids {
 		for slot := s.rids[rid].first; slot != nilPage; slot = s.at(slot).next {
 			st := s.at(slot)
-			si.Streams = append(si.Streams, StreamImage{Rid: rid, Label: st.label, Meta: st.meta, Pages: chain(st.head)})
+			si.Streams = append(si.Streams, StreamImage{Rid: rid, Label: s.labelOf(slot), Meta: st.meta, Pages: chain(st.head)})
 		}
 	}
 	for _, r := range s.pending[s.phead:] {
@@ -323,29 +323,65 @@ func (s *Session) linkPages(pages []int32, used []bool) (head, tail int32, err e
 	return head, tail, nil
 }
 
-// restoreStreams rebuilds the stream table.
+// restoreStreams rebuilds the stream table. Streams of one request come
+// together (Image lists them so, in offload order): the table is sized for
+// the requests first, and each run of a request's streams costs one map
+// lookup and one assignment, not one per stream.
 func (s *Session) restoreStreams(streams []StreamImage, used []bool) error {
+	requests := 0
+	for i := range streams {
+		if i == 0 || streams[i].Rid != streams[i-1].Rid {
+			requests++
+		}
+	}
+	s.rids = make(map[string]ridList, requests)
+	for i := 0; i < len(streams); {
+		rid := streams[i].Rid
+		j := i + 1
+		for j < len(streams) && streams[j].Rid == rid {
+			j++
+		}
+		if err := s.restoreRequest(rid, streams[i:j], used); err != nil {
+			return err
+		}
+		i = j
+	}
+	return nil
+}
+
+// restoreRequest rebuilds the streams of one request, in order.
+func (s *Session) restoreRequest(rid string, streams []StreamImage, used []bool) error {
+	if err := checkNames(rid, ""); err != nil {
+		return err
+	}
+	l, ok := s.rids[rid]
+	if !ok {
+		// (A request listed in two places, which Image never does, goes
+		// on from its first place's streams.)
+		l = ridList{first: nilPage, last: nilPage}
+	}
 	for _, st := range streams {
-		if err := checkNames(st.Rid, st.Label); err != nil {
+		if err := checkNames(rid, st.Label); err != nil {
 			return err
 		}
 		if err := st.Meta.validate(); err != nil {
 			return err
 		}
-		if slot, _ := s.find(st.Rid, st.Label); slot != nilPage {
-			return fmt.Errorf("%q/%q: %w", st.Rid, st.Label, poolerr.ErrDuplicateStream)
+		if slot, _ := s.findIn(rid, l, st.Label); slot != nilPage {
+			return fmt.Errorf("%q/%q: %w", rid, st.Label, poolerr.ErrDuplicateStream)
 		}
 		head, tail, err := s.linkPages(st.Pages, used)
 		if err != nil {
-			return fmt.Errorf("%q/%q: %w", st.Rid, st.Label, err)
+			return fmt.Errorf("%q/%q: %w", rid, st.Label, err)
 		}
 		slot := s.newSlot()
-		*s.at(slot) = stream{label: s.intern(st.Label), meta: st.Meta, head: head, tail: tail, n: int32(len(st.Pages))}
-		_, l := s.find(st.Rid, st.Label)
-		s.link(st.Rid, l, slot)
-		s.names += int64(len(st.Rid) + len(st.Label))
-		s.pool.names.Add(int64(len(st.Rid) + len(st.Label)))
+		*s.at(slot) = stream{meta: st.Meta, head: head, tail: tail, n: int32(len(st.Pages))}
+		s.setLabel(slot, st.Label)
+		l = s.linkOnly(rid, l, slot)
+		s.names += int64(len(rid) + len(st.Label))
+		s.pool.names.Add(int64(len(rid) + len(st.Label)))
 	}
+	s.rids[rid] = l
 	return nil
 }
 

@@ -43,7 +43,7 @@ func stateOf(s *Session) sessionState {
 	for _, rid := range rids {
 		for slot := s.first(rid); slot != nilPage; slot = s.at(slot).next {
 			x := s.at(slot)
-			st.Streams = append(st.Streams, fmt.Sprintf("%s/%s %v %+v", rid, x.label, chain(x.head), x.meta))
+			st.Streams = append(st.Streams, fmt.Sprintf("%s/%s %v %+v", rid, s.labelOf(slot), chain(x.head), x.meta))
 		}
 	}
 	st.Free = chain(s.freeHead)

@@ -67,7 +67,11 @@ type Session struct {
 	npending int
 	ticket   uint64 // last ticket issued
 
-	rids     map[string]ridList // request ID -> its streams, in offload order
+	rids map[string]ridList // request ID -> its streams, in offload order
+	// byLabel indexes the streams of each request that holds more than
+	// indexFrom of them: request ID -> label -> slot. Kept out of ridList
+	// so that the entry every request has stays 12 bytes.
+	byLabel  map[string]map[string]int32
 	slab     []*slabBlock
 	freeSlot int32 // free slots, linked through stream.next
 	nstreams int
@@ -77,23 +81,51 @@ type Session struct {
 	seen []uint64 // scratch bitmap over device pages for duplicate checks
 
 	// labels interns stream labels: an engine uses a handful (one per KV
-	// group) across all its streams, so each is stored once.
-	labels map[string]string
+	// group) across all its streams, so each is stored once and a stream
+	// keeps its index (4 bytes, not a 16-byte string header). Labels
+	// beyond maxInterned are kept in ownLabels by slot.
+	labels    []string
+	labelIdx  map[string]int32
+	ownLabels map[int32]string
 }
 
 // maxInterned bounds the label intern table; labels beyond it are stored
-// per stream.
+// per stream (ownLabels).
 const maxInterned = 256
 
-func (s *Session) intern(label string) string {
-	if l, ok := s.labels[label]; ok {
-		return l
+// ownLabel marks a stream whose label is in ownLabels, not interned.
+const ownLabel = -1
+
+// intern returns label's index in the intern table, adding it while the
+// table has room; ownLabel when it is full.
+func (s *Session) intern(label string) int32 {
+	if i, ok := s.labelIdx[label]; ok {
+		return i
 	}
 	if len(s.labels) < maxInterned {
 		label = strings.Clone(label)
-		s.labels[label] = label
+		i := int32(len(s.labels))
+		s.labels = append(s.labels, label)
+		s.labelIdx[label] = i
+		return i
 	}
-	return label
+	return ownLabel
+}
+
+// setLabel gives the stream in slot its label.
+func (s *Session) setLabel(slot int32, label string) {
+	st := s.at(slot)
+	if st.label = s.intern(label); st.label == ownLabel {
+		s.ownLabels[slot] = label
+	}
+}
+
+// labelOf is the label of the stream in slot.
+func (s *Session) labelOf(slot int32) string {
+	if i := s.at(slot).label; i != ownLabel {
+		return s.labels[i]
+	}
+	return s.ownLabels[slot]
 }
 
 type release struct {
@@ -107,8 +139,8 @@ type release struct {
 // come in that order while finding and removing a stream stays O(1) however
 // many streams a request has.
 type stream struct {
-	label      string
 	meta       Meta
+	label      int32 // index in the intern table, or ownLabel
 	head, tail int32 // host page chain
 	n          int32 // pages
 	next       int32 // next stream of the same request, or next free slot
@@ -116,13 +148,12 @@ type stream struct {
 }
 
 // ridList is a request's list of streams. A request with more than
-// indexFrom streams also indexes them by label, so that finding one stays
-// O(1) however many a request has; below that a walk of the list is faster
-// than a map and costs the hot path nothing.
+// indexFrom streams also indexes them by label (Session.byLabel), so that
+// finding one stays O(1) however many a request has; below that a walk of
+// the list is faster than a map and costs the hot path nothing.
 type ridList struct {
 	first, last int32
 	n           int32
-	byLabel     map[string]int32 // label -> slot; nil until n exceeds indexFrom
 }
 
 const indexFrom = 8
@@ -134,13 +165,15 @@ type slabBlock [1 << slabShift]stream
 func newSession(p *Pool, a *allocation, spec Spec, chunks []*chunk, ppc, capacity int) *Session {
 	s := &Session{
 		pool: p, alloc: a, spec: spec, chunks: chunks, ppc: ppc, capacity: capacity, near: Near{NUMA: -1},
-		next:     make([]int32, capacity),
-		freeHead: nilPage,
-		nfree:    capacity,
-		rids:     make(map[string]ridList),
-		freeSlot: nilPage,
-		seen:     make([]uint64, (spec.DevicePages+63)/64),
-		labels:   make(map[string]string),
+		next:      make([]int32, capacity),
+		freeHead:  nilPage,
+		nfree:     capacity,
+		rids:      make(map[string]ridList),
+		byLabel:   make(map[string]map[string]int32),
+		freeSlot:  nilPage,
+		seen:      make([]uint64, (spec.DevicePages+63)/64),
+		labelIdx:  make(map[string]int32),
+		ownLabels: make(map[int32]string),
 	}
 	// Ascending order, so that a fresh pool hands out contiguous runs.
 	for i := range s.next {
@@ -199,6 +232,9 @@ func (s *Session) newSlot() int32 {
 
 func (s *Session) freeSlotAt(slot int32) {
 	st := s.at(slot)
+	if st.label == ownLabel {
+		delete(s.ownLabels, slot)
+	}
 	*st = stream{next: s.freeSlot}
 	s.freeSlot = slot
 }
@@ -210,14 +246,19 @@ func (s *Session) find(rid, label string) (int32, ridList) {
 	if !ok {
 		return nilPage, l
 	}
-	if l.byLabel != nil {
-		if slot, ok := l.byLabel[label]; ok {
+	return s.findIn(rid, l, label)
+}
+
+// findIn is find in rid's list l.
+func (s *Session) findIn(rid string, l ridList, label string) (int32, ridList) {
+	if l.n > indexFrom {
+		if slot, ok := s.byLabel[rid][label]; ok {
 			return slot, l
 		}
 		return nilPage, l
 	}
 	for slot := l.first; slot != nilPage; slot = s.at(slot).next {
-		if s.at(slot).label == label {
+		if s.labelOf(slot) == label {
 			return slot, l
 		}
 	}
@@ -227,6 +268,11 @@ func (s *Session) find(rid, label string) (int32, ridList) {
 // link appends a new stream in slot to rid's list l (zero when rid has no
 // stream yet).
 func (s *Session) link(rid string, l ridList, slot int32) {
+	s.rids[rid] = s.linkOnly(rid, l, slot)
+}
+
+// linkOnly is link but for storing the list: it returns it.
+func (s *Session) linkOnly(rid string, l ridList, slot int32) ridList {
 	st := s.at(slot)
 	st.next = nilPage
 	if l.n > 0 {
@@ -239,18 +285,19 @@ func (s *Session) link(rid string, l ridList, slot int32) {
 	}
 	l.n++
 	switch {
-	case l.byLabel != nil:
-		l.byLabel[st.label] = slot
+	case l.n > indexFrom+1:
+		s.byLabel[rid][s.labelOf(slot)] = slot
 	case l.n > indexFrom:
-		l.byLabel = make(map[string]int32, 2*indexFrom)
+		idx := make(map[string]int32, 2*indexFrom)
 		for x := l.first; x != nilPage; x = s.at(x).next {
-			l.byLabel[s.at(x).label] = x
+			idx[s.labelOf(x)] = x
 		}
+		s.byLabel[strings.Clone(rid)] = idx
 	}
-	s.rids[rid] = l
 	s.nstreams++
 	s.pool.streams.Add(1)
 	s.used += int(st.n)
+	return l
 }
 
 // unlink removes slot from rid's list l and frees the slot.
@@ -266,10 +313,14 @@ func (s *Session) unlink(rid string, l ridList, slot int32) {
 	} else {
 		l.last = st.prev
 	}
-	l.n--
-	if l.byLabel != nil {
-		delete(l.byLabel, st.label)
+	label := s.labelOf(slot)
+	switch {
+	case l.n > indexFrom+1:
+		delete(s.byLabel[rid], label)
+	case l.n == indexFrom+1:
+		delete(s.byLabel, rid)
 	}
+	l.n--
 	if l.n == 0 {
 		delete(s.rids, rid)
 	} else {
@@ -277,9 +328,9 @@ func (s *Session) unlink(rid string, l ridList, slot int32) {
 	}
 	s.used -= int(st.n)
 	s.nstreams--
-	s.names -= int64(len(rid) + len(st.label))
+	s.names -= int64(len(rid) + len(label))
 	s.pool.streams.Add(-1)
-	s.pool.names.Add(-int64(len(rid) + len(st.label)))
+	s.pool.names.Add(-int64(len(rid) + len(label)))
 	s.freeSlotAt(slot)
 }
 
@@ -371,7 +422,8 @@ func (s *Session) Offload(rid, label string, gpuPages []int32, m Meta, dst []int
 	s.nfree -= n
 
 	slot := s.newSlot()
-	*s.at(slot) = stream{label: s.intern(label), meta: m, head: head, tail: tail, n: int32(n)}
+	*s.at(slot) = stream{meta: m, head: head, tail: tail, n: int32(n)}
+	s.setLabel(slot, label)
 	s.link(rid, list, slot)
 	s.names += int64(len(rid) + len(label))
 	s.pool.names.Add(int64(len(rid) + len(label)))
@@ -511,14 +563,16 @@ func (s *Session) RemoveRequest(rid string) (int, error) {
 		s.freeChain(st)
 		s.used -= int(st.n)
 		s.nstreams--
-		s.names -= int64(len(rid) + len(st.label))
+		label := len(s.labelOf(slot))
+		s.names -= int64(len(rid) + label)
 		s.pool.streams.Add(-1)
-		s.pool.names.Add(-int64(len(rid) + len(st.label)))
+		s.pool.names.Add(-int64(len(rid) + label))
 		s.freeSlotAt(slot)
 		removed++
 		slot = next
 	}
 	delete(s.rids, rid)
+	delete(s.byLabel, rid)
 	return removed, nil
 }
 
@@ -536,7 +590,7 @@ func (s *Session) Labels(rid string) []string {
 	defer s.mu.Unlock()
 	var out []string
 	for slot := s.first(rid); slot != nilPage; slot = s.at(slot).next {
-		out = append(out, s.at(slot).label)
+		out = append(out, s.labelOf(slot))
 	}
 	return out
 }
@@ -607,10 +661,11 @@ func (s *Session) dropAll() {
 	s.pool.streams.Add(-int64(s.nstreams))
 	s.pool.names.Add(-s.names)
 	s.rids = make(map[string]ridList)
+	s.byLabel = nil
 	s.slab, s.freeSlot = nil, nilPage
 	s.pending, s.phead = nil, 0
 	s.used, s.nstreams, s.npending, s.nfree, s.names = 0, 0, 0, 0, 0
 	s.seen = nil
 	s.next, s.freeHead = nil, nilPage
-	s.labels = nil
+	s.labels, s.labelIdx, s.ownLabels = nil, nil, nil
 }

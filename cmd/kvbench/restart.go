@@ -1,0 +1,380 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"text/tabwriter"
+	"time"
+
+	"github.com/kvpool/kvpool/internal/keeper"
+	"github.com/kvpool/kvpool/pkg/client"
+	"github.com/kvpool/kvpool/pkg/cudart"
+)
+
+// restartReport is what `kvbench restart` prints: per stream count, the
+// time from SIGKILL of the agent until a client call succeeds on the
+// restarted one, and the agent's memory before and after.
+type restartReport struct {
+	Load  string       `json:"load_average"` // /proc/loadavg when the probe began
+	Cases []restartRow `json:"cases"`
+}
+
+type restartRow struct {
+	Streams    int       `json:"streams"`
+	GapsMs     []float64 `json:"gaps_ms"` // one per restart
+	GapP50Ms   float64   `json:"gap_p50_ms"`
+	OverFloor  float64   `json:"gap_p50_over_one_stream"` // the 1-stream case's p50 measured in the same run
+	RSSBefore  int64     `json:"rss_before_bytes"`        // the first agent, filled and settled
+	RSSAfter   []int64   `json:"rss_after_bytes"`         // each restarted agent, settled
+	AnonBefore int64     `json:"rss_anon_before_bytes"`
+	AnonAfter  []int64   `json:"rss_anon_after_bytes"`
+}
+
+// runRestart is `kvbench restart`: a keeper and an agent as real
+// processes, one client session (in this process, on a simulated GPU)
+// filled with N one-page streams, then the agent killed with SIGKILL and
+// started again, restarts times, each timed until IsOffloaded of the first
+// stream succeeds (a 1 ms poll); every stream is verified after the last.
+func runRestart(ctx context.Context, args []string) error {
+	fs := flag.NewFlagSet("kvbench restart", flag.ContinueOnError)
+	counts := fs.String("streams", "1,10000,100000,131072", "stream counts to probe, comma-separated (the first is the floor)")
+	restarts := fs.Int("restarts", 3, "restarts per stream count")
+	agentBin := fs.String("agent-bin", "", "the agent binary (default: go build ./cmd/agent into a temporary directory)")
+	settle := fs.Duration("settle", time.Second, "how long after a fill and after a restart before the RSS is read")
+	asJSON := fs.Bool("json", false, "print the results as JSON")
+	fs.StringVar(&agentLogLevel, "agent-log-level", "warn", "the agents' --log-level (their logs go to stderr at the end of each count)")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	var ns []int
+	for _, f := range strings.Split(*counts, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(f))
+		if err != nil || n < 1 || n > 1<<17 {
+			return fmt.Errorf("--streams: %q is not a count of 1 to %d", f, 1<<17)
+		}
+		ns = append(ns, n)
+	}
+	if *restarts < 1 {
+		return errors.New("--restarts must be at least 1")
+	}
+	bin := *agentBin
+	if bin == "" {
+		dir, err := os.MkdirTemp("", "kvbench-agent-")
+		if err != nil {
+			return err
+		}
+		defer os.RemoveAll(dir)
+		bin = filepath.Join(dir, "agent")
+		if out, err := exec.Command("go", "build", "-o", bin, "github.com/kvpool/kvpool/cmd/agent").CombinedOutput(); err != nil {
+			return fmt.Errorf("build the agent: %v\n%s", err, out)
+		}
+	}
+	load, _ := os.ReadFile("/proc/loadavg")
+	rep := restartReport{Load: strings.TrimSpace(string(load))}
+	for _, n := range ns {
+		row, err := probeRestart(ctx, bin, n, *restarts, *settle)
+		if err != nil {
+			return fmt.Errorf("%d streams: %w", n, err)
+		}
+		row.OverFloor = row.GapP50Ms / max(rep.floor(row), 1e-9)
+		rep.Cases = append(rep.Cases, row)
+	}
+	if *asJSON {
+		enc := json.NewEncoder(os.Stdout)
+		enc.SetIndent("", "  ")
+		return enc.Encode(rep)
+	}
+	printRestart(os.Stdout, &rep)
+	return nil
+}
+
+// floor is the first case's p50 gap (row itself when it is the first).
+func (r *restartReport) floor(row restartRow) float64 {
+	if len(r.Cases) == 0 {
+		return row.GapP50Ms
+	}
+	return r.Cases[0].GapP50Ms
+}
+
+func printRestart(w io.Writer, rep *restartReport) {
+	fmt.Fprintf(w, "load average at start: %s\n", rep.Load)
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "streams\tgap p50 ms\tgaps ms\tover 1st\tRSS before MiB\tRSS after MiB\tanon before MiB\tanon after MiB")
+	mib := func(v int64) string { return fmt.Sprintf("%.1f", float64(v)/(1<<20)) }
+	list := func(vs []int64) string {
+		var s []string
+		for _, v := range vs {
+			s = append(s, mib(v))
+		}
+		return strings.Join(s, " ")
+	}
+	for _, c := range rep.Cases {
+		var g []string
+		for _, v := range c.GapsMs {
+			g = append(g, fmt.Sprintf("%.1f", v))
+		}
+		fmt.Fprintf(tw, "%d\t%.1f\t%s\t%.2f\t%s\t%s\t%s\t%s\n", c.Streams, c.GapP50Ms, strings.Join(g, " "), c.OverFloor,
+			mib(c.RSSBefore), list(c.RSSAfter), mib(c.AnonBefore), list(c.AnonAfter))
+	}
+	tw.Flush()
+}
+
+// agentLogLevel is the agents' --log-level (--agent-log-level).
+var agentLogLevel = "warn"
+
+// probeRestart runs one stream count: a fresh keeper and agent, the fill,
+// restarts kills and restarts, the check of every stream.
+func probeRestart(ctx context.Context, bin string, n, restarts int, settle time.Duration) (restartRow, error) {
+	row := restartRow{Streams: n}
+	pr, err := startProbe(bin)
+	if err != nil {
+		return row, err
+	}
+	defer pr.stop(n)
+	dev, regions, err := probeDevice()
+	if err != nil {
+		return row, err
+	}
+	defer dev.Close()
+	p, err := pr.fill(ctx, dev, regions, n)
+	if err != nil {
+		return row, err
+	}
+	defer p.Close()
+	time.Sleep(settle)
+	row.RSSBefore, row.AnonBefore = procRSS(pr.agent.Process.Pid)
+	for range restarts {
+		gap, err := pr.restart(p)
+		if err != nil {
+			return row, err
+		}
+		row.GapsMs = append(row.GapsMs, float64(gap.Microseconds())/1e3)
+		time.Sleep(settle)
+		rss, anon := procRSS(pr.agent.Process.Pid)
+		row.RSSAfter, row.AnonAfter = append(row.RSSAfter, rss), append(row.AnonAfter, anon)
+	}
+	u, err := p.Usage()
+	if err != nil || u.Streams != n {
+		return row, fmt.Errorf("after the restarts: %d streams (%v), want %d", u.Streams, err, n)
+	}
+	for _, i := range []int{0, n / 2, n - 1} {
+		if k, err := p.NumPages(probeRid(i), "kv"); err != nil || k != 1 {
+			return row, fmt.Errorf("stream %s after the restarts: %d pages (%v), want 1", probeRid(i), k, err)
+		}
+	}
+	g := slices.Clone(row.GapsMs)
+	slices.Sort(g)
+	row.GapP50Ms = g[len(g)/2]
+	return row, nil
+}
+
+func probeRid(i int) string { return fmt.Sprintf("req-%07d", i) }
+
+// probe is one stream count's keeper and agent processes.
+type probe struct {
+	dir, sock string
+	args      []string
+	bin       string
+	keeper    *exec.Cmd
+	agent     *exec.Cmd
+	log       syncBuffer // every agent's stderr
+}
+
+// syncBuffer is a bytes.Buffer the agents' stderr copiers write while the
+// probe may read it.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// startProbe starts a keeper and an agent on it in a fresh directory.
+func startProbe(bin string) (*probe, error) {
+	dir, err := os.MkdirTemp("", "kvbench-restart-")
+	if err != nil {
+		return nil, err
+	}
+	pr := &probe{dir: dir, bin: bin, sock: filepath.Join(dir, "sock", "kv.sock")}
+	keeperSock := filepath.Join(dir, "keeper.sock")
+	pr.keeper = exec.Command(bin, "keeper", "--socket", keeperSock, "--log-level", "warn")
+	pr.keeper.Stderr = os.Stderr
+	if err := pr.keeper.Start(); err != nil {
+		os.RemoveAll(dir)
+		return nil, err
+	}
+	if err := waitUntil(10*time.Second, func() bool { _, err := keeper.Query(keeperSock); return err == nil }); err != nil {
+		pr.stop(0)
+		return nil, fmt.Errorf("keeper: %w", err)
+	}
+	if err := os.Mkdir(filepath.Dir(pr.sock), 0o755); err != nil {
+		pr.stop(0)
+		return nil, err
+	}
+	// Two chunks of 16 MiB of 128-byte host pages: 262,144 pages, room for
+	// one session at its stream bound.
+	pr.args = []string{"--standalone", "--socket", pr.sock, "--keeper-socket", keeperSock, "--standalone-gpus", "1",
+		"--chunks-per-gpu", "2", "--chunk-mib", "16", "--state-dir", filepath.Join(dir, "state"),
+		"--log-level", agentLogLevel, "--standalone-tokens", "bench-token"}
+	if err := pr.startAgent(); err != nil {
+		pr.stop(0)
+		return nil, err
+	}
+	return pr, nil
+}
+
+func (pr *probe) startAgent() error {
+	pr.agent = exec.Command(pr.bin, pr.args...)
+	pr.agent.Stderr = &pr.log
+	if err := pr.agent.Start(); err != nil {
+		pr.agent = nil
+		return err
+	}
+	return nil
+}
+
+// stop ends the agent and the keeper (SIGTERM) and removes the
+// directory; the agents' log goes to stderr when it has errors or when
+// asked for (--agent-log-level).
+func (pr *probe) stop(n int) {
+	for _, c := range []*exec.Cmd{pr.agent, pr.keeper} {
+		if c != nil && c.Process != nil {
+			_ = c.Process.Signal(syscall.SIGTERM)
+			_ = c.Wait()
+		}
+	}
+	if s := pr.log.String(); strings.Contains(s, "level=ERROR") || agentLogLevel != "warn" {
+		fmt.Fprintf(os.Stderr, "kvbench: the agents' log (%d streams):\n%s", n, s)
+	}
+	os.RemoveAll(pr.dir)
+}
+
+// fill offloads n one-page streams and returns the pool the probe polls
+// with: the same instance, taking the session over, with no retries (it
+// polls itself, every ms).
+func (pr *probe) fill(ctx context.Context, dev cudart.Device, regions []cudart.Region, n int) (*client.CPUPagePool, error) {
+	fill, err := openProbe(ctx, pr.sock, dev, regions, 10*time.Second)
+	if err != nil {
+		return nil, err
+	}
+	for i := range n {
+		ok, err := fill.OffloadStream(probeRid(i), "kv", []int32{int32(i % 16)}, int64(i), int64(i), 0)
+		if err != nil || !ok {
+			return nil, fmt.Errorf("offload %d: %v, %v", i, ok, err)
+		}
+	}
+	if err := fill.Synchronize(); err != nil {
+		return nil, err
+	}
+	fill.Disconnect()
+	return openProbe(ctx, pr.sock, dev, regions, -1)
+}
+
+// restart kills the agent with SIGKILL, starts another and returns the
+// time until p's is_offloaded of the first stream succeeds.
+func (pr *probe) restart(p *client.CPUPagePool) (time.Duration, error) {
+	t0 := time.Now()
+	if err := pr.agent.Process.Signal(syscall.SIGKILL); err != nil {
+		return 0, err
+	}
+	_ = pr.agent.Wait() // killed: the error says so
+	if err := pr.startAgent(); err != nil {
+		return 0, err
+	}
+	for {
+		ok, err := p.IsOffloaded(probeRid(0))
+		if err == nil {
+			if !ok {
+				return 0, errors.New("the restarted agent lost the first stream")
+			}
+			return time.Since(t0), nil
+		}
+		if time.Since(t0) > 30*time.Second {
+			return 0, fmt.Errorf("not serving 30 s after the kill: %w\n%s", err, pr.log.String())
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// probeDevice makes the probe's simulated GPU: 16 device pages in two
+// regions of 64 bytes a page.
+func probeDevice() (cudart.Device, []cudart.Region, error) {
+	uuid := cudart.SimulatedUUID(0)
+	sim := cudart.NewSim(cudart.SimOptions{Devices: 1, UUIDs: []string{uuid}, MemoryBytes: 1 << 20})
+	dev, err := sim.Open(0)
+	if err != nil {
+		return nil, nil, err
+	}
+	k, err1 := dev.MemAlloc(16 * 64)
+	v, err2 := dev.MemAlloc(16 * 64)
+	if err := errors.Join(err1, err2); err != nil {
+		dev.Close()
+		return nil, nil, err
+	}
+	return dev, []cudart.Region{{Base: k, Stride: 64, PageBytes: 64, Pages: 16}, {Base: v, Stride: 64, PageBytes: 64, Pages: 16}}, nil
+}
+
+// openProbe opens (or takes over) the probe's session.
+func openProbe(ctx context.Context, sock string, dev cudart.Device, regions []cudart.Region, retry time.Duration) (*client.CPUPagePool, error) {
+	return client.Open(ctx, client.Options{Socket: sock, Token: "bench-token", Device: dev, Regions: regions, RetryFor: retry,
+		InstanceID: []byte("kvbench-restart"), Name: "kvbench-restart", Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+}
+
+func waitUntil(d time.Duration, cond func() bool) error {
+	deadline := time.Now().Add(d)
+	for !cond() {
+		if time.Now().After(deadline) {
+			return errors.New("timed out")
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+	return nil
+}
+
+// procRSS returns a process's resident memory and its anonymous part.
+func procRSS(pid int) (rss, anon int64) {
+	f, err := os.Open(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		return 0, 0
+	}
+	defer f.Close()
+	kb := func(v string) int64 {
+		n, _ := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 10, 64)
+		return n << 10
+	}
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		if v, ok := strings.CutPrefix(sc.Text(), "VmRSS:"); ok {
+			rss = kb(v)
+		}
+		if v, ok := strings.CutPrefix(sc.Text(), "RssAnon:"); ok {
+			anon = kb(v)
+		}
+	}
+	return rss, anon
+}
