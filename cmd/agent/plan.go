@@ -56,15 +56,7 @@ type nodeSummary struct {
 func plan(ctx context.Context, args []string, out io.Writer, getenv func(string) string, lib nvml.Interface) error {
 	fs := flag.NewFlagSet("agent plan", flag.ContinueOnError)
 	fs.SetOutput(out)
-	fs.Usage = func() {
-		fmt.Fprintln(out, "usage: agent plan [--json] [--standalone | --simulate-gpus N] [config flags]\n\n"+
-			"Prints the pool the agent would allocate on this node, per GPU, and the input that bound it, and how long pinning it\n"+
-			"would take at start. Allocates nothing but a short probe that measures the pinning rate (--pin-probe bytes per\n"+
-			"NUMA node, pinned as the agent pins and freed at once; --pin-rate gives the rate instead, --pin-probe 0 skips it).\n"+
-			"On a node without NVML, --simulate-gpus N plans what the configuration (--config) says for N simulated GPUs,\n"+
-			"as `agent serve --simulate-gpus N` would run it; --standalone plans standalone mode's own small pool.")
-		fs.PrintDefaults()
-	}
+	fs.Usage = func() { planUsage(fs, out) }
 	asJSON := fs.Bool("json", false, "print the plan as JSON")
 	standalone := fs.Bool("standalone", false, "plan standalone mode's pool (standalone.poolBytes) for simulated GPUs when NVML is absent")
 	simulate := fs.Int("simulate-gpus", 0, "plan the configuration's sizing for this many simulated GPUs instead of NVML's (as serve --simulate-gpus)")
@@ -124,19 +116,7 @@ func plan(ctx context.Context, args []string, out io.Writer, getenv func(string)
 		return err
 	}
 	rep.Plan = p
-	switch {
-	case pinRate > 0:
-		rep.PinEstimate = givenPin(p, info, int64(pinRate))
-	case pinProbe == 0:
-		rep.NoPinEstimate = "--pin-probe 0"
-	case *root != "/":
-		rep.NoPinEstimate = "--root names another node's tree: give its rate with --pin-rate"
-	default:
-		if rep.PinEstimate, err = probePin(p, info, int64(pinProbe)); err != nil {
-			rep.NoPinEstimate = err.Error()
-			fmt.Fprintln(os.Stderr, "agent plan: warning:", err)
-		}
-	}
+	planPin(&rep, p, info, int64(pinRate), int64(pinProbe), *root)
 	if *asJSON {
 		enc := json.NewEncoder(out)
 		enc.SetIndent("", "  ")
@@ -144,6 +124,37 @@ func plan(ctx context.Context, args []string, out io.Writer, getenv func(string)
 	}
 	printPlan(out, rep)
 	return nil
+}
+
+// planUsage prints plan's help.
+func planUsage(fs *flag.FlagSet, out io.Writer) {
+	fmt.Fprintln(out, "usage: agent plan [--json] [--standalone | --simulate-gpus N] [config flags]\n\n"+
+		"Prints the pool the agent would allocate on this node, per GPU, and the input that bound it, and how long pinning it\n"+
+		"would take at start. Allocates nothing but a short probe that measures the pinning rate (--pin-probe bytes per\n"+
+		"NUMA node, pinned as the agent pins and freed at once; --pin-rate gives the rate instead, --pin-probe 0 skips it).\n"+
+		"On a node without NVML, --simulate-gpus N plans what the configuration (--config) says for N simulated GPUs,\n"+
+		"as `agent serve --simulate-gpus N` would run it; --standalone plans standalone mode's own small pool.")
+	fs.PrintDefaults()
+}
+
+// planPin fills the plan's estimate of the time to a ready pool: from
+// the rate given (pinRate), or from a probe of probe bytes per NUMA node
+// on this node (root "/"), or says why there is none.
+func planPin(rep *planReport, p *sizing.Plan, info *node.Info, pinRate, probe int64, root string) {
+	var err error
+	switch {
+	case pinRate > 0:
+		rep.PinEstimate = givenPin(p, info, pinRate)
+	case probe == 0:
+		rep.NoPinEstimate = "--pin-probe 0"
+	case root != "/":
+		rep.NoPinEstimate = "--root names another node's tree: give its rate with --pin-rate"
+	default:
+		if rep.PinEstimate, err = probePin(p, info, probe); err != nil {
+			rep.NoPinEstimate = err.Error()
+			fmt.Fprintln(os.Stderr, "agent plan: warning:", err)
+		}
+	}
 }
 
 // planGPUs finds the GPUs to plan for: simulate simulated ones (the
