@@ -235,19 +235,19 @@ type Conn struct {
 	werrno syscall.Errno
 	writeF func(fd uintptr) bool
 
-	rmu    sync.Mutex
-	rmsg   unix.Msghdr
-	riov   unix.Iovec
-	rn     uintptr
-	rerrno syscall.Errno
-	rblock bool
-	rspin  bool          // the next recvStep polls first (c.spin)
-	spin   time.Duration // SetSpin; guarded by rmu
-	rusage unix.Rusage   // the spin's scratch, for its context switches
-	skip   int           // Recvs left without a spin (spinBackoff)
-	backof int           // the last spinBackoff
-	counts atomic.Bool   // counted in spinConns
-	readF  func(fd uintptr) bool
+	rmu         sync.Mutex
+	rmsg        unix.Msghdr
+	riov        unix.Iovec
+	rn          uintptr
+	rerrno      syscall.Errno
+	rblock      bool
+	rspin       bool          // the next recvStep polls first (c.spin)
+	spin        time.Duration // SetSpin; guarded by rmu
+	rusage      unix.Rusage   // the spin's scratch, for its context switches
+	skip        int           // Recvs left without a spin (spinBackoff)
+	lastBackoff int           // the last spinBackoff
+	counts      atomic.Bool   // counted in spinConns
+	readF       func(fd uintptr) bool
 
 	closed atomic.Bool
 }
@@ -509,8 +509,8 @@ func (c *Conn) spinFor(fd, flags uintptr) bool {
 // during which a yield ran another thread (cut) or none did.
 func (c *Conn) backoff(rule SpinRule, cut bool) {
 	if rule == SpinBudgeted {
-		c.backof = spinBackoff(c.backof, cut)
-		c.skip = c.backof
+		c.lastBackoff = spinBackoff(c.lastBackoff, cut)
+		c.skip = c.lastBackoff
 	}
 }
 
