@@ -97,8 +97,9 @@ type Options struct {
 	// while the call waits anyway. The process's spin rule
 	// (wire.SetSpinRule; default wire.SpinBudgeted) decides when a call
 	// spins at all: only with no more sessions in the process than spare
-	// CPUs, and while the thread's CPU is not wanted by another thread, so
-	// that the spin never costs other callers or the agent. Default
+	// CPUs, while the machine has a CPU for every runnable task, and while
+	// the thread's CPU is not wanted by another thread, so that the spin
+	// costs other callers and the agent as little as it can. Default
 	// DefaultSpinWait, at most wire.SpinLimit; negative: no spinning.
 	SpinWait time.Duration
 }

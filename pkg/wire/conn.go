@@ -76,6 +76,10 @@ const (
 	//     fewer, less one, at least one), so that a spinner never holds a
 	//     P that another caller of the process, woken or busy with its
 	//     copies, needs;
+	//   - when it starts, only while every runnable task of the machine
+	//     has a CPU (idleCPU: /proc/loadavg, read at most every 10 ms,
+	//     100 ms while busy), which is what other processes' spinners
+	//     and callers show;
 	//   - while this thread's CPU is its own, so that it never takes CPU
 	//     time the agent or another process wants: a yield that ran
 	//     another thread, followed by a poll that found nothing, ends the
@@ -466,7 +470,7 @@ func (c *Conn) spinFor(fd, flags uintptr) bool {
 			return false
 		}
 		budget = spinBudget()
-		if int(spinConns.Load()) > budget {
+		if int(spinConns.Load()) > budget || !idleCPU() {
 			return false
 		}
 		// The thread's involuntary context switches tell whether a

@@ -1,0 +1,179 @@
+package wire
+
+import (
+	"os"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestParseLoadavgRunning(t *testing.T) {
+	for _, c := range []struct {
+		in   string
+		want int
+		ok   bool
+	}{
+		{"0.61 1.14 1.77 3/412 12345\n", 3, true},
+		{"12.00 11.50 9.25 130/2048 99", 130, true},
+		{"0.00 0.00 0.00 0/1 1", 0, true},
+		{"", 0, false},
+		{"0.61 1.14 1.77", 0, false},
+		{"0.61 1.14 1.77 ", 0, false},
+		{"0.61 1.14 1.77 3", 0, false},
+		{"0.61 1.14 1.77 /412 1", 0, false},
+		{"0.61 1.14 1.77 x/412 1", 0, false},
+		{"0.61 1.14 1.77 3412 1", 0, false},
+		{"0.61 1.14 1.77 12345678901/4 1", 0, false},
+	} {
+		got, ok := parseLoadavgRunning([]byte(c.in))
+		if got != c.want || ok != c.ok {
+			t.Errorf("parseLoadavgRunning(%q) = %d, %v; want %d, %v", c.in, got, ok, c.want, c.ok)
+		}
+	}
+}
+
+func TestCountCPUList(t *testing.T) {
+	for _, c := range []struct {
+		in   string
+		want int
+	}{
+		{"0-1\n", 2},
+		{"0", 1},
+		{"0-3,8-11", 8},
+		{"0,2,4-5\n", 4},
+		{"", 0},
+		{"\n", 0},
+		{"3-1", 0},
+		{"0-", 0},
+		{"0,", 0},
+		{",1", 0},
+		{"0-3;8", 0},
+		{"a", 0},
+	} {
+		if got := countCPUList([]byte(c.in)); got != c.want {
+			t.Errorf("countCPUList(%q) = %d, want %d", c.in, got, c.want)
+		}
+	}
+}
+
+// The machine's own files parse: the gate is not silently open here.
+func TestIdleCPUReadsThisMachine(t *testing.T) {
+	b, err := os.ReadFile("/proc/loadavg")
+	if err != nil {
+		t.Skipf("no /proc/loadavg: %v", err)
+	}
+	if _, ok := parseLoadavgRunning(b); !ok {
+		t.Fatalf("/proc/loadavg %q does not parse", b)
+	}
+	if onlineCPUs <= 0 {
+		t.Fatalf("online CPUs unknown (%d)", onlineCPUs)
+	}
+}
+
+// A reading stands for a while (idleCPUEvery, idleCPUBusyHold): the
+// kernel is asked once, not per Recv, and a busy machine's reading closes
+// the gate until the next.
+func TestIdleCPUCachesItsReading(t *testing.T) {
+	reads, busy := 0, true
+	old := idleCPURead
+	idleCPURead = func() bool { reads++; return !busy }
+	idleUntil.Store(0)
+	t.Cleanup(func() { idleCPURead = old; idleUntil.Store(0) })
+
+	for range 100 {
+		if idleCPU() {
+			t.Fatal("the gate opened on a busy reading")
+		}
+	}
+	if reads != 1 {
+		t.Fatalf("%d readings for 100 calls within %v, want 1", reads, idleCPUEvery)
+	}
+	busy = false
+	idleUntil.Store(1) // the last reading is old now
+	if !idleCPU() || reads != 2 {
+		t.Fatalf("an old reading was not renewed: reads %d", reads)
+	}
+	// A busy reading stands longer than an idle one.
+	busy = true
+	idleUntil.Store(1)
+	idleCPU()
+	busyFor := idleUntil.Load() - int64(time.Since(idleEpoch))
+	busy = false
+	idleUntil.Store(1)
+	idleCPU()
+	idleFor := idleUntil.Load() - int64(time.Since(idleEpoch))
+	if busyFor <= idleFor || busyFor > int64(idleCPUBusyHold) || idleFor > int64(idleCPUEvery) {
+		t.Fatalf("a busy reading stands %v, an idle one %v; want at most %v and %v, busy the longer",
+			time.Duration(busyFor), time.Duration(idleFor), idleCPUBusyHold, idleCPUEvery)
+	}
+}
+
+// withIdleMachine makes the machine-wide gate (idleCPU) read idle, or
+// busy, for the test.
+func withIdleMachine(t *testing.T, idle bool) {
+	t.Helper()
+	old := idleCPURead
+	idleCPURead = func() bool { return idle }
+	idleUntil.Store(0)
+	t.Cleanup(func() { idleCPURead = old; idleUntil.Store(0) })
+}
+
+// A budgeted Conn does not spin while the machine's runnable tasks fill
+// its CPUs, however much budget its process has; SpinAlways does.
+func TestSpinGatedByTheMachine(t *testing.T) {
+	c, s := pair(t)
+	buf := make([]byte, MaxMessage+1)
+	if err := s.SetSpin(SpinLimit); err != nil {
+		t.Fatal(err)
+	}
+	old := spinBudget
+	spinBudget = func() int { return 1 << 20 }
+	t.Cleanup(func() { spinBudget = old })
+	for _, tc := range []struct {
+		rule SpinRule
+		idle bool
+		want int64
+	}{
+		{SpinBudgeted, false, 0},
+		{SpinBudgeted, true, 1},
+		{SpinAlways, false, 1},
+	} {
+		withSpinRule(t, tc.rule)
+		withIdleMachine(t, tc.idle)
+		s.skip = 0
+		spins := spun.Load()
+		c.Send([]byte("x"), nil)
+		time.Sleep(time.Millisecond) // in the socket before Recv polls
+		if _, _, err := s.Recv(buf); err != nil {
+			t.Fatal(err)
+		}
+		if got := spun.Load() - spins; got != tc.want {
+			t.Errorf("%v, machine idle %v: %d packets taken by the spin, want %d", tc.rule, tc.idle, got, tc.want)
+		}
+	}
+}
+
+func FuzzParseLoadavgRunning(f *testing.F) {
+	f.Add([]byte("0.61 1.14 1.77 3/412 12345\n"))
+	f.Add([]byte("0.61 1.14 1.77 /412"))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		n, ok := parseLoadavgRunning(b)
+		if !ok && n != 0 || n < 0 {
+			t.Fatalf("parseLoadavgRunning(%q) = %d, %v", b, n, ok)
+		}
+		if ok && !strings.Contains(string(b), strconv.Itoa(n)+"/") {
+			t.Fatalf("parseLoadavgRunning(%q) = %d: not in the input", b, n)
+		}
+	})
+}
+
+func FuzzCountCPUList(f *testing.F) {
+	f.Add([]byte("0-3,8-11\n"))
+	f.Add([]byte("0,2,4-5"))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		if n := countCPUList(b); n < 0 || n > len(b)*1_000_000_000 {
+			t.Fatalf("countCPUList(%q) = %d", b, n)
+		}
+	})
+}
