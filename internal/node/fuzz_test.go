@@ -29,23 +29,3 @@ func FuzzParseMountinfo(f *testing.F) {
 		}
 	})
 }
-
-func FuzzParseCPUList(f *testing.F) {
-	for _, s := range []string{"0-3,8-11", "5", "", "0,2,4-6", "3-1", "1,,2", "x", "0-8191"} {
-		f.Add(s)
-	}
-	f.Fuzz(func(t *testing.T, s string) {
-		cpus, err := ParseCPUList(s)
-		if err != nil {
-			if cpus != nil {
-				t.Fatalf("%q: error %v with CPUs %v", s, err, cpus)
-			}
-			return
-		}
-		for i, c := range cpus {
-			if c < 0 || c >= MaxCPU || (i > 0 && c <= cpus[i-1]) {
-				t.Fatalf("%q: CPUs %v not ascending, distinct, in range", s, cpus)
-			}
-		}
-	})
-}

@@ -6,6 +6,7 @@ import (
 	"github.com/kvpool/kvpool/internal/config"
 	"github.com/kvpool/kvpool/internal/hostmem"
 	"github.com/kvpool/kvpool/internal/node"
+	"github.com/kvpool/kvpool/pkg/cpulist"
 )
 
 // Workers says how many threads pre-fault each chunk of NUMA node numa
@@ -25,7 +26,7 @@ func NodeWorkers(info *node.Info) Workers {
 	return func(numa int) (int, []int) {
 		if info != nil && numa >= 0 {
 			for _, n := range info.NUMANodes {
-				if cpus, err := node.ParseCPUList(n.CPUs); n.ID == numa && err == nil && len(cpus) > 0 {
+				if cpus, err := cpulist.Parse(n.CPUs); n.ID == numa && err == nil && len(cpus) > 0 {
 					return max(1, min(len(cpus)/2, maxWorkers)), cpus
 				}
 			}

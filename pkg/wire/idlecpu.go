@@ -1,10 +1,13 @@
 package wire
 
 import (
+	"os"
 	"sync/atomic"
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/kvpool/kvpool/pkg/cpulist"
 )
 
 // A spin pays only where a CPU is idle for the peer it waits on. Within
@@ -117,44 +120,15 @@ func parseUint(b []byte) (int, int) {
 }
 
 // readOnlineCPUs counts the machine's online CPUs
-// (/sys/devices/system/cpu/online, a list such as "0-3,8-11"); 0 when
-// unknown.
+// (/sys/devices/system/cpu/online); 0 when unknown.
 func readOnlineCPUs() int {
-	var buf [512]byte
-	n, err := readSmall("/sys/devices/system/cpu/online", buf[:])
+	b, err := os.ReadFile("/sys/devices/system/cpu/online")
 	if err != nil {
 		return 0
 	}
-	return countCPUList(buf[:n])
-}
-
-// countCPUList counts the CPUs of a kernel CPU list ("0-3,8,10-11\n"); 0
-// when it does not parse.
-func countCPUList(b []byte) int {
-	for len(b) > 0 && (b[len(b)-1] == '\n' || b[len(b)-1] == ' ') {
-		b = b[:len(b)-1]
+	cpus, err := cpulist.Parse(string(b))
+	if err != nil {
+		return 0
 	}
-	count := 0
-	for len(b) > 0 {
-		lo, i := parseUint(b)
-		if i == 0 {
-			return 0
-		}
-		hi := lo
-		b = b[i:]
-		if len(b) > 0 && b[0] == '-' {
-			if hi, i = parseUint(b[1:]); i == 0 || hi < lo {
-				return 0
-			}
-			b = b[1+i:]
-		}
-		count += hi - lo + 1
-		if len(b) > 0 {
-			if b[0] != ',' || len(b) == 1 {
-				return 0
-			}
-			b = b[1:]
-		}
-	}
-	return count
+	return len(cpus)
 }

@@ -33,30 +33,6 @@ func TestParseLoadavgRunning(t *testing.T) {
 	}
 }
 
-func TestCountCPUList(t *testing.T) {
-	for _, c := range []struct {
-		in   string
-		want int
-	}{
-		{"0-1\n", 2},
-		{"0", 1},
-		{"0-3,8-11", 8},
-		{"0,2,4-5\n", 4},
-		{"", 0},
-		{"\n", 0},
-		{"3-1", 0},
-		{"0-", 0},
-		{"0,", 0},
-		{",1", 0},
-		{"0-3;8", 0},
-		{"a", 0},
-	} {
-		if got := countCPUList([]byte(c.in)); got != c.want {
-			t.Errorf("countCPUList(%q) = %d, want %d", c.in, got, c.want)
-		}
-	}
-}
-
 // The machine's own files parse: the gate is not silently open here.
 func TestIdleCPUReadsThisMachine(t *testing.T) {
 	b, err := os.ReadFile("/proc/loadavg")
@@ -164,16 +140,6 @@ func FuzzParseLoadavgRunning(f *testing.F) {
 		}
 		if ok && !strings.Contains(string(b), strconv.Itoa(n)+"/") {
 			t.Fatalf("parseLoadavgRunning(%q) = %d: not in the input", b, n)
-		}
-	})
-}
-
-func FuzzCountCPUList(f *testing.F) {
-	f.Add([]byte("0-3,8-11\n"))
-	f.Add([]byte("0,2,4-5"))
-	f.Fuzz(func(t *testing.T, b []byte) {
-		if n := countCPUList(b); n < 0 || n > len(b)*1_000_000_000 {
-			t.Fatalf("countCPUList(%q) = %d", b, n)
 		}
 	})
 }

@@ -26,7 +26,7 @@ const mod = "github.com/kvpool/kvpool/"
 // clientKit is what a pod's engine may import: the pod contract and the
 // client side built on it. pkg/standalone (an agent in-process, for tests
 // and benchmarks) is the one pkg/ package allowed to reach internal/.
-var clientKit = []string{"pkg/client", "pkg/contract", "pkg/cudart", "pkg/poolerr", "pkg/unixsock", "pkg/wire"}
+var clientKit = []string{"pkg/client", "pkg/contract", "pkg/cpulist", "pkg/cudart", "pkg/poolerr", "pkg/unixsock", "pkg/wire"}
 
 const embedsAgent = "pkg/standalone"
 

@@ -1,4 +1,4 @@
-package node
+package cpulist
 
 import (
 	"slices"
@@ -6,7 +6,7 @@ import (
 	"testing"
 )
 
-func TestParseCPUList(t *testing.T) {
+func TestParse(t *testing.T) {
 	for _, tc := range []struct {
 		in   string
 		want []int
@@ -25,7 +25,7 @@ func TestParseCPUList(t *testing.T) {
 		{in: "0-8192", err: `"8192" is not a CPU number below 8192`},
 		{in: "4,1", err: "not in ascending order"},
 	} {
-		got, err := ParseCPUList(tc.in)
+		got, err := Parse(tc.in)
 		if tc.err != "" {
 			if err == nil || !strings.Contains(err.Error(), tc.err) || got != nil {
 				t.Errorf("%q: %v, %v; want error with %q", tc.in, got, err, tc.err)
@@ -36,4 +36,24 @@ func TestParseCPUList(t *testing.T) {
 			t.Errorf("%q: %v, %v; want %v", tc.in, got, err, tc.want)
 		}
 	}
+}
+
+func FuzzParse(f *testing.F) {
+	for _, s := range []string{"0-3,8-11", "5", "", "0,2,4-6", "3-1", "1,,2", "x", "0-8191"} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		cpus, err := Parse(s)
+		if err != nil {
+			if cpus != nil {
+				t.Fatalf("%q: error %v with CPUs %v", s, err, cpus)
+			}
+			return
+		}
+		for i, c := range cpus {
+			if c < 0 || c >= MaxCPU || (i > 0 && c <= cpus[i-1]) {
+				t.Fatalf("%q: CPUs %v not ascending, distinct, in range", s, cpus)
+			}
+		}
+	})
 }

@@ -1,4 +1,7 @@
-package node
+// Package cpulist parses the kernel's CPU lists ("0-3,8-11"), as sysfs
+// gives them for NUMA nodes and online CPUs. The agent binds its pinning
+// workers with it; the client kit counts the machine's CPUs with it.
+package cpulist
 
 import (
 	"fmt"
@@ -6,14 +9,15 @@ import (
 	"strings"
 )
 
-// MaxCPU bounds the CPU numbers ParseCPUList accepts (the kernel's
+// MaxCPU bounds the CPU numbers Parse accepts (the kernel's
 // NR_CPUS limit on x86-64 and arm64 is 8192).
 const MaxCPU = 8192
 
-// ParseCPUList parses a kernel CPU list (/sys/devices/system/node/nodeN/
-// cpulist: "0-3,8-11", "5", "" for a node without CPUs) into ascending,
+// Parse parses a kernel CPU list (/sys/devices/system/node/nodeN/
+// cpulist, /sys/devices/system/cpu/online: "0-3,8-11", "5", "" for a
+// node without CPUs) into ascending,
 // distinct CPU numbers. A malformed list is an error that quotes it.
-func ParseCPUList(s string) ([]int, error) {
+func Parse(s string) ([]int, error) {
 	s = strings.TrimSpace(s)
 	if s == "" {
 		return nil, nil
