@@ -24,9 +24,11 @@ import (
 // idleCPUEvery is how long a reading that found a CPU for every runnable
 // task is used for; idleCPUBusyHold how long one that did not is. A busy
 // machine is seldom busy for only a moment, while a moment without a
-// waiting task comes and goes: with 64 processes calling on 2 CPUs,
-// readings now and then found none waiting, and their spins, each held
-// for a reading's life, cost more than half the throughput.
+// waiting task comes and goes: with 64 processes calling on 2 CPUs and
+// every reading held 10 ms, the readings that now and then found none
+// waiting let through spins that cut the throughput to a third of spin
+// off's; holding busy readings 100 ms brought it to 0.6 (still a cost:
+// docs/benchmarks.md).
 const (
 	idleCPUEvery    = 10 * time.Millisecond
 	idleCPUBusyHold = 100 * time.Millisecond
@@ -43,7 +45,9 @@ var (
 // idleCPU says whether every runnable task of the machine had a CPU at
 // the last reading (taken again once it is idleCPUEvery old, or
 // idleCPUBusyHold when it found tasks waiting). Where the kernel does not
-// say, it says yes: the process's own budget still bounds the spin.
+// say, it says yes: the process's own budget still bounds the spin. Two
+// callers may both take a reading at once, and one may see the other's
+// time with its own result for a moment: either reading is recent.
 func idleCPU() bool {
 	now := int64(time.Since(idleEpoch)) + 1
 	if until := idleUntil.Load(); until != 0 && now < until {
