@@ -2,9 +2,7 @@ package server_test
 
 import (
 	"bytes"
-	"context"
 	"log/slog"
-	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -84,24 +82,12 @@ func localityServer(t *testing.T, ranks func(alloc string) server.Ranks) (*agent
 	if err != nil {
 		t.Fatal(err)
 	}
-	a.srv = srv
-	a.socket = filepath.Join(t.TempDir(), "kv.sock")
-	l, err := server.Listen(a.socket)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- srv.Serve(ctx, l) }()
 	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Error(err)
-		}
 		for _, c := range a.chunks {
 			c.Close()
 		}
 	})
+	a.serve(t, srv)
 	return a, logs
 }
 

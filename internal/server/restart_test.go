@@ -2,11 +2,9 @@ package server_test
 
 import (
 	"bytes"
-	"context"
 	"errors"
 	"fmt"
 	"os"
-	"path/filepath"
 	"reflect"
 	"slices"
 	"strings"
@@ -63,16 +61,7 @@ func journaled(t testing.TB, p *pool.Pool, chunks map[string]*hostmem.Chunk, j s
 	if err := srv.Restore(restore); err != nil {
 		t.Fatal(err)
 	}
-	a.srv = srv
-	a.socket = filepath.Join(t.TempDir(), "kv.sock")
-	l, err := server.Listen(a.socket)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- srv.Serve(ctx, l) }()
-	t.Cleanup(func() { cancel(); <-done })
+	a.serve(t, srv)
 	return a, srv
 }
 
@@ -399,16 +388,7 @@ func TestChangesWaitForDurability(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	a.srv = srv
-	a.socket = filepath.Join(t.TempDir(), "kv.sock")
-	l, err := server.Listen(a.socket)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- srv.Serve(ctx, l) }()
-	t.Cleanup(func() { cancel(); <-done })
+	a.serve(t, srv)
 
 	r := dial(t, a)
 	first := r.open(0, "instance-durable")

@@ -32,6 +32,27 @@ type agent struct {
 	chunks map[string]*hostmem.Chunk
 }
 
+// serve serves srv on a fresh socket in the test's directory until the
+// test ends; a Serve that ends in an error fails the test.
+func (a *agent) serve(t testing.TB, srv *server.Server) {
+	t.Helper()
+	a.srv = srv
+	a.socket = filepath.Join(t.TempDir(), "kv.sock")
+	l, err := server.Listen(a.socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- srv.Serve(ctx, l) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Error(err)
+		}
+	})
+}
+
 // startServer serves a pool of 2 GPUs x 2 chunks of 256 KiB; allocation
 // "A" (token "tok-a") holds all four, allocation "B" (token "tok-b") none
 // yet.
@@ -72,24 +93,12 @@ func startServerWith(t testing.TB, edit func(*server.Options)) *agent {
 	if err != nil {
 		t.Fatal(err)
 	}
-	a.srv = srv
-	a.socket = filepath.Join(t.TempDir(), "kv.sock")
-	l, err := server.Listen(a.socket)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- srv.Serve(ctx, l) }()
 	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Error(err)
-		}
 		for _, c := range a.chunks {
 			c.Close()
 		}
 	})
+	a.serve(t, srv)
 	return a
 }
 
@@ -473,16 +482,7 @@ func TestMaxConns(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	a.srv = srv
-	a.socket = filepath.Join(t.TempDir(), "kv.sock")
-	l, err := server.Listen(a.socket)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- srv.Serve(ctx, l) }()
-	defer func() { cancel(); <-done }()
+	a.serve(t, srv)
 	r1, r2 := dial(t, a), dial(t, a)
 	r1.hello()
 	r2.hello()
