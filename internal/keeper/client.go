@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"os"
 	"sync"
@@ -76,8 +77,8 @@ func (s *State) Close() {
 // holds. What passes is retried until wait passes: an ErrBusy keeper (the
 // previous agent's connection is still closing), a keeper not listening
 // yet, and a connection the keeper closed before the hello was through (at
-// its connection bound it closes the oldest that is not the agent's, and
-// an agent that has not said hello yet is not known to be one).
+// its connection bound it closes the idlest that is not the agent's, and
+// an agent whose hello is not through is not known to be one yet).
 func Connect(path string, wait time.Duration) (*Client, *State, error) {
 	deadline := time.Now().Add(wait)
 	for {
@@ -90,7 +91,7 @@ func Connect(path string, wait time.Duration) (*Client, *State, error) {
 }
 
 func retryable(err error) bool {
-	for _, e := range []error{ErrBusy, unix.ECONNREFUSED, unix.ENOENT, unix.ECONNRESET, unix.EPIPE} {
+	for _, e := range []error{ErrBusy, unix.ECONNREFUSED, unix.ENOENT, unix.ECONNRESET, unix.EPIPE, io.EOF} {
 		if errors.Is(err, e) {
 			return true
 		}
@@ -340,19 +341,31 @@ func Seals(f *os.File) (int, error) {
 }
 
 // Query asks the keeper at path what it holds, without claiming the agent's
-// connection.
+// connection. A connection the keeper closes before it answers (at its
+// connection bound) is dialled again, within CallTimeout in all.
 func Query(path string) (Stat, error) {
+	deadline := time.Now().Add(CallTimeout)
+	for {
+		st, err := query(path, deadline)
+		if err == nil || time.Now().After(deadline) || !errors.Is(err, unix.ECONNRESET) && !errors.Is(err, unix.EPIPE) && !errors.Is(err, io.EOF) {
+			return st, err
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+func query(path string, deadline time.Time) (Stat, error) {
 	uc, err := net.DialUnix(unixsock.Network, nil, &net.UnixAddr{Name: path, Net: unixsock.Network})
 	if err != nil {
 		return Stat{}, fmt.Errorf("keeper: dial %s: %w", path, err)
 	}
 	defer uc.Close()
 	c := &Client{uc: uc, buf: make([]byte, maxPacket), oob: make([]byte, unix.CmsgSpace(16))}
-	if err := uc.SetDeadline(time.Now().Add(CallTimeout)); err != nil {
+	if err := uc.SetDeadline(deadline); err != nil {
 		return Stat{}, err
 	}
 	if err := send(uc, message{Op: "stat"}, nil); err != nil {
-		return Stat{}, err
+		return Stat{}, fmt.Errorf("keeper: stat: %w", err)
 	}
 	m, files, err := c.recv()
 	closeAll(files)

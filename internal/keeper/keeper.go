@@ -35,6 +35,7 @@ import (
 	"os"
 	"sort"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvpool/kvpool/pkg/unixsock"
@@ -56,10 +57,10 @@ const (
 	// every request carries at most one.
 	maxRequestFDs = 4
 	// MaxConns bounds the keeper's connections, each with a maxPacket
-	// buffer (4 MiB in all): at the bound the oldest connection that is
-	// not the agent's is closed for the new one, so idle connections can
-	// neither grow the keeper past its memory limit nor keep the agent
-	// out.
+	// buffer (4 MiB in all): at the bound the idlest connection that is
+	// not the agent's is closed for the new one (evictOne), so idle
+	// connections can neither grow the keeper past its memory limit nor
+	// keep the agent out.
 	MaxConns = 16
 	// IdleTimeout closes a connection that is not the agent's after this
 	// long without a request.
@@ -185,7 +186,7 @@ func Listen(path string) (*net.UnixListener, error) {
 // accept failure (out of file descriptors, say) is logged and retried
 // (unixsock.Acceptor).
 func (k *Keeper) Serve(ctx context.Context, l *net.UnixListener) error {
-	conns := map[*net.UnixConn]time.Time{} // -> when accepted
+	conns := map[*net.UnixConn]*conn{}
 	var cmu sync.Mutex
 	err := unixsock.Acceptor{
 		Admit: func(uc *net.UnixConn) func() {
@@ -194,14 +195,16 @@ func (k *Keeper) Serve(ctx context.Context, l *net.UnixListener) error {
 				uc.Close()
 				return nil
 			}
+			c := &conn{uc: uc}
+			c.last.Store(time.Now().UnixNano())
 			cmu.Lock()
 			if len(conns) >= MaxConns {
-				k.evictOldest(conns)
+				k.evictOne(conns)
 			}
-			conns[uc] = time.Now()
+			conns[uc] = c
 			cmu.Unlock()
 			return func() {
-				k.serveConn(uc)
+				k.serveConn(c)
 				cmu.Lock()
 				delete(conns, uc)
 				cmu.Unlock()
@@ -224,28 +227,63 @@ func (k *Keeper) Serve(ctx context.Context, l *net.UnixListener) error {
 	return nil
 }
 
-// evictOldest closes the oldest of conns that is not the agent's, to make
-// room at MaxConns. Its goroutine removes it from conns.
-func (k *Keeper) evictOldest(conns map[*net.UnixConn]time.Time) {
+// conn is one connection the keeper serves.
+type conn struct {
+	uc *net.UnixConn
+	// last is when the connection was accepted or last sent a request
+	// (Unix nanoseconds); busy is set while a request it sent is served.
+	last atomic.Int64
+	busy atomic.Bool
+}
+
+// quiet reports whether c is neither being served nor has a request
+// waiting in its socket: closing it loses nobody's request.
+func (c *conn) quiet() bool {
+	if c.busy.Load() {
+		return false
+	}
+	rc, err := c.uc.SyscallConn()
+	if err != nil {
+		return true
+	}
+	queued := 0
+	if rc.Control(func(fd uintptr) { queued, err = unix.IoctlGetInt(int(fd), unix.SIOCINQ) }) != nil || err != nil {
+		return true
+	}
+	return queued == 0
+}
+
+// evictOne closes one connection that is not the agent's, to make room at
+// MaxConns: the one quiet longest (a connection that only idles), else, if
+// every one has a request under way, the one whose last request is
+// oldest. A connection that has just sent its hello or stat is not closed
+// for a flood of idle ones. Its goroutine removes it from conns.
+func (k *Keeper) evictOne(conns map[*net.UnixConn]*conn) {
 	k.mu.Lock()
 	agent := k.agent
 	k.mu.Unlock()
-	var oldest *net.UnixConn
-	for uc, at := range conns {
-		if uc != agent && (oldest == nil || at.Before(conns[oldest])) {
-			oldest = uc
+	var victim *conn
+	victimQuiet := false
+	for uc, c := range conns {
+		if uc == agent {
+			continue
+		}
+		q := c.quiet()
+		if victim == nil || q && !victimQuiet || q == victimQuiet && c.last.Load() < victim.last.Load() {
+			victim, victimQuiet = c, q
 		}
 	}
-	if oldest != nil {
-		k.evicted++
-		if now := time.Now(); now.Sub(k.evictLogged) >= time.Second {
-			k.log.Warn("keeper: at its connection limit; closing the oldest connections that are not the agent's",
-				"limit", MaxConns, "closed", k.evicted)
-			k.evictLogged, k.evicted = now, 0
-		}
-		oldest.Close()
-		delete(conns, oldest)
+	if victim == nil {
+		return
 	}
+	k.evicted++
+	if now := time.Now(); now.Sub(k.evictLogged) >= time.Second {
+		k.log.Warn("keeper: at its connection limit; closing the idlest connections that are not the agent's",
+			"limit", MaxConns, "closed", k.evicted)
+		k.evictLogged, k.evicted = now, 0
+	}
+	victim.uc.Close()
+	delete(conns, victim.uc)
 }
 
 // idleTimeout is IdleTimeout (a variable for tests).
@@ -289,7 +327,8 @@ func (k *Keeper) statLocked() Stat {
 	return st
 }
 
-func (k *Keeper) serveConn(uc *net.UnixConn) {
+func (k *Keeper) serveConn(c *conn) {
+	uc := c.uc
 	defer uc.Close()
 	isAgent := false
 	defer func() {
@@ -310,10 +349,13 @@ func (k *Keeper) serveConn(uc *net.UnixConn) {
 		if uc.SetReadDeadline(deadline) != nil {
 			return
 		}
+		c.busy.Store(false)
 		n, oobn, flags, _, err := uc.ReadMsgUnix(buf, oob)
 		if err != nil || n == 0 {
 			return
 		}
+		c.busy.Store(true)
+		c.last.Store(time.Now().UnixNano())
 		files, ferr := unixsock.Files(oob[:oobn], "keeper-fd")
 		switch {
 		case ferr != nil:

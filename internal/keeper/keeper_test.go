@@ -303,6 +303,80 @@ func TestKeeperBoundsConnections(t *testing.T) {
 	}
 }
 
+// At the bound the keeper closes the connection idle longest, passing
+// over one with a request waiting in its socket or being served (an
+// agent's hello, a stat), and never the agent's: a flood of idle
+// connections cannot close a connection that has spoken before the keeper
+// reads it (the CI run where TestRow17KeeperSocket's stat, and once the
+// agent's hello, were closed unread under the flood).
+func TestEvictOnePassesOverRequests(t *testing.T) {
+	type spec struct {
+		age     int  // larger: accepted longer ago
+		pending bool // a request waits in the socket
+		busy    bool // a request is being served
+		agent   bool
+	}
+	for _, tc := range []struct {
+		name  string
+		conns []spec
+		want  int // index closed; -1 none
+	}{
+		{"the oldest of idle ones", []spec{{age: 1}, {age: 3}, {age: 2}}, 1},
+		{"an old one with a request waiting is passed over", []spec{{age: 9, pending: true}, {age: 2}, {age: 1}}, 1},
+		{"an old one being served is passed over", []spec{{age: 9, busy: true}, {age: 1}}, 1},
+		{"the agent is never closed", []spec{{age: 9, agent: true}, {age: 1}}, 1},
+		{"every one speaking: the oldest", []spec{{age: 1, pending: true}, {age: 5, busy: true}, {age: 3, pending: true}}, 1},
+		{"only the agent: none", []spec{{age: 9, agent: true}}, -1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			k := New(nil)
+			conns := map[*net.UnixConn]*conn{}
+			var ours []*conn
+			now := time.Now()
+			for _, sp := range tc.conns {
+				fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET, 0)
+				if err != nil {
+					t.Fatal(err)
+				}
+				mine, theirs := unixConn(t, fds[0]), unixConn(t, fds[1])
+				if sp.pending {
+					if _, err := theirs.Write([]byte(`{"op":"stat"}`)); err != nil {
+						t.Fatal(err)
+					}
+				}
+				c := &conn{uc: mine}
+				c.last.Store(now.Add(-time.Duration(sp.age) * time.Second).UnixNano())
+				c.busy.Store(sp.busy)
+				if sp.agent {
+					k.agent = mine
+				}
+				conns[mine] = c
+				ours = append(ours, c)
+			}
+			k.evictOne(conns)
+			for i, c := range ours {
+				_, open := conns[c.uc]
+				if i == tc.want && open || i != tc.want && !open {
+					t.Errorf("connection %d (%+v): still held %v, want closed only %d", i, tc.conns[i], open, tc.want)
+				}
+			}
+		})
+	}
+}
+
+// unixConn makes a socket fd a *net.UnixConn, closed at the test's end.
+func unixConn(t *testing.T, fd int) *net.UnixConn {
+	t.Helper()
+	f := os.NewFile(uintptr(fd), "socketpair")
+	defer f.Close()
+	fc, err := net.FileConn(f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { fc.Close() })
+	return fc.(*net.UnixConn)
+}
+
 // The client sees its keeper's loss: a keeper that exits closes the
 // connection and Lost fires at once, with no request in flight; one that
 // stops answering (SIGSTOP: the socket stays open) fails the next request
