@@ -1,11 +1,14 @@
 package wire
 
 import (
+	"errors"
 	"os"
 	"strconv"
 	"strings"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 func TestParseLoadavgRunning(t *testing.T) {
@@ -44,6 +47,19 @@ func TestIdleCPUReadsThisMachine(t *testing.T) {
 	}
 	if onlineCPUs <= 0 {
 		t.Fatalf("online CPUs unknown (%d)", onlineCPUs)
+	}
+	// The gate's own raw read sees the same file, and a missing one is an
+	// error, not an empty reading.
+	var buf [128]byte
+	n, err := readSmall(loadavgPath, buf[:])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := parseLoadavgRunning(buf[:n]); !ok {
+		t.Fatalf("readSmall read %q", buf[:n])
+	}
+	if n, err := readSmall([]byte("/proc/no-such-file\x00"), buf[:]); !errors.Is(err, unix.ENOENT) {
+		t.Fatalf("readSmall of a missing file: %d bytes, %v", n, err)
 	}
 }
 
