@@ -36,8 +36,10 @@ type restartReport struct {
 
 type restartRow struct {
 	Streams    int       `json:"streams"`
+	PoolMiB    int       `json:"pool_mib"`
 	GapsMs     []float64 `json:"gaps_ms"` // one per restart
 	GapP50Ms   float64   `json:"gap_p50_ms"`
+	ExitsMs    []float64 `json:"exits_ms"`                // per restart, the part of the gap until the killed agent had exited (its memory unmapped)
 	OverFloor  float64   `json:"gap_p50_over_one_stream"` // the 1-stream case's p50 measured in the same run
 	RSSBefore  int64     `json:"rss_before_bytes"`        // the first agent, filled and settled
 	RSSAfter   []int64   `json:"rss_after_bytes"`         // each restarted agent, settled
@@ -58,9 +60,15 @@ func runRestart(ctx context.Context, args []string) error {
 	settle := fs.Duration("settle", time.Second, "how long after a fill and after a restart before the RSS is read")
 	asJSON := fs.Bool("json", false, "print the results as JSON")
 	fs.StringVar(&agentLogLevel, "agent-log-level", "warn", "the agents' --log-level (their logs go to stderr at the end of each count)")
+	chunks := fs.Int("chunks", 2, "the agent's pool chunks (one simulated GPU)")
+	chunkMiB := fs.Int("chunk-mib", 16, "MiB per chunk: the pool is chunks x chunk-mib, pinned at the first start and adopted at every restart")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
+	if *chunks < 1 || *chunkMiB < 1 || *chunks**chunkMiB < 32 {
+		return errors.New("--chunks and --chunk-mib: at least one chunk and 32 MiB in all (room for one session at its stream bound)")
+	}
+	pool := poolShape{chunks: *chunks, chunkMiB: *chunkMiB}
 	var ns []int
 	for _, f := range strings.Split(*counts, ",") {
 		n, err := strconv.Atoi(strings.TrimSpace(f))
@@ -87,7 +95,7 @@ func runRestart(ctx context.Context, args []string) error {
 	load, _ := os.ReadFile("/proc/loadavg")
 	rep := restartReport{Load: strings.TrimSpace(string(load))}
 	for _, n := range ns {
-		row, err := probeRestart(ctx, bin, n, *restarts, *settle)
+		row, err := probeRestart(ctx, bin, pool, n, *restarts, *settle)
 		if err != nil {
 			return fmt.Errorf("%d streams: %w", n, err)
 		}
@@ -114,7 +122,7 @@ func (r *restartReport) floor(row restartRow) float64 {
 func printRestart(w io.Writer, rep *restartReport) {
 	fmt.Fprintf(w, "load average at start: %s\n", rep.Load)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "streams\tgap p50 ms\tgaps ms\tover 1st\tRSS before MiB\tRSS after MiB\tanon before MiB\tanon after MiB")
+	fmt.Fprintln(tw, "pool MiB\tstreams\tgap p50 ms\tgaps ms\texits ms\tover 1st\tRSS before MiB\tRSS after MiB\tanon before MiB\tanon after MiB")
 	mib := func(v int64) string { return fmt.Sprintf("%.1f", float64(v)/(1<<20)) }
 	list := func(vs []int64) string {
 		var s []string
@@ -124,11 +132,14 @@ func printRestart(w io.Writer, rep *restartReport) {
 		return strings.Join(s, " ")
 	}
 	for _, c := range rep.Cases {
-		var g []string
-		for _, v := range c.GapsMs {
-			g = append(g, fmt.Sprintf("%.1f", v))
+		ms := func(vs []float64) string {
+			var s []string
+			for _, v := range vs {
+				s = append(s, fmt.Sprintf("%.1f", v))
+			}
+			return strings.Join(s, " ")
 		}
-		fmt.Fprintf(tw, "%d\t%.1f\t%s\t%.2f\t%s\t%s\t%s\t%s\n", c.Streams, c.GapP50Ms, strings.Join(g, " "), c.OverFloor,
+		fmt.Fprintf(tw, "%d\t%d\t%.1f\t%s\t%s\t%.2f\t%s\t%s\t%s\t%s\n", c.PoolMiB, c.Streams, c.GapP50Ms, ms(c.GapsMs), ms(c.ExitsMs), c.OverFloor,
 			mib(c.RSSBefore), list(c.RSSAfter), mib(c.AnonBefore), list(c.AnonAfter))
 	}
 	tw.Flush()
@@ -137,11 +148,14 @@ func printRestart(w io.Writer, rep *restartReport) {
 // agentLogLevel is the agents' --log-level (--agent-log-level).
 var agentLogLevel = "warn"
 
+// poolShape is the probe agent's pool: chunks of chunkMiB, 128-byte pages.
+type poolShape struct{ chunks, chunkMiB int }
+
 // probeRestart runs one stream count: a fresh keeper and agent, the fill,
 // restarts kills and restarts, the check of every stream.
-func probeRestart(ctx context.Context, bin string, n, restarts int, settle time.Duration) (restartRow, error) {
-	row := restartRow{Streams: n}
-	pr, err := startProbe(bin)
+func probeRestart(ctx context.Context, bin string, pool poolShape, n, restarts int, settle time.Duration) (restartRow, error) {
+	row := restartRow{Streams: n, PoolMiB: pool.chunks * pool.chunkMiB}
+	pr, err := startProbe(bin, pool)
 	if err != nil {
 		return row, err
 	}
@@ -159,11 +173,12 @@ func probeRestart(ctx context.Context, bin string, n, restarts int, settle time.
 	time.Sleep(settle)
 	row.RSSBefore, row.AnonBefore = procRSS(pr.agent.Process.Pid)
 	for range restarts {
-		gap, err := pr.restart(p)
+		gap, exit, err := pr.restart(p)
 		if err != nil {
 			return row, err
 		}
 		row.GapsMs = append(row.GapsMs, float64(gap.Microseconds())/1e3)
+		row.ExitsMs = append(row.ExitsMs, float64(exit.Microseconds())/1e3)
 		time.Sleep(settle)
 		rss, anon := procRSS(pr.agent.Process.Pid)
 		row.RSSAfter, row.AnonAfter = append(row.RSSAfter, rss), append(row.AnonAfter, anon)
@@ -215,7 +230,7 @@ func (s *syncBuffer) String() string {
 }
 
 // startProbe starts a keeper and an agent on it in a fresh directory.
-func startProbe(bin string) (*probe, error) {
+func startProbe(bin string, pool poolShape) (*probe, error) {
 	dir, err := os.MkdirTemp("", "kvbench-restart-")
 	if err != nil {
 		return nil, err
@@ -236,10 +251,10 @@ func startProbe(bin string) (*probe, error) {
 		pr.stop(0)
 		return nil, err
 	}
-	// Two chunks of 16 MiB of 128-byte host pages: 262,144 pages, room for
-	// one session at its stream bound.
+	// By default two chunks of 16 MiB of 128-byte host pages: 262,144
+	// pages, room for one session at its stream bound.
 	pr.args = []string{"--standalone", "--socket", pr.sock, "--keeper-socket", keeperSock, "--standalone-gpus", "1",
-		"--chunks-per-gpu", "2", "--chunk-mib", "16", "--state-dir", filepath.Join(dir, "state"),
+		"--chunks-per-gpu", strconv.Itoa(pool.chunks), "--chunk-mib", strconv.Itoa(pool.chunkMiB), "--state-dir", filepath.Join(dir, "state"),
 		"--log-level", agentLogLevel, "--standalone-tokens", "bench-token"}
 	if err := pr.startAgent(); err != nil {
 		pr.stop(0)
@@ -296,26 +311,29 @@ func (pr *probe) fill(ctx context.Context, dev cudart.Device, regions []cudart.R
 }
 
 // restart kills the agent with SIGKILL, starts another and returns the
-// time until p's is_offloaded of the first stream succeeds.
-func (pr *probe) restart(p *client.CPUPagePool) (time.Duration, error) {
+// time until p's is_offloaded of the first stream succeeds, and the part
+// of it until the killed agent had exited (the kernel unmaps its memory
+// first: the larger the pool, the longer).
+func (pr *probe) restart(p *client.CPUPagePool) (gap, exit time.Duration, err error) {
 	t0 := time.Now()
 	if err := pr.agent.Process.Signal(syscall.SIGKILL); err != nil {
-		return 0, err
+		return 0, 0, err
 	}
 	_ = pr.agent.Wait() // killed: the error says so
+	exit = time.Since(t0)
 	if err := pr.startAgent(); err != nil {
-		return 0, err
+		return 0, 0, err
 	}
 	for {
 		ok, err := p.IsOffloaded(probeRid(0))
 		if err == nil {
 			if !ok {
-				return 0, errors.New("the restarted agent lost the first stream")
+				return 0, 0, errors.New("the restarted agent lost the first stream")
 			}
-			return time.Since(t0), nil
+			return time.Since(t0), exit, nil
 		}
 		if time.Since(t0) > 30*time.Second {
-			return 0, fmt.Errorf("not serving 30 s after the kill: %w\n%s", err, pr.log.String())
+			return 0, 0, fmt.Errorf("not serving 30 s after the kill: %w\n%s", err, pr.log.String())
 		}
 		time.Sleep(time.Millisecond)
 	}

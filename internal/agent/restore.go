@@ -12,9 +12,8 @@ import (
 	"sync/atomic"
 	"time"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/kvpool/kvpool/internal/books"
+	"github.com/kvpool/kvpool/internal/bytesize"
 	"github.com/kvpool/kvpool/internal/config"
 	"github.com/kvpool/kvpool/internal/hostmem"
 	"github.com/kvpool/kvpool/internal/keeper"
@@ -221,7 +220,90 @@ func (a *agent) startHeartbeat(ctx context.Context, wg *sync.WaitGroup) error {
 	}
 	wg.Go(func() { a.heartbeat(ctx) })
 	wg.Go(func() { a.watchKeeper(ctx) })
+	ids := make([]string, 0, len(r.adopted))
+	for id := range r.adopted {
+		ids = append(ids, id)
+	}
+	if len(ids) > 0 {
+		wg.Go(func() { a.faultInAdopted(ctx, ids) })
+	}
 	return nil
+}
+
+// faultInAdopted faults the pages of the adopted chunks ids into the
+// agent's mapping, and so locks them (hostmem.Adopt locks on fault), while
+// the agent serves: one goroutine per NUMA node, a step at a time, leaving
+// a chunk dropped or renewed meanwhile. Until a page is in, it is as it
+// was while no agent ran: resident in the file the keeper holds, only not
+// locked by this agent. A failure is logged; the pages then lock as they
+// are touched.
+func (a *agent) faultInAdopted(ctx context.Context, ids []string) {
+	type kept struct {
+		id string
+		c  *hostmem.Chunk
+	}
+	lanes := map[int][]kept{}
+	a.mu.RLock()
+	for _, id := range ids {
+		if c := a.hmem[id]; c != nil && c.Locked {
+			lanes[c.Node] = append(lanes[c.Node], kept{id, c})
+		}
+	}
+	a.mu.RUnlock()
+	if len(lanes) == 0 {
+		return
+	}
+	start := time.Now()
+	var wg sync.WaitGroup
+	var bytes atomic.Int64
+	errs := make(chan error, len(ids))
+	for _, chunks := range lanes {
+		wg.Go(func() {
+			for _, k := range chunks {
+				n, err := a.faultIn(ctx, k.id, k.c)
+				bytes.Add(n)
+				if err != nil {
+					errs <- err
+				}
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	var all []error
+	for err := range errs {
+		all = append(all, err)
+	}
+	if err := errors.Join(all...); err != nil {
+		a.log.Warn("adopted chunks not all faulted in; their pages lock as clients touch them", "err", err,
+			bytesize.Attr("faultedIn", bytes.Load()), "took", time.Since(start).Round(time.Millisecond))
+		return
+	}
+	a.log.Info("adopted chunks faulted in and locked", "chunks", len(ids), bytesize.Attr("bytes", bytes.Load()),
+		"lanes", len(lanes), "took", time.Since(start).Round(time.Millisecond))
+}
+
+// faultIn faults the adopted chunk c in, a step at a time, while it is
+// still the agent's chunk id and the agent runs; it returns the bytes
+// faulted in.
+func (a *agent) faultIn(ctx context.Context, id string, c *hostmem.Chunk) (int64, error) {
+	var done int64
+	for off := int64(0); off < c.Size && ctx.Err() == nil; off += hostmem.FaultInStep {
+		a.mu.RLock()
+		var part []byte
+		if a.hmem[id] == c && c.Mem != nil {
+			part = c.Mem[off:min(off+hostmem.FaultInStep, c.Size)]
+		}
+		a.mu.RUnlock()
+		if part == nil {
+			return done, nil // dropped or renewed meanwhile
+		}
+		if err := hostmem.FaultIn(part); err != nil {
+			return done, err
+		}
+		done += int64(len(part))
+	}
+	return done, nil
 }
 
 // release makes the keeper drop everything it holds.
@@ -235,7 +317,8 @@ func (a *agent) release(held *keeper.State) {
 // adopt maps a kept chunk after checking it is the one the books name: same
 // generation (a fresh memfd replaces a chunk at each grant), size and seals,
 // and still in the plan. Mapping and locking pages that are already resident
-// allocates nothing.
+// allocates nothing; the lock is on fault (hostmem.Adopt), and the pages
+// are faulted in, so locked, while the agent serves (faultInAdopted).
 func (a *agent) adopt(st *books.State, h keeper.Held, planned map[string]hostmem.Spec) (*hostmem.Chunk, string) {
 	bc, ok := st.Chunk(h.ID)
 	spec, inPlan := planned[h.ID]
@@ -254,25 +337,9 @@ func (a *agent) adopt(st *books.State, h keeper.Held, planned map[string]hostmem
 	case spec.Size != h.Size:
 		return nil, fmt.Sprintf("the plan's chunk size is now %d", spec.Size)
 	}
-	mem, err := hostmem.Map(h.File, h.Size)
+	c, err := hostmem.Adopt(h.File, h.Size, bc.NUMA, spec.Lock, spec.LockFallback)
 	if err != nil {
 		return nil, err.Error()
-	}
-	c := &hostmem.Chunk{File: h.File, Mem: mem, Size: h.Size, PageSize: int64(os.Getpagesize()), Node: bc.NUMA}
-	var fst unix.Stat_t
-	if unix.Fstat(int(h.File.Fd()), &fst) == nil && fst.Blksize > 0 {
-		c.PageSize = int64(fst.Blksize)
-	}
-	if spec.Lock {
-		if err := unix.Mlock(mem); err != nil {
-			if !spec.LockFallback {
-				unix.Munmap(mem)
-				return nil, fmt.Sprintf("mlock: %v", err)
-			}
-			c.Warnings = append(c.Warnings, "left unlocked: "+err.Error())
-		} else {
-			c.Locked = true
-		}
 	}
 	return c, ""
 }

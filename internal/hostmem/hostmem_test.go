@@ -122,7 +122,7 @@ func TestLockedAndFreed(t *testing.T) {
 	}
 	// Every page is in place and locked (mlock2 MLOCK_ONFAULT before the
 	// pre-fault: VmLck alone counts the range, not the pages).
-	if rss, locked := smaps(t, c.Mem, "Rss"), smaps(t, c.Mem, "Locked"); rss != size || locked != size {
+	if rss, locked := resident(t, c.Mem); rss != size || locked != size {
 		t.Errorf("mapping: Rss %d, Locked %d, want %d each", rss, locked, size)
 	}
 	fd := int(c.File.Fd())
@@ -205,31 +205,14 @@ func TestBadOptions(t *testing.T) {
 	}
 }
 
-// smaps reads field (in bytes) of the mapping that starts at mem from
-// /proc/self/smaps.
-func smaps(t *testing.T, mem []byte, field string) int64 {
+// resident is Resident, failing the test where the kernel does not say.
+func resident(t *testing.T, mem []byte) (rss, locked int64) {
 	t.Helper()
-	data, err := os.ReadFile("/proc/self/smaps")
+	rss, locked, err := Resident(mem)
 	if err != nil {
-		t.Skipf("no /proc/self/smaps: %v", err)
+		t.Fatal(err)
 	}
-	addr := fmt.Sprintf("%x-", uintptr(unsafe.Pointer(&mem[0])))
-	in := false
-	for _, l := range strings.Split(string(data), "\n") {
-		f := strings.Fields(l)
-		switch {
-		case len(f) > 0 && strings.Contains(f[0], "-") && !strings.HasSuffix(f[0], ":"):
-			in = strings.HasPrefix(l, addr)
-		case in && len(f) == 3 && f[0] == field+":":
-			kb, err := strconv.ParseInt(f[1], 10, 64)
-			if err != nil {
-				t.Fatal(err)
-			}
-			return kb << 10
-		}
-	}
-	t.Fatalf("mapping %s or its %s not in smaps", addr, field)
-	return 0
+	return rss, locked
 }
 
 // numaPolicy reads the policy of the mapping at addr from numa_maps.

@@ -1,0 +1,64 @@
+package hostmem
+
+import (
+	"errors"
+	"fmt"
+	"os"
+
+	"golang.org/x/sys/unix"
+)
+
+// Adopt maps a chunk that an earlier agent made and the keeper kept: f
+// already holds its size bytes of pages, resident. With lock it locks them
+// as they are faulted into this mapping (mlock2 MLOCK_ONFAULT), which
+// takes no time whatever the size; a plain mlock would fault every page in
+// first, about 0.3-0.6 s a GiB (docs/benchmarks.md), all of it before the
+// restarted agent serves. FaultIn then faults the pages in (and so locks
+// them) while the agent serves. A lock refused is an error unless
+// lockFallback, where the chunk stays unlocked with a warning, as at Alloc.
+// node is the NUMA node the pages were bound to (-1: unbound).
+func Adopt(f *os.File, size int64, node int, lock, lockFallback bool) (*Chunk, error) {
+	mem, err := Map(f, size)
+	if err != nil {
+		return nil, err
+	}
+	c := &Chunk{File: f, Mem: mem, Size: size, PageSize: int64(os.Getpagesize()), Node: node}
+	if seals, err := unix.FcntlInt(f.Fd(), unix.F_GET_SEALS, 0); err == nil {
+		c.Sealed = seals&Seals == Seals
+	}
+	var st unix.Stat_t
+	if unix.Fstat(int(f.Fd()), &st) == nil && st.Blksize > 0 {
+		c.PageSize = int64(st.Blksize) // a hugetlb memfd's page size
+	}
+	if lock {
+		if err := c.lock(Options{LockFallback: lockFallback}, true); err != nil {
+			unix.Munmap(mem)
+			return nil, err
+		}
+	}
+	return c, nil
+}
+
+// FaultInStep is the most FaultIn should be given at once, so that a
+// caller can stop between steps (a chunk dropped meanwhile).
+const FaultInStep = fallocateStep
+
+// FaultIn faults part of an adopted chunk's mapping in, reading nothing and
+// writing nothing (MADV_POPULATE_READ: the file's pages are mapped as they
+// are), so that a lock on fault (Adopt) locks every page. A kernel without
+// MADV_POPULATE_READ (before 5.14) locks part with a plain mlock instead,
+// which faults it in too. Neither touches the memory from user space, so a
+// range unmapped meanwhile is an error, never a fault of the agent.
+func FaultIn(part []byte) error {
+	if len(part) == 0 {
+		return nil
+	}
+	err := unix.Madvise(part, unix.MADV_POPULATE_READ)
+	if errors.Is(err, unix.EINVAL) {
+		err = unix.Mlock(part)
+	}
+	if err != nil {
+		return fmt.Errorf("hostmem: fault in %d bytes of an adopted chunk: %w", len(part), explainFault(err))
+	}
+	return nil
+}
