@@ -45,6 +45,7 @@ type restartRow struct {
 	RSSAfter   []int64   `json:"rss_after_bytes"`         // each restarted agent, settled
 	AnonBefore int64     `json:"rss_anon_before_bytes"`
 	AnonAfter  []int64   `json:"rss_anon_after_bytes"`
+	PeakAfter  []int64   `json:"rss_peak_after_bytes"` // each restarted agent's VmHWM: the restore's peak, the pool it faulted in included
 }
 
 // runRestart is `kvbench restart`: a keeper and an agent as real
@@ -122,7 +123,7 @@ func (r *restartReport) floor(row restartRow) float64 {
 func printRestart(w io.Writer, rep *restartReport) {
 	fmt.Fprintf(w, "load average at start: %s\n", rep.Load)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "pool MiB\tstreams\tgap p50 ms\tgaps ms\texits ms\tover 1st\tRSS before MiB\tRSS after MiB\tanon before MiB\tanon after MiB")
+	fmt.Fprintln(tw, "pool MiB\tstreams\tgap p50 ms\tgaps ms\texits ms\tover 1st\tRSS before MiB\tRSS after MiB\tanon before MiB\tanon after MiB\tpeak after MiB")
 	mib := func(v int64) string { return fmt.Sprintf("%.1f", float64(v)/(1<<20)) }
 	list := func(vs []int64) string {
 		var s []string
@@ -139,8 +140,8 @@ func printRestart(w io.Writer, rep *restartReport) {
 			}
 			return strings.Join(s, " ")
 		}
-		fmt.Fprintf(tw, "%d\t%d\t%.1f\t%s\t%s\t%.2f\t%s\t%s\t%s\t%s\n", c.PoolMiB, c.Streams, c.GapP50Ms, ms(c.GapsMs), ms(c.ExitsMs), c.OverFloor,
-			mib(c.RSSBefore), list(c.RSSAfter), mib(c.AnonBefore), list(c.AnonAfter))
+		fmt.Fprintf(tw, "%d\t%d\t%.1f\t%s\t%s\t%.2f\t%s\t%s\t%s\t%s\t%s\n", c.PoolMiB, c.Streams, c.GapP50Ms, ms(c.GapsMs), ms(c.ExitsMs), c.OverFloor,
+			mib(c.RSSBefore), list(c.RSSAfter), mib(c.AnonBefore), list(c.AnonAfter), list(c.PeakAfter))
 	}
 	tw.Flush()
 }
@@ -171,7 +172,7 @@ func probeRestart(ctx context.Context, bin string, pool poolShape, n, restarts i
 	}
 	defer p.Close()
 	time.Sleep(settle)
-	row.RSSBefore, row.AnonBefore = procRSS(pr.agent.Process.Pid)
+	row.RSSBefore, row.AnonBefore, _ = procRSS(pr.agent.Process.Pid)
 	for range restarts {
 		gap, exit, err := pr.restart(p)
 		if err != nil {
@@ -180,8 +181,9 @@ func probeRestart(ctx context.Context, bin string, pool poolShape, n, restarts i
 		row.GapsMs = append(row.GapsMs, float64(gap.Microseconds())/1e3)
 		row.ExitsMs = append(row.ExitsMs, float64(exit.Microseconds())/1e3)
 		time.Sleep(settle)
-		rss, anon := procRSS(pr.agent.Process.Pid)
+		rss, anon, peak := procRSS(pr.agent.Process.Pid)
 		row.RSSAfter, row.AnonAfter = append(row.RSSAfter, rss), append(row.AnonAfter, anon)
+		row.PeakAfter = append(row.PeakAfter, peak)
 	}
 	u, err := p.Usage()
 	if err != nil || u.Streams != n {
@@ -375,10 +377,10 @@ func waitUntil(d time.Duration, cond func() bool) error {
 }
 
 // procRSS returns a process's resident memory and its anonymous part.
-func procRSS(pid int) (rss, anon int64) {
+func procRSS(pid int) (rss, anon, peak int64) {
 	f, err := os.Open(fmt.Sprintf("/proc/%d/status", pid))
 	if err != nil {
-		return 0, 0
+		return 0, 0, 0
 	}
 	defer f.Close()
 	kb := func(v string) int64 {
@@ -393,6 +395,9 @@ func procRSS(pid int) (rss, anon int64) {
 		if v, ok := strings.CutPrefix(sc.Text(), "RssAnon:"); ok {
 			anon = kb(v)
 		}
+		if v, ok := strings.CutPrefix(sc.Text(), "VmHWM:"); ok {
+			peak = kb(v)
+		}
 	}
-	return rss, anon
+	return rss, anon, peak
 }
