@@ -1,6 +1,7 @@
 package chart_test
 
 import (
+	"slices"
 	"strings"
 	"testing"
 
@@ -45,6 +46,14 @@ func TestChartAgreesWithLoader(t *testing.T) {
 		{"reclaim: {gracePeriod: 1h30m}", true, ""},
 		{"metrics: {port: 65535}", true, ""},
 		{"log: {level: debug, format: text}", true, ""},
+		{"gpuResources: [example.com/gpu, example.com/slice-*, example.com/*]", true, ""},
+		{"gpuResources: []", true, ""},
+		{"gpuResources: [kubernetes.io/gpu]", false, "gpuResources"},
+		{"gpuResources: [gpu.k8s.io/gpu]", false, "gpuResources"},
+		{"gpuResources: [requests.example.com/gpu]", false, "gpuResources"},
+		{"gpuResources: [nvidia.com/g*pu]", false, "gpuResources"},
+		{"gpuResources: [nvidia.com]", false, "gpuResources"},
+		{"gpuResources: [\"*\"]", false, "gpuResources"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.values, func(t *testing.T) {
@@ -70,6 +79,40 @@ func TestChartAgreesWithLoader(t *testing.T) {
 				t.Fatalf("the chart installs a config the agent refuses: %v\n%s", perr, data)
 			case !tc.ok:
 				t.Fatalf("bad values rendered, and the agent accepts them: the case is wrong or a rule is missing on both sides")
+			}
+		})
+	}
+}
+
+// gpuResources reaches the agent as given: the default names the NVIDIA
+// device plugin's resources, another plugin's replace them, and an empty
+// list leaves the ranks to the clients.
+func TestGPUResourcesReachTheAgent(t *testing.T) {
+	for _, tc := range []struct {
+		values string
+		want   []string
+	}{
+		{"", config.Default().GPUResources},
+		{"gpuResources: [example.com/gpu, example.com/slice-*]", []string{"example.com/gpu", "example.com/slice-*"}},
+		{"gpuResources: []", nil},
+	} {
+		t.Run(tc.values, func(t *testing.T) {
+			files, err := render(t, parseValues(t, tc.values))
+			if err != nil {
+				t.Fatal(err)
+			}
+			var data string
+			for _, o := range decodeAll(t, files) {
+				if cm, ok := o.typed.(*corev1.ConfigMap); ok && cm.Data["agent.yaml"] != "" {
+					data = cm.Data["agent.yaml"]
+				}
+			}
+			c, err := config.Parse([]byte(data))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !slices.Equal(c.GPUResources, tc.want) {
+				t.Errorf("gpuResources read back as %q, want %q\n%s", c.GPUResources, tc.want, data)
 			}
 		})
 	}
