@@ -306,6 +306,12 @@ func (a *agent) faultIn(ctx context.Context, id string, c *hostmem.Chunk) (int64
 			return done, nil // dropped or renewed meanwhile
 		}
 		if err := hostmem.FaultIn(part); err != nil {
+			a.mu.RLock()
+			gone := a.hmem[id] != c
+			a.mu.RUnlock()
+			if gone {
+				return done, nil // unmapped under the step: dropped meanwhile
+			}
 			return done, err
 		}
 		done += int64(len(part))

@@ -91,9 +91,11 @@ var loadavgPath = []byte("/proc/loadavg\x00")
 // into buf without allocating, by raw system calls: opening and reading
 // such a file never blocks, and the caller is on a Recv's hot path, where
 // a system call that the scheduler is told of (entersyscall) costs far
-// more than its few microseconds on a crowded machine: a thread
-// preempted inside it loses its P, and the runtime wakes another thread
-// to run the process's goroutines. Reading /proc/loadavg that way ten
+// more than its few microseconds on a crowded machine (measured, not
+// traced: likely a thread preempted inside the call loses its P, and the
+// runtime starts another thread to run the process's goroutines). Even a
+// getpid made that way ten times a second in each process cost 0.63-0.76x.
+// Reading /proc/loadavg that way ten
 // times a second in each of 64 client processes on 2 CPUs cost 0.6x the
 // throughput of spin off; by raw calls, 0.75-0.96x, within the case's
 // noise (docs/benchmarks.md).
