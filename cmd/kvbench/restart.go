@@ -132,14 +132,14 @@ func printRestart(w io.Writer, rep *restartReport) {
 		}
 		return strings.Join(s, " ")
 	}
-	for _, c := range rep.Cases {
-		ms := func(vs []float64) string {
-			var s []string
-			for _, v := range vs {
-				s = append(s, fmt.Sprintf("%.1f", v))
-			}
-			return strings.Join(s, " ")
+	ms := func(vs []float64) string {
+		var s []string
+		for _, v := range vs {
+			s = append(s, fmt.Sprintf("%.1f", v))
 		}
+		return strings.Join(s, " ")
+	}
+	for _, c := range rep.Cases {
 		fmt.Fprintf(tw, "%d\t%d\t%.1f\t%s\t%s\t%.2f\t%s\t%s\t%s\t%s\t%s\n", c.PoolMiB, c.Streams, c.GapP50Ms, ms(c.GapsMs), ms(c.ExitsMs), c.OverFloor,
 			mib(c.RSSBefore), list(c.RSSAfter), mib(c.AnonBefore), list(c.AnonAfter), list(c.PeakAfter))
 	}

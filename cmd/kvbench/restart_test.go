@@ -15,7 +15,9 @@ func TestRestartProbe(t *testing.T) {
 	if err := runRestart(context.Background(), []string{"--streams", "1,300", "--restarts", "2", "--settle", "10ms"}); err != nil {
 		t.Fatal(err)
 	}
-	if err := runRestart(context.Background(), []string{"--streams", "0"}); err == nil {
-		t.Fatal("--streams 0 accepted")
+	for _, bad := range [][]string{{"--streams", "0"}, {"--chunks", "0"}, {"--chunks", "1", "--chunk-mib", "16"}} {
+		if err := runRestart(context.Background(), bad); err == nil {
+			t.Fatalf("%q accepted", bad)
+		}
 	}
 }
