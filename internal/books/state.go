@@ -2,6 +2,7 @@ package books
 
 import (
 	"fmt"
+	"maps"
 	"os"
 	"slices"
 	"sort"
@@ -44,6 +45,27 @@ type State struct {
 	// copies each session's last one at its end: ownReplies).
 	labels       map[string]string
 	aliasReplies bool
+	// ridHints: the offload records of each session still to replay
+	// (offloadHints), to size the request table of a session opened in
+	// them; nil once the replay is done.
+	ridHints map[uint64]int
+}
+
+// maxRidHint bounds a request table sized ahead of its entries.
+const maxRidHint = 1 << 20
+
+// sizeFor takes the replay's hints: the request table of each session of
+// the snapshot that more offloads follow is made again at the size they
+// need, and the hints stay for the sessions the records open.
+func (st *State) sizeFor(hints map[uint64]int) {
+	for id, s := range st.sessions {
+		if h := hints[id]; h > len(s.rids) {
+			rids := make(map[string][]stream, min(len(s.rids)+h, maxRidHint))
+			maps.Copy(rids, s.rids)
+			s.rids = rids
+		}
+	}
+	st.ridHints = hints
 }
 
 type gen struct {
@@ -390,7 +412,8 @@ func (st *State) open(op server.SessionOp) {
 	img := o.Image
 	img.Chunks = slices.Clone(img.Chunks)
 	img.Streams, img.Pending = nil, nil
-	st.sessions[img.ID] = &Session{Image: img, Instance: o.Instance, UUID: o.UUID, Peer: o.Peer, Regions: o.Regions, rids: map[string][]stream{}}
+	st.sessions[img.ID] = &Session{Image: img, Instance: o.Instance, UUID: o.UUID, Peer: o.Peer, Regions: o.Regions,
+		rids: make(map[string][]stream, min(st.ridHints[img.ID], maxRidHint))}
 	st.lastSession = max(st.lastSession, img.ID)
 }
 
