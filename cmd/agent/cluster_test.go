@@ -74,17 +74,8 @@ func allocate(t *testing.T, k *kubelettest.Kubelet, ids ...string) (*pluginapi.C
 // Allocate, a restart of the agent that keeps the token, and a conflicting
 // Allocate refused because PodResources lists the holder.
 func TestStandaloneAgentWithDevicePlugin(t *testing.T) {
-	root, err := os.MkdirTemp("", "kva")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(root) })
-	kdir := filepath.Join(root, "kubelet")
-	for _, d := range []string{"device-plugins", "pod-resources"} {
-		os.MkdirAll(filepath.Join(kdir, d), 0o755)
-	}
-	k := kubelettest.NewKubelet(t, filepath.Join(kdir, "device-plugins"))
-	prs := kubelettest.NewPodResources(t, filepath.Join(kdir, "pod-resources", "kubelet.sock"))
+	n := newTestNode(t)
+	root, kdir, k, prs := n.root, n.kubelet, n.k, n.prs
 	args := []string{"--standalone", "--device-plugin", "--kubelet-dir", kdir, "--socket-dir", filepath.Join(root, "sock"),
 		"--state-dir", filepath.Join(root, "state"), "--reclaim-interval", "50ms", "--reclaim-grace-period", "1h"}
 

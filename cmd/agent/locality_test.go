@@ -1,7 +1,6 @@
 package main
 
 import (
-	"os"
 	"path/filepath"
 	"regexp"
 	"strings"
@@ -12,7 +11,6 @@ import (
 
 	"github.com/kvpool/kvpool/pkg/contract"
 	"github.com/kvpool/kvpool/pkg/cudart"
-	"github.com/kvpool/kvpool/pkg/plugin/kubelettest"
 )
 
 // The agent as a cluster node runs it, four simulated GPUs, against the
@@ -27,18 +25,8 @@ func TestClusterModeRanksShareTheAllocation(t *testing.T) {
 	if testing.Short() {
 		t.Skip("starts processes")
 	}
-	root, err := os.MkdirTemp("", "kvr")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(root) })
-	kdir := filepath.Join(root, "kubelet")
-	for _, d := range []string{"device-plugins", "pod-resources"} {
-		os.MkdirAll(filepath.Join(kdir, d), 0o755)
-	}
-	k := kubelettest.NewKubelet(t, filepath.Join(kdir, "device-plugins"))
-	prs := kubelettest.NewPodResources(t, filepath.Join(kdir, "pod-resources", "kubelet.sock"))
-	sockDir := filepath.Join(root, "sock")
+	n := newTestNode(t)
+	root, kdir, sockDir, k, prs := n.root, n.kubelet, n.sock, n.k, n.prs
 	a := spawnAgent(t, []string{"NODE_NAME=node-r", "KVPOOL_LOG_FORMAT=json"},
 		"--simulate-gpus", "4", "--kubelet-dir", kdir, "--socket-dir", sockDir, "--state-dir", filepath.Join(root, "state"),
 		"--pool-bytes", "512Mi", "--chunk-bytes", "32Mi", "--reserve-bytes", "64Mi", "--huge-pages", "never",

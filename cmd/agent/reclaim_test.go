@@ -23,7 +23,6 @@ import (
 	"github.com/kvpool/kvpool/pkg/client"
 	"github.com/kvpool/kvpool/pkg/contract"
 	"github.com/kvpool/kvpool/pkg/cudart"
-	"github.com/kvpool/kvpool/pkg/plugin/kubelettest"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
 
@@ -170,18 +169,8 @@ func TestReclaimRenewsChunksAgainstHostileTenant(t *testing.T) {
 	if testing.Short() {
 		t.Skip("starts processes")
 	}
-	root, err := os.MkdirTemp("", "kvr")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(root) })
-	kdir := filepath.Join(root, "kubelet")
-	for _, d := range []string{"device-plugins", "pod-resources"} {
-		os.MkdirAll(filepath.Join(kdir, d), 0o755)
-	}
-	k := kubelettest.NewKubelet(t, filepath.Join(kdir, "device-plugins"))
-	prs := kubelettest.NewPodResources(t, filepath.Join(kdir, "pod-resources", "kubelet.sock"))
-	sockDir := filepath.Join(root, "sock")
+	n := newTestNode(t)
+	root, kdir, sockDir, k, prs := n.root, n.kubelet, n.sock, n.k, n.prs
 	a := spawnAgent(t, []string{"NODE_NAME=node-a", "KVPOOL_LOG_FORMAT=json"},
 		"--simulate-gpus", "2", "--kubelet-dir", kdir, "--socket-dir", sockDir, "--state-dir", filepath.Join(root, "state"),
 		"--pool-bytes", "256Mi", "--chunk-bytes", "32Mi", "--reserve-bytes", "64Mi", "--huge-pages", "never",
@@ -306,18 +295,8 @@ func TestClusterModeTokenBoundToPod(t *testing.T) {
 	if testing.Short() {
 		t.Skip("starts processes")
 	}
-	root, err := os.MkdirTemp("", "kvb")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(root) })
-	kdir := filepath.Join(root, "kubelet")
-	for _, d := range []string{"device-plugins", "pod-resources"} {
-		os.MkdirAll(filepath.Join(kdir, d), 0o755)
-	}
-	k := kubelettest.NewKubelet(t, filepath.Join(kdir, "device-plugins"))
-	prs := kubelettest.NewPodResources(t, filepath.Join(kdir, "pod-resources", "kubelet.sock"))
-	sockDir := filepath.Join(root, "sock")
+	n := newTestNode(t)
+	root, kdir, sockDir, k, prs := n.root, n.kubelet, n.sock, n.k, n.prs
 	a := spawnAgent(t, []string{"NODE_NAME=node-a", "KVPOOL_LOG_FORMAT=json"},
 		"--simulate-gpus", "2", "--kubelet-dir", kdir, "--socket-dir", sockDir, "--state-dir", filepath.Join(root, "state"),
 		"--pool-bytes", "128Mi", "--chunk-bytes", "32Mi", "--reserve-bytes", "64Mi", "--huge-pages", "never",

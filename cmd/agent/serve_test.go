@@ -107,6 +107,34 @@ type child struct {
 
 // spawnAgent runs the agent (this test binary re-executed) with args and
 // env added to a clean environment: no cluster, no config file.
+// testNode is a node's directories and its stand-in kubelet: a root
+// directory (removed at the test's end), kubelet's directory under it
+// with the device-plugin registration and the PodResources sockets served
+// by kubelettest, and the agent's socket directory.
+type testNode struct {
+	root, kubelet, sock string
+	k                   *kubelettest.Kubelet
+	prs                 *kubelettest.PodResources
+}
+
+func newTestNode(t *testing.T) *testNode {
+	t.Helper()
+	root, err := os.MkdirTemp("", "kvn") // short: the sockets' paths must fit 107 bytes
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(root) })
+	n := &testNode{root: root, kubelet: filepath.Join(root, "kubelet"), sock: filepath.Join(root, "sock")}
+	for _, d := range []string{"device-plugins", "pod-resources"} {
+		if err := os.MkdirAll(filepath.Join(n.kubelet, d), 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	n.k = kubelettest.NewKubelet(t, filepath.Join(n.kubelet, "device-plugins"))
+	n.prs = kubelettest.NewPodResources(t, filepath.Join(n.kubelet, "pod-resources", "kubelet.sock"))
+	return n
+}
+
 func spawnAgent(t *testing.T, env []string, args ...string) *child {
 	t.Helper()
 	exe, err := os.Executable()
@@ -242,18 +270,8 @@ func TestClusterModeAllocateAndClient(t *testing.T) {
 	if testing.Short() {
 		t.Skip("starts processes")
 	}
-	root, err := os.MkdirTemp("", "kvc")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(root) })
-	kdir := filepath.Join(root, "kubelet")
-	for _, d := range []string{"device-plugins", "pod-resources"} {
-		os.MkdirAll(filepath.Join(kdir, d), 0o755)
-	}
-	k := kubelettest.NewKubelet(t, filepath.Join(kdir, "device-plugins"))
-	kubelettest.NewPodResources(t, filepath.Join(kdir, "pod-resources", "kubelet.sock"))
-	sockDir := filepath.Join(root, "sock")
+	n := newTestNode(t)
+	root, kdir, sockDir, k := n.root, n.kubelet, n.sock, n.k
 
 	a := spawnAgent(t, []string{"NODE_NAME=node-a", "KVPOOL_LOG_FORMAT=json"},
 		"--simulate-gpus", "2", "--kubelet-dir", kdir, "--socket-dir", sockDir, "--state-dir", filepath.Join(root, "state"),
@@ -553,20 +571,12 @@ users: [{name: u, user: {token: t}}]
 contexts: [{name: c, context: {cluster: fake, user: u}}]
 current-context: c
 `), 0o600)
-	kdir, err := os.MkdirTemp("", "kvk")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(kdir) })
-	for _, d := range []string{"device-plugins", "pod-resources"} {
-		os.MkdirAll(filepath.Join(kdir, d), 0o755)
-	}
-	k := kubelettest.NewKubelet(t, filepath.Join(kdir, "device-plugins"))
-	kubelettest.NewPodResources(t, filepath.Join(kdir, "pod-resources", "kubelet.sock"))
+	n := newTestNode(t)
+	k := n.k
 
 	a := spawnAgent(t, []string{"NODE_NAME=node-k", "KVPOOL_LOG_FORMAT=json"},
-		"--kubeconfig", kubeconfig, "--simulate-gpus", "2", "--kubelet-dir", kdir,
-		"--socket-dir", filepath.Join(kdir, "sock"), "--state-dir", filepath.Join(kdir, "state"),
+		"--kubeconfig", kubeconfig, "--simulate-gpus", "2", "--kubelet-dir", n.kubelet,
+		"--socket-dir", n.sock, "--state-dir", filepath.Join(n.root, "state"),
 		"--pool-bytes", "256Mi", "--chunk-bytes", "32Mi", "--reserve-bytes", "64Mi", "--huge-pages", "never",
 		"--metrics-address", "", "--health-address", "127.0.0.1:0")
 	k.WaitRegister(20 * time.Second)
