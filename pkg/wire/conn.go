@@ -263,9 +263,10 @@ var open atomic.Int32
 // kernel; a variable for tests.
 var blockLimit = func() int { return max(1, runtime.GOMAXPROCS(0)-1) }
 
-// parked counts Recvs that fell back to the poller, and spun the packets
-// taken while spinning, for tests.
-var parked, spun atomic.Int64
+// parked counts Recvs that fell back to the poller, spun the packets
+// taken while spinning, and watched the spins that went past their first
+// poll to yield and watch their thread's switches, for tests.
+var parked, spun, watched atomic.Int64
 
 // NewConn wraps a connected unixpacket socket.
 func NewConn(uc *net.UnixConn) *Conn {
@@ -473,26 +474,28 @@ func (c *Conn) spinFor(fd, flags uintptr) bool {
 		if int(spinConns.Load()) > budget || !idleCPU() {
 			return false
 		}
+	}
+	start := time.Now()
+	// One poll before anything else: where the peer shares this CPU, the
+	// send that woke it has usually let it run and answer already, and
+	// the spin's bookkeeping below (a thread lock and a getrusage, about
+	// a tenth of a one-CPU round trip) would be spent for nothing.
+	if done, got := c.poll(fd, flags); done {
+		if got {
+			c.backoff(rule, false)
+		}
+		return true
+	}
+	if rule == SpinBudgeted {
 		// The thread's involuntary context switches tell whether a
 		// yield ran another thread: keep to this thread meanwhile.
 		runtime.LockOSThread()
 		defer runtime.UnlockOSThread()
 		switches = c.involuntarySwitches()
+		watched.Add(1)
 	}
-	start := time.Now()
-	m := &c.rmsg
 	switched, cut := false, false
 	for {
-		c.rn, _, c.rerrno = syscall.RawSyscall(unix.SYS_RECVMSG, fd, uintptr(unsafe.Pointer(m)), flags|unix.MSG_DONTWAIT)
-		switch c.rerrno {
-		case 0:
-			spun.Add(1)
-			c.backoff(rule, cut)
-			return true
-		case unix.EAGAIN, unix.EINTR:
-		default:
-			return true
-		}
 		if !keepSpinning(rule, time.Since(start), c.spin, int(spinConns.Load()), budget, switched) {
 			c.backoff(rule, cut)
 			return false
@@ -504,9 +507,31 @@ func (c *Conn) spinFor(fd, flags uintptr) bool {
 			switched, switches = n < 0 || n != switches, n
 			cut = cut || switched
 		}
+		if done, got := c.poll(fd, flags); done {
+			if got {
+				c.backoff(rule, cut)
+			}
+			return true
+		}
+	}
+}
+
+// poll is one non-blocking recvmsg of the spin: done when it is Recv's
+// result (got: a packet; else the end of the connection or an error other
+// than "nothing yet"), else the message header is reset for the next.
+func (c *Conn) poll(fd, flags uintptr) (done, got bool) {
+	m := &c.rmsg
+	c.rn, _, c.rerrno = syscall.RawSyscall(unix.SYS_RECVMSG, fd, uintptr(unsafe.Pointer(m)), flags|unix.MSG_DONTWAIT)
+	switch c.rerrno {
+	case 0:
+		spun.Add(1)
+		return true, true
+	case unix.EAGAIN, unix.EINTR:
 		m.SetControllen(len(c.oob))
 		m.Flags = 0
+		return false, false
 	}
+	return true, false
 }
 
 // backoff sets the Recvs the next spins are skipped for, after a spin

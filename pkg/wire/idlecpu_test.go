@@ -146,6 +146,48 @@ func TestSpinGatedByTheMachine(t *testing.T) {
 	}
 }
 
+// A reply already waiting is taken by the spin's first poll, before the
+// spin locks its thread and reads its switches (the bookkeeping of a spin
+// that yields): on one CPU the send that woke the peer has usually let it
+// answer already. A reply that comes later is waited for by the spin
+// proper.
+func TestSpinFirstPollSkipsTheBookkeeping(t *testing.T) {
+	c, s := pair(t)
+	buf := make([]byte, MaxMessage+1)
+	if err := s.SetSpin(SpinLimit); err != nil {
+		t.Fatal(err)
+	}
+	old := spinBudget
+	spinBudget = func() int { return 1 << 20 }
+	t.Cleanup(func() { spinBudget = old })
+	withSpinRule(t, SpinBudgeted)
+	withIdleMachine(t, true)
+
+	s.skip = 0
+	spins, w := spun.Load(), watched.Load()
+	c.Send([]byte("x"), nil)
+	time.Sleep(time.Millisecond) // in the socket before Recv polls
+	if _, _, err := s.Recv(buf); err != nil {
+		t.Fatal(err)
+	}
+	if got, gw := spun.Load()-spins, watched.Load()-w; got != 1 || gw != 0 {
+		t.Errorf("a waiting reply: %d taken by the spin, %d spins watched; want 1 and 0", got, gw)
+	}
+
+	s.skip = 0
+	w = watched.Load()
+	go func() {
+		time.Sleep(5 * time.Millisecond)
+		c.Send([]byte("y"), nil)
+	}()
+	if _, _, err := s.Recv(buf); err != nil {
+		t.Fatal(err)
+	}
+	if gw := watched.Load() - w; gw != 1 {
+		t.Errorf("a reply still to come: %d spins watched, want 1", gw)
+	}
+}
+
 func FuzzParseLoadavgRunning(f *testing.F) {
 	f.Add([]byte("0.61 1.14 1.77 3/412 12345\n"))
 	f.Add([]byte("0.61 1.14 1.77 /412"))
