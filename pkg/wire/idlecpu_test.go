@@ -111,17 +111,24 @@ func withIdleMachine(t *testing.T, idle bool) {
 	t.Cleanup(func() { idleCPURead = old; idleUntil.Store(0) })
 }
 
-// A budgeted Conn does not spin while the machine's runnable tasks fill
-// its CPUs, however much budget its process has; SpinAlways does.
-func TestSpinGatedByTheMachine(t *testing.T) {
-	c, s := pair(t)
-	buf := make([]byte, MaxMessage+1)
+// spinningPair is a connected pair whose second end spins as long as it
+// may, in a process whose spin budget has room for any number of callers.
+func spinningPair(t *testing.T) (c, s *Conn, buf []byte) {
+	t.Helper()
+	c, s = pair(t)
 	if err := s.SetSpin(SpinLimit); err != nil {
 		t.Fatal(err)
 	}
 	old := spinBudget
 	spinBudget = func() int { return 1 << 20 }
 	t.Cleanup(func() { spinBudget = old })
+	return c, s, make([]byte, MaxMessage+1)
+}
+
+// A budgeted Conn does not spin while the machine's runnable tasks fill
+// its CPUs, however much budget its process has; SpinAlways does.
+func TestSpinGatedByTheMachine(t *testing.T) {
+	c, s, buf := spinningPair(t)
 	for _, tc := range []struct {
 		rule SpinRule
 		idle bool
@@ -152,14 +159,7 @@ func TestSpinGatedByTheMachine(t *testing.T) {
 // answer already. A reply that comes later is waited for by the spin
 // proper.
 func TestSpinFirstPollSkipsTheBookkeeping(t *testing.T) {
-	c, s := pair(t)
-	buf := make([]byte, MaxMessage+1)
-	if err := s.SetSpin(SpinLimit); err != nil {
-		t.Fatal(err)
-	}
-	old := spinBudget
-	spinBudget = func() int { return 1 << 20 }
-	t.Cleanup(func() { spinBudget = old })
+	c, s, buf := spinningPair(t)
 	withSpinRule(t, SpinBudgeted)
 	withIdleMachine(t, true)
 
