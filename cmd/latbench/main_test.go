@@ -21,19 +21,17 @@ func TestMain(m *testing.M) {
 	os.Exit(m.Run())
 }
 
-func TestLatbenchRuns(t *testing.T) {
-	if _, err := exec.LookPath("cc"); err != nil {
-		if _, err := exec.LookPath("gcc"); err != nil {
-			t.Skip("no C compiler for the echo floor")
-		}
-	}
+// runJSON runs latbench with args, its standard output captured, and
+// decodes what it printed into v; it returns the output.
+func runJSON(t *testing.T, v any, args ...string) []byte {
+	t.Helper()
 	out, err := os.CreateTemp(t.TempDir(), "out")
 	if err != nil {
 		t.Fatal(err)
 	}
 	stdout := os.Stdout
 	os.Stdout = out
-	err = run([]string{"-n", "200", "-rounds", "2", "-warmup", "20", "-placements", "one", "-json"})
+	err = run(args)
 	os.Stdout = stdout
 	if err != nil {
 		t.Fatal(err)
@@ -42,10 +40,20 @@ func TestLatbenchRuns(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var reps []placementReport
-	if err := json.Unmarshal(b, &reps); err != nil {
+	if err := json.Unmarshal(b, v); err != nil {
 		t.Fatalf("%v: %s", err, b)
 	}
+	return b
+}
+
+func TestLatbenchRuns(t *testing.T) {
+	if _, err := exec.LookPath("cc"); err != nil {
+		if _, err := exec.LookPath("gcc"); err != nil {
+			t.Skip("no C compiler for the echo floor")
+		}
+	}
+	var reps []placementReport
+	b := runJSON(t, &reps, "-n", "200", "-rounds", "2", "-warmup", "20", "-placements", "one", "-json")
 	if len(reps) != 1 || reps[0].ClientMaxProcs != 1 || len(reps[0].Rows) != 3 {
 		t.Fatalf("want one placement on one CPU (GOMAXPROCS 1) with 3 rows: %s", b)
 	}
@@ -72,25 +80,8 @@ func TestLatbenchRejects(t *testing.T) {
 }
 
 func TestLatbenchSweep(t *testing.T) {
-	out, err := os.CreateTemp(t.TempDir(), "out")
-	if err != nil {
-		t.Fatal(err)
-	}
-	stdout := os.Stdout
-	os.Stdout = out
-	err = run([]string{"-sweep", "-sessions", "1,2", "-procs", "2", "-sweep-time", "100ms", "-repeat", "1", "-placements", "one", "-json"})
-	os.Stdout = stdout
-	if err != nil {
-		t.Fatal(err)
-	}
-	b, err := os.ReadFile(out.Name())
-	if err != nil {
-		t.Fatal(err)
-	}
 	var cells []sweepCell
-	if err := json.Unmarshal(b, &cells); err != nil {
-		t.Fatalf("%v: %s", err, b)
-	}
+	b := runJSON(t, &cells, "-sweep", "-sessions", "1,2", "-procs", "2", "-sweep-time", "100ms", "-repeat", "1", "-placements", "one", "-json")
 	// 1x1, 1x2 and 2x1, each under the three spin modes.
 	if len(cells) != 9 {
 		t.Fatalf("%d cells, want 9: %s", len(cells), b)

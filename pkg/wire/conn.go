@@ -180,9 +180,8 @@ const maxSpinBackoff = 64
 
 // spinBackoff returns how many Recvs to skip the spin for after one whose
 // spin met contention (cut: a yield ran another thread) or not, given the
-// last backoff: it
-// doubles with every cut spin, up to maxSpinBackoff, and is gone at the
-// first spin that was not cut.
+// last backoff: it doubles with every cut spin, up to maxSpinBackoff, and
+// is gone at the first spin that was not cut.
 func spinBackoff(last int, cut bool) int {
 	if !cut {
 		return 0
