@@ -35,7 +35,8 @@ type restartReport struct {
 }
 
 type restartRow struct {
-	Streams    int       `json:"streams"`
+	Streams    int       `json:"streams"`  // over every session
+	Sessions   int       `json:"sessions"` // the streams' sessions, each its own allocation
 	PoolMiB    int       `json:"pool_mib"`
 	GapsMs     []float64 `json:"gaps_ms"` // one per restart
 	GapP50Ms   float64   `json:"gap_p50_ms"`
@@ -49,10 +50,11 @@ type restartRow struct {
 }
 
 // runRestart is `kvbench restart`: a keeper and an agent as real
-// processes, one client session (in this process, on a simulated GPU)
-// filled with N one-page streams, then the agent killed with SIGKILL and
-// started again, restarts times, each timed until IsOffloaded of the first
-// stream succeeds (a 1 ms poll); every stream is verified after the last.
+// processes, client sessions (in this process, on a simulated GPU, one
+// standalone token each) filled with N one-page streams in all, then the
+// agent killed with SIGKILL and started again, restarts times, each timed
+// until IsOffloaded of the first session's first stream succeeds (a 1 ms
+// poll); every session's streams are verified after the last.
 func runRestart(ctx context.Context, args []string) error {
 	fs := flag.NewFlagSet("kvbench restart", flag.ContinueOnError)
 	counts := fs.String("streams", "1,10000,100000,131072", "stream counts to probe, comma-separated (the first is the floor)")
@@ -63,18 +65,23 @@ func runRestart(ctx context.Context, args []string) error {
 	fs.StringVar(&agentLogLevel, "agent-log-level", "warn", "the agents' --log-level (their logs go to stderr at the end of each count)")
 	chunks := fs.Int("chunks", 2, "the agent's pool chunks (one simulated GPU)")
 	chunkMiB := fs.Int("chunk-mib", 16, "MiB per chunk: the pool is chunks x chunk-mib, pinned at the first start and adopted at every restart")
+	sessions := fs.Int("sessions", 1, "sessions the streams are spread over, each its own standalone token and allocation (chunks/sessions chunks each)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
-	if *chunks < 1 || *chunkMiB < 1 || *chunks**chunkMiB < 32 {
-		return errors.New("--chunks and --chunk-mib: at least one chunk and 32 MiB in all (room for one session at its stream bound)")
+	if *sessions < 1 || *sessions > maxProbeSessions {
+		return fmt.Errorf("--sessions: %d is not 1 to %d", *sessions, maxProbeSessions)
 	}
-	pool := poolShape{chunks: *chunks, chunkMiB: *chunkMiB}
+	if *chunks < *sessions || *chunkMiB < 1 || (*chunks / *sessions)**chunkMiB < 32 {
+		return errors.New("--chunks and --chunk-mib: at least one chunk and 32 MiB a session (room for a session at its stream bound)")
+	}
+	pool := poolShape{chunks: *chunks, chunkMiB: *chunkMiB, sessions: *sessions}
+	most := min(*sessions<<17, 1<<19) // the agent's bounds: 2^17 streams a session, 2^19 in all
 	var ns []int
 	for _, f := range strings.Split(*counts, ",") {
 		n, err := strconv.Atoi(strings.TrimSpace(f))
-		if err != nil || n < 1 || n > 1<<17 {
-			return fmt.Errorf("--streams: %q is not a count of 1 to %d", f, 1<<17)
+		if err != nil || n < *sessions || n > most {
+			return fmt.Errorf("--streams: %q is not a count of %d (a stream a session) to %d", f, *sessions, most)
 		}
 		ns = append(ns, n)
 	}
@@ -123,7 +130,7 @@ func (r *restartReport) floor(row restartRow) float64 {
 func printRestart(w io.Writer, rep *restartReport) {
 	fmt.Fprintf(w, "load average at start: %s\n", rep.Load)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "pool MiB\tstreams\tgap p50 ms\tgaps ms\texits ms\tover 1st\tRSS before MiB\tRSS after MiB\tanon before MiB\tanon after MiB\tpeak after MiB")
+	fmt.Fprintln(tw, "pool MiB\tsessions\tstreams\tgap p50 ms\tgaps ms\texits ms\tover 1st\tRSS before MiB\tRSS after MiB\tanon before MiB\tanon after MiB\tpeak after MiB")
 	mib := func(v int64) string { return fmt.Sprintf("%.1f", float64(v)/(1<<20)) }
 	list := func(vs []int64) string {
 		var s []string
@@ -140,7 +147,7 @@ func printRestart(w io.Writer, rep *restartReport) {
 		return strings.Join(s, " ")
 	}
 	for _, c := range rep.Cases {
-		fmt.Fprintf(tw, "%d\t%d\t%.1f\t%s\t%s\t%.2f\t%s\t%s\t%s\t%s\t%s\n", c.PoolMiB, c.Streams, c.GapP50Ms, ms(c.GapsMs), ms(c.ExitsMs), c.OverFloor,
+		fmt.Fprintf(tw, "%d\t%d\t%d\t%.1f\t%s\t%s\t%.2f\t%s\t%s\t%s\t%s\t%s\n", c.PoolMiB, c.Sessions, c.Streams, c.GapP50Ms, ms(c.GapsMs), ms(c.ExitsMs), c.OverFloor,
 			mib(c.RSSBefore), list(c.RSSAfter), mib(c.AnonBefore), list(c.AnonAfter), list(c.PeakAfter))
 	}
 	tw.Flush()
@@ -149,13 +156,20 @@ func printRestart(w io.Writer, rep *restartReport) {
 // agentLogLevel is the agents' --log-level (--agent-log-level).
 var agentLogLevel = "warn"
 
-// poolShape is the probe agent's pool: chunks of chunkMiB, 128-byte pages.
-type poolShape struct{ chunks, chunkMiB int }
+// poolShape is the probe agent's pool: chunks of chunkMiB, 128-byte pages,
+// shared by sessions tokens.
+type poolShape struct{ chunks, chunkMiB, sessions int }
+
+// maxProbeSessions bounds --sessions.
+const maxProbeSessions = 16
+
+// probeToken is the standalone token of the probe's session i.
+func probeToken(i int) string { return fmt.Sprintf("bench-token-%d", i) }
 
 // probeRestart runs one stream count: a fresh keeper and agent, the fill,
 // restarts kills and restarts, the check of every stream.
 func probeRestart(ctx context.Context, bin string, pool poolShape, n, restarts int, settle time.Duration) (restartRow, error) {
-	row := restartRow{Streams: n, PoolMiB: pool.chunks * pool.chunkMiB}
+	row := restartRow{Streams: n, Sessions: pool.sessions, PoolMiB: pool.chunks * pool.chunkMiB}
 	pr, err := startProbe(bin, pool)
 	if err != nil {
 		return row, err
@@ -166,7 +180,7 @@ func probeRestart(ctx context.Context, bin string, pool poolShape, n, restarts i
 		return row, err
 	}
 	defer dev.Close()
-	p, err := pr.fill(ctx, dev, regions, n)
+	p, counts, err := pr.fill(ctx, dev, regions, n, pool.sessions)
 	if err != nil {
 		return row, err
 	}
@@ -185,13 +199,21 @@ func probeRestart(ctx context.Context, bin string, pool poolShape, n, restarts i
 		row.RSSAfter, row.AnonAfter = append(row.RSSAfter, rss), append(row.AnonAfter, anon)
 		row.PeakAfter = append(row.PeakAfter, peak)
 	}
-	u, err := p.Usage()
-	if err != nil || u.Streams != n {
-		return row, fmt.Errorf("after the restarts: %d streams (%v), want %d", u.Streams, err, n)
-	}
-	for _, i := range []int{0, n / 2, n - 1} {
-		if k, err := p.NumPages(probeRid(i), "kv"); err != nil || k != 1 {
-			return row, fmt.Errorf("stream %s after the restarts: %d pages (%v), want 1", probeRid(i), k, err)
+	for j, m := range counts {
+		if j > 0 { // the other sessions' instances take them over again
+			if p, err = openProbe(ctx, pr.sock, j, dev, regions, 10*time.Second); err != nil {
+				return row, fmt.Errorf("session %d after the restarts: %w", j, err)
+			}
+			defer p.Close()
+		}
+		u, err := p.Usage()
+		if err != nil || u.Streams != m {
+			return row, fmt.Errorf("session %d after the restarts: %d streams (%v), want %d", j, u.Streams, err, m)
+		}
+		for _, i := range []int{0, m / 2, m - 1} {
+			if k, err := p.NumPages(probeRid(i), "kv"); err != nil || k != 1 {
+				return row, fmt.Errorf("session %d's stream %s after the restarts: %d pages (%v), want 1", j, probeRid(i), k, err)
+			}
 		}
 	}
 	g := slices.Clone(row.GapsMs)
@@ -255,9 +277,13 @@ func startProbe(bin string, pool poolShape) (*probe, error) {
 	}
 	// By default two chunks of 16 MiB of 128-byte host pages: 262,144
 	// pages, room for one session at its stream bound.
+	tokens := make([]string, pool.sessions)
+	for i := range tokens {
+		tokens[i] = probeToken(i)
+	}
 	pr.args = []string{"--standalone", "--socket", pr.sock, "--keeper-socket", keeperSock, "--standalone-gpus", "1",
 		"--chunks-per-gpu", strconv.Itoa(pool.chunks), "--chunk-mib", strconv.Itoa(pool.chunkMiB), "--state-dir", filepath.Join(dir, "state"),
-		"--log-level", agentLogLevel, "--standalone-tokens", "bench-token"}
+		"--log-level", agentLogLevel, "--standalone-tokens", strings.Join(tokens, ",")}
 	if err := pr.startAgent(); err != nil {
 		pr.stop(0)
 		return nil, err
@@ -291,25 +317,37 @@ func (pr *probe) stop(n int) {
 	os.RemoveAll(pr.dir)
 }
 
-// fill offloads n one-page streams and returns the pool the probe polls
-// with: the same instance, taking the session over, with no retries (it
-// polls itself, every ms).
-func (pr *probe) fill(ctx context.Context, dev cudart.Device, regions []cudart.Region, n int) (*client.CPUPagePool, error) {
-	fill, err := openProbe(ctx, pr.sock, dev, regions, 10*time.Second)
-	if err != nil {
-		return nil, err
-	}
-	for i := range n {
-		ok, err := fill.OffloadStream(probeRid(i), "kv", []int32{int32(i % 16)}, int64(i), int64(i), 0)
-		if err != nil || !ok {
-			return nil, fmt.Errorf("offload %d: %v, %v", i, ok, err)
+// fill offloads n one-page streams over sessions sessions (the first
+// takes what does not divide) and returns the pool the probe polls with
+// (the first session's instance, taking it over, with no retries: it polls
+// itself, every ms) and each session's stream count.
+func (pr *probe) fill(ctx context.Context, dev cudart.Device, regions []cudart.Region, n, sessions int) (*client.CPUPagePool, []int, error) {
+	var counts []int
+	for j := range sessions {
+		m := n / sessions
+		if j == 0 {
+			m += n % sessions
 		}
+		fill, err := openProbe(ctx, pr.sock, j, dev, regions, 10*time.Second)
+		if err != nil {
+			return nil, nil, err
+		}
+		for i := range m {
+			ok, err := fill.OffloadStream(probeRid(i), "kv", []int32{int32(i % 16)}, int64(i), int64(i), 0)
+			if err != nil || !ok {
+				fill.Close()
+				return nil, nil, fmt.Errorf("session %d, offload %d: %v, %v", j, i, ok, err)
+			}
+		}
+		if err := fill.Synchronize(); err != nil {
+			fill.Close()
+			return nil, nil, err
+		}
+		fill.Disconnect()
+		counts = append(counts, m)
 	}
-	if err := fill.Synchronize(); err != nil {
-		return nil, err
-	}
-	fill.Disconnect()
-	return openProbe(ctx, pr.sock, dev, regions, -1)
+	p, err := openProbe(ctx, pr.sock, 0, dev, regions, -1)
+	return p, counts, err
 }
 
 // restart kills the agent with SIGKILL, starts another and returns the
@@ -359,10 +397,10 @@ func probeDevice() (cudart.Device, []cudart.Region, error) {
 	return dev, []cudart.Region{{Base: k, Stride: 64, PageBytes: 64, Pages: 16}, {Base: v, Stride: 64, PageBytes: 64, Pages: 16}}, nil
 }
 
-// openProbe opens (or takes over) the probe's session.
-func openProbe(ctx context.Context, sock string, dev cudart.Device, regions []cudart.Region, retry time.Duration) (*client.CPUPagePool, error) {
-	return client.Open(ctx, client.Options{Socket: sock, Token: "bench-token", Device: dev, Regions: regions, RetryFor: retry,
-		InstanceID: []byte("kvbench-restart"), Name: "kvbench-restart", Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+// openProbe opens (or takes over) the probe's session i.
+func openProbe(ctx context.Context, sock string, i int, dev cudart.Device, regions []cudart.Region, retry time.Duration) (*client.CPUPagePool, error) {
+	return client.Open(ctx, client.Options{Socket: sock, Token: probeToken(i), Device: dev, Regions: regions, RetryFor: retry,
+		InstanceID: []byte(fmt.Sprintf("kvbench-restart-%d", i)), Name: "kvbench-restart", Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
 }
 
 func waitUntil(d time.Duration, cond func() bool) error {

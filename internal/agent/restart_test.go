@@ -17,6 +17,7 @@ import (
 	"github.com/kvpool/kvpool/internal/hostmem"
 	"github.com/kvpool/kvpool/internal/keeper"
 	"github.com/kvpool/kvpool/pkg/cudart"
+	"github.com/kvpool/kvpool/pkg/pool"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
 
@@ -372,5 +373,45 @@ func TestNoMarkerAfterAStopWithNothingToLose(t *testing.T) {
 	stop()
 	if _, err := os.Stat(a.a.markerPath()); !os.IsNotExist(err) {
 		t.Fatalf("the keeper marker is left after a stop with nothing to lose: %v", err)
+	}
+}
+
+// Books that replay but do not rebuild a consistent pool make the agent
+// start fresh, and the books it starts with are the fresh ones: the next
+// restart finds none of the old sessions (the books memfd is written
+// while the pool is rebuilt, so the copy of the old books, written first,
+// must be replaced by the empty ones).
+func TestBooksThatDoNotRebuildStartFresh(t *testing.T) {
+	dir := t.TempDir()
+	ksock, _ := startKeeper(t)
+	a, stop := keptAgent(t, dir, ksock, []string{"tenant-a"})
+	w := dialAgent(t, a.Socket())
+	first := w.open("tenant-a", "instance-a")
+	if st, msg := w.do(wire.OpOffload, &wire.Offload{Rid: "r", Label: "kv", GpuPages: []int32{1}}, &wire.OffloadReply{}); st != 0 {
+		t.Fatalf("offload: %s %s", st, msg)
+	}
+	w.c.Close()
+	stop()
+
+	breakImage = func(img *pool.Image) {
+		for i := range img.Sessions {
+			img.Sessions[i].Capacity = -1
+		}
+	}
+	a2, stop2 := keptAgent(t, dir, ksock, []string{"tenant-a"})
+	breakImage = nil
+	if r := a2.a.restartStatus(); r.Sessions != 0 || r.AdoptedChunks != 0 {
+		t.Fatalf("a restart whose books did not rebuild: %+v", r)
+	}
+	if got := dialAgent(t, a2.Socket()).open("tenant-a", "instance-a"); got.Resumed || got.Session == first.Session {
+		t.Fatalf("the old session came back: %+v", got)
+	}
+	stop2()
+
+	a3, stop3 := keptAgent(t, dir, ksock, []string{"tenant-a"})
+	defer stop3()
+	r := a3.a.restartStatus()
+	if r.Sessions != 1 || r.Streams != 0 {
+		t.Fatalf("the restart after: %+v, want the one session opened since and no stream", r)
 	}
 }

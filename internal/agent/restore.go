@@ -88,9 +88,19 @@ func (a *agent) restore() error {
 		return err
 	}
 	tAdopt := time.Now()
-	sessions, err := a.pool.Restore(st.Image())
+	// The fresh books memfd (a copy of the kept records, mostly) is
+	// written while the pool is rebuilt: both only read st.
+	startBooks := startAside(func() (*books.Books, error) { return books.Start(st, info.Gen, kc, a.booksFailed) })
+	img := st.Image()
+	if breakImage != nil {
+		breakImage(&img)
+	}
+	sessions, err := a.pool.Restore(img)
 	if err != nil {
 		a.log.Error("the books do not rebuild a consistent pool; releasing the keeper's state and starting fresh", "err", err)
+		if b, _ := startBooks(); b != nil {
+			b.Close()
+		}
 		for id, c := range a.hmem {
 			c.Close()
 			delete(a.hmem, id)
@@ -101,11 +111,15 @@ func (a *agent) restore() error {
 		clear(r.adopted)
 		clear(r.gens)
 		st, sessions = books.NewState(), nil
+		startBooks = func() (*books.Books, error) { return books.Start(st, info.Gen, kc, a.booksFailed) }
 	}
 	r.sessions = st.Restored(sessions)
-	r.streams = st.Streams()
+	r.streams = 0
+	for _, ps := range sessions {
+		r.streams += ps.Usage().Streams
+	}
 	tPool := time.Now()
-	b, err := books.Start(st, info.Gen, kc, a.booksFailed)
+	b, err := startBooks()
 	if err != nil {
 		return err
 	}
@@ -120,6 +134,25 @@ func (a *agent) restore() error {
 			"books", tBooks.Sub(tPool).Round(time.Microsecond))
 	}
 	return nil
+}
+
+// breakImage, set by tests, changes the image the books give the pool
+// before it is rebuilt (to make the rebuild fail).
+var breakImage func(*pool.Image)
+
+// startAside runs start in a goroutine of its own and returns what waits
+// for its result.
+func startAside[T any](start func() (T, error)) func() (T, error) {
+	type result struct {
+		v   T
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		v, err := start()
+		done <- result{v, err}
+	}()
+	return sync.OnceValues(func() (T, error) { r := <-done; return r.v, r.err })
 }
 
 // loadBooks replays the books the keeper holds. Books that cannot be

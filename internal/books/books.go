@@ -161,9 +161,21 @@ func replay(mem []byte) (*State, uint64, uint64, error) {
 		end = headerSize + capacity
 	}
 	var st *State
-	var parts [][]byte // of a snapshot in parts, until its last
+	var parts [][]byte  // of a snapshot in parts, until its last
+	var sessionAt []int // the parts that begin a session (partSession)
+	var r router
 	off := uint64(headerSize)
 	hints := offloadHints(mem, off, end)
+	// fail is replay's error at the record at at: the first failure in
+	// the books, a queued record's (router.apply) when one comes first.
+	fail := func(at uint64, err error) (*State, uint64, uint64, error) {
+		if st != nil {
+			if qoff, qerr := r.apply(st); qerr != nil && qoff < at {
+				return nil, 0, 0, fmt.Errorf("record at %d: %w", qoff, qerr)
+			}
+		}
+		return nil, 0, 0, err
+	}
 	for off+8 <= end {
 		n := uint64(binary.LittleEndian.Uint32(mem[off:]))
 		if n == 0 {
@@ -178,27 +190,36 @@ func replay(mem []byte) (*State, uint64, uint64, error) {
 		}
 		payload := mem[off+8 : off+8+n]
 		if crc32.Checksum(payload, castagnoli) != binary.LittleEndian.Uint32(mem[off+4:]) {
-			return nil, 0, 0, fmt.Errorf("%w: checksum of the committed record at %d", ErrCorrupt, off)
+			return fail(off, fmt.Errorf("%w: checksum of the committed record at %d", ErrCorrupt, off))
 		}
 		var err error
 		switch {
-		case st == nil && len(payload) >= 2 && payload[0] == recSnapshotPart && payload[1]&1 == 0:
+		case st == nil && len(payload) >= 2 && payload[0] == recSnapshotPart && payload[1]&partLast == 0:
+			if payload[1]&partSession != 0 {
+				sessionAt = append(sessionAt, len(parts))
+			}
 			parts = append(parts, payload[2:])
 		case st == nil && len(parts) > 0:
 			if len(payload) < 2 || payload[0] != recSnapshotPart {
 				return nil, 0, 0, fmt.Errorf("%w: record at %d interrupts the snapshot's %d parts", ErrCorrupt, off, len(parts))
 			}
-			if st, err = decodeSnapshot(append(parts, payload[2:])); err != nil {
+			if payload[1]&partSession != 0 {
+				sessionAt = append(sessionAt, len(parts))
+			}
+			if st, err = decodeSnapshot(append(parts, payload[2:]), sessionAt); err != nil {
 				return nil, 0, 0, fmt.Errorf("snapshot ending at %d: %w", off, err)
 			}
 			parts = nil
 			st.snapEnd = off + 8 + pad + 4
+		case st != nil && sideBySide && r.route(st, off, payload):
+			st.aliasReplies = true // ownReplies below, before mem goes
 		default:
 			if st != nil {
-				st.aliasReplies = true // ownReplies below, before mem goes
+				st.aliasReplies = true
 			}
+			r.inOrder()
 			if st, err = decodeRecord(st, payload); err != nil {
-				return nil, 0, 0, fmt.Errorf("record at %d: %w", off, err)
+				return fail(off, fmt.Errorf("record at %d: %w", off, err))
 			}
 		}
 		if st != nil && st.snapEnd == 0 {
@@ -212,6 +233,9 @@ func replay(mem []byte) (*State, uint64, uint64, error) {
 	}
 	if st == nil {
 		return nil, 0, 0, fmt.Errorf("%w: no committed snapshot", ErrCorrupt)
+	}
+	if qoff, err := r.apply(st); err != nil {
+		return nil, 0, 0, fmt.Errorf("record at %d: %w", qoff, err)
 	}
 	st.ownReplies()
 	st.ridHints = nil

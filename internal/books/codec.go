@@ -4,7 +4,10 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"runtime"
 	"slices"
+
+	"golang.org/x/sync/errgroup"
 
 	"github.com/kvpool/kvpool/internal/server"
 	"github.com/kvpool/kvpool/pkg/pool"
@@ -19,8 +22,18 @@ const (
 	recChunkGen = 3
 	recSession  = 4
 	// recSnapshotPart is one part of a snapshot (format version 2): a
-	// flags byte (1: the last part), then the next bytes of the snapshot.
+	// flags byte (partLast, partSession), then the next bytes of the
+	// snapshot.
 	recSnapshotPart = 5
+)
+
+// Flags of a snapshot part. partSession marks a part that begins a
+// session: a writer begins each session in a part of its own, so that a
+// reader decodes the sessions side by side (decodeSnapshot). A reader
+// that ignores it (an agent before it) reads the same snapshot.
+const (
+	partLast    = 1
+	partSession = 2
 )
 
 // ErrCorrupt wraps every decoding failure of a record.
@@ -397,7 +410,7 @@ func (w *snapWriter) cut() {
 
 func (w *snapWriter) flush(last bool) {
 	if last {
-		w.e[1] = 1
+		w.e[1] |= partLast
 	}
 	if w.err == nil {
 		w.err = w.emit(w.e)
@@ -445,6 +458,8 @@ func writeSnapshot(w *snapWriter, st *State) error {
 	}
 	w.e = w.e.u(uint64(len(st.sessions)))
 	for _, sid := range sortedIDs(st.sessions) {
+		w.flush(false)
+		w.e[1] = partSession
 		s := st.sessions[sid]
 		si := &s.Image
 		w.e = w.e.u(si.ID).str(si.Allocation)
@@ -496,6 +511,27 @@ func sortedIDs[V any](m map[uint64]V) []uint64 {
 }
 
 func (d *dec) snapshot() *State {
+	st := d.snapshotHead()
+	n := d.n()
+	for range n {
+		if d.err != nil {
+			break
+		}
+		s := d.session()
+		if d.err != nil {
+			return nil
+		}
+		st.sessions[s.Image.ID] = s
+	}
+	if d.err != nil {
+		return nil
+	}
+	return st
+}
+
+// snapshotHead reads a snapshot up to its sessions: the last session ID,
+// the chunks and the allocations (the count of sessions follows).
+func (d *dec) snapshotHead() *State {
 	st := NewState()
 	st.lastSession = d.u()
 	for range d.n() {
@@ -518,43 +554,48 @@ func (d *dec) snapshot() *State {
 		id := d.str()
 		st.allocs[id] = d.strs()
 	}
-	for range d.n() {
-		s := &Session{Image: d.sessionImage(), rids: map[string][]stream{}}
-		s.Instance, s.UUID, s.Peer = d.str(), d.str(), d.peer()
-		s.Regions = d.regions()
-		seq := d.u()
-		s.Last = server.LastReply{Seq: uint32(seq), Op: wire.Op(d.byte()), Status: wire.Status(d.byte()), Body: d.raw()}
-		if s.Last.Pages = d.pages(); len(s.Last.Pages) == 0 {
-			s.Last.Pages = nil
-		}
-		// The table sized for its requests at once (a count the record
-		// bounds, and no more than 2^20 entries ahead): growing it a
-		// request at a time rehashed it again and again.
-		nrids := d.n()
-		s.rids = make(map[string][]stream, min(nrids, 1<<20))
-		for range nrids {
-			rid := d.str()
-			for range d.n() {
-				s.rids[rid] = append(s.rids[rid], stream{label: d.str(), meta: d.meta(), pages: d.pages()})
-			}
-		}
-		for range d.n() {
-			s.pending = append(s.pending, pool.PendingImage{Ticket: d.u(), Pages: d.pages()})
-		}
-		if d.err != nil {
-			return nil
-		}
-		st.sessions[s.Image.ID] = s
-	}
-	if d.err != nil {
-		return nil
-	}
 	return st
 }
 
+// session reads one session of a snapshot.
+func (d *dec) session() *Session {
+	s := &Session{Image: d.sessionImage()}
+	s.Instance, s.UUID, s.Peer = d.str(), d.str(), d.peer()
+	s.Regions = d.regions()
+	seq := d.u()
+	s.Last = server.LastReply{Seq: uint32(seq), Op: wire.Op(d.byte()), Status: wire.Status(d.byte()), Body: d.raw()}
+	if s.Last.Pages = d.pages(); len(s.Last.Pages) == 0 {
+		s.Last.Pages = nil
+	}
+	// The table sized for its requests at once (a count the record
+	// bounds, and no more than 2^20 entries ahead): growing it a
+	// request at a time rehashed it again and again.
+	nrids := d.n()
+	s.rids = make(map[string][]stream, min(nrids, 1<<20))
+	for range nrids {
+		rid := d.str()
+		for range d.n() {
+			s.rids[rid] = append(s.rids[rid], stream{label: d.str(), meta: d.meta(), pages: d.pages()})
+		}
+	}
+	for range d.n() {
+		s.pending = append(s.pending, pool.PendingImage{Ticket: d.u(), Pages: d.pages()})
+	}
+	return s
+}
+
 // decodeSnapshot reads a snapshot written in parts: the parts' bytes
-// after their record type and flags, in order.
-func decodeSnapshot(parts [][]byte) (*State, error) {
+// after their record type and flags, in order; sessionAt lists the parts
+// flagged partSession. Where they begin the sessions, one each, the
+// sessions are decoded side by side (sessionsApart); else, or when that
+// fails, the parts are read as one (as an agent that ignores the flag
+// does).
+func decodeSnapshot(parts [][]byte, sessionAt []int) (*State, error) {
+	if len(sessionAt) > 0 && sideBySide {
+		if st := sessionsApart(parts, sessionAt); st != nil {
+			return st, nil
+		}
+	}
 	d := newDec(parts...)
 	st := d.snapshot()
 	if d.err != nil {
@@ -618,4 +659,46 @@ func decodeRecord(st *State, payload []byte) (*State, error) {
 		return nil, fmt.Errorf("%w: %d bytes after the record", ErrCorrupt, d.left)
 	}
 	return st, nil
+}
+
+// sessionsApart decodes a snapshot whose sessions each begin a part (at
+// the parts sessionAt lists, ascending), one goroutine a session up to
+// GOMAXPROCS. It returns nil unless the head ends where the first session
+// begins, each session's parts hold exactly one session and there are as
+// many as the head counts.
+func sessionsApart(parts [][]byte, sessionAt []int) *State {
+	if sessionAt[0] < 1 {
+		return nil
+	}
+	d := newDec(parts[:sessionAt[0]]...)
+	st := d.snapshotHead()
+	// The count of sessions ends the head: they are in the parts after.
+	if n := d.u(); d.err != nil || d.left != 0 || n != uint64(len(sessionAt)) {
+		return nil
+	}
+	n := len(sessionAt)
+	sessions := make([]*Session, n)
+	var g errgroup.Group
+	g.SetLimit(runtime.GOMAXPROCS(0))
+	for i, at := range sessionAt {
+		end := len(parts)
+		if i+1 < n {
+			end = sessionAt[i+1]
+		}
+		g.Go(func() error {
+			d := newDec(parts[at:end]...)
+			if s := d.session(); d.err == nil && d.left == 0 {
+				sessions[i] = s
+			}
+			return nil
+		})
+	}
+	_ = g.Wait()
+	for _, s := range sessions {
+		if s == nil {
+			return nil
+		}
+		st.sessions[s.Image.ID] = s
+	}
+	return st
 }

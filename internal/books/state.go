@@ -4,8 +4,11 @@ import (
 	"fmt"
 	"maps"
 	"os"
+	"runtime"
 	"slices"
 	"sort"
+
+	"golang.org/x/sync/errgroup"
 
 	"github.com/kvpool/kvpool/internal/server"
 	"github.com/kvpool/kvpool/pkg/pool"
@@ -171,9 +174,14 @@ func (st *State) Image() pool.Image {
 		ids = append(ids, id)
 	}
 	slices.Sort(ids)
-	for _, id := range ids {
-		img.Sessions = append(img.Sessions, st.sessions[id].image())
+	// Side by side, as pool.Restore rebuilds them.
+	img.Sessions = make([]pool.SessionImage, len(ids))
+	var g errgroup.Group
+	g.SetLimit(runtime.GOMAXPROCS(0))
+	for i, id := range ids {
+		g.Go(func() error { img.Sessions[i] = st.sessions[id].image(); return nil })
 	}
+	_ = g.Wait()
 	return img
 }
 
@@ -305,6 +313,25 @@ func (st *State) applySession(op server.SessionOp) {
 		st.Skipped++
 		return
 	}
+	if op.Op == wire.OpClose {
+		delete(st.sessions, op.Session)
+		return
+	}
+	if !s.apply(op) {
+		st.Skipped++
+	}
+}
+
+// routed reports whether a session op of kind op on an open session
+// changes that session alone (its streams, pending reloads, ticket and
+// last reply) and reads nothing else: such ops of different sessions
+// replay in any order against each other (replay applies them by session,
+// in parallel).
+func routed(op wire.Op) bool { return op != wire.OpOpen && op != wire.OpClose }
+
+// apply applies a change of the session's own (routed) and reports
+// whether it applied: false for one that named something already gone.
+func (s *Session) apply(op server.SessionOp) bool {
 	if op.Fence != 0 {
 		i := 0
 		for i < len(s.pending) && s.pending[i].Ticket <= op.Fence {
@@ -313,14 +340,13 @@ func (st *State) applySession(op server.SessionOp) {
 		s.pending = s.pending[i:]
 	}
 	if op.Op == 0 {
-		return
+		return true
 	}
 	switch op.Op {
 	case wire.OpOffload:
 		list := s.rids[op.Rid]
 		if indexOf(list, op.Label) >= 0 {
-			st.Skipped++
-			return
+			return false
 		}
 		// op is the decoder's own (decodeRecord): its pages are kept.
 		s.rids[op.Rid] = append(list, stream{label: op.Label, meta: op.Meta, pages: op.Pages})
@@ -330,8 +356,7 @@ func (st *State) applySession(op server.SessionOp) {
 			break // discarding an unknown stream is a no-op (the seed's)
 		}
 		if i < 0 {
-			st.Skipped++
-			return
+			return false
 		}
 		list := s.rids[op.Rid]
 		if op.Op == wire.OpReload && len(list[i].pages) > 0 {
@@ -348,12 +373,8 @@ func (st *State) applySession(op server.SessionOp) {
 		}
 	case wire.OpRemoveRequest:
 		delete(s.rids, op.Rid)
-	case wire.OpClose:
-		delete(st.sessions, op.Session)
-		return
 	default:
-		st.Skipped++
-		return
+		return false
 	}
 	s.Last = server.LastReply{Seq: op.Seq, Op: op.Op, Status: op.Status, Body: op.Reply}
 	if len(op.Pages) > wire.MaxPagesPerPacket {
@@ -361,6 +382,7 @@ func (st *State) applySession(op server.SessionOp) {
 		// with the stream: neither changes them).
 		s.Last.Pages = op.Pages
 	}
+	return true
 }
 
 func (s *Session) streams() int {

@@ -4,8 +4,11 @@ import (
 	"cmp"
 	"errors"
 	"fmt"
+	"runtime"
 	"slices"
 	"sort"
+
+	"golang.org/x/sync/errgroup"
 
 	"github.com/kvpool/kvpool/pkg/poolerr"
 )
@@ -241,10 +244,26 @@ func (p *Pool) restoreLocked(img Image) ([]*Session, error) {
 		}
 		out = append(out, s)
 	}
+	// Each session's tables are its own: they are rebuilt side by side,
+	// one goroutine a session up to GOMAXPROCS (a node's sessions restore
+	// on all its CPUs). Of their errors, the first session's is told.
+	errs := make([]error, len(out))
+	var g errgroup.Group
+	g.SetLimit(runtime.GOMAXPROCS(0))
+	for i, s := range out {
+		g.Go(func() error { errs[i] = s.restoreTables(img.Sessions[i]); return nil })
+	}
+	_ = g.Wait()
+	for i, err := range errs {
+		if err != nil {
+			return nil, fmt.Errorf("session %d: %w", out[i].id, err)
+		}
+	}
 	return out, nil
 }
 
-// restoreSession rebuilds one session of an image on its chunks.
+// restoreSession makes one session of an image on its chunks, its tables
+// empty (restoreTables fills them).
 func (p *Pool) restoreSession(si SessionImage) (*Session, error) {
 	a, ok := p.allocs[si.Allocation]
 	if !ok {
@@ -257,19 +276,30 @@ func (p *Pool) restoreSession(si SessionImage) (*Session, error) {
 	s := newSession(p, a, si.Spec, chunks, si.PPC, si.Capacity)
 	s.id, s.ticket = si.ID, si.Ticket
 	s.near.NUMA = p.homeNUMA(si.Spec.GPU)
-	used := make([]bool, si.Capacity)
-	if err := s.restoreStreams(si.Streams, used); err != nil {
-		return nil, err
-	}
-	if err := s.restorePending(si, used); err != nil {
-		return nil, err
-	}
-	s.restoreFree(used)
 	for _, ch := range chunks {
 		ch.session = s
 	}
 	a.sessions[s] = struct{}{}
 	return s, nil
+}
+
+// restoreTables rebuilds a restored session's streams, pending reloads and
+// free list from its image. It touches the session alone (and the pool's
+// atomic counts).
+func (s *Session) restoreTables(si SessionImage) error {
+	used := make([]bool, si.Capacity)
+	if err := s.restoreStreams(si.Streams, used); err != nil {
+		return err
+	}
+	if err := s.restorePending(si, used); err != nil {
+		return err
+	}
+	s.restoreFree(used)
+	// The pool's counts once a session, not once a stream: sessions
+	// restore side by side.
+	s.pool.streams.Add(int64(s.nstreams))
+	s.pool.names.Add(s.names)
+	return nil
 }
 
 // restoreChunks checks an image's geometry and returns its chunks, each of
@@ -360,7 +390,8 @@ func (s *Session) restoreRequest(rid string, streams []StreamImage, used []bool)
 		// on from its first place's streams.)
 		l = ridList{first: nilPage, last: nilPage}
 	}
-	for _, st := range streams {
+	for i := range streams {
+		st := &streams[i]
 		if err := checkNames(rid, st.Label); err != nil {
 			return err
 		}
@@ -379,7 +410,6 @@ func (s *Session) restoreRequest(rid string, streams []StreamImage, used []bool)
 		s.setLabel(slot, st.Label)
 		l = s.linkOnly(rid, l, slot)
 		s.names += int64(len(rid) + len(st.Label))
-		s.pool.names.Add(int64(len(rid) + len(st.Label)))
 	}
 	s.rids[rid] = l
 	return nil

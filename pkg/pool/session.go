@@ -269,9 +269,11 @@ func (s *Session) findIn(rid string, l ridList, label string) (int32, ridList) {
 // stream yet).
 func (s *Session) link(rid string, l ridList, slot int32) {
 	s.rids[rid] = s.linkOnly(rid, l, slot)
+	s.pool.streams.Add(1)
 }
 
-// linkOnly is link but for storing the list: it returns it.
+// linkOnly is link but for storing the list (it returns it) and for the
+// pool's count of streams (its caller adds them).
 func (s *Session) linkOnly(rid string, l ridList, slot int32) ridList {
 	st := s.at(slot)
 	st.next = nilPage
@@ -295,7 +297,6 @@ func (s *Session) linkOnly(rid string, l ridList, slot int32) ridList {
 		s.byLabel[strings.Clone(rid)] = idx
 	}
 	s.nstreams++
-	s.pool.streams.Add(1)
 	s.used += int(st.n)
 	return l
 }
