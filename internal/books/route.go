@@ -7,6 +7,7 @@ import (
 
 	"golang.org/x/sync/errgroup"
 
+	"github.com/kvpool/kvpool/internal/server"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
 
@@ -92,13 +93,17 @@ func (r *router) apply(st *State) (uint64, error) {
 	// A session closed or replaced meanwhile gets its changes too: they
 	// vanish with it, but must decode, as in order.
 	live := r.queues
+	procs := runtime.GOMAXPROCS(0)
+	// With CPUs to spare, each queue's records are decoded ahead of
+	// applying them, on a CPU of their own.
+	ahead := len(live) < procs
 	if len(live) == 1 {
-		live[0].apply(st.labels)
+		live[0].apply(st.labels, ahead)
 	} else {
 		var g errgroup.Group
-		g.SetLimit(runtime.GOMAXPROCS(0))
+		g.SetLimit(procs)
 		for _, q := range live {
-			g.Go(func() error { q.apply(map[string]string{}); return nil })
+			g.Go(func() error { q.apply(map[string]string{}, ahead); return nil })
 		}
 		_ = g.Wait()
 	}
@@ -117,22 +122,74 @@ func (r *router) apply(st *State) (uint64, error) {
 }
 
 // apply decodes and applies the queue's records in order, up to the first
-// that does not decode.
-func (q *sessionQueue) apply(labels map[string]string) {
-	for _, rec := range q.recs {
-		d := &dec{b: rec.payload, left: len(rec.payload), labels: labels, alias: true}
-		d.byte() // recSession
-		op := d.sessionOp()
-		err := d.err
-		if err == nil && d.left != 0 {
-			err = fmt.Errorf("%w: %d bytes after the record", ErrCorrupt, d.left)
+// that does not decode; ahead: the decoding runs in a goroutine of its
+// own, a batch ahead of the applying.
+func (q *sessionQueue) apply(labels map[string]string, ahead bool) {
+	if !ahead || len(q.recs) < 2*decodeBatch {
+		for _, rec := range q.recs {
+			op, err := decodeQueued(rec.payload, labels)
+			if !q.applyOne(op, err, rec.off) {
+				return
+			}
 		}
-		if err != nil {
-			q.err, q.errOff = err, rec.off
-			return
+		return
+	}
+	type decoded struct {
+		op  server.SessionOp
+		err error
+		off uint64
+	}
+	batches := make(chan []decoded, 2)
+	go func() {
+		defer close(batches)
+		for i := 0; i < len(q.recs); i += decodeBatch {
+			b := make([]decoded, 0, decodeBatch)
+			for _, rec := range q.recs[i:min(i+decodeBatch, len(q.recs))] {
+				op, err := decodeQueued(rec.payload, labels)
+				b = append(b, decoded{op, err, rec.off})
+				if err != nil {
+					batches <- b
+					return // the last batch: nothing after a failure is applied
+				}
+			}
+			batches <- b
 		}
-		if !q.s.apply(op) {
-			q.skipped++
+	}()
+	stopped := false
+	for b := range batches {
+		for i := range b {
+			if !stopped && !q.applyOne(b[i].op, b[i].err, b[i].off) {
+				stopped = true
+			}
 		}
 	}
+}
+
+// decodeBatch is how many records the decoding runs ahead by, at most
+// twice over.
+const decodeBatch = 1024
+
+// decodeQueued decodes one queued record, a routed session op.
+func decodeQueued(payload []byte, labels map[string]string) (server.SessionOp, error) {
+	d := &dec{b: payload, left: len(payload), labels: labels, alias: true}
+	d.byte() // recSession
+	op := d.sessionOp()
+	err := d.err
+	if err == nil && d.left != 0 {
+		err = fmt.Errorf("%w: %d bytes after the record", ErrCorrupt, d.left)
+	}
+	return op, err
+}
+
+// applyOne applies one decoded record, or records its failure at off; it
+// reports whether the queue goes on.
+func (q *sessionQueue) applyOne(op server.SessionOp, err error, off uint64) bool {
+	if err != nil {
+		q.err, q.errOff = err, off
+		return false
+	}
+	if !q.s.apply(op) {
+		q.skipped++
+	}
+	return true
 }
