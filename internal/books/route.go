@@ -139,11 +139,17 @@ func (q *sessionQueue) apply(labels map[string]string, ahead bool) {
 		err error
 		off uint64
 	}
-	batches := make(chan []decoded, 2)
+	// Three batches go round (being decoded, waiting, being applied):
+	// the collector is off while the agent restores, and a fresh batch
+	// each time would hold some 170 bytes a record until it runs.
+	batches, free := make(chan []decoded, 2), make(chan []decoded, 3)
+	for range cap(free) {
+		free <- make([]decoded, 0, decodeBatch)
+	}
 	go func() {
 		defer close(batches)
 		for i := 0; i < len(q.recs); i += decodeBatch {
-			b := make([]decoded, 0, decodeBatch)
+			b := (<-free)[:0]
 			for _, rec := range q.recs[i:min(i+decodeBatch, len(q.recs))] {
 				op, err := decodeQueued(rec.payload, labels)
 				b = append(b, decoded{op, err, rec.off})
@@ -162,11 +168,11 @@ func (q *sessionQueue) apply(labels map[string]string, ahead bool) {
 				stopped = true
 			}
 		}
+		free <- b
 	}
 }
 
-// decodeBatch is how many records the decoding runs ahead by, at most
-// twice over.
+// decodeBatch is how many records a batch of the decoding ahead holds.
 const decodeBatch = 1024
 
 // decodeQueued decodes one queued record, a routed session op.
