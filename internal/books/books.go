@@ -206,7 +206,7 @@ func replay(mem []byte) (*State, uint64, uint64, error) {
 			if payload[1]&partSession != 0 {
 				sessionAt = append(sessionAt, len(parts))
 			}
-			if st, err = decodeSnapshot(append(parts, payload[2:]), sessionAt); err != nil {
+			if st, err = decodeSnapshot(append(parts, payload[2:]), sessionAt, hints); err != nil {
 				return nil, 0, 0, fmt.Errorf("snapshot ending at %d: %w", off, err)
 			}
 			parts = nil

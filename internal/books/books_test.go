@@ -156,6 +156,21 @@ func (r *rig) step(i int) {
 	must(r.t, r.b.Session(op))
 }
 
+// grantedBooks is a pool journaled into fresh books, with one chunk of
+// size bytes granted to allocation "a".
+func grantedBooks(t testing.TB, chunk string, size int64) (*pool.Pool, *Books, *memStore) {
+	t.Helper()
+	p := pool.New()
+	store := &memStore{}
+	b, err := Start(NewState(), 0, store, func(err error) { t.Errorf("fatal: %v", err) })
+	must(t, err)
+	p.SetJournal(b)
+	must(t, p.AddChunk(pool.Chunk{ID: chunk, Size: size}))
+	must(t, b.ChunkGen(chunk, 1, 0))
+	must(t, p.Grant("a", []string{chunk}))
+	return p, b, store
+}
+
 func (r *rig) load() *State {
 	st, info, err := Load(r.store.f)
 	must(r.t, err)
@@ -421,14 +436,7 @@ func TestSnapshotOfAnySizeReadsBack(t *testing.T) {
 	oldRec, oldPart, oldLog := maxRecord, snapPart, minLog
 	maxRecord, snapPart, minLog = 256<<10, 4<<10, 4<<10
 	defer func() { maxRecord, snapPart, minLog = oldRec, oldPart, oldLog }()
-	p := pool.New()
-	store := &memStore{}
-	b, err := Start(NewState(), 0, store, func(err error) { t.Errorf("fatal: %v", err) })
-	must(t, err)
-	p.SetJournal(b)
-	must(t, p.AddChunk(pool.Chunk{ID: "c0", Size: 1 << 30}))
-	must(t, b.ChunkGen("c0", 1, 0))
-	must(t, p.Grant("a", []string{"c0"}))
+	p, b, store := grantedBooks(t, "c0", 1<<30)
 	ps, err := p.Open("a", pool.Spec{PageSize: 4096, DevicePages: 1 << 18})
 	must(t, err)
 	info := &server.OpenInfo{Allocation: "a", Instance: "inst", Regions: 1,

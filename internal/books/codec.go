@@ -79,6 +79,9 @@ type dec struct {
 	// alias: session ops' replies are slices of the payload, not copies
 	// (replay copies the one each session keeps, at its end).
 	alias bool
+	// more: the offloads of each session the books hold after the
+	// snapshot (offloadHints), for which its request table is made room.
+	more map[uint64]int
 }
 
 func newDec(segs ...[]byte) *dec {
@@ -469,11 +472,10 @@ func writeSnapshot(w *snapWriter, st *State) error {
 		w.e = appendLayout(w.e.str(s.Instance).str(s.UUID).peer(s.Peer), s.Image.Spec, s.Regions)
 		w.e = append(w.e.u(uint64(s.Last.Seq)), byte(s.Last.Op), byte(s.Last.Status)).bytes(s.Last.Body)
 		w.pages(s.Last.Pages)
-		// Requests in map order: their order means nothing (each
-		// request's streams keep theirs), and sorting 2^17 of them would
-		// cost more than writing them.
-		w.e = w.e.u(uint64(len(s.rids)))
-		for rid, list := range s.rids {
+		// Requests in the order they came (requests), which the
+		// replay of this snapshot keeps.
+		w.e = w.e.u(uint64(s.reqs.len()))
+		for rid, list := range s.reqs.all() {
 			w.e = w.e.str(rid).u(uint64(len(list)))
 			for _, x := range list {
 				w.e = w.e.str(x.label).meta(x.meta)
@@ -571,11 +573,16 @@ func (d *dec) session() *Session {
 	// bounds, and no more than 2^20 entries ahead): growing it a
 	// request at a time rehashed it again and again.
 	nrids := d.n()
-	s.rids = make(map[string][]stream, min(nrids, 1<<20))
+	s.reqs = newRequests(min(nrids+d.more[s.Image.ID], maxRidHint))
 	for range nrids {
 		rid := d.str()
-		for range d.n() {
-			s.rids[rid] = append(s.rids[rid], stream{label: d.str(), meta: d.meta(), pages: d.pages()})
+		n := d.n()
+		if n == 0 {
+			continue
+		}
+		list := s.reqs.open(rid)
+		for range n {
+			*list = append(*list, stream{label: d.str(), meta: d.meta(), pages: d.pages()})
 		}
 	}
 	for range d.n() {
@@ -590,13 +597,14 @@ func (d *dec) session() *Session {
 // sessions are decoded side by side (sessionsApart); else, or when that
 // fails, the parts are read as one (as an agent that ignores the flag
 // does).
-func decodeSnapshot(parts [][]byte, sessionAt []int) (*State, error) {
+func decodeSnapshot(parts [][]byte, sessionAt []int, more map[uint64]int) (*State, error) {
 	if len(sessionAt) > 0 && sideBySide {
-		if st := sessionsApart(parts, sessionAt); st != nil {
+		if st := sessionsApart(parts, sessionAt, more); st != nil {
 			return st, nil
 		}
 	}
 	d := newDec(parts...)
+	d.more = more
 	st := d.snapshot()
 	if d.err != nil {
 		return nil, d.err
@@ -666,7 +674,7 @@ func decodeRecord(st *State, payload []byte) (*State, error) {
 // GOMAXPROCS. It returns nil unless the head ends where the first session
 // begins, each session's parts hold exactly one session and there are as
 // many as the head counts.
-func sessionsApart(parts [][]byte, sessionAt []int) *State {
+func sessionsApart(parts [][]byte, sessionAt []int, more map[uint64]int) *State {
 	if sessionAt[0] < 1 {
 		return nil
 	}
@@ -687,6 +695,7 @@ func sessionsApart(parts [][]byte, sessionAt []int) *State {
 		}
 		g.Go(func() error {
 			d := newDec(parts[at:end]...)
+			d.more = more
 			if s := d.session(); d.err == nil && d.left == 0 {
 				sessions[i] = s
 			}

@@ -2,7 +2,6 @@ package books
 
 import (
 	"fmt"
-	"maps"
 	"os"
 	"runtime"
 	"slices"
@@ -62,11 +61,7 @@ const maxRidHint = 1 << 20
 // need, and the hints stay for the sessions the records open.
 func (st *State) sizeFor(hints map[uint64]int) {
 	for id, s := range st.sessions {
-		if h := hints[id]; h > len(s.rids) {
-			rids := make(map[string][]stream, min(len(s.rids)+h, maxRidHint))
-			maps.Copy(rids, s.rids)
-			s.rids = rids
-		}
+		s.reqs.reserve(min(hints[id], maxRidHint))
 	}
 	st.ridHints = hints
 }
@@ -94,7 +89,7 @@ type Session struct {
 	Regions  int // of the layout it was opened with; its geometry is Image.Spec
 	Last     server.LastReply
 
-	rids    map[string][]stream
+	reqs    requests
 	pending []pool.PendingImage
 }
 
@@ -152,9 +147,7 @@ func (st *State) Sessions() int { return len(st.sessions) }
 func (st *State) Streams() int {
 	n := 0
 	for _, s := range st.sessions {
-		for _, ss := range s.rids {
-			n += len(ss)
-		}
+		n += s.streams()
 	}
 	return n
 }
@@ -189,7 +182,7 @@ func (s *Session) image() pool.SessionImage {
 	si := s.Image
 	si.Chunks = slices.Clone(si.Chunks)
 	si.Streams, si.Pending = make([]pool.StreamImage, 0, s.streams()), nil
-	for rid, list := range s.rids { // in no order: Restore needs none across requests
+	for rid, list := range s.reqs.all() {
 		for _, x := range list {
 			si.Streams = append(si.Streams, pool.StreamImage{Rid: rid, Label: x.label, Meta: x.meta, Pages: x.pages})
 		}
@@ -344,12 +337,12 @@ func (s *Session) apply(op server.SessionOp) bool {
 	}
 	switch op.Op {
 	case wire.OpOffload:
-		list := s.rids[op.Rid]
-		if indexOf(list, op.Label) >= 0 {
+		list := s.reqs.open(op.Rid)
+		if indexOf(*list, op.Label) >= 0 {
 			return false
 		}
 		// op is the decoder's own (decodeRecord): its pages are kept.
-		s.rids[op.Rid] = append(list, stream{label: op.Label, meta: op.Meta, pages: op.Pages})
+		*list = append(*list, stream{label: op.Label, meta: op.Meta, pages: op.Pages})
 	case wire.OpReload, wire.OpDiscard:
 		i := s.find(op.Rid, op.Label)
 		if i < 0 && op.Op == wire.OpDiscard {
@@ -358,21 +351,16 @@ func (s *Session) apply(op server.SessionOp) bool {
 		if i < 0 {
 			return false
 		}
-		list := s.rids[op.Rid]
+		list := s.reqs.get(op.Rid)
 		if op.Op == wire.OpReload && len(list[i].pages) > 0 {
 			s.pending = append(s.pending, pool.PendingImage{Ticket: op.Ticket, Pages: list[i].pages})
 		}
 		if op.Op == wire.OpReload && op.Ticket > s.Image.Ticket {
 			s.Image.Ticket = op.Ticket
 		}
-		list = slices.Delete(list, i, i+1)
-		if len(list) == 0 {
-			delete(s.rids, op.Rid)
-		} else {
-			s.rids[op.Rid] = list
-		}
+		s.reqs.set(op.Rid, slices.Delete(list, i, i+1))
 	case wire.OpRemoveRequest:
-		delete(s.rids, op.Rid)
+		s.reqs.remove(op.Rid)
 	default:
 		return false
 	}
@@ -387,13 +375,13 @@ func (s *Session) apply(op server.SessionOp) bool {
 
 func (s *Session) streams() int {
 	n := 0
-	for _, list := range s.rids {
+	for _, list := range s.reqs.all() {
 		n += len(list)
 	}
 	return n
 }
 
-func (s *Session) find(rid, label string) int { return indexOf(s.rids[rid], label) }
+func (s *Session) find(rid, label string) int { return indexOf(s.reqs.get(rid), label) }
 
 // indexOf is the index of label's stream in a request's list, or -1.
 func indexOf(list []stream, label string) int {
@@ -435,7 +423,7 @@ func (st *State) open(op server.SessionOp) {
 	img.Chunks = slices.Clone(img.Chunks)
 	img.Streams, img.Pending = nil, nil
 	st.sessions[img.ID] = &Session{Image: img, Instance: o.Instance, UUID: o.UUID, Peer: o.Peer, Regions: o.Regions,
-		rids: make(map[string][]stream, min(st.ridHints[img.ID], maxRidHint))}
+		reqs: newRequests(min(st.ridHints[img.ID], maxRidHint))}
 	st.lastSession = max(st.lastSession, img.ID)
 }
 
