@@ -31,6 +31,7 @@ import (
 // restarted one, and the agent's memory before and after.
 type restartReport struct {
 	Load  string       `json:"load_average"` // /proc/loadavg when the probe began
+	Wait  string       `json:"wait"`         // how the gap ends: "poll" or "client" (--wait)
 	Cases []restartRow `json:"cases"`
 }
 
@@ -53,8 +54,9 @@ type restartRow struct {
 // processes, client sessions (in this process, on a simulated GPU, one
 // standalone token each) filled with N one-page streams in all, then the
 // agent killed with SIGKILL and started again, restarts times, each timed
-// until IsOffloaded of the first session's first stream succeeds (a 1 ms
-// poll); every session's streams are verified after the last.
+// until IsOffloaded of the first session's first stream succeeds (polled
+// every ms, or one call riding out the restart with the client's own
+// retries: --wait); every session's streams are verified after the last.
 func runRestart(ctx context.Context, args []string) error {
 	fs := flag.NewFlagSet("kvbench restart", flag.ContinueOnError)
 	counts := fs.String("streams", "1,10000,100000,131072", "stream counts to probe, comma-separated (the first is the floor)")
@@ -66,8 +68,12 @@ func runRestart(ctx context.Context, args []string) error {
 	chunks := fs.Int("chunks", 2, "the agent's pool chunks (one simulated GPU)")
 	chunkMiB := fs.Int("chunk-mib", 16, "MiB per chunk: the pool is chunks x chunk-mib, pinned at the first start and adopted at every restart")
 	sessions := fs.Int("sessions", 1, "sessions the streams are spread over, each its own standalone token and allocation (chunks/sessions chunks each)")
+	wait := fs.String("wait", "poll", `how the gap is timed: "poll" (a call without retries every ms: when the agent serves again) or "client" (one call in flight from the kill, riding out the restart with the client's default retries: what an engine waits)`)
 	if err := fs.Parse(args); err != nil {
 		return err
+	}
+	if *wait != "poll" && *wait != "client" {
+		return fmt.Errorf("--wait: %q is not poll or client", *wait)
 	}
 	if *sessions < 1 || *sessions > maxProbeSessions {
 		return fmt.Errorf("--sessions: %d is not 1 to %d", *sessions, maxProbeSessions)
@@ -101,9 +107,9 @@ func runRestart(ctx context.Context, args []string) error {
 		}
 	}
 	load, _ := os.ReadFile("/proc/loadavg")
-	rep := restartReport{Load: strings.TrimSpace(string(load))}
+	rep := restartReport{Load: strings.TrimSpace(string(load)), Wait: *wait}
 	for _, n := range ns {
-		row, err := probeRestart(ctx, bin, pool, n, *restarts, *settle)
+		row, err := probeRestart(ctx, bin, pool, n, *restarts, *settle, *wait == "client")
 		if err != nil {
 			return fmt.Errorf("%d streams: %w", n, err)
 		}
@@ -128,7 +134,8 @@ func (r *restartReport) floor(row restartRow) float64 {
 }
 
 func printRestart(w io.Writer, rep *restartReport) {
-	fmt.Fprintf(w, "load average at start: %s\n", rep.Load)
+	ends := map[string]string{"poll": "a call polled every ms succeeds (--wait poll)", "client": "one call in flight from the kill returns, with the client's retries (--wait client)"}
+	fmt.Fprintf(w, "load average at start: %s; the gap ends when %s\n", rep.Load, ends[rep.Wait])
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "pool MiB\tsessions\tstreams\tgap p50 ms\tgaps ms\texits ms\tover 1st\tRSS before MiB\tRSS after MiB\tanon before MiB\tanon after MiB\tpeak after MiB")
 	mib := func(v int64) string { return fmt.Sprintf("%.1f", float64(v)/(1<<20)) }
@@ -168,7 +175,7 @@ func probeToken(i int) string { return fmt.Sprintf("bench-token-%d", i) }
 
 // probeRestart runs one stream count: a fresh keeper and agent, the fill,
 // restarts kills and restarts, the check of every stream.
-func probeRestart(ctx context.Context, bin string, pool poolShape, n, restarts int, settle time.Duration) (restartRow, error) {
+func probeRestart(ctx context.Context, bin string, pool poolShape, n, restarts int, settle time.Duration, clientWait bool) (restartRow, error) {
 	row := restartRow{Streams: n, Sessions: pool.sessions, PoolMiB: pool.chunks * pool.chunkMiB}
 	pr, err := startProbe(bin, pool)
 	if err != nil {
@@ -180,7 +187,7 @@ func probeRestart(ctx context.Context, bin string, pool poolShape, n, restarts i
 		return row, err
 	}
 	defer dev.Close()
-	p, counts, err := pr.fill(ctx, dev, regions, n, pool.sessions)
+	p, counts, err := pr.fill(ctx, dev, regions, n, pool.sessions, clientWait)
 	if err != nil {
 		return row, err
 	}
@@ -188,7 +195,7 @@ func probeRestart(ctx context.Context, bin string, pool poolShape, n, restarts i
 	time.Sleep(settle)
 	row.RSSBefore, row.AnonBefore, _ = procRSS(pr.agent.Process.Pid)
 	for range restarts {
-		gap, exit, err := pr.restart(p)
+		gap, exit, err := pr.restart(p, clientWait)
 		if err != nil {
 			return row, err
 		}
@@ -318,10 +325,11 @@ func (pr *probe) stop(n int) {
 }
 
 // fill offloads n one-page streams over sessions sessions (the first
-// takes what does not divide) and returns the pool the probe polls with
-// (the first session's instance, taking it over, with no retries: it polls
-// itself, every ms) and each session's stream count.
-func (pr *probe) fill(ctx context.Context, dev cudart.Device, regions []cudart.Region, n, sessions int) (*client.CPUPagePool, []int, error) {
+// takes what does not divide) and returns the pool the probe times the
+// gap with (the first session's instance, taking it over: with the
+// client's default retries for clientWait, else with none, as it polls
+// itself) and each session's stream count.
+func (pr *probe) fill(ctx context.Context, dev cudart.Device, regions []cudart.Region, n, sessions int, clientWait bool) (*client.CPUPagePool, []int, error) {
 	var counts []int
 	for j := range sessions {
 		m := n / sessions
@@ -346,23 +354,52 @@ func (pr *probe) fill(ctx context.Context, dev cudart.Device, regions []cudart.R
 		fill.Disconnect()
 		counts = append(counts, m)
 	}
-	p, err := openProbe(ctx, pr.sock, 0, dev, regions, -1)
+	retry := time.Duration(-1)
+	if clientWait {
+		retry = 0 // client.DefaultRetryFor
+	}
+	p, err := openProbe(ctx, pr.sock, 0, dev, regions, retry)
 	return p, counts, err
 }
 
 // restart kills the agent with SIGKILL, starts another and returns the
 // time until p's is_offloaded of the first stream succeeds, and the part
 // of it until the killed agent had exited (the kernel unmaps its memory
-// first: the larger the pool, the longer).
-func (pr *probe) restart(p *client.CPUPagePool) (gap, exit time.Duration, err error) {
+// first: the larger the pool, the longer). With clientWait the call is
+// made once, as the kill is sent, and rides out the restart with p's
+// retries; else it is made every ms until one succeeds.
+func (pr *probe) restart(p *client.CPUPagePool, clientWait bool) (gap, exit time.Duration, err error) {
+	type answer struct {
+		ok  bool
+		err error
+		at  time.Duration
+	}
+	var call chan answer
 	t0 := time.Now()
 	if err := pr.agent.Process.Signal(syscall.SIGKILL); err != nil {
 		return 0, 0, err
+	}
+	if clientWait {
+		call = make(chan answer, 1)
+		go func() {
+			ok, err := p.IsOffloaded(probeRid(0))
+			call <- answer{ok, err, time.Since(t0)}
+		}()
 	}
 	_ = pr.agent.Wait() // killed: the error says so
 	exit = time.Since(t0)
 	if err := pr.startAgent(); err != nil {
 		return 0, 0, err
+	}
+	if clientWait {
+		a := <-call
+		switch {
+		case a.err != nil:
+			return 0, 0, fmt.Errorf("the call through the restart: %w\n%s", a.err, pr.log.String())
+		case !a.ok:
+			return 0, 0, errors.New("the restarted agent lost the first stream")
+		}
+		return a.at, exit, nil
 	}
 	for {
 		ok, err := p.IsOffloaded(probeRid(0))

@@ -16,8 +16,12 @@ func TestRestartProbe(t *testing.T) {
 	if err := runRestart(context.Background(), []string{"--streams", "2,301", "--sessions", "2", "--chunks", "4", "--restarts", "2", "--settle", "10ms"}); err != nil {
 		t.Fatal(err)
 	}
+	// The gap timed by one call that rides out each restart.
+	if err := runRestart(context.Background(), []string{"--streams", "1", "--restarts", "2", "--settle", "10ms", "--wait", "client"}); err != nil {
+		t.Fatal(err)
+	}
 	for _, bad := range [][]string{{"--streams", "0"}, {"--chunks", "0"}, {"--chunks", "1", "--chunk-mib", "16"},
-		{"--sessions", "0"}, {"--sessions", "3", "--chunks", "2"}, {"--streams", "131073"}} {
+		{"--sessions", "0"}, {"--sessions", "3", "--chunks", "2"}, {"--streams", "131073"}, {"--wait", "sometimes"}} {
 		if err := runRestart(context.Background(), bad); err == nil {
 			t.Fatalf("%q accepted", bad)
 		}
