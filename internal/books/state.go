@@ -439,7 +439,7 @@ func (st *State) Check(img pool.Image) error {
 	}
 	mine.LastSession, img.LastSession = 0, 0
 	// Streams of one request keep their order; requests are sorted here
-	// (the books list them in no order).
+	// (the books list them in first-offload order, Export by ID).
 	for _, m := range []*pool.Image{&mine, &img} {
 		for i := range m.Sessions {
 			s := &m.Sessions[i]
