@@ -68,7 +68,7 @@ func runRestart(ctx context.Context, args []string) error {
 	chunks := fs.Int("chunks", 2, "the agent's pool chunks (one simulated GPU)")
 	chunkMiB := fs.Int("chunk-mib", 16, "MiB per chunk: the pool is chunks x chunk-mib, pinned at the first start and adopted at every restart")
 	sessions := fs.Int("sessions", 1, "sessions the streams are spread over, each its own standalone token and allocation (chunks/sessions chunks each)")
-	wait := fs.String("wait", "poll", `how the gap is timed: "poll" (a call without retries every ms: when the agent serves again) or "client" (one call in flight from the kill, riding out the restart with the client's default retries: what an engine waits)`)
+	wait := fs.String("wait", "poll", `how the gap is timed: "poll" (a call without retries every ms: when the agent serves again) or "client" (one call in flight from the killed agent's exit, riding out the restart with the client's default retries: what an engine waits)`)
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -134,7 +134,7 @@ func (r *restartReport) floor(row restartRow) float64 {
 }
 
 func printRestart(w io.Writer, rep *restartReport) {
-	ends := map[string]string{"poll": "a call polled every ms succeeds (--wait poll)", "client": "one call in flight from the kill returns, with the client's retries (--wait client)"}
+	ends := map[string]string{"poll": "a call polled every ms succeeds (--wait poll)", "client": "one call made as the killed agent is gone returns, with the client's retries (--wait client)"}
 	fmt.Fprintf(w, "load average at start: %s; the gap ends when %s\n", rep.Load, ends[rep.Wait])
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "pool MiB\tsessions\tstreams\tgap p50 ms\tgaps ms\texits ms\tover 1st\tRSS before MiB\tRSS after MiB\tanon before MiB\tanon after MiB\tpeak after MiB")
@@ -366,8 +366,9 @@ func (pr *probe) fill(ctx context.Context, dev cudart.Device, regions []cudart.R
 // time until p's is_offloaded of the first stream succeeds, and the part
 // of it until the killed agent had exited (the kernel unmaps its memory
 // first: the larger the pool, the longer). With clientWait the call is
-// made once, as the kill is sent, and rides out the restart with p's
-// retries; else it is made every ms until one succeeds.
+// made once, as soon as the killed agent is gone (made before, it could
+// still be answered by it), and rides out the restart with p's retries;
+// else it is made every ms until one succeeds.
 func (pr *probe) restart(p *client.CPUPagePool, clientWait bool) (gap, exit time.Duration, err error) {
 	type answer struct {
 		ok  bool
@@ -379,6 +380,8 @@ func (pr *probe) restart(p *client.CPUPagePool, clientWait bool) (gap, exit time
 	if err := pr.agent.Process.Signal(syscall.SIGKILL); err != nil {
 		return 0, 0, err
 	}
+	_ = pr.agent.Wait() // killed: the error says so
+	exit = time.Since(t0)
 	if clientWait {
 		call = make(chan answer, 1)
 		go func() {
@@ -386,8 +389,6 @@ func (pr *probe) restart(p *client.CPUPagePool, clientWait bool) (gap, exit time
 			call <- answer{ok, err, time.Since(t0)}
 		}()
 	}
-	_ = pr.agent.Wait() // killed: the error says so
-	exit = time.Since(t0)
 	if err := pr.startAgent(); err != nil {
 		return 0, 0, err
 	}

@@ -80,6 +80,15 @@ func (a *agent) pluginStep(m mode) func(context.Context) error {
 	}
 }
 
+// closePlugin is the step "plugin"'s stop: the plugin's PodResources
+// client closes (the steps that run it have stopped).
+func (a *agent) closePlugin() error {
+	if a.plug == nil {
+		return nil
+	}
+	return a.plug.Plugin.Close()
+}
+
 // pluginOptions is the device plugin's part of the configuration:
 // resourceName, kubeletDir, socketDir, stateDir, reclaim.gracePeriod,
 // reclaim.interval, tokenBinding ("pod": BindPods), podLogsDir and

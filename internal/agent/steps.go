@@ -94,7 +94,7 @@ func (a *agent) steps(m mode) []step {
 	add(m.keeper, step{name: "keeper", start: do(a.restore), stop: a.closeKeeper})
 	add(m.static(), step{name: "tokens", start: do(a.prepareTokens)})
 	add(true, step{name: "observability", start: a.newObservability})
-	add(m.plugin, step{name: "plugin", start: a.pluginStep(m)})
+	add(m.plugin, step{name: "plugin", start: a.pluginStep(m), stop: a.closePlugin})
 	add(m.keeper, step{name: "settle", start: do(a.settleRestored)})
 	// Standalone tokens name their chunks up front: allocate before the
 	// socket appears, so that a client that finds the socket finds its

@@ -90,7 +90,8 @@ func fakeProc(t *testing.T, procs map[int]string) string {
 
 // A token opens sessions only from a process in the pod kubelet says holds
 // the allocation: checked with kubelet's PodResources protocol (the test
-// server), a fake /proc and a fake pod log directory.
+// server), a fake /proc and a fake pod log directory, from the plugin's
+// making on (before Run).
 func TestAuthorizePeerBindsTokenToPod(t *testing.T) {
 	e := newEnv(t)
 	token := e.mustAllocate("gpu0-numa0-0", "gpu0-numa0-1")
@@ -111,16 +112,13 @@ func TestAuthorizePeerBindsTokenToPod(t *testing.T) {
 		300: "0::/user.slice/user-1000.slice/session-2.scope\n",
 		400: "garbage",
 	})
-	prc, err := DialPodResources(filepath.Join(e.root, "kubelet/pod-resources/kubelet.sock"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer prc.Close()
-	o.Holders = prc
+	// New dials kubelet's PodResources itself: the checks below come
+	// before Run, as a client's first open after an agent restart does.
 	p, err := New(o) // restores both allocations from the checkpoint
 	if err != nil {
 		t.Fatal(err)
 	}
+	defer p.Close()
 	ctx := context.Background()
 	check := func(tok string, pid int32, wantErr error, wantMsg string) {
 		t.Helper()

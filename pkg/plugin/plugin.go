@@ -172,6 +172,9 @@ type Plugin struct {
 	log *slog.Logger
 	obs observe.Observer
 	l   *ledger
+	// podResources is the PodResources client New dialled (Options.Holders
+	// unset); Close closes it.
+	podResources *PodResourcesClient
 
 	// renewMu serializes Allocates and renewals; taken before the
 	// ledger's lock, never after.
@@ -227,7 +230,26 @@ func New(o Options) (*Plugin, error) {
 	if version != 0 && version < checkpointVersion {
 		p.migrated(version)
 	}
+	// Dialled here, not in Run: a client's first open may come before Run
+	// starts (the agent serves its socket first), and its pod check needs
+	// it. The dial is lazy: it connects on the first call.
+	if p.o.Holders == nil {
+		c, err := DialPodResources(filepath.Join(o.KubeletDir, "pod-resources", "kubelet.sock"))
+		if err != nil {
+			return nil, err
+		}
+		p.o.Holders, p.podResources = c, c
+	}
 	return p, nil
+}
+
+// Close closes the PodResources client New dialled; call it once Run or
+// Maintain has returned.
+func (p *Plugin) Close() error {
+	if p.podResources == nil {
+		return nil
+	}
+	return p.podResources.Close()
 }
 
 // migrated rewrites a checkpoint read in an older version in the current

@@ -45,14 +45,6 @@ func (p *Plugin) Run(ctx context.Context) error { return p.run(ctx, true) }
 // run reconciles and renews until ctx ends, and with register serves the
 // device plugin and registers with kubelet.
 func (p *Plugin) run(ctx context.Context, register bool) error {
-	if p.o.Holders == nil {
-		c, err := DialPodResources(filepath.Join(p.o.KubeletDir, "pod-resources", "kubelet.sock"))
-		if err != nil {
-			return err
-		}
-		defer c.Close()
-		p.o.Holders = c
-	}
 	done := make(chan struct{}, 2)
 	go func() {
 		defer func() { done <- struct{}{} }()
