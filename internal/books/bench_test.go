@@ -98,6 +98,9 @@ func heapInUse() int64 {
 func BenchmarkRestoreAtLimits(b *testing.B) {
 	b.Run("session", func(b *testing.B) { benchRestore(b, 2, limStreams, limNames) })
 	b.Run("agent", func(b *testing.B) { benchRestore(b, 4, limAllStream/4, limAllNames/4) })
+	// kvbench restart's shape: one session at the stream bound, with short
+	// request IDs (11 bytes and a 2-byte label a stream).
+	b.Run("probe", func(b *testing.B) { benchRestore(b, 1, limStreams, int64(limStreams)*13) })
 }
 
 func benchRestore(b *testing.B, sessions, streams int, names int64) {

@@ -249,9 +249,13 @@ func (p *Pool) restoreLocked(img Image) ([]*Session, error) {
 	// on all its CPUs). Of their errors, the first session's is told.
 	errs := make([]error, len(out))
 	var g errgroup.Group
-	g.SetLimit(runtime.GOMAXPROCS(0))
+	procs := runtime.GOMAXPROCS(0)
+	g.SetLimit(procs)
+	// With CPUs to spare, a large session's request index is built on a
+	// CPU of its own (restoreStreams).
+	spare := len(out) < procs
 	for i, s := range out {
-		g.Go(func() error { errs[i] = s.restoreTables(img.Sessions[i]); return nil })
+		g.Go(func() error { errs[i] = s.restoreTables(img.Sessions[i], spare); return nil })
 	}
 	_ = g.Wait()
 	for i, err := range errs {
@@ -285,10 +289,10 @@ func (p *Pool) restoreSession(si SessionImage) (*Session, error) {
 
 // restoreTables rebuilds a restored session's streams, pending reloads and
 // free list from its image. It touches the session alone (and the pool's
-// atomic counts).
-func (s *Session) restoreTables(si SessionImage) error {
+// atomic counts); spare: a CPU is free for it besides the caller's.
+func (s *Session) restoreTables(si SessionImage, spare bool) error {
 	used := make([]bool, si.Capacity)
-	if err := s.restoreStreams(si.Streams, used); err != nil {
+	if err := s.restoreStreams(si.Streams, used, spare); err != nil {
 		return err
 	}
 	if err := s.restorePending(si, used); err != nil {
@@ -353,25 +357,48 @@ func (s *Session) linkPages(pages []int32, used []bool) (head, tail int32, err e
 	return head, tail, nil
 }
 
-// restoreStreams rebuilds the stream table. Streams of one request come
-// together (Image lists them so, in offload order): the table is sized for
-// the requests first, and each run of a request's streams costs one map
-// lookup and one assignment, not one per stream.
-func (s *Session) restoreStreams(streams []StreamImage, used []bool) error {
+// restoreStreams rebuilds the stream table. An image lists the streams of
+// one request together, in offload order: the table is sized for the
+// requests first, and each request costs one map assignment, not one a
+// stream. A request listed in two places is refused.
+//
+// With a CPU to spare, a large session's request index is built in a
+// goroutine of its own while this one fills the slots: on a fresh session
+// the slots are handed out in order, so the streams' runs name their slots
+// before they are made. The index was half of a large session's rebuild.
+func (s *Session) restoreStreams(streams []StreamImage, used []bool, spare bool) error {
 	requests := 0
 	for i := range streams {
 		if i == 0 || streams[i].Rid != streams[i-1].Rid {
 			requests++
 		}
 	}
+	if spare && len(streams) >= splitFrom && len(s.slab) == 0 && len(streams) < maxPages {
+		index := make(chan error, 1)
+		go func() { index <- s.indexRuns(streams, requests) }()
+		err := s.fillRuns(streams, used, true)
+		if ierr := <-index; ierr != nil && err == nil {
+			err = ierr
+		}
+		return err
+	}
 	s.rids = make(map[string]ridList, requests)
+	return s.fillRuns(streams, used, false)
+}
+
+// splitFrom is the session size from which restoreStreams builds the index
+// on a CPU of its own (a goroutine costs more than a small session's index).
+const splitFrom = 4096
+
+// runs yields each request of streams and where its streams begin and end.
+func runs(streams []StreamImage, yield func(rid string, i, j int) error) error {
 	for i := 0; i < len(streams); {
 		rid := streams[i].Rid
 		j := i + 1
 		for j < len(streams) && streams[j].Rid == rid {
 			j++
 		}
-		if err := s.restoreRequest(rid, streams[i:j], used); err != nil {
+		if err := yield(rid, i, j); err != nil {
 			return err
 		}
 		i = j
@@ -379,40 +406,66 @@ func (s *Session) restoreStreams(streams []StreamImage, used []bool) error {
 	return nil
 }
 
-// restoreRequest rebuilds the streams of one request, in order.
-func (s *Session) restoreRequest(rid string, streams []StreamImage, used []bool) error {
-	if err := checkNames(rid, ""); err != nil {
-		return err
-	}
-	l, ok := s.rids[rid]
-	if !ok {
-		// (A request listed in two places, which Image never does, goes
-		// on from its first place's streams.)
-		l = ridList{first: nilPage, last: nilPage}
-	}
-	for i := range streams {
-		st := &streams[i]
-		if err := checkNames(rid, st.Label); err != nil {
+// indexRuns makes the request index of a fresh session whose streams
+// fillRuns puts in slots 0, 1, ... in order.
+func (s *Session) indexRuns(streams []StreamImage, requests int) error {
+	rids := make(map[string]ridList, requests)
+	err := runs(streams, func(rid string, i, j int) error {
+		n := len(rids)
+		if rids[rid] = (ridList{first: int32(i), last: int32(j - 1), n: int32(j - i)}); len(rids) == n {
+			return fmt.Errorf("request %q: %w", rid, errListedTwice)
+		}
+		return nil
+	})
+	s.rids = rids
+	return err
+}
+
+var errListedTwice = errors.New("listed in two places (an image lists a request's streams together)")
+
+// fillRuns rebuilds the streams of each request, in order; with indexed,
+// the index is another goroutine's (indexRuns) and each stream must take
+// the slot after the last.
+func (s *Session) fillRuns(streams []StreamImage, used []bool, indexed bool) error {
+	return runs(streams, func(rid string, i, j int) error {
+		if err := checkNames(rid, ""); err != nil {
 			return err
 		}
-		if err := st.Meta.validate(); err != nil {
-			return err
+		if !indexed {
+			if _, ok := s.rids[rid]; ok {
+				return fmt.Errorf("request %q: %w", rid, errListedTwice)
+			}
 		}
-		if slot, _ := s.findIn(rid, l, st.Label); slot != nilPage {
-			return fmt.Errorf("%q/%q: %w", rid, st.Label, poolerr.ErrDuplicateStream)
+		l := ridList{first: nilPage, last: nilPage}
+		for k := i; k < j; k++ {
+			st := &streams[k]
+			if err := checkNames(rid, st.Label); err != nil {
+				return err
+			}
+			if err := st.Meta.validate(); err != nil {
+				return err
+			}
+			if slot, _ := s.findIn(rid, l, st.Label); slot != nilPage {
+				return fmt.Errorf("%q/%q: %w", rid, st.Label, poolerr.ErrDuplicateStream)
+			}
+			head, tail, err := s.linkPages(st.Pages, used)
+			if err != nil {
+				return fmt.Errorf("%q/%q: %w", rid, st.Label, err)
+			}
+			slot := s.newSlot()
+			if indexed && slot != int32(k) {
+				return fmt.Errorf("restore: stream %d took slot %d", k, slot) // a fresh session's slots come in order
+			}
+			*s.at(slot) = stream{meta: st.Meta, head: head, tail: tail, n: int32(len(st.Pages))}
+			s.setLabel(slot, st.Label)
+			l = s.linkOnly(rid, l, slot)
+			s.names += int64(len(rid) + len(st.Label))
 		}
-		head, tail, err := s.linkPages(st.Pages, used)
-		if err != nil {
-			return fmt.Errorf("%q/%q: %w", rid, st.Label, err)
+		if !indexed {
+			s.rids[rid] = l
 		}
-		slot := s.newSlot()
-		*s.at(slot) = stream{meta: st.Meta, head: head, tail: tail, n: int32(len(st.Pages))}
-		s.setLabel(slot, st.Label)
-		l = s.linkOnly(rid, l, slot)
-		s.names += int64(len(rid) + len(st.Label))
-	}
-	s.rids[rid] = l
-	return nil
+		return nil
+	})
 }
 
 // restorePending rebuilds the reloads waiting for their fence, oldest

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"reflect"
+	"runtime"
 	"testing"
 	"time"
 
@@ -281,5 +282,97 @@ func TestStreamTotals(t *testing.T) {
 			t.Fatal("restore into a pool that is not empty")
 		}
 		check(q, "after a refused restore")
+	}
+}
+
+// largePool is one session of about 7,000 streams: most requests have one
+// stream, some a dozen (past indexFrom), and every stream a page or two.
+func largePool(t *testing.T) *Pool {
+	t.Helper()
+	p := New()
+	must(t, p.AddChunk(Chunk{ID: "big", Size: 1 << 20}))
+	must(t, p.Grant("a", []string{"big"}))
+	s, err := p.Open("a", Spec{PageSize: 64, DevicePages: 64})
+	must(t, err)
+	r := rand.New(rand.NewPCG(3, 4))
+	for i := range 6000 {
+		rid := fmt.Sprintf("req-%05d", i)
+		labels := 1
+		if i%500 == 0 {
+			labels = 12
+		}
+		for l := range labels {
+			d := int32(r.IntN(64))
+			_, err := s.Offload(rid, fmt.Sprintf("l%d", l), []int32{d, (d + 1) % 64}[:1+r.IntN(2)], Meta{StoredLen: int64(i)}, nil)
+			must(t, err)
+		}
+		if i%7 == 0 {
+			s.RemoveRequest(fmt.Sprintf("req-%05d", i/2))
+		}
+	}
+	return p
+}
+
+// TestRestoreLargeSession: a session large enough for its index to be
+// built beside its slots restores to the pool it was, as it does with one
+// CPU, and its broken images are refused either way.
+func TestRestoreLargeSession(t *testing.T) {
+	img := largePool(t).Export()
+	if n := len(img.Sessions[0].Streams); n < splitFrom {
+		t.Fatalf("%d streams, below the split at %d", n, splitFrom)
+	}
+	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(0))
+	for _, procs := range []int{1, 2} {
+		runtime.GOMAXPROCS(procs)
+		q := New()
+		ss, err := q.Restore(img)
+		must(t, err)
+		must(t, ss[0].Check())
+		if got := q.Export(); !reflect.DeepEqual(got, img) {
+			t.Fatalf("%d CPUs: the restored pool exports differently", procs)
+		}
+		// The index is the one the session goes on with.
+		streams := img.Sessions[0].Streams
+		for _, st := range []StreamImage{streams[0], streams[len(streams)/2], streams[len(streams)-1]} {
+			if n, err := ss[0].NumPages(st.Rid, st.Label); err != nil || n != len(st.Pages) {
+				t.Fatalf("%d CPUs: %s/%s has %d pages (%v) after the restore, want %d", procs, st.Rid, st.Label, n, err, len(st.Pages))
+			}
+		}
+		_, err = ss[0].Offload("req-new", "l0", []int32{1}, Meta{}, nil)
+		must(t, err)
+		must(t, ss[0].Check())
+	}
+	last := len(img.Sessions[0].Streams) - 1
+	cases := []struct {
+		name  string
+		spoil func(*SessionImage)
+		want  error
+	}{
+		{"request listed in two places", func(s *SessionImage) {
+			s.Streams[last] = StreamImage{Rid: s.Streams[0].Rid, Label: "other", Pages: s.Streams[last].Pages}
+		}, errListedTwice},
+		{"duplicate stream in a request", func(s *SessionImage) { s.Streams[1].Rid, s.Streams[1].Label = s.Streams[0].Rid, s.Streams[0].Label },
+			poolerr.ErrDuplicateStream},
+		{"page held twice", func(s *SessionImage) { s.Streams[last].Pages = s.Streams[0].Pages }, poolerr.ErrDuplicateIndex},
+		{"bad name", func(s *SessionImage) { s.Streams[last/2].Rid = "" }, nil},
+	}
+	for _, c := range cases {
+		for _, procs := range []int{1, 2} {
+			t.Run(fmt.Sprintf("%s/%dcpu", c.name, procs), func(t *testing.T) {
+				runtime.GOMAXPROCS(procs)
+				bad := New()
+				_, _ = bad.Restore(img) // a deep copy of the image to spoil
+				spoilt := bad.Export()
+				c.spoil(&spoilt.Sessions[0])
+				q := New()
+				_, err := q.Restore(spoilt)
+				if err == nil || c.want != nil && !errors.Is(err, c.want) {
+					t.Fatalf("restore: %v, want %v", err, c.want)
+				}
+				if len(q.Chunks()) != 0 {
+					t.Fatal("a failed restore left chunks behind")
+				}
+			})
+		}
 	}
 }
