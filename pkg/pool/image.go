@@ -84,8 +84,8 @@ type SessionImage struct {
 	Chunks     []string // bound, in page order
 	PPC        int      // pages per chunk
 	Capacity   int
-	Ticket     uint64 // the last reload ticket issued
-	Streams    []StreamImage
+	Ticket     uint64         // the last reload ticket issued
+	Streams    []StreamImage  // a request's streams together (Restore refuses one listed in two places)
 	Pending    []PendingImage // oldest first
 }
 
