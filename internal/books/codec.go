@@ -141,6 +141,12 @@ func (d *dec) head(want int, tmp []byte) []byte {
 }
 
 func (d *dec) u() uint64 {
+	// Within the current segment (a record's payload always is), the
+	// varint is read in place.
+	if v, n := binary.Uvarint(d.b); n > 0 {
+		d.b, d.left = d.b[n:], d.left-n
+		return v
+	}
 	var tmp [binary.MaxVarintLen64]byte
 	v, n := binary.Uvarint(d.head(len(tmp), tmp[:]))
 	if n <= 0 {
@@ -152,6 +158,10 @@ func (d *dec) u() uint64 {
 }
 
 func (d *dec) i() int64 {
+	if v, n := binary.Varint(d.b); n > 0 {
+		d.b, d.left = d.b[n:], d.left-n
+		return v
+	}
 	var tmp [binary.MaxVarintLen64]byte
 	v, n := binary.Varint(d.head(len(tmp), tmp[:]))
 	if n <= 0 {

@@ -18,7 +18,14 @@ type requests struct {
 	holes  int
 	sized  int // the requests index was made for
 	remade int // times reserve made the index again
+	// slab hands a request opened empty room for its first stream: most
+	// requests hold one stream a session (one a layer is still one a
+	// label), and one allocation a request was a tenth of a replay.
+	slab []stream
 }
+
+// slabStreams is how many first streams one allocation of the slab holds.
+const slabStreams = 512
 
 type request struct {
 	rid     string
@@ -47,7 +54,12 @@ func (r *requests) open(rid string) *[]stream {
 	if !ok {
 		i = int32(len(r.list))
 		r.index[rid] = i
-		r.list = append(r.list, request{rid: rid})
+		if len(r.slab) == 0 {
+			r.slab = make([]stream, slabStreams)
+		}
+		// Room for one stream: a second one's append moves them out.
+		r.list = append(r.list, request{rid: rid, streams: r.slab[:0:1]})
+		r.slab = r.slab[1:]
 	}
 	return &r.list[i].streams
 }
