@@ -81,6 +81,8 @@ func (a *agent) restore() error {
 		a.events.PoolLost(m.Chunks, m.Sessions)
 	}
 	t0 := time.Now()
+	warmed := warmHeap(warmSize(booksBytes(held.Books), memoryLimit()))
+	tWarm := time.Now()
 	st, info, held := a.loadBooks(held)
 	r.lastAlive = info.LastAlive
 	tLoad := time.Now()
@@ -129,7 +131,8 @@ func (a *agent) restore() error {
 	a.pool.SetJournal(b)
 	if len(held.Chunks) > 0 || len(r.adopted) > 0 {
 		a.log.Info("pool adopted from the keeper", "chunks", len(r.adopted), "sessions", len(r.sessions),
-			"streams", r.streams, "booksGen", info.Gen, "load", tLoad.Sub(t0).Round(time.Microsecond),
+			"streams", r.streams, "booksGen", info.Gen, bytesize.Attr("warmHeap", warmed), "warm", tWarm.Sub(t0).Round(time.Microsecond),
+			"load", tLoad.Sub(tWarm).Round(time.Microsecond),
 			"adopt", tAdopt.Sub(tLoad).Round(time.Microsecond), "rebuild", tPool.Sub(tAdopt).Round(time.Microsecond),
 			"books", tBooks.Sub(tPool).Round(time.Microsecond))
 	}

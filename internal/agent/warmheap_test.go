@@ -1,0 +1,142 @@
+package agent
+
+import (
+	"fmt"
+	"math"
+	"os"
+	"os/exec"
+	"runtime/debug"
+	"strings"
+	"testing"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+func TestWarmSize(t *testing.T) {
+	const mi = 1 << 20
+	none := int64(math.MaxInt64)
+	for _, c := range []struct {
+		name         string
+		books, limit int64
+		want         int64
+	}{
+		{"no books", 0, none, 0},
+		{"books too small to be worth it", warmFrom/warmPerBooksByte - 1, none, 0},
+		{"the smallest warmed", (warmFrom + warmPerBooksByte - 1) / warmPerBooksByte, none, (warmFrom + warmPerBooksByte - 1) / warmPerBooksByte * warmPerBooksByte},
+		{"one session at its bound (7 MiB of books)", 7 * mi, none, 7 * mi * warmPerBooksByte},
+		{"bounded", 1 << 30, none, warmMost},
+		{"a quarter of GOMEMLIMIT", 7 * mi, 100 * mi, 25 * mi},
+		{"GOMEMLIMIT too small to warm anything", 7 * mi, 8 * mi, 0},
+	} {
+		if got := warmSize(c.books, c.limit); got != c.want {
+			t.Errorf("%s: warmSize(%d, %d) = %d, want %d", c.name, c.books, c.limit, got, c.want)
+		}
+	}
+}
+
+// TestBooksBytes: the kept books' size is what their memfd holds, not the
+// room it was made with.
+func TestBooksBytes(t *testing.T) {
+	if booksBytes(nil) != 0 {
+		t.Fatal("no books: want 0")
+	}
+	fd, err := unix.MemfdCreate("books-test", unix.MFD_CLOEXEC)
+	if err != nil {
+		t.Skipf("memfd_create: %v", err)
+	}
+	f := os.NewFile(uintptr(fd), "books-test")
+	defer f.Close()
+	if err := f.Truncate(16 << 20); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.WriteAt(make([]byte, 3<<20), 4096); err != nil {
+		t.Fatal(err)
+	}
+	if got := booksBytes(f); got < 3<<20 || got > 3<<20+8192 {
+		t.Fatalf("booksBytes = %d, want about %d (3 MiB written into a 16 MiB memfd)", got, 3<<20)
+	}
+}
+
+// TestWarmHeapIsWhatTheRestoreGets runs in a fresh process, as a
+// restarted agent does: the pieces warmHeap makes are resident when it
+// lets them go, and what is allocated next, small objects with the
+// collector off as in a restore, lands in them. (The page faults that
+// spares are not counted here: under the race detector its shadow memory
+// takes faults of its own.)
+func TestWarmHeapIsWhatTheRestoreGets(t *testing.T) {
+	if os.Getenv("KVPOOL_WARMHEAP_CHILD") != "" {
+		warmHeapChild(t)
+		return
+	}
+	cmd := exec.Command(os.Args[0], "-test.run=^TestWarmHeapIsWhatTheRestoreGets$", "-test.v")
+	cmd.Env = append(os.Environ(), "KVPOOL_WARMHEAP_CHILD=1")
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("child: %v\n%s", err, out)
+	}
+	var warmedBytes, resident, pages, objects, inside int64
+	found := false
+	for _, l := range strings.Split(string(out), "\n") {
+		if i := strings.Index(l, "warmheap:"); i >= 0 {
+			_, err := fmt.Sscan(l[i+len("warmheap:"):], &warmedBytes, &resident, &pages, &objects, &inside)
+			found = err == nil
+		}
+	}
+	if !found {
+		t.Fatalf("the child said nothing:\n%s", out)
+	}
+	if warmedBytes == 0 {
+		t.Skip("the kernel cannot populate a range (MADV_POPULATE_WRITE needs Linux 5.14): warmHeap does nothing here")
+	}
+	t.Logf("warmed %d MiB: %d of %d pages resident; %d of %d objects allocated next inside them", warmedBytes>>20, resident, pages, inside, objects)
+	if warmedBytes < childAlloc {
+		t.Fatalf("warmed %d bytes, asked for at least %d", warmedBytes, childAlloc)
+	}
+	if resident != pages {
+		t.Fatalf("%d of the %d warmed pages resident", resident, pages)
+	}
+	if inside*4 < objects*3 {
+		t.Fatalf("%d of %d objects allocated after warmHeap landed in the warmed pieces (want three quarters)", inside, objects)
+	}
+}
+
+const childAlloc = 32 << 20
+
+func warmHeapChild(t *testing.T) {
+	debug.SetGCPercent(-1)
+	type span struct{ lo, hi uintptr }
+	var spans []span
+	var resident, pages int64
+	warmed = func(pieces [][]byte) {
+		for _, b := range pieces {
+			vec := make([]byte, (len(b)+4095)/4096)
+			if _, _, e := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(&b[0])), uintptr(len(b)), uintptr(unsafe.Pointer(&vec[0]))); e != 0 {
+				t.Fatalf("mincore: %v", e)
+			}
+			for _, v := range vec {
+				resident += int64(v & 1)
+			}
+			pages += int64(len(vec))
+			lo := uintptr(unsafe.Pointer(&b[0]))
+			spans = append(spans, span{lo, lo + uintptr(len(b))})
+		}
+	}
+	defer func() { warmed = nil }()
+	n := warmHeap(childAlloc)
+	keep := make([]*[256]byte, 0, childAlloc/256/2)
+	for range cap(keep) {
+		keep = append(keep, new([256]byte))
+	}
+	inside := 0
+	for _, p := range keep {
+		a := uintptr(unsafe.Pointer(p))
+		for _, s := range spans {
+			if a >= s.lo && a < s.hi {
+				inside++
+				break
+			}
+		}
+	}
+	t.Logf("warmheap: %d %d %d %d %d", n, resident, pages, len(keep), inside)
+}
