@@ -1,7 +1,9 @@
 package books
 
 import (
+	"hash/maphash"
 	"iter"
+	"math/bits"
 	"slices"
 )
 
@@ -12,11 +14,19 @@ import (
 // was written; walking a map's order instead missed the cache on nearly
 // every stream and took twice as long (131,072 streams: pool.Restore 70-99
 // ms from map order, 38-56 from this one).
+//
+// The index from request ID to place in the list is a table of its own
+// (open addressing, linear probing) rather than a Go map: an offload of a
+// new request finds its empty slot in the one probe that looked the ID up,
+// where a map looked up and then inserted (two hashes, two probes: the
+// larger part of a replay), and a slot is 8 bytes, not a map's 24 and its
+// control byte.
 type requests struct {
-	list   []request        // a removed request leaves a hole (no streams)
-	index  map[string]int32 // a request's place in list
+	list   []request // a removed request leaves a hole (no streams)
+	slots  []uint64  // the index: 0 empty, else tag<<32 | place+1 (slotOf)
+	held   int
 	holes  int
-	sized  int // the requests index was made for
+	sized  int // the requests the index was made for
 	remade int // times reserve made the index again
 	// slab hands a request opened empty room for its first stream: most
 	// requests hold one stream a session (one a layer is still one a
@@ -32,17 +42,46 @@ type request struct {
 	streams []stream // in offload order; empty: a hole
 }
 
+// ridSeed keys the index's hash: request IDs come from tenants, so where
+// they land is not theirs to choose.
+var ridSeed = maphash.MakeSeed()
+
+// slotsFor is the index's size for n requests: a power of two at least
+// twice n, so that probes stay short.
+func slotsFor(n int) int { return 1 << max(3, bits.Len(uint(2*n))) }
+
 func newRequests(n int) requests {
-	return requests{list: make([]request, 0, n), index: make(map[string]int32, n), sized: n}
+	return requests{list: make([]request, 0, n), slots: make([]uint64, slotsFor(n)), sized: n}
 }
 
+func slotOf(h uint64, place int) uint64 { return h&^(1<<32-1) | uint64(place+1) }
+
+// lookup returns where rid is in the index, or the empty slot where it
+// would go, and its hash.
+func (r *requests) lookup(rid string) (slot int, h uint64, found bool) {
+	h = maphash.String(ridSeed, rid)
+	mask := len(r.slots) - 1
+	for i := int(h) & mask; ; i = (i + 1) & mask {
+		e := r.slots[i]
+		if e == 0 {
+			return i, h, false
+		}
+		if e>>32 == h>>32 && r.list[uint32(e)-1].rid == rid {
+			return i, h, true
+		}
+	}
+}
+
+// place is the list index of the index's entry e.
+func place(e uint64) int { return int(uint32(e)) - 1 }
+
 // len is the number of requests held.
-func (r *requests) len() int { return len(r.index) }
+func (r *requests) len() int { return r.held }
 
 // get is rid's streams (none for a request not held).
 func (r *requests) get(rid string) []stream {
-	if i, ok := r.index[rid]; ok {
-		return r.list[i].streams
+	if s, _, ok := r.lookup(rid); ok {
+		return r.list[place(r.slots[s])].streams
 	}
 	return nil
 }
@@ -50,30 +89,36 @@ func (r *requests) get(rid string) []stream {
 // open is rid's streams to append to, a request not held going last. The
 // pointer holds until the next open of another request.
 func (r *requests) open(rid string) *[]stream {
-	i, ok := r.index[rid]
-	if !ok {
-		i = int32(len(r.list))
-		r.index[rid] = i
-		if len(r.slab) == 0 {
-			r.slab = make([]stream, slabStreams)
-		}
-		// Room for one stream: a second one's append moves them out.
-		r.list = append(r.list, request{rid: rid, streams: r.slab[:0:1]})
-		r.slab = r.slab[1:]
+	s, h, ok := r.lookup(rid)
+	if ok {
+		return &r.list[place(r.slots[s])].streams
 	}
+	if 2*(r.held+1) > len(r.slots) {
+		r.rebuild(slotsFor(r.held + 1))
+		s, h, _ = r.lookup(rid)
+	}
+	i := len(r.list)
+	r.slots[s] = slotOf(h, i)
+	r.held++
+	if len(r.slab) == 0 {
+		r.slab = make([]stream, slabStreams)
+	}
+	// Room for one stream: a second one's append moves them out.
+	r.list = append(r.list, request{rid: rid, streams: r.slab[:0:1]})
+	r.slab = r.slab[1:]
 	return &r.list[i].streams
 }
 
 // set replaces the streams of rid, a request held, removing it when none
 // are left.
 func (r *requests) set(rid string, streams []stream) {
-	i, ok := r.index[rid]
+	s, _, ok := r.lookup(rid)
 	switch {
 	case !ok:
 	case len(streams) == 0:
 		r.remove(rid)
 	default:
-		r.list[i].streams = streams
+		r.list[place(r.slots[s])].streams = streams
 	}
 }
 
@@ -81,12 +126,13 @@ func (r *requests) set(rid string, streams []stream) {
 // are closed up once they are over half the list, so a long replay of
 // requests coming and going holds no more than twice what it keeps.
 func (r *requests) remove(rid string) {
-	i, ok := r.index[rid]
+	s, _, ok := r.lookup(rid)
 	if !ok {
 		return
 	}
-	delete(r.index, rid)
-	r.list[i] = request{}
+	r.list[place(r.slots[s])] = request{}
+	r.unslot(s)
+	r.held--
 	r.holes++
 	if r.holes < 64 || r.holes*2 < len(r.list) {
 		return
@@ -94,27 +140,62 @@ func (r *requests) remove(rid string) {
 	kept := r.list[:0]
 	for _, q := range r.list {
 		if len(q.streams) > 0 {
-			r.index[q.rid] = int32(len(kept))
 			kept = append(kept, q)
 		}
 	}
 	clear(r.list[len(kept):])
 	r.list, r.holes = kept, 0
+	r.rebuild(len(r.slots))
+}
+
+// unslot empties slot s of the index, moving back the entries after it
+// that would no longer be found past the gap (backward-shift deletion: no
+// tombstones, so probes stay as short as the table is full).
+func (r *requests) unslot(s int) {
+	mask := len(r.slots) - 1
+	for j := (s + 1) & mask; r.slots[j] != 0; j = (j + 1) & mask {
+		e := r.slots[j]
+		home := int(maphash.String(ridSeed, r.list[place(e)].rid)) & mask
+		// e stays where it is when its home lies cyclically in (s, j].
+		if (s < j && s < home && home <= j) || (s > j && (s < home || home <= j)) {
+			continue
+		}
+		r.slots[s] = e
+		s = j
+	}
+	r.slots[s] = 0
+}
+
+// rebuild makes the index again with n slots, from the list.
+func (r *requests) rebuild(n int) {
+	if n == len(r.slots) {
+		clear(r.slots)
+	} else {
+		r.slots = make([]uint64, n)
+	}
+	mask := n - 1
+	for i, q := range r.list {
+		if len(q.streams) == 0 {
+			continue
+		}
+		h := maphash.String(ridSeed, q.rid)
+		j := int(h) & mask
+		for r.slots[j] != 0 {
+			j = (j + 1) & mask
+		}
+		r.slots[j] = slotOf(h, i)
+	}
 }
 
 // reserve makes room for n more requests than are held, without a
-// rehash as they come (a table made for fewer splits again and again).
+// rebuild as they come (a table made for fewer is made again and again).
 func (r *requests) reserve(n int) {
-	if len(r.index)+n <= r.sized {
+	if r.held+n <= r.sized {
 		return
 	}
-	r.sized = len(r.index) + n
+	r.sized = r.held + n
 	r.remade++
-	index := make(map[string]int32, r.sized)
-	for rid, i := range r.index {
-		index[rid] = i
-	}
-	r.index = index
+	r.rebuild(slotsFor(r.sized))
 	r.list = slices.Grow(r.list, n)
 }
 

@@ -2,6 +2,7 @@ package books
 
 import (
 	"fmt"
+	"hash/maphash"
 	"math/rand/v2"
 	"slices"
 	"testing"
@@ -14,8 +15,9 @@ import (
 // reqModel is what requests must hold: the requests in first-offload
 // order, each with its labels in order.
 type reqModel struct {
-	rids   []string
-	labels map[string][]string
+	rids     []string
+	labels   map[string][]string
+	universe int // the request IDs are r0 ... r<universe-1>
 }
 
 func (m *reqModel) add(rid, label string) {
@@ -53,6 +55,12 @@ func (m *reqModel) same(t *testing.T, r *requests, step string) {
 			t.Fatalf("%s: get(%s) has %d streams, want %d", step, rid, n, len(m.labels[rid]))
 		}
 	}
+	// And a request not held is not found (nor another's streams for it).
+	for i := range m.universe {
+		if rid := fmt.Sprintf("r%d", i); len(m.labels[rid]) == 0 && r.get(rid) != nil {
+			t.Fatalf("%s: get(%s) has %d streams, want none", step, rid, len(r.get(rid)))
+		}
+	}
 }
 
 // The request table keeps requests in the order they were first offloaded
@@ -62,7 +70,7 @@ func TestRequestsKeepFirstOffloadOrder(t *testing.T) {
 	for seed := range uint64(4) {
 		rng := rand.New(rand.NewPCG(seed, 7))
 		r := newRequests(int(seed))
-		m := &reqModel{labels: map[string][]string{}}
+		m := &reqModel{labels: map[string][]string{}, universe: 300}
 		for i := range 3000 {
 			rid := fmt.Sprintf("r%d", rng.IntN(300))
 			step := fmt.Sprintf("seed %d step %d", seed, i)
@@ -177,4 +185,49 @@ func TestReplayKeepsRequestOrder(t *testing.T) {
 	offload("req-20", "back")
 	check("snapshot and records", true)
 	b.Close()
+}
+
+// TestRequestIndexWrapsAround: removing from the request index moves back
+// the entries after the gap that probed past it, across the end of the
+// table too. Request IDs are picked (for this process's hash seed) so that
+// three want the last slot of an 8-slot index and one the first.
+func TestRequestIndexWrapsAround(t *testing.T) {
+	r := newRequests(3)
+	if len(r.slots) != 8 {
+		t.Fatalf("an index for 3 requests has %d slots, want 8", len(r.slots))
+	}
+	var last, first []string
+	for i := 0; len(last) < 3 || len(first) < 1; i++ {
+		rid := fmt.Sprintf("w%d", i)
+		switch maphash.String(ridSeed, rid) & 7 {
+		case 7:
+			last = append(last, rid)
+		case 0:
+			first = append(first, rid)
+		}
+	}
+	rids := append(last[:3:3], first[0]) // slots 7, 0, 1, and 2 (its own, 0, taken)
+	for _, order := range [][]int{{0, 1, 2, 3}, {1, 0, 3, 2}, {2, 3, 1, 0}, {3, 2, 1, 0}} {
+		r := newRequests(3)
+		for _, rid := range rids {
+			l := r.open(rid)
+			*l = append(*l, stream{label: "l"})
+		}
+		if len(r.slots) != 8 {
+			t.Fatalf("the index grew to %d slots", len(r.slots))
+		}
+		held := slices.Clone(rids)
+		for _, k := range order {
+			r.remove(rids[k])
+			held = slices.DeleteFunc(held, func(x string) bool { return x == rids[k] })
+			for _, rid := range rids {
+				if got, want := len(r.get(rid)), btoi(slices.Contains(held, rid)); got != want {
+					t.Fatalf("removing %v in the order %v: after %s, get(%s) has %d streams, want %d", rids, order, rids[k], rid, got, want)
+				}
+			}
+		}
+		if slices.ContainsFunc(r.slots, func(e uint64) bool { return e != 0 }) {
+			t.Fatalf("the index holds entries after every request was removed: %x", r.slots)
+		}
+	}
 }
