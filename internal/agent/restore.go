@@ -36,6 +36,7 @@ type restart struct {
 	adopted  map[string]bool
 	sessions []server.RestoredSession
 	streams  int
+	warmed   int64 // heap made resident for the restore (warmHeap)
 	// lastAlive is the previous agent's last sign of life; the gap runs
 	// from it until this agent serves.
 	lastAlive time.Time
@@ -81,7 +82,7 @@ func (a *agent) restore() error {
 		a.events.PoolLost(m.Chunks, m.Sessions)
 	}
 	t0 := time.Now()
-	warmed := warmHeap(warmSize(booksBytes(held.Books), memoryLimit()))
+	r.warmed = warmHeap(warmSize(booksBytes(held.Books), memoryLimit()))
 	tWarm := time.Now()
 	st, info, held := a.loadBooks(held)
 	r.lastAlive = info.LastAlive
@@ -131,7 +132,7 @@ func (a *agent) restore() error {
 	a.pool.SetJournal(b)
 	if len(held.Chunks) > 0 || len(r.adopted) > 0 {
 		a.log.Info("pool adopted from the keeper", "chunks", len(r.adopted), "sessions", len(r.sessions),
-			"streams", r.streams, "booksGen", info.Gen, bytesize.Attr("warmHeap", warmed), "warm", tWarm.Sub(t0).Round(time.Microsecond),
+			"streams", r.streams, "booksGen", info.Gen, bytesize.Attr("warmHeap", r.warmed), "warm", tWarm.Sub(t0).Round(time.Microsecond),
 			"load", tLoad.Sub(tWarm).Round(time.Microsecond),
 			"adopt", tAdopt.Sub(tLoad).Round(time.Microsecond), "rebuild", tPool.Sub(tAdopt).Round(time.Microsecond),
 			"books", tBooks.Sub(tPool).Round(time.Microsecond))
@@ -254,11 +255,11 @@ func (a *agent) startHeartbeat(ctx context.Context, wg *sync.WaitGroup) error {
 			"adoptedChunks", len(r.adopted), "sessions", len(r.sessions), "streams", r.streams)
 	}
 	a.writeMarker()
-	if r.streams > 0 {
+	if r.streams > 0 || r.warmed > 0 {
 		// The restore's garbage (the books' decoded state, the pool's
-		// image) goes back to the system now, not bit by bit: the
-		// restarted agent's resident memory is what the one it replaced
-		// held, not the restore's peak.
+		// image, the warm heap it did not use) goes back to the system
+		// now, not bit by bit: the restarted agent's resident memory is
+		// what the one it replaced held, not the restore's peak.
 		wg.Go(debug.FreeOSMemory)
 	}
 	wg.Go(func() { a.heartbeat(ctx) })

@@ -67,8 +67,8 @@ func warmHeap(n int64) int64 {
 	if done == 0 {
 		return 0
 	}
-	if warmed != nil {
-		warmed(held)
+	if onWarm != nil {
+		onWarm(held)
 	}
 	// The collector is off during the restore; this one collection frees
 	// the pieces (held is dead by now), and their pages go back to the
@@ -77,9 +77,9 @@ func warmHeap(n int64) int64 {
 	return done
 }
 
-// warmed, set by tests, sees the pieces warmHeap made resident before it
+// onWarm, set by tests, sees the pieces warmHeap made resident before it
 // lets them go.
-var warmed func(pieces [][]byte)
+var onWarm func(pieces [][]byte)
 
 // memoryLimit is the process's GOMEMLIMIT (math.MaxInt64: none).
 func memoryLimit() int64 {

@@ -108,7 +108,7 @@ func warmHeapChild(t *testing.T) {
 	type span struct{ lo, hi uintptr }
 	var spans []span
 	var resident, pages int64
-	warmed = func(pieces [][]byte) {
+	onWarm = func(pieces [][]byte) {
 		for _, b := range pieces {
 			vec := make([]byte, (len(b)+4095)/4096)
 			if _, _, e := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(&b[0])), uintptr(len(b)), uintptr(unsafe.Pointer(&vec[0]))); e != 0 {
@@ -122,7 +122,7 @@ func warmHeapChild(t *testing.T) {
 			spans = append(spans, span{lo, lo + uintptr(len(b))})
 		}
 	}
-	defer func() { warmed = nil }()
+	defer func() { onWarm = nil }()
 	n := warmHeap(childAlloc)
 	keep := make([]*[256]byte, 0, childAlloc/256/2)
 	for range cap(keep) {
