@@ -24,7 +24,6 @@ import (
 type requests struct {
 	list   []request // a removed request leaves a hole (no streams)
 	slots  []uint64  // the index: 0 empty, else tag<<32 | place+1 (slotOf)
-	held   int
 	holes  int
 	sized  int // the requests the index was made for
 	remade int // times reserve made the index again
@@ -76,7 +75,7 @@ func (r *requests) lookup(rid string) (slot int, h uint64, found bool) {
 func place(e uint64) int { return int(uint32(e)) - 1 }
 
 // len is the number of requests held.
-func (r *requests) len() int { return r.held }
+func (r *requests) len() int { return len(r.list) - r.holes }
 
 // get is rid's streams (none for a request not held).
 func (r *requests) get(rid string) []stream {
@@ -93,13 +92,12 @@ func (r *requests) open(rid string) *[]stream {
 	if ok {
 		return &r.list[place(r.slots[s])].streams
 	}
-	if 2*(r.held+1) > len(r.slots) {
-		r.rebuild(slotsFor(r.held + 1))
+	if n := r.len() + 1; 2*n > len(r.slots) {
+		r.rebuild(slotsFor(n))
 		s, h, _ = r.lookup(rid)
 	}
 	i := len(r.list)
 	r.slots[s] = slotOf(h, i)
-	r.held++
 	if len(r.slab) == 0 {
 		r.slab = make([]stream, slabStreams)
 	}
@@ -132,7 +130,6 @@ func (r *requests) remove(rid string) {
 	}
 	r.list[place(r.slots[s])] = request{}
 	r.unslot(s)
-	r.held--
 	r.holes++
 	if r.holes < 64 || r.holes*2 < len(r.list) {
 		return
@@ -190,10 +187,10 @@ func (r *requests) rebuild(n int) {
 // reserve makes room for n more requests than are held, without a
 // rebuild as they come (a table made for fewer is made again and again).
 func (r *requests) reserve(n int) {
-	if r.held+n <= r.sized {
+	if r.len()+n <= r.sized {
 		return
 	}
-	r.sized = r.held + n
+	r.sized = r.len() + n
 	r.remade++
 	r.rebuild(slotsFor(r.sized))
 	r.list = slices.Grow(r.list, n)
