@@ -97,6 +97,9 @@ type conn struct {
 	request wire.Request
 	pagesIn wire.Pages
 	moreIn  wire.More
+	numRep  wire.NumPagesReply
+	remRep  wire.RemoveRequestReply
+	isOff   wire.IsOffloadedReply
 	errBody wire.Error
 	jop     SessionOp
 }
@@ -518,7 +521,8 @@ func (c *conn) handleNumPages(body []byte) reply {
 	if err != nil {
 		return errReply(err)
 	}
-	return reply{body: &wire.NumPagesReply{Pages: uint32(n)}}
+	c.numRep.Pages = uint32(n)
+	return reply{body: &c.numRep}
 }
 
 func (c *conn) handleRemoveRequest(body []byte) reply {
@@ -530,7 +534,8 @@ func (c *conn) handleRemoveRequest(body []byte) reply {
 	if err != nil {
 		return errReply(err)
 	}
-	return reply{body: &wire.RemoveRequestReply{Removed: uint32(n)}, change: n > 0}
+	c.remRep.Removed = uint32(n)
+	return reply{body: &c.remRep, change: n > 0}
 }
 
 func (c *conn) handleIsOffloaded(body []byte) reply {
@@ -538,7 +543,8 @@ func (c *conn) handleIsOffloaded(body []byte) reply {
 	if r, ok := c.decodeOpen(body, m); !ok {
 		return r
 	}
-	return reply{body: &wire.IsOffloadedReply{Offloaded: c.e.ps.IsOffloaded(m.Rid)}}
+	c.isOff.Offloaded = c.e.ps.IsOffloaded(m.Rid)
+	return reply{body: &c.isOff}
 }
 
 // handleLabels lists a request's labels, the first part of a long list.

@@ -205,6 +205,8 @@ type CPUPagePool struct {
 	offRep wire.OffloadReply
 	relReq wire.Reload
 	relRep wire.ReloadReply
+	ridReq wire.Request
+	offd   wire.IsOffloadedReply
 	errRep wire.Error
 }
 

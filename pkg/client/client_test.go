@@ -291,6 +291,53 @@ func TestMisuse(t *testing.T) {
 	}
 }
 
+// TestNamesNotUTF8 sends request IDs and labels that are not UTF-8 (the
+// wire's strings must be) through every call that names a request or a
+// stream: the agent refuses each as a bad request, says why, and nothing
+// changes.
+func TestNamesNotUTF8(t *testing.T) {
+	a := startAgent(t, 1<<20)
+	sim := cudart.NewSim(cudart.SimOptions{Devices: 1})
+	dev, _ := sim.Open(0)
+	c := newKV(t, dev, 16, 4096)
+	p := openPool(t, a, dev, c, []byte("instance-U"), 0)
+	if ok, err := p.OffloadStream("r", "l", []int32{1, 2}, 0, 0, 0); !ok || err != nil {
+		t.Fatal(ok, err)
+	}
+	free := mustFree(t, p)
+	bad := "r\xff"
+	cases := []struct {
+		name string
+		call func() error
+	}{
+		{"offload", func() error { _, err := p.OffloadStream(bad, "l", []int32{3}, 0, 0, 0); return err }},
+		{"reload", func() error { _, err := p.ReloadStream("r", bad, []int32{3, 4}); return err }},
+		{"is_offloaded", func() error { _, err := p.IsOffloaded(bad); return err }},
+		{"num_pages", func() error { _, err := p.NumPages("r", bad); return err }},
+		{"labels", func() error { _, err := p.Labels(bad); return err }},
+		{"discard", func() error { return p.Discard(bad, "l") }},
+		{"remove_request", func() error { return p.RemoveRequest(bad) }},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			err := tc.call()
+			var ce *client.Error
+			if !errors.As(err, &ce) || ce.Status != wire.StatusBadRequest || !strings.Contains(ce.Message, "UTF-8") {
+				t.Fatalf("got %v, want the agent's bad request naming UTF-8", err)
+			}
+			if mustFree(t, p) != free {
+				t.Fatal("a refused call changed the free page count")
+			}
+			if ok, err := p.IsOffloaded("r"); !ok || err != nil {
+				t.Fatalf("request r after the refusal: %v %v", ok, err)
+			}
+			if n, err := p.NumPages("r", "l"); n != 2 || err != nil {
+				t.Fatalf("stream r/l changed: %d %v", n, err)
+			}
+		})
+	}
+}
+
 // fullPool opens a pool of 8 host pages and fills them all with stream r/l,
 // offloaded from device pages 0-7 (of 32).
 func fullPool(t *testing.T, delay time.Duration, inst string) (cudart.Device, *kv, *client.CPUPagePool, *rand.Rand) {

@@ -368,9 +368,9 @@ func (p *CPUPagePool) IsOffloaded(rid string) (bool, error) {
 	if err := p.begin(); err != nil {
 		return false, err
 	}
-	var rep wire.IsOffloadedReply
-	_, err := p.call(wire.OpIsOffloaded, &wire.Request{Rid: rid}, &rep)
-	return rep.Offloaded, err
+	p.ridReq.Rid = rid
+	_, err := p.call(wire.OpIsOffloaded, &p.ridReq, &p.offd)
+	return err == nil && p.offd.Offloaded, err
 }
 
 // Labels lists rid's labels in the order they were offloaded.

@@ -203,6 +203,25 @@ func DecodeBody(body []byte, m proto.Message) error {
 		err = decodeReloadReply(body, x)
 	case *Pages:
 		err = decodePages(body, x)
+	case *Stream:
+		err = decodeStream(body, x)
+	case *Request:
+		err = decodeRequest(body, x)
+	case *IsOffloadedReply:
+		var v uint64
+		v, err = decodeVarint1(body)
+		x.Reset()
+		x.Offloaded = v != 0
+	case *RemoveRequestReply:
+		var v uint64
+		v, err = decodeVarint1(body)
+		x.Reset()
+		x.Removed = uint32(v)
+	case *NumPagesReply:
+		var v uint64
+		v, err = decodeVarint1(body)
+		x.Reset()
+		x.Pages = uint32(v)
 	default:
 		err = proto.Unmarshal(body, m)
 	}
@@ -231,6 +250,16 @@ func AppendPacket(b []byte, h Header, m proto.Message) ([]byte, error) {
 		b = appendReloadReply(b, x)
 	case *Pages:
 		b = appendPacked(b, 1, x.GpuPages)
+	case *Stream:
+		b = appendStream(b, x)
+	case *Request:
+		b = appendString(b, 1, x.Rid)
+	case *IsOffloadedReply:
+		b = appendBool(b, 1, x.Offloaded)
+	case *RemoveRequestReply:
+		b = appendVarintField(b, 1, uint64(x.Removed))
+	case *NumPagesReply:
+		b = appendVarintField(b, 1, uint64(x.Pages))
 	default:
 		b, err = (proto.MarshalOptions{}).MarshalAppend(b, m)
 	}
