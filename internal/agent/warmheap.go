@@ -11,17 +11,18 @@ import (
 
 // The restore allocates its heap with the collector off, most of it in
 // pages the fresh process has never touched: one page fault for each 4 KiB,
-// about 13,600 of them (53 MiB) for one session of 131,072 streams, whose
-// books take 7-8 MiB. warmHeap makes that heap resident first, a few MiB a system
-// call (MADV_POPULATE_WRITE), and hands it back to the runtime, whose
+// about 10,000 of them (39 MiB) for one session of 131,072 streams, whose
+// books take 8 MiB. warmHeap makes that heap resident first, a few MiB a
+// system call (MADV_POPULATE_WRITE), and hands it back to the runtime, whose
 // allocator then reuses those pages for the restore.
 const (
 	// warmPerBooksByte is the heap the restore takes per byte of kept
-	// books, rounded up: 7-8 for short request IDs (11 bytes), 3.6 for
-	// 128-byte ones. Warming a page too many costs a fraction of the fault
-	// a page too few costs, and the heartbeat step hands what the restore
-	// left unused back to the system.
-	warmPerBooksByte = 9
+	// books, rounded up: 4.8 for short request IDs (11 bytes; 39 MiB
+	// allocated for 8.1 MiB of books), less for longer ones. Warming a
+	// page too many costs a fraction of the fault a page too few costs,
+	// and the heartbeat step hands what the restore left unused back to
+	// the system.
+	warmPerBooksByte = 6
 	// warmFrom is the least heap worth warming: below it the restore
 	// takes fewer faults than the warming costs.
 	warmFrom = 4 << 20

@@ -211,7 +211,7 @@ func replay(mem []byte) (*State, uint64, uint64, error) {
 			}
 			parts = nil
 			st.snapEnd = off + 8 + pad + 4
-		case st != nil && sideBySide && r.route(st, off, payload):
+		case st != nil && sideBySide && r.route(st, mem, off, payload):
 			st.aliasReplies = true // ownReplies below, before mem goes
 		default:
 			if st != nil {

@@ -488,8 +488,8 @@ func writeSnapshot(w *snapWriter, st *State) error {
 		for rid, list := range s.reqs.all() {
 			w.e = w.e.str(rid).u(uint64(len(list)))
 			for _, x := range list {
-				w.e = w.e.str(x.label).meta(x.meta)
-				w.pages(x.pages)
+				w.e = w.e.str(x.Label).meta(x.Meta)
+				w.pages(x.Pages)
 				w.cut()
 			}
 		}
@@ -592,7 +592,7 @@ func (d *dec) session() *Session {
 		}
 		list := s.reqs.open(rid)
 		for range n {
-			*list = append(*list, stream{label: d.str(), meta: d.meta(), pages: d.pages()})
+			*list = append(*list, stream{Label: d.str(), Meta: d.meta(), Pages: d.pages()})
 		}
 	}
 	for range d.n() {

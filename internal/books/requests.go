@@ -5,6 +5,8 @@ import (
 	"iter"
 	"math/bits"
 	"slices"
+
+	"github.com/kvpool/kvpool/pkg/pool"
 )
 
 // requests is a session's streams by request, kept in the order the
@@ -31,15 +33,17 @@ type requests struct {
 	// requests hold one stream a session (one a layer is still one a
 	// label), and one allocation a request was a tenth of a replay.
 	slab []stream
+	// prefetched keeps prefetch's reads from being optimised away.
+	prefetched uint64
 }
 
 // slabStreams is how many first streams one allocation of the slab holds.
 const slabStreams = 512
 
-type request struct {
-	rid     string
-	streams []stream // in offload order; empty: a hole
-}
+// request is a request and its streams in offload order (no streams: a
+// hole). It is the pool's own type, so that the image of a session hands
+// the pool this list as it is (State.Image).
+type request = pool.RequestImage
 
 // ridSeed keys the index's hash: request IDs come from tenants, so where
 // they land is not theirs to choose.
@@ -58,14 +62,21 @@ func slotOf(h uint64, place int) uint64 { return h&^(1<<32-1) | uint64(place+1) 
 // lookup returns where rid is in the index, or the empty slot where it
 // would go, and its hash.
 func (r *requests) lookup(rid string) (slot int, h uint64, found bool) {
-	h = maphash.String(ridSeed, rid)
+	return r.lookupHashed(rid, ridHash(rid))
+}
+
+// ridHash is rid's hash in the index.
+func ridHash(rid string) uint64 { return maphash.String(ridSeed, rid) }
+
+// lookupHashed is lookup of rid, whose hash is h.
+func (r *requests) lookupHashed(rid string, h uint64) (slot int, _ uint64, found bool) {
 	mask := len(r.slots) - 1
 	for i := int(h) & mask; ; i = (i + 1) & mask {
 		e := r.slots[i]
 		if e == 0 {
 			return i, h, false
 		}
-		if e>>32 == h>>32 && r.list[uint32(e)-1].rid == rid {
+		if e>>32 == h>>32 && r.list[uint32(e)-1].Rid == rid {
 			return i, h, true
 		}
 	}
@@ -80,17 +91,20 @@ func (r *requests) len() int { return len(r.list) - r.holes }
 // get is rid's streams (none for a request not held).
 func (r *requests) get(rid string) []stream {
 	if s, _, ok := r.lookup(rid); ok {
-		return r.list[place(r.slots[s])].streams
+		return r.list[place(r.slots[s])].Streams
 	}
 	return nil
 }
 
 // open is rid's streams to append to, a request not held going last. The
 // pointer holds until the next open of another request.
-func (r *requests) open(rid string) *[]stream {
-	s, h, ok := r.lookup(rid)
+func (r *requests) open(rid string) *[]stream { return r.openHashed(rid, ridHash(rid)) }
+
+// openHashed is open of rid, whose hash is h.
+func (r *requests) openHashed(rid string, h uint64) *[]stream {
+	s, _, ok := r.lookupHashed(rid, h)
 	if ok {
-		return &r.list[place(r.slots[s])].streams
+		return &r.list[place(r.slots[s])].Streams
 	}
 	if n := r.len() + 1; 2*n > len(r.slots) {
 		r.rebuild(slotsFor(n))
@@ -102,9 +116,9 @@ func (r *requests) open(rid string) *[]stream {
 		r.slab = make([]stream, slabStreams)
 	}
 	// Room for one stream: a second one's append moves them out.
-	r.list = append(r.list, request{rid: rid, streams: r.slab[:0:1]})
+	r.list = append(r.list, request{Rid: rid, Streams: r.slab[:0:1]})
 	r.slab = r.slab[1:]
-	return &r.list[i].streams
+	return &r.list[i].Streams
 }
 
 // set replaces the streams of rid, a request held, removing it when none
@@ -116,7 +130,7 @@ func (r *requests) set(rid string, streams []stream) {
 	case len(streams) == 0:
 		r.remove(rid)
 	default:
-		r.list[place(r.slots[s])].streams = streams
+		r.list[place(r.slots[s])].Streams = streams
 	}
 }
 
@@ -136,7 +150,7 @@ func (r *requests) remove(rid string) {
 	}
 	kept := r.list[:0]
 	for _, q := range r.list {
-		if len(q.streams) > 0 {
+		if len(q.Streams) > 0 {
 			kept = append(kept, q)
 		}
 	}
@@ -152,7 +166,7 @@ func (r *requests) unslot(s int) {
 	mask := len(r.slots) - 1
 	for j := (s + 1) & mask; r.slots[j] != 0; j = (j + 1) & mask {
 		e := r.slots[j]
-		home := int(maphash.String(ridSeed, r.list[place(e)].rid)) & mask
+		home := int(maphash.String(ridSeed, r.list[place(e)].Rid)) & mask
 		// e stays where it is when its home lies cyclically in (s, j].
 		if (s < j && s < home && home <= j) || (s > j && (s < home || home <= j)) {
 			continue
@@ -161,6 +175,21 @@ func (r *requests) unslot(s int) {
 		s = j
 	}
 	r.slots[s] = 0
+}
+
+// prefetch reads the index's slots where the requests of hashes hs
+// begin, one after the other, before a batch of offloads looks them up: a
+// table of a large session is larger than the caches, each lookup of a new
+// request missed them in turn (a fifth of the replay of one session of
+// 131,072 streams), and these reads, independent of each other, miss them
+// together.
+func (r *requests) prefetch(hs []uint64) {
+	mask := len(r.slots) - 1
+	var x uint64
+	for _, h := range hs {
+		x |= r.slots[int(h)&mask]
+	}
+	r.prefetched = x
 }
 
 // rebuild makes the index again with n slots, from the list.
@@ -172,10 +201,10 @@ func (r *requests) rebuild(n int) {
 	}
 	mask := n - 1
 	for i, q := range r.list {
-		if len(q.streams) == 0 {
+		if len(q.Streams) == 0 {
 			continue
 		}
-		h := maphash.String(ridSeed, q.rid)
+		h := maphash.String(ridSeed, q.Rid)
 		j := int(h) & mask
 		for r.slots[j] != 0 {
 			j = (j + 1) & mask
@@ -200,7 +229,7 @@ func (r *requests) reserve(n int) {
 func (r *requests) all() iter.Seq2[string, []stream] {
 	return func(yield func(string, []stream) bool) {
 		for _, q := range r.list {
-			if len(q.streams) > 0 && !yield(q.rid, q.streams) {
+			if len(q.Streams) > 0 && !yield(q.Rid, q.Streams) {
 				return
 			}
 		}

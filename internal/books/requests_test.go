@@ -39,7 +39,7 @@ func (m *reqModel) same(t *testing.T, r *requests, step string) {
 	var got, want []string
 	for rid, list := range r.all() {
 		for _, x := range list {
-			got = append(got, rid+"/"+x.label)
+			got = append(got, rid+"/"+x.Label)
 		}
 	}
 	for _, rid := range m.rids {
@@ -78,7 +78,7 @@ func TestRequestsKeepFirstOffloadOrder(t *testing.T) {
 			case k < 5:
 				l := fmt.Sprint(i)
 				list := r.open(rid)
-				*list = append(*list, stream{label: l})
+				*list = append(*list, stream{Label: l})
 				m.add(rid, l)
 			case k < 7: // a reload or discard of the first stream
 				if list := r.get(rid); len(list) > 0 {
@@ -148,9 +148,9 @@ func TestReplayKeepsRequestOrder(t *testing.T) {
 			t.Fatalf("%s: the request table was made for %d requests (made again %d times) and holds %d", step, rs.sized, rs.remade, rs.len())
 		}
 		var got []string
-		for _, x := range st.Image().Sessions[0].Streams {
-			if len(got) == 0 || got[len(got)-1] != x.Rid {
-				got = append(got, x.Rid)
+		for _, q := range st.Image().Sessions[0].Requests {
+			if len(q.Streams) > 0 {
+				got = append(got, q.Rid)
 			}
 		}
 		if !slices.Equal(got, order) {
@@ -211,7 +211,7 @@ func TestRequestIndexWrapsAround(t *testing.T) {
 		r := newRequests(3)
 		for _, rid := range rids {
 			l := r.open(rid)
-			*l = append(*l, stream{label: "l"})
+			*l = append(*l, stream{Label: "l"})
 		}
 		if len(r.slots) != 8 {
 			t.Fatalf("the index grew to %d slots", len(r.slots))

@@ -27,6 +27,7 @@ var sideBySide = true
 
 type sessionQueue struct {
 	s    *Session
+	mem  []byte // the books the records are in
 	recs []queuedRecord
 	// After apply: the records that named something already gone, and
 	// the first record that did not decode (at errOff).
@@ -35,9 +36,16 @@ type sessionQueue struct {
 	errOff  uint64
 }
 
+// queuedRecord is where a record is in the books: its offset and the
+// length of its payload (16 bytes a record where a slice of the payload
+// took 32: a large session queues 131,072 of them).
 type queuedRecord struct {
-	off     uint64
-	payload []byte
+	off uint64
+	n   uint32
+}
+
+func (q *sessionQueue) payload(rec queuedRecord) []byte {
+	return q.mem[rec.off+8 : rec.off+8+uint64(rec.n)]
 }
 
 // router holds the queues of one replay, in the order sessions first
@@ -48,9 +56,9 @@ type router struct {
 	last   *sessionQueue
 }
 
-// route queues the record at off when it is a routed op of a session open
-// in st, and reports whether it did.
-func (r *router) route(st *State, off uint64, payload []byte) bool {
+// route queues the record at off in mem, whose payload is payload, when
+// it is a routed op of a session open in st, and reports whether it did.
+func (r *router) route(st *State, mem []byte, off uint64, payload []byte) bool {
 	if len(payload) < 3 || payload[0] != recSession {
 		return false
 	}
@@ -70,13 +78,13 @@ func (r *router) route(st *State, off uint64, payload []byte) bool {
 		if q = r.by[s]; q == nil {
 			// Room for the session's offloads still to come (the
 			// replay's hints), at least.
-			q = &sessionQueue{s: s, recs: make([]queuedRecord, 0, min(st.ridHints[id], maxRidHint))}
+			q = &sessionQueue{s: s, mem: mem, recs: make([]queuedRecord, 0, min(st.ridHints[id], maxRidHint))}
 			r.by[s] = q
 			r.queues = append(r.queues, q)
 		}
 		r.last = q
 	}
-	q.recs = append(q.recs, queuedRecord{off: off, payload: payload})
+	q.recs = append(q.recs, queuedRecord{off: off, n: uint32(len(payload))})
 	return true
 }
 
@@ -127,8 +135,8 @@ func (r *router) apply(st *State) (uint64, error) {
 func (q *sessionQueue) apply(labels map[string]string, ahead bool) {
 	if !ahead || len(q.recs) < 2*decodeBatch {
 		for _, rec := range q.recs {
-			op, err := decodeQueued(rec.payload, labels)
-			if !q.applyOne(op, err, rec.off) {
+			op, err := decodeQueued(q.payload(rec), labels)
+			if !q.applyOne(op, ridHash(op.Rid), err, rec.off) {
 				return
 			}
 		}
@@ -136,6 +144,7 @@ func (q *sessionQueue) apply(labels map[string]string, ahead bool) {
 	}
 	type decoded struct {
 		op  server.SessionOp
+		h   uint64 // ridHash(op.Rid)
 		err error
 		off uint64
 	}
@@ -146,13 +155,16 @@ func (q *sessionQueue) apply(labels map[string]string, ahead bool) {
 	for range cap(free) {
 		free <- make([]decoded, 0, decodeBatch)
 	}
+	// The decoding also hashes each request ID, and the applying reads
+	// the index where a batch's offloads will look (prefetch) before it
+	// applies them.
 	go func() {
 		defer close(batches)
 		for i := 0; i < len(q.recs); i += decodeBatch {
 			b := (<-free)[:0]
 			for _, rec := range q.recs[i:min(i+decodeBatch, len(q.recs))] {
-				op, err := decodeQueued(rec.payload, labels)
-				b = append(b, decoded{op, err, rec.off})
+				op, err := decodeQueued(q.payload(rec), labels)
+				b = append(b, decoded{op, ridHash(op.Rid), err, rec.off})
 				if err != nil {
 					batches <- b
 					return // the last batch: nothing after a failure is applied
@@ -162,9 +174,17 @@ func (q *sessionQueue) apply(labels map[string]string, ahead bool) {
 		}
 	}()
 	stopped := false
+	hs := make([]uint64, 0, decodeBatch)
 	for b := range batches {
+		hs = hs[:0]
 		for i := range b {
-			if !stopped && !q.applyOne(b[i].op, b[i].err, b[i].off) {
+			if b[i].op.Op == wire.OpOffload {
+				hs = append(hs, b[i].h)
+			}
+		}
+		q.s.reqs.prefetch(hs)
+		for i := range b {
+			if !stopped && !q.applyOne(b[i].op, b[i].h, b[i].err, b[i].off) {
 				stopped = true
 			}
 		}
@@ -187,14 +207,14 @@ func decodeQueued(payload []byte, labels map[string]string) (server.SessionOp, e
 	return op, err
 }
 
-// applyOne applies one decoded record, or records its failure at off; it
-// reports whether the queue goes on.
-func (q *sessionQueue) applyOne(op server.SessionOp, err error, off uint64) bool {
+// applyOne applies one decoded record (h: its request ID's ridHash), or
+// records its failure at off; it reports whether the queue goes on.
+func (q *sessionQueue) applyOne(op server.SessionOp, h uint64, err error, off uint64) bool {
 	if err != nil {
 		q.err, q.errOff = err, off
 		return false
 	}
-	if !q.s.apply(op) {
+	if !q.s.apply(op, h) {
 		q.skipped++
 	}
 	return true

@@ -6,6 +6,7 @@ import (
 	"runtime"
 	"slices"
 	"sort"
+	"strings"
 
 	"golang.org/x/sync/errgroup"
 
@@ -93,11 +94,8 @@ type Session struct {
 	pending []pool.PendingImage
 }
 
-type stream struct {
-	label string
-	meta  pool.Meta
-	pages []int32
-}
+// stream is one stream of a request: the pool's own type (request).
+type stream = pool.StreamImage
 
 // NewState returns empty books.
 func NewState() *State {
@@ -181,12 +179,10 @@ func (st *State) Image() pool.Image {
 func (s *Session) image() pool.SessionImage {
 	si := s.Image
 	si.Chunks = slices.Clone(si.Chunks)
-	si.Streams, si.Pending = make([]pool.StreamImage, 0, s.streams()), nil
-	for rid, list := range s.reqs.all() {
-		for _, x := range list {
-			si.Streams = append(si.Streams, pool.StreamImage{Rid: rid, Label: x.label, Meta: x.meta, Pages: x.pages})
-		}
-	}
+	// The request list as it is, holes and all (the pool skips them): a
+	// copy of it was a fifth of a restart's rebuild (131,072 streams:
+	// 22-25 ms, 10 MiB).
+	si.Requests, si.Pending = s.reqs.list, nil
 	for _, p := range s.pending {
 		si.Pending = append(si.Pending, pool.PendingImage{Ticket: p.Ticket, Pages: p.Pages})
 	}
@@ -310,7 +306,7 @@ func (st *State) applySession(op server.SessionOp) {
 		delete(st.sessions, op.Session)
 		return
 	}
-	if !s.apply(op) {
+	if !s.apply(op, ridHash(op.Rid)) {
 		st.Skipped++
 	}
 }
@@ -322,9 +318,10 @@ func (st *State) applySession(op server.SessionOp) {
 // in parallel).
 func routed(op wire.Op) bool { return op != wire.OpOpen && op != wire.OpClose }
 
-// apply applies a change of the session's own (routed) and reports
-// whether it applied: false for one that named something already gone.
-func (s *Session) apply(op server.SessionOp) bool {
+// apply applies a change of the session's own (routed), whose request ID
+// hashes to h (ridHash), and reports whether it applied: false for one
+// that named something already gone.
+func (s *Session) apply(op server.SessionOp, h uint64) bool {
 	if op.Fence != 0 {
 		i := 0
 		for i < len(s.pending) && s.pending[i].Ticket <= op.Fence {
@@ -337,12 +334,12 @@ func (s *Session) apply(op server.SessionOp) bool {
 	}
 	switch op.Op {
 	case wire.OpOffload:
-		list := s.reqs.open(op.Rid)
+		list := s.reqs.openHashed(op.Rid, h)
 		if indexOf(*list, op.Label) >= 0 {
 			return false
 		}
 		// op is the decoder's own (decodeRecord): its pages are kept.
-		*list = append(*list, stream{label: op.Label, meta: op.Meta, pages: op.Pages})
+		*list = append(*list, stream{Label: op.Label, Meta: op.Meta, Pages: op.Pages})
 	case wire.OpReload, wire.OpDiscard:
 		i := s.find(op.Rid, op.Label)
 		if i < 0 && op.Op == wire.OpDiscard {
@@ -352,8 +349,8 @@ func (s *Session) apply(op server.SessionOp) bool {
 			return false
 		}
 		list := s.reqs.get(op.Rid)
-		if op.Op == wire.OpReload && len(list[i].pages) > 0 {
-			s.pending = append(s.pending, pool.PendingImage{Ticket: op.Ticket, Pages: list[i].pages})
+		if op.Op == wire.OpReload && len(list[i].Pages) > 0 {
+			s.pending = append(s.pending, pool.PendingImage{Ticket: op.Ticket, Pages: list[i].Pages})
 		}
 		if op.Op == wire.OpReload && op.Ticket > s.Image.Ticket {
 			s.Image.Ticket = op.Ticket
@@ -386,7 +383,7 @@ func (s *Session) find(rid, label string) int { return indexOf(s.reqs.get(rid), 
 // indexOf is the index of label's stream in a request's list, or -1.
 func indexOf(list []stream, label string) int {
 	for i, x := range list {
-		if x.label == label {
+		if x.Label == label {
 			return i
 		}
 	}
@@ -421,7 +418,7 @@ func (st *State) open(op server.SessionOp) {
 	}
 	img := o.Image
 	img.Chunks = slices.Clone(img.Chunks)
-	img.Streams, img.Pending = nil, nil
+	img.Requests, img.Pending = nil, nil
 	st.sessions[img.ID] = &Session{Image: img, Instance: o.Instance, UUID: o.UUID, Peer: o.Peer, Regions: o.Regions,
 		reqs: newRequests(min(st.ridHints[img.ID], maxRidHint))}
 	st.lastSession = max(st.lastSession, img.ID)
@@ -439,11 +436,13 @@ func (st *State) Check(img pool.Image) error {
 	}
 	mine.LastSession, img.LastSession = 0, 0
 	// Streams of one request keep their order; requests are sorted here
-	// (the books list them in first-offload order, Export by ID).
+	// (the books list them in first-offload order with holes, Export by
+	// ID).
 	for _, m := range []*pool.Image{&mine, &img} {
 		for i := range m.Sessions {
 			s := &m.Sessions[i]
-			sort.SliceStable(s.Streams, func(a, b int) bool { return s.Streams[a].Rid < s.Streams[b].Rid })
+			s.Requests = slices.DeleteFunc(slices.Clone(s.Requests), func(q pool.RequestImage) bool { return len(q.Streams) == 0 })
+			slices.SortFunc(s.Requests, func(a, b pool.RequestImage) int { return strings.Compare(a.Rid, b.Rid) })
 		}
 	}
 	if fmt.Sprint(mine) != fmt.Sprint(img) {

@@ -399,15 +399,21 @@ func (m *modelRun) check(when string) {
 		if si.Capacity != ms.capacity {
 			m.fail("%s: session %d capacity %d, the model %d", when, si.ID, si.Capacity, ms.capacity)
 		}
-		if len(si.Streams) != len(ms.streams) {
-			m.fail("%s: session %d holds %d streams %+v, the model %d", when, si.ID, len(si.Streams), si.Streams, len(ms.streams))
+		n := 0
+		for _, q := range si.Requests {
+			n += len(q.Streams)
 		}
-		for _, st := range si.Streams {
-			x := ms.streams[[2]string{st.Rid, st.Label}]
-			if x == nil || x.meta != st.Meta || !slices.Equal(x.pages, st.Pages) {
-				m.fail("%s: session %d stream %s/%s: pool %v %v, model %+v", when, si.ID, st.Rid, st.Label, st.Meta, short32(st.Pages), x)
+		if n != len(ms.streams) {
+			m.fail("%s: session %d holds %d streams %+v, the model %d", when, si.ID, n, si.Requests, len(ms.streams))
+		}
+		for _, q := range si.Requests {
+			for _, st := range q.Streams {
+				x := ms.streams[[2]string{q.Rid, st.Label}]
+				if x == nil || x.meta != st.Meta || !slices.Equal(x.pages, st.Pages) {
+					m.fail("%s: session %d stream %s/%s: pool %v %v, model %+v", when, si.ID, q.Rid, st.Label, st.Meta, short32(st.Pages), x)
+				}
+				m.verify(si.Chunks, si.PPC, x, when)
 			}
-			m.verify(si.Chunks, si.PPC, x, when)
 		}
 	}
 	if err := m.rig.books.Check(img); err != nil {

@@ -85,16 +85,23 @@ type SessionImage struct {
 	PPC        int      // pages per chunk
 	Capacity   int
 	Ticket     uint64         // the last reload ticket issued
-	Streams    []StreamImage  // a request's streams together (Restore refuses one listed in two places)
+	Requests   []RequestImage // each request once (Restore refuses one listed twice)
 	Pending    []PendingImage // oldest first
 }
 
-// StreamImage is one (rid, label) stream. Streams of one request are listed
-// in the order they were offloaded.
+// RequestImage is one request and its streams, in the order they were
+// offloaded. Restore skips a request without streams, so that whoever keeps
+// its requests in a list with holes (the books) hands the list as it is.
+type RequestImage struct {
+	Rid     string
+	Streams []StreamImage
+}
+
+// StreamImage is one (rid, label) stream of a request.
 type StreamImage struct {
-	Rid, Label string
-	Meta       Meta
-	Pages      []int32
+	Label string
+	Meta  Meta
+	Pages []int32
 }
 
 // PendingImage is a reload whose pages wait for their fence.
@@ -153,11 +160,14 @@ func (s *Session) Image() SessionImage {
 		rids = append(rids, rid)
 	}
 	sort.Strings(rids)
+	si.Requests = make([]RequestImage, 0, len(rids))
 	for _, rid := range rids {
+		q := RequestImage{Rid: rid, Streams: make([]StreamImage, 0, s.rids[rid].n)}
 		for slot := s.rids[rid].first; slot != nilPage; slot = s.at(slot).next {
 			st := s.at(slot)
-			si.Streams = append(si.Streams, StreamImage{Rid: rid, Label: s.labelOf(slot), Meta: st.meta, Pages: chain(st.head)})
+			q.Streams = append(q.Streams, StreamImage{Label: s.labelOf(slot), Meta: st.meta, Pages: chain(st.head)})
 		}
+		si.Requests = append(si.Requests, q)
 	}
 	for _, r := range s.pending[s.phead:] {
 		si.Pending = append(si.Pending, PendingImage{Ticket: r.ticket, Pages: chain(r.head)})
@@ -292,7 +302,7 @@ func (p *Pool) restoreSession(si SessionImage) (*Session, error) {
 // atomic counts); spare: a CPU is free for it besides the caller's.
 func (s *Session) restoreTables(si SessionImage, spare bool) error {
 	used := make([]bool, si.Capacity)
-	if err := s.restoreStreams(si.Streams, used, spare); err != nil {
+	if err := s.restoreStreams(si.Requests, used, spare); err != nil {
 		return err
 	}
 	if err := s.restorePending(si, used); err != nil {
@@ -357,77 +367,74 @@ func (s *Session) linkPages(pages []int32, used []bool) (head, tail int32, err e
 	return head, tail, nil
 }
 
-// restoreStreams rebuilds the stream table. An image lists the streams of
-// one request together, in offload order: the table is sized for the
-// requests first, and each request costs one map assignment, not one a
-// stream. A request listed in two places is refused.
+// restoreStreams rebuilds the stream table from an image's requests: the
+// table is sized for the requests first, and each request costs one map
+// assignment, not one a stream. A request listed twice is refused.
 //
 // With a CPU to spare, a large session's request index is built in a
 // goroutine of its own while this one fills the slots: on a fresh session
-// the slots are handed out in order, so the streams' runs name their slots
+// the slots are handed out in order, so the requests name their slots
 // before they are made. The index was half of a large session's rebuild.
-func (s *Session) restoreStreams(streams []StreamImage, used []bool, spare bool) error {
-	requests := 0
-	for i := range streams {
-		if i == 0 || streams[i].Rid != streams[i-1].Rid {
+func (s *Session) restoreStreams(reqs []RequestImage, used []bool, spare bool) error {
+	requests, streams := 0, 0
+	for i := range reqs {
+		if n := len(reqs[i].Streams); n > 0 {
 			requests++
+			streams += n
 		}
 	}
-	if spare && len(streams) >= splitFrom && len(s.slab) == 0 && len(streams) < maxPages {
+	if spare && streams >= splitFrom && len(s.slab) == 0 && streams < maxPages {
 		index := make(chan error, 1)
-		go func() { index <- s.indexRuns(streams, requests) }()
-		err := s.fillRuns(streams, used, true)
+		go func() { index <- s.indexRequests(reqs, requests) }()
+		err := s.fillRequests(reqs, used, true)
 		if ierr := <-index; ierr != nil && err == nil {
 			err = ierr
 		}
 		return err
 	}
 	s.rids = make(map[string]ridList, requests)
-	return s.fillRuns(streams, used, false)
+	return s.fillRequests(reqs, used, false)
 }
 
 // splitFrom is the session size from which restoreStreams builds the index
 // on a CPU of its own (a goroutine costs more than a small session's index).
 const splitFrom = 4096
 
-// runs yields each request of streams and where its streams begin and end.
-func runs(streams []StreamImage, yield func(rid string, i, j int) error) error {
-	for i := 0; i < len(streams); {
-		rid := streams[i].Rid
-		j := i + 1
-		for j < len(streams) && streams[j].Rid == rid {
-			j++
+// indexRequests makes the request index of a fresh session whose streams
+// fillRequests puts in slots 0, 1, ... in order.
+func (s *Session) indexRequests(reqs []RequestImage, requests int) error {
+	rids := make(map[string]ridList, requests)
+	slot := int32(0)
+	for i := range reqs {
+		q := &reqs[i]
+		n := int32(len(q.Streams))
+		if n == 0 {
+			continue
 		}
-		if err := yield(rid, i, j); err != nil {
-			return err
+		had := len(rids)
+		if rids[q.Rid] = (ridList{first: slot, last: slot + n - 1, n: n}); len(rids) == had {
+			s.rids = rids
+			return fmt.Errorf("request %q: %w", q.Rid, errListedTwice)
 		}
-		i = j
+		slot += n
 	}
+	s.rids = rids
 	return nil
 }
 
-// indexRuns makes the request index of a fresh session whose streams
-// fillRuns puts in slots 0, 1, ... in order.
-func (s *Session) indexRuns(streams []StreamImage, requests int) error {
-	rids := make(map[string]ridList, requests)
-	err := runs(streams, func(rid string, i, j int) error {
-		n := len(rids)
-		if rids[rid] = (ridList{first: int32(i), last: int32(j - 1), n: int32(j - i)}); len(rids) == n {
-			return fmt.Errorf("request %q: %w", rid, errListedTwice)
+var errListedTwice = errors.New("listed twice (an image lists each request once, with its streams)")
+
+// fillRequests rebuilds the streams of each request, in order; with
+// indexed, the index is another goroutine's (indexRequests) and each stream
+// must take the slot after the last.
+func (s *Session) fillRequests(reqs []RequestImage, used []bool, indexed bool) error {
+	k := int32(0)
+	for i := range reqs {
+		q := &reqs[i]
+		if len(q.Streams) == 0 {
+			continue
 		}
-		return nil
-	})
-	s.rids = rids
-	return err
-}
-
-var errListedTwice = errors.New("listed in two places (an image lists a request's streams together)")
-
-// fillRuns rebuilds the streams of each request, in order; with indexed,
-// the index is another goroutine's (indexRuns) and each stream must take
-// the slot after the last.
-func (s *Session) fillRuns(streams []StreamImage, used []bool, indexed bool) error {
-	return runs(streams, func(rid string, i, j int) error {
+		rid := q.Rid
 		if err := checkNames(rid, ""); err != nil {
 			return err
 		}
@@ -437,8 +444,8 @@ func (s *Session) fillRuns(streams []StreamImage, used []bool, indexed bool) err
 			}
 		}
 		l := ridList{first: nilPage, last: nilPage}
-		for k := i; k < j; k++ {
-			st := &streams[k]
+		for j := range q.Streams {
+			st := &q.Streams[j]
 			if err := checkNames(rid, st.Label); err != nil {
 				return err
 			}
@@ -453,9 +460,10 @@ func (s *Session) fillRuns(streams []StreamImage, used []bool, indexed bool) err
 				return fmt.Errorf("%q/%q: %w", rid, st.Label, err)
 			}
 			slot := s.newSlot()
-			if indexed && slot != int32(k) {
+			if indexed && slot != k {
 				return fmt.Errorf("restore: stream %d took slot %d", k, slot) // a fresh session's slots come in order
 			}
+			k++
 			*s.at(slot) = stream{meta: st.Meta, head: head, tail: tail, n: int32(len(st.Pages))}
 			s.setLabel(slot, st.Label)
 			l = s.linkOnly(rid, l, slot)
@@ -464,8 +472,8 @@ func (s *Session) fillRuns(streams []StreamImage, used []bool, indexed bool) err
 		if !indexed {
 			s.rids[rid] = l
 		}
-		return nil
-	})
+	}
+	return nil
 }
 
 // restorePending rebuilds the reloads waiting for their fence, oldest

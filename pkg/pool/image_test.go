@@ -6,6 +6,7 @@ import (
 	"math/rand/v2"
 	"reflect"
 	"runtime"
+	"slices"
 	"testing"
 	"time"
 
@@ -113,7 +114,7 @@ func TestRestoreRefusesBrokenImages(t *testing.T) {
 	good := busyPool(t, 9).Export()
 	var withStreams int
 	for i, s := range good.Sessions {
-		if len(s.Streams) > 0 {
+		if len(s.Requests) > 0 {
 			withStreams = i
 		}
 	}
@@ -137,21 +138,26 @@ func TestRestoreRefusesBrokenImages(t *testing.T) {
 		{"capacity over chunks", func(m *Image) { m.Sessions[0].Capacity = 1 << 20 }},
 		{"page out of range", func(m *Image) {
 			s := &m.Sessions[withStreams]
-			s.Streams[0].Pages = append(s.Streams[0].Pages, int32(s.Capacity))
+			s.Requests[0].Streams[0].Pages = append(s.Requests[0].Streams[0].Pages, int32(s.Capacity))
 		}},
 		{"page held twice", func(m *Image) {
 			s := &m.Sessions[withStreams]
-			s.Streams = append(s.Streams, StreamImage{Rid: "dup", Label: "x", Pages: s.Streams[0].Pages})
+			s.Requests = append(s.Requests, RequestImage{Rid: "dup", Streams: []StreamImage{{Label: "x", Pages: s.Requests[0].Streams[0].Pages}}})
 		}},
 		{"duplicate stream", func(m *Image) {
 			s := &m.Sessions[withStreams]
-			s.Streams = append(s.Streams, StreamImage{Rid: s.Streams[0].Rid, Label: s.Streams[0].Label})
+			q := &s.Requests[0]
+			q.Streams = append(q.Streams, StreamImage{Label: q.Streams[0].Label})
 		}},
 		{"pending ticket never issued", func(m *Image) {
 			s := &m.Sessions[0]
 			s.Pending = append(s.Pending, PendingImage{Ticket: s.Ticket + 1, Pages: []int32{0}})
 		}},
-		{"bad name", func(m *Image) { m.Sessions[withStreams].Streams[0].Rid = "" }},
+		{"request listed twice", func(m *Image) {
+			s := &m.Sessions[withStreams]
+			s.Requests = append(s.Requests, RequestImage{Rid: s.Requests[0].Rid, Streams: []StreamImage{{Label: "other"}}})
+		}},
+		{"bad name", func(m *Image) { m.Sessions[withStreams].Requests[0].Rid = "" }},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -318,7 +324,7 @@ func largePool(t *testing.T) *Pool {
 // CPU, and its broken images are refused either way.
 func TestRestoreLargeSession(t *testing.T) {
 	img := largePool(t).Export()
-	if n := len(img.Sessions[0].Streams); n < splitFrom {
+	if n := img.Sessions[0].streams(); n < splitFrom {
 		t.Fatalf("%d streams, below the split at %d", n, splitFrom)
 	}
 	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(0))
@@ -332,29 +338,31 @@ func TestRestoreLargeSession(t *testing.T) {
 			t.Fatalf("%d CPUs: the restored pool exports differently", procs)
 		}
 		// The index is the one the session goes on with.
-		streams := img.Sessions[0].Streams
-		for _, st := range []StreamImage{streams[0], streams[len(streams)/2], streams[len(streams)-1]} {
-			if n, err := ss[0].NumPages(st.Rid, st.Label); err != nil || n != len(st.Pages) {
-				t.Fatalf("%d CPUs: %s/%s has %d pages (%v) after the restore, want %d", procs, st.Rid, st.Label, n, err, len(st.Pages))
+		reqs := img.Sessions[0].Requests
+		for _, q := range []RequestImage{reqs[0], reqs[len(reqs)/2], reqs[len(reqs)-1]} {
+			for _, st := range q.Streams {
+				if n, err := ss[0].NumPages(q.Rid, st.Label); err != nil || n != len(st.Pages) {
+					t.Fatalf("%d CPUs: %s/%s has %d pages (%v) after the restore, want %d", procs, q.Rid, st.Label, n, err, len(st.Pages))
+				}
 			}
 		}
 		_, err = ss[0].Offload("req-new", "l0", []int32{1}, Meta{}, nil)
 		must(t, err)
 		must(t, ss[0].Check())
 	}
-	last := len(img.Sessions[0].Streams) - 1
+	last := len(img.Sessions[0].Requests) - 1
 	cases := []struct {
 		name  string
 		spoil func(*SessionImage)
 		want  error
 	}{
-		{"request listed in two places", func(s *SessionImage) {
-			s.Streams[last] = StreamImage{Rid: s.Streams[0].Rid, Label: "other", Pages: s.Streams[last].Pages}
-		}, errListedTwice},
-		{"duplicate stream in a request", func(s *SessionImage) { s.Streams[1].Rid, s.Streams[1].Label = s.Streams[0].Rid, s.Streams[0].Label },
-			poolerr.ErrDuplicateStream},
-		{"page held twice", func(s *SessionImage) { s.Streams[last].Pages = s.Streams[0].Pages }, poolerr.ErrDuplicateIndex},
-		{"bad name", func(s *SessionImage) { s.Streams[last/2].Rid = "" }, nil},
+		{"request listed twice", func(s *SessionImage) { s.Requests[last].Rid = s.Requests[0].Rid }, errListedTwice},
+		{"duplicate stream in a request", func(s *SessionImage) {
+			q := &s.Requests[last/2]
+			q.Streams = append(q.Streams, StreamImage{Label: q.Streams[0].Label})
+		}, poolerr.ErrDuplicateStream},
+		{"page held twice", func(s *SessionImage) { s.Requests[last].Streams[0].Pages = s.Requests[0].Streams[0].Pages }, poolerr.ErrDuplicateIndex},
+		{"bad name", func(s *SessionImage) { s.Requests[last/2].Rid = "" }, nil},
 	}
 	for _, c := range cases {
 		for _, procs := range []int{1, 2} {
@@ -373,6 +381,45 @@ func TestRestoreLargeSession(t *testing.T) {
 					t.Fatal("a failed restore left chunks behind")
 				}
 			})
+		}
+	}
+}
+
+// streams counts the session image's streams.
+func (si *SessionImage) streams() int {
+	n := 0
+	for _, q := range si.Requests {
+		n += len(q.Streams)
+	}
+	return n
+}
+
+// TestRestoreSkipsEmptyRequests: a request without streams (a hole of the
+// books' list, which they hand as it is) restores to nothing wherever it
+// stands, in a small session and in one whose index is built beside its
+// slots.
+func TestRestoreSkipsEmptyRequests(t *testing.T) {
+	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(0))
+	for name, p := range map[string]*Pool{"small": busyPool(t, 9), "large": largePool(t)} {
+		want := p.Export()
+		for _, procs := range []int{1, 2} {
+			runtime.GOMAXPROCS(procs)
+			src := New()
+			_, err := src.Restore(want) // a deep copy to add holes to
+			must(t, err)
+			img := src.Export()
+			for i := range img.Sessions {
+				s := &img.Sessions[i]
+				mid := len(s.Requests) / 2
+				s.Requests = slices.Insert(s.Requests, mid, RequestImage{Rid: "gone"}, RequestImage{})
+				s.Requests = append([]RequestImage{{}}, append(s.Requests, RequestImage{Rid: "gone-too", Streams: []StreamImage{}})...)
+			}
+			q := New()
+			_, err = q.Restore(img)
+			must(t, err)
+			if got := q.Export(); !reflect.DeepEqual(got, want) {
+				t.Fatalf("%s, %d CPUs: the pool restored from an image with holes exports differently", name, procs)
+			}
 		}
 	}
 }
