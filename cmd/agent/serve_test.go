@@ -521,23 +521,11 @@ func TestResolveServe(t *testing.T) {
 
 // Cluster mode with --kubeconfig against a fake API server: the Node's
 // allocatable memory bounds the plan, the finished pool is posted as a
-// KVPoolReady Node event, and the KVPoolNode status is written.
+// KVPoolReady Node event, and the KVPoolNode status is written. The server
+// serves no discovery: the agent's clients know their paths.
 func TestClusterModeWithKubeconfig(t *testing.T) {
 	if testing.Short() {
 		t.Skip("starts processes")
-	}
-	// Just enough discovery for controller-runtime's REST mapper.
-	discovery := map[string]string{
-		"/api": `{"kind":"APIVersions","versions":["v1"],"serverAddressByClientCIDRs":[]}`,
-		"/apis": `{"kind":"APIGroupList","apiVersion":"v1","groups":[{"name":"kvpool.io",
-			"versions":[{"groupVersion":"kvpool.io/v1alpha1","version":"v1alpha1"}],
-			"preferredVersion":{"groupVersion":"kvpool.io/v1alpha1","version":"v1alpha1"}}]}`,
-		"/api/v1": `{"kind":"APIResourceList","groupVersion":"v1","resources":[
-			{"name":"nodes","singularName":"node","namespaced":false,"kind":"Node","verbs":["get","list"]},
-			{"name":"events","singularName":"event","namespaced":true,"kind":"Event","verbs":["create","patch"]}]}`,
-		"/apis/kvpool.io/v1alpha1": `{"kind":"APIResourceList","apiVersion":"v1","groupVersion":"kvpool.io/v1alpha1","resources":[
-			{"name":"kvpoolnodes","singularName":"kvpoolnode","namespaced":false,"kind":"KVPoolNode","verbs":["get","list","create","update","patch"]},
-			{"name":"kvpoolnodes/status","singularName":"","namespaced":false,"kind":"KVPoolNode","verbs":["get","update","patch"]}]}`,
 	}
 	var mu sync.Mutex
 	var seen []string // "METHOD path body"
@@ -551,8 +539,6 @@ func TestClusterModeWithKubeconfig(t *testing.T) {
 		case r.Method == "GET" && r.URL.Path == "/api/v1/nodes/node-k":
 			io.WriteString(w, `{"kind":"Node","apiVersion":"v1","metadata":{"name":"node-k","uid":"u-1"},
 				"status":{"capacity":{"memory":"64Gi"},"allocatable":{"memory":"96Mi"}}}`)
-		case r.Method == "GET" && discovery[r.URL.Path] != "":
-			io.WriteString(w, discovery[r.URL.Path])
 		case r.Method == "POST" || r.Method == "PUT" || r.Method == "PATCH":
 			w.WriteHeader(http.StatusCreated)
 			w.Write(body)
@@ -595,6 +581,9 @@ current-context: c
 		"KVPoolNode written": func(s string) bool {
 			return strings.Contains(s, "/apis/kvpool.io/v1alpha1/kvpoolnodes") && s[0] != 'G'
 		},
+		"KVPoolNode status written": func(s string) bool {
+			return strings.HasPrefix(s, "PUT /apis/kvpool.io/v1alpha1/kvpoolnodes/node-k/status ")
+		},
 	}
 	for end := time.Now().Add(20 * time.Second); len(want) > 0 && time.Now().Before(end); time.Sleep(50 * time.Millisecond) {
 		mu.Lock()
@@ -608,10 +597,18 @@ current-context: c
 		}
 		mu.Unlock()
 	}
+	mu.Lock()
 	if len(want) > 0 {
-		mu.Lock()
 		t.Errorf("the API server never saw %v; it saw:\n%s", want, strings.Join(seen, "\n"))
-		mu.Unlock()
 	}
+	for _, s := range seen {
+		method, path, _ := strings.Cut(s, " ")
+		path, _, _ = strings.Cut(path, " ")
+		if method == "GET" && (path == "/api" || path == "/apis" || path == "/api/v1" || strings.HasPrefix(path, "/openapi") ||
+			strings.HasPrefix(path, "/apis/") && strings.Count(path, "/") == 3) {
+			t.Errorf("the agent asked for discovery: %s", path)
+		}
+	}
+	mu.Unlock()
 	a.stop(t)
 }

@@ -9,14 +9,11 @@ import (
 	"time"
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
-	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
-	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/kvpool/kvpool/api/v1alpha1"
 	"github.com/kvpool/kvpool/internal/events"
@@ -111,14 +108,7 @@ func connectKube(ctx context.Context, kubeconfig string, log *slog.Logger) (*kub
 	}
 	k.events, k.stopEvents = events.NewBroadcaster(&typedcorev1.EventSinkImpl{Interface: cs.CoreV1().Events("")}, events.NodeRef(name, uid))
 
-	scheme := runtime.NewScheme()
-	if err := clientgoscheme.AddToScheme(scheme); err != nil {
-		return nil, err
-	}
-	if err := v1alpha1.AddToScheme(scheme); err != nil {
-		return nil, err
-	}
-	c, err := client.New(rc, client.Options{Scheme: scheme})
+	c, err := nodestatus.NewClient(rc, cs)
 	if err != nil {
 		k.stopEvents()
 		return nil, fmt.Errorf("API client: %w", err)

@@ -1,6 +1,6 @@
 // Package logging sets up the agent's one logger: log/slog with a level and
-// text or JSON output, bridged so that client-go (klog) and controller-runtime
-// log through the same handler.
+// text or JSON output, bridged so that client-go (klog) logs through the
+// same handler.
 package logging
 
 import (
@@ -11,9 +11,7 @@ import (
 	"os"
 	"strings"
 
-	"github.com/go-logr/logr"
 	"k8s.io/klog/v2"
-	ctrllog "sigs.k8s.io/controller-runtime/pkg/log"
 )
 
 // Options configures New and Setup.
@@ -67,8 +65,8 @@ func New(opts Options) (*slog.Logger, *slog.LevelVar, error) {
 }
 
 // Setup makes the logger for opts the process's only logger: the slog
-// default (and so the standard log package), klog for client-go, and
-// controller-runtime's logger. Nothing changes when opts are invalid.
+// default (and so the standard log package) and klog for client-go. Nothing
+// changes when opts are invalid.
 func Setup(opts Options) (*slog.Logger, *slog.LevelVar, error) {
 	l, level, err := New(opts)
 	if err != nil {
@@ -88,10 +86,5 @@ func Setup(opts Options) (*slog.Logger, *slog.LevelVar, error) {
 	}
 	slog.SetDefault(l)
 	klog.SetSlogLogger(l)
-	ctrllog.SetLogger(Logr(l))
 	return l, level, nil
 }
-
-// Logr adapts l for libraries that take a logr.Logger. logr's V(n) maps to
-// slog level -n, so V(1) and up show only at debug level.
-func Logr(l *slog.Logger) logr.Logger { return logr.FromSlogHandler(l.Handler()) }

@@ -17,14 +17,14 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
-	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/kubernetes"
+	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
-	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
-	"sigs.k8s.io/yaml"
 
 	"github.com/kvpool/kvpool/api/v1alpha1"
 	"github.com/kvpool/kvpool/internal/events"
@@ -42,21 +42,25 @@ func TestEnvtestWriterAgainstAPIServer(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer env.Stop()
-	s := runtime.NewScheme()
-	if err := corev1.AddToScheme(s); err != nil {
+	cs, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
 		t.Fatal(err)
 	}
-	if err := v1alpha1.AddToScheme(s); err != nil {
-		t.Fatal(err)
-	}
-	c, err := client.New(cfg, client.Options{Scheme: s})
+	c, err := NewClient(cfg, cs)
 	if err != nil {
 		t.Fatal(err)
 	}
 	ctx := context.Background()
-	nd := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "gpu-node-1"}}
-	if err := c.Create(ctx, nd); err != nil {
+	nd, err := cs.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "gpu-node-1"}}, metav1.CreateOptions{})
+	if err != nil {
 		t.Fatal(err)
+	}
+	// What the Writer tells apart is the API server's own answer.
+	if _, err := c.Get(ctx, nd.Name); !apierrors.IsNotFound(err) {
+		t.Errorf("Get before the first write: %v, want not found", err)
+	}
+	if _, err := c.GetNode(ctx, "no-such-node"); !apierrors.IsNotFound(err) {
+		t.Errorf("GetNode of a missing Node: %v, want not found", err)
 	}
 
 	// A pool like a node with two GPUs of 8 chunks each, one pod holding 4.
@@ -89,8 +93,8 @@ func TestEnvtestWriterAgainstAPIServer(t *testing.T) {
 	if err := w.Sync(ctx, false); err != nil {
 		t.Fatalf("first write: %v", err)
 	}
-	obj := &v1alpha1.KVPoolNode{}
-	if err := c.Get(ctx, client.ObjectKey{Name: nd.Name}, obj); err != nil {
+	obj, err := c.Get(ctx, nd.Name)
+	if err != nil {
 		t.Fatal(err)
 	}
 	if obj.Status.Health != v1alpha1.HealthHealthy || obj.Status.Ready.String() != "16Gi" || obj.Status.Allocated.String() != "4Gi" ||
@@ -100,6 +104,7 @@ func TestEnvtestWriterAgainstAPIServer(t *testing.T) {
 	if len(obj.OwnerReferences) != 1 || obj.OwnerReferences[0].UID != nd.UID {
 		t.Errorf("owner %+v, node UID %s", obj.OwnerReferences, nd.UID)
 	}
+	checkClientErrors(t, c, obj)
 
 	// The apiserver enforces the CRD's schema.
 	bad := Build(nd.Name, Input{Snapshot: snap, Ready: true})
@@ -113,7 +118,7 @@ func TestEnvtestWriterAgainstAPIServer(t *testing.T) {
 		t.Fatalf("degraded write: %v", err)
 	}
 
-	checkRBAC(t, env, c, nd.Name, snap)
+	checkRBAC(t, env, cs, nd.Name, snap)
 
 	user, err := env.AddUser(envtest.User{Name: "viewer", Groups: []string{"system:masters"}}, nil)
 	if err != nil {
@@ -132,9 +137,9 @@ func TestEnvtestWriterAgainstAPIServer(t *testing.T) {
 		}
 		t.Logf("$ kubectl %s\n%s", strings.Join(args, " "), out)
 		header := strings.Fields(strings.SplitN(string(out), "\n", 2)[0])
-		want := []string{"NAME", "CAPACITY", "READY", "ALLOCATED", "HEALTH", "AGE"}
+		want := []string{"NAME", "CAPACITY", "READY", "ALLOCATED", "HEALTH", "HEARTBEAT", "AGE"}
 		if len(args) > 2 {
-			want = []string{"NAME", "CAPACITY", "READY", "ALLOCATED", "USED", "SESSIONS", "HEALTH", "AGE"}
+			want = []string{"NAME", "CAPACITY", "READY", "ALLOCATED", "USED", "SESSIONS", "HEALTH", "HEARTBEAT", "AGE"}
 		}
 		if strings.Join(header, " ") != strings.Join(want, " ") {
 			t.Errorf("kubectl %v header %v, want %v", args, header, want)
@@ -143,12 +148,87 @@ func TestEnvtestWriterAgainstAPIServer(t *testing.T) {
 			t.Errorf("kubectl %v:\n%s", args, out)
 		}
 	}
+
+	checkStoppedRetriesConflict(t, c, nd.Name, snap)
+}
+
+// checkClientErrors checks NewClient's answers for what the Writer tells
+// apart, given the stored obj: creating it again is AlreadyExists, and
+// writing a status over a resourceVersion that has moved is a conflict.
+func checkClientErrors(t *testing.T, c Client, obj *v1alpha1.KVPoolNode) {
+	t.Helper()
+	ctx := context.Background()
+	again := &v1alpha1.KVPoolNode{ObjectMeta: metav1.ObjectMeta{Name: obj.Name}}
+	if _, err := c.Create(ctx, again); !apierrors.IsAlreadyExists(err) {
+		t.Errorf("Create of an existing object: %v, want already exists", err)
+	}
+	other := obj.DeepCopy()
+	other.Status.Message = "another writer"
+	moved, err := c.UpdateStatus(ctx, other)
+	if err != nil {
+		t.Fatalf("status update: %v", err)
+	}
+	if moved.ResourceVersion == obj.ResourceVersion || moved.Status.Message != "another writer" {
+		t.Errorf("status update returned resourceVersion %s (was %s), message %q", moved.ResourceVersion, obj.ResourceVersion, moved.Status.Message)
+	}
+	if _, err := c.UpdateStatus(ctx, obj); !apierrors.IsConflict(err) {
+		t.Errorf("status update over a stale resourceVersion: %v, want a conflict", err)
+	}
+}
+
+// touchFirst is a Client whose first UpdateStatus comes after another
+// writer's: the object it writes is then stale.
+type touchFirst struct {
+	Client
+	calls int
+	errs  []error
+}
+
+func (c *touchFirst) UpdateStatus(ctx context.Context, obj *v1alpha1.KVPoolNode) (*v1alpha1.KVPoolNode, error) {
+	c.calls++
+	if c.calls == 1 {
+		fresh, err := c.Get(ctx, obj.Name)
+		if err != nil {
+			return nil, err
+		}
+		fresh.Status.Message = "another writer"
+		if _, err := c.Client.UpdateStatus(ctx, fresh); err != nil {
+			return nil, err
+		}
+	}
+	out, err := c.Client.UpdateStatus(ctx, obj)
+	c.errs = append(c.errs, err)
+	return out, err
+}
+
+// checkStoppedRetriesConflict: the final write on a stop meets a real
+// conflict (the object changed between its read and its write), and
+// retries it at once with the object read afresh.
+func checkStoppedRetriesConflict(t *testing.T, c Client, node string, snap report.Snapshot) {
+	t.Helper()
+	ctx := context.Background()
+	tc := &touchFirst{Client: c}
+	w := NewWriter(tc, node, Options{})
+	w.Set(Build(node, Input{Snapshot: snap, Ready: true}))
+	if err := w.Stopped(ctx, "agent stopped"); err != nil {
+		t.Fatalf("Stopped: %v", err)
+	}
+	if len(tc.errs) != 2 || !apierrors.IsConflict(tc.errs[0]) || tc.errs[1] != nil {
+		t.Errorf("Stopped's writes returned %v, want a conflict and then success", tc.errs)
+	}
+	obj, err := c.Get(ctx, node)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if obj.Status.Health != v1alpha1.HealthUnhealthy || obj.Status.Message != "agent stopped" {
+		t.Errorf("after Stopped: health %s, message %q", obj.Status.Health, obj.Status.Message)
+	}
 }
 
 // checkRBAC applies config/rbac/observability.yaml and acts as the agent's
 // service account: writing the status and posting Node events must work with
 // those rules alone, and reading other nodes' objects in bulk must not.
-func checkRBAC(t *testing.T, env *envtest.Environment, admin client.Client, node string, snap report.Snapshot) {
+func checkRBAC(t *testing.T, env *envtest.Environment, admin kubernetes.Interface, node string, snap report.Snapshot) {
 	t.Helper()
 	ctx := context.Background()
 	b, err := os.ReadFile("../../config/rbac/observability.yaml")
@@ -156,28 +236,45 @@ func checkRBAC(t *testing.T, env *envtest.Environment, admin client.Client, node
 		t.Fatal(err)
 	}
 	for _, doc := range strings.Split(string(b), "\n---\n") {
-		u := &unstructured.Unstructured{}
-		if err := yaml.Unmarshal([]byte(doc), &u.Object); err != nil {
+		obj, _, err := clientgoscheme.Codecs.UniversalDeserializer().Decode([]byte(doc), nil, nil)
+		if err != nil {
 			t.Fatal(err)
 		}
-		if err := admin.Create(ctx, u); err != nil {
-			t.Fatalf("create %s %s: %v", u.GetKind(), u.GetName(), err)
+		create := metav1.CreateOptions{}
+		switch o := obj.(type) {
+		case *rbacv1.ClusterRole:
+			_, err = admin.RbacV1().ClusterRoles().Create(ctx, o, create)
+		case *rbacv1.ClusterRoleBinding:
+			_, err = admin.RbacV1().ClusterRoleBindings().Create(ctx, o, create)
+		case *rbacv1.Role:
+			_, err = admin.RbacV1().Roles(o.Namespace).Create(ctx, o, create)
+		case *rbacv1.RoleBinding:
+			_, err = admin.RbacV1().RoleBindings(o.Namespace).Create(ctx, o, create)
+		default:
+			t.Fatalf("observability.yaml: unexpected %T", obj)
+		}
+		if err != nil {
+			t.Fatalf("create %T: %v", obj, err)
 		}
 	}
-	if err := admin.Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "kvpool-system"}}); err != nil {
+	if _, err := admin.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "kvpool-system"}}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	sa, err := env.AddUser(envtest.User{Name: "system:serviceaccount:kvpool-system:kvpool-agent", Groups: []string{"system:serviceaccounts"}}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	c, err := client.New(sa.Config(), client.Options{Scheme: admin.Scheme()})
+	saCS, err := kubernetes.NewForConfig(sa.Config())
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := NewClient(sa.Config(), saCS)
 	if err != nil {
 		t.Fatal(err)
 	}
 	// A second node's object, written only with the agent's rights.
-	other := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "gpu-node-2"}}
-	if err := admin.Create(ctx, other); err != nil {
+	other, err := admin.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "gpu-node-2"}}, metav1.CreateOptions{})
+	if err != nil {
 		t.Fatal(err)
 	}
 	w := NewWriter(c, other.Name, Options{})
@@ -189,23 +286,24 @@ func checkRBAC(t *testing.T, env *envtest.Environment, admin client.Client, node
 	if err := w.Sync(ctx, false); err != nil {
 		t.Fatalf("update with the agent's RBAC: %v", err)
 	}
-	if err := c.List(ctx, &v1alpha1.KVPoolNodeList{}); !apierrors.IsForbidden(err) {
-		t.Errorf("list with the agent's RBAC: %v, want forbidden", err)
-	}
-	if err := c.Delete(ctx, &v1alpha1.KVPoolNode{ObjectMeta: metav1.ObjectMeta{Name: node}}); !apierrors.IsForbidden(err) {
-		t.Errorf("delete with the agent's RBAC: %v, want forbidden", err)
-	}
-
-	core, err := typedcorev1.NewForConfig(sa.Config())
+	dyn, err := dynamic.NewForConfig(sa.Config())
 	if err != nil {
 		t.Fatal(err)
 	}
-	ev, stop := events.NewBroadcaster(&typedcorev1.EventSinkImpl{Interface: core.Events("")}, events.NodeRef(other.Name, other.UID))
+	kvpn := dyn.Resource(v1alpha1.GroupVersion.WithResource("kvpoolnodes"))
+	if _, err := kvpn.List(ctx, metav1.ListOptions{}); !apierrors.IsForbidden(err) {
+		t.Errorf("list with the agent's RBAC: %v, want forbidden", err)
+	}
+	if err := kvpn.Delete(ctx, node, metav1.DeleteOptions{}); !apierrors.IsForbidden(err) {
+		t.Errorf("delete with the agent's RBAC: %v, want forbidden", err)
+	}
+
+	ev, stop := events.NewBroadcaster(&typedcorev1.EventSinkImpl{Interface: saCS.CoreV1().Events("")}, events.NodeRef(other.Name, other.UID))
 	ev.PoolReady(16<<30, 16, 3*time.Second)
 	deadline := time.Now().Add(20 * time.Second)
 	for {
-		list := &corev1.EventList{}
-		if err := admin.List(ctx, list, client.InNamespace(metav1.NamespaceDefault)); err != nil {
+		list, err := admin.CoreV1().Events(metav1.NamespaceDefault).List(ctx, metav1.ListOptions{})
+		if err != nil {
 			t.Fatal(err)
 		}
 		if len(list.Items) > 0 {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -17,12 +18,8 @@ import (
 	apimeta "k8s.io/apimachinery/pkg/api/meta"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/types"
-	"sigs.k8s.io/controller-runtime/pkg/client"
-	"sigs.k8s.io/controller-runtime/pkg/client/fake"
-	"sigs.k8s.io/controller-runtime/pkg/client/interceptor"
 
 	"github.com/kvpool/kvpool/api/v1alpha1"
 	"github.com/kvpool/kvpool/internal/report"
@@ -83,45 +80,143 @@ func TestBuild(t *testing.T) {
 	}
 }
 
-type counts struct{ creates, updates atomic.Int32 }
+// fakeAPI is the API server of the Writer's unit tests: Nodes to read and
+// KVPoolNodes kept in memory, with what of the real one the Writer relies
+// on: its errors (NotFound, AlreadyExists, Conflict), a resourceVersion
+// checked on update (a stale one is a conflict), and a status update that
+// changes only the status. NewClient's REST client is tested against a real
+// kube-apiserver in envtest_test.go, and its requests in client_test.go.
+type fakeAPI struct {
+	// hook, when set, runs before each Create ("create") and UpdateStatus
+	// ("update") with the object given; an error it returns is the call's,
+	// and the call then changes nothing.
+	hook func(op string, obj *v1alpha1.KVPoolNode) error
 
-func newClient(t *testing.T, c *counts, extra interceptor.Funcs, objs ...client.Object) client.WithWatch {
-	t.Helper()
-	s := runtime.NewScheme()
-	if err := corev1.AddToScheme(s); err != nil {
-		t.Fatal(err)
+	// creates and updates count the calls, failed ones too.
+	creates, updates atomic.Int32
+
+	mu    sync.Mutex
+	nodes map[string]*corev1.Node
+	objs  map[string]*v1alpha1.KVPoolNode
+	rv    int
+}
+
+var kvpoolnodesGR = schema.GroupResource{Group: "kvpool.io", Resource: "kvpoolnodes"}
+
+func newFake(nodes ...*corev1.Node) *fakeAPI {
+	f := &fakeAPI{nodes: map[string]*corev1.Node{}, objs: map[string]*v1alpha1.KVPoolNode{}}
+	for _, n := range nodes {
+		f.nodes[n.Name] = n
 	}
-	if err := v1alpha1.AddToScheme(s); err != nil {
-		t.Fatal(err)
+	return f
+}
+
+func (f *fakeAPI) GetNode(_ context.Context, name string) (*corev1.Node, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	n, ok := f.nodes[name]
+	if !ok {
+		return nil, apierrors.NewNotFound(schema.GroupResource{Resource: "nodes"}, name)
 	}
-	funcs := interceptor.Funcs{
-		Create: func(ctx context.Context, cl client.WithWatch, obj client.Object, opts ...client.CreateOption) error {
-			c.creates.Add(1)
-			if extra.Create != nil {
-				return extra.Create(ctx, cl, obj, opts...)
-			}
-			return cl.Create(ctx, obj, opts...)
-		},
-		SubResourceUpdate: func(ctx context.Context, cl client.Client, sub string, obj client.Object, opts ...client.SubResourceUpdateOption) error {
-			c.updates.Add(1)
-			if extra.SubResourceUpdate != nil {
-				return extra.SubResourceUpdate(ctx, cl, sub, obj, opts...)
-			}
-			return cl.SubResource(sub).Update(ctx, obj, opts...)
-		},
+	return n.DeepCopy(), nil
+}
+
+func (f *fakeAPI) Get(_ context.Context, name string) (*v1alpha1.KVPoolNode, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	obj, ok := f.objs[name]
+	if !ok {
+		return nil, apierrors.NewNotFound(kvpoolnodesGR, name)
 	}
-	return fake.NewClientBuilder().WithScheme(s).WithStatusSubresource(&v1alpha1.KVPoolNode{}).
-		WithObjects(objs...).WithInterceptorFuncs(funcs).Build()
+	return obj.DeepCopy(), nil
+}
+
+func (f *fakeAPI) Create(_ context.Context, obj *v1alpha1.KVPoolNode) (*v1alpha1.KVPoolNode, error) {
+	f.creates.Add(1)
+	if f.hook != nil {
+		if err := f.hook("create", obj); err != nil {
+			return nil, err
+		}
+	}
+	return f.create(obj)
+}
+
+// create stores obj as the API server would: without its status, with a
+// resourceVersion and generation 1.
+func (f *fakeAPI) create(obj *v1alpha1.KVPoolNode) (*v1alpha1.KVPoolNode, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if _, ok := f.objs[obj.Name]; ok {
+		return nil, apierrors.NewAlreadyExists(kvpoolnodesGR, obj.Name)
+	}
+	stored := obj.DeepCopy()
+	stored.Status = v1alpha1.KVPoolNodeStatus{}
+	stored.Generation = 1
+	f.store(stored)
+	return stored.DeepCopy(), nil
+}
+
+func (f *fakeAPI) UpdateStatus(_ context.Context, obj *v1alpha1.KVPoolNode) (*v1alpha1.KVPoolNode, error) {
+	f.updates.Add(1)
+	if f.hook != nil {
+		if err := f.hook("update", obj); err != nil {
+			return nil, err
+		}
+	}
+	return f.update(obj, func(stored *v1alpha1.KVPoolNode) { stored.Status = *obj.Status.DeepCopy() })
+}
+
+// update applies change to the stored object when obj's resourceVersion is
+// the stored one, and is a conflict otherwise.
+func (f *fakeAPI) update(obj *v1alpha1.KVPoolNode, change func(stored *v1alpha1.KVPoolNode)) (*v1alpha1.KVPoolNode, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	old, ok := f.objs[obj.Name]
+	if !ok {
+		return nil, apierrors.NewNotFound(kvpoolnodesGR, obj.Name)
+	}
+	if obj.ResourceVersion != old.ResourceVersion {
+		return nil, apierrors.NewConflict(kvpoolnodesGR, obj.Name,
+			errors.New("the object has been modified; please apply your changes to the latest version and try again"))
+	}
+	stored := old.DeepCopy()
+	change(stored)
+	f.store(stored)
+	return stored.DeepCopy(), nil
+}
+
+// label sets a label on the stored object, as another writer would: its
+// resourceVersion moves.
+func (f *fakeAPI) label(name, key, value string) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	old, ok := f.objs[name]
+	if !ok {
+		return apierrors.NewNotFound(kvpoolnodesGR, name)
+	}
+	stored := old.DeepCopy()
+	if stored.Labels == nil {
+		stored.Labels = map[string]string{}
+	}
+	stored.Labels[key] = value
+	f.store(stored)
+	return nil
+}
+
+func (f *fakeAPI) store(obj *v1alpha1.KVPoolNode) {
+	f.rv++
+	obj.ResourceVersion = strconv.Itoa(f.rv)
+	f.objs[obj.Name] = obj
 }
 
 func node(name string) *corev1.Node {
 	return &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, UID: "uid-" + types.UID(name)}}
 }
 
-func get(t *testing.T, c client.Client, name string) *v1alpha1.KVPoolNode {
+func get(t *testing.T, c Client, name string) *v1alpha1.KVPoolNode {
 	t.Helper()
-	obj := &v1alpha1.KVPoolNode{}
-	if err := c.Get(context.Background(), client.ObjectKey{Name: name}, obj); err != nil {
+	obj, err := c.Get(context.Background(), name)
+	if err != nil {
 		t.Fatal(err)
 	}
 	return obj
@@ -129,13 +224,12 @@ func get(t *testing.T, c client.Client, name string) *v1alpha1.KVPoolNode {
 
 func TestSyncCreatesThenUpdatesOnChange(t *testing.T) {
 	ctx := context.Background()
-	var n counts
-	c := newClient(t, &n, interceptor.Funcs{}, node("n1"))
+	c := newFake(node("n1"))
 	clock := time.Date(2026, 11, 29, 8, 0, 0, 0, time.UTC)
 	w := NewWriter(c, "n1", Options{Now: func() time.Time { return clock }})
 
-	if err := w.Sync(ctx, false); err != nil || n.creates.Load() != 0 {
-		t.Fatalf("sync with nothing set: %v, %d creates", err, n.creates.Load())
+	if err := w.Sync(ctx, false); err != nil || c.creates.Load() != 0 {
+		t.Fatalf("sync with nothing set: %v, %d creates", err, c.creates.Load())
 	}
 	snap := snapshot(t)
 	w.Set(Build("n1", Input{Snapshot: snap, Reason: "socket: not yet"}))
@@ -157,16 +251,16 @@ func TestSyncCreatesThenUpdatesOnChange(t *testing.T) {
 	if err := w.Sync(ctx, false); err != nil {
 		t.Fatal(err)
 	}
-	if n.creates.Load() != 1 || n.updates.Load() != 1 {
-		t.Errorf("unchanged status written: %d creates, %d updates", n.creates.Load(), n.updates.Load())
+	if c.creates.Load() != 1 || c.updates.Load() != 1 {
+		t.Errorf("unchanged status written: %d creates, %d updates", c.creates.Load(), c.updates.Load())
 	}
 	// Forced (resync): written, transition times kept.
 	if err := w.Sync(ctx, true); err != nil {
 		t.Fatal(err)
 	}
 	obj = get(t, c, "n1")
-	if n.updates.Load() != 2 || !obj.Status.LastUpdateTime.Time.Equal(clock) || !obj.Status.Conditions[0].LastTransitionTime.Equal(&t0) {
-		t.Errorf("resync: %d updates, status %+v", n.updates.Load(), obj.Status)
+	if c.updates.Load() != 2 || !obj.Status.LastUpdateTime.Time.Equal(clock) || !obj.Status.Conditions[0].LastTransitionTime.Equal(&t0) {
+		t.Errorf("resync: %d updates, status %+v", c.updates.Load(), obj.Status)
 	}
 	// Readiness flips: written, Ready's transition time moves.
 	clock = clock.Add(time.Minute)
@@ -176,11 +270,11 @@ func TestSyncCreatesThenUpdatesOnChange(t *testing.T) {
 	}
 	obj = get(t, c, "n1")
 	rc := obj.Status.Conditions[0]
-	if n.updates.Load() != 3 || obj.Status.Health != v1alpha1.HealthHealthy || rc.Status != metav1.ConditionTrue || !rc.LastTransitionTime.Time.Equal(clock) {
-		t.Errorf("after ready: %d updates, %+v", n.updates.Load(), obj.Status)
+	if c.updates.Load() != 3 || obj.Status.Health != v1alpha1.HealthHealthy || rc.Status != metav1.ConditionTrue || !rc.LastTransitionTime.Time.Equal(clock) {
+		t.Errorf("after ready: %d updates, %+v", c.updates.Load(), obj.Status)
 	}
-	if n.creates.Load() != 1 {
-		t.Errorf("%d creates", n.creates.Load())
+	if c.creates.Load() != 1 {
+		t.Errorf("%d creates", c.creates.Load())
 	}
 }
 
@@ -189,25 +283,27 @@ func TestSyncErrorsChangeNothing(t *testing.T) {
 	snap := snapshot(t)
 	for _, c := range []struct {
 		name  string
-		objs  []client.Object
-		extra interceptor.Funcs
+		nodes []*corev1.Node
+		hook  func(op string, obj *v1alpha1.KVPoolNode) error
 		want  string
 	}{
-		{"no node", nil, interceptor.Funcs{}, "get node n1 for the owner reference"},
-		{"create forbidden", []client.Object{node("n1")}, interceptor.Funcs{
-			Create: func(context.Context, client.WithWatch, client.Object, ...client.CreateOption) error {
-				return apierrors.NewForbidden(schema.GroupResource{Group: "kvpool.io", Resource: "kvpoolnodes"}, "n1", errors.New("RBAC"))
-			}}, "create kvpoolnode n1"},
+		{"no node", nil, nil, "get node n1 for the owner reference"},
+		{"create forbidden", []*corev1.Node{node("n1")}, func(op string, _ *v1alpha1.KVPoolNode) error {
+			if op == "create" {
+				return apierrors.NewForbidden(kvpoolnodesGR, "n1", errors.New("RBAC"))
+			}
+			return nil
+		}, "create kvpoolnode n1"},
 	} {
-		var n counts
-		cl := newClient(t, &n, c.extra, c.objs...)
+		cl := newFake(c.nodes...)
+		cl.hook = c.hook
 		w := NewWriter(cl, "n1", Options{})
 		w.Set(Build("n1", Input{Snapshot: snap, Ready: true}))
 		err := w.Sync(ctx, false)
 		if err == nil || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("%s: err %v, want %q", c.name, err, c.want)
 		}
-		if err := cl.Get(ctx, client.ObjectKey{Name: "n1"}, &v1alpha1.KVPoolNode{}); !apierrors.IsNotFound(err) {
+		if _, err := cl.Get(ctx, "n1"); !apierrors.IsNotFound(err) {
 			t.Errorf("%s: object exists after failure (%v)", c.name, err)
 		}
 		if !w.LastWrite().IsZero() {
@@ -222,17 +318,18 @@ func TestSyncErrorsChangeNothing(t *testing.T) {
 // writes is measured exactly, whatever the machine's load.
 func TestRunCoalescesAndRateLimits(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		var n counts
 		var writes []time.Time
-		c := newClient(t, &n, interceptor.Funcs{
-			SubResourceUpdate: func(ctx context.Context, cl client.Client, sub string, obj client.Object, opts ...client.SubResourceUpdateOption) error {
-				writes = append(writes, time.Now())
-				if len(writes) == 2 { // the second write meets a conflict
-					return apierrors.NewConflict(schema.GroupResource{Group: "kvpool.io", Resource: "kvpoolnodes"}, "n1", errors.New("changed"))
-				}
-				return cl.SubResource(sub).Update(ctx, obj, opts...)
-			},
-		}, node("n1"))
+		c := newFake(node("n1"))
+		c.hook = func(op string, _ *v1alpha1.KVPoolNode) error {
+			if op != "update" {
+				return nil
+			}
+			writes = append(writes, time.Now())
+			if len(writes) == 2 { // the second write meets a conflict
+				return apierrors.NewConflict(kvpoolnodesGR, "n1", errors.New("changed"))
+			}
+			return nil
+		}
 		const interval = 100 * time.Millisecond
 		var failures atomic.Int32
 		w := NewWriter(c, "n1", Options{MinInterval: interval, Resync: -1, OnError: func(error) { failures.Add(1) }})
@@ -260,7 +357,7 @@ func TestRunCoalescesAndRateLimits(t *testing.T) {
 		if err := <-done; !errors.Is(err, context.Canceled) {
 			t.Errorf("Run returned %v", err)
 		}
-		attempts := n.updates.Load()
+		attempts := c.updates.Load()
 		// Writes are spaced by at least interval, so at most
 		// elapsed/interval+1 of them fit; coalescing keeps it far below the
 		// number of Sets.
@@ -288,8 +385,7 @@ func TestRunCoalescesAndRateLimits(t *testing.T) {
 // no writes (checked over exactly 20 feeds, on synctest's virtual clock).
 func TestFeedFollowsPool(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		var n counts
-		c := newClient(t, &n, interceptor.Funcs{}, node("n1"))
+		c := newFake(node("n1"))
 		p := pool.New()
 		if err := p.AddChunk(pool.Chunk{ID: "gpu0-numa0-0", Size: gib}); err != nil {
 			t.Fatal(err)
@@ -315,10 +411,10 @@ func TestFeedFollowsPool(t *testing.T) {
 		if got := get(t, c, "n1").Status.Allocated.String(); got != "1Gi" {
 			t.Fatalf("grant: allocated %s, want 1Gi", got)
 		}
-		before := n.updates.Load()
+		before := c.updates.Load()
 		time.Sleep(20 * feed) // 20 feeds of an unchanged pool
 		synctest.Wait()
-		if after := n.updates.Load(); after != before {
+		if after := c.updates.Load(); after != before {
 			t.Errorf("unchanged pool caused %d writes", after-before)
 		}
 		cancel()
@@ -329,12 +425,11 @@ func TestFeedFollowsPool(t *testing.T) {
 // before any status was set it writes nothing.
 func TestStoppedWritesFinalStatus(t *testing.T) {
 	ctx := context.Background()
-	var n counts
-	c := newClient(t, &n, interceptor.Funcs{}, node("n1"))
+	c := newFake(node("n1"))
 	clock := time.Date(2026, 11, 29, 8, 0, 0, 0, time.UTC)
 	w := NewWriter(c, "n1", Options{Now: func() time.Time { return clock }})
-	if err := w.Stopped(ctx, "agent stopped"); err != nil || n.creates.Load() != 0 || n.updates.Load() != 0 {
-		t.Fatalf("Stopped before any status: %v, %d creates, %d updates", err, n.creates.Load(), n.updates.Load())
+	if err := w.Stopped(ctx, "agent stopped"); err != nil || c.creates.Load() != 0 || c.updates.Load() != 0 {
+		t.Fatalf("Stopped before any status: %v, %d creates, %d updates", err, c.creates.Load(), c.updates.Load())
 	}
 	w.Set(Build("n1", Input{Snapshot: snapshot(t), Ready: true}))
 	if err := w.Sync(ctx, false); err != nil {
@@ -376,22 +471,21 @@ func TestHeartbeatRefreshesUnchangedStatus(t *testing.T) {
 		t.Fatalf("Heartbeat %v, StaleAfter %v: readers need a short heartbeat and room for one missed write", Heartbeat, StaleAfter)
 	}
 	synctest.Test(t, func(t *testing.T) {
-		var n counts
-		c := newClient(t, &n, interceptor.Funcs{}, node("n1"))
+		c := newFake(node("n1"))
 		w := NewWriter(c, "n1", Options{})
 		w.Set(Build("n1", Input{Snapshot: snapshot(t), Ready: true}))
 		ctx, cancel := context.WithCancel(context.Background())
 		done := make(chan error, 1)
 		go func() { done <- w.Run(ctx) }()
 		synctest.Wait()
-		first := n.updates.Load()
+		first := c.updates.Load()
 		if first == 0 {
 			t.Fatal("the status set before Run was not written")
 		}
 		for beat := int32(1); beat <= 4; beat++ {
 			time.Sleep(Heartbeat)
 			synctest.Wait()
-			if got := n.updates.Load() - first; got != beat {
+			if got := c.updates.Load() - first; got != beat {
 				t.Errorf("after %d heartbeats: %d rewrites of an unchanged status, want %d", beat, got, beat)
 			}
 			if st := get(t, c, "n1").Status; !st.LastUpdateTime.Time.Equal(time.Now()) {
@@ -439,8 +533,7 @@ func TestBuildClaims(t *testing.T) {
 // most every 10s) cannot crowd it out.
 func TestHeartbeatDueOnAnySync(t *testing.T) {
 	ctx := context.Background()
-	var n counts
-	c := newClient(t, &n, interceptor.Funcs{}, node("n1"))
+	c := newFake(node("n1"))
 	clock := time.Date(2026, 12, 1, 8, 0, 0, 0, time.UTC)
 	w := NewWriter(c, "n1", Options{Now: func() time.Time { return clock }})
 	w.Set(Build("n1", Input{Snapshot: snapshot(t), Ready: true}))
@@ -458,11 +551,11 @@ func TestHeartbeatDueOnAnySync(t *testing.T) {
 		{2*Heartbeat + time.Second, 1}, // long silent (a slow API): one write
 	} {
 		clock = clock.Add(step.advance)
-		before := n.updates.Load()
+		before := c.updates.Load()
 		if err := w.Sync(ctx, false); err != nil {
 			t.Fatal(err)
 		}
-		if got := n.updates.Load() - before; got != step.writes {
+		if got := c.updates.Load() - before; got != step.writes {
 			t.Errorf("at +%s: %d writes, want %d", clock.Sub(time.Date(2026, 12, 1, 8, 0, 0, 0, time.UTC)), got, step.writes)
 		}
 		if st := get(t, c, "n1").Status; step.writes > 0 && !st.LastUpdateTime.Time.Equal(clock) {
@@ -477,51 +570,45 @@ func TestHeartbeatDueOnAnySync(t *testing.T) {
 // returned without a retry and leaves the object as it was.
 func TestStoppedRetriesConflicts(t *testing.T) {
 	ctx := context.Background()
-	gr := schema.GroupResource{Group: "kvpool.io", Resource: "kvpoolnodes"}
 	for _, c := range []struct {
 		name          string
 		synced        bool // a status was written before Stopped
-		extra         func(updates *atomic.Int32) interceptor.Funcs
+		hook          func(f *fakeAPI) func(op string, obj *v1alpha1.KVPoolNode) error
 		wantErr       string
 		wantUpdates   int32
 		wantCreates   int32
 		wantUnhealthy bool
 	}{
-		{"conflict", true, func(updates *atomic.Int32) interceptor.Funcs {
-			return interceptor.Funcs{SubResourceUpdate: func(ctx context.Context, cl client.Client, sub string, obj client.Object, opts ...client.SubResourceUpdateOption) error {
-				if updates.Add(1) == 2 { // Stopped's first write: someone labels the object first
-					fresh := &v1alpha1.KVPoolNode{}
-					if err := cl.Get(ctx, client.ObjectKeyFromObject(obj), fresh); err != nil {
-						return err
-					}
-					fresh.Labels["touched"] = "yes"
-					if err := cl.Update(ctx, fresh); err != nil {
-						return err
-					}
+		{"conflict", true, func(f *fakeAPI) func(string, *v1alpha1.KVPoolNode) error {
+			return func(op string, obj *v1alpha1.KVPoolNode) error {
+				if op == "update" && f.updates.Load() == 2 { // Stopped's first write: someone labels the object first
+					return f.label(obj.Name, "touched", "yes")
 				}
-				return cl.SubResource(sub).Update(ctx, obj, opts...) // stale resourceVersion: a real conflict
-			}}
+				return nil // the write goes on with a stale resourceVersion: a real conflict
+			}
 		}, "", 3, 1, true},
-		{"create lost a race", false, func(*atomic.Int32) interceptor.Funcs {
-			return interceptor.Funcs{Create: func(ctx context.Context, cl client.WithWatch, obj client.Object, opts ...client.CreateOption) error {
-				if err := cl.Create(ctx, obj.DeepCopyObject().(client.Object), opts...); err != nil {
+		{"create lost a race", false, func(f *fakeAPI) func(string, *v1alpha1.KVPoolNode) error {
+			return func(op string, obj *v1alpha1.KVPoolNode) error {
+				if op != "create" {
+					return nil
+				}
+				if _, err := f.create(obj); err != nil {
 					return err
 				}
-				return apierrors.NewAlreadyExists(gr, obj.GetName())
-			}}
+				return apierrors.NewAlreadyExists(kvpoolnodesGR, obj.Name)
+			}
 		}, "", 1, 1, true},
-		{"forbidden", true, func(updates *atomic.Int32) interceptor.Funcs {
-			return interceptor.Funcs{SubResourceUpdate: func(ctx context.Context, cl client.Client, sub string, obj client.Object, opts ...client.SubResourceUpdateOption) error {
-				if updates.Add(1) == 2 {
-					return apierrors.NewForbidden(gr, obj.GetName(), errors.New("denied"))
+		{"forbidden", true, func(f *fakeAPI) func(string, *v1alpha1.KVPoolNode) error {
+			return func(op string, obj *v1alpha1.KVPoolNode) error {
+				if op == "update" && f.updates.Load() == 2 {
+					return apierrors.NewForbidden(kvpoolnodesGR, obj.Name, errors.New("denied"))
 				}
-				return cl.SubResource(sub).Update(ctx, obj, opts...)
-			}}
+				return nil
+			}
 		}, "forbidden", 2, 1, false},
 	} {
-		var n counts
-		var updates atomic.Int32
-		cl := newClient(t, &n, c.extra(&updates), node("n1"))
+		cl := newFake(node("n1"))
+		cl.hook = c.hook(cl)
 		w := NewWriter(cl, "n1", Options{})
 		w.Set(Build("n1", Input{Snapshot: snapshot(t), Ready: true}))
 		if c.synced {
@@ -536,10 +623,10 @@ func TestStoppedRetriesConflicts(t *testing.T) {
 		case c.wantErr != "" && (err == nil || !strings.Contains(err.Error(), c.wantErr)):
 			t.Errorf("%s: Stopped returned %v, want %q", c.name, err, c.wantErr)
 		}
-		if got := n.updates.Load(); got != c.wantUpdates {
+		if got := cl.updates.Load(); got != c.wantUpdates {
 			t.Errorf("%s: %d status updates, want %d", c.name, got, c.wantUpdates)
 		}
-		if got := n.creates.Load(); got != c.wantCreates {
+		if got := cl.creates.Load(); got != c.wantCreates {
 			t.Errorf("%s: %d creates, want %d", c.name, got, c.wantCreates)
 		}
 		obj := get(t, cl, "n1")
@@ -560,17 +647,17 @@ func TestStoppedRetriesConflicts(t *testing.T) {
 // Ready). On synctest's virtual clock, with the agent's own timings.
 func TestUrgentChangesWrittenAtOnce(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		var n counts
 		var mu sync.Mutex
 		var writeTimes []time.Time
-		c := newClient(t, &n, interceptor.Funcs{
-			SubResourceUpdate: func(ctx context.Context, cl client.Client, sub string, obj client.Object, opts ...client.SubResourceUpdateOption) error {
+		c := newFake(node("n1"))
+		c.hook = func(op string, _ *v1alpha1.KVPoolNode) error {
+			if op == "update" {
 				mu.Lock()
 				writeTimes = append(writeTimes, time.Now())
 				mu.Unlock()
-				return cl.SubResource(sub).Update(ctx, obj, opts...)
-			},
-		}, node("n1"))
+			}
+			return nil
+		}
 		writes := func() []time.Time {
 			mu.Lock()
 			defer mu.Unlock()

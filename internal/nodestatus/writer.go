@@ -7,13 +7,11 @@ import (
 	"sync"
 	"time"
 
-	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/equality"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	apimeta "k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/util/retry"
-	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/kvpool/kvpool/api/v1alpha1"
 	"github.com/kvpool/kvpool/pkg/observe"
@@ -57,7 +55,7 @@ const (
 // Set, writing on change at a bounded rate. The object is named after the
 // node and owned by the Node, so it goes when the node does.
 type Writer struct {
-	c    client.Client
+	c    Client
 	node string
 	opts Options
 
@@ -91,9 +89,9 @@ func (w *Writer) urgent() bool {
 	return w.pending != nil && urgencyKey(w.pending) != w.writtenKey
 }
 
-// NewWriter returns a Writer for node. c must know the v1alpha1 and core
-// types.
-func NewWriter(c client.Client, node string, opts Options) *Writer {
+// NewWriter returns a Writer for node that writes through c (NewClient's
+// in the agent).
+func NewWriter(c Client, node string, opts Options) *Writer {
 	if opts.MinInterval <= 0 {
 		opts.MinInterval = 10 * time.Second
 	}
@@ -239,8 +237,7 @@ func (w *Writer) Sync(ctx context.Context, force bool) error {
 	if want == nil {
 		return nil
 	}
-	obj := &v1alpha1.KVPoolNode{}
-	err := w.c.Get(ctx, client.ObjectKey{Name: w.node}, obj)
+	obj, err := w.c.Get(ctx, w.node)
 	switch {
 	case apierrors.IsNotFound(err):
 		if obj, err = w.create(ctx); err != nil {
@@ -269,7 +266,7 @@ func (w *Writer) Sync(ctx context.Context, force bool) error {
 	}
 	next.LastUpdateTime = now
 	obj.Status = *next
-	if err := w.c.Status().Update(ctx, obj); err != nil {
+	if _, err := w.c.UpdateStatus(ctx, obj); err != nil {
 		return fmt.Errorf("update kvpoolnode %s status: %w", w.node, err)
 	}
 	w.mu.Lock()
@@ -291,7 +288,8 @@ func (w *Writer) create(ctx context.Context) (*v1alpha1.KVPoolNode, error) {
 			OwnerReferences: []metav1.OwnerReference{*ref},
 		},
 	}
-	if err := w.c.Create(ctx, obj); err != nil {
+	obj, err = w.c.Create(ctx, obj)
+	if err != nil {
 		return nil, fmt.Errorf("create kvpoolnode %s: %w", w.node, err)
 	}
 	return obj, nil
@@ -305,8 +303,8 @@ func (w *Writer) owner(ctx context.Context) (*metav1.OwnerReference, error) {
 	if ref != nil {
 		return ref, nil
 	}
-	node := &corev1.Node{}
-	if err := w.c.Get(ctx, client.ObjectKey{Name: w.node}, node); err != nil {
+	node, err := w.c.GetNode(ctx, w.node)
+	if err != nil {
 		return nil, fmt.Errorf("get node %s for the owner reference: %w", w.node, err)
 	}
 	ref = &metav1.OwnerReference{APIVersion: "v1", Kind: "Node", Name: node.Name, UID: node.UID}
