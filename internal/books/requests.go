@@ -3,7 +3,6 @@ package books
 import (
 	"hash/maphash"
 	"iter"
-	"math/bits"
 	"slices"
 
 	"github.com/kvpool/kvpool/pkg/pool"
@@ -49,9 +48,17 @@ type request = pool.RequestImage
 // they land is not theirs to choose.
 var ridSeed = maphash.MakeSeed()
 
-// slotsFor is the index's size for n requests: a power of two at least
-// twice n, so that probes stay short.
-func slotsFor(n int) int { return 1 << max(3, bits.Len(uint(2*n))) }
+// slotsFor is the index's size for n requests: the least power of two
+// (8 at least) that is at least twice n, so that probes stay short. (It
+// was twice that for a power of two: 4 MiB, not 2, for a session at its
+// bound, each page of it written by a replay.)
+func slotsFor(n int) int {
+	s := 8
+	for s < 2*n {
+		s <<= 1
+	}
+	return s
+}
 
 func newRequests(n int) requests {
 	return requests{list: make([]request, 0, n), slots: make([]uint64, slotsFor(n)), sized: n}

@@ -36,16 +36,14 @@ type sessionQueue struct {
 	errOff  uint64
 }
 
-// queuedRecord is where a record is in the books: its offset and the
-// length of its payload (16 bytes a record where a slice of the payload
-// took 32: a large session queues 131,072 of them).
-type queuedRecord struct {
-	off uint64
-	n   uint32
-}
+// queuedRecord is the offset of a record in the books, whose length
+// replay checked (8 bytes a record where a slice of the payload took 32: a
+// large session queues 131,072 of them).
+type queuedRecord struct{ off uint64 }
 
 func (q *sessionQueue) payload(rec queuedRecord) []byte {
-	return q.mem[rec.off+8 : rec.off+8+uint64(rec.n)]
+	n := uint64(binary.LittleEndian.Uint32(q.mem[rec.off:]))
+	return q.mem[rec.off+8 : rec.off+8+n]
 }
 
 // router holds the queues of one replay, in the order sessions first
@@ -84,7 +82,7 @@ func (r *router) route(st *State, mem []byte, off uint64, payload []byte) bool {
 		}
 		r.last = q
 	}
-	q.recs = append(q.recs, queuedRecord{off: off, n: uint32(len(payload))})
+	q.recs = append(q.recs, queuedRecord{off: off})
 	return true
 }
 
