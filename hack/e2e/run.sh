@@ -274,3 +274,16 @@ if [ -z "${KVPOOL_E2E_TEST_ARGS:-}" ] && [ -f "$ROOT/test/chart/dryrun_test.go" 
     echo "[e2e] kubectl is not installed: test/chart's dry run is skipped (TestChartServerDryRun above covered the chart's defaults and the examples)"
   fi
 fi
+
+# The agent's KVPoolNode client against a real apiserver of the same build
+# (internal/nodestatus's envtest test: it starts its own kube-apiserver and
+# etcd from these binaries), with kubectl for the printer columns when the
+# machine has one.
+if [ -z "${KVPOOL_E2E_TEST_ARGS:-}" ] && [ -f "$ROOT/internal/nodestatus/envtest_test.go" ]; then
+  step nodestatus-envtest
+  assets=$(mktemp -d)
+  ln -s "$kdir/kube-apiserver" "$(command -v etcd)" "$assets/"
+  if command -v kubectl >/dev/null; then ln -s "$(command -v kubectl)" "$assets/"; fi
+  (cd "$ROOT" && KUBEBUILDER_ASSETS="$assets" go test -count=1 -tags envtest -run Envtest ./internal/nodestatus/)
+  rm -rf "$assets"
+fi
