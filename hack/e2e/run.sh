@@ -281,9 +281,9 @@ fi
 # machine has one.
 if [ -z "${KVPOOL_E2E_TEST_ARGS:-}" ] && [ -f "$ROOT/internal/nodestatus/envtest_test.go" ]; then
   step nodestatus-envtest
-  assets=$(mktemp -d)
+  assets="$WORK/envtest-bin" # in the work folder: a failed run leaves nothing elsewhere
+  rm -rf "$assets" && mkdir -p "$assets"
   ln -s "$kdir/kube-apiserver" "$(command -v etcd)" "$assets/"
   if command -v kubectl >/dev/null; then ln -s "$(command -v kubectl)" "$assets/"; fi
   (cd "$ROOT" && KUBEBUILDER_ASSETS="$assets" go test -count=1 -tags envtest -run Envtest ./internal/nodestatus/)
-  rm -rf "$assets"
 fi

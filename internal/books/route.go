@@ -134,7 +134,7 @@ func (q *sessionQueue) apply(labels map[string]string, ahead bool) {
 	if !ahead || len(q.recs) < 2*decodeBatch {
 		for _, rec := range q.recs {
 			op, err := decodeQueued(q.payload(rec), labels)
-			if !q.applyOne(op, ridHash(op.Rid), err, rec.off) {
+			if !q.applyOne(op, offloadHash(op), err, rec.off) {
 				return
 			}
 		}
@@ -142,7 +142,7 @@ func (q *sessionQueue) apply(labels map[string]string, ahead bool) {
 	}
 	type decoded struct {
 		op  server.SessionOp
-		h   uint64 // ridHash(op.Rid)
+		h   uint64 // offloadHash(op)
 		err error
 		off uint64
 	}
@@ -162,7 +162,7 @@ func (q *sessionQueue) apply(labels map[string]string, ahead bool) {
 			b := (<-free)[:0]
 			for _, rec := range q.recs[i:min(i+decodeBatch, len(q.recs))] {
 				op, err := decodeQueued(q.payload(rec), labels)
-				b = append(b, decoded{op, ridHash(op.Rid), err, rec.off})
+				b = append(b, decoded{op, offloadHash(op), err, rec.off})
 				if err != nil {
 					batches <- b
 					return // the last batch: nothing after a failure is applied
@@ -205,7 +205,7 @@ func decodeQueued(payload []byte, labels map[string]string) (server.SessionOp, e
 	return op, err
 }
 
-// applyOne applies one decoded record (h: its request ID's ridHash), or
+// applyOne applies one decoded record (h: its offloadHash), or
 // records its failure at off; it reports whether the queue goes on.
 func (q *sessionQueue) applyOne(op server.SessionOp, h uint64, err error, off uint64) bool {
 	if err != nil {

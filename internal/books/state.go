@@ -150,8 +150,9 @@ func (st *State) Streams() int {
 	return n
 }
 
-// Image returns the state as pool.Restore takes it. Its page lists are the
-// state's own: neither may change them while the other is in use.
+// Image returns the state as pool.Restore takes it. Its sessions' request
+// lists and page lists are the state's own: neither may change them while
+// the other is in use.
 func (st *State) Image() pool.Image {
 	img := pool.Image{LastSession: st.lastSession}
 	for _, c := range st.chunks {
@@ -180,8 +181,8 @@ func (s *Session) image() pool.SessionImage {
 	si := s.Image
 	si.Chunks = slices.Clone(si.Chunks)
 	// The request list as it is, holes and all (the pool skips them): a
-	// copy of it was a fifth of a restart's rebuild (131,072 streams:
-	// 22-25 ms, 10 MiB).
+	// copy of it was about a third of a restart's rebuild (131,072
+	// streams: 22-25 ms, 10 MiB).
 	si.Requests, si.Pending = s.reqs.list, nil
 	for _, p := range s.pending {
 		si.Pending = append(si.Pending, pool.PendingImage{Ticket: p.Ticket, Pages: p.Pages})
@@ -306,7 +307,7 @@ func (st *State) applySession(op server.SessionOp) {
 		delete(st.sessions, op.Session)
 		return
 	}
-	if !s.apply(op, ridHash(op.Rid)) {
+	if !s.apply(op, offloadHash(op)) {
 		st.Skipped++
 	}
 }
@@ -318,9 +319,9 @@ func (st *State) applySession(op server.SessionOp) {
 // in parallel).
 func routed(op wire.Op) bool { return op != wire.OpOpen && op != wire.OpClose }
 
-// apply applies a change of the session's own (routed), whose request ID
-// hashes to h (ridHash), and reports whether it applied: false for one
-// that named something already gone.
+// apply applies a change of the session's own (routed), h being
+// offloadHash(op), and reports whether it applied: false for one that
+// named something already gone.
 func (s *Session) apply(op server.SessionOp, h uint64) bool {
 	if op.Fence != 0 {
 		i := 0

@@ -162,8 +162,9 @@ func (s *Session) Image() SessionImage {
 	sort.Strings(rids)
 	si.Requests = make([]RequestImage, 0, len(rids))
 	for _, rid := range rids {
-		q := RequestImage{Rid: rid, Streams: make([]StreamImage, 0, s.rids[rid].n)}
-		for slot := s.rids[rid].first; slot != nilPage; slot = s.at(slot).next {
+		l := s.rids[rid]
+		q := RequestImage{Rid: rid, Streams: make([]StreamImage, 0, l.n)}
+		for slot := l.first; slot != nilPage; slot = s.at(slot).next {
 			st := s.at(slot)
 			q.Streams = append(q.Streams, StreamImage{Label: s.labelOf(slot), Meta: st.meta, Pages: chain(st.head)})
 		}
