@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"runtime"
+	"sync/atomic"
 
 	"golang.org/x/sync/errgroup"
 
@@ -101,15 +102,19 @@ func (r *router) apply(st *State) (uint64, error) {
 	live := r.queues
 	procs := runtime.GOMAXPROCS(0)
 	// With CPUs to spare, each queue's records are decoded ahead of
-	// applying them, on a CPU of their own.
-	ahead := len(live) < procs
+	// applying them, on CPUs of their own: one session's on up to
+	// decodeLanes of them.
+	lanes := 0
+	if n := len(live); n > 0 && n < procs {
+		lanes = min(procs/n, decodeLanes)
+	}
 	if len(live) == 1 {
-		live[0].apply(st.labels, ahead)
+		live[0].apply(st.labels, lanes)
 	} else {
 		var g errgroup.Group
 		g.SetLimit(procs)
 		for _, q := range live {
-			g.Go(func() error { q.apply(map[string]string{}, ahead); return nil })
+			g.Go(func() error { q.apply(map[string]string{}, lanes); return nil })
 		}
 		_ = g.Wait()
 	}
@@ -128,10 +133,11 @@ func (r *router) apply(st *State) (uint64, error) {
 }
 
 // apply decodes and applies the queue's records in order, up to the first
-// that does not decode; ahead: the decoding runs in a goroutine of its
-// own, a batch ahead of the applying.
-func (q *sessionQueue) apply(labels map[string]string, ahead bool) {
-	if !ahead || len(q.recs) < 2*decodeBatch {
+// that does not decode. With lanes > 0 the decoding runs ahead of the
+// applying, in that many goroutines of its own: batch i on lane i%lanes,
+// applied in order.
+func (q *sessionQueue) apply(labels map[string]string, lanes int) {
+	if lanes == 0 || len(q.recs) < 2*decodeBatch {
 		for _, rec := range q.recs {
 			op, err := decodeQueued(q.payload(rec), labels)
 			if !q.applyOne(op, offloadHash(op), err, rec.off) {
@@ -146,52 +152,91 @@ func (q *sessionQueue) apply(labels map[string]string, ahead bool) {
 		err error
 		off uint64
 	}
-	// Three batches go round (being decoded, waiting, being applied):
-	// the collector is off while the agent restores, and a fresh batch
-	// each time would hold some 170 bytes a record until it runs.
-	batches, free := make(chan []decoded, 2), make(chan []decoded, 3)
-	for range cap(free) {
-		free <- make([]decoded, 0, decodeBatch)
+	type lane struct {
+		labels map[string]string
+		// Three batches go round each lane (being decoded, waiting,
+		// being applied): the collector is off while the agent
+		// restores, and a fresh batch each time would hold some 170
+		// bytes a record until it runs.
+		free, done chan []decoded
 	}
-	// The decoding also hashes each request ID, and the applying reads
-	// the index where a batch's offloads will look (prefetch) before it
-	// applies them.
-	go func() {
-		defer close(batches)
-		for i := 0; i < len(q.recs); i += decodeBatch {
-			b := (<-free)[:0]
-			for _, rec := range q.recs[i:min(i+decodeBatch, len(q.recs))] {
-				op, err := decodeQueued(q.payload(rec), labels)
-				b = append(b, decoded{op, offloadHash(op), err, rec.off})
-				if err != nil {
-					batches <- b
-					return // the last batch: nothing after a failure is applied
-				}
-			}
-			batches <- b
+	nb := (len(q.recs) + decodeBatch - 1) / decodeBatch
+	lanes = min(lanes, nb)
+	// failed is the first batch known to hold a record that does not
+	// decode: no lane decodes a batch after it.
+	var failed atomic.Int64
+	failed.Store(int64(nb))
+	ls := make([]lane, lanes)
+	for l := range ls {
+		ls[l] = lane{labels: labels, free: make(chan []decoded, 3), done: make(chan []decoded, 2)}
+		if l > 0 {
+			ls[l].labels = map[string]string{} // a map is one goroutine's
 		}
-	}()
+		for range cap(ls[l].free) {
+			ls[l].free <- make([]decoded, 0, decodeBatch)
+		}
+		// The decoding also hashes each request ID, and the applying
+		// reads the index where a batch's offloads will look
+		// (prefetch) before it applies them.
+		go func(ln lane) {
+			defer close(ln.done)
+			for i := l; i < nb && int64(i) < failed.Load(); i += lanes {
+				b := (<-ln.free)[:0]
+				for _, rec := range q.recs[i*decodeBatch : min((i+1)*decodeBatch, len(q.recs))] {
+					op, err := decodeQueued(q.payload(rec), ln.labels)
+					b = append(b, decoded{op, offloadHash(op), err, rec.off})
+					if err != nil {
+						for f := failed.Load(); int64(i) < f && !failed.CompareAndSwap(f, int64(i)); f = failed.Load() {
+						}
+						break // nothing after a failure is applied
+					}
+				}
+				ln.done <- b
+			}
+		}(ls[l])
+	}
 	stopped := false
 	hs := make([]uint64, 0, decodeBatch)
-	for b := range batches {
-		hs = hs[:0]
-		for i := range b {
-			if b[i].op.Op == wire.OpOffload {
-				hs = append(hs, b[i].h)
+	for i := range nb {
+		ln := ls[i%lanes]
+		b, ok := <-ln.done
+		if !ok {
+			break // past a failure: its batch came first
+		}
+		if !stopped {
+			hs = hs[:0]
+			for j := range b {
+				if b[j].op.Op == wire.OpOffload {
+					hs = append(hs, b[j].h)
+				}
+			}
+			q.s.reqs.prefetch(hs)
+			for j := range b {
+				if !q.applyOne(b[j].op, b[j].h, b[j].err, b[j].off) {
+					stopped = true
+					break
+				}
 			}
 		}
-		q.s.reqs.prefetch(hs)
-		for i := range b {
-			if !stopped && !q.applyOne(b[i].op, b[i].h, b[i].err, b[i].off) {
-				stopped = true
-			}
+		ln.free <- b
+	}
+	// Every lane ends (past the failure, or at the last batch); what a
+	// lane decoded after the failure goes unapplied.
+	for _, ln := range ls {
+		for b := range ln.done {
+			ln.free <- b
 		}
-		free <- b
 	}
 }
 
-// decodeBatch is how many records a batch of the decoding ahead holds.
-const decodeBatch = 1024
+const (
+	// decodeBatch is how many records a batch of the decoding ahead holds.
+	decodeBatch = 1024
+	// decodeLanes bounds the goroutines that decode one session's
+	// records ahead: a record takes about twice as long to decode as
+	// to apply, so a third lane rarely finds the applying behind.
+	decodeLanes = 2
+)
 
 // decodeQueued decodes one queued record, a routed session op.
 func decodeQueued(payload []byte, labels map[string]string) (server.SessionOp, error) {
