@@ -7,6 +7,8 @@ import (
 	"maps"
 	"os"
 	"path/filepath"
+	"runtime/debug"
+	"runtime/metrics"
 	"slices"
 	"testing"
 	"time"
@@ -413,5 +415,45 @@ func TestBooksThatDoNotRebuildStartFresh(t *testing.T) {
 	r := a3.a.restartStatus()
 	if r.Sessions != 1 || r.Streams != 0 {
 		t.Fatalf("the restart after: %+v, want the one session opened since and no stream", r)
+	}
+}
+
+// gogc is the collector's GOGC setting, read without changing it.
+func gogc(t *testing.T) uint64 {
+	s := []metrics.Sample{{Name: "/gc/gogc:percent"}}
+	metrics.Read(s)
+	if s[0].Value.Kind() != metrics.KindUint64 {
+		t.Fatalf("no %s here", s[0].Name)
+	}
+	return s[0].Value.Uint64()
+}
+
+// The restore turns the collector off until the agent serves: a restarted
+// agent that serves turns it back on, and so does one whose start fails
+// after the restore.
+func TestCollectorBackOnAfterARestore(t *testing.T) {
+	defer debug.SetGCPercent(debug.SetGCPercent(137))
+	dir := t.TempDir()
+	ksock, _ := startKeeper(t)
+	_, stop := keptAgent(t, dir, ksock, []string{"tenant-a"})
+	stop()
+	a2, stop2 := keptAgent(t, dir, ksock, []string{"tenant-a"})
+	w := dialAgent(t, a2.Socket())
+	w.open("tenant-a", "instance-a")
+	waitUntil(t, "GOGC back at 137 while the agent serves", func() bool { return gogc(t) == 137 })
+	stop2()
+
+	cfg := config.Default()
+	cfg.SocketDir, cfg.StateDir = filepath.Join(dir, "sock"), filepath.Join(dir, "state")
+	cfg.Metrics.Address, cfg.Health.Address = "", ""
+	cfg.KeeperSocket = ksock
+	cfg.Standalone.Tokens = []string{"tenant-a", "tenant-b", "tenant-c"} // three tokens, two chunks
+	if _, err := Boot(context.Background(), Options{Config: &cfg, Standalone: true, ChunksPerGPU: 2, ChunkBytes: 2 << 20, Logger: quietLog}); err == nil {
+		t.Fatal("an agent with more tokens than chunks started")
+	} else {
+		t.Logf("start failed as it should: %v", err)
+	}
+	if got := gogc(t); got != 137 {
+		t.Fatalf("GOGC %d after a start that failed past the restore, want 137", got)
 	}
 }

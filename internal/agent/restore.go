@@ -42,6 +42,8 @@ type restart struct {
 	lastAlive time.Time
 	gap       time.Duration
 	fresh     atomic.Int64 // chunks allocated by this agent
+	// gcOn turns the collector back on (the restore turned it off).
+	gcOn func()
 	// poolLost: at start the keeper held none of the pool an earlier
 	// agent had kept in it (the marker says what); nil otherwise.
 	poolLost *poolLoss
@@ -54,7 +56,7 @@ type restart struct {
 // and stream is back. Whatever cannot be adopted is dropped and said so;
 // books of another format version are refused, the keeper's state
 // released, and the agent starts fresh.
-func (a *agent) restore() error {
+func (a *agent) restore() (err error) {
 	path := a.cfg.KeeperSocket
 	// The configuration checked socketDir; the socket the agent serves
 	// may be elsewhere (--socket).
@@ -71,8 +73,19 @@ func (a *agent) restore() error {
 	// off, 244-270 on; peak RSS 157 MiB against 146). GOMEMLIMIT (the
 	// chart sets it) still makes the runtime collect near the limit, and
 	// the heartbeat step hands the garbage back once the agent serves.
-	defer debug.SetGCPercent(debug.SetGCPercent(-1))
+	//
+	// The collector stays off until the agent serves (the heartbeat
+	// step): turned on here, its first cycle ran beside the steps up to
+	// the socket and beside the first calls, with a restore's heap to
+	// mark. Should start stop earlier, undoing this step turns it on.
+	gcPercent := debug.SetGCPercent(-1)
 	r := &restart{keeper: kc, gens: map[string]uint64{}, adopted: map[string]bool{}}
+	r.gcOn = sync.OnceFunc(func() { debug.SetGCPercent(gcPercent) })
+	defer func() {
+		if err != nil {
+			r.gcOn()
+		}
+	}()
 	a.restart = r
 	if m := a.readMarker(); held.Books == nil && m.BooksGen > 0 {
 		r.poolLost = &poolLoss{marker: m}
@@ -223,6 +236,7 @@ func (a *agent) closeKeeper() error {
 	if r == nil {
 		return nil
 	}
+	r.gcOn()
 	if r.books != nil {
 		// A stop with nothing to lose leaves no marker; with something, the
 		// marker says what a later agent will not find if the keeper is
@@ -260,7 +274,9 @@ func (a *agent) startHeartbeat(ctx context.Context, wg *sync.WaitGroup) error {
 		// image, the warm heap it did not use) goes back to the system
 		// now, not bit by bit: the restarted agent's resident memory is
 		// what the one it replaced held, not the restore's peak.
-		wg.Go(debug.FreeOSMemory)
+		wg.Go(func() { debug.FreeOSMemory(); r.gcOn() })
+	} else {
+		r.gcOn()
 	}
 	wg.Go(func() { a.heartbeat(ctx) })
 	wg.Go(func() { a.watchKeeper(ctx) })
