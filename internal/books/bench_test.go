@@ -1,6 +1,7 @@
 package books
 
 import (
+	"encoding/binary"
 	"fmt"
 	"runtime"
 	"strings"
@@ -163,4 +164,34 @@ func cpuTime() time.Duration {
 		return 0
 	}
 	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// BenchmarkDecodeQueued decodes the session ops of kvbench restart's
+// books (one session at the stream bound), as a replay's lanes do: the
+// decoding is about two thirds of a large session's replay.
+func BenchmarkDecodeQueued(b *testing.B) {
+	_, bk, store := atLimits(b, 1, limStreams, int64(limStreams)*13, true)
+	bk.Close()
+	mem := snapshotMem(b, store.f)
+	var payloads [][]byte
+	for off := uint64(headerSize); off+8 <= uint64(len(mem)); {
+		n := uint64(binary.LittleEndian.Uint32(mem[off:]))
+		if n == 0 {
+			break
+		}
+		if p := mem[off+8 : off+8+n]; p[0] == recSession {
+			payloads = append(payloads, p)
+		}
+		off += 8 + (n+3)&^3 + 4
+	}
+	labels := map[string]string{}
+	b.ResetTimer()
+	for b.Loop() {
+		for _, p := range payloads {
+			if _, err := decodeQueued(p, labels); err != nil {
+				b.Fatal(err)
+			}
+		}
+	}
+	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*len(payloads)), "ns/record")
 }

@@ -71,7 +71,7 @@ func (e enc) peer(p unixsock.Peer) enc {
 type dec struct {
 	b    []byte   // the unread bytes of the current segment
 	rest [][]byte // the segments after it
-	left int      // unread bytes in b and rest together
+	restLen int   // bytes in rest
 	err  error
 	// labels, when set, interns the labels of session ops (State.labels):
 	// a replay of many records makes each label once, not once a record.
@@ -86,32 +86,35 @@ type dec struct {
 
 func newDec(segs ...[]byte) *dec {
 	d := &dec{}
-	for _, s := range segs {
-		d.left += len(s)
-	}
 	if len(segs) > 0 {
 		d.b, d.rest = segs[0], segs[1:]
 	}
+	for _, s := range d.rest {
+		d.restLen += len(s)
+	}
 	return d
 }
+
+// left is the unread bytes, in b and rest together.
+func (d *dec) left() int { return len(d.b) + d.restLen }
 
 func (d *dec) fail(what string) {
 	if d.err == nil {
 		d.err = fmt.Errorf("%w: %s", ErrCorrupt, what)
 	}
-	d.b, d.rest, d.left = nil, nil, 0
+	d.b, d.rest, d.restLen = nil, nil, 0
 }
 
 // settle moves past exhausted segments.
 func (d *dec) settle() {
 	for len(d.b) == 0 && len(d.rest) > 0 {
 		d.b, d.rest = d.rest[0], d.rest[1:]
+		d.restLen -= len(d.b)
 	}
 }
 
 // skip consumes n bytes, which must be unread.
 func (d *dec) skip(n int) {
-	d.left -= n
 	for n > 0 {
 		d.settle()
 		k := min(n, len(d.b))
@@ -140,11 +143,21 @@ func (d *dec) head(want int, tmp []byte) []byte {
 	return tmp[:n]
 }
 
+// u reads an unsigned varint. The one-byte case (most of a session op's
+// fields) is inlined into its callers.
 func (d *dec) u() uint64 {
+	if b := d.b; len(b) > 0 && b[0] < 0x80 {
+		d.b = b[1:]
+		return uint64(b[0])
+	}
+	return d.uLong()
+}
+
+func (d *dec) uLong() uint64 {
 	// Within the current segment (a record's payload always is), the
 	// varint is read in place.
 	if v, n := binary.Uvarint(d.b); n > 0 {
-		d.b, d.left = d.b[n:], d.left-n
+		d.b = d.b[n:]
 		return v
 	}
 	var tmp [binary.MaxVarintLen64]byte
@@ -157,9 +170,18 @@ func (d *dec) u() uint64 {
 	return v
 }
 
+// i reads a signed varint, the one-byte case inlined as in u.
 func (d *dec) i() int64 {
+	if b := d.b; len(b) > 0 && b[0] < 0x80 {
+		d.b = b[1:]
+		return int64(b[0]>>1) ^ -int64(b[0]&1)
+	}
+	return d.iLong()
+}
+
+func (d *dec) iLong() int64 {
 	if v, n := binary.Varint(d.b); n > 0 {
-		d.b, d.left = d.b[n:], d.left-n
+		d.b = d.b[n:]
 		return v
 	}
 	var tmp [binary.MaxVarintLen64]byte
@@ -175,7 +197,7 @@ func (d *dec) i() int64 {
 // n reads a count of elements of at least one byte each.
 func (d *dec) n() int {
 	v := d.u()
-	if v > uint64(d.left) {
+	if v > uint64(d.left()) {
 		d.fail("count beyond the record")
 		return 0
 	}
@@ -192,6 +214,14 @@ func (d *dec) int() int {
 }
 
 func (d *dec) byte() byte {
+	if b := d.b; len(b) > 0 {
+		d.b = b[1:]
+		return b[0]
+	}
+	return d.byteLong()
+}
+
+func (d *dec) byteLong() byte {
 	d.settle()
 	if len(d.b) == 0 {
 		d.fail("short record")
@@ -211,7 +241,6 @@ func (d *dec) bytesInto(n int, out []byte) {
 		off += k
 		d.b = d.b[k:]
 	}
-	d.left -= n
 }
 
 func (d *dec) raw() []byte {
@@ -221,7 +250,7 @@ func (d *dec) raw() []byte {
 	}
 	if d.settle(); d.alias && n <= len(d.b) {
 		out := d.b[:n:n]
-		d.b, d.left = d.b[n:], d.left-n
+		d.b = d.b[n:]
 		return out
 	}
 	out := make([]byte, n)
@@ -237,7 +266,7 @@ func (d *dec) str() string {
 	d.settle()
 	if n <= len(d.b) {
 		s := string(d.b[:n])
-		d.b, d.left = d.b[n:], d.left-n
+		d.b = d.b[n:]
 		return s
 	}
 	out := make([]byte, n)
@@ -261,7 +290,7 @@ func (d *dec) label() string {
 		return string(out)
 	}
 	b := d.b[:n]
-	d.b, d.left = d.b[n:], d.left-n
+	d.b = d.b[n:]
 	if l, ok := d.labels[string(b)]; ok {
 		return l
 	}
@@ -619,8 +648,8 @@ func decodeSnapshot(parts [][]byte, sessionAt []int, more map[uint64]int) (*Stat
 	if d.err != nil {
 		return nil, d.err
 	}
-	if d.left != 0 {
-		return nil, fmt.Errorf("%w: %d bytes after the snapshot", ErrCorrupt, d.left)
+	if d.left() != 0 {
+		return nil, fmt.Errorf("%w: %d bytes after the snapshot", ErrCorrupt, d.left())
 	}
 	return st, nil
 }
@@ -630,7 +659,7 @@ func decodeSnapshot(parts [][]byte, sessionAt []int, more map[uint64]int) (*Stat
 // a snapshot in one part; replay gathers the parts of a longer one). It
 // returns the state.
 func decodeRecord(st *State, payload []byte) (*State, error) {
-	d := &dec{b: payload, left: len(payload)}
+	d := &dec{b: payload}
 	if st != nil {
 		d.labels, d.alias = st.labels, st.aliasReplies
 	}
@@ -673,8 +702,8 @@ func decodeRecord(st *State, payload []byte) (*State, error) {
 	if d.err != nil {
 		return nil, d.err
 	}
-	if d.left != 0 {
-		return nil, fmt.Errorf("%w: %d bytes after the record", ErrCorrupt, d.left)
+	if d.left() != 0 {
+		return nil, fmt.Errorf("%w: %d bytes after the record", ErrCorrupt, d.left())
 	}
 	return st, nil
 }
@@ -691,7 +720,7 @@ func sessionsApart(parts [][]byte, sessionAt []int, more map[uint64]int) *State 
 	d := newDec(parts[:sessionAt[0]]...)
 	st := d.snapshotHead()
 	// The count of sessions ends the head: they are in the parts after.
-	if n := d.u(); d.err != nil || d.left != 0 || n != uint64(len(sessionAt)) {
+	if n := d.u(); d.err != nil || d.left() != 0 || n != uint64(len(sessionAt)) {
 		return nil
 	}
 	n := len(sessionAt)
@@ -706,7 +735,7 @@ func sessionsApart(parts [][]byte, sessionAt []int, more map[uint64]int) *State 
 		g.Go(func() error {
 			d := newDec(parts[at:end]...)
 			d.more = more
-			if s := d.session(); d.err == nil && d.left == 0 {
+			if s := d.session(); d.err == nil && d.left() == 0 {
 				sessions[i] = s
 			}
 			return nil

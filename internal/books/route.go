@@ -240,12 +240,12 @@ const (
 
 // decodeQueued decodes one queued record, a routed session op.
 func decodeQueued(payload []byte, labels map[string]string) (server.SessionOp, error) {
-	d := &dec{b: payload, left: len(payload), labels: labels, alias: true}
+	d := &dec{b: payload, labels: labels, alias: true}
 	d.byte() // recSession
 	op := d.sessionOp()
 	err := d.err
-	if err == nil && d.left != 0 {
-		err = fmt.Errorf("%w: %d bytes after the record", ErrCorrupt, d.left)
+	if err == nil && d.left() != 0 {
+		err = fmt.Errorf("%w: %d bytes after the record", ErrCorrupt, d.left())
 	}
 	return op, err
 }
