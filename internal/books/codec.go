@@ -69,10 +69,10 @@ func (e enc) peer(p unixsock.Peer) enc {
 // dec reads a record's payload, or a snapshot written in parts
 // (segments): a value may span two segments.
 type dec struct {
-	b    []byte   // the unread bytes of the current segment
-	rest [][]byte // the segments after it
-	restLen int   // bytes in rest
-	err  error
+	b       []byte   // the unread bytes of the current segment
+	rest    [][]byte // the segments after it
+	restLen int      // bytes in rest
+	err     error
 	// labels, when set, interns the labels of session ops (State.labels):
 	// a replay of many records makes each label once, not once a record.
 	labels map[string]string
