@@ -128,6 +128,10 @@ func Load(f *os.File) (*State, Info, error) {
 // restore of one session of 131,072 streams.
 func offloadHints(mem []byte, off, end uint64) map[uint64]int {
 	hints := map[uint64]int{}
+	// A session's records mostly follow each other: they are counted
+	// here and added to the map when another session's come.
+	var last uint64
+	run := 0
 	for off+8 <= end {
 		n := uint64(binary.LittleEndian.Uint32(mem[off:]))
 		pad := (n + 3) &^ 3
@@ -137,10 +141,18 @@ func offloadHints(mem []byte, off, end uint64) map[uint64]int {
 		p := mem[off+8 : off+8+n]
 		if len(p) > 2 && p[0] == recSession {
 			if id, k := binary.Uvarint(p[1:]); k > 0 && 1+k < len(p) && wire.Op(p[1+k]) == wire.OpOffload {
-				hints[id]++
+				if id != last && run > 0 {
+					hints[last] += run
+					run = 0
+				}
+				last = id
+				run++
 			}
 		}
 		off += 8 + pad + 4
+	}
+	if run > 0 {
+		hints[last] += run
 	}
 	return hints
 }

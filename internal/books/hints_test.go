@@ -1,10 +1,15 @@
 package books
 
 import (
+	"encoding/binary"
+	"fmt"
 	"maps"
 	"testing"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/kvpool/kvpool/internal/server"
+	"github.com/kvpool/kvpool/pkg/wire"
 )
 
 // The replay's pre-pass counts each session's offload records, so that
@@ -46,5 +51,25 @@ func TestOffloadHintsCountEachSession(t *testing.T) {
 	}
 	if got := st.Streams(); got != 2*streams {
 		t.Fatalf("replayed %d streams, want %d", got, 2*streams)
+	}
+	// Sessions whose offloads alternate are counted as well as sessions
+	// whose offloads follow each other.
+	var ids []uint64
+	for id := range want {
+		ids = append(ids, id)
+	}
+	var recs []byte
+	for i := range 7 {
+		e := appendSessionOp(nil, &server.SessionOp{Session: ids[i%2], Op: wire.OpOffload, Rid: fmt.Sprint("alt-", i), Pages: []int32{0}})
+		pad := (uint64(len(e)) + 3) &^ 3
+		rec := make([]byte, 8+pad+4)
+		binary.LittleEndian.PutUint32(rec, uint32(len(e)))
+		copy(rec[8:], e)
+		recs = append(recs, rec...)
+	}
+	alt := append(append([]byte{}, mem[:headerSize]...), recs...)
+	h := offloadHints(alt, headerSize, uint64(len(alt)))
+	if h[ids[0]] != 4 || h[ids[1]] != 3 || len(h) != 2 {
+		t.Fatalf("hints of alternating offloads %v, want 4 for %d and 3 for %d", h, ids[0], ids[1])
 	}
 }
