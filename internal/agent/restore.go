@@ -77,7 +77,8 @@ func (a *agent) restore() (err error) {
 	// The collector stays off until the agent serves (the heartbeat
 	// step): turned on here, its first cycle ran beside the steps up to
 	// the socket and beside the first calls, with a restore's heap to
-	// mark. Should start stop earlier, undoing this step turns it on.
+	// mark. Should the start stop earlier, undoing this step (or the
+	// failed restore itself) turns it back on.
 	gcPercent := debug.SetGCPercent(-1)
 	r := &restart{keeper: kc, gens: map[string]uint64{}, adopted: map[string]bool{}}
 	r.gcOn = sync.OnceFunc(func() { debug.SetGCPercent(gcPercent) })

@@ -143,8 +143,8 @@ func (d *dec) head(want int, tmp []byte) []byte {
 	return tmp[:n]
 }
 
-// u reads an unsigned varint. The one-byte case (most of a session op's
-// fields) is inlined into its callers.
+// u reads an unsigned varint; the one-byte case (most of a session op's
+// fields) without calling the general reader (uLong).
 func (d *dec) u() uint64 {
 	if b := d.b; len(b) > 0 && b[0] < 0x80 {
 		d.b = b[1:]
@@ -170,7 +170,7 @@ func (d *dec) uLong() uint64 {
 	return v
 }
 
-// i reads a signed varint, the one-byte case inlined as in u.
+// i reads a signed varint, the one-byte case as u does.
 func (d *dec) i() int64 {
 	if b := d.b; len(b) > 0 && b[0] < 0x80 {
 		d.b = b[1:]
