@@ -58,30 +58,38 @@ func warmSize(n, limit int64) int64 {
 // the kernel cannot populate a range (before Linux 5.14), and then the
 // restore faults its pages in itself, as it did.
 func warmHeap(n int64) int64 {
-	held := make([][]byte, 0, n/warmPiece+1)
+	if n <= 0 {
+		return 0
+	}
+	// The first piece tells whether the kernel populates at all, before
+	// the rest of the heap is allocated for nothing.
+	first := make([]byte, warmPiece)
+	if unix.Madvise(first, unix.MADV_POPULATE_WRITE) != nil {
+		return 0
+	}
+	held := make([][]byte, 1, n/warmPiece+1)
+	held[0] = first
 	for int64(len(held))*warmPiece < n {
 		held = append(held, make([]byte, warmPiece))
 	}
-	lanes := min(runtime.GOMAXPROCS(0), len(held))
-	ok := make([]bool, len(held))
+	rest := held[1:]
+	lanes := min(runtime.GOMAXPROCS(0), len(rest))
+	ok := make([]bool, len(rest))
 	var wg sync.WaitGroup
 	for l := range lanes {
 		wg.Go(func() {
-			for i := l; i < len(held); i += lanes {
-				ok[i] = unix.Madvise(held[i], unix.MADV_POPULATE_WRITE) == nil
+			for i := l; i < len(rest); i += lanes {
+				ok[i] = unix.Madvise(rest[i], unix.MADV_POPULATE_WRITE) == nil
 			}
 		})
 	}
 	wg.Wait()
-	var done int64
-	for i, b := range held {
+	done := int64(warmPiece)
+	for i, b := range rest {
 		if !ok[i] {
 			break
 		}
 		done += int64(len(b))
-	}
-	if done == 0 {
-		return 0
 	}
 	if onWarm != nil {
 		onWarm(held[:done/warmPiece])

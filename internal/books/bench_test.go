@@ -168,7 +168,8 @@ func cpuTime() time.Duration {
 
 // BenchmarkDecodeQueued decodes the session ops of kvbench restart's
 // books (one session at the stream bound), as a replay's lanes do: the
-// decoding is about two thirds of a large session's replay.
+// decoding took about 60 % of the CPU the agent spent on a large session's
+// queued records (perf, docs/benchmarks.md).
 func BenchmarkDecodeQueued(b *testing.B) {
 	_, bk, store := atLimits(b, 1, limStreams, int64(limStreams)*13, true)
 	bk.Close()

@@ -372,8 +372,8 @@ func (s *Session) linkPages(pages []int32, used []bool) (head, tail int32, err e
 // table is sized for the requests first, and each request costs one map
 // assignment, not one a stream. A request listed twice is refused.
 //
-// With a CPU to spare, a large session's request index is built in a
-// goroutine of its own while this one fills the slots: on a fresh session
+// With a CPU to spare, a large session's slots are filled in a goroutine
+// of its own while this one builds the request index: on a fresh session
 // the slots are handed out in order, so the requests name their slots
 // before they are made. The index was half of a large session's rebuild.
 func (s *Session) restoreStreams(reqs []RequestImage, used []bool, spare bool) error {
@@ -386,9 +386,9 @@ func (s *Session) restoreStreams(reqs []RequestImage, used []bool, spare bool) e
 	}
 	if spare && streams >= splitFrom && len(s.slab) == 0 && streams < maxPages {
 		// The index, the longer of the two, runs here: a goroutine
-		// started now waits for a CPU until another one yields (the
-		// agent writes its fresh books meanwhile), and the index in it
-		// began 5-10 ms late.
+		// started now may wait for a CPU until another one yields (a
+		// restarted agent writes its fresh books meanwhile), and the
+		// index in it began 5-10 ms late.
 		fill := make(chan error, 1)
 		go func() { fill <- s.fillRequests(reqs, used, true) }()
 		err := s.indexRequests(reqs, requests)
