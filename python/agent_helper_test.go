@@ -8,6 +8,7 @@ import (
 	"os/signal"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"syscall"
 	"testing"
 
@@ -19,7 +20,9 @@ import (
 // hack/gpu/check.sh's Python part on a machine without Go, where carrying
 // the full agent binary is too heavy. It runs only when
 // KVPOOL_STANDALONE_AGENT names a directory; KVPOOL_STANDALONE_MIB sets the
-// pool per GPU (default 512). It prints "AGENT-READY <socket> <token>".
+// pool per GPU (default 512), KVPOOL_STANDALONE_GPU_UUIDS (comma-separated)
+// the GPUs' UUIDs, so that clients on real devices find theirs in the plan.
+// It prints "AGENT-READY <socket> <token>".
 func TestStandaloneAgentHelper(t *testing.T) {
 	dir := os.Getenv("KVPOOL_STANDALONE_AGENT")
 	if dir == "" {
@@ -30,7 +33,12 @@ func TestStandaloneAgentHelper(t *testing.T) {
 		mib = 512
 	}
 	const token = "gpu-check"
-	a, err := standalone.Start(standalone.Config{GPUs: 1, ChunksPerGPU: 2, ChunkBytes: int64(mib) << 19, Tokens: []string{token},
+	gpus, uuids := 1, []string(nil)
+	if u := os.Getenv("KVPOOL_STANDALONE_GPU_UUIDS"); u != "" {
+		uuids = strings.Split(u, ",")
+		gpus = len(uuids)
+	}
+	a, err := standalone.Start(standalone.Config{GPUs: gpus, GPUUUIDs: uuids, ChunksPerGPU: 2, ChunkBytes: int64(mib) << 19, Tokens: []string{token},
 		Socket: filepath.Join(dir, "kvpool.sock"), Logger: slog.New(slog.NewTextHandler(os.Stderr, nil))})
 	if err != nil {
 		t.Fatal(err)

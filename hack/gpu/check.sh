@@ -109,7 +109,13 @@ if [[ $parts == *" python "* ]]; then
   else
     start=$(date +%s)
     adir=$(mktemp -d)
-    KVPOOL_STANDALONE_AGENT=$adir KVPOOL_STANDALONE_MIB=${KVPOOL_GPU_PY_POOL_MIB:-512} \
+    # The agent's plan names the machine's GPUs as the CUDA clients see
+    # them (a session on a GPU the plan does not hold is refused).
+    uuids=""
+    if [ "${KVPOOL_GPU_PY_DRYRUN:-}" != 1 ] && command -v nvidia-smi >/dev/null 2>&1; then
+      uuids=$(nvidia-smi --query-gpu=uuid --format=csv,noheader 2>/dev/null | paste -sd, -)
+    fi
+    KVPOOL_STANDALONE_GPU_UUIDS=$uuids KVPOOL_STANDALONE_AGENT=$adir KVPOOL_STANDALONE_MIB=${KVPOOL_GPU_PY_POOL_MIB:-512} \
       "$helper" -test.run '^TestStandaloneAgentHelper$' -test.v >"$out/py-agent.log" 2>&1 &
     apid=$!
     for _ in $(seq 1 300); do

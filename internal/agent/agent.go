@@ -55,6 +55,10 @@ type Options struct {
 	// SimulateGPUs > 0 serves that many simulated GPUs instead of NVML's
 	// (cluster mode on nodes without GPUs, tests).
 	SimulateGPUs int
+	// GPUUUIDs, in standalone mode, names the simulated GPUs (one each,
+	// in order) instead of the simulator's names: for a standalone agent
+	// whose clients open sessions on real devices (hack/gpu/check.sh).
+	GPUUUIDs []string
 	// Kubeconfig is the API server's kubeconfig when not in a pod
 	// (default $KUBECONFIG).
 	Kubeconfig string

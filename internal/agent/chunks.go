@@ -30,7 +30,17 @@ func (a *agent) gpusStep(m mode) step {
 	find := a.gpus
 	if m.standalone {
 		find = func(info *node.Info) ([]gpu.Device, string, error) {
-			return gpu.Simulated(a.cfg.Standalone.GPUs, SimulatedGPUMemory, numaIDs(info)), "simulated (standalone)", nil
+			devs := gpu.Simulated(a.cfg.Standalone.GPUs, SimulatedGPUMemory, numaIDs(info))
+			if u := a.opts.GPUUUIDs; len(u) > 0 {
+				if len(u) != len(devs) {
+					return nil, "", fmt.Errorf("%d GPU UUIDs for %d standalone GPUs", len(u), len(devs))
+				}
+				for i := range devs {
+					devs[i].UUID = u[i]
+				}
+				return devs, "simulated (standalone), named by the caller", nil
+			}
+			return devs, "simulated (standalone)", nil
 		}
 	}
 	return step{name: "gpus", start: func(context.Context) error {

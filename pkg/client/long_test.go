@@ -576,3 +576,29 @@ func TestEngineGivenGPU(t *testing.T) {
 		t.Fatal("negative ranks accepted")
 	}
 }
+
+// A standalone agent whose GPUs are named by the caller (as hack/gpu/check.sh
+// names them after the machine's real devices) serves a session on a device
+// of that name, and refuses one on the simulator's default name, which its
+// plan no longer holds.
+func TestStandaloneGPUsNamedByTheCaller(t *testing.T) {
+	const uuid = "GPU-ee106278-7bb3-e4bc-2679-e4908e7dbf68"
+	a := serveAgent(t, standalone.Config{GPUs: 1, GPUUUIDs: []string{uuid}, ChunksPerGPU: 1, ChunkBytes: 64 << 10, Tokens: []string{"tok"}})
+	named := cudart.NewSim(cudart.SimOptions{Devices: 1, UUIDs: []string{uuid}})
+	dev, _ := named.Open(0)
+	kv := newPages(t, dev, 8, 4096)
+	p, err := client.Open(context.Background(), client.Options{Socket: a.Socket, Token: "tok", Device: dev,
+		Regions: kv.regions(), InstanceID: []byte("instance-named"), Logger: quiet})
+	if err != nil {
+		t.Fatalf("open on the GPU the agent was given: %v", err)
+	}
+	p.Close()
+	plain := cudart.NewSim(cudart.SimOptions{Devices: 1})
+	dev2, _ := plain.Open(0)
+	k2 := newPages(t, dev2, 8, 4096)
+	_, err = client.Open(context.Background(), client.Options{Socket: a.Socket, Token: "tok", Device: dev2,
+		Regions: k2.regions(), InstanceID: []byte("instance-plain"), Logger: quiet})
+	if !errors.Is(err, poolerr.ErrUnknownGPU) {
+		t.Fatalf("open on %s, which the plan does not hold: %v", cudart.SimulatedUUID(0), err)
+	}
+}

@@ -22,7 +22,11 @@ import (
 
 // Config of a standalone agent. Zero fields take the defaults.
 type Config struct {
-	GPUs         int      // simulated GPUs (default standalone.gpus's, 2), named cudart.SimulatedUUID(i) as the simulator names its devices
+	GPUs int // simulated GPUs (default standalone.gpus's, 2), named cudart.SimulatedUUID(i) as the simulator names its devices
+	// GPUUUIDs, when set, names the GPUs instead (one each, in order):
+	// for clients that open their sessions on real devices, whose UUIDs
+	// the agent's plan must hold.
+	GPUUUIDs     []string
 	ChunksPerGPU int      // default 4
 	ChunkBytes   int64    // default 64 MiB
 	Tokens       []string // allocation tokens (default one random token, contract.NewToken)
@@ -100,7 +104,7 @@ func Start(c Config) (*Agent, error) {
 	ctx, cancel := context.WithCancel(context.Background())
 	a, err := agent.Boot(ctx, agent.Options{
 		Config: &cfg, Standalone: true, Socket: c.Socket,
-		ChunksPerGPU: c.ChunksPerGPU, ChunkBytes: c.ChunkBytes,
+		ChunksPerGPU: c.ChunksPerGPU, ChunkBytes: c.ChunkBytes, GPUUUIDs: c.GPUUUIDs,
 		Logger: c.Logger, Hooks: c.Hooks,
 	})
 	if err != nil {

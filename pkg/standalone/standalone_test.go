@@ -83,6 +83,7 @@ func TestStartRefuses(t *testing.T) {
 		{"world-writable directory", Config{GPUs: 1, ChunksPerGPU: 1, ChunkBytes: 2 << 20, Socket: filepath.Join(world, "kvpool.sock")}, "group or others may write it"},
 		{"too many GPUs", Config{GPUs: 65, Socket: filepath.Join(dir, "a", "kvpool.sock")}, "want 1 to 64"},
 		{"too many tokens", Config{GPUs: 1, ChunksPerGPU: 1, ChunkBytes: 2 << 20, Tokens: []string{"a", "b"}, Socket: filepath.Join(dir, "b", "kvpool.sock")}, "2 standalone tokens need at least as many chunks per GPU"},
+		{"GPU UUIDs not one a GPU", Config{GPUs: 2, GPUUUIDs: []string{"GPU-a"}, ChunksPerGPU: 1, ChunkBytes: 2 << 20, Socket: filepath.Join(dir, "d", "kvpool.sock")}, "1 GPU UUIDs for 2 standalone GPUs"},
 		{"token with a comma", Config{GPUs: 1, ChunksPerGPU: 1, ChunkBytes: 2 << 20, Tokens: []string{"a,b"}, Socket: filepath.Join(dir, "c", "kvpool.sock")}, "without spaces or commas"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
