@@ -264,9 +264,15 @@ func (a *agent) restoreSessions(context.Context) error {
 // stops (keeperwatch.go).
 func (a *agent) startHeartbeat(ctx context.Context, wg *sync.WaitGroup) error {
 	r := a.restart
-	if !r.lastAlive.IsZero() {
+	switch {
+	case !r.lastAlive.IsZero():
 		r.gap = time.Since(r.lastAlive)
 		a.log.Info("serving again after a restart", "gap", r.gap.Round(time.Millisecond),
+			"adoptedChunks", len(r.adopted), "sessions", len(r.sessions), "streams", r.streams)
+	case len(r.adopted) > 0:
+		// Books from before their writer stamped a new memfd at once:
+		// a restart all the same, its gap unknown.
+		a.log.Info("serving again after a restart", "gap", "unknown",
 			"adoptedChunks", len(r.adopted), "sessions", len(r.sessions), "streams", r.streams)
 	}
 	a.writeMarker()

@@ -471,7 +471,7 @@ type logFile struct {
 }
 
 // newLogFile makes a books memfd of generation gen with a log of
-// capacity bytes, its header written.
+// capacity bytes, its header written (a sign of life included).
 func newLogFile(gen, capacity uint64) (*logFile, error) {
 	fd, err := unix.MemfdCreate("kvpool-books", unix.MFD_CLOEXEC)
 	if err != nil {
@@ -491,6 +491,10 @@ func newLogFile(gen, capacity uint64) (*logFile, error) {
 	binary.LittleEndian.PutUint32(mem[8:], FormatVersion)
 	binary.LittleEndian.PutUint64(mem[16:], gen)
 	binary.LittleEndian.PutUint64(mem[24:], capacity)
+	// A sign of life from the start: the memfd goes to the keeper before
+	// the books take it, and an agent killed in between must not leave
+	// the next one books that never lived.
+	binary.LittleEndian.PutUint64(mem[32:], uint64(time.Now().UnixNano()))
 	return &logFile{f: f, mem: mem, capacity: capacity, off: headerSize}, nil
 }
 

@@ -18,17 +18,24 @@ import (
 	"github.com/kvpool/kvpool/pkg/wire"
 )
 
-// memStore keeps the latest books memfd, as a keeper would.
+// memStore keeps the latest books memfd, as a keeper would. It counts the
+// memfds handed to it without a sign of life in their header (unstamped):
+// an agent killed right after the hand-over leaves those to the next one.
 type memStore struct {
-	f    *os.File
-	gen  uint64
-	puts int
-	fail error
+	f         *os.File
+	gen       uint64
+	puts      int
+	unstamped int
+	fail      error
 }
 
 func (m *memStore) PutBooks(gen uint64, f *os.File) error {
 	if m.fail != nil {
 		return m.fail
+	}
+	var alive [8]byte
+	if _, err := f.ReadAt(alive[:], 32); err != nil || binary.LittleEndian.Uint64(alive[:]) == 0 {
+		m.unstamped++
 	}
 	nf, err := dupFile(f)
 	if err != nil {
@@ -313,6 +320,35 @@ func TestCompaction(t *testing.T) {
 	st, _, err := Load(fresh.f)
 	must(t, err)
 	must(t, st.Check(r.p.Export()))
+}
+
+// TestHandedBooksCarryASignOfLife: every memfd the books hand to the
+// keeper (at start, copying a kept log, compacting, handed again after a
+// keeper loss) already holds its writer's sign of life. An agent killed
+// between the hand-over and its first heartbeat left books without one,
+// and the next agent could not tell the restart's gap (nor log it).
+func TestHandedBooksCarryASignOfLife(t *testing.T) {
+	old := minLog
+	minLog = 4 << 10
+	defer func() { minLog = old }()
+	r := newRig(t, 5)
+	for i := range 3000 {
+		r.step(i)
+	}
+	fresh := &memStore{}
+	must(t, r.b.Rehand(fresh))
+	st, info, err := Load(fresh.f)
+	must(t, err)
+	r.b.Close()
+	b, err := Start(st, info.Gen, fresh, nil)
+	must(t, err)
+	defer b.Close()
+	if r.store.puts < 3 || fresh.puts != 2 {
+		t.Fatalf("%d and %d hand-overs: the test did not compact", r.store.puts, fresh.puts)
+	}
+	if n := r.store.unstamped + fresh.unstamped; n != 0 {
+		t.Fatalf("%d of %d books memfds were handed over with no sign of life", n, r.store.puts+fresh.puts)
+	}
 }
 
 func TestLoadRefuses(t *testing.T) {

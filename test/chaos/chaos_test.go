@@ -203,10 +203,10 @@ func TestAgentRestartChaos(t *testing.T) {
 			t.Fatalf("kill %d: SIGTERM: exit %v\n%s", i, ag.cmd.ProcessState, ag.log)
 		}
 		ag = start()
-		waitFor(t, func() bool { return hello(agentSock) == nil })
+		waitForAgent(t, ag, i, sig, func() bool { return hello(agentSock) == nil })
 		gaps = append(gaps, time.Since(killed))
 		// Every restart adopts the whole pool.
-		waitFor(t, func() bool { return gapRE.Match(ag.log.Bytes()) })
+		waitForAgent(t, ag, i, sig, func() bool { return gapRE.Match(ag.log.Bytes()) })
 		m := adoptRE.FindSubmatch(ag.log.Bytes())
 		if m == nil || string(m[1]) != strconv.Itoa(chunks) {
 			t.Fatalf("restart %d (%v): the agent did not adopt all %d chunks:\n%s", i, sig, chunks, ag.log)
@@ -369,6 +369,26 @@ func waitFor(t *testing.T, cond func() bool) {
 	for !cond() {
 		if time.Now().After(deadline) {
 			t.Fatal("timed out")
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+}
+
+// waitForAgent is waitFor for the restarted agent: it fails at the
+// agent's first logged error, and when it times out it says which restart
+// it was and prints the agent's log and its goroutines (SIGQUIT), so that
+// either can be read from the CI output.
+func waitForAgent(t *testing.T, ag *agentProc, i int, sig syscall.Signal, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for !cond() {
+		if bytes.Contains(ag.log.Bytes(), []byte("level=ERROR")) {
+			t.Fatalf("restart %d (after %v): the agent logged an error:\n%s", i, sig, ag.log)
+		}
+		if time.Now().After(deadline) {
+			ag.cmd.Process.Signal(syscall.SIGQUIT)
+			ag.cmd.Wait()
+			t.Fatalf("restart %d (after %v): the agent is not serving after 20s; exit %v; its log:\n%s", i, sig, ag.cmd.ProcessState, ag.log)
 		}
 		time.Sleep(2 * time.Millisecond)
 	}
