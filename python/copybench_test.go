@@ -65,12 +65,15 @@ func TestGoClientCopyBench(t *testing.T) {
 	for i := range out {
 		out[i], back[i] = int32(2*i), int32(2*i+1) // scattered: no two pages merge
 	}
-	var off, rel []float64
+	// Each direction's time, and the part of it until the call returned
+	// (enqueued, not yet waited for).
+	var off, rel, eoff, erel []float64
 	for r := 0; r < c.Reps+1; r++ {
 		t0 := time.Now()
 		if ok, err := p.OffloadStream("bench", "kv", out, 1, 1, 0); err != nil || !ok {
 			t.Fatalf("offload: %v %v", ok, err)
 		}
+		te := time.Now()
 		if err := p.Synchronize(); err != nil {
 			t.Fatal(err)
 		}
@@ -78,15 +81,18 @@ func TestGoClientCopyBench(t *testing.T) {
 		if _, err := p.ReloadStream("bench", "kv", back); err != nil {
 			t.Fatal(err)
 		}
+		tr := time.Now()
 		if err := p.Synchronize(); err != nil {
 			t.Fatal(err)
 		}
 		t2 := time.Now()
 		if r > 0 { // the first is a warm-up
 			off, rel = append(off, t1.Sub(t0).Seconds()), append(rel, t2.Sub(t1).Seconds())
+			eoff, erel = append(eoff, te.Sub(t0).Seconds()), append(erel, tr.Sub(t1).Seconds())
 		}
 	}
-	fmt.Printf("{\"backend\": %q, \"offload_s\": %g, \"reload_s\": %g}\n", choice.Backend, median(off), median(rel))
+	fmt.Printf("{\"backend\": %q, \"offload_s\": %g, \"reload_s\": %g, \"offload_enqueue_s\": %g, \"reload_enqueue_s\": %g}\n",
+		choice.Backend, median(off), median(rel), median(eoff), median(erel))
 }
 
 func median(v []float64) float64 {

@@ -116,24 +116,33 @@ def main():
     dst = list(range(1, 2 * a.pages, 2))
     rows = []
 
-    def timed(offload, reload, wait):
-        off, rel = [], []
+    # Each direction's time, and the part of it spent enqueueing (the call
+    # returned, the copies not yet waited for): medians of a.reps.
+    enqueued = {}
+
+    def timed(offload, reload, wait, name):
+        off, rel, eoff, erel = [], [], [], []
         for r in range(a.reps + 1):
             t0 = time.perf_counter()
             offload()
+            te = time.perf_counter()
             wait()
             t1 = time.perf_counter()
             reload()
+            tr = time.perf_counter()
             wait()
             t2 = time.perf_counter()
             if r:
                 off.append(t1 - t0)
                 rel.append(t2 - t1)
+                eoff.append(te - t0)
+                erel.append(tr - t1)
+        enqueued[name] = (statistics.median(eoff), statistics.median(erel))
         return statistics.median(off), statistics.median(rel)
 
     pool = kvpool.CPUPagePool(None, gpu, a.pages)
     py = timed(lambda: pool.offload_stream("b", "kv", gpu, src, 1, 1), lambda: pool.reload_stream("b", "kv", gpu, dst),
-               pool._synchronize)
+               pool._synchronize, "kvpool Python")
     pool.close()
     rows.append(("kvpool Python", py))
 
@@ -152,6 +161,7 @@ def main():
             j = json.loads(line)
             go = (j["offload_s"], j["reload_s"])
             rows.append(("Go client (%s)" % j["backend"], go))
+            enqueued[rows[-1][0]] = (j["offload_enqueue_s"], j["reload_enqueue_s"])
 
     # The seed's doc, literally: per page cpu[:, i].copy_(gpu[:, j], non_blocking=True)
     # on a side stream, into one pinned tensor.
@@ -182,14 +192,18 @@ def main():
 
         def wait():
             pass
-    base = timed(t_off, t_rel, wait)
+    base = timed(t_off, t_rel, wait, "torch baseline (seed doc)")
     rows.append(("torch baseline (seed doc)", base))
 
     gbps = lambda s: batch_bytes / s / 1e9
-    lines = ["| client | direction | GB/s | x torch baseline | x Go client |", "| --- | --- | --- | --- | --- |"]
+    lines = ["| client | direction | GB/s | x torch baseline | x Go client | ms a batch | of it enqueueing |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, (o, r) in rows:
-        for d, s, bs, gs in (("DtoH", o, base[0], go[0] if go else None), ("HtoD", r, base[1], go[1] if go else None)):
-            lines.append("| %s | %s | %.2f | %.2f | %s |" % (name, d, gbps(s), bs / s, "%.2f" % (gs / s) if gs else "-"))
+        eo, er = enqueued.get(name, (None, None))
+        for d, s, bs, gs, e in (("DtoH", o, base[0], go[0] if go else None, eo),
+                                ("HtoD", r, base[1], go[1] if go else None, er)):
+            lines.append("| %s | %s | %.2f | %.2f | %s | %.2f | %s |" % (name, d, gbps(s), bs / s, "%.2f" % (gs / s) if gs else "-",
+                                                                   s * 1e3, "%.2f" % (e * 1e3) if e is not None else "-"))
     head = ("Python client side by side (%s, torch %s): %d pages of %d regions x %d bytes (%.1f MiB a batch), "
             "%d device pages, median of %d" % ("CUDA " + torch.cuda.get_device_name(dev) if cuda else "simulator, CPU tensors",
                                               torch.__version__, a.pages, regions, page_bytes, batch_bytes / 2**20,
