@@ -8,6 +8,7 @@ package cudart
 import "C"
 
 import (
+	"errors"
 	"fmt"
 	"runtime/cgo"
 	"sort"
@@ -519,10 +520,15 @@ func (d *cudaDevice) StreamWaitEvent(s Stream, e Event) error {
 
 // MemcpyBatchAsync merges copies that continue each other on both sides,
 // checks that every host range is registered here, and enqueues the result
-// with one cuMemcpyBatchAsync call (source access order STREAM, so device
-// sources written by earlier work on s are read after it). Without a batch
-// entry point, or on the legacy default stream, which the batch call does
-// not accept, it issues one cuMemcpy{HtoD,DtoH}Async per merged run.
+// with cuMemcpyBatchAsync (source access order STREAM, so device sources
+// written by earlier work on s are read after it), in pieces (batchPieces):
+// the GPU starts on a piece once its call returns, and enqueueing costs
+// the driver about as much as moving a 32 KiB copy, so one call for a
+// large batch left the copy engine idle until the last copy was enqueued.
+// Without a batch entry point, or on the legacy default stream, which the
+// batch call does not accept, it issues one cuMemcpy{HtoD,DtoH}Async per
+// merged run. When a call fails after others were enqueued, it waits for s
+// before it returns, so that no copy of the batch is left in flight.
 func (d *cudaDevice) MemcpyBatchAsync(copies []Copy, dir Direction, s Stream) error {
 	return d.memcpy(copies, dir, s, true)
 }
@@ -563,11 +569,37 @@ func (d *cudaDevice) memcpy(copies []Copy, dir Direction, s Stream, useBatch boo
 	if useBatch && s != 0 {
 		batch = 1
 	}
-	r := C.kv_memcpy(d.drv.api, d.ctx, (*C.kv_copy)(unsafe.Pointer(&runs[0])), C.size_t(len(runs)), dtoh, cstream(s), batch, &failed, &idx)
-	if r != 0 {
-		return fmt.Errorf("%d copies (%d merged runs) %v, run %d: %w", len(copies), len(runs), dir, int(idx), d.err(C.GoString(failed), r))
+	for start, n := 0, 0; start < len(runs); start += n {
+		n = batchPiece(start, len(runs))
+		r := C.kv_memcpy(d.drv.api, d.ctx, (*C.kv_copy)(unsafe.Pointer(&runs[start])), C.size_t(n), dtoh, cstream(s), batch, &failed, &idx)
+		if r == 0 {
+			continue
+		}
+		err := fmt.Errorf("%d copies (%d merged runs) %v, run %d: %w", len(copies), len(runs), dir, start+int(idx), d.err(C.GoString(failed), r))
+		if start > 0 || idx > 0 {
+			if r := C.kv_stream_synchronize(d.drv.api, d.ctx, cstream(s)); r != 0 {
+				err = errors.Join(err, d.err("cuStreamSynchronize", r))
+			}
+		}
+		return err
 	}
 	return nil
+}
+
+const (
+	// firstPiece is the runs of a batch's first driver call: enough to
+	// keep the copy engine busy while the second is enqueued.
+	firstPiece = 64
+	// maxPiece bounds the runs of one driver call (each call costs a few
+	// µs of its own; 512 runs take the driver 250-400 µs to enqueue).
+	maxPiece = 512
+)
+
+// batchPiece is how many of n runs the driver call starting at run start
+// enqueues: firstPiece, then as many as the calls before it (the runs
+// enqueued double), at most maxPiece.
+func batchPiece(start, n int) int {
+	return min(n-start, max(firstPiece, min(start, maxPiece)))
 }
 
 //export kvpoolHostFn

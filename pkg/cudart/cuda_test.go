@@ -657,3 +657,93 @@ func TestFakeRegisterDoesNotBlockCopies(t *testing.T) {
 	must(t, <-registered)
 	must(t, dev.MemcpyBatchAsync([]Copy{{Dst: uintptr(dp), Src: addr(slow), Bytes: 4096}}, HostToDevice, s))
 }
+
+// TestFakeBatchInPieces: a large batch goes to the driver in pieces that
+// double (64, 64, 128, 256, then at most 512 runs a call), in order, so
+// that the copy engine starts while the rest is enqueued; a piece that
+// fails after others were enqueued waits for the stream before the error
+// returns (no copy of the batch left in flight), and one that fails first
+// enqueued nothing and waits for nothing.
+func TestFakeBatchInPieces(t *testing.T) {
+	const page, n = 256, 1000
+	for _, c := range []struct {
+		name   string
+		failAt int // the batch call that fails (0: none)
+		calls  []string
+		copied int // runs that reach the device
+		synced bool
+	}{
+		{"whole", 0, []string{"count=64 ", "count=64 ", "count=128 ", "count=256 ", "count=488 "}, n, false},
+		{"third call fails", 3, []string{"count=64 ", "count=64 "}, 128, true},
+		{"first call fails", 1, nil, 0, false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			var defs []string
+			if c.failAt > 0 {
+				defs = append(defs, fmt.Sprintf("FAKE_BATCH_FAIL_AT=%d", c.failAt))
+			}
+			f, dev := openFake(t, defs...)
+			host, back := mmapHost(t, 2*n*page), mmapHost(t, 2*n*page)
+			copy(host, randBytes(len(host), 3))
+			for i := range back {
+				back[i] = 0xA5
+			}
+			for _, b := range [][]byte{host, back} {
+				if err := dev.HostRegister(b); err != nil {
+					t.Fatal(err)
+				}
+			}
+			dp, err := dev.MemAlloc(2 * n * page)
+			if err != nil {
+				t.Fatal(err)
+			}
+			// Poisoned device memory, and later read back, by one copy on
+			// the legacy default stream (a single async copy, not a batch
+			// call).
+			whole := func(dir Direction) {
+				t.Helper()
+				c := Copy{Dst: uintptr(dp), Src: addr(back), Bytes: uint64(len(back))}
+				if dir == DeviceToHost {
+					c = Copy{Dst: addr(back), Src: uintptr(dp), Bytes: uint64(len(back))}
+				}
+				if err := dev.MemcpyBatchAsync([]Copy{c}, dir, 0); err != nil {
+					t.Fatal(err)
+				}
+			}
+			whole(HostToDevice)
+			s, err := dev.StreamCreate()
+			if err != nil {
+				t.Fatal(err)
+			}
+			// Every other page on both sides: no two copies merge.
+			in := make([]Copy, n)
+			for i := range in {
+				in[i] = Copy{Dst: uintptr(dp) + uintptr(2*i*page), Src: addr(host[2*i*page:]), Bytes: page}
+			}
+			err = dev.MemcpyBatchAsync(in, HostToDevice, s)
+			if (err != nil) != (c.failAt > 0) {
+				t.Fatalf("MemcpyBatchAsync: %v", err)
+			}
+			if err != nil && !strings.Contains(err.Error(), fmt.Sprintf("run %d:", c.copied)) {
+				t.Errorf("the error does not name run %d, the first of the failed call: %v", c.copied, err)
+			}
+			var got []string
+			for _, l := range f.calls(t, "cuMemcpyBatchAsync abi=") {
+				got = append(got, l[strings.Index(l, "count="):strings.Index(l, "bytes=")])
+			}
+			if strings.Join(got, "|") != strings.Join(c.calls, "|") {
+				t.Errorf("batch calls %q, want %q", got, c.calls)
+			}
+			if synced := len(f.calls(t, "cuStreamSynchronize")) > 0; synced != c.synced {
+				t.Errorf("waited for the stream: %v, want %v", synced, c.synced)
+			}
+			whole(DeviceToHost)
+			for i := range n {
+				moved := bytes.Equal(back[2*i*page:(2*i+1)*page], host[2*i*page:(2*i+1)*page])
+				if moved != (i < c.copied) {
+					t.Fatalf("run %d reached the device: %v, want %v", i, moved, i < c.copied)
+				}
+			}
+		})
+	}
+}

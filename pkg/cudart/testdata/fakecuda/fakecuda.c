@@ -14,6 +14,7 @@
 //   FAKE_DEVICES       device count (default 1)
 //   FAKE_LOG           path of the call log (a string literal)
 //   FAKE_REGISTER_US   microseconds each cuMemHostRegister takes (default 0)
+//   FAKE_BATCH_FAIL_AT the batch call (1, 2, ...) that fails without copying
 
 #include <pthread.h>
 #include <stdint.h>
@@ -350,6 +351,7 @@ static CUresult fake_stream_destroy(void *s) {
 
 static CUresult fake_stream_sync(void *s) {
 	CTX();
+	logf_("cuStreamSynchronize");
 	return check_stream(s);
 }
 
@@ -417,6 +419,13 @@ static CUresult batch(const char *abi, CUdeviceptr *dsts, CUdeviceptr *srcs, siz
 	// The batch call rejects the legacy default stream.
 	if (s == NULL || !live(streams, s)) return INVALID_HANDLE;
 	if (count == 0 || nattrs != 1 || idxs[0] != 0 || a[0].order != 1) return INVALID_VALUE;
+#ifdef FAKE_BATCH_FAIL_AT
+	static int batches;
+	if (++batches == FAKE_BATCH_FAIL_AT) {
+		logf_("cuMemcpyBatchAsync failed count=%zu", count);
+		return INVALID_VALUE;
+	}
+#endif
 	size_t total = 0;
 	for (size_t i = 0; i < count; i++) {
 		memcpy((void *)(uintptr_t)dsts[i], (const void *)(uintptr_t)srcs[i], sizes[i]);
