@@ -81,6 +81,10 @@ func TestGPURoundTrip(t *testing.T) {
 				})
 			}
 		}
+		// 64 regions of 4 KiB pages: 4,096 copies a batch, which go to
+		// the driver in pieces (batchPiece).
+		lc := layoutCase{"64 regions", 4 << 10, 64, 0}
+		t.Run(path+"/"+lc.String(), func(t *testing.T) { scenarioRoundTrip(t, dev, lc, 160, 96, 64, 99) })
 		t.Run(path+"/back-to-back", func(t *testing.T) {
 			for i, size := range gpuPageSizes {
 				scenarioBackToBack(t, dev, size, 64, uint64(i))
@@ -313,6 +317,35 @@ func TestGPUBandwidth(t *testing.T) {
 					})
 				f := max(floor[DeviceToHost], floor[HostToDevice])
 				out("| %s | both at once | %s | %.1f | %.2f | %.1f |\n", sizeName(size), path, rate/1e9, rate/f, float64(enq.Nanoseconds())/2e3)
+			}
+		}
+		if !noBatch && ch.BatchABI != 0 {
+			// Large batches of small pages (a layout of many regions per
+			// page, or few heads per GPU): 4,096 copies a batch, which the
+			// driver gets in pieces (batchPiece), the copy engine starting
+			// on the first while the rest are enqueued.
+			for _, size := range []uint64{4 << 10, 16 << 10, 32 << 10} {
+				const big = 4096
+				n := poolBytes / int(size)
+				layout := Layout{Regions: []Region{{Base: dp, Stride: size, PageBytes: size, Pages: n}}}
+				var bs [][]Copy
+				for range 4 {
+					devIdx, hostIdx := pick(r, n/2, big), pick(r, n/2, big)
+					ha := make([]uintptr, big)
+					for i := range devIdx {
+						devIdx[i] *= 2
+						ha[i] = addr(host.b[2*hostIdx[i]*int(size):])
+					}
+					c, err := layout.Copies(DeviceToHost, devIdx, ha)
+					must(t, err)
+					bs = append(bs, c)
+				}
+				reps := max(4, minBytes/(big*int(size)))
+				rate, enq := timeBatches(t, runs, reps, uint64(reps)*big*size,
+					func(i int) error { return dev.MemcpyBatchAsync(bs[i%len(bs)], DeviceToHost, s1) },
+					func() error { return dev.StreamSynchronize(s1) })
+				out("| %s, %d a batch | %v | %s | %.1f | %.2f | %.1f |\n", sizeName(size), big, DeviceToHost, path,
+					rate/1e9, rate/floor[DeviceToHost], float64(enq.Nanoseconds())/1e3)
 			}
 		}
 		must(t, dev.StreamDestroy(s1))
