@@ -10,6 +10,8 @@ import (
 	"runtime/debug"
 	"runtime/metrics"
 	"slices"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -45,13 +47,19 @@ func startKeeper(t *testing.T) (string, *keeper.Keeper) {
 // fixed layout; stop ends it (as a SIGTERM does).
 func keptAgent(t *testing.T, dir, keeperSock string, tokens []string) (a *Agent, stop func()) {
 	t.Helper()
+	return keptAgentLogging(t, dir, keeperSock, tokens, quietLog)
+}
+
+// keptAgentLogging is keptAgent logging to log.
+func keptAgentLogging(t *testing.T, dir, keeperSock string, tokens []string, log *slog.Logger) (a *Agent, stop func()) {
+	t.Helper()
 	cfg := config.Default()
 	cfg.SocketDir, cfg.StateDir = filepath.Join(dir, "sock"), filepath.Join(dir, "state")
 	cfg.Metrics.Address, cfg.Health.Address = "", ""
 	cfg.KeeperSocket = keeperSock
 	cfg.Standalone.Tokens = tokens
 	ctx, cancel := context.WithCancel(context.Background())
-	a, err := Boot(ctx, Options{Config: &cfg, Standalone: true, ChunksPerGPU: 2, ChunkBytes: 2 << 20, Logger: quietLog})
+	a, err := Boot(ctx, Options{Config: &cfg, Standalone: true, ChunksPerGPU: 2, ChunkBytes: 2 << 20, Logger: log})
 	if err != nil {
 		cancel()
 		t.Fatal(err)
@@ -456,4 +464,66 @@ func TestCollectorBackOnAfterARestore(t *testing.T) {
 	if got := gogc(t); got != 137 {
 		t.Fatalf("GOGC %d after a start that failed past the restore, want 137", got)
 	}
+}
+
+// TestRestartLoggedWithoutASignOfLife: books whose header holds no sign of
+// life (written before fresh memfds were stamped at once) still make a
+// restart that is logged, its gap unknown; one with the sign of life logs
+// the gap it measured.
+func TestRestartLoggedWithoutASignOfLife(t *testing.T) {
+	for _, stamped := range []bool{true, false} {
+		dir := t.TempDir()
+		ksock, _ := startKeeper(t)
+		_, stop := keptAgent(t, dir, ksock, []string{"tenant-a"})
+		stop()
+		if !stamped {
+			// As an agent would that held the books' memfd: zero the
+			// header's sign of life, then let the keeper go on holding it.
+			kc, held, err := keeper.Connect(ksock, 5*time.Second)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if held.Books == nil {
+				t.Fatal("the keeper holds no books after a stop")
+			}
+			if _, err := held.Books.WriteAt(make([]byte, 8), 32); err != nil {
+				t.Fatal(err)
+			}
+			held.Close()
+			kc.Close()
+		}
+		var log syncLog
+		a, stop2 := keptAgentLogging(t, dir, ksock, []string{"tenant-a"}, slog.New(slog.NewTextHandler(&log, nil)))
+		got := log.String()
+		rs := a.a.restartStatus()
+		stop2()
+		want := `msg="serving again after a restart" gap=unknown`
+		if stamped {
+			want = `msg="serving again after a restart" gap=`
+		}
+		if !strings.Contains(got, want) || stamped == strings.Contains(got, "gap=unknown") {
+			t.Errorf("stamped %v: the log does not say %q:\n%s", stamped, want, got)
+		}
+		if rs.AdoptedChunks == 0 || (rs.LastGapSeconds > 0) != stamped {
+			t.Errorf("stamped %v: restart status %+v", stamped, rs)
+		}
+	}
+}
+
+// syncLog is a log sink a test reads while the agent writes it.
+type syncLog struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (l *syncLog) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *syncLog) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
 }
