@@ -273,16 +273,16 @@ type Log struct {
 	Format string `json:"format"`
 }
 
-// Standalone configures --standalone mode: no kubelet, simulated GPUs when
-// no NVML is present, and allocations named by fixed tokens.
+// Standalone configures --standalone mode: no kubelet, simulated GPUs
+// (whatever GPUs the machine has), and allocations named by fixed tokens.
 type Standalone struct {
 	// Tokens are the allocation tokens clients may open sessions with
 	// (each one owns an equal share of the chunks). Each is non-empty,
 	// without whitespace or commas, and unique. In the environment and on
 	// the command line: a comma-separated list. Default: one token, "dev".
 	Tokens []string `json:"tokens"`
-	// GPUs is the number of simulated GPUs when no real GPU is found.
-	// 1 to 64. Default 2.
+	// GPUs is the number of simulated GPUs standalone mode serves (it
+	// never uses real ones). 1 to 64. Default 2.
 	GPUs int `json:"gpus"`
 	// PoolBytes is the whole pool in standalone mode, replacing the sizing
 	// policy's total so a laptop does not pin half its memory. Default

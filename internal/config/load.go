@@ -145,7 +145,7 @@ var settings = func() []setting {
 			c.Standalone.Tokens = toks
 			return nil
 		}})
-	add("standalone.gpus", "standalone-gpus", "KVPOOL_STANDALONE_GPUS", "simulated GPUs in --standalone when none is found", accessor{func(c *Config) string { return strconv.Itoa(c.Standalone.GPUs) },
+	add("standalone.gpus", "standalone-gpus", "KVPOOL_STANDALONE_GPUS", "the simulated GPUs of --standalone (it never uses real ones)", accessor{func(c *Config) string { return strconv.Itoa(c.Standalone.GPUs) },
 		func(c *Config, s string) error {
 			v, err := strconv.Atoi(strings.TrimSpace(s))
 			if err != nil {
