@@ -2,7 +2,6 @@ package main
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -16,12 +15,12 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"sync"
 	"syscall"
 	"text/tabwriter"
 	"time"
 
 	"github.com/kvpool/kvpool/internal/keeper"
+	"github.com/kvpool/kvpool/internal/logging"
 	"github.com/kvpool/kvpool/pkg/client"
 	"github.com/kvpool/kvpool/pkg/cudart"
 )
@@ -238,26 +237,7 @@ type probe struct {
 	bin       string
 	keeper    *exec.Cmd
 	agent     *exec.Cmd
-	log       syncBuffer // every agent's stderr
-}
-
-// syncBuffer is a bytes.Buffer the agents' stderr copiers write while the
-// probe may read it.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
+	log       logging.SyncBuffer // every agent's stderr
 }
 
 // startProbe starts a keeper and an agent on it in a fresh directory.

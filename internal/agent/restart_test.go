@@ -11,7 +11,6 @@ import (
 	"runtime/metrics"
 	"slices"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -20,6 +19,7 @@ import (
 	"github.com/kvpool/kvpool/internal/config"
 	"github.com/kvpool/kvpool/internal/hostmem"
 	"github.com/kvpool/kvpool/internal/keeper"
+	"github.com/kvpool/kvpool/internal/logging"
 	"github.com/kvpool/kvpool/pkg/cudart"
 	"github.com/kvpool/kvpool/pkg/pool"
 	"github.com/kvpool/kvpool/pkg/wire"
@@ -492,7 +492,7 @@ func TestRestartLoggedWithoutASignOfLife(t *testing.T) {
 			held.Close()
 			kc.Close()
 		}
-		var log syncLog
+		var log logging.SyncBuffer
 		a, stop2 := keptAgentLogging(t, dir, ksock, []string{"tenant-a"}, slog.New(slog.NewTextHandler(&log, nil)))
 		got := log.String()
 		rs := a.a.restartStatus()
@@ -508,22 +508,4 @@ func TestRestartLoggedWithoutASignOfLife(t *testing.T) {
 			t.Errorf("stamped %v: restart status %+v", stamped, rs)
 		}
 	}
-}
-
-// syncLog is a log sink a test reads while the agent writes it.
-type syncLog struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (l *syncLog) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *syncLog) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
 }

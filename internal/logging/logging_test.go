@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"log/slog"
 	"strings"
+	"sync"
 	"testing"
 
 	"k8s.io/klog/v2"
@@ -110,5 +111,35 @@ func TestKlogBridge(t *testing.T) {
 	}
 	if _, ok := seen["klog verbose"]; !ok {
 		t.Errorf("V(1) record %q not logged at debug level", "klog verbose")
+	}
+}
+
+// TestSyncBufferReadWhileWritten: writers and readers at once (run with
+// -race) lose nothing, and Bytes is a copy the caller may change.
+func TestSyncBufferReadWhileWritten(t *testing.T) {
+	var s SyncBuffer
+	var wg sync.WaitGroup
+	for range 4 {
+		wg.Go(func() {
+			for range 1000 {
+				if _, err := s.Write([]byte("x\n")); err != nil {
+					t.Error(err)
+				}
+			}
+		})
+	}
+	for range 100 {
+		if b := s.Bytes(); strings.Count(string(b), "x\n")*2 != len(b) {
+			t.Fatalf("a read of %d bytes holds a torn line", len(b))
+		}
+	}
+	wg.Wait()
+	if got := strings.Count(s.String(), "x\n"); got != 4000 {
+		t.Fatalf("%d lines, want 4000", got)
+	}
+	b := s.Bytes()
+	b[0] = 'y'
+	if s.String()[0] != 'x' {
+		t.Fatal("Bytes returned the buffer itself, not a copy")
 	}
 }

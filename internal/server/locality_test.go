@@ -1,7 +1,6 @@
 package server_test
 
 import (
-	"bytes"
 	"log/slog"
 	"strings"
 	"sync"
@@ -9,28 +8,16 @@ import (
 	"time"
 
 	"github.com/kvpool/kvpool/internal/hostmem"
+	"github.com/kvpool/kvpool/internal/logging"
 	"github.com/kvpool/kvpool/internal/server"
 	"github.com/kvpool/kvpool/pkg/pool"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
 
 // syncBuffer is a log sink tests read while the server writes.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
+type syncBuffer struct{ logging.SyncBuffer }
 
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) count(sub string) int {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return strings.Count(s.b.String(), sub)
-}
+func (s *syncBuffer) count(sub string) int { return strings.Count(s.String(), sub) }
 
 // localityServer serves a node of four GPUs on two NUMA nodes (GPUs 0, 1
 // on node 0; 2, 3 on node 1) whose allocation "A" (token "tok-a") holds

@@ -30,12 +30,12 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/kvpool/kvpool/internal/keeper"
+	"github.com/kvpool/kvpool/internal/logging"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
 
@@ -73,28 +73,8 @@ func build(t *testing.T, dir, pkg string) string {
 
 type agentProc struct {
 	cmd *exec.Cmd
-	log *syncBuf
+	log *logging.SyncBuffer
 }
-
-// syncBuf is a log buffer the test reads while the process writes it.
-type syncBuf struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuf) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuf) Bytes() []byte {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return slices.Clone(s.b.Bytes())
-}
-
-func (s *syncBuf) String() string { return string(s.Bytes()) }
 
 // clientResult is what a chaosclient prints (its Result).
 type clientResult struct {
@@ -125,7 +105,7 @@ func TestAgentRestartChaos(t *testing.T) {
 	}
 
 	kp := exec.Command(agentBin, "keeper", "--socket", keeperSock, "--log-level", "warn")
-	keeperLog := &syncBuf{}
+	keeperLog := &logging.SyncBuffer{}
 	kp.Stderr = keeperLog
 	if err := kp.Start(); err != nil {
 		t.Fatal(err)
@@ -143,7 +123,7 @@ func TestAgentRestartChaos(t *testing.T) {
 		"--standalone-gpus", strconv.Itoa(gpus), "--chunks-per-gpu", strconv.Itoa(chunksPerGPU), "--chunk-mib", strconv.Itoa(chunkMiB),
 		"--state-dir", filepath.Join(dir, "state"), "--log-level", "info", "--standalone-tokens", strings.Join(tokens, ",")}
 	start := func() *agentProc {
-		a := &agentProc{cmd: exec.Command(agentBin, args...), log: &syncBuf{}}
+		a := &agentProc{cmd: exec.Command(agentBin, args...), log: &logging.SyncBuffer{}}
 		a.cmd.Stderr = a.log
 		if err := a.cmd.Start(); err != nil {
 			t.Fatal(err)

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/kvpool/kvpool/internal/keeper"
+	"github.com/kvpool/kvpool/internal/logging"
 )
 
 // TestKeeperLossChaos takes the keeper away under the verifying clients,
@@ -43,7 +44,7 @@ func TestKeeperLossChaos(t *testing.T) {
 	}
 	startKeeper := func() *exec.Cmd {
 		kp := exec.Command(agentBin, "keeper", "--socket", keeperSock, "--log-level", "warn")
-		kp.Stderr = &syncBuf{}
+		kp.Stderr = &logging.SyncBuffer{}
 		if err := kp.Start(); err != nil {
 			t.Fatal(err)
 		}
@@ -56,7 +57,7 @@ func TestKeeperLossChaos(t *testing.T) {
 		"--standalone-gpus", strconv.Itoa(gpus), "--chunks-per-gpu", strconv.Itoa(chunksPerGPU), "--chunk-mib", strconv.Itoa(chunkMiB),
 		"--state-dir", filepath.Join(dir, "state"), "--log-level", "info", "--standalone-tokens", strings.Join(tokens, ",")}
 	startAgent := func() *agentProc {
-		a := &agentProc{cmd: exec.Command(agentBin, args...), log: &syncBuf{}}
+		a := &agentProc{cmd: exec.Command(agentBin, args...), log: &logging.SyncBuffer{}}
 		a.cmd.Stderr = a.log
 		if err := a.cmd.Start(); err != nil {
 			t.Fatal(err)

@@ -12,10 +12,11 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/kvpool/kvpool/internal/logging"
 )
 
 // goTool finds the go command (go test puts its own on PATH).
@@ -46,7 +47,7 @@ func build(t *testing.T, dir string) (agent, kvclient string) {
 type proc struct {
 	cmd   *exec.Cmd
 	done  chan error
-	out   *lockedWriter
+	out   *logging.SyncBuffer // stdout and stderr, written by two goroutines
 	lines chan string
 }
 
@@ -54,7 +55,7 @@ type proc struct {
 // lines on p.lines.
 func start(t *testing.T, name string, args ...string) *proc {
 	t.Helper()
-	p := &proc{cmd: exec.Command(name, args...), done: make(chan error, 1), out: &lockedWriter{}, lines: make(chan string, 1024)}
+	p := &proc{cmd: exec.Command(name, args...), done: make(chan error, 1), out: &logging.SyncBuffer{}, lines: make(chan string, 1024)}
 	stderr, err := p.cmd.StderrPipe()
 	if err != nil {
 		t.Fatal(err)
@@ -83,25 +84,6 @@ func start(t *testing.T, name string, args ...string) *proc {
 		}
 	})
 	return p
-}
-
-// lockedWriter collects a process's stdout and stderr, written by two
-// goroutines.
-type lockedWriter struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (w *lockedWriter) Write(b []byte) (int, error) {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	return w.b.Write(b)
-}
-
-func (w *lockedWriter) String() string {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	return w.b.String()
 }
 
 func (p *proc) wait(t *testing.T, d time.Duration) error {
