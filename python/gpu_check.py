@@ -146,22 +146,28 @@ def main():
     pool.close()
     rows.append(("kvpool Python", py))
 
-    go = None
-    if a.go_bin:
+    def go_client(label, env):
         spec = {"backend": "cuda" if cuda else "sim", "device": 0, "regions": regions, "device_pages": a.device_pages,
                 "page_bytes": page_bytes, "pages": a.pages, "reps": a.reps}
         r = subprocess.run([a.go_bin, "-test.run", "^TestGoClientCopyBench$", "-test.count", "1"],
-                           env=dict(os.environ, KVPOOL_GO_COPY_BENCH=json.dumps(spec)), capture_output=True, text=True,
-                           timeout=300)
+                           env=dict(os.environ, KVPOOL_GO_COPY_BENCH=json.dumps(spec), **env), capture_output=True,
+                           text=True, timeout=300)
         line = next((l for l in r.stdout.splitlines() if l.startswith("{")), None)
         if r.returncode != 0 or line is None:
-            failures.append("Go client run")
-            print("gpu py check: Go client failed:\n%s\n%s" % (r.stdout[-2000:], r.stderr[-2000:]))
-        else:
-            j = json.loads(line)
-            go = (j["offload_s"], j["reload_s"])
-            rows.append(("Go client (%s)" % j["backend"], go))
-            enqueued[rows[-1][0]] = (j["offload_enqueue_s"], j["reload_enqueue_s"])
+            failures.append("Go client run" + label)
+            print("gpu py check: Go client%s failed:\n%s\n%s" % (label, r.stdout[-2000:], r.stderr[-2000:]))
+            return None
+        j = json.loads(line)
+        rows.append(("Go client (%s%s)" % (j["backend"], label), (j["offload_s"], j["reload_s"])))
+        enqueued[rows[-1][0]] = (j["offload_enqueue_s"], j["reload_enqueue_s"])
+        return rows[-1][1]
+
+    go = None
+    if a.go_bin:
+        go = go_client("", {})
+        # The same with every copy on the copy engine (no copy kernel), for
+        # the kernel's gain in this run.
+        go_client(", copy engine only", {"KVPOOL_COPY_KERNEL": "off"})
 
     # The seed's doc, literally: per page cpu[:, i].copy_(gpu[:, j], non_blocking=True)
     # on a side stream, into one pinned tensor.

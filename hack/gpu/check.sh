@@ -5,6 +5,7 @@
 #      built on another machine by hack/gpu/build.sh, where Go is absent);
 #   2. probes for a GPU: with none, prints why and exits 0;
 #   3. runs the GPU tests (round trips of random bytes onto poisoned pages,
+#      the copy kernel's run lengths among copy-engine runs,
 #      16 KiB to 2 MiB, dense/strided/split layouts, batch and fallback
 #      paths, Sync checked by a copy on the caller's stream, event order);
 #   4. measures scattered-page bandwidth against a 1 GiB pinned copy in the
@@ -70,7 +71,7 @@ rc=0
 brc=0
 if [[ $parts == *" go "* ]]; then
 start=$(date +%s)
-KVPOOL_GPU_REQUIRED=1 timeout 240 "$bin" -test.run '^TestGPU(RoundTrip|EventOrdering)$' -test.v -test.count=1 >"$out/gpu-tests.log" 2>&1
+KVPOOL_GPU_REQUIRED=1 timeout 240 "$bin" -test.run '^TestGPU(RoundTrip|CopyKernelSizes|EventOrdering)$' -test.v -test.count=1 >"$out/gpu-tests.log" 2>&1
 rc=$?
 grep -E '^\s*--- (FAIL|SKIP)|_test\.go:[0-9]+' "$out/gpu-tests.log" | head -40
 echo "gpu check: GPU tests rc=$rc in $(( $(date +%s) - start )) s ($(grep -c -- '--- PASS' "$out/gpu-tests.log") passed), log $out/gpu-tests.log"

@@ -38,6 +38,9 @@ type cudaDriver struct {
 	version int
 	// maxRegister is MaxRegisterBytes except in tests.
 	maxRegister uint64
+	// kernelOff says why the copy kernel is not used (Options.NoKernel,
+	// KernelEnv, or an entry point the driver lacks); nil when it may be.
+	kernelOff error
 
 	mu   sync.Mutex
 	devs map[int]*cudaDevice // open handles, one per ordinal
@@ -45,7 +48,7 @@ type cudaDriver struct {
 
 // openCUDA loads the driver at path, checks its version, resolves every
 // entry point and initializes it. It does not count devices.
-func openCUDA(path string, noBatch bool) (*cudaDriver, error) {
+func openCUDA(path string, noBatch, noKernel bool) (*cudaDriver, error) {
 	cpath := C.CString(path)
 	defer C.free(unsafe.Pointer(cpath))
 	var cerr *C.char
@@ -83,6 +86,11 @@ func openCUDA(path string, noBatch bool) (*cudaDriver, error) {
 	}
 	if noBatch {
 		api.memcpyBatchAsync, api.batch_abi = nil, 0
+	}
+	if noKernel {
+		d.kernelOff = errors.New("turned off (Options.NoKernel or " + KernelEnv + "=off)")
+	} else if r := C.kv_bind_kernel(api, &failed); r != 0 {
+		d.kernelOff = fmt.Errorf("resolve %s: %w", C.GoString(failed), d.err("cuGetProcAddress", r))
 	}
 	// From here the library stays loaded: unloading a driver after cuInit
 	// was called is not safe.
@@ -208,6 +216,7 @@ type cudaDevice struct {
 	regs    []cudaReg // sorted by base
 	streams map[Stream]bool
 	events  map[Event]bool
+	kernel  copyKernel
 }
 
 func (d *cudaDevice) Ordinal() int { return d.ordinal }
@@ -559,6 +568,25 @@ func (d *cudaDevice) memcpy(copies []Copy, dir Direction, s Stream, useBatch boo
 		}
 	}
 	runs := MergeRuns(copies)
+	kern, ce := d.kernel.split(d, runs, dir, nil, nil)
+	enqueued := false
+	// fail returns err, first waiting for s when part of the batch was
+	// enqueued, so that no copy of it is left in flight.
+	fail := func(err error) error {
+		if enqueued {
+			if r := C.kv_stream_synchronize(d.drv.api, d.ctx, cstream(s)); r != 0 {
+				err = errors.Join(err, d.err("cuStreamSynchronize", r))
+			}
+		}
+		return err
+	}
+	if len(kern) > 0 {
+		if i, err := d.kernel.launch(d, kern, s); err != nil {
+			enqueued = i > 0
+			return fail(fmt.Errorf("%d copies (%d merged runs, %d for the copy kernel) %v, kernel run %d: %w", len(copies), len(runs), len(kern), dir, i, err))
+		}
+		enqueued = true
+	}
 	var failed *C.char
 	var idx C.size_t
 	dtoh := C.int(0)
@@ -569,19 +597,19 @@ func (d *cudaDevice) memcpy(copies []Copy, dir Direction, s Stream, useBatch boo
 	if useBatch && s != 0 {
 		batch = 1
 	}
-	for start, n := 0, 0; start < len(runs); start += n {
-		n = batchPiece(start, len(runs))
-		r := C.kv_memcpy(d.drv.api, d.ctx, (*C.kv_copy)(unsafe.Pointer(&runs[start])), C.size_t(n), dtoh, cstream(s), batch, &failed, &idx)
+	for start, n := 0, 0; start < len(ce); start += n {
+		n = batchPiece(start, len(ce))
+		r := C.kv_memcpy(d.drv.api, d.ctx, (*C.kv_copy)(unsafe.Pointer(&ce[start])), C.size_t(n), dtoh, cstream(s), batch, &failed, &idx)
 		if r == 0 {
+			enqueued = true
 			continue
 		}
-		err := fmt.Errorf("%d copies (%d merged runs) %v, run %d: %w", len(copies), len(runs), dir, start+int(idx), d.err(C.GoString(failed), r))
-		if start > 0 || idx > 0 {
-			if r := C.kv_stream_synchronize(d.drv.api, d.ctx, cstream(s)); r != 0 {
-				err = errors.Join(err, d.err("cuStreamSynchronize", r))
-			}
+		enqueued = enqueued || idx > 0
+		what := ""
+		if len(kern) > 0 {
+			what = fmt.Sprintf(", %d for the copy kernel", len(kern))
 		}
-		return err
+		return fail(fmt.Errorf("%d copies (%d merged runs%s) %v, run %d: %w", len(copies), len(runs), what, dir, start+int(idx), d.err(C.GoString(failed), r)))
 	}
 	return nil
 }
@@ -654,6 +682,9 @@ func (d *cudaDevice) Close() error {
 		keep("cuStreamDestroy", C.kv_stream_destroy(api, d.ctx, cstream(s)))
 	}
 	keep("cuStreamSynchronize", C.kv_stream_synchronize(api, d.ctx, 0))
+	if err := d.kernel.unload(d); err != nil && first == nil {
+		first = err
+	}
 	for e := range d.events {
 		keep("cuEventDestroy", C.kv_event_destroy(api, d.ctx, cevent(e)))
 	}

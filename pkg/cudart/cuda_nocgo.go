@@ -7,7 +7,7 @@ import "fmt"
 type cudaDriver struct{ Driver }
 
 // openCUDA cannot load a driver in a build without cgo.
-func openCUDA(path string, noBatch bool) (*cudaDriver, error) {
+func openCUDA(path string, noBatch, noKernel bool) (*cudaDriver, error) {
 	return nil, fmt.Errorf("%w: %s: this binary was built without cgo (CGO_ENABLED=0), which loading libcuda needs", ErrNoDriver, path)
 }
 

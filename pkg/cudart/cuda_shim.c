@@ -139,6 +139,32 @@ kv_result kv_bind(kv_api *a, const char **failed, int *status) {
 	return 0;
 }
 
+kv_result kv_bind_kernel(kv_api *a, const char **failed) {
+	get_proc_fn gp = (get_proc_fn)a->getProcAddress;
+	struct {
+		void **field;
+		const char *name;
+	} want[] = {
+	    {&a->moduleLoadData, "cuModuleLoadData"},
+	    {&a->moduleUnload, "cuModuleUnload"},
+	    {&a->moduleGetFunction, "cuModuleGetFunction"},
+	    {&a->launchKernel, "cuLaunchKernel"},
+	    {&a->memGetAddressRange, "cuMemGetAddressRange"},
+	};
+	for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
+		int status = 0;
+		*want[i].field = NULL;
+		kv_result r = gp(want[i].name, want[i].field, 12000, 0, &status);
+		if (r != 0 || *want[i].field == NULL) {
+			for (size_t j = 0; j <= i; j++) *want[j].field = NULL;
+			*failed = want[i].name;
+			return r != 0 ? r : 500; // CUDA_ERROR_NOT_FOUND
+		}
+	}
+	*failed = NULL;
+	return 0;
+}
+
 const char *kv_error_name(kv_api *a, kv_result r) {
 	const char *s = NULL;
 	if (a->getErrorName && ((kv_result(*)(kv_result, const char **))a->getErrorName)(r, &s) == 0)
@@ -341,4 +367,54 @@ kv_result kv_memcpy(kv_api *a, kv_context ctx, const kv_copy *c, size_t n, int d
 		}
 	}
 	return 0;
+}
+
+kv_result kv_load_kernel(kv_api *a, kv_context ctx, const char *ptx, const char *name,
+                         void **module, void **fn) {
+	KV_CURRENT();
+	kv_result r = ((kv_result(*)(void **, const void *))a->moduleLoadData)(module, ptx);
+	if (r != 0) return r;
+	r = ((kv_result(*)(void **, void *, const char *))a->moduleGetFunction)(fn, *module, name);
+	if (r != 0) {
+		((kv_result(*)(void *))a->moduleUnload)(*module);
+		*module = NULL;
+	}
+	return r;
+}
+
+kv_result kv_unload_kernel(kv_api *a, kv_context ctx, void *module) {
+	KV_CURRENT();
+	return ((kv_result(*)(void *))a->moduleUnload)(module);
+}
+
+kv_result kv_address_range(kv_api *a, kv_context ctx, kv_dptr p, kv_dptr *base, size_t *size) {
+	KV_CURRENT();
+	return ((kv_result(*)(kv_dptr *, size_t *, kv_dptr))a->memGetAddressRange)(base, size, p);
+}
+
+typedef kv_result (*launch_fn)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                               unsigned, cu_handle, void **, void **);
+
+kv_result kv_launch_runs(kv_api *a, kv_context ctx, void *fn, const kv_copy *c, size_t n, size_t per,
+                         kv_stream s, size_t *fail_idx) {
+	*fail_idx = 0;
+	KV_CURRENT();
+	// The driver copies a launch's parameter when the launch is enqueued,
+	// so one buffer serves every launch. It is the parameter's full size:
+	// the driver reads that much whatever the launch's grid.
+	kv_copy *buf = calloc(per, sizeof *buf);
+	if (!buf) return 2; // CUDA_ERROR_OUT_OF_MEMORY
+	kv_result r = 0;
+	for (size_t start = 0; start < n; start += per) {
+		size_t k = n - start < per ? n - start : per;
+		memcpy(buf, c + start, k * sizeof *buf);
+		void *params[] = {buf};
+		r = ((launch_fn)a->launchKernel)(fn, (unsigned)k, 1, 1, 256, 1, 1, 0, (cu_handle)s, params, NULL);
+		if (r != 0) {
+			*fail_idx = start;
+			break;
+		}
+	}
+	free(buf);
+	return r;
 }

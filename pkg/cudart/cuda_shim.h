@@ -66,6 +66,12 @@ typedef struct {
 	// 12080 (with failIdx) or 13000 (without).
 	void *memcpyBatchAsync;
 	int batch_abi;
+	// The copy kernel's entry points (kv_bind_kernel), or NULL.
+	void *moduleLoadData;
+	void *moduleUnload;
+	void *moduleGetFunction;
+	void *launchKernel;
+	void *memGetAddressRange;
 } kv_api;
 
 // Loading. On failure kv_open returns NULL and *err holds a message in a
@@ -107,6 +113,28 @@ kv_result kv_event_synchronize(kv_api *a, kv_context ctx, kv_event e);
 kv_result kv_event_query(kv_api *a, kv_context ctx, kv_event e);
 kv_result kv_stream_wait_event(kv_api *a, kv_context ctx, kv_stream s, kv_event e);
 kv_result kv_launch_host_func(kv_api *a, kv_context ctx, kv_stream s, uintptr_t handle);
+
+// kv_bind_kernel resolves the entry points of the copy kernel (module
+// loading, cuLaunchKernel, cuMemGetAddressRange). They are optional: on
+// failure *failed names the missing one and the kernel is not used.
+kv_result kv_bind_kernel(kv_api *a, const char **failed);
+
+// kv_load_kernel loads the PTX image (a NUL-terminated string) as a module
+// and looks up its function name.
+kv_result kv_load_kernel(kv_api *a, kv_context ctx, const char *ptx, const char *name,
+                         void **module, void **fn);
+kv_result kv_unload_kernel(kv_api *a, kv_context ctx, void *module);
+
+// kv_address_range finds the device allocation that holds p
+// (cuMemGetAddressRange).
+kv_result kv_address_range(kv_api *a, kv_context ctx, kv_dptr p, kv_dptr *base, size_t *size);
+
+// kv_launch_runs enqueues fn on s for n runs, at most per runs a launch:
+// each launch gets its runs by value in a parameter of per*sizeof(kv_copy)
+// bytes, one block of 256 threads a run. On failure *fail_idx is the first
+// run of the launch that failed.
+kv_result kv_launch_runs(kv_api *a, kv_context ctx, void *fn, const kv_copy *c, size_t n, size_t per,
+                         kv_stream s, size_t *fail_idx);
 
 // kv_memcpy enqueues n copies on s. dtoh selects the direction. With
 // use_batch and a batch entry point it makes one cuMemcpyBatchAsync call

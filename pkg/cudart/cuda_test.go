@@ -184,10 +184,20 @@ func mmapHost(t *testing.T, n int) []byte {
 	return b
 }
 
+// openFake opens device 0 of a fake driver built with defs, its copies all
+// on the copy engine (the copy kernel's tests use openFakeWith).
 func openFake(t *testing.T, defs ...string) (fake, *cudaDevice) {
 	t.Helper()
+	return openFakeWith(t, Options{NoKernel: true}, defs...)
+}
+
+// openFakeWith is openFake with o's options (Backend, Library and Logger
+// are set here).
+func openFakeWith(t *testing.T, o Options, defs ...string) (fake, *cudaDevice) {
+	t.Helper()
 	f := buildFake(t, defs...)
-	drv, _, err := Load(Options{Backend: "cuda", Library: f.lib, Logger: quietLog()})
+	o.Backend, o.Library, o.Logger = "cuda", f.lib, quietLog()
+	drv, _, err := Load(o)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -590,7 +600,7 @@ func TestFakeClose(t *testing.T) {
 // batch entry point is not used and copies go one per merged run.
 func TestFakeNoBatch(t *testing.T) {
 	f := buildFake(t, "FAKE_VERSION=13000")
-	drv, ch, err := Load(Options{Backend: "cuda", Library: f.lib, NoBatch: true, Logger: quietLog()})
+	drv, ch, err := Load(Options{Backend: "cuda", Library: f.lib, NoBatch: true, NoKernel: true, Logger: quietLog()})
 	if err != nil {
 		t.Fatal(err)
 	}

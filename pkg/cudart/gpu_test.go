@@ -8,6 +8,7 @@ package cudart
 // measures only with KVPOOL_GPU_BENCH=1. hack/gpu/check.sh runs them all.
 
 import (
+	"bytes"
 	"fmt"
 	"io"
 	"log/slog"
@@ -23,9 +24,19 @@ import (
 	"github.com/kvpool/kvpool/internal/hostmem"
 )
 
-func gpuDevice(t testing.TB, noBatch bool) (Device, Choice) {
+// gpuPath is one way the real backend moves a batch.
+type gpuPath struct {
+	name              string
+	noBatch, noKernel bool
+}
+
+// gpuPaths: the copy kernel with the batch call beside it (the default),
+// the batch call alone, and one cuMemcpyAsync per run.
+var gpuPaths = []gpuPath{{"kernel", false, false}, {"batch", false, true}, {"async", true, true}}
+
+func gpuDevice(t testing.TB, p gpuPath) (Device, Choice) {
 	t.Helper()
-	drv, ch, err := Load(Options{Backend: BackendCUDA, NoBatch: noBatch, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	drv, ch, err := Load(Options{Backend: BackendCUDA, NoBatch: p.noBatch, NoKernel: p.noKernel, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
 	if err != nil {
 		if os.Getenv("KVPOOL_GPU_REQUIRED") == "1" {
 			t.Fatalf("KVPOOL_GPU_REQUIRED=1 but: %v", err)
@@ -58,14 +69,15 @@ func TestGPUProbe(t *testing.T) {
 var gpuPageSizes = []uint64{16 << 10, 32 << 10, 64 << 10, 256 << 10, 2 << 20}
 
 // TestGPURoundTrip runs the round-trip scenario on the GPU for every page
-// size, dense, strided and split (K+V) layouts, through the batch call and
-// through the per-run fallback.
+// size, dense, strided and split (K+V) layouts, through the copy kernel
+// (pages of 32 KiB and less; larger ones go to the batch call beside it),
+// the batch call alone and the per-run fallback.
 func TestGPURoundTrip(t *testing.T) {
-	for _, noBatch := range []bool{false, true} {
-		dev, ch := gpuDevice(t, noBatch)
-		path := fmt.Sprintf("batch%d", ch.BatchABI)
-		if noBatch || ch.BatchABI == 0 {
-			path = "async"
+	for _, p := range gpuPaths {
+		dev, ch := gpuDevice(t, p)
+		path := p.name
+		if p.name == "batch" {
+			path = fmt.Sprintf("batch%d", ch.BatchABI)
 		}
 		for i, size := range gpuPageSizes {
 			for _, lc := range []layoutCase{
@@ -91,6 +103,69 @@ func TestGPURoundTrip(t *testing.T) {
 			}
 		})
 		t.Run(path+"/done", func(t *testing.T) { scenarioDone(t, dev, 2<<20) })
+		if loaded, err := dev.(*cudaDevice).kernel.state(); loaded == p.noKernel {
+			t.Errorf("%s: copy kernel loaded %v (%v)", path, loaded, err)
+		}
+	}
+}
+
+// TestGPUCopyKernelSizes moves runs of every length the copy kernel's
+// loops treat differently (one vector, a partial block, the four-vector
+// loop and its tail, up to copyKernelMaxRun), at random offsets, in one
+// batch each way among unaligned runs and large ones that go to the copy
+// engine beside it, onto poisoned memory: every byte of each run lands and
+// no byte around it changes.
+func TestGPUCopyKernelSizes(t *testing.T) {
+	dev, _ := gpuDevice(t, gpuPaths[0])
+	const size = 16 << 20 // 64 slots (below) for 59 runs
+	r := rand.New(rand.NewPCG(31, 32))
+	lengths := []int{16, 32, 48, 4080, 4096, 4112, 12272, 12288, 12304, 16368, 16384, 16400, 28688, 32752, 32768}
+	for range 40 {
+		lengths = append(lengths, 16*(1+r.IntN(copyKernelMaxRun/16)))
+	}
+	// Not for the kernel: unaligned, odd-length, and 64 KiB runs.
+	lengths = append(lengths, 100, 4097, 65536, 200000)
+	host, back := newPinned(t, dev, size), newPinned(t, dev, size)
+	copy(host.b, randBytes(size, 33))
+	fill(back.b, 0xA5)
+	dp, err := dev.MemAlloc(size)
+	must(t, err)
+	defer dev.MemFree(dp)
+	must(t, dev.MemcpyHtoD(dp, bytes.Repeat([]byte{0x5A}, size)))
+	s, err := dev.StreamCreate()
+	must(t, err)
+	defer dev.StreamDestroy(s)
+	// Each run gets its own slot of 256 KiB on both sides (shuffled), at a
+	// random 16-byte offset in it (or an odd one for the odd runs).
+	const slot = 256 << 10
+	devSlot, hostSlot := r.Perm(size/slot), r.Perm(size/slot)
+	var in, out []Copy
+	want, wantDev := bytes.Repeat([]byte{0xA5}, size), bytes.Repeat([]byte{0x5A}, size)
+	for i, n := range lengths {
+		off := 16 * r.IntN((slot-n)/16)
+		if n%16 != 0 {
+			off++
+		}
+		d, h := devSlot[i]*slot+off, hostSlot[i]*slot+off
+		in = append(in, Copy{Dst: uintptr(dp) + uintptr(d), Src: addr(host.b[h:]), Bytes: uint64(n)})
+		out = append(out, Copy{Dst: addr(back.b[h:]), Src: uintptr(dp) + uintptr(d), Bytes: uint64(n)})
+		copy(want[h:h+n], host.b[h:h+n])
+		copy(wantDev[d:d+n], host.b[h:h+n])
+	}
+	must(t, dev.MemcpyBatchAsync(in, HostToDevice, s))
+	must(t, dev.StreamSynchronize(s))
+	gotDev := make([]byte, size)
+	must(t, dev.MemcpyDtoH(gotDev, dp))
+	if i := firstDiff(gotDev, wantDev); i >= 0 {
+		t.Fatalf("HtoD: device byte %d is %#x, want %#x", i, gotDev[i], wantDev[i])
+	}
+	must(t, dev.MemcpyBatchAsync(out, DeviceToHost, s))
+	must(t, dev.StreamSynchronize(s))
+	if i := firstDiff(back.b, want); i >= 0 {
+		t.Fatalf("DtoH: host byte %d is %#x, want %#x", i, back.b[i], want[i])
+	}
+	if loaded, err := dev.(*cudaDevice).kernel.state(); !loaded {
+		t.Fatalf("the copy kernel was not used: %v", err)
 	}
 }
 
@@ -98,7 +173,7 @@ func TestGPURoundTrip(t *testing.T) {
 // through Sync and checks that work queued behind it on the engine's stream
 // does not run before the copy has finished.
 func TestGPUEventOrdering(t *testing.T) {
-	dev, _ := gpuDevice(t, false)
+	dev, _ := gpuDevice(t, gpuPaths[0])
 	const big = 512 << 20
 	dp, err := dev.MemAlloc(big)
 	must(t, err)
@@ -206,12 +281,17 @@ func TestGPUBandwidth(t *testing.T) {
 		}
 	}()
 	// The fallback path first: if the batch path fails on some driver, the
-	// table still has the floor and the fallback's rows.
-	for i, noBatch := range []bool{true, false} {
-		dev, ch := gpuDevice(t, noBatch)
+	// table still has the floor and the fallback's rows; the copy kernel
+	// last.
+	for i, p := range []gpuPath{gpuPaths[2], gpuPaths[1], gpuPaths[0]} {
+		dev, ch := gpuDevice(t, p)
+		noBatch := p.noBatch || ch.BatchABI == 0
 		path := fmt.Sprintf("batch (cuMemcpyBatchAsync %s)", FormatVersion(ch.BatchABI))
-		if noBatch || ch.BatchABI == 0 {
+		switch {
+		case noBatch:
 			path = "async per run"
+		case !p.noKernel:
+			path = fmt.Sprintf("copy kernel (<= %d KiB; batch beside it)", copyKernelMaxRun>>10)
 		}
 		if i == 0 {
 			out("device: %s; library %s\n\n", ch.Reason, ch.Library)
@@ -269,6 +349,9 @@ func TestGPUBandwidth(t *testing.T) {
 
 		r := rand.New(rand.NewPCG(11, 12))
 		for _, size := range gpuPageSizes {
+			if !p.noKernel && size > copyKernelMaxRun {
+				continue // the batch path's rows above
+			}
 			n := poolBytes / int(size)
 			layout := Layout{Regions: []Region{{Base: dp, Stride: size, PageBytes: size, Pages: n}}}
 			// Scattered: only even pages on both sides, so no two copies of
@@ -319,33 +402,36 @@ func TestGPUBandwidth(t *testing.T) {
 				out("| %s | both at once | %s | %.1f | %.2f | %.1f |\n", sizeName(size), path, rate/1e9, rate/f, float64(enq.Nanoseconds())/2e3)
 			}
 		}
-		if !noBatch && ch.BatchABI != 0 {
+		if !noBatch {
 			// Large batches of small pages (a layout of many regions per
 			// page, or few heads per GPU): 4,096 copies a batch, which the
 			// driver gets in pieces (batchPiece), the copy engine starting
-			// on the first while the rest are enqueued.
+			// on the first while the rest are enqueued; or the kernel gets
+			// in three launches.
 			for _, size := range []uint64{4 << 10, 16 << 10, 32 << 10} {
 				const big = 4096
 				n := poolBytes / int(size)
 				layout := Layout{Regions: []Region{{Base: dp, Stride: size, PageBytes: size, Pages: n}}}
-				var bs [][]Copy
-				for range 4 {
-					devIdx, hostIdx := pick(r, n/2, big), pick(r, n/2, big)
-					ha := make([]uintptr, big)
-					for i := range devIdx {
-						devIdx[i] *= 2
-						ha[i] = addr(host.b[2*hostIdx[i]*int(size):])
+				for _, dir := range []Direction{DeviceToHost, HostToDevice} {
+					var bs [][]Copy
+					for range 4 {
+						devIdx, hostIdx := pick(r, n/2, big), pick(r, n/2, big)
+						ha := make([]uintptr, big)
+						for i := range devIdx {
+							devIdx[i] *= 2
+							ha[i] = addr(host.b[2*hostIdx[i]*int(size):])
+						}
+						c, err := layout.Copies(dir, devIdx, ha)
+						must(t, err)
+						bs = append(bs, c)
 					}
-					c, err := layout.Copies(DeviceToHost, devIdx, ha)
-					must(t, err)
-					bs = append(bs, c)
+					reps := max(4, minBytes/(big*int(size)))
+					rate, enq := timeBatches(t, runs, reps, uint64(reps)*big*size,
+						func(i int) error { return dev.MemcpyBatchAsync(bs[i%len(bs)], dir, s1) },
+						func() error { return dev.StreamSynchronize(s1) })
+					out("| %s, %d a batch | %v | %s | %.1f | %.2f | %.1f |\n", sizeName(size), big, dir, path,
+						rate/1e9, rate/floor[dir], float64(enq.Nanoseconds())/1e3)
 				}
-				reps := max(4, minBytes/(big*int(size)))
-				rate, enq := timeBatches(t, runs, reps, uint64(reps)*big*size,
-					func(i int) error { return dev.MemcpyBatchAsync(bs[i%len(bs)], DeviceToHost, s1) },
-					func() error { return dev.StreamSynchronize(s1) })
-				out("| %s, %d a batch | %v | %s | %.1f | %.2f | %.1f |\n", sizeName(size), big, DeviceToHost, path,
-					rate/1e9, rate/floor[DeviceToHost], float64(enq.Nanoseconds())/1e3)
 			}
 		}
 		must(t, dev.StreamDestroy(s1))

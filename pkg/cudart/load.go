@@ -19,6 +19,10 @@ const DefaultLibrary = "libcuda.so.1"
 // DefaultLibrary (an absolute path, or a name the dynamic loader searches).
 const LibraryEnv = "KVPOOL_CUDA_LIBRARY"
 
+// KernelEnv, when "off", keeps every copy on the copy engine, as
+// Options.NoKernel does ("on" or empty: the default).
+const KernelEnv = "KVPOOL_COPY_KERNEL"
+
 // ErrDriverTooOld is returned when the loaded driver is older than
 // MinDriverVersion or lacks an entry point kvpool needs.
 var ErrDriverTooOld = errors.New("cudart: CUDA driver too old")
@@ -43,6 +47,13 @@ type Options struct {
 	// cuMemcpyAsync per merged run, as on drivers older than 12.8: an
 	// escape hatch should a driver's batch path misbehave.
 	NoBatch bool
+	// NoKernel keeps every copy on the copy engine. By default the real
+	// backend copies a batch's small runs (32 KiB and less) with a kernel
+	// of its own, which reads or writes the registered host pages in place
+	// and is enqueued in a few launches where the copy engine needs the
+	// driver to enqueue each copy (docs/gpu.md, "The copy kernel").
+	// $KVPOOL_COPY_KERNEL=off does the same.
+	NoKernel bool
 	// Sim configures the simulator when it is chosen.
 	Sim SimOptions
 	// Logger receives the one line that says which backend was chosen and
@@ -95,6 +106,14 @@ func Load(o Options) (Driver, Choice, error) {
 	if backend == "" {
 		backend = BackendAuto
 	}
+	noKernel := o.NoKernel
+	switch v := os.Getenv(KernelEnv); v {
+	case "", "on":
+	case "off":
+		noKernel = true
+	default:
+		return nil, Choice{}, fmt.Errorf("cudart: %s=%q: want \"on\" or \"off\"", KernelEnv, v)
+	}
 	sim := func(reason string, lib string) (Driver, Choice, error) {
 		s := NewSim(o.Sim)
 		n, _ := s.DeviceCount()
@@ -109,7 +128,7 @@ func Load(o Options) (Driver, Choice, error) {
 	default:
 		return nil, Choice{}, fmt.Errorf("cudart: unknown backend %q (want %q, %q or %q)", o.Backend, BackendAuto, BackendCUDA, BackendSim)
 	}
-	d, c, err := loadCUDA(lib, o.NoBatch)
+	d, c, err := loadCUDA(lib, o.NoBatch, noKernel)
 	if err != nil {
 		if backend == BackendCUDA {
 			return nil, c, fmt.Errorf("backend %q: %w", BackendCUDA, err)
@@ -121,9 +140,9 @@ func Load(o Options) (Driver, Choice, error) {
 	return d, c, nil
 }
 
-func loadCUDA(lib string, noBatch bool) (Driver, Choice, error) {
+func loadCUDA(lib string, noBatch, noKernel bool) (Driver, Choice, error) {
 	c := Choice{Backend: BackendCUDA, Library: lib}
-	d, err := openCUDA(lib, noBatch)
+	d, err := openCUDA(lib, noBatch, noKernel)
 	if err != nil {
 		return nil, c, err
 	}

@@ -15,6 +15,15 @@
 //   FAKE_LOG           path of the call log (a string literal)
 //   FAKE_REGISTER_US   microseconds each cuMemHostRegister takes (default 0)
 //   FAKE_BATCH_FAIL_AT the batch call (1, 2, ...) that fails without copying
+//   FAKE_MODULE_RESULT what cuModuleLoadData returns (default 0; 218 is
+//                      CUDA_ERROR_INVALID_PTX, a driver that cannot compile it)
+//   FAKE_LAUNCH_FAIL_AT the cuLaunchKernel call (1, 2, ...) that fails
+//
+// The copy kernel (cuModuleLoadData of pkg/cudart's PTX, cuLaunchKernel) is
+// run on the CPU: each block's run is memcpy'd as the kernel would move it.
+// A run outside device allocations and registered host memory is what
+// faults on a GPU; here, as there, it makes the context unusable: every
+// later call that needs it returns CUDA_ERROR_ILLEGAL_ADDRESS (700).
 
 #include <pthread.h>
 #include <stdint.h>
@@ -51,7 +60,9 @@ enum {
 	INVALID_CONTEXT = 201,
 	INVALID_HANDLE = 400,
 	NOT_FOUND = 500,
+	INVALID_PTX = 218,
 	NOT_READY = 600,
+	ILLEGAL_ADDRESS = 700,
 	ALREADY_REGISTERED = 712,
 	NOT_REGISTERED = 713,
 };
@@ -82,8 +93,11 @@ static void logf_(const char *fmt, ...) {
 #endif
 }
 
+static int faulted; // a kernel touched a bad address: the context is lost
+
 static CUresult need_ctx(void) {
 	if (!initialized) return NOT_INITIALIZED;
+	if (faulted) return ILLEGAL_ADDRESS;
 	for (int i = 0; i < FAKE_DEVICES; i++)
 		if (current == &primary[i] && retained[i]) return OK;
 	return INVALID_CONTEXT;
@@ -121,7 +135,9 @@ static const struct {
     {INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context"},
     {INVALID_HANDLE, "CUDA_ERROR_INVALID_HANDLE", "invalid resource handle"},
     {NOT_FOUND, "CUDA_ERROR_NOT_FOUND", "named symbol not found"},
+    {INVALID_PTX, "CUDA_ERROR_INVALID_PTX", "a PTX JIT compilation failed"},
     {NOT_READY, "CUDA_ERROR_NOT_READY", "device not ready"},
+    {ILLEGAL_ADDRESS, "CUDA_ERROR_ILLEGAL_ADDRESS", "an illegal memory access was encountered"},
     {ALREADY_REGISTERED, "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED", "part or all of the requested memory range is already mapped"},
     {NOT_REGISTERED, "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED", "pointer does not correspond to a registered memory region"},
 };
@@ -207,6 +223,7 @@ static CUresult fake_set_current(void *ctx) {
 // Device memory: malloc'd blocks, looked up so that bad frees fail.
 #define MAXA 1024
 static void *allocs[MAXA];
+static size_t alloc_sizes[MAXA];
 
 static CUresult fake_mem_alloc(CUdeviceptr *p, size_t n) {
 	CTX();
@@ -218,6 +235,7 @@ static CUresult fake_mem_alloc(CUdeviceptr *p, size_t n) {
 	for (int i = 0; i < MAXA; i++)
 		if (!allocs[i]) {
 			allocs[i] = b;
+			alloc_sizes[i] = n;
 			pthread_mutex_unlock(&mu);
 			*p = (CUdeviceptr)(uintptr_t)b;
 			return OK;
@@ -404,6 +422,95 @@ static CUresult fake_dtoh_async(void *dst, CUdeviceptr src, size_t n, void *s) {
 	return OK;
 }
 
+// mapped reports whether [p, p+n) lies in one device allocation or one
+// registered host range: what a GPU may address.
+static int mapped(uintptr_t p, size_t n) {
+	int ok = 0;
+	pthread_mutex_lock(&mu);
+	for (int i = 0; i < MAXA && !ok; i++)
+		if (allocs[i] && p >= (uintptr_t)allocs[i] && p + n <= (uintptr_t)allocs[i] + alloc_sizes[i]) ok = 1;
+	for (int i = 0; i < MAXR && !ok; i++)
+		if (regs[i].n && p >= regs[i].base && p + n <= regs[i].base + regs[i].n) ok = 1;
+	pthread_mutex_unlock(&mu);
+	return ok;
+}
+
+static CUresult fake_address_range(CUdeviceptr *base, size_t *size, CUdeviceptr p) {
+	CTX();
+	pthread_mutex_lock(&mu);
+	for (int i = 0; i < MAXA; i++)
+		if (allocs[i] && p >= (uintptr_t)allocs[i] && p < (uintptr_t)allocs[i] + alloc_sizes[i]) {
+			if (base) *base = (uintptr_t)allocs[i];
+			if (size) *size = alloc_sizes[i];
+			pthread_mutex_unlock(&mu);
+			return OK;
+		}
+	pthread_mutex_unlock(&mu);
+	return NOT_FOUND;
+}
+
+// The copy kernel's module: one, holding kv_copy_runs.
+static char module, function;
+
+static CUresult fake_module_load(void **m, const void *image) {
+	CTX();
+	const char *ptx = image;
+	logf_("cuModuleLoadData bytes=%zu", strlen(ptx));
+#ifdef FAKE_MODULE_RESULT
+	if (FAKE_MODULE_RESULT != 0) return FAKE_MODULE_RESULT;
+#endif
+	if (strstr(ptx, ".entry kv_copy_runs(") == NULL || strstr(ptx, "runs[32640]") == NULL) return INVALID_PTX;
+	*m = &module;
+	return OK;
+}
+
+static CUresult fake_module_unload(void *m) {
+	CTX();
+	logf_("cuModuleUnload");
+	return m == &module ? OK : INVALID_HANDLE;
+}
+
+static CUresult fake_module_function(void **f, void *m, const char *name) {
+	CTX();
+	if (m != &module) return INVALID_HANDLE;
+	if (strcmp(name, "kv_copy_runs") != 0) return NOT_FOUND;
+	*f = &function;
+	return OK;
+}
+
+typedef struct {
+	uint64_t dst, src, bytes;
+} run;
+
+static CUresult fake_launch(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                            unsigned shared, void *s, void **params, void **extra) {
+	CTX();
+	if (f != &function || check_stream(s) != OK) return INVALID_HANDLE;
+	if (gx == 0 || gx > 1360 || gy != 1 || gz != 1 || bx != 256 || by != 1 || bz != 1 || shared != 0 ||
+	    params == NULL || extra != NULL)
+		return INVALID_VALUE;
+#ifdef FAKE_LAUNCH_FAIL_AT
+	static int launches;
+	if (++launches == FAKE_LAUNCH_FAIL_AT) {
+		logf_("cuLaunchKernel failed runs=%u", gx);
+		return INVALID_VALUE;
+	}
+#endif
+	const run *r = params[0];
+	size_t total = 0;
+	for (unsigned i = 0; i < gx; i++) {
+		if ((r[i].dst | r[i].src | r[i].bytes) % 16 != 0 || !mapped(r[i].dst, r[i].bytes) || !mapped(r[i].src, r[i].bytes)) {
+			logf_("cuLaunchKernel faulted run=%u", i);
+			faulted = 1;
+			return OK; // a kernel's fault shows later, at the next call
+		}
+		memcpy((void *)(uintptr_t)r[i].dst, (const void *)(uintptr_t)r[i].src, r[i].bytes);
+		total += r[i].bytes;
+	}
+	logf_("cuLaunchKernel runs=%u bytes=%zu stream=%s", gx, total, s ? "own" : "default");
+	return OK;
+}
+
 typedef struct {
 	int type, id;
 } loc;
@@ -426,6 +533,10 @@ static CUresult batch(const char *abi, CUdeviceptr *dsts, CUdeviceptr *srcs, siz
 		return INVALID_VALUE;
 	}
 #endif
+	// As the driver does, refuse a copy whose sides are neither device
+	// allocations nor registered host memory, before copying anything.
+	for (size_t i = 0; i < count; i++)
+		if (!mapped(dsts[i], sizes[i]) || !mapped(srcs[i], sizes[i])) return INVALID_VALUE;
 	size_t total = 0;
 	for (size_t i = 0; i < count; i++) {
 		memcpy((void *)(uintptr_t)dsts[i], (const void *)(uintptr_t)srcs[i], sizes[i]);
@@ -508,6 +619,11 @@ __attribute__((unused)) static const struct {
     {"cuMemcpyHtoDAsync", (void *)fake_htod_async},
     {"cuMemcpyDtoHAsync", (void *)fake_dtoh_async},
     {"cuLaunchHostFunc", (void *)fake_launch_host_func},
+    {"cuModuleLoadData", (void *)fake_module_load},
+    {"cuModuleUnload", (void *)fake_module_unload},
+    {"cuModuleGetFunction", (void *)fake_module_function},
+    {"cuLaunchKernel", (void *)fake_launch},
+    {"cuMemGetAddressRange", (void *)fake_address_range},
 };
 
 #ifndef FAKE_NO_GETPROC
