@@ -10,6 +10,7 @@ import (
 	_ "embed"
 	"errors"
 	"fmt"
+	"slices"
 	"sort"
 	"sync"
 	"unsafe"
@@ -39,6 +40,16 @@ const (
 	copyKernelAlign = 16
 )
 
+// copyKernel says, for Load's log line, whether the copy kernel may be
+// used ("on": it is loaded at a device's first batch with small runs) or
+// why not.
+func (d *cudaDriver) copyKernel() string {
+	if d.kernelOff != nil {
+		return "off: " + d.kernelOff.Error()
+	}
+	return "on"
+}
+
 // copyKernel is a device's copy kernel: loaded at the first batch that has
 // runs for it, and the device allocations its runs were checked against.
 type copyKernel struct {
@@ -64,10 +75,6 @@ func (k *copyKernel) load(d *cudaDevice) bool {
 		return k.fn != nil
 	}
 	k.tried = true
-	if d.drv.kernelOff != nil {
-		k.err = d.drv.kernelOff
-		return false
-	}
 	src := C.CString(copyRunsPTX)
 	defer C.free(unsafe.Pointer(src))
 	name := C.CString("kv_copy_runs")
@@ -97,43 +104,29 @@ func (k *copyKernel) unload(d *cudaDevice) error {
 	return nil
 }
 
-// state reports whether the kernel is loaded, and Err.
+// state reports whether the kernel is loaded and, when it is not, why
+// (nil before the first batch with small runs tried to load it).
 func (k *copyKernel) state() (bool, error) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	return k.fn != nil, k.err
 }
 
-// Err says why the copy kernel is not in use: nil when it is loaded (or
-// not yet tried, before the first batch with small runs).
-func (k *copyKernel) Err() error {
-	k.mu.Lock()
-	defer k.mu.Unlock()
-	return k.err
-}
-
-// split appends to kern the runs the kernel may copy and to ce the rest,
-// in the order given. A run goes to the kernel when it is small
+// split returns the runs the kernel may copy and the rest, each in the
+// order given (the rest is runs itself when the kernel gets none). A run goes to the kernel when it is small
 // (copyKernelMaxRun), 16-byte aligned on both sides and its device side
 // lies in one allocation the driver confirmed during this batch (the host
 // side was checked as registered memory): the kernel must never touch an
 // address the copy engine would have refused, since a fault in a kernel
 // ends the process's CUDA context where a refused copy only fails.
-func (k *copyKernel) split(d *cudaDevice, runs []Copy, dir Direction, kern, ce []Copy) ([]Copy, []Copy) {
-	small := false
-	for _, c := range runs {
-		if kernelSized(c) {
-			small = true
-			break
-		}
-	}
-	if !small {
-		return kern, append(ce, runs...)
+func (k *copyKernel) split(d *cudaDevice, runs []Copy, dir Direction) (kern, ce []Copy) {
+	if d.drv.kernelOff != nil || !slices.ContainsFunc(runs, kernelSized) {
+		return nil, runs
 	}
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	if !k.load(d) {
-		return kern, append(ce, runs...)
+		return nil, runs
 	}
 	k.epoch++
 	last := -1 // the allocation of the previous run: most runs share one

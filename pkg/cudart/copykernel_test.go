@@ -126,8 +126,8 @@ func TestFakeCopyKernel(t *testing.T) {
 			if n := len(b.f.calls(t, "cuModuleLoadData")); n != 1 && len(c.launches) > 0 {
 				t.Errorf("the module was loaded %d times, want once", n)
 			}
-			if err := b.dev.kernel.Err(); err != nil {
-				t.Errorf("kernel error: %v", err)
+			if loaded, err := b.dev.kernel.state(); loaded != (len(c.launches) > 0) || err != nil {
+				t.Errorf("kernel loaded %v (%v), want %v", loaded, err, len(c.launches) > 0)
 			}
 		})
 	}
@@ -215,7 +215,7 @@ func TestFakeCopyKernelOff(t *testing.T) {
 			if loaded := len(b.f.calls(t, "cuModuleLoadData")) > 0; loaded != c.loaded {
 				t.Errorf("module loaded: %v, want %v", loaded, c.loaded)
 			}
-			if err := b.dev.kernel.Err(); err == nil || !strings.Contains(err.Error(), c.why) {
+			if _, err := b.dev.kernel.state(); err == nil || !strings.Contains(err.Error(), c.why) {
 				t.Errorf("kernel error %v, want one saying %q", err, c.why)
 			}
 		})

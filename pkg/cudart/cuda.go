@@ -193,6 +193,8 @@ func (d *cudaDriver) Open(ordinal int) (Device, error) {
 	if d.devs == nil {
 		d.devs = map[int]*cudaDevice{}
 	}
+	// The copy kernel says why it is off from the start.
+	h.kernel.tried, h.kernel.err = d.kernelOff != nil, d.kernelOff
 	d.devs[ordinal] = h
 	return h, nil
 }
@@ -528,16 +530,18 @@ func (d *cudaDevice) StreamWaitEvent(s Stream, e Event) error {
 }
 
 // MemcpyBatchAsync merges copies that continue each other on both sides,
-// checks that every host range is registered here, and enqueues the result
-// with cuMemcpyBatchAsync (source access order STREAM, so device sources
-// written by earlier work on s are read after it), in pieces (batchPiece):
-// the GPU starts on a piece once its call returns, and enqueueing costs
-// the driver about as much as moving a 32 KiB copy, so one call for a
-// large batch left the copy engine idle until the last copy was enqueued.
-// Without a batch entry point, or on the legacy default stream, which the
-// batch call does not accept, it issues one cuMemcpy{HtoD,DtoH}Async per
-// merged run. When a call fails after others were enqueued, it waits for s
-// before it returns, so that no copy of the batch is left in flight.
+// checks that every host range is registered here, hands the small runs
+// to the copy kernel (copykernel.go: runs of 32 KiB and less, launched
+// first) and enqueues the rest with cuMemcpyBatchAsync (source access
+// order STREAM, so device sources written by earlier work on s are read
+// after it), in pieces (batchPiece): the GPU starts on a piece once its
+// call returns, and enqueueing costs the driver about as much as moving a
+// 32 KiB copy, so one call for a large batch left the copy engine idle
+// until the last copy was enqueued. Without a batch entry point, or on the
+// legacy default stream, which the batch call does not accept, it issues
+// one cuMemcpy{HtoD,DtoH}Async per merged run. When a call fails after
+// others were enqueued, it waits for s before it returns, so that no copy
+// of the batch is left in flight.
 func (d *cudaDevice) MemcpyBatchAsync(copies []Copy, dir Direction, s Stream) error {
 	return d.memcpy(copies, dir, s, true)
 }
@@ -568,7 +572,7 @@ func (d *cudaDevice) memcpy(copies []Copy, dir Direction, s Stream, useBatch boo
 		}
 	}
 	runs := MergeRuns(copies)
-	kern, ce := d.kernel.split(d, runs, dir, nil, nil)
+	kern, ce := d.kernel.split(d, runs, dir)
 	enqueued := false
 	// fail returns err, first waiting for s when part of the batch was
 	// enqueued, so that no copy of it is left in flight.
@@ -605,11 +609,11 @@ func (d *cudaDevice) memcpy(copies []Copy, dir Direction, s Stream, useBatch boo
 			continue
 		}
 		enqueued = enqueued || idx > 0
-		what := ""
+		what, which := "", "run"
 		if len(kern) > 0 {
-			what = fmt.Sprintf(", %d for the copy kernel", len(kern))
+			what, which = fmt.Sprintf(", %d for the copy kernel", len(kern)), "copy-engine run"
 		}
-		return fail(fmt.Errorf("%d copies (%d merged runs%s) %v, run %d: %w", len(copies), len(runs), what, dir, start+int(idx), d.err(C.GoString(failed), r)))
+		return fail(fmt.Errorf("%d copies (%d merged runs%s) %v, %s %d: %w", len(copies), len(runs), what, dir, which, start+int(idx), d.err(C.GoString(failed), r)))
 	}
 	return nil
 }

@@ -136,7 +136,8 @@ func Load(o Options) (Driver, Choice, error) {
 		return sim(err.Error(), lib)
 	}
 	log.Info("cudart: using the CUDA driver", "reason", c.Reason, "library", lib,
-		"driver", FormatVersion(c.DriverVersion), "devices", c.Devices, "batch_abi", c.BatchABI)
+		"driver", FormatVersion(c.DriverVersion), "devices", c.Devices, "batch_abi", c.BatchABI,
+		"copy_kernel", d.(*cudaDriver).copyKernel())
 	return d, c, nil
 }
 
