@@ -123,6 +123,9 @@ func TestFakeCopyKernel(t *testing.T) {
 			if got := b.batchCounts(t); strings.Join(got, " ") != strings.Join(twice(c.batches), " ") {
 				t.Errorf("copy-engine calls %q, want %q each way", got, c.batches)
 			}
+			if got := b.f.calls(t, "cuStreamCreate"); len(got) != 1 || got[0] != "cuStreamCreate flags=1 priority=-5" {
+				t.Errorf("streams made as %q, want one of the greatest priority (-5)", got)
+			}
 			if n := len(b.f.calls(t, "cuModuleLoadData")); n != 1 && len(c.launches) > 0 {
 				t.Errorf("the module was loaded %d times, want once", n)
 			}
@@ -193,6 +196,7 @@ func TestFakeCopyKernelOff(t *testing.T) {
 		{"NoKernel", Options{NoKernel: true}, "", nil, false, "turned off"},
 		{"KVPOOL_COPY_KERNEL=off", Options{}, "off", nil, false, "turned off"},
 		{"driver without cuLaunchKernel", Options{}, "", []string{`FAKE_MISSING="cuLaunchKernel"`}, false, "resolve cuLaunchKernel"},
+		{"driver without stream priorities", Options{}, "", []string{`FAKE_MISSING="cuStreamCreateWithPriority"`}, false, "resolve cuStreamCreateWithPriority"},
 		{"driver cannot compile the PTX", Options{}, "", []string{"FAKE_MODULE_RESULT=218"}, true, "CUDA_ERROR_INVALID_PTX"},
 	}
 	for _, c := range cases {
@@ -212,6 +216,15 @@ func TestFakeCopyKernelOff(t *testing.T) {
 			if got := b.batchCounts(t); strings.Join(got, " ") != "count=2" {
 				t.Errorf("copy-engine calls %q, want one of 2", got)
 			}
+			// Off from the start: streams of the default priority; off
+			// only once the PTX was refused: made before, of the greatest.
+			want := "cuStreamCreate flags=1"
+			if c.loaded {
+				want += " priority=-5"
+			}
+			if got := b.f.calls(t, "cuStreamCreate"); len(got) != 1 || got[0] != want {
+				t.Errorf("streams made as %q, want %q", got, want)
+			}
 			if loaded := len(b.f.calls(t, "cuModuleLoadData")) > 0; loaded != c.loaded {
 				t.Errorf("module loaded: %v, want %v", loaded, c.loaded)
 			}
@@ -226,6 +239,25 @@ func TestFakeCopyKernelOff(t *testing.T) {
 			t.Errorf("Load: %v, want an error naming the value", err)
 		}
 	})
+}
+
+// TestFakeCopyKernelOwnStreamsOnly: on the legacy default stream the
+// batch goes to the copy engine (one async copy a run), not the kernel,
+// whose blocks need a stream of the greatest priority.
+func TestFakeCopyKernelOwnStreamsOnly(t *testing.T) {
+	b := newKernelBed(t, Options{}, 64<<10)
+	in := []Copy{{Dst: uintptr(b.dp), Src: addr(b.host), Bytes: 4096}, {Dst: uintptr(b.dp) + 8192, Src: addr(b.host[16384:]), Bytes: 4096}}
+	must(t, b.dev.MemcpyBatchAsync(in, HostToDevice, 0))
+	if n := len(b.launches(t)); n != 0 {
+		t.Errorf("%d kernel launches on the legacy stream", n)
+	}
+	if n := len(b.f.calls(t, "cuMemcpyHtoDAsync bytes=4096 stream=default")); n != 2 {
+		t.Errorf("%d async copies on the legacy stream, want 2", n)
+	}
+	must(t, b.dev.MemcpyBatchAsync(in, HostToDevice, b.s))
+	if got := b.launches(t); len(got) != 1 {
+		t.Errorf("kernel launches %q on the device's own stream, want 1", got)
+	}
 }
 
 // TestFakeCopyKernelLaunchFails: a launch that fails after others were

@@ -193,8 +193,18 @@ func (d *cudaDriver) Open(ordinal int) (Device, error) {
 	if d.devs == nil {
 		d.devs = map[int]*cudaDevice{}
 	}
-	// The copy kernel says why it is off from the start.
-	h.kernel.tried, h.kernel.err = d.kernelOff != nil, d.kernelOff
+	// The copy kernel runs on streams of the greatest priority: on a
+	// default-priority stream its blocks queued behind the engine's
+	// pending compute blocks (a batch of 1.3 ms took 19 ms beside a GEMM-like
+	// kernel; 1.6 at the greatest priority: docs/benchmarks.md). Without
+	// that priority it is off; it says why from the start.
+	off := d.kernelOff
+	if off == nil {
+		if r := C.kv_greatest_priority(d.api, ctx, &h.priority); r != 0 {
+			off = fmt.Errorf("stream priorities: %w", d.err("cuCtxGetStreamPriorityRange", r))
+		}
+	}
+	h.kernel.tried, h.kernel.err = off != nil, off
 	d.devs[ordinal] = h
 	return h, nil
 }
@@ -219,6 +229,10 @@ type cudaDevice struct {
 	streams map[Stream]bool
 	events  map[Event]bool
 	kernel  copyKernel
+	// priority of the streams made here: the context's greatest where the
+	// copy kernel may run (its blocks then go ahead of the engine's queued
+	// compute blocks), else 0.
+	priority C.int
 }
 
 func (d *cudaDevice) Ordinal() int { return d.ordinal }
@@ -404,7 +418,10 @@ func (d *cudaDevice) StreamCreate() (Stream, error) {
 		return 0, err
 	}
 	var s C.kv_stream
-	if r := C.kv_stream_create(d.drv.api, d.ctx, &s, cuStreamNonBlocking); r != 0 {
+	if r := C.kv_stream_create(d.drv.api, d.ctx, &s, cuStreamNonBlocking, d.priority); r != 0 {
+		if d.priority != 0 {
+			return 0, d.err("cuStreamCreateWithPriority", r)
+		}
 		return 0, d.err("cuStreamCreate", r)
 	}
 	d.streams[Stream(uintptr(s))] = true
@@ -572,7 +589,12 @@ func (d *cudaDevice) memcpy(copies []Copy, dir Direction, s Stream, useBatch boo
 		}
 	}
 	runs := MergeRuns(copies)
-	kern, ce := d.kernel.split(d, runs, dir)
+	// The kernel only on streams made here (of the greatest priority),
+	// not on the legacy default stream or a caller's own.
+	kern, ce := []Copy(nil), runs
+	if d.priority != 0 && d.streams[s] {
+		kern, ce = d.kernel.split(d, runs, dir)
+	}
 	enqueued := false
 	// fail returns err, first waiting for s when part of the batch was
 	// enqueued, so that no copy of it is left in flight.

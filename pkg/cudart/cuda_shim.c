@@ -150,6 +150,8 @@ kv_result kv_bind_kernel(kv_api *a, const char **failed) {
 	    {&a->moduleGetFunction, "cuModuleGetFunction"},
 	    {&a->launchKernel, "cuLaunchKernel"},
 	    {&a->memGetAddressRange, "cuMemGetAddressRange"},
+	    {&a->streamCreateWithPriority, "cuStreamCreateWithPriority"},
+	    {&a->ctxGetStreamPriorityRange, "cuCtxGetStreamPriorityRange"},
 	};
 	for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
 		int status = 0;
@@ -254,12 +256,22 @@ kv_result kv_host_unregister(kv_api *a, kv_context ctx, uint64_t p) {
 
 typedef void *cu_handle; // CUstream, CUevent
 
-kv_result kv_stream_create(kv_api *a, kv_context ctx, kv_stream *s, unsigned flags) {
+kv_result kv_stream_create(kv_api *a, kv_context ctx, kv_stream *s, unsigned flags, int priority) {
 	KV_CURRENT();
 	cu_handle h = NULL;
-	kv_result r = ((kv_result(*)(cu_handle *, unsigned))a->streamCreate)(&h, flags);
+	kv_result r;
+	if (priority != 0)
+		r = ((kv_result(*)(cu_handle *, unsigned, int))a->streamCreateWithPriority)(&h, flags, priority);
+	else
+		r = ((kv_result(*)(cu_handle *, unsigned))a->streamCreate)(&h, flags);
 	*s = (kv_stream)h;
 	return r;
+}
+
+kv_result kv_greatest_priority(kv_api *a, kv_context ctx, int *p) {
+	KV_CURRENT();
+	int least = 0;
+	return ((kv_result(*)(int *, int *))a->ctxGetStreamPriorityRange)(&least, p);
 }
 
 kv_result kv_stream_destroy(kv_api *a, kv_context ctx, kv_stream s) {

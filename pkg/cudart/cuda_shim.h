@@ -72,6 +72,8 @@ typedef struct {
 	void *moduleGetFunction;
 	void *launchKernel;
 	void *memGetAddressRange;
+	void *streamCreateWithPriority;
+	void *ctxGetStreamPriorityRange;
 } kv_api;
 
 // Loading. On failure kv_open returns NULL and *err holds a message in a
@@ -103,7 +105,12 @@ kv_result kv_memcpy_htod(kv_api *a, kv_context ctx, kv_dptr dst, const void *src
 kv_result kv_memcpy_dtoh(kv_api *a, kv_context ctx, void *dst, kv_dptr src, size_t n);
 kv_result kv_host_register(kv_api *a, kv_context ctx, uint64_t p, size_t n, unsigned flags);
 kv_result kv_host_unregister(kv_api *a, kv_context ctx, uint64_t p);
-kv_result kv_stream_create(kv_api *a, kv_context ctx, kv_stream *s, unsigned flags);
+// kv_stream_create makes a stream with flags; a priority other than 0
+// (lower numbers run first) needs kv_bind_kernel's entry points.
+kv_result kv_stream_create(kv_api *a, kv_context ctx, kv_stream *s, unsigned flags, int priority);
+// kv_greatest_priority is the context's greatest stream priority
+// (cuCtxGetStreamPriorityRange).
+kv_result kv_greatest_priority(kv_api *a, kv_context ctx, int *p);
 kv_result kv_stream_destroy(kv_api *a, kv_context ctx, kv_stream s);
 kv_result kv_stream_synchronize(kv_api *a, kv_context ctx, kv_stream s);
 kv_result kv_event_create(kv_api *a, kv_context ctx, kv_event *e, unsigned flags);
@@ -115,7 +122,7 @@ kv_result kv_stream_wait_event(kv_api *a, kv_context ctx, kv_stream s, kv_event 
 kv_result kv_launch_host_func(kv_api *a, kv_context ctx, kv_stream s, uintptr_t handle);
 
 // kv_bind_kernel resolves the entry points of the copy kernel (module
-// loading, cuLaunchKernel, cuMemGetAddressRange). They are optional: on
+// loading, cuLaunchKernel, cuMemGetAddressRange, streams of a priority). They are optional: on
 // failure *failed names the missing one and the kernel is not used.
 kv_result kv_bind_kernel(kv_api *a, const char **failed);
 

@@ -362,6 +362,20 @@ static CUresult fake_stream_create(void **s, unsigned flags) {
 	return make(streams, s);
 }
 
+static CUresult fake_stream_create_prio(void **s, unsigned flags, int priority) {
+	CTX();
+	if (priority < -5 || priority > 0) return INVALID_VALUE;
+	logf_("cuStreamCreate flags=%u priority=%d", flags, priority);
+	return make(streams, s);
+}
+
+static CUresult fake_priority_range(int *least, int *greatest) {
+	CTX();
+	*least = 0;
+	*greatest = -5;
+	return OK;
+}
+
 static CUresult fake_stream_destroy(void *s) {
 	CTX();
 	return drop(streams, s);
@@ -624,6 +638,8 @@ __attribute__((unused)) static const struct {
     {"cuModuleGetFunction", (void *)fake_module_function},
     {"cuLaunchKernel", (void *)fake_launch},
     {"cuMemGetAddressRange", (void *)fake_address_range},
+    {"cuStreamCreateWithPriority", (void *)fake_stream_create_prio},
+    {"cuCtxGetStreamPriorityRange", (void *)fake_priority_range},
 };
 
 #ifndef FAKE_NO_GETPROC
