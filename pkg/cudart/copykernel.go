@@ -19,8 +19,8 @@ import (
 // The copy kernel moves a batch's small runs with the GPU's own threads,
 // reading or writing the registered host pages in place, where the copy
 // engine's path pays the driver about a microsecond to enqueue each copy:
-// on an H200, 4,096 copies of 4 KiB took 2.4-3.6 ms to enqueue and moved
-// 0.09-0.12 of a 1 GiB pinned copy's bandwidth, the kernel 0.89-0.92
+// on an H200, 4,096 copies of 4 KiB took 1.6-3.6 ms to enqueue and moved
+// 0.08-0.19 of a 1 GiB pinned copy's bandwidth, the kernel 0.88-0.92
 // (docs/benchmarks.md, "The copy kernel"). Runs over 32 KiB stay with the
 // copy engine, which moves 64 KiB and more at 0.97-1.00 of that floor.
 
