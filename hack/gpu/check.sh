@@ -71,7 +71,7 @@ rc=0
 brc=0
 if [[ $parts == *" go "* ]]; then
 start=$(date +%s)
-KVPOOL_GPU_REQUIRED=1 timeout 240 "$bin" -test.run '^TestGPU(RoundTrip|CopyKernelSizes|EventOrdering)$' -test.v -test.count=1 >"$out/gpu-tests.log" 2>&1
+KVPOOL_GPU_REQUIRED=1 timeout 240 "$bin" -test.run '^TestGPU(RoundTrip|CopyKernelSizes|CopyKernelBothWays|EventOrdering)$' -test.v -test.count=1 >"$out/gpu-tests.log" 2>&1
 rc=$?
 grep -E '^\s*--- (FAIL|SKIP)|_test\.go:[0-9]+' "$out/gpu-tests.log" | head -40
 echo "gpu check: GPU tests rc=$rc in $(( $(date +%s) - start )) s ($(grep -c -- '--- PASS' "$out/gpu-tests.log") passed), log $out/gpu-tests.log"

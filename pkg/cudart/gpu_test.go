@@ -169,6 +169,66 @@ func TestGPUCopyKernelSizes(t *testing.T) {
 	}
 }
 
+// TestGPUCopyKernelBothWays runs the copy kernel in both directions at
+// once, on two streams (an offload and a reload overlapping, as a Mover's
+// do): 2,048 pages of 16 KiB each way, scattered, onto poisoned memory.
+func TestGPUCopyKernelBothWays(t *testing.T) {
+	dev, _ := gpuDevice(t, gpuPaths[0])
+	const page, n = 16 << 10, 2048
+	const half = 2 * n * page // device: pages to reload into, then pages to offload from
+	host, back := newPinned(t, dev, n*page), newPinned(t, dev, n*page)
+	copy(host.b, randBytes(n*page, 41))
+	fill(back.b, 0xA5)
+	dp, err := dev.MemAlloc(2 * half)
+	must(t, err)
+	defer dev.MemFree(dp)
+	devData := randBytes(half, 42)
+	must(t, dev.MemcpyHtoD(dp, bytes.Repeat([]byte{0x5A}, half)))
+	must(t, dev.MemcpyHtoD(dp+half, devData))
+	r := rand.New(rand.NewPCG(43, 44))
+	hostPerm, devPerm := r.Perm(n), r.Perm(2*n)[:n]
+	var in, out []Copy
+	for i := range n {
+		// Reload host page i to device page devPerm[i] of the first half;
+		// offload device page devPerm[i] of the second half to back page
+		// hostPerm[i].
+		d := uintptr(dp) + uintptr(devPerm[i]*page)
+		in = append(in, Copy{Dst: d, Src: addr(host.b[i*page:]), Bytes: page})
+		out = append(out, Copy{Dst: addr(back.b[hostPerm[i]*page:]), Src: d + half, Bytes: page})
+	}
+	s1, err := dev.StreamCreate()
+	must(t, err)
+	defer dev.StreamDestroy(s1)
+	s2, err := dev.StreamCreate()
+	must(t, err)
+	defer dev.StreamDestroy(s2)
+	for range 4 { // the same batches again, overlapping each other too
+		must(t, dev.MemcpyBatchAsync(in, HostToDevice, s1))
+		must(t, dev.MemcpyBatchAsync(out, DeviceToHost, s2))
+	}
+	must(t, dev.StreamSynchronize(s1))
+	must(t, dev.StreamSynchronize(s2))
+	gotDev := make([]byte, half)
+	must(t, dev.MemcpyDtoH(gotDev, dp))
+	wantDev := bytes.Repeat([]byte{0x5A}, half)
+	for i := range n {
+		copy(wantDev[devPerm[i]*page:], host.b[i*page:(i+1)*page])
+	}
+	if i := firstDiff(gotDev, wantDev); i >= 0 {
+		t.Fatalf("HtoD: device byte %d is %#x, want %#x", i, gotDev[i], wantDev[i])
+	}
+	want := make([]byte, n*page)
+	for i := range n {
+		copy(want[hostPerm[i]*page:], devData[devPerm[i]*page:(devPerm[i]+1)*page])
+	}
+	if i := firstDiff(back.b, want); i >= 0 {
+		t.Fatalf("DtoH: host byte %d is %#x, want %#x", i, back.b[i], want[i])
+	}
+	if loaded, err := dev.(*cudaDevice).kernel.state(); !loaded {
+		t.Fatalf("the copy kernel was not used: %v", err)
+	}
+}
+
 // TestGPUEventOrdering makes the engine's stream wait for a long copy
 // through Sync and checks that work queued behind it on the engine's stream
 // does not run before the copy has finished.
@@ -429,25 +489,53 @@ func TestGPUBandwidth(t *testing.T) {
 				const big = 4096
 				n := poolBytes / int(size)
 				layout := Layout{Regions: []Region{{Base: dp, Stride: size, PageBytes: size, Pages: n}}}
-				for _, dir := range []Direction{DeviceToHost, HostToDevice} {
+				// Four batches of even device pages and host pages of one
+				// half (odd device pages and the other half for half 1).
+				mkBig := func(dir Direction, half int) [][]Copy {
 					var bs [][]Copy
 					for range 4 {
-						devIdx, hostIdx := pick(r, n/2, big), pick(r, n/2, big)
+						devIdx, hostIdx := pick(r, n/2, big), pick(r, n/4, big)
 						ha := make([]uintptr, big)
 						for i := range devIdx {
-							devIdx[i] *= 2
-							ha[i] = addr(host.b[2*hostIdx[i]*int(size):])
+							devIdx[i] = 2*devIdx[i] + half
+							ha[i] = addr(host.b[(2*hostIdx[i]+half*n/2)*int(size):])
 						}
 						c, err := layout.Copies(dir, devIdx, ha)
 						must(t, err)
 						bs = append(bs, c)
 					}
-					reps := max(4, minBytes/(big*int(size)))
+					return bs
+				}
+				reps := max(4, minBytes/(big*int(size)))
+				for _, dir := range []Direction{DeviceToHost, HostToDevice} {
+					bs := mkBig(dir, 0)
 					rate, enq := timeBatches(t, runs, reps, uint64(reps)*big*size,
 						func(i int) error { return dev.MemcpyBatchAsync(bs[i%len(bs)], dir, s1) },
 						func() error { return dev.StreamSynchronize(s1) })
 					out("| %s, %d a batch | %v | %s | %.1f | %.2f | %.1f |\n", sizeName(size), big, dir, path,
 						rate/1e9, rate/floor[dir], float64(enq.Nanoseconds())/1e3)
+				}
+				if size == 16<<10 {
+					// Both directions at once, on two streams: does the
+					// kernel fill both directions of the link as the copy
+					// engines do?
+					d2h, h2d := mkBig(DeviceToHost, 0), mkBig(HostToDevice, 1)
+					rate, enq := timeBatches(t, runs, reps, 2*uint64(reps)*big*size,
+						func(i int) error {
+							if err := dev.MemcpyBatchAsync(d2h[i%len(d2h)], DeviceToHost, s1); err != nil {
+								return err
+							}
+							return dev.MemcpyBatchAsync(h2d[i%len(h2d)], HostToDevice, s2)
+						},
+						func() error {
+							if err := dev.StreamSynchronize(s1); err != nil {
+								return err
+							}
+							return dev.StreamSynchronize(s2)
+						})
+					f := max(floor[DeviceToHost], floor[HostToDevice])
+					out("| %s, %d a batch | both at once | %s | %.1f | %.2f | %.1f |\n", sizeName(size), big, path,
+						rate/1e9, rate/f, float64(enq.Nanoseconds())/2e3)
 				}
 			}
 		}
