@@ -186,7 +186,7 @@ func TestGPUCopyKernelBothWays(t *testing.T) {
 	must(t, dev.MemcpyHtoD(dp, bytes.Repeat([]byte{0x5A}, half)))
 	must(t, dev.MemcpyHtoD(dp+half, devData))
 	r := rand.New(rand.NewPCG(43, 44))
-	hostPerm, devPerm := r.Perm(n), r.Perm(2*n)[:n]
+	hostPerm, devPerm := r.Perm(n), r.Perm(2 * n)[:n]
 	var in, out []Copy
 	for i := range n {
 		// Reload host page i to device page devPerm[i] of the first half;
