@@ -113,12 +113,13 @@ func (k *copyKernel) state() (bool, error) {
 }
 
 // split returns the runs the kernel may copy and the rest, each in the
-// order given (the rest is runs itself when the kernel gets none). A run goes to the kernel when it is small
-// (copyKernelMaxRun), 16-byte aligned on both sides and its device side
-// lies in one allocation the driver confirmed during this batch (the host
-// side was checked as registered memory): the kernel must never touch an
-// address the copy engine would have refused, since a fault in a kernel
-// ends the process's CUDA context where a refused copy only fails.
+// order given (the rest is runs itself when the kernel gets none). A run
+// goes to the kernel when it is small (copyKernelMaxRun), 16-byte aligned
+// on both sides and its device side lies in one allocation the driver
+// confirmed during this batch (the host side was checked as registered
+// memory): the kernel must never touch an address the copy engine would
+// have refused, since a fault in a kernel ends the process's CUDA context
+// where a refused copy only fails.
 func (k *copyKernel) split(d *cudaDevice, runs []Copy, dir Direction) (kern, ce []Copy) {
 	if d.drv.kernelOff != nil || !slices.ContainsFunc(runs, kernelSized) {
 		return nil, runs
