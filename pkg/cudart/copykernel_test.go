@@ -294,3 +294,32 @@ func TestFakeCopyKernelLaunchFails(t *testing.T) {
 		})
 	}
 }
+
+// TestCopyKernelRanges: a newly confirmed allocation replaces every known
+// one it overlaps (addresses freed and handed out again) and the list stays
+// sorted.
+func TestCopyKernelRanges(t *testing.T) {
+	r := func(base, end uint64) devRange { return devRange{base: base, end: end} }
+	cases := []struct {
+		name      string
+		have      []devRange
+		add       devRange
+		want      []devRange
+		wantIndex int
+	}{
+		{"into an empty list", nil, r(100, 200), []devRange{r(100, 200)}, 0},
+		{"between two", []devRange{r(0, 100), r(300, 400)}, r(100, 300), []devRange{r(0, 100), r(100, 300), r(300, 400)}, 1},
+		{"over two it overlaps", []devRange{r(0, 100), r(200, 300), r(500, 600)}, r(50, 250), []devRange{r(50, 250), r(500, 600)}, 0},
+		{"the same base, larger", []devRange{r(0, 100), r(200, 300)}, r(200, 400), []devRange{r(0, 100), r(200, 400)}, 1},
+		{"at the end", []devRange{r(0, 100)}, r(100, 101), []devRange{r(0, 100), r(100, 101)}, 1},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			k := &copyKernel{ranges: append([]devRange(nil), c.have...)}
+			i := k.insert(c.add)
+			if i != c.wantIndex || fmt.Sprint(k.ranges) != fmt.Sprint(c.want) {
+				t.Errorf("insert %v into %v: %v at %d, want %v at %d", c.add, c.have, k.ranges, i, c.want, c.wantIndex)
+			}
+		})
+	}
+}
