@@ -38,12 +38,15 @@ const (
 	// copyKernelAlign: the kernel moves 16-byte vectors, so a run's
 	// addresses and length must be multiples of it.
 	copyKernelAlign = 16
+	// maxRanges bounds the device allocations the kernel remembers (an
+	// engine's KV cache is a few, or one per layer).
+	maxRanges = 1024
 )
 
-// copyKernel says, for Load's log line, whether the copy kernel may be
+// kernelState says, for Load's log line, whether the copy kernel may be
 // used ("on": it is loaded at a device's first batch with small runs) or
 // why not.
-func (d *cudaDriver) copyKernel() string {
+func (d *cudaDriver) kernelState() string {
 	if d.kernelOff != nil {
 		return "off: " + d.kernelOff.Error()
 	}
@@ -185,11 +188,15 @@ func (k *copyKernel) inAllocation(d *cudaDevice, p, n uint64) (int, bool) {
 }
 
 // insert adds r, dropping the ranges it overlaps (allocations freed and
-// their addresses reused), and returns its index.
+// their addresses reused), and returns its index. A list at maxRanges
+// also drops every range this batch has not confirmed (each is asked
+// about again when next used), so that a process that allocates and frees
+// without end does not grow it without end.
 func (k *copyKernel) insert(r devRange) int {
+	full := len(k.ranges) >= maxRanges
 	kept := k.ranges[:0]
 	for _, x := range k.ranges {
-		if x.end <= r.base || x.base >= r.end {
+		if (x.end <= r.base || x.base >= r.end) && (!full || x.epoch == r.epoch) {
 			kept = append(kept, x)
 		}
 	}

@@ -6,6 +6,7 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 )
@@ -322,4 +323,23 @@ func TestCopyKernelRanges(t *testing.T) {
 			}
 		})
 	}
+	t.Run("into a full list", func(t *testing.T) {
+		// maxRanges allocations seen, every tenth confirmed in this batch
+		// (epoch 2): a new one leaves those and itself.
+		k := &copyKernel{}
+		var want []devRange
+		for i := range maxRanges {
+			x := devRange{base: uint64(100 * i), end: uint64(100*i + 50), epoch: 1}
+			if i%10 == 0 {
+				x.epoch = 2
+				want = append(want, x)
+			}
+			k.ranges = append(k.ranges, x)
+		}
+		add := devRange{base: 150, end: 160, epoch: 2}
+		want = slices.Insert(want, 1, add)
+		if i := k.insert(add); i != 1 || !slices.Equal(k.ranges, want) {
+			t.Errorf("%d ranges, the new one at %d; want %d, at 1", len(k.ranges), i, len(want))
+		}
+	})
 }

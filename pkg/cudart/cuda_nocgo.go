@@ -14,4 +14,4 @@ func openCUDA(path string, noBatch, noKernel bool) (*cudaDriver, error) {
 func (d *cudaDriver) Version() int                  { return 0 }
 func (d *cudaDriver) BatchABI() int                 { return 0 }
 func (d *cudaDriver) deviceName(ordinal int) string { return "" }
-func (d *cudaDriver) copyKernel() string            { return "" }
+func (d *cudaDriver) kernelState() string           { return "" }

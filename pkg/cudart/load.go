@@ -137,7 +137,7 @@ func Load(o Options) (Driver, Choice, error) {
 	}
 	log.Info("cudart: using the CUDA driver", "reason", c.Reason, "library", lib,
 		"driver", FormatVersion(c.DriverVersion), "devices", c.Devices, "batch_abi", c.BatchABI,
-		"copy_kernel", d.(*cudaDriver).copyKernel())
+		"copy_kernel", d.(*cudaDriver).kernelState())
 	return d, c, nil
 }
 
