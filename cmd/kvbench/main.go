@@ -4,7 +4,7 @@
 //
 //	kvbench [--json] [--workers N] [--duration d]     embedded standalone agent
 //	kvbench --socket PATH --token T                    a running agent
-//	kvbench restart [--streams 1,10000,...]             the restart probe: agent and keeper as processes, SIGKILL, time to serving
+//	kvbench restart [--streams 1,10000,...]             the restart probe: agent and keeper as processes, SIGKILL, time to serving, and the adopt floor
 package main
 
 import (
@@ -90,6 +90,9 @@ type options struct {
 func run(ctx context.Context, args []string) error {
 	if len(args) > 0 && args[0] == "restart" {
 		return runRestart(ctx, args[1:])
+	}
+	if len(args) > 0 && args[0] == adoptChild {
+		return runAdoptChild(args[1:])
 	}
 	fs := flag.NewFlagSet("kvbench", flag.ContinueOnError)
 	socket := fs.String("socket", "", "a running agent's socket (default: start an embedded standalone agent)")

@@ -12,7 +12,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -27,7 +26,8 @@ import (
 
 // restartReport is what `kvbench restart` prints: per stream count, the
 // time from SIGKILL of the agent until a client call succeeds on the
-// restarted one, and the agent's memory before and after.
+// restarted one, the agent's memory before and after, and the adopt floor
+// (adoptFloor) for the memory after.
 type restartReport struct {
 	Load  string       `json:"load_average"` // /proc/loadavg when the probe began
 	Wait  string       `json:"wait"`         // how the gap ends: "poll" or "client" (--wait)
@@ -47,6 +47,12 @@ type restartRow struct {
 	AnonBefore int64     `json:"rss_anon_before_bytes"`
 	AnonAfter  []int64   `json:"rss_anon_after_bytes"`
 	PeakAfter  []int64   `json:"rss_peak_after_bytes"` // each restarted agent's VmHWM: the restore's peak, the pool it faulted in included
+	// AdoptMs: what mapping the restarted agent's anonymous memory (the
+	// median of AnonAfter: its whole heap, the state rebuilt included)
+	// from a kept memfd takes a fresh process (adoptFloor), three times:
+	// the floor of a restart that adopted its state instead of rebuilding it.
+	AdoptMs    []float64 `json:"adopt_floor_ms"`
+	AdoptP50Ms float64   `json:"adopt_floor_p50_ms"`
 }
 
 // runRestart is `kvbench restart`: a keeper and an agent as real
@@ -136,7 +142,7 @@ func printRestart(w io.Writer, rep *restartReport) {
 	ends := map[string]string{"poll": "a call polled every ms succeeds (--wait poll)", "client": "one call made as the killed agent is gone returns, with the client's retries (--wait client)"}
 	fmt.Fprintf(w, "load average at start: %s; the gap ends when %s\n", rep.Load, ends[rep.Wait])
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "pool MiB\tsessions\tstreams\tgap p50 ms\tgaps ms\texits ms\tover 1st\tRSS before MiB\tRSS after MiB\tanon before MiB\tanon after MiB\tpeak after MiB")
+	fmt.Fprintln(tw, "pool MiB\tsessions\tstreams\tgap p50 ms\tgaps ms\texits ms\tover 1st\tadopt floor ms\tRSS before MiB\tRSS after MiB\tanon before MiB\tanon after MiB\tpeak after MiB")
 	mib := func(v int64) string { return fmt.Sprintf("%.1f", float64(v)/(1<<20)) }
 	list := func(vs []int64) string {
 		var s []string
@@ -153,8 +159,8 @@ func printRestart(w io.Writer, rep *restartReport) {
 		return strings.Join(s, " ")
 	}
 	for _, c := range rep.Cases {
-		fmt.Fprintf(tw, "%d\t%d\t%d\t%.1f\t%s\t%s\t%.2f\t%s\t%s\t%s\t%s\t%s\n", c.PoolMiB, c.Sessions, c.Streams, c.GapP50Ms, ms(c.GapsMs), ms(c.ExitsMs), c.OverFloor,
-			mib(c.RSSBefore), list(c.RSSAfter), mib(c.AnonBefore), list(c.AnonAfter), list(c.PeakAfter))
+		fmt.Fprintf(tw, "%d\t%d\t%d\t%.1f\t%s\t%s\t%.2f\t%.1f\t%s\t%s\t%s\t%s\t%s\n", c.PoolMiB, c.Sessions, c.Streams, c.GapP50Ms, ms(c.GapsMs), ms(c.ExitsMs), c.OverFloor,
+			c.AdoptP50Ms, mib(c.RSSBefore), list(c.RSSAfter), mib(c.AnonBefore), list(c.AnonAfter), list(c.PeakAfter))
 	}
 	tw.Flush()
 }
@@ -222,9 +228,17 @@ func probeRestart(ctx context.Context, bin string, pool poolShape, n, restarts i
 			}
 		}
 	}
-	g := slices.Clone(row.GapsMs)
-	slices.Sort(g)
-	row.GapP50Ms = g[len(g)/2]
+	row.GapP50Ms = median(row.GapsMs)
+	anon := make([]float64, len(row.AnonAfter))
+	for i, a := range row.AnonAfter {
+		anon[i] = float64(a)
+	}
+	if n := int64(median(anon)); n > 0 { // 0: /proc could not be read
+		if row.AdoptMs, err = adoptFloor(n, 3); err != nil {
+			return row, err
+		}
+	}
+	row.AdoptP50Ms = median(row.AdoptMs)
 	return row, nil
 }
 
