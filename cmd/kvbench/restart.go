@@ -233,8 +233,8 @@ func probeRestart(ctx context.Context, bin string, pool poolShape, n, restarts i
 	for i, a := range row.AnonAfter {
 		anon[i] = float64(a)
 	}
-	if n := int64(median(anon)); n > 0 { // 0: /proc could not be read
-		if row.AdoptMs, err = adoptFloor(n, 3); err != nil {
+	if heap := int64(median(anon)); heap > 0 { // 0: /proc could not be read
+		if row.AdoptMs, err = adoptFloor(heap, 3); err != nil {
 			return row, err
 		}
 	}
