@@ -421,58 +421,65 @@ func TestGPUBandwidth(t *testing.T) {
 		}
 
 		r := rand.New(rand.NewPCG(11, 12))
+		// scattered makes nb batches of k copies of size-byte pages: even
+		// device pages and host pages of the pool's first half for half 0,
+		// odd device pages and the second half for half 1, so no two
+		// copies of a batch merge and the two directions at once touch
+		// disjoint memory.
+		scattered := func(size uint64, nb, k int, dir Direction, half int) [][]Copy {
+			n := poolBytes / int(size)
+			layout := Layout{Regions: []Region{{Base: dp, Stride: size, PageBytes: size, Pages: n}}}
+			var bs [][]Copy
+			for range nb {
+				devIdx, hostIdx := pick(r, n/2, k), pick(r, n/4, k)
+				ha := make([]uintptr, k)
+				for i := range devIdx {
+					devIdx[i] = 2*devIdx[i] + half
+					ha[i] = addr(host.b[(2*hostIdx[i]+half*n/2)*int(size):])
+				}
+				c, err := layout.Copies(dir, devIdx, ha)
+				must(t, err)
+				bs = append(bs, c)
+			}
+			return bs
+		}
+		// both times d2h and h2d batches enqueued together on two streams;
+		// the rate is the aggregate of bytes.
+		both := func(d2h, h2d [][]Copy, reps int, bytes uint64) (float64, time.Duration) {
+			return timeBatches(t, runs, reps, bytes,
+				func(i int) error {
+					if err := dev.MemcpyBatchAsync(d2h[i%len(d2h)], DeviceToHost, s1); err != nil {
+						return err
+					}
+					return dev.MemcpyBatchAsync(h2d[i%len(h2d)], HostToDevice, s2)
+				},
+				func() error {
+					if err := dev.StreamSynchronize(s1); err != nil {
+						return err
+					}
+					return dev.StreamSynchronize(s2)
+				})
+		}
+		bothFloor := max(floor[DeviceToHost], floor[HostToDevice])
 		for _, size := range gpuPageSizes {
 			if !p.noKernel && size > copyKernelMaxRun {
 				continue // the batch path's rows above
 			}
-			n := poolBytes / int(size)
-			layout := Layout{Regions: []Region{{Base: dp, Stride: size, PageBytes: size, Pages: n}}}
-			// Scattered: only even pages on both sides, so no two copies of
-			// a batch merge; 8 different batches in rotation.
-			mk := func(dir Direction, half int) [][]Copy {
-				var batches [][]Copy
-				for b := 0; b < 8; b++ {
-					dev := pick(r, n/2, batch)
-					hostIdx := pick(r, n/4, batch)
-					ha := make([]uintptr, batch)
-					for i := range dev {
-						dev[i] *= 2
-						ha[i] = addr(host.b[(2*hostIdx[i]+half*n/2)*int(size):])
-					}
-					c, err := layout.Copies(dir, dev, ha)
-					must(t, err)
-					batches = append(batches, c)
-				}
-				return batches
-			}
+			// 8 different batches in rotation.
 			reps := max(16, minBytes/(batch*int(size)))
 			moved := uint64(reps) * batch * size
 			for _, dir := range []Direction{DeviceToHost, HostToDevice} {
-				bs := mk(dir, 0)
+				bs := scattered(size, 8, batch, dir, 0)
 				rate, enq := timeBatches(t, runs, reps, moved,
 					func(i int) error { return dev.MemcpyBatchAsync(bs[i%len(bs)], dir, s1) },
 					func() error { return dev.StreamSynchronize(s1) })
 				out("| %s | %v | %s | %.1f | %.2f | %.1f |\n", sizeName(size), dir, path, rate/1e9, rate/floor[dir], float64(enq.Nanoseconds())/1e3)
 			}
 			if size == 256<<10 {
-				// Both directions at once, on two streams, disjoint host
-				// halves: the aggregate against one direction's floor.
-				d2h, h2d := mk(DeviceToHost, 0), mk(HostToDevice, 1)
-				rate, enq := timeBatches(t, runs, reps, 2*moved,
-					func(i int) error {
-						if err := dev.MemcpyBatchAsync(d2h[i%len(d2h)], DeviceToHost, s1); err != nil {
-							return err
-						}
-						return dev.MemcpyBatchAsync(h2d[i%len(h2d)], HostToDevice, s2)
-					},
-					func() error {
-						if err := dev.StreamSynchronize(s1); err != nil {
-							return err
-						}
-						return dev.StreamSynchronize(s2)
-					})
-				f := max(floor[DeviceToHost], floor[HostToDevice])
-				out("| %s | both at once | %s | %.1f | %.2f | %.1f |\n", sizeName(size), path, rate/1e9, rate/f, float64(enq.Nanoseconds())/2e3)
+				// Both directions at once: the aggregate against one
+				// direction's floor.
+				rate, enq := both(scattered(size, 8, batch, DeviceToHost, 0), scattered(size, 8, batch, HostToDevice, 1), reps, 2*moved)
+				out("| %s | both at once | %s | %.1f | %.2f | %.1f |\n", sizeName(size), path, rate/1e9, rate/bothFloor, float64(enq.Nanoseconds())/2e3)
 			}
 		}
 		if !noBatch {
@@ -480,58 +487,25 @@ func TestGPUBandwidth(t *testing.T) {
 			// page, or few heads per GPU): 4,096 copies a batch, which the
 			// driver gets in pieces (batchPiece), the copy engine starting
 			// on the first while the rest are enqueued; or the kernel gets
-			// in three launches.
+			// in three launches. Four batches in rotation.
 			for _, size := range []uint64{4 << 10, 16 << 10, 32 << 10} {
 				const big = 4096
-				n := poolBytes / int(size)
-				layout := Layout{Regions: []Region{{Base: dp, Stride: size, PageBytes: size, Pages: n}}}
-				// Four batches of even device pages and host pages of one
-				// half (odd device pages and the other half for half 1).
-				mkBig := func(dir Direction, half int) [][]Copy {
-					var bs [][]Copy
-					for range 4 {
-						devIdx, hostIdx := pick(r, n/2, big), pick(r, n/4, big)
-						ha := make([]uintptr, big)
-						for i := range devIdx {
-							devIdx[i] = 2*devIdx[i] + half
-							ha[i] = addr(host.b[(2*hostIdx[i]+half*n/2)*int(size):])
-						}
-						c, err := layout.Copies(dir, devIdx, ha)
-						must(t, err)
-						bs = append(bs, c)
-					}
-					return bs
-				}
 				reps := max(4, minBytes/(big*int(size)))
+				moved := uint64(reps) * big * size
 				for _, dir := range []Direction{DeviceToHost, HostToDevice} {
-					bs := mkBig(dir, 0)
-					rate, enq := timeBatches(t, runs, reps, uint64(reps)*big*size,
+					bs := scattered(size, 4, big, dir, 0)
+					rate, enq := timeBatches(t, runs, reps, moved,
 						func(i int) error { return dev.MemcpyBatchAsync(bs[i%len(bs)], dir, s1) },
 						func() error { return dev.StreamSynchronize(s1) })
 					out("| %s, %d a batch | %v | %s | %.1f | %.2f | %.1f |\n", sizeName(size), big, dir, path,
 						rate/1e9, rate/floor[dir], float64(enq.Nanoseconds())/1e3)
 				}
 				if size == 16<<10 {
-					// Both directions at once, on two streams: does the
-					// kernel fill both directions of the link as the copy
-					// engines do?
-					d2h, h2d := mkBig(DeviceToHost, 0), mkBig(HostToDevice, 1)
-					rate, enq := timeBatches(t, runs, reps, 2*uint64(reps)*big*size,
-						func(i int) error {
-							if err := dev.MemcpyBatchAsync(d2h[i%len(d2h)], DeviceToHost, s1); err != nil {
-								return err
-							}
-							return dev.MemcpyBatchAsync(h2d[i%len(h2d)], HostToDevice, s2)
-						},
-						func() error {
-							if err := dev.StreamSynchronize(s1); err != nil {
-								return err
-							}
-							return dev.StreamSynchronize(s2)
-						})
-					f := max(floor[DeviceToHost], floor[HostToDevice])
+					// Does the kernel fill both directions of the link as
+					// the copy engines do?
+					rate, enq := both(scattered(size, 4, big, DeviceToHost, 0), scattered(size, 4, big, HostToDevice, 1), reps, 2*moved)
 					out("| %s, %d a batch | both at once | %s | %.1f | %.2f | %.1f |\n", sizeName(size), big, path,
-						rate/1e9, rate/f, float64(enq.Nanoseconds())/2e3)
+						rate/1e9, rate/bothFloor, float64(enq.Nanoseconds())/2e3)
 				}
 			}
 		}
