@@ -197,30 +197,34 @@ func BenchmarkDecodeQueued(b *testing.B) {
 	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*len(payloads)), "ns/record")
 }
 
-// BenchmarkLoadProbe replays kvbench restart's books (one session at the
-// stream bound) as the agent keeps them: records after an empty snapshot
-// (the probe's), and the same state compacted into a snapshot (what a
-// restart finds after enough churn).
+// BenchmarkLoadProbe replays kvbench restart's books as the agent keeps
+// them: one session at the stream bound, and four (the agent's bound, each
+// decoded and applied on its own goroutine, GOMAXPROCS at a time); records
+// after an empty snapshot (the probe's), and the same state compacted into a
+// snapshot (what a restart finds after enough churn).
 func BenchmarkLoadProbe(b *testing.B) {
-	for _, compacted := range []bool{false, true} {
-		name := map[bool]string{false: "records", true: "snapshot"}[compacted]
-		b.Run(name, func(b *testing.B) {
-			_, bk, store := atLimits(b, 1, limStreams, int64(limStreams)*13, true)
-			if compacted {
-				bk.mu.Lock()
-				st, err := bk.stateLocked()
-				must(b, err)
-				must(b, bk.compactLocked(st, 0))
-				bk.mu.Unlock()
-			}
-			bk.Close()
-			for b.Loop() {
-				st, _, err := Load(store.f)
-				must(b, err)
-				if st.Streams() != limStreams {
-					b.Fatalf("%d streams", st.Streams())
+	for _, sessions := range []int{1, 4} {
+		for _, compacted := range []bool{false, true} {
+			name := map[bool]string{false: "records", true: "snapshot"}[compacted]
+			b.Run(fmt.Sprintf("sessions=%d/%s", sessions, name), func(b *testing.B) {
+				_, bk, store := atLimits(b, sessions, limStreams, int64(limStreams)*13, true)
+				if compacted {
+					bk.mu.Lock()
+					st, err := bk.stateLocked()
+					must(b, err)
+					must(b, bk.compactLocked(st, 0))
+					bk.mu.Unlock()
 				}
-			}
-		})
+				bk.Close()
+				for b.Loop() {
+					st, _, err := Load(store.f)
+					must(b, err)
+					if st.Streams() != sessions*limStreams {
+						b.Fatalf("%d streams", st.Streams())
+					}
+				}
+				b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*sessions*limStreams), "ns/stream")
+			})
+		}
 	}
 }

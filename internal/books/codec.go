@@ -613,15 +613,33 @@ func (d *dec) session() *Session {
 	// request at a time rehashed it again and again.
 	nrids := d.n()
 	s.reqs = newRequests(min(nrids+d.more[s.Image.ID], maxRidHint))
-	for range nrids {
-		rid := d.str()
-		n := d.n()
-		if n == 0 {
-			continue
+	// A few requests at a time, whose index slots are read together
+	// (prefetch) before they are opened, as a replay's records are.
+	var rids [prefetchBatch]string
+	var hs [prefetchBatch]uint64
+	var ends [prefetchBatch]int
+	var streams []stream
+	for left := nrids; left > 0 && d.err == nil; {
+		k := 0
+		streams = streams[:0]
+		for ; k < prefetchBatch && left > 0; left-- {
+			rid := d.str()
+			n := d.n()
+			if n == 0 {
+				continue
+			}
+			for range n {
+				streams = append(streams, stream{Label: d.str(), Meta: d.meta(), Pages: d.pages()})
+			}
+			rids[k], hs[k], ends[k] = rid, ridHash(rid), len(streams)
+			k++
 		}
-		list := s.reqs.open(rid)
-		for range n {
-			*list = append(*list, stream{Label: d.str(), Meta: d.meta(), Pages: d.pages()})
+		s.reqs.prefetch(hs[:k])
+		from := 0
+		for j := range k {
+			list := s.reqs.openHashed(rids[j], hs[j])
+			*list = append(*list, streams[from:ends[j]]...)
+			from = ends[j]
 		}
 	}
 	for range d.n() {

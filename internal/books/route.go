@@ -138,19 +138,8 @@ func (r *router) apply(st *State) (uint64, error) {
 // applied in order.
 func (q *sessionQueue) apply(labels map[string]string, lanes int) {
 	if lanes == 0 || len(q.recs) < 2*decodeBatch {
-		for _, rec := range q.recs {
-			op, err := decodeQueued(q.payload(rec), labels)
-			if !q.applyOne(op, offloadHash(op), err, rec.off) {
-				return
-			}
-		}
+		q.applyHere(labels)
 		return
-	}
-	type decoded struct {
-		op  server.SessionOp
-		h   uint64 // offloadHash(op)
-		err error
-		off uint64
 	}
 	type lane struct {
 		labels map[string]string
@@ -229,7 +218,47 @@ func (q *sessionQueue) apply(labels map[string]string, lanes int) {
 	}
 }
 
+type decoded struct {
+	op  server.SessionOp
+	h   uint64 // offloadHash(op)
+	err error
+	off uint64
+}
+
+// applyHere decodes and applies the queue's records in order, on this
+// goroutine: a few records at a time, whose offloads' index slots are
+// read together (prefetch) before they are applied. One lookup after
+// the other, each missed the caches in turn: 4 sessions at their bound,
+// replayed side by side, spent a sixth of their CPU there.
+func (q *sessionQueue) applyHere(labels map[string]string) {
+	var batch [prefetchBatch]decoded
+	hs := make([]uint64, 0, prefetchBatch)
+	for lo := 0; lo < len(q.recs); lo += prefetchBatch {
+		b, hs := batch[:0], hs[:0]
+		for _, rec := range q.recs[lo:min(lo+prefetchBatch, len(q.recs))] {
+			op, err := decodeQueued(q.payload(rec), labels)
+			h := offloadHash(op)
+			b = append(b, decoded{op, h, err, rec.off})
+			if err != nil {
+				break // applied up to it, which then stops the queue
+			}
+			if op.Op == wire.OpOffload {
+				hs = append(hs, h)
+			}
+		}
+		q.s.reqs.prefetch(hs)
+		for i := range b {
+			if !q.applyOne(b[i].op, b[i].h, b[i].err, b[i].off) {
+				return
+			}
+		}
+	}
+}
+
 const (
+	// prefetchBatch is how many records applyHere decodes before it
+	// applies them.
+	prefetchBatch = 16
 	// decodeBatch is how many records a batch of the decoding ahead holds.
 	decodeBatch = 1024
 	// decodeLanes bounds the goroutines that decode one session's

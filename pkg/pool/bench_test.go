@@ -148,3 +148,38 @@ func BenchmarkOffloadManyLabels(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkRestore rebuilds sessions of 131,072 streams (one session's
+// bound; one page and one stream a request, kvbench restart's shape) from
+// their image, as a restarted agent does after replaying its books: the
+// "rebuild" phase of its keeper step, without the page faults of a fresh
+// process (the heap is the benchmark's, warm).
+//
+//	go test -run XXX -bench Restore -count 6 ./pkg/pool/
+func BenchmarkRestore(b *testing.B) {
+	for _, sessions := range []int{1, 4} {
+		b.Run(fmt.Sprintf("sessions=%d", sessions), func(b *testing.B) {
+			const streams = 1 << 17
+			p := New()
+			for i := range sessions {
+				id := fmt.Sprintf("c%d", i)
+				must(b, p.AddChunk(Chunk{ID: id, Size: streams * 64}))
+				must(b, p.Grant(id, []string{id}))
+				s, err := p.Open(id, Spec{PageSize: 64, DevicePages: 64})
+				must(b, err)
+				for j := range streams {
+					_, err := s.Offload(fmt.Sprintf("req-%07d", j), "k", []int32{int32(j % 64)}, Meta{StoredLen: int64(j)}, nil)
+					must(b, err)
+				}
+			}
+			img := p.Export()
+			b.ResetTimer()
+			for b.Loop() {
+				if _, err := New().Restore(img); err != nil {
+					b.Fatal(err)
+				}
+			}
+			b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*sessions*streams), "ns/stream")
+		})
+	}
+}

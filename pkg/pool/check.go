@@ -15,6 +15,9 @@ func (s *Session) Check() error {
 	if s.capacity > len(s.chunks)*s.ppc {
 		return fmt.Errorf("capacity %d exceeds %d chunks of %d pages", s.capacity, len(s.chunks), s.ppc)
 	}
+	if err := s.reqs.check(); err != nil {
+		return fmt.Errorf("request index: %w", err)
+	}
 	owner := make([]byte, s.capacity) // 0 unseen, 1 seen
 	if err := s.checkList(owner, "free list", s.freeHead, nilPage, s.nfree); err != nil {
 		return err
@@ -68,7 +71,7 @@ func (s *Session) checkList(owner []byte, what string, head, tail int32, n int) 
 // and their pages, and the stream and page counters.
 func (s *Session) checkStreams(owner []byte) error {
 	used, streams, own := 0, 0, 0
-	for rid, l := range s.rids {
+	for rid, l := range s.reqs.all() {
 		if l.first == nilPage || l.last == nilPage {
 			return fmt.Errorf("request %q has no streams", rid)
 		}
@@ -110,9 +113,9 @@ func (s *Session) checkStreams(owner []byte) error {
 	if used != s.used || streams != s.nstreams {
 		return fmt.Errorf("streams hold %d pages in %d streams, counters say %d in %d", used, streams, s.used, s.nstreams)
 	}
-	if own != len(s.ownLabels) || len(s.byLabel) > len(s.rids) {
+	if own != len(s.ownLabels) || len(s.byLabel) > s.reqs.n {
 		return fmt.Errorf("%d streams keep their own label, %d own labels kept; %d label indexes for %d requests",
-			own, len(s.ownLabels), len(s.byLabel), len(s.rids))
+			own, len(s.ownLabels), len(s.byLabel), s.reqs.n)
 	}
 	return nil
 }
@@ -203,6 +206,41 @@ func (p *Pool) Check() error {
 		if err := s.Check(); err != nil {
 			return err
 		}
+	}
+	return nil
+}
+
+// check verifies the request index: every request held is found at its
+// place, every slot names a place held once, and the counts agree with
+// the free places.
+func (x *reqIndex) check() error {
+	if len(x.rids) != len(x.lists) {
+		return fmt.Errorf("%d request IDs, %d lists", len(x.rids), len(x.lists))
+	}
+	held := 0
+	for p, rid := range x.rids {
+		if rid == "" {
+			continue
+		}
+		held++
+		s, ok := x.lookup(rid, ridHash(rid))
+		if !ok || placeOf(x.slots[s]) != p {
+			return fmt.Errorf("request %q at place %d is not found there", rid, p)
+		}
+	}
+	used := 0
+	for _, e := range x.slots {
+		if e == 0 {
+			continue
+		}
+		used++
+		if p := placeOf(e); p >= len(x.rids) || x.rids[p] == "" {
+			return fmt.Errorf("a slot names place %d, which holds no request", p)
+		}
+	}
+	if held != x.n || used != x.n || len(x.free) != len(x.rids)-x.n || (len(x.slots) > 0 && 2*x.n > len(x.slots)) {
+		return fmt.Errorf("%d requests held, %d slots used of %d, %d places free of %d; the count says %d",
+			held, used, len(x.slots), len(x.free), len(x.rids), x.n)
 	}
 	return nil
 }

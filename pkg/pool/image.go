@@ -155,14 +155,14 @@ func (s *Session) Image() SessionImage {
 		}
 		return out
 	}
-	rids := make([]string, 0, len(s.rids))
-	for rid := range s.rids {
+	rids := make([]string, 0, s.reqs.n)
+	for rid := range s.reqs.all() {
 		rids = append(rids, rid)
 	}
 	sort.Strings(rids)
 	si.Requests = make([]RequestImage, 0, len(rids))
 	for _, rid := range rids {
-		l := s.rids[rid]
+		l, _ := s.reqs.get(rid)
 		q := RequestImage{Rid: rid, Streams: make([]StreamImage, 0, l.n)}
 		for slot := l.first; slot != nilPage; slot = s.at(slot).next {
 			st := s.at(slot)
@@ -384,21 +384,26 @@ func (s *Session) restoreStreams(reqs []RequestImage, used []bool, spare bool) e
 			streams += n
 		}
 	}
-	if spare && streams >= splitFrom && len(s.slab) == 0 && streams < maxPages {
+	if streams >= maxPages {
+		return fmt.Errorf("%w: %d streams, more than a session's %d pages", poolerr.ErrPageCount, streams, maxPages)
+	}
+	if spare && streams >= splitFrom {
 		// The index, the longer of the two, runs here: a goroutine
 		// started now may wait for a CPU until another one yields (a
 		// restarted agent writes its fresh books meanwhile), and the
 		// index in it began 5-10 ms late.
 		fill := make(chan error, 1)
-		go func() { fill <- s.fillRequests(reqs, used, true) }()
+		go func() { fill <- s.fillRequests(reqs, used) }()
 		err := s.indexRequests(reqs, requests)
 		if ferr := <-fill; ferr != nil {
 			err = ferr
 		}
 		return err
 	}
-	s.rids = make(map[string]ridList, requests)
-	return s.fillRequests(reqs, used, false)
+	if err := s.fillRequests(reqs, used); err != nil {
+		return err
+	}
+	return s.indexRequests(reqs, requests)
 }
 
 // splitFrom is the session size from which restoreStreams builds the index
@@ -408,31 +413,32 @@ const splitFrom = 4096
 // indexRequests makes the request index of a fresh session whose streams
 // fillRequests puts in slots 0, 1, ... in order.
 func (s *Session) indexRequests(reqs []RequestImage, requests int) error {
-	rids := make(map[string]ridList, requests)
-	slot := int32(0)
-	for i := range reqs {
+	x := newReqIndex(requests)
+	i, slot := 0, int32(0)
+	dup, ok := x.indexAll(requests, func(int) (string, ridList) {
+		for len(reqs[i].Streams) == 0 {
+			i++
+		}
 		q := &reqs[i]
+		i++
 		n := int32(len(q.Streams))
-		if n == 0 {
-			continue
-		}
-		had := len(rids)
-		if rids[q.Rid] = (ridList{first: slot, last: slot + n - 1, n: n}); len(rids) == had {
-			s.rids = rids
-			return fmt.Errorf("request %q: %w", q.Rid, errListedTwice)
-		}
+		l := ridList{first: slot, last: slot + n - 1, n: n}
 		slot += n
+		return q.Rid, l
+	})
+	s.reqs = x
+	if !ok {
+		return fmt.Errorf("request %q: %w", dup, errListedTwice)
 	}
-	s.rids = rids
 	return nil
 }
 
 var errListedTwice = errors.New("listed twice (an image lists each request once, with its streams)")
 
-// fillRequests rebuilds the streams of each request, in order; with
-// indexed, the index is another goroutine's (indexRequests) and each stream
-// must take the slot after the last.
-func (s *Session) fillRequests(reqs []RequestImage, used []bool, indexed bool) error {
+// fillRequests rebuilds the streams of each request, in order, each in
+// the slot after the last (a fresh session's slots come so); the index is
+// indexRequests'.
+func (s *Session) fillRequests(reqs []RequestImage, used []bool) error {
 	k := int32(0)
 	for i := range reqs {
 		q := &reqs[i]
@@ -442,11 +448,6 @@ func (s *Session) fillRequests(reqs []RequestImage, used []bool, indexed bool) e
 		rid := q.Rid
 		if err := checkNames(rid, ""); err != nil {
 			return err
-		}
-		if !indexed {
-			if _, ok := s.rids[rid]; ok {
-				return fmt.Errorf("request %q: %w", rid, errListedTwice)
-			}
 		}
 		l := ridList{first: nilPage, last: nilPage}
 		for j := range q.Streams {
@@ -464,18 +465,14 @@ func (s *Session) fillRequests(reqs []RequestImage, used []bool, indexed bool) e
 			if err != nil {
 				return fmt.Errorf("%q/%q: %w", rid, st.Label, err)
 			}
-			slot := s.newSlot()
-			if indexed && slot != k {
+			if slot := s.newSlot(); slot != k {
 				return fmt.Errorf("restore: stream %d took slot %d", k, slot) // a fresh session's slots come in order
 			}
-			k++
-			*s.at(slot) = stream{meta: st.Meta, head: head, tail: tail, n: int32(len(st.Pages))}
-			s.setLabel(slot, st.Label)
-			l = s.linkOnly(rid, l, slot)
+			*s.at(k) = stream{meta: st.Meta, head: head, tail: tail, n: int32(len(st.Pages))}
+			s.setLabel(k, st.Label)
+			l = s.linkOnly(rid, l, k)
 			s.names += int64(len(rid) + len(st.Label))
-		}
-		if !indexed {
-			s.rids[rid] = l
+			k++
 		}
 	}
 	return nil

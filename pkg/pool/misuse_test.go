@@ -25,11 +25,11 @@ func stateOf(s *Session) sessionState {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	st := sessionState{
-		Usage:  Usage{Capacity: s.capacity, Used: s.used, Pending: s.npending, Streams: s.nstreams, Requests: len(s.rids)},
+		Usage:  Usage{Capacity: s.capacity, Used: s.used, Pending: s.npending, Streams: s.nstreams, Requests: s.reqs.n},
 		Ticket: s.ticket,
 	}
-	rids := make([]string, 0, len(s.rids))
-	for rid := range s.rids {
+	rids := make([]string, 0, s.reqs.n)
+	for rid := range s.reqs.all() {
 		rids = append(rids, rid)
 	}
 	slices.Sort(rids)

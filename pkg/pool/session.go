@@ -67,7 +67,7 @@ type Session struct {
 	npending int
 	ticket   uint64 // last ticket issued
 
-	rids map[string]ridList // request ID -> its streams, in offload order
+	reqs reqIndex // request ID -> its streams, in offload order
 	// byLabel indexes the streams of each request that holds more than
 	// indexFrom of them: request ID -> label -> slot. Kept out of ridList
 	// so that the entry every request has stays 12 bytes.
@@ -168,7 +168,7 @@ func newSession(p *Pool, a *allocation, spec Spec, chunks []*chunk, ppc, capacit
 		next:      make([]int32, capacity),
 		freeHead:  nilPage,
 		nfree:     capacity,
-		rids:      make(map[string]ridList),
+		reqs:      newReqIndex(0),
 		byLabel:   make(map[string]map[string]int32),
 		freeSlot:  nilPage,
 		seen:      make([]uint64, (spec.DevicePages+63)/64),
@@ -242,7 +242,7 @@ func (s *Session) freeSlotAt(slot int32) {
 // find returns the slot of (rid, label), or nilPage when there is none,
 // and rid's list.
 func (s *Session) find(rid, label string) (int32, ridList) {
-	l, ok := s.rids[rid]
+	l, ok := s.reqs.get(rid)
 	if !ok {
 		return nilPage, l
 	}
@@ -268,7 +268,7 @@ func (s *Session) findIn(rid string, l ridList, label string) (int32, ridList) {
 // link appends a new stream in slot to rid's list l (zero when rid has no
 // stream yet).
 func (s *Session) link(rid string, l ridList, slot int32) {
-	s.rids[rid] = s.linkOnly(rid, l, slot)
+	s.reqs.put(rid, s.linkOnly(rid, l, slot))
 	s.pool.streams.Add(1)
 }
 
@@ -323,9 +323,9 @@ func (s *Session) unlink(rid string, l ridList, slot int32) {
 	}
 	l.n--
 	if l.n == 0 {
-		delete(s.rids, rid)
+		s.reqs.del(rid)
 	} else {
-		s.rids[rid] = l
+		s.reqs.put(rid, l)
 	}
 	s.used -= int(st.n)
 	s.nstreams--
@@ -572,7 +572,7 @@ func (s *Session) RemoveRequest(rid string) (int, error) {
 		removed++
 		slot = next
 	}
-	delete(s.rids, rid)
+	s.reqs.del(rid)
 	delete(s.byLabel, rid)
 	return removed, nil
 }
@@ -581,7 +581,7 @@ func (s *Session) RemoveRequest(rid string) (int, error) {
 func (s *Session) IsOffloaded(rid string) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	_, ok := s.rids[rid]
+	_, ok := s.reqs.get(rid)
 	return ok
 }
 
@@ -598,7 +598,7 @@ func (s *Session) Labels(rid string) []string {
 
 // first returns the slot of rid's first stream, or nilPage.
 func (s *Session) first(rid string) int32 {
-	if l, ok := s.rids[rid]; ok {
+	if l, ok := s.reqs.get(rid); ok {
 		return l.first
 	}
 	return nilPage
@@ -640,7 +640,7 @@ func (u Usage) Free() int { return u.Capacity - u.Used }
 func (s *Session) Usage() Usage {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return Usage{Capacity: s.capacity, Used: s.used, Pending: s.npending, Streams: s.nstreams, Requests: len(s.rids), NameBytes: s.names}
+	return Usage{Capacity: s.capacity, Used: s.used, Pending: s.npending, Streams: s.nstreams, Requests: s.reqs.n, NameBytes: s.names}
 }
 
 // NumFreePages is the seed API's num_free_pages (see Usage.Free).
@@ -661,7 +661,7 @@ func (s *Session) Closed() bool {
 func (s *Session) dropAll() {
 	s.pool.streams.Add(-int64(s.nstreams))
 	s.pool.names.Add(-s.names)
-	s.rids = make(map[string]ridList)
+	s.reqs = reqIndex{}
 	s.byLabel = nil
 	s.slab, s.freeSlot = nil, nilPage
 	s.pending, s.phead = nil, 0

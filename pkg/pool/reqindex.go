@@ -1,0 +1,196 @@
+package pool
+
+import (
+	"hash/maphash"
+	"iter"
+)
+
+// reqIndex maps a session's request IDs to their lists of streams. It is a
+// table of its own (open addressing, linear probing, backward-shift
+// deletion) rather than a Go map, for the restore: a restarted agent
+// indexes every request of a session at once, and a map took them one
+// cache miss after the other (about half of a large session's rebuild),
+// where indexRequests computes a batch of hashes and reads their slots
+// together before it fills them. The table holds no pointers; a request's
+// ID and list live at its place in two slices beside it.
+type reqIndex struct {
+	slots []uint64  // 0: empty; else the ID's hash, upper half, <<32 | place+1
+	rids  []string  // place -> request ID; "" for a free place
+	lists []ridList // place -> the request's streams
+	free  []int32   // free places, reused first
+	n     int
+	// touched keeps indexAll's early reads from being optimised away.
+	touched uint64
+}
+
+// ridSeed keys the index's hash: request IDs come from tenants, so where
+// they land is not theirs to choose.
+var ridSeed = maphash.MakeSeed()
+
+func ridHash(rid string) uint64 { return maphash.String(ridSeed, rid) }
+
+// indexSlots is the table's size for n requests: the least power of two
+// (8 at least) that is at least twice n, so that probes stay short.
+func indexSlots(n int) int {
+	s := 8
+	for s < 2*n {
+		s <<= 1
+	}
+	return s
+}
+
+func newReqIndex(n int) reqIndex {
+	return reqIndex{slots: make([]uint64, indexSlots(n)), rids: make([]string, 0, n), lists: make([]ridList, 0, n)}
+}
+
+func entry(h uint64, place int) uint64 { return h&^(1<<32-1) | uint64(place+1) }
+
+func placeOf(e uint64) int { return int(uint32(e)) - 1 }
+
+// lookup returns the slot that holds rid (hash h), or the empty slot where
+// it would go.
+func (x *reqIndex) lookup(rid string, h uint64) (slot int, found bool) {
+	if len(x.slots) == 0 {
+		return 0, false // the zero index (a dropped session's): put grows it first
+	}
+	mask := len(x.slots) - 1
+	for i := int(h) & mask; ; i = (i + 1) & mask {
+		e := x.slots[i]
+		if e == 0 {
+			return i, false
+		}
+		if e>>32 == h>>32 && x.rids[placeOf(e)] == rid {
+			return i, true
+		}
+	}
+}
+
+// get returns rid's list.
+func (x *reqIndex) get(rid string) (ridList, bool) {
+	if s, ok := x.lookup(rid, ridHash(rid)); ok {
+		return x.lists[placeOf(x.slots[s])], true
+	}
+	return ridList{}, false
+}
+
+// put sets rid's list, adding rid when it is not held.
+func (x *reqIndex) put(rid string, l ridList) {
+	h := ridHash(rid)
+	s, ok := x.lookup(rid, h)
+	if ok {
+		x.lists[placeOf(x.slots[s])] = l
+		return
+	}
+	if 2*(x.n+1) > len(x.slots) {
+		x.grow(indexSlots(x.n + 1))
+		s, _ = x.lookup(rid, h)
+	}
+	x.slots[s] = entry(h, x.add(rid, l))
+	x.n++
+}
+
+// add gives rid and l a place, a free one first, and returns it.
+func (x *reqIndex) add(rid string, l ridList) int {
+	if k := len(x.free); k > 0 {
+		p := int(x.free[k-1])
+		x.free = x.free[:k-1]
+		x.rids[p], x.lists[p] = rid, l
+		return p
+	}
+	x.rids = append(x.rids, rid)
+	x.lists = append(x.lists, l)
+	return len(x.rids) - 1
+}
+
+// del removes rid, and reports whether it was held.
+func (x *reqIndex) del(rid string) bool {
+	s, ok := x.lookup(rid, ridHash(rid))
+	if !ok {
+		return false
+	}
+	p := placeOf(x.slots[s])
+	x.rids[p], x.lists[p] = "", ridList{}
+	x.free = append(x.free, int32(p))
+	x.n--
+	// Backward-shift deletion: the entries after the gap that would no
+	// longer be found past it move back (no tombstones, so probes stay as
+	// short as the table is full).
+	mask := len(x.slots) - 1
+	for j := (s + 1) & mask; x.slots[j] != 0; j = (j + 1) & mask {
+		e := x.slots[j]
+		home := int(ridHash(x.rids[placeOf(e)])) & mask
+		// e stays where it is when its home lies cyclically in (s, j].
+		if (s < j && s < home && home <= j) || (s > j && (s < home || home <= j)) {
+			continue
+		}
+		x.slots[s] = e
+		s = j
+	}
+	x.slots[s] = 0
+	return true
+}
+
+// grow makes the table again with n slots.
+func (x *reqIndex) grow(n int) {
+	x.slots = make([]uint64, n)
+	mask := n - 1
+	for p, rid := range x.rids {
+		if rid == "" {
+			continue
+		}
+		h := ridHash(rid)
+		i := int(h) & mask
+		for x.slots[i] != 0 {
+			i = (i + 1) & mask
+		}
+		x.slots[i] = entry(h, p)
+	}
+}
+
+// all yields every request held and its list, in no particular order.
+func (x *reqIndex) all() iter.Seq2[string, ridList] {
+	return func(yield func(string, ridList) bool) {
+		for p, rid := range x.rids {
+			if rid != "" && !yield(rid, x.lists[p]) {
+				return
+			}
+		}
+	}
+}
+
+// indexBatch is how many requests indexAll hashes, and whose slots it
+// reads, before it fills them.
+const indexBatch = 16
+
+// indexAll indexes n requests, given in order by next (which yields each
+// one's ID and list), into an empty index made for them: place i is the
+// i-th. It returns the first ID given twice, if any ("" and true: none).
+// A table of a large session is larger than the caches: one request at a
+// time, each new one missed them in turn; here a batch's first reads,
+// independent of each other, miss them together.
+func (x *reqIndex) indexAll(n int, next func(i int) (string, ridList)) (string, bool) {
+	var hs [indexBatch]uint64
+	mask := len(x.slots) - 1
+	var touched uint64
+	for lo := 0; lo < n; lo += indexBatch {
+		hi := min(lo+indexBatch, n)
+		for i := lo; i < hi; i++ {
+			rid, l := next(i)
+			x.rids = append(x.rids, rid)
+			x.lists = append(x.lists, l)
+			hs[i-lo] = ridHash(rid)
+			touched |= x.slots[int(hs[i-lo])&mask]
+		}
+		for i := lo; i < hi; i++ {
+			h := hs[i-lo]
+			s, ok := x.lookup(x.rids[i], h)
+			if ok {
+				return x.rids[i], false
+			}
+			x.slots[s] = entry(h, i)
+			x.n++
+		}
+	}
+	x.touched = touched
+	return "", true
+}
