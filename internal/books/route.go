@@ -234,7 +234,8 @@ func (q *sessionQueue) applyHere(labels map[string]string) {
 	var batch [prefetchBatch]decoded
 	hs := make([]uint64, 0, prefetchBatch)
 	for lo := 0; lo < len(q.recs); lo += prefetchBatch {
-		b, hs := batch[:0], hs[:0]
+		b := batch[:0]
+		hs = hs[:0]
 		for _, rec := range q.recs[lo:min(lo+prefetchBatch, len(q.recs))] {
 			op, err := decodeQueued(q.payload(rec), labels)
 			h := offloadHash(op)

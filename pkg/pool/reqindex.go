@@ -10,11 +10,12 @@ import (
 // deletion) rather than a Go map, for the restore: a restarted agent
 // indexes every request of a session at once, and a map took them one
 // cache miss after the other (about half of a large session's rebuild),
-// where indexRequests computes a batch of hashes and reads their slots
+// where indexAll computes a batch of hashes and reads their slots
 // together before it fills them. The table holds no pointers; a request's
-// ID and list live at its place in two slices beside it.
+// ID (never empty: checkNames) and list live at its place in two slices
+// beside it.
 type reqIndex struct {
-	slots []uint64  // 0: empty; else the ID's hash, upper half, <<32 | place+1
+	slots []uint64  // 0: empty; else the upper half of the ID's hash, then place+1 (entry)
 	rids  []string  // place -> request ID; "" for a free place
 	lists []ridList // place -> the request's streams
 	free  []int32   // free places, reused first
