@@ -443,6 +443,14 @@ func TestGPUBandwidth(t *testing.T) {
 			}
 			return bs
 		}
+		// oneWay times nb batches of k copies of size in rotation, one
+		// direction on one stream.
+		oneWay := func(size uint64, nb, k, reps int, moved uint64, dir Direction) (float64, time.Duration) {
+			bs := scattered(size, nb, k, dir, 0)
+			return timeBatches(t, runs, reps, moved,
+				func(i int) error { return dev.MemcpyBatchAsync(bs[i%len(bs)], dir, s1) },
+				func() error { return dev.StreamSynchronize(s1) })
+		}
 		// both times d2h and h2d batches enqueued together on two streams;
 		// the rate is the aggregate of bytes.
 		both := func(d2h, h2d [][]Copy, reps int, bytes uint64) (float64, time.Duration) {
@@ -469,10 +477,7 @@ func TestGPUBandwidth(t *testing.T) {
 			reps := max(16, minBytes/(batch*int(size)))
 			moved := uint64(reps) * batch * size
 			for _, dir := range []Direction{DeviceToHost, HostToDevice} {
-				bs := scattered(size, 8, batch, dir, 0)
-				rate, enq := timeBatches(t, runs, reps, moved,
-					func(i int) error { return dev.MemcpyBatchAsync(bs[i%len(bs)], dir, s1) },
-					func() error { return dev.StreamSynchronize(s1) })
+				rate, enq := oneWay(size, 8, batch, reps, moved, dir)
 				out("| %s | %v | %s | %.1f | %.2f | %.1f |\n", sizeName(size), dir, path, rate/1e9, rate/floor[dir], float64(enq.Nanoseconds())/1e3)
 			}
 			if size == 256<<10 {
@@ -493,10 +498,7 @@ func TestGPUBandwidth(t *testing.T) {
 				reps := max(4, minBytes/(big*int(size)))
 				moved := uint64(reps) * big * size
 				for _, dir := range []Direction{DeviceToHost, HostToDevice} {
-					bs := scattered(size, 4, big, dir, 0)
-					rate, enq := timeBatches(t, runs, reps, moved,
-						func(i int) error { return dev.MemcpyBatchAsync(bs[i%len(bs)], dir, s1) },
-						func() error { return dev.StreamSynchronize(s1) })
+					rate, enq := oneWay(size, 4, big, reps, moved, dir)
 					out("| %s, %d a batch | %v | %s | %.1f | %.2f | %.1f |\n", sizeName(size), big, dir, path,
 						rate/1e9, rate/floor[dir], float64(enq.Nanoseconds())/1e3)
 				}

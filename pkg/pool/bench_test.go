@@ -173,7 +173,6 @@ func BenchmarkRestore(b *testing.B) {
 				}
 			}
 			img := p.Export()
-			b.ResetTimer()
 			for b.Loop() {
 				if _, err := New().Restore(img); err != nil {
 					b.Fatal(err)

@@ -413,21 +413,8 @@ const splitFrom = 4096
 // indexRequests makes the request index of a fresh session whose streams
 // fillRequests puts in slots 0, 1, ... in order.
 func (s *Session) indexRequests(reqs []RequestImage, requests int) error {
-	x := newReqIndex(requests)
-	i, slot := 0, int32(0)
-	dup, ok := x.indexAll(requests, func(int) (string, ridList) {
-		for len(reqs[i].Streams) == 0 {
-			i++
-		}
-		q := &reqs[i]
-		i++
-		n := int32(len(q.Streams))
-		l := ridList{first: slot, last: slot + n - 1, n: n}
-		slot += n
-		return q.Rid, l
-	})
-	s.reqs = x
-	if !ok {
+	s.reqs = newReqIndex(requests)
+	if dup, ok := s.reqs.indexAll(reqs); !ok {
 		return fmt.Errorf("request %q: %w", dup, errListedTwice)
 	}
 	return nil

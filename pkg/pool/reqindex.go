@@ -163,32 +163,40 @@ func (x *reqIndex) all() iter.Seq2[string, ridList] {
 // reads, before it fills them.
 const indexBatch = 16
 
-// indexAll indexes n requests, given in order by next (which yields each
-// one's ID and list), into an empty index made for them: place i is the
-// i-th. It returns the first ID given twice, if any ("" and true: none).
+// indexAll indexes the requests of a fresh session's image, those with
+// streams, into an empty index made for them: place i is the i-th, and its
+// streams take the slots after the previous one's (as fillRequests fills
+// them). It returns the first ID listed twice, if any ("" and true: none).
 // A table of a large session is larger than the caches: one request at a
 // time, each new one missed them in turn; here a batch's first reads,
 // independent of each other, miss them together.
-func (x *reqIndex) indexAll(n int, next func(i int) (string, ridList)) (string, bool) {
+func (x *reqIndex) indexAll(reqs []RequestImage) (string, bool) {
 	var hs [indexBatch]uint64
 	mask := len(x.slots) - 1
 	var touched uint64
-	for lo := 0; lo < n; lo += indexBatch {
-		hi := min(lo+indexBatch, n)
-		for i := lo; i < hi; i++ {
-			rid, l := next(i)
-			x.rids = append(x.rids, rid)
-			x.lists = append(x.lists, l)
-			hs[i-lo] = ridHash(rid)
-			touched |= x.slots[int(hs[i-lo])&mask]
-		}
-		for i := lo; i < hi; i++ {
-			h := hs[i-lo]
-			s, ok := x.lookup(x.rids[i], h)
-			if ok {
-				return x.rids[i], false
+	slot := int32(0)
+	for i := 0; i < len(reqs); {
+		lo := len(x.rids)
+		for ; i < len(reqs) && len(x.rids)-lo < indexBatch; i++ {
+			q := &reqs[i]
+			n := int32(len(q.Streams))
+			if n == 0 {
+				continue
 			}
-			x.slots[s] = entry(h, i)
+			h := ridHash(q.Rid)
+			hs[len(x.rids)-lo] = h
+			touched |= x.slots[int(h)&mask]
+			x.rids = append(x.rids, q.Rid)
+			x.lists = append(x.lists, ridList{first: slot, last: slot + n - 1, n: n})
+			slot += n
+		}
+		for p := lo; p < len(x.rids); p++ {
+			h := hs[p-lo]
+			s, found := x.lookup(x.rids[p], h)
+			if found {
+				return x.rids[p], false
+			}
+			x.slots[s] = entry(h, p)
 			x.n++
 		}
 	}

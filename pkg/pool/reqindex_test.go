@@ -58,33 +58,45 @@ func TestReqIndexAgainstMap(t *testing.T) {
 	}
 }
 
-// TestReqIndexAll: indexAll places the requests in the order given, finds
-// each of them, and names the first ID given twice.
+// TestReqIndexAll: indexAll places the requests with streams in the order
+// listed, skipping those without, gives each the slots after the previous
+// one's, finds each of them, and names the first ID listed twice.
 func TestReqIndexAll(t *testing.T) {
-	ids := func(n int) []string {
-		out := make([]string, n)
-		for i := range out {
-			out[i] = fmt.Sprintf("r%04d", i)
+	// Request i holds i%3 streams: every third one none (a hole).
+	reqs := func(n int, more ...string) []RequestImage {
+		out := make([]RequestImage, 0, n+len(more))
+		for i := range n {
+			out = append(out, RequestImage{Rid: fmt.Sprintf("r%04d", i), Streams: make([]StreamImage, i%3)})
+		}
+		for _, rid := range more {
+			out = append(out, RequestImage{Rid: rid, Streams: make([]StreamImage, 1)})
 		}
 		return out
 	}
 	for _, tc := range []struct {
 		name string
-		rids []string
+		reqs []RequestImage
 		dup  string
 	}{
 		{"none", nil, ""},
-		{"one", ids(1), ""},
-		{"a batch and a half", ids(indexBatch + indexBatch/2), ""},
-		{"many", ids(1000), ""},
-		{"twice in a batch", append(ids(5), "r0002"), "r0002"},
-		{"twice across batches", append(ids(3*indexBatch), "r0001", "r0007"), "r0001"},
+		{"a hole alone", reqs(1), ""},
+		{"one", reqs(2)[1:], ""},
+		{"a batch and a half", reqs(3 * (indexBatch + indexBatch/2) / 2), ""},
+		{"many", reqs(1000), ""},
+		{"a hole's ID again, with streams", reqs(5, "r0003"), ""},
+		{"twice in a batch", reqs(5, "r0002"), "r0002"},
+		{"twice across batches", reqs(3*indexBatch, "r0001", "r0007"), "r0001"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			x := newReqIndex(len(tc.rids))
-			dup, ok := x.indexAll(len(tc.rids), func(i int) (string, ridList) {
-				return tc.rids[i], ridList{first: int32(i), last: int32(i), n: 1}
-			})
+			n, withStreams := 0, map[string]bool{}
+			for _, q := range tc.reqs {
+				if len(q.Streams) > 0 {
+					n++
+					withStreams[q.Rid] = true
+				}
+			}
+			x := newReqIndex(n)
+			dup, ok := x.indexAll(tc.reqs)
 			if dup != tc.dup || ok != (tc.dup == "") {
 				t.Fatalf("indexAll = %q, %v; want %q", dup, ok, tc.dup)
 			}
@@ -94,10 +106,23 @@ func TestReqIndexAll(t *testing.T) {
 			if err := x.check(); err != nil {
 				t.Fatal(err)
 			}
-			for i, rid := range tc.rids {
-				if l, ok := x.get(rid); !ok || l.first != int32(i) || x.rids[i] != rid {
-					t.Fatalf("%q: %v, %v at place %d (%q)", rid, l, ok, i, x.rids[i])
+			place, slot := 0, int32(0)
+			for _, q := range tc.reqs {
+				l, held := x.get(q.Rid)
+				k := int32(len(q.Streams))
+				if k == 0 {
+					if held != withStreams[q.Rid] {
+						t.Fatalf("%q, listed without streams: held %v", q.Rid, held)
+					}
+					continue
 				}
+				if want := (ridList{first: slot, last: slot + k - 1, n: k}); !held || l != want || x.rids[place] != q.Rid {
+					t.Fatalf("%q: %v, %v at place %d (%q); want %v", q.Rid, l, held, place, x.rids[place], want)
+				}
+				place, slot = place+1, slot+k
+			}
+			if x.n != n {
+				t.Fatalf("%d requests held, %d listed with streams", x.n, n)
 			}
 		})
 	}
