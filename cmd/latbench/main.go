@@ -119,6 +119,8 @@ func run(args []string) error {
 		return clientMain(*socket, *token, *pages, *pageBytes, *spin)
 	case "echo":
 		return echoMain(*socket)
+	case "echo-client":
+		return echoClientMain(*socket, fs.Args())
 	case "":
 	default:
 		return fmt.Errorf("unknown role %q", *role)
@@ -410,32 +412,36 @@ func runPlacement(dir, echo, name string, agentCPUs, clientCPUs []int, sz sizes,
 	rep.ClientMaxProcs, _ = strconv.Atoi(mp)
 
 	goCall := func(kind string, count int) ([]int64, error) {
-		fmt.Fprintf(cin, "%s %d %d %s %d %d\n", kind, count, warm, gsock, sz.isOffReq, sz.isOffRep)
+		fmt.Fprintf(cin, "%s %d %d\n", kind, count, warm)
 		line, err := cr.ReadString('\n')
 		if err != nil {
 			return nil, fmt.Errorf("client: %w", err)
 		}
 		return parseLatencies(line)
 	}
-	cCall := func(count int, pairs ...int) ([]int64, error) {
-		args := []string{"call", esock, strconv.Itoa(count + warm)}
-		for _, p := range pairs {
-			args = append(args, strconv.Itoa(p))
-		}
-		c := exec.Command(echo, args...)
+	// timed runs an echo client on the client's CPUs and returns the
+	// latencies it printed, less the warm-up's.
+	timed := func(what string, c *exec.Cmd) ([]int64, error) {
 		var out strings.Builder
 		c.Stdout, c.Stderr = &out, os.Stderr
 		if err := startPinned(c, clientCPUs); err != nil {
 			return nil, err
 		}
 		if err := c.Wait(); err != nil {
-			return nil, fmt.Errorf("echo client: %w", err)
+			return nil, fmt.Errorf("%s: %w", what, err)
 		}
 		l, err := parseLatencies(strings.ReplaceAll(out.String(), "\n", " "))
 		if err != nil {
 			return nil, err
 		}
 		return l[warm:], nil
+	}
+	cCall := func(count int, pairs ...int) ([]int64, error) {
+		args := []string{"call", esock, strconv.Itoa(count + warm)}
+		for _, p := range pairs {
+			args = append(args, strconv.Itoa(p))
+		}
+		return timed("echo client", exec.Command(echo, args...))
 	}
 	kinds := []struct {
 		what, kind string
@@ -446,7 +452,15 @@ func runPlacement(dir, echo, name string, agentCPUs, clientCPUs []int, sz sizes,
 	}
 	per := n / rounds
 	// The transport alone: a bare echo between two Go processes over
-	// wire.Conn, with is_offloaded's packet sizes.
+	// wire.Conn, with is_offloaded's packet sizes. Its client is a process
+	// of its own, as the C echo's: the kvpool client's process has its
+	// session's connection open, which would leave the echo's Conn to the
+	// poller (wire.Conn's direct Conns are limited to GOMAXPROCS-1, at
+	// least one).
+	goEcho := func(count int) ([]int64, error) {
+		return timed("the Go echo client", exec.Command(self, "-role", "echo-client", "-socket", gsock,
+			strconv.Itoa(count+warm), strconv.Itoa(sz.isOffReq), strconv.Itoa(sz.isOffRep)))
+	}
 	{
 		var fl, kv []int64
 		for range rounds {
@@ -454,7 +468,7 @@ func runPlacement(dir, echo, name string, agentCPUs, clientCPUs []int, sz sizes,
 			if err != nil {
 				return rep, err
 			}
-			g, err := goCall("wecho", per)
+			g, err := goEcho(per)
 			if err != nil {
 				return rep, err
 			}
@@ -613,33 +627,14 @@ func clientMain(socket, token string, pages, pageBytes int, spin time.Duration) 
 	out := bufio.NewWriter(os.Stdout)
 	var lat []int64
 	for in.Scan() {
-		var kind, esock string
-		var count, warm, q, r int
-		if _, err := fmt.Sscan(in.Text(), &kind, &count, &warm, &esock, &q, &r); err != nil || count < 1 || warm < 0 || q < 4 || r < 1 {
+		var kind string
+		var count, warm int
+		if _, err := fmt.Sscan(in.Text(), &kind, &count, &warm); err != nil || count < 1 || warm < 0 {
 			return fmt.Errorf("bad command %q", in.Text())
 		}
-		f, done := isoff, func() {}
-		switch kind {
-		case "offrel":
+		f := isoff
+		if kind == "offrel" {
 			f = offrel
-		case "wecho":
-			ec, err := wire.Dial(esock)
-			if err != nil {
-				return err
-			}
-			done = func() { ec.Close() } // a second Conn would take the first off the direct path
-			req, buf := make([]byte, q), make([]byte, wire.MaxMessage+1)
-			binary.LittleEndian.PutUint32(req, uint32(r))
-			f = func() error {
-				if err := ec.Send(req, nil); err != nil {
-					return err
-				}
-				pkt, _, err := ec.Recv(buf)
-				if err == nil && len(pkt) != r {
-					err = fmt.Errorf("echo of %d bytes, want %d", len(pkt), r)
-				}
-				return err
-			}
 		}
 		lat = lat[:0]
 		var ferr error
@@ -654,23 +649,74 @@ func clientMain(socket, token string, pages, pageBytes int, spin time.Duration) 
 				lat = append(lat, d.Nanoseconds())
 			}
 		}
-		done()
 		if ferr != nil {
 			fmt.Fprintf(out, "error %v\n", ferr)
 		} else {
-			for i, d := range lat {
-				if i > 0 {
-					_ = out.WriteByte(' ') // bufio keeps the first error for Flush
-				}
-				_, _ = out.WriteString(strconv.FormatInt(d, 10))
-			}
-			_ = out.WriteByte('\n')
+			writeLatencies(out, lat)
 		}
 		if err := out.Flush(); err != nil {
 			return err
 		}
 	}
 	return in.Err()
+}
+
+// echoClientMain times args[0] exchanges with the Go echo at socket, of
+// args[1] bytes asking for args[2] back, and prints their durations in ns
+// on one line, as testdata/echo.c's client.
+func echoClientMain(socket string, args []string) error {
+	var n, q, r int
+	if len(args) != 3 {
+		return fmt.Errorf("echo-client: want count, request and reply sizes, got %q", args)
+	}
+	for i, p := range []*int{&n, &q, &r} {
+		v, err := strconv.Atoi(args[i])
+		if err != nil || v < 1 || (i > 0 && v > wire.MaxMessage) {
+			return fmt.Errorf("echo-client: bad argument %q", args[i])
+		}
+		*p = v
+	}
+	if q < 4 {
+		return errors.New("echo-client: a request has at least 4 bytes (the reply's size)")
+	}
+	c, err := wire.Dial(socket)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	req, buf := make([]byte, q), make([]byte, wire.MaxMessage+1)
+	binary.LittleEndian.PutUint32(req, uint32(r))
+	lat := make([]int64, 0, n)
+	for range n {
+		t := time.Now()
+		if err := c.Send(req, nil); err != nil {
+			return err
+		}
+		pkt, _, err := c.Recv(buf)
+		d := time.Since(t)
+		if err != nil {
+			return err
+		}
+		if len(pkt) != r {
+			return fmt.Errorf("echo of %d bytes, want %d", len(pkt), r)
+		}
+		lat = append(lat, d.Nanoseconds())
+	}
+	out := bufio.NewWriter(os.Stdout)
+	writeLatencies(out, lat)
+	return out.Flush()
+}
+
+// writeLatencies writes durations in ns on one line, as parseLatencies
+// reads them; out keeps the first error for its Flush.
+func writeLatencies(out *bufio.Writer, lat []int64) {
+	for i, d := range lat {
+		if i > 0 {
+			_ = out.WriteByte(' ')
+		}
+		_, _ = out.WriteString(strconv.FormatInt(d, 10))
+	}
+	_ = out.WriteByte('\n')
 }
 
 // echoMain serves a bare echo over wire.Conn until stdin closes: the

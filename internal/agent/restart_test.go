@@ -106,7 +106,7 @@ func (w *wireClient) do(op wire.Op, req, rep proto.Message) (wire.Status, string
 	if err := w.c.Send(pkt, nil); err != nil {
 		w.t.Fatal(err)
 	}
-	w.c.UnixConn().SetReadDeadline(time.Now().Add(10 * time.Second))
+	w.c.SetReadDeadline(time.Now().Add(10 * time.Second))
 	got, files, err := w.c.Recv(w.buf)
 	for _, f := range files {
 		f.Close()

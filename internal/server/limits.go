@@ -315,15 +315,15 @@ func (s *Server) refuseConn(uc *net.UnixConn, msg string) {
 // a session is open.
 func (c *conn) stage() {
 	l := c.s.lim
-	uc := c.wc.UnixConn()
+	wc := c.wc
 	var err error
 	switch {
 	case c.e != nil:
-		err = uc.SetReadDeadline(time.Time{})
+		err = wc.SetReadDeadline(time.Time{})
 	case c.hello:
-		err = uc.SetReadDeadline(c.since.Add(l.OpenTimeout))
+		err = wc.SetReadDeadline(c.since.Add(l.OpenTimeout))
 	default:
-		err = uc.SetReadDeadline(c.since.Add(l.HelloTimeout))
+		err = wc.SetReadDeadline(c.since.Add(l.HelloTimeout))
 	}
 	if err != nil {
 		// Only a closed socket refuses a deadline; the next receive

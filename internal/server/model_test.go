@@ -503,7 +503,7 @@ func (c *mClient) send(op wire.Op, seq uint32, fence uint64, m proto.Message) er
 // recv reads the reply to seq: its status, and its body decoded into rep
 // (or the error message).
 func (c *mClient) recv(seq uint32, rep proto.Message) (wire.Status, string, error) {
-	c.conn.UnixConn().SetReadDeadline(time.Now().Add(10 * time.Second))
+	c.conn.SetReadDeadline(time.Now().Add(10 * time.Second))
 	pkt, files, err := c.conn.Recv(c.buf)
 	for _, f := range files {
 		f.Close()

@@ -74,7 +74,7 @@ func (r *raw) sendSeq(op wire.Op, seq uint32, m *wire.Offload) []byte {
 		r.t.Fatal(err)
 	}
 	r.sendPacket(pkt, nil)
-	r.c.UnixConn().SetReadDeadline(timeIn5s())
+	r.c.SetReadDeadline(timeIn5s())
 	got, _, err := r.c.Recv(r.buf)
 	if err != nil {
 		r.t.Fatal(err)

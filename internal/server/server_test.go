@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/kvpool/kvpool/internal/hostmem"
@@ -124,7 +125,7 @@ func (r *raw) sendPacket(pkt []byte, fds []int) {
 	r.t.Helper()
 	if len(pkt) > wire.MaxMessage {
 		// wire.Conn refuses to send this; a broken client would not.
-		if _, err := r.c.UnixConn().Write(pkt); err != nil {
+		if err := writeRaw(r.c, pkt); err != nil {
 			r.t.Fatal(err)
 		}
 		return
@@ -134,11 +135,27 @@ func (r *raw) sendPacket(pkt []byte, fds []int) {
 	}
 }
 
+// writeRaw writes pkt on c's socket as one packet, past Send's checks.
+func writeRaw(c *wire.Conn, pkt []byte) error {
+	rc, err := c.SyscallConn()
+	if err != nil {
+		return err
+	}
+	var werr error
+	if err := rc.Write(func(fd uintptr) bool {
+		_, werr = unix.Write(int(fd), pkt)
+		return werr != unix.EAGAIN
+	}); err != nil {
+		return err
+	}
+	return werr
+}
+
 // recv returns the next reply, or ok false when the server closed the
 // connection.
 func (r *raw) recv() (h wire.Header, body []byte, files []*os.File, ok bool) {
 	r.t.Helper()
-	r.c.UnixConn().SetReadDeadline(time.Now().Add(5 * time.Second))
+	r.c.SetReadDeadline(time.Now().Add(5 * time.Second))
 	pkt, files, err := r.c.Recv(r.buf)
 	if errors.Is(err, io.EOF) || errors.Is(err, syscall.ECONNRESET) {
 		return h, nil, nil, false // closed by the server, with or without our packet read

@@ -8,6 +8,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvpool/kvpool/internal/hostmem"
+	"github.com/kvpool/kvpool/pkg/client"
 	"github.com/kvpool/kvpool/pkg/cudart"
 )
 
@@ -65,12 +66,32 @@ func reportCPU(b *testing.B, start time.Duration, bytesPerOp int64) {
 	}
 }
 
-func BenchmarkOffloadReloadSim(b *testing.B) {
+// BenchmarkIsOffloaded is the smallest call with the agent in the same
+// process (its allocations are the ones to watch: none); cmd/latbench
+// times it between processes against a C echo.
+func BenchmarkIsOffloaded(b *testing.B) {
+	p, _, _ := benchPool(b, "bench-isoff-instance")
+	b.ReportAllocs()
+	b.ResetTimer()
+	for range b.N {
+		if ok, err := p.IsOffloaded("request-000001"); ok || err != nil {
+			b.Fatal(ok, err)
+		}
+	}
+}
+
+// benchPool opens a pool of copyPages host pages on an in-process agent
+// over a simulated device's K and V caches.
+func benchPool(b *testing.B, instance string) (*client.CPUPagePool, cudart.Device, *kv) {
 	a := startAgent(b, 32<<20)
 	sim := cudart.NewSim(cudart.SimOptions{Devices: 1, MemoryBytes: 2*devPages*halfPage + 1<<20})
 	dev, _ := sim.Open(0)
 	c := newKV(b, dev, devPages, halfPage)
-	p := openPool(b, a, dev, c, []byte("bench-copy-instance"), copyPages)
+	return openPool(b, a, dev, c, []byte(instance), copyPages), dev, c
+}
+
+func BenchmarkOffloadReloadSim(b *testing.B) {
+	p, dev, c := benchPool(b, "bench-copy-instance")
 	pages := scattered()
 	// Fill the device cache as the floor fills its buffers, so that neither
 	// reads the kernel's shared zero page.

@@ -485,13 +485,13 @@ func (p *CPUPagePool) connect(ctx context.Context) error {
 		return fmt.Errorf("kvpool: %w", err) // Open checked the bound
 	}
 	if dl, ok := ctx.Deadline(); ok {
-		if err := wc.UnixConn().SetDeadline(dl); err != nil {
+		if err := wc.SetDeadline(dl); err != nil {
 			wc.Close()
 			return fmt.Errorf("kvpool: %w: %w", errDial, err)
 		}
 		// Clearing it fails only on a closed conn, which the session's first
 		// request then reports.
-		defer func() { _ = wc.UnixConn().SetDeadline(time.Time{}) }()
+		defer func() { _ = wc.SetDeadline(time.Time{}) }()
 	}
 	stop := context.AfterFunc(ctx, func() { wc.Close() })
 	defer stop()

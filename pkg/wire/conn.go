@@ -196,22 +196,26 @@ func spinBackoff(last int, cut bool) int {
 // The hot path is a request and its reply, a few µs of work apart, between
 // two processes that may share one CPU. Go's network poller costs such an
 // exchange a wasted EAGAIN, two epoll_wait calls and often a wake-up of a
-// second thread that spins on the CPU the peer needs; a blocking syscall
-// made the usual way lets the runtime's monitor hand the P to another
-// thread when the wait outlasts 20 µs. So Recv first waits the way a plain
-// C program does: one recvmsg that blocks in the kernel (the socket is put
-// in blocking mode with SO_RCVTIMEO = KernelWait()), made without telling
-// the scheduler, so the peer's send wakes this very thread. When no packet
-// comes within the window, or a signal (a preemption request of the
-// garbage collector) interrupts the wait, Recv falls back to the poller,
-// which neither holds a P nor delays a stop of the world. Send never blocks
-// in the kernel (MSG_DONTWAIT; the poller waits for room).
-//
-// A thread waiting that way keeps its P. So that the process's other
-// goroutines always find one, a Conn waits in the kernel only while the
-// process has at most max(1, GOMAXPROCS-1) open Conns; beyond that every
-// Conn uses the poller alone. Deadlines set on UnixConn() hold for Send
-// and Recv, up to the kernel wait (or the spin) late.
+// second thread that spins on the CPU the peer needs, and a socket in an
+// epoll set costs every packet it receives a callback in the kernel; a
+// blocking syscall made the usual way lets the runtime's monitor hand the
+// P to another thread when the wait outlasts 20 µs. So the first
+// max(1, GOMAXPROCS-1) Conns of a process (blockLimit) are direct: their
+// socket is kept out of the poller, in blocking mode with SO_RCVTIMEO =
+// KernelWait(), and while the process has no more Conns open than that,
+// Recv waits the way a plain C program does: one recvmsg that blocks in
+// the kernel, made without telling the scheduler, so the peer's send
+// wakes this very thread. That thread keeps its P meanwhile, hence the
+// count: with more Conns open, another Conn's request could wait for the
+// P. When no packet comes within the window, or a signal (a preemption
+// request of the garbage collector) interrupts the wait, Recv gives the P
+// up (Gosched) and waits in the kernel again, for up to kernelStay in all;
+// after that, or where the process has more Conns open, it waits on Go's
+// poller, which holds no P and does not delay a stop of the world, with a
+// duplicate of the socket registered for the wait (directFD). The
+// process's later Conns use the poller alone, as any net.Conn. Send never
+// blocks in the kernel (MSG_DONTWAIT, then a wait for room). Deadlines
+// (SetDeadline) hold for Send and Recv in both kinds.
 //
 // A Conn may also spin (SetSpin): poll for the next packet for a few tens
 // of µs before it sleeps at all. Where the peer runs on another CPU, that
@@ -222,11 +226,10 @@ func spinBackoff(last int, cut bool) int {
 // decides when a spin runs at all: by default only where it costs nobody
 // CPU (SpinBudgeted).
 type Conn struct {
-	uc  *net.UnixConn
-	rc  syscall.RawConn
+	uc  *net.UnixConn   // a polled Conn's connection; nil when direct
+	d   *directFD       // a direct Conn's socket; nil when polled
+	rc  syscall.RawConn // d, or uc's
 	oob []byte
-
-	direct bool // the socket is blocking with SO_RCVTIMEO = KernelWait()
 
 	// Send and Recv keep their syscall arguments here, under their own
 	// lock (uncontended: one reader and one writer), so that the hot path
@@ -255,76 +258,132 @@ type Conn struct {
 	closed atomic.Bool
 }
 
-// open counts the Conns of this process that may wait in the kernel.
+// open counts the process's open Conns, direct or polled.
 var open atomic.Int32
 
-// blockLimit is the most open Conns with which Recv still waits in the
-// kernel; a variable for tests.
+// blockLimit is the most direct Conns a process has at once, and the most
+// open Conns with which a direct Conn still waits in the kernel; a
+// variable for tests.
 var blockLimit = func() int { return max(1, runtime.GOMAXPROCS(0)-1) }
 
-// parked counts Recvs that fell back to the poller, spun the packets
-// taken while spinning, and watched the spins that went past their first
-// poll to yield and watch their thread's switches, for tests.
+// parked counts Recvs that found nothing within the kernel wait and went
+// on waiting on the poller, spun the packets taken while
+// spinning, and watched the spins that went past their first poll to
+// yield and watch their thread's switches, for tests.
 var parked, spun, watched atomic.Int64
 
-// NewConn wraps a connected unixpacket socket.
+// NewConn wraps a connected unixpacket socket. A direct Conn (see Conn)
+// takes the socket over and closes uc; otherwise the Conn uses uc.
 func NewConn(uc *net.UnixConn) *Conn {
-	c := &Conn{uc: uc, oob: make([]byte, unix.CmsgSpace(4*MaxFDs))}
-	c.writeF, c.readF = c.sendStep, c.recvStep
-	rc, err := uc.SyscallConn()
-	if err != nil {
-		return c // Send and Recv return the error
-	}
-	c.rc = rc
-	wait := KernelWait()
-	if wait <= 0 {
-		return c // the poller alone
-	}
-	var serr error
-	err = rc.Control(func(fd uintptr) {
-		tv := unix.NsecToTimeval(wait.Nanoseconds())
-		if serr = unix.SetsockoptTimeval(int(fd), unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv); serr == nil {
-			serr = unix.SetNonblock(int(fd), false)
+	if takeDirectSlot() {
+		if fd, err := adoptDirect(uc); err == nil {
+			return newDirect(fd)
 		}
-	})
-	if err == nil && serr == nil {
-		c.direct = true
-		open.Add(1)
+		directSlots.Add(-1) // the poller, then
+	}
+	return newPolled(uc)
+}
+
+func newConn() *Conn {
+	open.Add(1)
+	c := &Conn{oob: make([]byte, unix.CmsgSpace(4*MaxFDs))}
+	c.writeF, c.readF = c.sendStep, c.recvStep
+	return c
+}
+
+func newDirect(fd int) *Conn {
+	c := newConn()
+	c.d = newDirectFD(fd)
+	c.rc = c.d
+	return c
+}
+
+func newPolled(uc *net.UnixConn) *Conn {
+	c := newConn()
+	c.uc = uc
+	if rc, err := uc.SyscallConn(); err == nil {
+		c.rc = rc // else Send and Recv return the error
 	}
 	return c
 }
 
 // Dial connects to the socket at path.
 func Dial(path string) (*Conn, error) {
+	if takeDirectSlot() {
+		fd, err := dialDirect(path)
+		if err != nil {
+			directSlots.Add(-1)
+			return nil, fmt.Errorf("wire: %w", err)
+		}
+		return newDirect(fd), nil
+	}
 	uc, err := net.DialUnix(Network, nil, &net.UnixAddr{Name: path, Net: Network})
 	if err != nil {
-		return nil, fmt.Errorf("wire: dial %s: %w", path, err)
+		return nil, fmt.Errorf("wire: %w", err)
 	}
-	return NewConn(uc), nil
+	return newPolled(uc), nil
 }
 
-// UnixConn returns the underlying connection. Its socket is in blocking
-// mode (unless the kernel wait was off when the Conn was made); read and
-// write it through the Conn.
-func (c *Conn) UnixConn() *net.UnixConn { return c.uc }
+// SyscallConn returns the socket's raw connection, for options and
+// credentials; read and write packets through the Conn.
+func (c *Conn) SyscallConn() (syscall.RawConn, error) {
+	if c.rc == nil {
+		return nil, net.ErrClosed
+	}
+	return c.rc, nil
+}
+
+// SetDeadline sets the deadline of Send and Recv, as net.Conn's; a zero t
+// clears it. A call waiting when it is set keeps the deadline it started
+// with.
+func (c *Conn) SetDeadline(t time.Time) error { return c.setDeadline(t, true, true) }
+
+// SetReadDeadline sets the deadline of Recv (SetDeadline).
+func (c *Conn) SetReadDeadline(t time.Time) error { return c.setDeadline(t, true, false) }
+
+// SetWriteDeadline sets the deadline of Send (SetDeadline).
+func (c *Conn) SetWriteDeadline(t time.Time) error { return c.setDeadline(t, false, true) }
+
+func (c *Conn) setDeadline(t time.Time, read, write bool) error {
+	if c.d == nil {
+		switch {
+		case read && write:
+			return c.uc.SetDeadline(t)
+		case read:
+			return c.uc.SetReadDeadline(t)
+		}
+		return c.uc.SetWriteDeadline(t)
+	}
+	if c.closed.Load() {
+		return fmt.Errorf("wire: set deadline: %w", net.ErrClosed)
+	}
+	c.d.setDeadline(t, read, write)
+	return nil
+}
 
 // Close closes the connection. A Recv waiting in another goroutine returns
 // at once.
 func (c *Conn) Close() error {
-	if c.closed.CompareAndSwap(false, true) {
-		if c.direct {
-			open.Add(-1)
+	if !c.closed.CompareAndSwap(false, true) {
+		if c.d != nil {
+			return fmt.Errorf("wire: close: %w", net.ErrClosed)
 		}
-		c.uncount()
+		return c.uc.Close() // net's error for a second close
+	}
+	c.uncount()
+	open.Add(-1)
+	if c.d == nil {
 		if c.rc != nil {
-			// Wake a reader blocked in recvmsg: the file is closed only
-			// once it has returned.
-			// Control fails only when the file is already closed, and
-			// then no reader is blocked on it.
+			// End a spin in another goroutine's Recv: its polls hold the
+			// file open, so only a shutdown makes them return.
+			// Control fails only when the file is already closed.
 			_ = c.rc.Control(func(fd uintptr) { _ = unix.Shutdown(int(fd), unix.SHUT_RDWR) })
 		}
+		return c.uc.Close()
 	}
-	return c.uc.Close()
+	directSlots.Add(-1)
+	c.d.close()
+	return nil
 }
 
 // SetSpin makes Recv poll for a packet for up to d (at most SpinLimit)
@@ -358,9 +417,15 @@ func (c *Conn) uncount() {
 	}
 }
 
-// mayBlock reports whether Recv may wait in the kernel now.
+// mayBlock reports whether Recv may wait in the kernel now: a direct Conn
+// without a read deadline (which the poller keeps exactly; the kernel wait
+// rounds up to scheduler ticks) and not kept on the poller, while the
+// process has no more Conns open than blockLimit. A thread waiting there
+// keeps its P for up to the kernel wait, which the kernel rounds up to
+// 5-12 ms; with more Conns than that open, a request on another Conn would
+// wait for that P.
 func (c *Conn) mayBlock() bool {
-	return c.direct && int(open.Load()) <= blockLimit()
+	return c.d != nil && c.d.rdl.Load() == 0 && !c.d.nonBlock.Load() && int(open.Load()) <= blockLimit()
 }
 
 // Send writes one packet, passing fds by SCM_RIGHTS when there are any. The
@@ -444,16 +509,50 @@ func (c *Conn) recvStep(fd uintptr) bool {
 	// RawSyscall: the wait is short (SO_RCVTIMEO) and a signal ends it
 	// (EINTR), so the P is not handed to another thread meanwhile.
 	c.rn, _, c.rerrno = syscall.RawSyscall(unix.SYS_RECVMSG, fd, uintptr(unsafe.Pointer(m)), flags)
-	if c.rerrno == unix.EAGAIN || c.rerrno == unix.EINTR {
-		// Nothing within the window: wait on the poller, then take the
-		// packet without blocking.
-		if c.rblock {
-			parked.Add(1)
-		}
-		c.rblock = false
-		return false
+	if c.rerrno != unix.EAGAIN && c.rerrno != unix.EINTR {
+		return true
 	}
-	return true
+	if c.rblock && c.waitInKernel(fd, flags) {
+		return true
+	}
+	// Nothing within the kernel wait: wait on the poller, then take the
+	// packet without blocking.
+	c.rblock = false
+	return false
+}
+
+// kernelStay is how long a direct Conn's Recv goes on waiting in the
+// kernel after its first window, a window after another, before it waits
+// on the poller.
+const kernelStay = 50 * time.Millisecond
+
+// waitInKernel goes on waiting for a packet in the kernel after a window
+// that ended without one (its timeout, or a signal: a preemption request),
+// giving the P up between windows (Gosched) so that whatever else the
+// process has to run, a stop of the world included, runs then: for up to
+// kernelStay, while the process has no more Conns open than blockLimit. It
+// reports whether the last recvmsg is Recv's result.
+//
+// Why not the poller at once: the wake-up the poller costs a process whose
+// only goroutine waits is a runtime's thread woken and its monitor's own
+// wake-ups after it, a few system calls and context switches of a CPU the
+// peer may need; where many such processes share a CPU and replies come
+// late, those wake-ups made them later still (the one-CPU sweep of
+// docs/benchmarks.md went from 16,000 to 2,000 pairs a second).
+func (c *Conn) waitInKernel(fd, flags uintptr) bool {
+	m := &c.rmsg
+	start := time.Now()
+	for time.Since(start) < kernelStay && c.mayBlock() {
+		runtime.Gosched()
+		m.SetControllen(len(c.oob))
+		m.Flags = 0
+		c.rn, _, c.rerrno = syscall.RawSyscall(unix.SYS_RECVMSG, fd, uintptr(unsafe.Pointer(m)), flags)
+		if c.rerrno != unix.EAGAIN && c.rerrno != unix.EINTR {
+			return true
+		}
+	}
+	parked.Add(1)
+	return false
 }
 
 // spinFor polls for a packet for up to c.spin, yielding the CPU between
@@ -581,7 +680,7 @@ func (c *Conn) Recv(buf []byte) ([]byte, []*os.File, error) {
 		err = os.NewSyscallError("recvmsg", errno)
 	}
 	if err != nil {
-		if c.closed.Load() {
+		if c.closed.Load() && !errors.Is(err, net.ErrClosed) {
 			err = fmt.Errorf("%w: %w", net.ErrClosed, err)
 		}
 		return nil, nil, fmt.Errorf("wire: recv: %w", err)

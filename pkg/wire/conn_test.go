@@ -2,11 +2,14 @@ package wire
 
 import (
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"os"
 	"path/filepath"
 	"runtime"
+	"strconv"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -37,33 +40,45 @@ func pair(t testing.TB) (client, server *Conn) {
 	return c, s
 }
 
-// inMode runs f with Recv allowed to wait in the kernel (direct) or not.
-func inMode(t *testing.T, f func(t *testing.T)) {
+// inMode runs f on a fresh pair of direct Conns (out of the poller,
+// waiting in the kernel) and on a fresh pair of polled ones.
+func inMode(t *testing.T, f func(t *testing.T, c, s *Conn)) {
 	for _, direct := range []bool{true, false} {
-		name := "poller"
-		if direct {
-			name = "direct"
-		}
-		t.Run(name, func(t *testing.T) {
-			old := blockLimit
-			blockLimit = func() int {
-				if direct {
-					return 1 << 20
-				}
-				return 0
-			}
-			defer func() { blockLimit = old }()
-			f(t)
+		t.Run(modeName(direct), func(t *testing.T) {
+			c, s := pairIn(t, direct)
+			f(t, c, s)
 		})
 	}
 }
 
-func TestConnModes(t *testing.T) {
-	inMode(t, func(t *testing.T) {
-		c, s := pair(t)
-		if !c.direct || !s.direct {
-			t.Fatal("socket not set up for direct waits")
+func modeName(direct bool) string {
+	if direct {
+		return "direct"
+	}
+	return "poller"
+}
+
+// pairIn returns a fresh pair of direct Conns, which may wait in the
+// kernel for the rest of the test, or of polled ones.
+func pairIn(t *testing.T, direct bool) (client, server *Conn) {
+	t.Helper()
+	old := blockLimit
+	t.Cleanup(func() { blockLimit = old })
+	blockLimit = func() int {
+		if direct {
+			return 1 << 20
 		}
+		return 0
+	}
+	c, s := pair(t)
+	if (c.d != nil) != direct || (s.d != nil) != direct {
+		t.Fatalf("conns direct %v and %v, want %v", c.d != nil, s.d != nil, direct)
+	}
+	return c, s
+}
+
+func TestConnModes(t *testing.T) {
+	inMode(t, func(t *testing.T, c, s *Conn) {
 		buf := make([]byte, MaxMessage+1)
 
 		// A queued packet is taken by the first recvmsg, without the poller.
@@ -78,9 +93,10 @@ func TestConnModes(t *testing.T) {
 			t.Fatalf("%d parks for a packet already queued", n)
 		}
 
-		// A packet sent long after the window still arrives.
+		// A packet sent long after the window (which the kernel rounds
+		// up to its ticks: up to 12 ms) still arrives.
 		go func() {
-			time.Sleep(20 * BlockWindow)
+			time.Sleep(30 * time.Millisecond)
 			c.Send([]byte("late"), nil)
 		}()
 		if pkt, _, err := s.Recv(buf); err != nil || string(pkt) != "late" {
@@ -108,17 +124,17 @@ func TestConnModes(t *testing.T) {
 			}
 		}
 
-		// A deadline set on the underlying connection holds.
-		s.UnixConn().SetReadDeadline(time.Now().Add(5 * time.Millisecond))
+		// Deadlines hold.
+		s.SetReadDeadline(time.Now().Add(5 * time.Millisecond))
 		if _, _, err := s.Recv(buf); !errors.Is(err, os.ErrDeadlineExceeded) {
 			t.Fatalf("recv past the deadline: %v", err)
 		}
-		s.UnixConn().SetReadDeadline(time.Time{})
-		c.UnixConn().SetWriteDeadline(time.Now().Add(-time.Second))
+		s.SetReadDeadline(time.Time{})
+		c.SetWriteDeadline(time.Now().Add(-time.Second))
 		if err := c.Send([]byte("x"), nil); !errors.Is(err, os.ErrDeadlineExceeded) {
 			t.Fatalf("send past the deadline: %v", err)
 		}
-		c.UnixConn().SetWriteDeadline(time.Time{})
+		c.SetWriteDeadline(time.Time{})
 
 		// The peer going away is io.EOF.
 		c.Close()
@@ -129,7 +145,7 @@ func TestConnModes(t *testing.T) {
 }
 
 func TestConnSpin(t *testing.T) {
-	c, s := pair(t)
+	_, s := pair(t)
 	for _, bad := range []time.Duration{-time.Nanosecond, SpinLimit + 1, time.Second} {
 		if err := s.SetSpin(bad); err == nil || s.spin != 0 {
 			t.Fatalf("SetSpin(%v): %v, spin now %v", bad, err, s.spin)
@@ -145,7 +161,7 @@ func TestConnSpin(t *testing.T) {
 	// rule would end a spin whose yield ran the sending goroutine, or any
 	// other thread of this machine.
 	withSpinRule(t, SpinAlways)
-	inMode(t, func(t *testing.T) {
+	inMode(t, func(t *testing.T, c, s *Conn) {
 		// A packet that comes while Recv spins is taken by the spin: no
 		// kernel wait, no poller. The spin is longer than SetSpin allows,
 		// so that a slow machine cannot miss it.
@@ -297,7 +313,7 @@ func TestConnSpinBudget(t *testing.T) {
 	old := spinBudget
 	spinBudget = func() int { return 0 } // every caller is one too many
 	t.Cleanup(func() { spinBudget = old })
-	inMode(t, func(t *testing.T) {
+	inMode(t, func(t *testing.T, c, s *Conn) {
 		s.spin = time.Minute
 		spins := spun.Load()
 		go func() {
@@ -347,47 +363,256 @@ func TestInvoluntarySwitches(t *testing.T) {
 }
 
 func TestConnCloseWakesRecv(t *testing.T) {
-	inMode(t, func(t *testing.T) {
-		_, s := pair(t)
-		errc := make(chan error, 1)
-		go func() {
-			_, _, err := s.Recv(make([]byte, MaxMessage+1))
-			errc <- err
-		}()
-		time.Sleep(BlockWindow / 4) // most likely inside recvmsg now
-		if err := s.Close(); err != nil {
-			t.Fatal(err)
+	for _, direct := range []bool{true, false} {
+		// Inside the kernel wait (a direct Conn's recvmsg), then past it
+		// (on the poller).
+		for _, after := range []time.Duration{BlockWindow / 4, 50 * time.Millisecond} {
+			t.Run(fmt.Sprintf("%s/%v", modeName(direct), after), func(t *testing.T) {
+				_, s := pairIn(t, direct)
+				errc := make(chan error, 1)
+				go func() {
+					_, _, err := s.Recv(make([]byte, MaxMessage+1))
+					errc <- err
+				}()
+				time.Sleep(after)
+				if err := s.Close(); err != nil {
+					t.Fatal(err)
+				}
+				if err := <-errc; !errors.Is(err, net.ErrClosed) {
+					t.Fatalf("recv on a conn closed %v into it: %v", after, err)
+				}
+				if _, _, err := s.Recv(make([]byte, 16)); !errors.Is(err, net.ErrClosed) {
+					t.Fatalf("recv after close: %v", err)
+				}
+				if err := s.Send([]byte("x"), nil); !errors.Is(err, net.ErrClosed) {
+					t.Fatalf("send after close: %v", err)
+				}
+				if err := s.SetDeadline(time.Now()); !errors.Is(err, net.ErrClosed) {
+					t.Fatalf("deadline after close: %v", err)
+				}
+				if err := s.Close(); !errors.Is(err, net.ErrClosed) {
+					t.Fatalf("second close: %v", err)
+				}
+			})
 		}
-		if err := <-errc; !errors.Is(err, net.ErrClosed) {
-			t.Fatalf("recv on a closed conn: %v", err)
-		}
-		if _, _, err := s.Recv(make([]byte, 16)); !errors.Is(err, net.ErrClosed) {
-			t.Fatalf("recv after close: %v", err)
-		}
-		if err := s.Send([]byte("x"), nil); !errors.Is(err, net.ErrClosed) {
-			t.Fatalf("send after close: %v", err)
-		}
-	})
+	}
 }
 
+// The first blockLimit Conns of the process are direct, the next ones
+// polled; closing a direct one (once, however often it is closed) frees
+// its place.
 func TestConnDirectBudget(t *testing.T) {
 	old := blockLimit
 	defer func() { blockLimit = old }()
+	base := directSlots.Load()
+	blockLimit = func() int { return int(base) + 1 }
+	c, s := pair(t) // Dial first: the client takes the place
+	if c.d == nil || s.d != nil {
+		t.Fatalf("direct: client %v, server %v; want the client alone", c.d != nil, s.d != nil)
+	}
+	// A direct Conn waits in the kernel only while the process has no
+	// more Conns open than the limit; a polled one never.
 	blockLimit = func() int { return int(open.Load()) }
-	c, s := pair(t)
-	if !c.mayBlock() || !s.mayBlock() {
-		t.Fatal("within the budget, Recv should wait in the kernel")
+	if !c.mayBlock() || s.mayBlock() {
+		t.Fatalf("within the limit: may block %v and %v, want the client alone", c.mayBlock(), s.mayBlock())
 	}
 	blockLimit = func() int { return int(open.Load()) - 1 }
-	if c.mayBlock() || s.mayBlock() {
-		t.Fatal("over the budget, Recv should use the poller alone")
+	if c.mayBlock() {
+		t.Fatal("over the limit, a direct Conn should not wait in the kernel")
 	}
+	blockLimit = func() int { return int(base) + 1 }
 	n := open.Load()
-	c.Close()
-	c.Close()
-	if got := open.Load(); got != n-1 {
-		t.Fatalf("open conns %d after closing one of %d (twice)", got, n)
+	if got := directSlots.Load(); got != base+1 {
+		t.Fatalf("%d direct conns counted, want %d", got, base+1)
 	}
+	c.Close()
+	c.Close()
+	if got := directSlots.Load(); got != base || open.Load() != n-1 {
+		t.Fatalf("%d direct conns and %d open counted after closing one (twice), want %d and %d", got, open.Load(), base, n-1)
+	}
+	// Its place is free again, and a failed dial does not keep it.
+	if _, err := Dial(filepath.Join(t.TempDir(), "nobody")); err == nil || directSlots.Load() != base {
+		t.Fatalf("dial nowhere: %v, %d direct conns counted", err, directSlots.Load())
+	}
+	c2, s2 := pair(t)
+	if c2.d == nil || s2.d != nil {
+		t.Fatalf("direct after a close: client %v, server %v", c2.d != nil, s2.d != nil)
+	}
+	// A read deadline sends a direct Conn's waits to the poller, which
+	// keeps it exactly.
+	blockLimit = func() int { return 1 << 20 }
+	if err := c2.SetReadDeadline(time.Now().Add(time.Hour)); err != nil || c2.mayBlock() {
+		t.Fatalf("with a read deadline: %v, may block %v", err, c2.mayBlock())
+	}
+	if err := c2.SetReadDeadline(time.Time{}); err != nil || !c2.mayBlock() {
+		t.Fatalf("deadline cleared: %v, may block %v", err, c2.mayBlock())
+	}
+}
+
+// A failed dial is a *net.OpError naming the path, in both kinds of Conn,
+// as net.DialUnix's (callers tell "nobody there" by it).
+func TestDialErrors(t *testing.T) {
+	dir := t.TempDir()
+	notSocket := filepath.Join(dir, "file")
+	if err := os.WriteFile(notSocket, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for _, direct := range []bool{true, false} {
+		for _, path := range []string{filepath.Join(dir, "nobody"), notSocket, "/" + strings.Repeat("x", 200)} {
+			old := blockLimit
+			blockLimit = func() int {
+				if direct {
+					return 1 << 20
+				}
+				return 0
+			}
+			n := directSlots.Load()
+			c, err := Dial(path)
+			blockLimit = old
+			var op *net.OpError
+			if err == nil || !errors.As(err, &op) || op.Op != "dial" || !strings.Contains(err.Error(), path) || directSlots.Load() != n {
+				if c != nil {
+					c.Close()
+				}
+				t.Errorf("%s: dial %.40s: %v (%T); %d direct conns counted, want %d", modeName(direct), path, err, err, directSlots.Load(), n)
+			}
+		}
+	}
+}
+
+// A direct Conn's socket is in no epoll set of the process (the point of
+// it: every packet to a registered socket costs a callback in the kernel),
+// a polled Conn's is in Go's.
+func TestConnDirectOutOfPoller(t *testing.T) {
+	c, s := pairIn(t, true)
+	// A wait past the kernel's goes to the poller, and leaves it after.
+	go func() {
+		time.Sleep(kernelStay + 50*time.Millisecond)
+		c.Send([]byte("late"), nil)
+	}()
+	parks := parked.Load()
+	if pkt, _, err := s.Recv(make([]byte, 16)); err != nil || string(pkt) != "late" || parked.Load() == parks {
+		t.Fatalf("late recv %q %v, %d waits past the kernel wait", pkt, err, parked.Load()-parks)
+	}
+	var flags int
+	var ferr error
+	if err := s.rc.Control(func(fd uintptr) { flags, ferr = unix.FcntlInt(fd, unix.F_GETFL, 0) }); err != nil || ferr != nil {
+		t.Fatal(err, ferr)
+	}
+	if flags&unix.O_NONBLOCK != 0 {
+		t.Fatal("a direct socket left non-blocking after a wait on the poller")
+	}
+	pc, ps := pairIn(t, false)
+	watched := epollTargets(t)
+	for _, x := range []struct {
+		what string
+		c    *Conn
+		in   bool
+	}{{"direct client", c, false}, {"direct server", s, false}, {"polled client", pc, true}, {"polled server", ps, true}} {
+		var st unix.Stat_t
+		var serr error
+		if err := x.c.rc.Control(func(fd uintptr) { serr = unix.Fstat(int(fd), &st) }); err != nil || serr != nil {
+			t.Fatal(err, serr)
+		}
+		if watched[st.Ino] != x.in {
+			t.Errorf("%s (socket inode %d): in an epoll set %v, want %v", x.what, st.Ino, watched[st.Ino], x.in)
+		}
+	}
+}
+
+// A direct Conn that waits on the poller while the process has more Conns
+// open than blockLimit keeps its socket registered from then on (no
+// kernel wait, no registration a wait), and still works and closes.
+func TestConnDirectKeptOnPoller(t *testing.T) {
+	c, s := pairIn(t, true)
+	blockLimit = func() int { return int(open.Load()) - 1 } // pairIn restores it
+	buf := make([]byte, 16)
+	for i := range 3 {
+		go func() {
+			time.Sleep(5 * time.Millisecond)
+			c.Send([]byte("late"), nil)
+		}()
+		if pkt, _, err := s.Recv(buf); err != nil || string(pkt) != "late" {
+			t.Fatalf("recv %d: %q %v", i, pkt, err)
+		}
+	}
+	if s.d.kept == nil || s.mayBlock() || !s.d.nonBlock.Load() {
+		t.Fatalf("kept %v, may block %v, non-blocking %v; want a kept duplicate and no kernel wait", s.d.kept != nil, s.mayBlock(), s.d.nonBlock.Load())
+	}
+	var st unix.Stat_t
+	if err := s.rc.Control(func(fd uintptr) { _ = unix.Fstat(int(fd), &st) }); err != nil {
+		t.Fatal(err)
+	}
+	if !epollTargets(t)[st.Ino] {
+		t.Fatal("the kept duplicate is not registered")
+	}
+	// A deadline on the kept duplicate holds, and is gone after.
+	if err := s.SetReadDeadline(time.Now().Add(5 * time.Millisecond)); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := s.Recv(buf); !errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("recv past the deadline: %v", err)
+	}
+	if err := s.SetReadDeadline(time.Time{}); err != nil {
+		t.Fatal(err)
+	}
+	go func() {
+		time.Sleep(20 * time.Millisecond)
+		c.Send([]byte("after"), nil)
+	}()
+	if pkt, _, err := s.Recv(buf); err != nil || string(pkt) != "after" {
+		t.Fatalf("recv after the deadline was cleared: %q %v", pkt, err)
+	}
+	errc := make(chan error, 1)
+	go func() {
+		_, _, err := s.Recv(buf)
+		errc <- err
+	}()
+	time.Sleep(5 * time.Millisecond)
+	s.Close()
+	if err := <-errc; !errors.Is(err, net.ErrClosed) {
+		t.Fatalf("recv on a conn closed while it waited on the kept duplicate: %v", err)
+	}
+}
+
+// epollTargets returns the inodes of the files registered in the process's
+// epoll sets, from /proc/self/fdinfo (whatever descriptor registered them).
+func epollTargets(t *testing.T) map[uint64]bool {
+	t.Helper()
+	fds, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Skipf("no /proc/self/fd: %v", err)
+	}
+	out := map[uint64]bool{}
+	sets := 0
+	for _, e := range fds {
+		if l, _ := os.Readlink("/proc/self/fd/" + e.Name()); l != "anon_inode:[eventpoll]" {
+			continue
+		}
+		info, err := os.ReadFile("/proc/self/fdinfo/" + e.Name())
+		if err != nil {
+			continue
+		}
+		sets++
+		for _, line := range strings.Split(string(info), "\n") {
+			if !strings.HasPrefix(line, "tfd:") {
+				continue
+			}
+			for _, f := range strings.Fields(line) {
+				if v, ok := strings.CutPrefix(f, "ino:"); ok {
+					ino, err := strconv.ParseUint(v, 16, 64)
+					if err != nil {
+						t.Fatalf("fdinfo line %q: %v", line, err)
+					}
+					out[ino] = true
+				}
+			}
+		}
+	}
+	if sets == 0 {
+		t.Fatal("no epoll set in the process, though polled Conns are open")
+	}
+	return out
 }
 
 func TestSetKernelWait(t *testing.T) {
@@ -402,9 +627,9 @@ func TestSetKernelWait(t *testing.T) {
 	if err := SetKernelWait(0); err != nil {
 		t.Fatal(err)
 	}
-	n := open.Load()
+	n := directSlots.Load()
 	c, s := pair(t)
-	if c.direct || s.direct || c.mayBlock() || open.Load() != n {
+	if c.d != nil || s.d != nil || c.mayBlock() || directSlots.Load() != n {
 		t.Fatal("with the kernel wait off a Conn should not wait in the kernel")
 	}
 	buf := make([]byte, MaxMessage+1)
@@ -419,8 +644,8 @@ func TestSetKernelWait(t *testing.T) {
 	if err := SetKernelWait(KernelWaitLimit); err != nil || KernelWait() != KernelWaitLimit {
 		t.Fatalf("SetKernelWait(limit): %v", err)
 	}
-	c2, s2 := pair(t)
-	if !c2.direct || !s2.direct {
+	c2, s2 := pairIn(t, true)
+	if c2.d == nil || s2.d == nil {
 		t.Fatal("with a kernel wait set a Conn should be set up for direct waits")
 	}
 	if err := c2.Send([]byte("x"), nil); err != nil {

@@ -9,6 +9,7 @@ import (
 	"strings"
 	"testing"
 
+	"golang.org/x/sys/unix"
 	"google.golang.org/protobuf/proto"
 )
 
@@ -172,8 +173,12 @@ func TestConnPassesFDsAndLimits(t *testing.T) {
 		t.Fatalf("send oversized: %v", err)
 	}
 	// Bypass Send's check: the receiver must detect it.
-	if _, err := c.UnixConn().Write(make([]byte, MaxMessage+1)); err != nil {
-		t.Fatal(err)
+	var werr error
+	if err := c.rc.Write(func(fd uintptr) bool {
+		_, werr = unix.Write(int(fd), make([]byte, MaxMessage+1))
+		return werr != unix.EAGAIN
+	}); err != nil || werr != nil {
+		t.Fatal(err, werr)
 	}
 	if _, _, err := s.Recv(buf); !errors.Is(err, ErrTooLarge) {
 		t.Fatalf("recv oversized: %v", err)

@@ -461,7 +461,7 @@ func (r *raw) do(op wire.Op, m, rep proto.Message) (st wire.Status, msg string, 
 
 func (r *raw) reply(op wire.Op, rep proto.Message) (st wire.Status, msg string, files []*os.File, closed bool) {
 	r.t.Helper()
-	r.c.UnixConn().SetReadDeadline(time.Now().Add(10 * time.Second))
+	r.c.SetReadDeadline(time.Now().Add(10 * time.Second))
 	pkt, files, err := r.c.Recv(r.buf)
 	if err != nil {
 		if errors.Is(err, io.EOF) || errors.Is(err, syscall.ECONNRESET) {

@@ -2,6 +2,7 @@ package adversarial
 
 import (
 	"bufio"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -52,9 +53,9 @@ func runHelper(role string) int {
 			// Redial every connection the agent has closed.
 			for i, c := range conns {
 				if c != nil {
-					c.UnixConn().SetReadDeadline(time.Now().Add(time.Millisecond))
+					c.SetReadDeadline(time.Now().Add(time.Millisecond))
 					var b [64]byte
-					if _, err := c.UnixConn().Read(b[:]); err == nil || err == io.EOF || !isTimeout(err) {
+					if _, _, err := c.Recv(b[:]); err == nil || errors.Is(err, io.EOF) || !isTimeout(err) {
 						c.Close()
 						c = nil
 					}
@@ -80,7 +81,7 @@ func runHelper(role string) int {
 					_ = c.Send(pkt, nil)
 					var b [4096]byte
 					for {
-						if _, err := c.UnixConn().Read(b[:]); err != nil {
+						if _, _, err := c.Recv(b[:]); err != nil {
 							break
 						}
 					}
@@ -123,8 +124,8 @@ func runHelper(role string) int {
 }
 
 func isTimeout(err error) bool {
-	t, ok := err.(interface{ Timeout() bool })
-	return ok && t.Timeout()
+	var t interface{ Timeout() bool }
+	return errors.As(err, &t) && t.Timeout()
 }
 
 // helperT lets the raw client run outside a test: a failure ends the
