@@ -738,6 +738,7 @@ func echoMain(socket string) error {
 		}
 		go func() {
 			c := wire.NewConn(uc)
+			c.TryDirect() // as the agent's session connections
 			defer c.Close()
 			buf := make([]byte, wire.MaxMessage+1)
 			for {

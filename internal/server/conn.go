@@ -752,6 +752,10 @@ func (c *conn) handleOpen(body []byte) reply {
 		return r
 	}
 	c.stage()
+	// A session's connection waits for its requests in the kernel, out of
+	// the poller, while the agent has a CPU to spare for it (wire.Conn);
+	// short-lived connections (health probes) never take that place.
+	c.wc.TryDirect()
 	// Build the reply outside the server lock: chunk lookups may be slow.
 	chunks := e.ps.Chunks()
 	loc := e.ps.Locality()

@@ -199,9 +199,10 @@ func spinBackoff(last int, cut bool) int {
 // second thread that spins on the CPU the peer needs, and a socket in an
 // epoll set costs every packet it receives a callback in the kernel; a
 // blocking syscall made the usual way lets the runtime's monitor hand the
-// P to another thread when the wait outlasts 20 µs. So the first
-// max(1, GOMAXPROCS-1) Conns of a process (blockLimit) are direct: their
-// socket is kept out of the poller, in blocking mode with SO_RCVTIMEO =
+// P to another thread when the wait outlasts 20 µs. So a Conn that Dial
+// makes, or that a server promotes (TryDirect), is direct while the
+// process has fewer than max(1, GOMAXPROCS-1) direct Conns (blockLimit):
+// its socket is kept out of the poller, in blocking mode with SO_RCVTIMEO =
 // KernelWait(), and while the process has no more Conns open than that,
 // Recv waits the way a plain C program does: one recvmsg that blocks in
 // the kernel, made without telling the scheduler, so the peer's send
@@ -212,8 +213,8 @@ func spinBackoff(last int, cut bool) int {
 // up (Gosched) and waits in the kernel again, for up to kernelStay in all;
 // after that, or where the process has more Conns open, it waits on Go's
 // poller, which holds no P and does not delay a stop of the world, with a
-// duplicate of the socket registered for the wait (directFD). The
-// process's later Conns use the poller alone, as any net.Conn. Send never
+// duplicate of the socket registered for the wait (directFD). The other
+// Conns use the poller alone, as any net.Conn. Send never
 // blocks in the kernel (MSG_DONTWAIT, then a wait for room). Deadlines
 // (SetDeadline) hold for Send and Recv in both kinds.
 //
@@ -226,9 +227,13 @@ func spinBackoff(last int, cut bool) int {
 // decides when a spin runs at all: by default only where it costs nobody
 // CPU (SpinBudgeted).
 type Conn struct {
-	uc  *net.UnixConn   // a polled Conn's connection; nil when direct
-	d   *directFD       // a direct Conn's socket; nil when polled
-	rc  syscall.RawConn // d, or uc's
+	// The socket: uc (polled) or d (direct), and rc, d or uc's. Send
+	// and Recv read them under their own lock (wmu, rmu), the other
+	// methods under mmu; TryDirect changes them under all three.
+	mmu sync.Mutex
+	uc  *net.UnixConn
+	d   *directFD
+	rc  syscall.RawConn
 	oob []byte
 
 	// Send and Recv keep their syscall arguments here, under their own
@@ -272,16 +277,38 @@ var blockLimit = func() int { return max(1, runtime.GOMAXPROCS(0)-1) }
 // yield and watch their thread's switches, for tests.
 var parked, spun, watched atomic.Int64
 
-// NewConn wraps a connected unixpacket socket. A direct Conn (see Conn)
-// takes the socket over and closes uc; otherwise the Conn uses uc.
+// NewConn wraps a connected unixpacket socket, polled: a server makes it
+// direct with TryDirect once it knows the connection is worth it.
 func NewConn(uc *net.UnixConn) *Conn {
-	if takeDirectSlot() {
-		if fd, err := adoptDirect(uc); err == nil {
-			return newDirect(fd)
-		}
-		directSlots.Add(-1) // the poller, then
-	}
 	return newPolled(uc)
+}
+
+// TryDirect makes a polled Conn direct (see Conn) if the process has a
+// direct Conn's place free, and reports whether the Conn is direct now. A
+// server calls it when a connection opens a session, so that short-lived
+// connections (health probes) never hold a place. It waits for a Send or
+// Recv under way, and drops the deadlines set so far.
+func (c *Conn) TryDirect() bool {
+	c.rmu.Lock()
+	defer c.rmu.Unlock()
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	c.mmu.Lock()
+	defer c.mmu.Unlock()
+	if c.d != nil {
+		return true
+	}
+	if c.closed.Load() || c.rc == nil || !takeDirectSlot() {
+		return false
+	}
+	fd, err := adoptDirect(c.uc)
+	if err != nil {
+		directSlots.Add(-1)
+		return false
+	}
+	c.d = newDirectFD(fd)
+	c.rc, c.uc = c.d, nil
+	return true
 }
 
 func newConn() *Conn {
@@ -327,6 +354,8 @@ func Dial(path string) (*Conn, error) {
 // SyscallConn returns the socket's raw connection, for options and
 // credentials; read and write packets through the Conn.
 func (c *Conn) SyscallConn() (syscall.RawConn, error) {
+	c.mmu.Lock()
+	defer c.mmu.Unlock()
 	if c.rc == nil {
 		return nil, net.ErrClosed
 	}
@@ -345,6 +374,8 @@ func (c *Conn) SetReadDeadline(t time.Time) error { return c.setDeadline(t, true
 func (c *Conn) SetWriteDeadline(t time.Time) error { return c.setDeadline(t, false, true) }
 
 func (c *Conn) setDeadline(t time.Time, read, write bool) error {
+	c.mmu.Lock()
+	defer c.mmu.Unlock()
 	if c.d == nil {
 		switch {
 		case read && write:
@@ -364,6 +395,8 @@ func (c *Conn) setDeadline(t time.Time, read, write bool) error {
 // Close closes the connection. A Recv waiting in another goroutine returns
 // at once.
 func (c *Conn) Close() error {
+	c.mmu.Lock()
+	defer c.mmu.Unlock()
 	if !c.closed.CompareAndSwap(false, true) {
 		if c.d != nil {
 			return fmt.Errorf("wire: close: %w", net.ErrClosed)
@@ -437,15 +470,15 @@ func (c *Conn) Send(pkt []byte, fds []int) error {
 	if len(fds) > MaxFDs {
 		return fmt.Errorf("wire: send %d fds, at most %d", len(fds), MaxFDs)
 	}
-	if c.rc == nil {
-		return fmt.Errorf("wire: send: %w", net.ErrClosed)
-	}
 	var oob []byte
 	if len(fds) > 0 {
 		oob = unix.UnixRights(fds...)
 	}
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
+	if c.rc == nil {
+		return fmt.Errorf("wire: send: %w", net.ErrClosed)
+	}
 	m := &c.wmsg
 	*m = unix.Msghdr{}
 	if len(pkt) > 0 {
@@ -658,11 +691,11 @@ func (c *Conn) involuntarySwitches() int64 {
 // ErrTooLarge; the connection should then be closed. io.EOF means the peer
 // closed the connection.
 func (c *Conn) Recv(buf []byte) ([]byte, []*os.File, error) {
+	c.rmu.Lock()
+	defer c.rmu.Unlock()
 	if c.rc == nil {
 		return nil, nil, fmt.Errorf("wire: recv: %w", net.ErrClosed)
 	}
-	c.rmu.Lock()
-	defer c.rmu.Unlock()
 	m := &c.rmsg
 	*m = unix.Msghdr{}
 	if len(buf) > 0 {

@@ -71,6 +71,9 @@ func pairIn(t *testing.T, direct bool) (client, server *Conn) {
 		return 0
 	}
 	c, s := pair(t)
+	if direct {
+		s.TryDirect()
+	}
 	if (c.d != nil) != direct || (s.d != nil) != direct {
 		t.Fatalf("conns direct %v and %v, want %v", c.d != nil, s.d != nil, direct)
 	}
@@ -406,9 +409,12 @@ func TestConnDirectBudget(t *testing.T) {
 	defer func() { blockLimit = old }()
 	base := directSlots.Load()
 	blockLimit = func() int { return int(base) + 1 }
-	c, s := pair(t) // Dial first: the client takes the place
+	c, s := pair(t) // a dialed Conn is direct, an accepted one polled
 	if c.d == nil || s.d != nil {
 		t.Fatalf("direct: client %v, server %v; want the client alone", c.d != nil, s.d != nil)
+	}
+	if s.TryDirect() || s.d != nil {
+		t.Fatal("promoted with no place free")
 	}
 	// A direct Conn waits in the kernel only while the process has no
 	// more Conns open than the limit; a polled one never.
@@ -434,9 +440,33 @@ func TestConnDirectBudget(t *testing.T) {
 	if _, err := Dial(filepath.Join(t.TempDir(), "nobody")); err == nil || directSlots.Load() != base {
 		t.Fatalf("dial nowhere: %v, %d direct conns counted", err, directSlots.Load())
 	}
+	// The place goes to the server side's Conn when it asks for it.
+	if !s.TryDirect() || s.d == nil || directSlots.Load() != base+1 || !s.TryDirect() {
+		t.Fatalf("promotion with a place free: direct %v, %d counted", s.d != nil, directSlots.Load())
+	}
+	s.Close()
 	c2, s2 := pair(t)
 	if c2.d == nil || s2.d != nil {
 		t.Fatalf("direct after a close: client %v, server %v", c2.d != nil, s2.d != nil)
+	}
+	// A promoted Conn works both ways, with what was queued before.
+	if err := c2.Send([]byte("early"), nil); err != nil {
+		t.Fatal(err)
+	}
+	blockLimit = func() int { return int(base) + 2 }
+	if !s2.TryDirect() {
+		t.Fatal("no promotion with a place free")
+	}
+	if pkt, _, err := s2.Recv(make([]byte, 16)); err != nil || string(pkt) != "early" {
+		t.Fatalf("recv after the promotion %q %v", pkt, err)
+	}
+	for _, x := range [][2]*Conn{{c2, s2}, {s2, c2}} {
+		if err := x[0].Send([]byte("ping"), nil); err != nil {
+			t.Fatal(err)
+		}
+		if pkt, _, err := x[1].Recv(make([]byte, 16)); err != nil || string(pkt) != "ping" {
+			t.Fatalf("recv %q %v", pkt, err)
+		}
 	}
 	// A read deadline sends a direct Conn's waits to the poller, which
 	// keeps it exactly.
@@ -509,13 +539,8 @@ func TestConnDirectOutOfPoller(t *testing.T) {
 		c    *Conn
 		in   bool
 	}{{"direct client", c, false}, {"direct server", s, false}, {"polled client", pc, true}, {"polled server", ps, true}} {
-		var st unix.Stat_t
-		var serr error
-		if err := x.c.rc.Control(func(fd uintptr) { serr = unix.Fstat(int(fd), &st) }); err != nil || serr != nil {
-			t.Fatal(err, serr)
-		}
-		if watched[st.Ino] != x.in {
-			t.Errorf("%s (socket inode %d): in an epoll set %v, want %v", x.what, st.Ino, watched[st.Ino], x.in)
+		if ino := inode(t, x.c); watched[ino] != x.in {
+			t.Errorf("%s (socket inode %d): in an epoll set %v, want %v", x.what, ino, watched[ino], x.in)
 		}
 	}
 }
@@ -539,11 +564,7 @@ func TestConnDirectKeptOnPoller(t *testing.T) {
 	if s.d.kept == nil || s.mayBlock() || !s.d.nonBlock.Load() {
 		t.Fatalf("kept %v, may block %v, non-blocking %v; want a kept duplicate and no kernel wait", s.d.kept != nil, s.mayBlock(), s.d.nonBlock.Load())
 	}
-	var st unix.Stat_t
-	if err := s.rc.Control(func(fd uintptr) { _ = unix.Fstat(int(fd), &st) }); err != nil {
-		t.Fatal(err)
-	}
-	if !epollTargets(t)[st.Ino] {
+	if !epollTargets(t)[inode(t, s)] {
 		t.Fatal("the kept duplicate is not registered")
 	}
 	// A deadline on the kept duplicate holds, and is gone after.
@@ -573,6 +594,45 @@ func TestConnDirectKeptOnPoller(t *testing.T) {
 	if err := <-errc; !errors.Is(err, net.ErrClosed) {
 		t.Fatalf("recv on a conn closed while it waited on the kept duplicate: %v", err)
 	}
+
+	// Back within the limit (the Conns over it were short-lived: a
+	// probe), the next wait lets the duplicate go: the socket is out of
+	// the epoll set and waits in the kernel again.
+	c2, s2 := pairIn(t, true)
+	blockLimit = func() int { return int(open.Load()) - 1 }
+	go func() {
+		time.Sleep(5 * time.Millisecond)
+		c2.Send([]byte("late"), nil)
+	}()
+	if _, _, err := s2.Recv(buf); err != nil || s2.d.kept == nil {
+		t.Fatalf("recv over the limit: %v, kept %v", err, s2.d.kept != nil)
+	}
+	blockLimit = func() int { return 1 << 20 }
+	for i := range 2 {
+		if err := c2.Send([]byte("x"), nil); err != nil {
+			t.Fatal(err)
+		}
+		if _, _, err := s2.Recv(buf); err != nil {
+			t.Fatal(err)
+		}
+		if i == 0 && (s2.d.kept != nil || s2.d.nonBlock.Load() || epollTargets(t)[inode(t, s2)]) {
+			t.Fatalf("within the limit again: kept %v, non-blocking %v", s2.d.kept != nil, s2.d.nonBlock.Load())
+		}
+	}
+	if !s2.mayBlock() {
+		t.Fatal("within the limit again, the Conn should wait in the kernel")
+	}
+}
+
+// inode returns the inode of c's socket.
+func inode(t *testing.T, c *Conn) uint64 {
+	t.Helper()
+	var st unix.Stat_t
+	var serr error
+	if err := c.rc.Control(func(fd uintptr) { serr = unix.Fstat(int(fd), &st) }); err != nil || serr != nil {
+		t.Fatal(err, serr)
+	}
+	return st.Ino
 }
 
 // epollTargets returns the inodes of the files registered in the process's

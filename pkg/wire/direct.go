@@ -37,7 +37,7 @@ type directFD struct {
 	// non-blocking (nonBlock), as the poller needs it.
 	mu       sync.Mutex
 	polling  int
-	kept     *os.File        // a registered duplicate kept for good (waitOnPoller)
+	kept     *os.File        // a registered duplicate kept between waits (waitOnPoller)
 	keptRC   syscall.RawConn // kept's
 	hasKept  atomic.Bool
 	nonBlock atomic.Bool
@@ -141,6 +141,9 @@ func (d *directFD) wait(f func(fd uintptr) bool, write bool, dl *atomic.Int64) e
 	if t != 0 && time.Now().UnixNano() >= t {
 		return os.ErrDeadlineExceeded
 	}
+	if d.hasKept.Load() && int(open.Load()) <= blockLimit() {
+		d.dropKept()
+	}
 	// With a kept duplicate, the poller calls f first itself.
 	if !d.hasKept.Load() && f(uintptr(d.fd)) {
 		return nil
@@ -154,8 +157,8 @@ func (d *directFD) wait(f func(fd uintptr) bool, write bool, dl *atomic.Int64) e
 // takes it out of the epoll set: that costs a few system calls (about as
 // many as a packet's own), which the kernel wait before it makes rare.
 // Where it is not rare, in a process with more Conns open than blockLimit
-// (which never wait in the kernel), the duplicate is kept registered for
-// the rest of the Conn's life instead, which makes it a polled Conn.
+// (which never wait in the kernel), the duplicate is kept registered
+// instead, until a wait finds the process back within blockLimit.
 func (d *directFD) waitOnPoller(f func(fd uintptr) bool, write bool, deadline int64) error {
 	if d.refs.Load()&closingBit != 0 {
 		return net.ErrClosed
@@ -225,6 +228,24 @@ func (d *directFD) pollFile() (*os.File, syscall.RawConn, error) {
 		d.hasKept.Store(true)
 	}
 	return pf, rc, nil
+}
+
+// dropKept closes the kept duplicate, the process having no more Conns
+// open than blockLimit again (the Conns over it may have been short-lived:
+// a health probe), unless a wait on it is under way; the socket goes back
+// to blocking mode, and its next Recv to the kernel wait.
+func (d *directFD) dropKept() {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.kept == nil || d.polling > 0 {
+		return
+	}
+	d.kept.Close()
+	d.kept, d.keptRC = nil, nil
+	d.hasKept.Store(false)
+	if unix.SetNonblock(d.fd, false) == nil {
+		d.nonBlock.Store(false) // else it stays non-blocking, and waits on the poller
+	}
 }
 
 // donePolling counts a wait on pf out: pf is closed unless kept, and the
