@@ -215,14 +215,17 @@ func (d *directFD) pollFile() (*os.File, syscall.RawConn, error) {
 		}
 		d.nonBlock.Store(true)
 	}
-	d.polling++
 	// Non-blocking, so os registers it with the poller.
 	pf := os.NewFile(uintptr(dup), "kvpool-socket")
 	rc, err := pf.SyscallConn() // fails only on a nil *os.File
 	if err != nil {
 		pf.Close()
+		if d.polling == 0 && unix.SetNonblock(d.fd, false) == nil {
+			d.nonBlock.Store(false)
+		}
 		return nil, nil, err
 	}
+	d.polling++
 	if int(open.Load()) > blockLimit() {
 		d.kept, d.keptRC = pf, rc
 		d.hasKept.Store(true)
