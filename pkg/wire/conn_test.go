@@ -60,7 +60,7 @@ func modeName(direct bool) string {
 
 // pairIn returns a fresh pair of direct Conns, which may wait in the
 // kernel for the rest of the test, or of polled ones.
-func pairIn(t *testing.T, direct bool) (client, server *Conn) {
+func pairIn(t testing.TB, direct bool) (client, server *Conn) {
 	t.Helper()
 	old := blockLimit
 	t.Cleanup(func() { blockLimit = old })
