@@ -315,15 +315,14 @@ func (s *Server) refuseConn(uc *net.UnixConn, msg string) {
 // a session is open.
 func (c *conn) stage() {
 	l := c.s.lim
-	wc := c.wc
 	var err error
 	switch {
 	case c.e != nil:
-		err = wc.SetReadDeadline(time.Time{})
+		err = c.wc.SetReadDeadline(time.Time{})
 	case c.hello:
-		err = wc.SetReadDeadline(c.since.Add(l.OpenTimeout))
+		err = c.wc.SetReadDeadline(c.since.Add(l.OpenTimeout))
 	default:
-		err = wc.SetReadDeadline(c.since.Add(l.HelloTimeout))
+		err = c.wc.SetReadDeadline(c.since.Add(l.HelloTimeout))
 	}
 	if err != nil {
 		// Only a closed socket refuses a deadline; the next receive
