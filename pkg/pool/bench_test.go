@@ -182,3 +182,33 @@ func BenchmarkRestore(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkOffloadRemove offloads a one-page stream of a new request and
+// removes the request again, in a session holding 20,000 others, the new
+// request one of 8,192 in turn: the request index's insertion and deletion
+// (with its backward shift), with the table and the IDs past the caches'
+// first level.
+func BenchmarkOffloadRemove(b *testing.B) {
+	s, _ := benchSession(b, 200_000, 20_000)
+	rids := make([]string, 8192)
+	for i := range rids {
+		rids[i] = fmt.Sprintf("bench-rid-%04d", i)
+	}
+	dev, dst := []int32{7}, make([]int32, 0, 1)
+	b.ReportAllocs()
+	i := 0
+	for b.Loop() {
+		rid := rids[i%len(rids)]
+		i++
+		if _, err := s.Offload(rid, "kv", dev, Meta{StoredLen: 16, Position: 16}, dst[:0]); err != nil {
+			b.Fatal(err)
+		}
+		if n, err := s.RemoveRequest(rid); n != 1 || err != nil {
+			b.Fatal(n, err)
+		}
+	}
+	b.StopTimer()
+	if err := s.Check(); err != nil {
+		b.Fatal(err)
+	}
+}

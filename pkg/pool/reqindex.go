@@ -48,6 +48,12 @@ func entry(h uint64, place int) uint64 { return h&^(1<<32-1) | uint64(place+1) }
 
 func placeOf(e uint64) int { return int(uint32(e)) - 1 }
 
+// home is the slot where the probe for hash h (or for the entry made of
+// it: the upper half is the same) starts. It takes the upper half, which
+// an entry keeps, so that moving entries (del, grow) needs no ID hashed
+// again.
+func home(h uint64, mask int) int { return int(h>>32) & mask }
+
 // lookup returns the slot that holds rid (hash h), or the empty slot where
 // it would go.
 func (x *reqIndex) lookup(rid string, h uint64) (slot int, found bool) {
@@ -55,7 +61,7 @@ func (x *reqIndex) lookup(rid string, h uint64) (slot int, found bool) {
 		return 0, false // the zero index (a dropped session's): put grows it first
 	}
 	mask := len(x.slots) - 1
-	for i := int(h) & mask; ; i = (i + 1) & mask {
+	for i := home(h, mask); ; i = (i + 1) & mask {
 		e := x.slots[i]
 		if e == 0 {
 			return i, false
@@ -119,9 +125,8 @@ func (x *reqIndex) del(rid string) bool {
 	mask := len(x.slots) - 1
 	for j := (s + 1) & mask; x.slots[j] != 0; j = (j + 1) & mask {
 		e := x.slots[j]
-		home := int(ridHash(x.rids[placeOf(e)])) & mask
 		// e stays where it is when its home lies cyclically in (s, j].
-		if (s < j && s < home && home <= j) || (s > j && (s < home || home <= j)) {
+		if at := home(e, mask); (s < j && s < at && at <= j) || (s > j && (s < at || at <= j)) {
 			continue
 		}
 		x.slots[s] = e
@@ -133,18 +138,18 @@ func (x *reqIndex) del(rid string) bool {
 
 // grow makes the table again with n slots.
 func (x *reqIndex) grow(n int) {
+	old := x.slots
 	x.slots = make([]uint64, n)
 	mask := n - 1
-	for p, rid := range x.rids {
-		if rid == "" {
+	for _, e := range old {
+		if e == 0 {
 			continue
 		}
-		h := ridHash(rid)
-		i := int(h) & mask
+		i := home(e, mask)
 		for x.slots[i] != 0 {
 			i = (i + 1) & mask
 		}
-		x.slots[i] = entry(h, p)
+		x.slots[i] = e
 	}
 }
 
@@ -185,7 +190,7 @@ func (x *reqIndex) indexAll(reqs []RequestImage) (string, bool) {
 			}
 			h := ridHash(q.Rid)
 			hs[len(x.rids)-lo] = h
-			touched |= x.slots[int(h)&mask]
+			touched |= x.slots[home(h, mask)]
 			x.rids = append(x.rids, q.Rid)
 			x.lists = append(x.lists, ridList{first: slot, last: slot + n - 1, n: n})
 			slot += n
