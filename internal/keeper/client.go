@@ -61,6 +61,9 @@ type State struct {
 	Books    *os.File // nil when the keeper holds no books
 	BooksGen uint64
 	Chunks   []Held
+	// Locks: the keeper takes lock requests (Client.Lock); a keeper
+	// before them does not, and the agent then keeps the lock itself.
+	Locks bool
 }
 
 // Close closes every file of s.
@@ -183,7 +186,7 @@ func (c *Client) hello() (*State, error) {
 		}
 		return nil, fmt.Errorf("keeper: %s", m.Error)
 	}
-	st := &State{BooksGen: m.Gen}
+	st := &State{BooksGen: m.Gen, Locks: m.Locks}
 	if m.Op != "state" || m.V != Version || len(files) != btoi(m.Books) {
 		closeAll(files)
 		return nil, fmt.Errorf("keeper: unexpected answer to hello: %s v%d with %d fds (this agent speaks keeper protocol %d)", m.Op, m.V, len(files), Version)
@@ -311,6 +314,24 @@ func (c *Client) Ping() (Stat, error) {
 // same ID. The agent keeps its own fd.
 func (c *Client) Put(it Item, f *os.File) error {
 	return c.do(message{Op: "put", Items: []Item{it}}, []int{int(f.Fd())})
+}
+
+// Lock makes the keeper lock n bytes of chunk id (of generation gen) from
+// off in its own mapping of it, and reports whether the keeper now holds
+// every page of the chunk locked. Steps of at most MaxLockStep bytes, each
+// starting within what the earlier ones locked (from 0: a step again is
+// harmless). An error leaves the chunk as it was; one that is not ErrLost
+// says why the keeper cannot lock it (no CAP_IPC_LOCK, a chunk it does
+// not hold).
+func (c *Client) Lock(id string, gen uint64, off, n int64) (locked bool, err error) {
+	rep, err := c.call(message{Op: "lock", Items: []Item{{ID: id, Gen: gen}}, Off: off, Len: n}, nil)
+	if err != nil {
+		return false, err
+	}
+	if rep.Op != "ok" || len(rep.Items) != 1 {
+		return false, fmt.Errorf("keeper lock: %s", rep.Error)
+	}
+	return rep.Items[0].Locked, nil
 }
 
 // Drop makes the keeper close its fd of chunk id (a no-op when it has none).

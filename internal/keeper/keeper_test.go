@@ -11,6 +11,7 @@ import (
 	"strings"
 	"testing"
 	"time"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -221,7 +222,8 @@ func TestKeeperRefusesMisuse(t *testing.T) {
 
 func FuzzParseRequest(f *testing.F) {
 	for _, s := range []string{`{"op":"hello","v":1}`, `{"op":"put","items":[{"id":"a","size":4096}]}`,
-		`{"op":"drop","items":[{"id":"a"}]}`, `{"op":"books","gen":3}`, `{"op":"reset"}`, `{"op":"stat"}`, `[]`, `{"op":1}`} {
+		`{"op":"drop","items":[{"id":"a"}]}`, `{"op":"books","gen":3}`, `{"op":"reset"}`, `{"op":"stat"}`, `[]`, `{"op":1}`,
+		`{"op":"lock","items":[{"id":"a","gen":1}],"off":0,"len":4096}`, `{"op":"lock","items":[{"id":"a"}],"off":9223372036854775807,"len":1}`} {
 		f.Add([]byte(s), 0)
 		f.Add([]byte(s), 1)
 	}
@@ -238,6 +240,10 @@ func FuzzParseRequest(f *testing.F) {
 		case "books":
 			if nfds != 1 {
 				t.Fatal("books without one fd")
+			}
+		case "lock":
+			if len(m.Items) != 1 || m.Items[0].ID == "" || m.Len <= 0 || m.Len > MaxLockStep || m.Off < 0 || m.Off+m.Len < 0 || nfds != 0 {
+				t.Fatalf("accepted bad lock %+v with %d fds", m, nfds)
 			}
 		case "hello", "drop", "reset", "stat":
 			if nfds != 0 {
@@ -454,5 +460,170 @@ func TestClientSeesKeeperLoss(t *testing.T) {
 	start = time.Now()
 	if err := c.Drop("x"); !errors.Is(err, ErrLost) || time.Since(start) > 50*time.Millisecond {
 		t.Fatalf("a request after the loss: %v after %s", err, time.Since(start))
+	}
+}
+
+// mappedLocked returns the bytes of this process's mapping at mem that
+// are resident and locked, as the kernel counts them (/proc/self/smaps),
+// and whether there is a mapping there at all.
+func mappedLocked(t *testing.T, addr uintptr) (rss, locked int64, mapped bool) {
+	t.Helper()
+	data, err := os.ReadFile("/proc/self/smaps")
+	if err != nil {
+		t.Fatal(err)
+	}
+	in := false
+	start := fmt.Sprintf("%x-", addr)
+	for _, l := range strings.Split(string(data), "\n") {
+		f := strings.Fields(l)
+		switch {
+		case len(f) > 0 && strings.Contains(f[0], "-") && !strings.HasSuffix(f[0], ":"):
+			in = strings.HasPrefix(l, start)
+			mapped = mapped || in
+		case in && len(f) == 3 && (f[0] == "Rss:" || f[0] == "Locked:"):
+			var kb int64
+			fmt.Sscan(f[1], &kb)
+			if f[0] == "Rss:" {
+				rss = kb << 10
+			} else {
+				locked = kb << 10
+			}
+		}
+	}
+	return rss, locked, mapped
+}
+
+// mapping is the keeper's mapping of chunk id (nil: none).
+func (k *Keeper) mapping(id string) []byte {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return k.chunks[id].mem
+}
+
+// The keeper locks a chunk it holds when asked, a step at a time from its
+// start, in a mapping of its own that the kernel counts as locked; the
+// next agent learns which chunks are locked; a replaced, dropped or reset
+// chunk's mapping is gone with it. Misuse is refused and changes nothing.
+func TestKeeperLocksChunks(t *testing.T) {
+	k, path := start(t)
+	c, st, err := Connect(path, time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !st.Locks {
+		t.Fatal("the keeper's state does not say it takes lock requests")
+	}
+	const size = 1 << 20
+	f := memfd(t, size, 0x42)
+	if err := f.Truncate(size); err != nil {
+		t.Fatal(err)
+	}
+	// Resident pages, as a chunk's are (the agent pre-faulted them).
+	if _, err := f.WriteAt(make([]byte, size), 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Put(Item{ID: "c0", Gen: 3, Size: size, Locked: true}, f); err != nil {
+		t.Fatal(err)
+	}
+	if s := k.Stat(); s.Locked != 0 {
+		t.Fatalf("a put locked %d bytes (an agent's item.locked is not the keeper's)", s.Locked)
+	}
+	for _, tc := range []struct {
+		id       string
+		gen      uint64
+		off, len int64
+		want     string
+	}{
+		{"nope", 3, 0, 4096, "not held"},
+		{"c0", 2, 0, 4096, "not held"},
+		{"c0", 3, 4096, 4096, "starts within the locked part"},
+		{"c0", 3, 0, size + 4096, "ends within the chunk"},
+		{"c0", 3, 0, MaxLockStep + 1, "want 1 to"},
+		{"c0", 3, -1, 4096, "want 1 to"},
+		{"c0", 3, 0, 0, "want 1 to"},
+	} {
+		locked, err := c.Lock(tc.id, tc.gen, tc.off, tc.len)
+		if err == nil || locked || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("lock %s gen %d [%d, +%d): %v %v, want an error with %q", tc.id, tc.gen, tc.off, tc.len, locked, err, tc.want)
+		}
+	}
+	if s := k.Stat(); s.Locked != 0 || k.mapping("c0") != nil {
+		t.Fatalf("refused lock requests changed the keeper: %+v", s)
+	}
+	half := int64(size / 2)
+	if locked, err := c.Lock("c0", 3, 0, half); err != nil || locked {
+		t.Fatalf("first half: %v %v", locked, err)
+	}
+	addr := uintptr(unsafe.Pointer(&k.mapping("c0")[0]))
+	if rss, locked, _ := mappedLocked(t, addr); rss != half || locked != half {
+		t.Fatalf("after the first half the keeper's mapping has %d bytes resident, %d locked; want %d", rss, locked, half)
+	}
+	// Again from 0 (an agent that restarted midway), then the rest.
+	for _, off := range []int64{0, half} {
+		if _, err := c.Lock("c0", 3, off, half); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if rss, locked, _ := mappedLocked(t, addr); rss != size || locked != size {
+		t.Fatalf("the keeper's mapping has %d bytes resident, %d locked; want %d", rss, locked, size)
+	}
+	if s := k.Stat(); s.Locked != size {
+		t.Fatalf("stat says %d bytes locked", s.Locked)
+	}
+	if first(t, f) != 0 {
+		t.Fatal("locking changed the chunk")
+	}
+	c.Close()
+	c2, st2, err := Connect(path, 2*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c2.Close()
+	defer st2.Close()
+	if len(st2.Chunks) != 1 || !st2.Chunks[0].Locked || !st2.Locks {
+		t.Fatalf("the next agent's state: %+v", st2)
+	}
+	// A replacement is a new memfd: not locked, and the old mapping goes.
+	g := memfd(t, size, 0)
+	if err := c2.Put(Item{ID: "c0", Gen: 4, Size: size}, g); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, mapped := mappedLocked(t, addr); mapped || k.Stat().Locked != 0 {
+		t.Fatalf("the replaced chunk's mapping is still there (%v) or counted (%+v)", mapped, k.Stat())
+	}
+	if locked, err := c2.Lock("c0", 4, 0, size); err != nil || !locked {
+		t.Fatalf("lock the replacement: %v %v", locked, err)
+	}
+	addr = uintptr(unsafe.Pointer(&k.mapping("c0")[0]))
+	if err := c2.Drop("c0"); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, mapped := mappedLocked(t, addr); mapped {
+		t.Fatal("the dropped chunk's mapping is still there")
+	}
+}
+
+// A keeper that may not lock (no CAP_IPC_LOCK) says so and why, and holds
+// the chunk as before: the agent then keeps the lock itself.
+func TestKeeperLockRefused(t *testing.T) {
+	old := lockOnFault
+	lockOnFault = func([]byte) error { return unix.EPERM }
+	defer func() { lockOnFault = old }()
+	k, path := start(t)
+	c, _, err := Connect(path, time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	f := memfd(t, 8192, 1)
+	if err := c.Put(Item{ID: "c0", Gen: 1, Size: 8192}, f); err != nil {
+		t.Fatal(err)
+	}
+	locked, err := c.Lock("c0", 1, 0, 8192)
+	if err == nil || locked || !strings.Contains(err.Error(), "CAP_IPC_LOCK") || errors.Is(err, ErrLost) {
+		t.Fatalf("lock refused: %v %v", locked, err)
+	}
+	if s := k.Stat(); s.Chunks != 1 || s.Locked != 0 || k.mapping("c0") != nil {
+		t.Fatalf("a refused lock changed the keeper: %+v", s)
 	}
 }
