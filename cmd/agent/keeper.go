@@ -23,13 +23,15 @@ func runKeeper(ctx context.Context, args []string) error {
 	socket := fs.String("socket", DefaultKeeperSocket, "the keeper's Unix socket (the agent's keeperSocket); mode 0600")
 	level := fs.String("log-level", "info", "debug, info, warn or error")
 	format := fs.String("log-format", "text", "text or json")
+	lock := fs.Bool("lock", true, "hold the pool's lock when the agent asks (needs CAP_IPC_LOCK), so that an agent restart unmaps nothing; false leaves the lock with the agent")
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), `usage: agent keeper [flags]
 
 Holds the pool's chunk memfds and the books memfd for the agent, so that an
 agent restart or upgrade adopts the same memory and loses no session or
 stream. It talks only to the agent, over a socket only its user may open.
-Stopping it frees the pool: a later agent starts fresh.
+Stopping it frees the pool: a later agent starts fresh. It also holds the
+pool's lock (mlock, in a read-only mapping of its own) when the agent asks.
 
 `)
 		fs.PrintDefaults()
@@ -50,7 +52,8 @@ Stopping it frees the pool: a later agent starts fresh.
 	}
 	defer os.Remove(*socket)
 	k := keeper.New(log)
-	log.Info("keeper serving", "socket", *socket, "version", version, "protocol", keeper.Version)
+	k.SetLock(*lock)
+	log.Info("keeper serving", "socket", *socket, "version", version, "protocol", keeper.Version, "lock", *lock)
 	err = k.Serve(ctx, l)
 	st := k.Stat()
 	k.Close()

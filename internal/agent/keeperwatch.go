@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"sort"
 	"sync/atomic"
 	"time"
 
@@ -182,6 +183,15 @@ func (a *agent) rehand(kc *keeper.Client, held *keeper.State) error {
 	r.kmu.Lock()
 	r.keeper = kc
 	r.kmu.Unlock()
+	// The lost keeper's lock went with it: the new one takes it, or the
+	// agent locks the chunks itself again (settleLock).
+	r.locks.Store(held.Locks)
+	ids := make([]string, 0, len(chunks))
+	for id := range chunks {
+		ids = append(ids, id)
+	}
+	sort.Strings(ids)
+	r.lockq.push(ids...)
 	loss := r.lost.Swap(nil)
 	since := time.Duration(0)
 	if loss != nil {

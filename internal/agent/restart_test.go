@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"log/slog"
 	"maps"
@@ -182,40 +183,106 @@ func TestReorderedTokensKeepTheirAllocations(t *testing.T) {
 	}
 }
 
-// A restarted agent serves before its adopted chunks are locked page by
-// page, and then locks every page while it serves: each chunk it adopted
-// ends up wholly resident and locked in its mapping (issue 25: a plain
-// mlock of every kept chunk before serving made the restart gap grow by
-// about 0.3 s a GiB of pool).
+// A restarted agent's chunks end up locked while it serves: by the keeper,
+// which holds every page locked in a mapping of its own while the agent
+// maps none of them (so that the agent's death unmaps nothing), or, with a
+// keeper that leaves the lock with the agent (agent keeper --lock=false),
+// in the agent's own mapping, faulted in.
 func TestAdoptedChunksLockedWhileServing(t *testing.T) {
-	dir := t.TempDir()
-	ksock, _ := startKeeper(t)
-	_, stop := keptAgent(t, dir, ksock, []string{"tenant-a"})
-	stop()
-	a2, stop2 := keptAgent(t, dir, ksock, []string{"tenant-a"})
-	defer stop2()
-	w := dialAgent(t, a2.Socket())
-	if got := w.open("tenant-a", "instance-a"); len(chunkIDs(got)) == 0 {
-		t.Fatal("no chunks after the restart")
-	}
-	a2.a.mu.RLock()
-	chunks := maps.Clone(a2.a.hmem)
-	a2.a.mu.RUnlock()
-	if len(chunks) == 0 || a2.a.restartStatus().AdoptedChunks != len(chunks) {
-		t.Fatalf("adopted %d of %d chunks", a2.a.restartStatus().AdoptedChunks, len(chunks))
-	}
-	for id, c := range chunks {
-		if !c.Locked {
-			t.Skipf("chunk %s not locked here (no CAP_IPC_LOCK?): %v", id, c.Warnings)
-		}
-		waitUntil(t, "chunk "+id+" resident and locked", func() bool {
-			rss, locked, err := hostmem.Resident(c.Mem)
-			if err != nil {
-				t.Fatal(err)
+	for _, keeperLocks := range []bool{true, false} {
+		t.Run(fmt.Sprintf("keeperLocks=%v", keeperLocks), func(t *testing.T) {
+			dir := t.TempDir()
+			ksock, k := startKeeper(t)
+			k.SetLock(keeperLocks)
+			a1, stop := keptAgent(t, dir, ksock, []string{"tenant-a"})
+			total := poolBytes(a1)
+			if keeperLocks {
+				waitUntil(t, "the keeper holds the first agent's lock", func() bool { return kept(a1) == len(chunksOf(a1)) })
 			}
-			return rss == c.Size && locked == c.Size
+			stop()
+			var log logging.SyncBuffer
+			a2, stop2 := keptAgentLogging(t, dir, ksock, []string{"tenant-a"}, slog.New(slog.NewTextHandler(&log, nil)))
+			stopped := false
+			defer func() {
+				if !stopped {
+					stop2()
+				}
+			}()
+			w := dialAgent(t, a2.Socket())
+			if got := w.open("tenant-a", "instance-a"); len(chunkIDs(got)) == 0 {
+				t.Fatal("no chunks after the restart")
+			}
+			chunks := chunksOf(a2)
+			if len(chunks) == 0 || a2.a.restartStatus().AdoptedChunks != len(chunks) {
+				t.Fatalf("adopted %d of %d chunks", a2.a.restartStatus().AdoptedChunks, len(chunks))
+			}
+			for id, c := range chunks {
+				if !c.Locked {
+					t.Skipf("chunk %s not locked here (no CAP_IPC_LOCK?): %v", id, c.Warnings)
+				}
+				if keeperLocks {
+					if mem := mapping(a2, c); !c.Kept || mem != nil {
+						t.Fatalf("chunk %s adopted into a mapping of the agent's (kept %v) though the keeper holds its lock", id, c.Kept)
+					}
+					continue
+				}
+				waitUntil(t, "chunk "+id+" resident and locked", func() bool {
+					rss, locked, err := hostmem.Resident(mapping(a2, c))
+					if err != nil {
+						t.Fatal(err)
+					}
+					return rss == c.Size && locked == c.Size
+				})
+			}
+			if st := k.Stat(); keeperLocks && st.Locked != total || !keeperLocks && st.Locked != 0 {
+				t.Fatalf("the keeper holds %d bytes locked of a pool of %d", st.Locked, total)
+			}
+			w.c.Close()
+			stop2()
+			stopped = true
+			// Adopted as the keeper's, no chunk had its lock handed over
+			// again (mapped, then unmapped).
+			if keeperLocks && strings.Contains(log.String(), "the keeper holds the pool's lock") {
+				t.Fatalf("the restarted agent mapped chunks the keeper held locked, and handed their lock over again:\n%s", log.String())
+			}
 		})
 	}
+}
+
+// chunksOf is a copy of the agent's chunk table.
+func chunksOf(a *Agent) map[string]*hostmem.Chunk {
+	a.a.mu.RLock()
+	defer a.a.mu.RUnlock()
+	return maps.Clone(a.a.hmem)
+}
+
+// poolBytes is the size of the agent's chunks together.
+func poolBytes(a *Agent) int64 {
+	var n int64
+	for _, c := range chunksOf(a) {
+		n += c.Size
+	}
+	return n
+}
+
+// kept counts the agent's chunks whose lock the keeper holds.
+func kept(a *Agent) int {
+	a.a.mu.RLock()
+	defer a.a.mu.RUnlock()
+	n := 0
+	for _, c := range a.a.hmem {
+		if c.Kept && c.Mem == nil {
+			n++
+		}
+	}
+	return n
+}
+
+// mapping is the agent's mapping of c (nil when it has none).
+func mapping(a *Agent, c *hostmem.Chunk) []byte {
+	a.a.mu.RLock()
+	defer a.a.mu.RUnlock()
+	return c.Mem
 }
 
 // stopKeeper ends an in-process keeper as a kill does: its connections
@@ -229,11 +296,18 @@ type keeperProc struct {
 
 func runKeeper(t *testing.T, path string) *keeperProc {
 	t.Helper()
+	return runKeeperLocking(t, path, true)
+}
+
+// runKeeperLocking is runKeeper with the keeper's SetLock(lock).
+func runKeeperLocking(t *testing.T, path string, lock bool) *keeperProc {
+	t.Helper()
 	l, err := keeper.Listen(path)
 	if err != nil {
 		t.Fatal(err)
 	}
 	kp := &keeperProc{path: path, k: keeper.New(quietLog), done: make(chan error, 1)}
+	kp.k.SetLock(lock)
 	ctx, cancel := context.WithCancel(context.Background())
 	kp.cancel = cancel
 	go func() { kp.done <- kp.k.Serve(ctx, l) }()
@@ -297,6 +371,8 @@ func TestKeeperLostAndReplaced(t *testing.T) {
 	if st.Chunks != len(a.a.hmem) || !st.Books || !st.Agent {
 		t.Fatalf("the new keeper holds %+v, the agent %d chunks", st, len(a.a.hmem))
 	}
+	// The lost keeper's lock went with it; the new one takes it.
+	waitUntil(t, "the new keeper holds the pool's lock", func() bool { return k2.k.Stat().Locked == poolBytes(a) })
 	if r := a.a.restartStatus(); !r.KeeperConnected || r.KeeperLosses != 1 {
 		t.Fatalf("restart report after the reconnect: %+v", r)
 	}
@@ -320,6 +396,42 @@ func TestKeeperLostAndReplaced(t *testing.T) {
 	}
 	if r := a2.a.restartStatus(); r.PoolLost || r.AdoptedChunks != len(a2.a.hmem) {
 		t.Fatalf("the restart on the new keeper: %+v", r)
+	}
+}
+
+// A keeper that held the pool's lock is lost, and the one that replaces
+// it leaves the lock with the agent (agent keeper --lock=false, or a
+// keeper before lock requests): the agent maps every chunk again and
+// locks it itself.
+func TestKeeperLockTakenBackFromLostKeeper(t *testing.T) {
+	dir := t.TempDir()
+	ksock := filepath.Join(dir, "keeper", "keeper.sock")
+	k1 := runKeeper(t, ksock)
+	a, stop := keptAgent(t, dir, ksock, []string{"tenant-a"})
+	defer stop()
+	chunks := chunksOf(a)
+	for id, c := range chunks {
+		if !c.Locked {
+			t.Skipf("chunk %s not locked here (no CAP_IPC_LOCK?): %v", id, c.Warnings)
+		}
+	}
+	waitUntil(t, "the keeper holds the lock", func() bool { return kept(a) == len(chunks) })
+	k1.kill()
+	waitUntil(t, "the loss seen", func() bool { return a.a.durable() != nil })
+	k2 := runKeeperLocking(t, ksock, false)
+	waitUntil(t, "the new keeper takes the pool", func() bool { return a.a.durable() == nil })
+	for id, c := range chunks {
+		waitUntil(t, "chunk "+id+" mapped, resident and locked by the agent again", func() bool {
+			mem := mapping(a, c)
+			if mem == nil {
+				return false
+			}
+			rss, locked, err := hostmem.Resident(mem)
+			return err == nil && rss == c.Size && locked == c.Size
+		})
+	}
+	if n := k2.k.Stat().Locked; n != 0 {
+		t.Fatalf("a keeper with --lock=false holds %d bytes locked", n)
 	}
 }
 

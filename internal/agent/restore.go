@@ -44,6 +44,10 @@ type restart struct {
 	fresh     atomic.Int64 // chunks allocated by this agent
 	// gcOn turns the collector back on (the restore turned it off).
 	gcOn func()
+	// locks: the keeper takes lock requests (keeperlock.go), until one is
+	// refused; lockq: the chunks whose lock is to be settled.
+	locks atomic.Bool
+	lockq *lockQueue
 	// poolLost: at start the keeper held none of the pool an earlier
 	// agent had kept in it (the marker says what); nil otherwise.
 	poolLost *poolLoss
@@ -80,7 +84,8 @@ func (a *agent) restore() (err error) {
 	// mark. Should the start stop earlier, undoing this step (or the
 	// failed restore itself) turns it back on.
 	gcPercent := debug.SetGCPercent(-1)
-	r := &restart{keeper: kc, gens: map[string]uint64{}, adopted: map[string]bool{}}
+	r := &restart{keeper: kc, gens: map[string]uint64{}, adopted: map[string]bool{}, lockq: newLockQueue()}
+	r.locks.Store(held.Locks)
 	r.gcOn = sync.OnceFunc(func() { debug.SetGCPercent(gcPercent) })
 	defer func() {
 		if err != nil {
@@ -288,18 +293,21 @@ func (a *agent) startHeartbeat(ctx context.Context, wg *sync.WaitGroup) error {
 	wg.Go(func() { a.heartbeat(ctx) })
 	wg.Go(func() { a.watchKeeper(ctx) })
 	ids := make([]string, 0, len(r.adopted))
+	a.mu.RLock()
 	for id := range r.adopted {
-		ids = append(ids, id)
+		if c := a.hmem[id]; c != nil && !c.Kept {
+			ids = append(ids, id)
+		}
 	}
-	if len(ids) > 0 {
-		wg.Go(func() { a.faultInAdopted(ctx, ids) })
-	}
+	a.mu.RUnlock()
+	wg.Go(func() { a.settleLocks(ctx, ids) })
 	return nil
 }
 
 // faultInAdopted faults the pages of the adopted chunks ids into the
 // agent's mapping, and so locks them (hostmem.Adopt locks on fault), while
-// the agent serves: one goroutine per NUMA node, a step at a time, leaving
+// the agent serves, where the keeper does not hold their lock
+// (keeperlock.go): one goroutine per NUMA node, a step at a time, leaving
 // a chunk dropped or renewed meanwhile. Until a page is in, it is as it
 // was while no agent ran: resident in the file the keeper holds, only not
 // locked by this agent. A failure is logged; the pages then lock as they
@@ -389,9 +397,11 @@ func (a *agent) release(held *keeper.State) {
 
 // adopt maps a kept chunk after checking it is the one the books name: same
 // generation (a fresh memfd replaces a chunk at each grant), size and seals,
-// and still in the plan. Mapping and locking pages that are already resident
-// allocates nothing; the lock is on fault (hostmem.Adopt), and the pages
-// are faulted in, so locked, while the agent serves (faultInAdopted).
+// and still in the plan. A chunk the keeper holds locked is not mapped at
+// all (hostmem.AdoptKept). Otherwise mapping and locking pages that are
+// already resident allocates nothing; the lock is on fault (hostmem.Adopt),
+// and the pages are locked while the agent serves, by the keeper or by
+// faulting them in (settleLocks).
 func (a *agent) adopt(st *books.State, h keeper.Held, planned map[string]hostmem.Spec) (*hostmem.Chunk, string) {
 	bc, ok := st.Chunk(h.ID)
 	spec, inPlan := planned[h.ID]
@@ -409,6 +419,9 @@ func (a *agent) adopt(st *books.State, h keeper.Held, planned map[string]hostmem
 		return nil, "no longer in the plan"
 	case spec.Size != h.Size:
 		return nil, fmt.Sprintf("the plan's chunk size is now %d", spec.Size)
+	}
+	if h.Locked && spec.Lock && a.restart.locks.Load() {
+		return hostmem.AdoptKept(h.File, h.Size, bc.NUMA), ""
 	}
 	c, err := hostmem.Adopt(h.File, h.Size, bc.NUMA, spec.Lock, spec.LockFallback)
 	if err != nil {
@@ -454,6 +467,9 @@ func (a *agent) keep(id string, c *hostmem.Chunk) error {
 		return err
 	}
 	r.gens[id] = gen
+	if r.locks.Load() && c.Locked {
+		r.lockq.push(id)
+	}
 	return nil
 }
 

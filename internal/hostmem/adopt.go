@@ -22,14 +22,8 @@ func Adopt(f *os.File, size int64, node int, lock, lockFallback bool) (*Chunk, e
 	if err != nil {
 		return nil, err
 	}
-	c := &Chunk{File: f, Mem: mem, Size: size, PageSize: int64(os.Getpagesize()), Node: node}
-	if seals, err := unix.FcntlInt(f.Fd(), unix.F_GET_SEALS, 0); err == nil {
-		c.Sealed = seals&Seals == Seals
-	}
-	var st unix.Stat_t
-	if unix.Fstat(int(f.Fd()), &st) == nil && st.Blksize > 0 {
-		c.PageSize = int64(st.Blksize) // a hugetlb memfd's page size
-	}
+	c := kept(f, size, node)
+	c.Mem = mem
 	if lock {
 		if err := c.lock(Options{LockFallback: lockFallback}, true); err != nil {
 			unix.Munmap(mem)
@@ -37,6 +31,28 @@ func Adopt(f *os.File, size int64, node int, lock, lockFallback bool) (*Chunk, e
 		}
 	}
 	return c, nil
+}
+
+// AdoptKept takes over a chunk whose pages the keeper holds locked in its
+// own mapping (keeper.Item.Locked): the agent maps nothing, which takes no
+// time at all and leaves nothing for its death to unmap.
+func AdoptKept(f *os.File, size int64, node int) *Chunk {
+	c := kept(f, size, node)
+	c.Locked, c.Kept = true, true
+	return c
+}
+
+// kept is a kept chunk's description from its file: page size and seals.
+func kept(f *os.File, size int64, node int) *Chunk {
+	c := &Chunk{File: f, Size: size, PageSize: int64(os.Getpagesize()), Node: node}
+	if seals, err := unix.FcntlInt(f.Fd(), unix.F_GET_SEALS, 0); err == nil {
+		c.Sealed = seals&Seals == Seals
+	}
+	var st unix.Stat_t
+	if unix.Fstat(int(f.Fd()), &st) == nil && st.Blksize > 0 {
+		c.PageSize = int64(st.Blksize) // a hugetlb memfd's page size
+	}
+	return c
 }
 
 // FaultInStep is the most FaultIn should be given at once, so that a

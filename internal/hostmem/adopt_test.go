@@ -3,9 +3,12 @@ package hostmem
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"math/rand/v2"
 	"os"
+	"strings"
 	"testing"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -90,4 +93,64 @@ func dupFile(f *os.File) (*os.File, error) {
 		return nil, err
 	}
 	return os.NewFile(uintptr(fd), f.Name()), nil
+}
+
+// A mapping of several unmap steps goes whole, and the chunk handed off to
+// the keeper maps nothing until it is mapped again (and locked on fault).
+func TestHandOffUnmapMapAgain(t *testing.T) {
+	size := int64(unmapStep*2 + unmapStep/2) // sparse: no page is touched
+	fd, err := unix.MemfdCreate("handoff", unix.MFD_CLOEXEC)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := os.NewFile(uintptr(fd), "handoff")
+	defer f.Close()
+	if err := f.Truncate(size); err != nil {
+		t.Fatal(err)
+	}
+	c, err := Adopt(f, size, -1, false, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !mapped(t, uintptr(unsafe.Pointer(&c.Mem[size-4096]))) {
+		t.Fatal("the adopted chunk's last page is not mapped")
+	}
+	mem := c.HandOff()
+	if c.Mem != nil || !c.Kept || len(mem) != int(size) {
+		t.Fatalf("handed off: mem %d bytes, kept %v", len(c.Mem), c.Kept)
+	}
+	if err := Unmap(mem); err != nil {
+		t.Fatal(err)
+	}
+	for _, off := range []int64{0, unmapStep, size - 4096} {
+		if mapped(t, uintptr(unsafe.Pointer(&mem[off]))) {
+			t.Fatalf("still mapped at %d after Unmap", off)
+		}
+	}
+	if err := c.MapAgain(true); err != nil || c.Mem == nil || c.Kept {
+		t.Fatalf("map again: %v (mapped %v, kept %v)", err, c.Mem != nil, c.Kept)
+	}
+	if err := c.MapAgain(true); err == nil {
+		t.Fatal("a mapped chunk mapped again")
+	}
+	if err := c.Close(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// mapped reports whether a mapping of this process covers addr
+// (/proc/self/maps).
+func mapped(t *testing.T, addr uintptr) bool {
+	t.Helper()
+	data, err := os.ReadFile("/proc/self/maps")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, l := range strings.Split(string(data), "\n") {
+		var lo, hi uintptr
+		if n, _ := fmt.Sscanf(l, "%x-%x", &lo, &hi); n == 2 && addr >= lo && addr < hi {
+			return true
+		}
+	}
+	return false
 }

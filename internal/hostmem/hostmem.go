@@ -24,12 +24,16 @@ import (
 // mapping of it.
 type Chunk struct {
 	File *os.File // memfd (or hugetlb memfd); pass File.Fd() by SCM_RIGHTS
-	Mem  []byte   // the agent's shared mapping
+	Mem  []byte   // the agent's shared mapping; nil while Kept
 	Size int64
 
 	PageSize int64 // the page size actually used
 	Node     int   // the NUMA node the memory is bound to; -1 when unbound
-	Locked   bool  // mlock succeeded
+	Locked   bool  // mlock succeeded (in the agent's mapping, or the keeper's: Kept)
+	// Kept: the keeper's mapping holds every page locked and the agent
+	// maps nothing (HandOff, AdoptKept), so that the agent's death unmaps
+	// nothing.
+	Kept bool
 	// Sealed: the memfd carries F_SEAL_SHRINK|F_SEAL_GROW|F_SEAL_SEAL, so
 	// no holder of the fd can change its size (always true for a chunk
 	// Alloc returns).
@@ -477,6 +481,52 @@ func (c *Chunk) Drop(closeAfter time.Duration) error {
 		time.AfterFunc(closeAfter, func() { f.Close() })
 	}
 	return err
+}
+
+// HandOff gives up the agent's mapping once the keeper holds every page
+// locked: the chunk is Kept from then on, and the caller unmaps what it
+// returns (Unmap) outside its locks.
+func (c *Chunk) HandOff() []byte {
+	mem := c.Mem
+	c.Mem, c.Kept = nil, true
+	return mem
+}
+
+// MapAgain maps a Kept chunk again and locks it on fault, for the agent
+// to fault in (FaultIn) where no keeper holds its lock any longer.
+func (c *Chunk) MapAgain(lockFallback bool) error {
+	if c.Mem != nil || c.File == nil {
+		return fmt.Errorf("hostmem: map chunk again: mapped already or dropped")
+	}
+	mem, err := Map(c.File, c.Size)
+	if err != nil {
+		return err
+	}
+	c.Mem, c.Kept, c.Locked = mem, false, false
+	return c.lock(Options{LockFallback: lockFallback}, true)
+}
+
+// unmapStep is how much of a mapping Unmap unmaps at once: the process's
+// memory map stays locked while the kernel unmaps (about 0.07 s a GiB of
+// locked 4 KiB pages), and page faults of the process's other threads
+// wait for it.
+const unmapStep = 64 << 20
+
+// Unmap unmaps mem (a whole mapping, as Map returned it) a step at a
+// time.
+func Unmap(mem []byte) error {
+	for off := 0; off < len(mem); off += unmapStep {
+		n := min(len(mem)-off, unmapStep)
+		if err := unix.MunmapPtr(unsafe.Pointer(&mem[off]), uintptr(n)); err != nil {
+			return fmt.Errorf("hostmem: unmap: %w", err)
+		}
+	}
+	// The whole range once more, now empty, through the call that made
+	// it, so that it forgets the mapping too.
+	if err := unix.Munmap(mem); err != nil {
+		return fmt.Errorf("hostmem: unmap: %w", err)
+	}
+	return nil
 }
 
 // Close unmaps the chunk and closes its file; the memory is freed once no

@@ -198,6 +198,8 @@ type Keeper struct {
 	agent    *net.UnixConn // the connected agent, nil when none
 
 	idle time.Duration // IdleTimeout, from idleTimeout when made
+	// noLock: the keeper takes no lock requests (SetLock).
+	noLock bool
 
 	// evicted counts connections closed at MaxConns since evictLogged
 	// (guarded by Serve's connection lock).
@@ -211,6 +213,15 @@ func New(log *slog.Logger) *Keeper {
 		log = slog.Default()
 	}
 	return &Keeper{log: log, chunks: map[string]held{}, idle: idleTimeout}
+}
+
+// SetLock says whether the keeper takes lock requests (the default) or
+// leaves the pool's lock with the agent, as a keeper before them did. Set
+// it before Serve.
+func (k *Keeper) SetLock(on bool) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	k.noLock = !on
 }
 
 // Listen creates the keeper's socket at path, mode 0600 in a directory
@@ -481,6 +492,9 @@ func (k *Keeper) apply(m message, files []*os.File) message {
 		it.Locked = false
 		k.chunks[it.ID] = held{Item: it, f: f}
 	case "lock":
+		if k.noLock {
+			return message{Op: "error", Error: "lock: this keeper leaves the pool's lock with the agent (agent keeper --lock=false)"}
+		}
 		return k.lockLocked(m)
 	case "drop":
 		if h, ok := k.chunks[m.Items[0].ID]; ok {
@@ -552,7 +566,7 @@ var lockOnFault = hostmem.LockOnFault
 func (k *Keeper) sendState(uc *net.UnixConn) error {
 	k.mu.Lock()
 	defer k.mu.Unlock()
-	st := message{V: Version, Op: "state", N: len(k.chunks), Books: k.books != nil, Gen: k.booksGen, Locks: true}
+	st := message{V: Version, Op: "state", N: len(k.chunks), Books: k.books != nil, Gen: k.booksGen, Locks: !k.noLock}
 	var fds []int
 	if k.books != nil {
 		fds = []int{int(k.books.Fd())}

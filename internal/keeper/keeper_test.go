@@ -555,8 +555,9 @@ func TestKeeperLocksChunks(t *testing.T) {
 		t.Fatalf("first half: %v %v", locked, err)
 	}
 	addr := uintptr(unsafe.Pointer(&k.mapping("c0")[0]))
-	if rss, locked, _ := mappedLocked(t, addr); rss != half || locked != half {
-		t.Fatalf("after the first half the keeper's mapping has %d bytes resident, %d locked; want %d", rss, locked, half)
+	// (A read fault may map a few pages past the step: fault-around.)
+	if rss, locked, _ := mappedLocked(t, addr); rss < half || rss >= size || locked != rss {
+		t.Fatalf("after the first half the keeper's mapping has %d bytes resident, %d locked; want %d of %d, all locked", rss, locked, half, size)
 	}
 	// Again from 0 (an agent that restarted midway), then the rest.
 	for _, off := range []int64{0, half} {
