@@ -152,7 +152,9 @@ func (a *agent) settleLock(ctx context.Context, id string) int64 {
 // and once it holds every page locked, unmaps the agent's own mapping.
 func (a *agent) lockInKeeper(ctx context.Context, id string, c *hostmem.Chunk) error {
 	r := a.restart
-	for off := int64(0); off < c.Size; off += lockStep {
+	step := max(lockStep, c.PageSize) // a huge page is faulted in whole
+	locked := false
+	for off := int64(0); off < c.Size && !locked; off += step {
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
@@ -162,13 +164,13 @@ func (a *agent) lockInKeeper(ctx context.Context, id string, c *hostmem.Chunk) e
 		if !a.current(id, c) {
 			return errors.New("renewed or dropped")
 		}
-		locked, err := r.client().Lock(id, gen, off, min(lockStep, c.Size-off))
-		if err != nil {
+		var err error
+		if locked, err = r.client().Lock(id, gen, off, min(step, c.Size-off)); err != nil {
 			return err
 		}
-		if locked {
-			break
-		}
+	}
+	if !locked {
+		return errors.New("the keeper did not report the whole chunk locked")
 	}
 	a.mu.Lock()
 	if a.hmem[id] != c {

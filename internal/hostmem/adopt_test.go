@@ -127,6 +127,11 @@ func TestHandOffUnmapMapAgain(t *testing.T) {
 			t.Fatalf("still mapped at %d after Unmap", off)
 		}
 	}
+	// A chunk handed off again (a new keeper took its lock) has nothing
+	// left to unmap.
+	if err := Unmap(c.HandOff()); err != nil {
+		t.Fatalf("unmap of no mapping: %v", err)
+	}
 	if err := c.MapAgain(true); err != nil || c.Mem == nil || c.Kept {
 		t.Fatalf("map again: %v (mapped %v, kept %v)", err, c.Mem != nil, c.Kept)
 	}

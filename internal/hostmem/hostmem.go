@@ -515,6 +515,9 @@ const unmapStep = 64 << 20
 // Unmap unmaps mem (a whole mapping, as Map returned it) a step at a
 // time.
 func Unmap(mem []byte) error {
+	if len(mem) == 0 {
+		return nil
+	}
 	for off := 0; off < len(mem); off += unmapStep {
 		n := min(len(mem)-off, unmapStep)
 		if err := unix.MunmapPtr(unsafe.Pointer(&mem[off]), uintptr(n)); err != nil {

@@ -68,10 +68,11 @@ const (
 	// maxRequestFDs is the most fds a request's control buffer takes;
 	// every request carries at most one.
 	maxRequestFDs = 4
-	// MaxLockStep bounds one lock request: a step faults in about 10 ms
-	// a 64 MiB, far within CallTimeout, and other requests pass between
-	// steps.
-	MaxLockStep = 256 << 20
+	// MaxLockStep bounds one lock request (a 1 GiB huge page is one
+	// step): the agent asks 64 MiB at a time of 4 KiB pages, about 10 ms
+	// of the keeper's time, far within CallTimeout, and other requests
+	// pass between steps.
+	MaxLockStep = 1 << 30
 	// MaxConns bounds the keeper's connections, each with a maxPacket
 	// buffer (4 MiB in all): at the bound the idlest connection that is
 	// not the agent's is closed for the new one (evictOne), so idle

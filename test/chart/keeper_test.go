@@ -23,7 +23,7 @@ func envOf(c corev1.Container, name string) (string, bool) {
 
 // TestKeeper: the keeper DaemonSet holds the pool across agent upgrades: it
 // never rolls (OnDelete), keeps its own image, shares the socket directory
-// with the agent, and runs with no capability; disabled, nothing of it is
+// with the agent, and runs with IPC_LOCK alone; disabled, nothing of it is
 // rendered and the agent gets no keeper socket.
 func TestKeeper(t *testing.T) {
 	r := renderSet(t, valueSet{})
@@ -56,9 +56,25 @@ func TestKeeper(t *testing.T) {
 		t.Errorf("image.tag e2e-1: keeper image %q, want the agent's", img)
 	}
 	sc := c.SecurityContext
-	if sc == nil || sc.Capabilities == nil || len(sc.Capabilities.Add) != 0 || !slices.Contains(sc.Capabilities.Drop, "ALL") ||
+	if sc == nil || sc.Capabilities == nil || !slices.Equal(sc.Capabilities.Add, []corev1.Capability{"IPC_LOCK"}) || !slices.Contains(sc.Capabilities.Drop, "ALL") ||
 		sc.Privileged == nil || *sc.Privileged || sc.ReadOnlyRootFilesystem == nil || !*sc.ReadOnlyRootFilesystem {
-		t.Errorf("keeper security context %+v: want no capability, unprivileged, read-only root", sc)
+		t.Errorf("keeper security context %+v: want IPC_LOCK alone (it holds the pool's lock), unprivileged, read-only root", sc)
+	}
+	// Its memory: keeper.memory and the page tables of its mapping of the
+	// pool (8 bytes a 4 KiB page), nothing more with huge pages.
+	for _, tc := range []struct {
+		values string
+		want   int64
+	}{
+		{"", 32<<20 + 16<<30/512},
+		{"pool: {bytes: 64Gi}\nkeeper: {memory: 16Mi}", 16<<20 + 64<<30/512},
+		{"pool: {hugePages: 2Mi}", 32 << 20},
+	} {
+		kc := renderSet(t, valueSet{values: tc.values}).keeper.Spec.Template.Spec.Containers[0]
+		req, lim := kc.Resources.Requests[corev1.ResourceMemory], kc.Resources.Limits[corev1.ResourceMemory]
+		if req.Value() != tc.want || lim.Value() != tc.want {
+			t.Errorf("values %q: keeper memory request %s, limit %s; want %d bytes", tc.values, req.String(), lim.String(), tc.want)
+		}
 	}
 	if len(c.VolumeMounts) != 1 || c.VolumeMounts[0].MountPath != keeperDir || len(spec.Volumes) != 1 ||
 		spec.Volumes[0].HostPath == nil || spec.Volumes[0].HostPath.Path != keeperDir {

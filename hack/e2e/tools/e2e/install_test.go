@@ -349,6 +349,18 @@ func TestChartInstall(t *testing.T) {
 		})
 	})
 
+	t.Run("the keeper holds the pool's lock", func(t *testing.T) {
+		// The keeper pod (IPC_LOCK) locks each chunk in a mapping of its own
+		// and the agent unmaps it, so that an agent restart unmaps nothing.
+		eventually(t, 60*time.Second, "agent log: the keeper holds the pool's lock", func() (bool, string, error) {
+			l := containerLog(apod, "agent", 1<<20)
+			if strings.Contains(l, "the keeper cannot hold the pool's lock") {
+				return false, "", fmt.Errorf("the keeper refused the lock:\n%s", logTailString(l, 3000))
+			}
+			return strings.Contains(l, "the keeper holds the pool's lock"), "not yet", nil
+		})
+	})
+
 	t.Run("agent uses the API with its own service account", func(t *testing.T) {
 		eventually(t, 30*time.Second, "agent log: connected through the in-cluster service account", func() (bool, string, error) {
 			l := containerLog(apod, "agent", 1<<20)
