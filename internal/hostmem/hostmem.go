@@ -422,11 +422,13 @@ func explainFault(err error) error {
 // Map maps size bytes of f shared, read-write. Clients use it on the fds they
 // receive.
 func Map(f *os.File, size int64) ([]byte, error) {
-	mem, err := unix.Mmap(int(f.Fd()), 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	// Not unix.Mmap: a mapping it makes can only be unmapped whole, and
+	// Unmap lets a chunk's mapping go a step at a time.
+	p, err := unix.MmapPtr(int(f.Fd()), 0, nil, uintptr(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
 	if err != nil {
 		return nil, fmt.Errorf("hostmem: mmap %s (%d bytes): %w", f.Name(), size, err)
 	}
-	return mem, nil
+	return unsafe.Slice((*byte)(p), size), nil
 }
 
 // seal adds Seals to f. Kernels since 3.17 seal memfds and since 4.16
@@ -462,7 +464,7 @@ func seal(f *os.File) error {
 func (c *Chunk) Drop(closeAfter time.Duration) error {
 	var err error
 	if c.Mem != nil {
-		err = unix.Munmap(c.Mem)
+		err = munmap(c.Mem)
 		c.Mem = nil
 	}
 	f := c.File
@@ -512,24 +514,22 @@ func (c *Chunk) MapAgain(lockFallback bool) error {
 // wait for it.
 const unmapStep = 64 << 20
 
-// Unmap unmaps mem (a whole mapping, as Map returned it) a step at a
-// time.
+// Unmap unmaps mem (a mapping Map made) a step at a time.
 func Unmap(mem []byte) error {
 	if len(mem) == 0 {
 		return nil
 	}
 	for off := 0; off < len(mem); off += unmapStep {
-		n := min(len(mem)-off, unmapStep)
-		if err := unix.MunmapPtr(unsafe.Pointer(&mem[off]), uintptr(n)); err != nil {
+		if err := munmap(mem[off:min(len(mem), off+unmapStep)]); err != nil {
 			return fmt.Errorf("hostmem: unmap: %w", err)
 		}
 	}
-	// The whole range once more, now empty, through the call that made
-	// it, so that it forgets the mapping too.
-	if err := unix.Munmap(mem); err != nil {
-		return fmt.Errorf("hostmem: unmap: %w", err)
-	}
 	return nil
+}
+
+// munmap unmaps mem, a mapping Map made or a part of one.
+func munmap(mem []byte) error {
+	return unix.MunmapPtr(unsafe.Pointer(unsafe.SliceData(mem)), uintptr(len(mem)))
 }
 
 // Close unmaps the chunk and closes its file; the memory is freed once no
@@ -537,7 +537,7 @@ func Unmap(mem []byte) error {
 func (c *Chunk) Close() error {
 	var err error
 	if c.Mem != nil {
-		err = unix.Munmap(c.Mem)
+		err = munmap(c.Mem)
 		c.Mem = nil
 	}
 	if c.File != nil {

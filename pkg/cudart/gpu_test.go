@@ -17,7 +17,6 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -374,7 +373,7 @@ func TestGPUBandwidth(t *testing.T) {
 			must(t, dev.HostRegister(b))
 			reg := time.Since(start)
 			must(t, dev.HostUnregister(b))
-			syscall.Munmap(b)
+			hostmem.Unmap(b)
 			chunk.Close()
 			out("registration: %.1f ms per GiB (cuMemHostRegister of a 4 GiB memfd chunk, one call; faulting it in first took %.1f ms per GiB)\n\n",
 				reg.Seconds()*1000/4, fault.Seconds()*1000/4)

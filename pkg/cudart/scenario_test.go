@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
-	"syscall"
 	"testing"
 
 	"github.com/kvpool/kvpool/internal/hostmem"
@@ -36,7 +35,7 @@ func newPinned(t testing.TB, dev Device, n int) pinned {
 	}
 	b = b[:n]
 	if err := dev.HostRegister(b); err != nil {
-		syscall.Munmap(b[:size])
+		hostmem.Unmap(b[:size])
 		chunk.Close()
 		t.Fatal(err)
 	}
@@ -44,7 +43,7 @@ func newPinned(t testing.TB, dev Device, n int) pinned {
 		if err := dev.HostUnregister(b); err != nil {
 			t.Error(err)
 		}
-		syscall.Munmap(b[:size])
+		hostmem.Unmap(b[:size])
 		chunk.Close()
 	})
 	return pinned{b}
