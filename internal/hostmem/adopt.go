@@ -26,7 +26,7 @@ func Adopt(f *os.File, size int64, node int, lock, lockFallback bool) (*Chunk, e
 	c.Mem = mem
 	if lock {
 		if err := c.lock(Options{LockFallback: lockFallback}, true); err != nil {
-			munmap(mem)
+			_ = munmap(mem)
 			return nil, err
 		}
 	}
