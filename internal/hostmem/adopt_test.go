@@ -159,3 +159,46 @@ func mapped(t *testing.T, addr uintptr) bool {
 	}
 	return false
 }
+
+// Unmap lets go of its slice and nothing else: a mapping made meanwhile in
+// a range an earlier step freed (the agent allocates chunks while it hands
+// others off) stays.
+func TestUnmapOnlyItsSlice(t *testing.T) {
+	size := int64(unmapStep * 2)
+	newFile := func() *os.File {
+		fd, err := unix.MemfdCreate("unmap", unix.MFD_CLOEXEC)
+		if err != nil {
+			t.Fatal(err)
+		}
+		f := os.NewFile(uintptr(fd), "unmap")
+		t.Cleanup(func() { f.Close() })
+		if err := f.Truncate(size); err != nil {
+			t.Fatal(err)
+		}
+		return f
+	}
+	a, err := Map(newFile(), size)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := Unmap(a[:unmapStep]); err != nil {
+		t.Fatal(err)
+	}
+	// Another mapping exactly where the first step was.
+	bf := newFile()
+	p, err := unix.MmapPtr(int(bf.Fd()), 0, unsafe.Pointer(&a[0]), unmapStep, unix.PROT_READ, unix.MAP_SHARED|unix.MAP_FIXED_NOREPLACE)
+	if err != nil {
+		t.Skipf("cannot map at a chosen address here: %v", err)
+	}
+	b := unsafe.Slice((*byte)(p), unmapStep)
+	defer Unmap(b)
+	if err := Unmap(a[unmapStep:]); err != nil {
+		t.Fatal(err)
+	}
+	if !mapped(t, uintptr(p)) || !mapped(t, uintptr(p)+unmapStep-1) {
+		t.Fatal("Unmap of the rest of a mapping unmapped another one made where its first step was")
+	}
+	if mapped(t, uintptr(unsafe.Pointer(&a[unmapStep]))) {
+		t.Fatal("the rest of the first mapping is still mapped")
+	}
+}
