@@ -232,6 +232,13 @@ func chunkDevice(c Chunk, gpu *GPU) resourceapi.Device {
 // names no capacity), on numa (-1: unknown or mixed).
 func shareDevice(like Chunk, gpu *GPU, total int64, numa int) resourceapi.Device {
 	g, chunk := like.GPU, like.Size
+	valid := &resourceapi.CapacityRequestPolicyRange{Min: ptr.To(bytesQ(chunk))}
+	if total > chunk {
+		// The API server refuses a range whose min and one step pass the
+		// capacity (the whole slice with it): a share of one chunk has no
+		// step, its min is all there is.
+		valid.Step = ptr.To(bytesQ(chunk))
+	}
 	attrs := gpuAttributes(g, gpu, numa)
 	attrs[AttrKind] = resourceapi.DeviceAttribute{StringValue: ptr.To(KindShare)}
 	attrs[AttrChunkSize] = resourceapi.DeviceAttribute{IntValue: ptr.To(chunk)}
@@ -245,7 +252,7 @@ func shareDevice(like Chunk, gpu *GPU, total int64, numa int) resourceapi.Device
 			Value: bytesQ(total),
 			RequestPolicy: &resourceapi.CapacityRequestPolicy{
 				Default:    ptr.To(bytesQ(chunk)),
-				ValidRange: &resourceapi.CapacityRequestPolicyRange{Min: ptr.To(bytesQ(chunk)), Step: ptr.To(bytesQ(chunk))},
+				ValidRange: valid,
 			},
 		}},
 		ConsumesCounters: []resourceapi.DeviceCounterConsumption{{CounterSet: counterSet(g),

@@ -41,6 +41,18 @@ func devicesOf(t *testing.T, node string, gpus []GPU, chunks []Chunk, held map[s
 		if len(s.Devices) > devicesPerSlice || len(s.SharedCounters) > counterSetsPerSlice {
 			t.Fatalf("slice over the API's limits: %d devices, %d counter sets", len(s.Devices), len(s.SharedCounters))
 		}
+		for _, d := range s.Devices {
+			// The API server's rule (resource validation, 1.37): min plus
+			// one step within the capacity, or the slice is refused whole.
+			c := d.Capacity[CapMemory]
+			if r := c.RequestPolicy; r != nil && r.ValidRange != nil && r.ValidRange.Step != nil {
+				added := r.ValidRange.Min.DeepCopy()
+				added.Add(*r.ValidRange.Step)
+				if added.Cmp(c.Value) > 0 {
+					t.Fatalf("device %s: min %s and a step %s pass its capacity %s", d.Name, r.ValidRange.Min, r.ValidRange.Step, &c.Value)
+				}
+			}
+		}
 		devs = append(devs, s.Devices...)
 		for _, cs := range s.SharedCounters {
 			q := cs.Counters[counterMemory].Value
@@ -140,6 +152,17 @@ func TestResourcesEdges(t *testing.T) {
 	devs, counters := devicesOf(t, node, testGPUs(), testChunks(), taken)
 	if len(devs) != 5 || counters["gpu1"] != 0 || len(counters) != 1 {
 		t.Errorf("GPU 1 all taken: %v, %v", names(devs), counters)
+	}
+	// One chunk left on a GPU: its share is that chunk, with no step (the
+	// API server refused every slice of the node for one with a step).
+	for _, c := range testChunks()[1:4] {
+		taken[c.ID] = plugin.HeldDevicePlugin
+	}
+	devs, counters = devicesOf(t, node, testGPUs(), testChunks(), taken)
+	if len(devs) != 2 || counters["gpu0"] != chunkSz || devs[0].Name != ShareDevice(0) {
+		t.Errorf("one chunk left: %v, %v", names(devs), counters)
+	} else if r := devs[0].Capacity[CapMemory].RequestPolicy.ValidRange; r.Step != nil || r.Min.Value() != chunkSz {
+		t.Errorf("one chunk left: the share's range %+v", r)
 	}
 	odd := []Chunk{{ID: "gpu3-numaX-0", GPU: 3, NUMA: -1, Size: chunkSz, PageSize: 2 << 20, HugePages: true},
 		{ID: "gpu3-numaX-1", GPU: 3, NUMA: -1, Size: 2 * chunkSz, PageSize: 2 << 20, HugePages: true}}
