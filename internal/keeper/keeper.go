@@ -217,8 +217,8 @@ func New(log *slog.Logger) *Keeper {
 }
 
 // SetLock says whether the keeper takes lock requests (the default) or
-// leaves the pool's lock with the agent, as a keeper before them did. Set
-// it before Serve.
+// leaves the pool's lock with the agent, as a keeper before them did. An
+// agent learns it at its hello.
 func (k *Keeper) SetLock(on bool) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
