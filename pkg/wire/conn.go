@@ -89,7 +89,11 @@ const (
 	//     the reply came then or not, does not spin for its next 1, 2, 4
 	//     ... 64 Recvs (spinBackoff): a contended CPU stays contended for
 	//     a while, and on a CPU shared with the peer the kernel wait
-	//     hands it the CPU as well as a yield does.
+	//     hands it the CPU as well as a yield does;
+	//   - never where the peer is this very process (an agent embedded
+	//     beside its client, pkg/standalone: SO_PEERCRED at SetSpin), whose
+	//     reply needs a P of this process, and the spin holds one (on one
+	//     CPU a call took 45-60 µs spinning, 10 without).
 	//
 	// docs/benchmarks.md has the sweep that chose it.
 	SpinBudgeted SpinRule = iota
@@ -254,6 +258,8 @@ type Conn struct {
 	rblock      bool
 	rspin       bool          // the next recvStep polls first (c.spin)
 	spin        time.Duration // SetSpin; guarded by rmu
+	peerHere    bool          // the peer is this process (SetSpin); guarded by rmu
+	peerChecked bool          // peerHere was read; guarded by rmu
 	rusage      unix.Rusage   // the spin's scratch, for its context switches
 	skip        int           // Recvs left without a spin (spinBackoff)
 	lastBackoff int           // the last spinBackoff
@@ -431,8 +437,15 @@ func (c *Conn) SetSpin(d time.Duration) error {
 	}
 	c.rmu.Lock()
 	c.spin = d
+	if d > 0 && !c.peerChecked {
+		c.peerChecked = true
+		if rc, err := c.SyscallConn(); err == nil {
+			_ = rc.Control(func(fd uintptr) { c.peerHere = peerInProcess(int(fd)) })
+		}
+	}
+	here := c.peerHere
 	c.rmu.Unlock()
-	if d == 0 {
+	if d == 0 || here {
 		c.uncount()
 	} else if !c.closed.Load() && c.counts.CompareAndSwap(false, true) {
 		spinConns.Add(1)
@@ -441,6 +454,13 @@ func (c *Conn) SetSpin(d time.Duration) error {
 		}
 	}
 	return nil
+}
+
+// peerInProcess reports whether the socket's peer is this process
+// (SO_PEERCRED). A variable for tests, whose pairs are all in process.
+var peerInProcess = func(fd int) bool {
+	cred, err := unix.GetsockoptUcred(fd, unix.SOL_SOCKET, unix.SO_PEERCRED)
+	return err == nil && int(cred.Pid) == os.Getpid()
 }
 
 // uncount takes the Conn out of spinConns, once.
@@ -597,6 +617,9 @@ func (c *Conn) spinFor(fd, flags uintptr) bool {
 	budget := 0
 	var switches int64
 	if rule == SpinBudgeted {
+		if c.peerHere {
+			return false
+		}
 		if c.skip > 0 {
 			c.skip--
 			return false

@@ -298,6 +298,7 @@ func TestSpinBackoff(t *testing.T) {
 // A Conn spins only within the process's budget of spinning Conns, which
 // counts each open Conn with a spin once.
 func TestConnSpinBudget(t *testing.T) {
+	withPeerElsewhere(t)
 	base := spinConns.Load()
 	c, s := pair(t)
 	buf := make([]byte, MaxMessage+1)
@@ -714,4 +715,34 @@ func TestSetKernelWait(t *testing.T) {
 	if pkt, _, err := s2.Recv(buf); err != nil || string(pkt) != "x" {
 		t.Fatalf("recv: %q %v", pkt, err)
 	}
+}
+
+// A Conn whose peer is this very process (an agent embedded beside its
+// client) never spins under the budgeted rule, nor counts as a spinner:
+// the peer's reply needs a P, and a spin holds one.
+func TestSpinNotForAPeerInProcess(t *testing.T) {
+	withSpinRule(t, SpinBudgeted)
+	withIdleMachine(t, true)
+	base := spinConns.Load()
+	buf := make([]byte, MaxMessage+1)
+	inMode(t, func(t *testing.T, c, s *Conn) {
+		if err := s.SetSpin(SpinLimit); err != nil {
+			t.Fatal(err)
+		}
+		if !s.peerHere || spinConns.Load() != base {
+			t.Fatalf("peer in process %v, %d spinning conns counted, want %d", s.peerHere, spinConns.Load(), base)
+		}
+		s.spin = time.Minute
+		for range 3 {
+			spins := spun.Load()
+			c.Send([]byte("x"), nil)
+			time.Sleep(time.Millisecond) // in the socket before Recv polls
+			if _, _, err := s.Recv(buf); err != nil {
+				t.Fatal(err)
+			}
+			if n := spun.Load() - spins; n != 0 {
+				t.Fatalf("%d packets taken by a spin whose peer is this process", n)
+			}
+		}
+	})
 }

@@ -115,6 +115,7 @@ func withIdleMachine(t *testing.T, idle bool) {
 // may, in a process whose spin budget has room for any number of callers.
 func spinningPair(t *testing.T) (c, s *Conn, buf []byte) {
 	t.Helper()
+	withPeerElsewhere(t)
 	c, s = pair(t)
 	if err := s.SetSpin(SpinLimit); err != nil {
 		t.Fatal(err)
@@ -200,4 +201,12 @@ func FuzzParseLoadavgRunning(f *testing.F) {
 			t.Fatalf("parseLoadavgRunning(%q) = %d: not in the input", b, n)
 		}
 	})
+}
+
+// withPeerElsewhere makes SetSpin take every peer for another process's
+// (this package's pairs are all in process) until the test ends.
+func withPeerElsewhere(t *testing.T) {
+	old := peerInProcess
+	peerInProcess = func(int) bool { return false }
+	t.Cleanup(func() { peerInProcess = old })
 }
