@@ -237,6 +237,9 @@ func TestAdoptedChunksLockedWhileServing(t *testing.T) {
 			if st := k.Stat(); keeperLocks && st.Locked != total || !keeperLocks && st.Locked != 0 {
 				t.Fatalf("the keeper holds %d bytes locked of a pool of %d", st.Locked, total)
 			}
+			if n := a2.a.restartStatus().KeeperLockedChunks; keeperLocks && n != len(chunks) || !keeperLocks && n != 0 {
+				t.Fatalf("the restart report counts %d chunks locked by the keeper of %d", n, len(chunks))
+			}
 			w.c.Close()
 			stop2()
 			stopped = true

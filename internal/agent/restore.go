@@ -549,7 +549,15 @@ func (a *agent) restartStatus() *report.Restart {
 	if r == nil {
 		return nil
 	}
-	rs := &report.Restart{Keeper: a.cfg.KeeperSocket, AdoptedChunks: len(r.adopted), FreshChunks: int(r.fresh.Load()),
+	kept := 0
+	a.mu.RLock()
+	for _, c := range a.hmem {
+		if c.Kept {
+			kept++
+		}
+	}
+	a.mu.RUnlock()
+	rs := &report.Restart{Keeper: a.cfg.KeeperSocket, AdoptedChunks: len(r.adopted), FreshChunks: int(r.fresh.Load()), KeeperLockedChunks: kept,
 		Sessions: len(r.sessions), Streams: r.streams, LastGapSeconds: r.gap.Seconds(),
 		KeeperConnected: true, KeeperLosses: int(r.losses.Load())}
 	if l := r.lost.Load(); l != nil {

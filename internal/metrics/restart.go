@@ -21,6 +21,8 @@ func (m *Metrics) Restart(f func() *report.Restart) {
 			func(r *report.Restart) float64 { return float64(r.FreshChunks) }),
 		gauge("restart_gap_seconds", "How long the pool went unserved before this agent started serving: from the previous agent's last sign of life (0 on a first start).",
 			func(r *report.Restart) float64 { return r.LastGapSeconds }),
+		gauge("chunks_locked_by_keeper", "Chunks whose lock the keeper holds: the agent maps none of them, so its restart waits for no unmapping of them.",
+			func(r *report.Restart) float64 { return float64(r.KeeperLockedChunks) }),
 		gauge("keeper_connected", "1 while the keeper holds the pool and its books; 0 while it is lost (changes are refused, the agent reconnects).",
 			func(r *report.Restart) float64 { return b2f(r.KeeperConnected) }),
 		&restartGauge{desc: prometheus.NewDesc(prometheus.BuildFQName(Namespace, "", "keeper_losses_total"),

@@ -31,9 +31,9 @@ func TestRestartGauges(t *testing.T) {
 			t.Fatalf("restart gauges without a keeper: %v", v)
 		}
 	}
-	r = &report.Restart{AdoptedChunks: 6, FreshChunks: 2, LastGapSeconds: 0.25}
+	r = &report.Restart{AdoptedChunks: 6, FreshChunks: 2, LastGapSeconds: 0.25, KeeperLockedChunks: 5}
 	v := values()
-	if v["kvpool_chunks_adopted"] != 6 || v["kvpool_chunks_fresh"] != 2 || v["kvpool_restart_gap_seconds"] != 0.25 {
+	if v["kvpool_chunks_adopted"] != 6 || v["kvpool_chunks_fresh"] != 2 || v["kvpool_restart_gap_seconds"] != 0.25 || v["kvpool_chunks_locked_by_keeper"] != 5 {
 		t.Fatalf("restart gauges %v", v)
 	}
 }

@@ -12,6 +12,11 @@ type Restart struct {
 	Sessions       int     `json:"sessions"`
 	Streams        int     `json:"streams"`
 	LastGapSeconds float64 `json:"lastGapSeconds"`
+	// KeeperLockedChunks counts the chunks whose lock the keeper holds:
+	// the agent maps none of them, so its death unmaps nothing of them
+	// (fewer than the pool's while the hand-over runs, none where the
+	// keeper cannot lock).
+	KeeperLockedChunks int `json:"keeperLockedChunks"`
 	// KeeperConnected says whether the keeper holds the pool and its books
 	// now; while it does not (KeeperLostSeconds long, for KeeperError) the
 	// agent refuses changes ("retry") and reconnects. KeeperLosses counts
