@@ -307,6 +307,21 @@ func TestDeviceModelOnTheAllocator(t *testing.T) {
 	if got := devicesOfResult(allocate(claimOf("three", request("r", "host-kv.kvpool.io", 3, nil)))); got != "gpu2-numa0-1,gpu2-numa0-2,gpu2-numa0-3" {
 		t.Errorf("the last three chunks: %s", got)
 	}
+	// A GPU that offers one chunk: its share has no step (the API server's
+	// rule), gives that chunk to a claim in bytes, and nothing more.
+	one := []Chunk{{ID: contract.ChunkID(0, 0, 0), GPU: 0, NUMA: 0, Size: chunkSz, PageSize: 4096}}
+	all = append(sliceObjects(DefaultDriverName, Resources(node, gpus[:1], one, nil, false)), gpuSlice)
+	state = structured.AllocatedState{AllocatedDevices: sets.New[structured.DeviceID](),
+		AllocatedSharedDeviceIDs: sets.New[structured.SharedDeviceID](), AggregatedCapacity: structured.NewConsumedCapacityCollection()}
+	if got := allocate(claimOf("one-over", request("kv", "host-kv-bytes.kvpool.io", 1, ptr.To(resource.MustParse("9Mi"))))); got != nil {
+		t.Errorf("one chunk's share gave %s for 9 MiB", devicesOfResult(got))
+	}
+	if got := devicesOfResult(allocate(claimOf("one", request("kv", "host-kv-bytes.kvpool.io", 1, ptr.To(resource.MustParse("1Mi")))))); got != "gpu0-share=8Mi" {
+		t.Errorf("one chunk's share: %s", got)
+	}
+	if got := allocate(claimOf("one-more", request("kv", "host-kv-bytes.kvpool.io", 1, ptr.To(resource.MustParse("1Mi"))))); got != nil {
+		t.Errorf("one chunk's share gave a second claim %s", devicesOfResult(got))
+	}
 }
 
 // sliceObjects turns published resources into ResourceSlice objects as
