@@ -3,6 +3,7 @@ package agent
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"time"
 
@@ -26,7 +27,8 @@ import (
 // adopted chunks are faulted in and locked by the agent (faultInAdopted).
 
 // lockStep is how much of a chunk one lock request asks the keeper to
-// fault in and lock (about 10 ms of the keeper's time on the dev VM).
+// fault in and lock (about 6 ms of the keeper's time on the dev VM: 4 GiB
+// took 0.4 s).
 const lockStep = 64 << 20
 
 // lockQueue is the chunks whose lock is to be settled (settleLock), in
@@ -87,8 +89,11 @@ func (a *agent) settleLocks(ctx context.Context, adopted []string) {
 		id, ok := r.lockq.pop()
 		if !ok {
 			if chunks > 0 {
-				a.log.Info("the keeper holds the pool's lock; the agent maps none of it", "chunks", chunks,
-					bytesize.Attr("bytes", bytes), "took", time.Since(start).Round(time.Millisecond))
+				msg := "the keeper holds the pool's lock; the agent maps none of it"
+				if mapped := a.mappedChunks(); mapped > 0 {
+					msg = fmt.Sprintf("the keeper holds the lock of these chunks; the agent still maps %d others", mapped)
+				}
+				a.log.Info(msg, "chunks", chunks, bytesize.Attr("bytes", bytes), "took", time.Since(start).Round(time.Millisecond))
 				chunks, bytes = 0, 0
 			}
 			select {
@@ -184,6 +189,19 @@ func (a *agent) lockInKeeper(ctx context.Context, id string, c *hostmem.Chunk) e
 		a.log.Warn("the keeper holds a chunk's lock, but the agent's mapping of it stays", "chunk", id, "err", err)
 	}
 	return nil
+}
+
+// mappedChunks counts the chunks the agent still maps.
+func (a *agent) mappedChunks() int {
+	a.mu.RLock()
+	defer a.mu.RUnlock()
+	n := 0
+	for _, c := range a.hmem {
+		if c.Mem != nil {
+			n++
+		}
+	}
+	return n
 }
 
 // current reports whether c is still the agent's chunk id.

@@ -66,6 +66,19 @@ func first(t *testing.T, f *os.File) byte {
 	return b[0]
 }
 
+// nextAgent closes agent c's connection and connects as the next agent,
+// which gets what the keeper holds.
+func nextAgent(t *testing.T, c *Client, path string) (*Client, *State) {
+	t.Helper()
+	c.Close()
+	c2, st, err := Connect(path, 2*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c2.Close(); st.Close() })
+	return c2, st
+}
+
 func TestKeeperHoldsAcrossAgents(t *testing.T) {
 	k, path := start(t)
 	c, st, err := Connect(path, time.Second)
@@ -96,15 +109,9 @@ func TestKeeperHoldsAcrossAgents(t *testing.T) {
 	if err != nil || s.Chunks != n || s.Bytes != n*4096 || !s.Books || s.BooksGen != 7 || !s.Agent {
 		t.Fatalf("stat %+v %v", s, err)
 	}
-	c.Close()
 	// The next agent (after the first is gone) gets everything back: the
 	// same memory, not copies.
-	c2, st2, err := Connect(path, 2*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c2.Close()
-	defer st2.Close()
+	c2, st2 := nextAgent(t, c, path)
 	if len(st2.Chunks) != n || st2.Books == nil || st2.BooksGen != 7 || first(t, st2.Books) != 0xbb {
 		t.Fatalf("state after reconnect: %d chunks, books %v gen %d", len(st2.Chunks), st2.Books, st2.BooksGen)
 	}
@@ -574,13 +581,7 @@ func TestKeeperLocksChunks(t *testing.T) {
 	if first(t, f) != 0 {
 		t.Fatal("locking changed the chunk")
 	}
-	c.Close()
-	c2, st2, err := Connect(path, 2*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c2.Close()
-	defer st2.Close()
+	c2, st2 := nextAgent(t, c, path)
 	if len(st2.Chunks) != 1 || !st2.Chunks[0].Locked || !st2.Locks {
 		t.Fatalf("the next agent's state: %+v", st2)
 	}

@@ -259,7 +259,6 @@ type Conn struct {
 	rspin       bool          // the next recvStep polls first (c.spin)
 	spin        time.Duration // SetSpin; guarded by rmu
 	peerHere    bool          // the peer is this process (SetSpin); guarded by rmu
-	peerChecked bool          // peerHere was read; guarded by rmu
 	rusage      unix.Rusage   // the spin's scratch, for its context switches
 	skip        int           // Recvs left without a spin (spinBackoff)
 	lastBackoff int           // the last spinBackoff
@@ -437,8 +436,8 @@ func (c *Conn) SetSpin(d time.Duration) error {
 	}
 	c.rmu.Lock()
 	c.spin = d
-	if d > 0 && !c.peerChecked {
-		c.peerChecked = true
+	if d > 0 {
+		c.peerHere = false
 		if rc, err := c.SyscallConn(); err == nil {
 			_ = rc.Control(func(fd uintptr) { c.peerHere = peerInProcess(int(fd)) })
 		}
