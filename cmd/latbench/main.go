@@ -684,6 +684,7 @@ func echoClientMain(socket string, args []string) error {
 		return err
 	}
 	defer c.Close()
+	c.RefuseFiles() // as a client's once its session is open
 	req, buf := make([]byte, q), make([]byte, wire.MaxMessage+1)
 	binary.LittleEndian.PutUint32(req, uint32(r))
 	lat := make([]int64, 0, n)
@@ -738,7 +739,8 @@ func echoMain(socket string) error {
 		}
 		go func() {
 			c := wire.NewConn(uc)
-			c.TryDirect() // as the agent's session connections
+			c.TryDirect()   // as the agent's session connections,
+			c.RefuseFiles() // which take no files
 			defer c.Close()
 			buf := make([]byte, wire.MaxMessage+1)
 			for {

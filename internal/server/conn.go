@@ -117,6 +117,10 @@ func (s *Server) newConn(uc *net.UnixConn, peer unixsock.Peer) *conn {
 	c := &conn{s: s, wc: wire.NewConn(uc), id: connIDs.Add(1), in: make([]byte, helloBuffer), peer: peer, since: time.Now()}
 	c.log = s.log.With("conn", c.id, "pid", peer.PID)
 	_ = c.wc.SetSpin(s.o.PollAfterReply) // New checked the bound
+	// Requests carry no files: where the kernel can (Linux 6.16), a
+	// client's send of one fails there, with EPERM, and requests are
+	// read the cheaper way; elsewhere serve answers StatusUnexpectedFDs.
+	c.wc.RefuseFiles()
 	return c
 }
 

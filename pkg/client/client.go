@@ -520,6 +520,9 @@ func (p *CPUPagePool) connect(ctx context.Context) error {
 		p.dropConn()
 		return err
 	}
+	// The open's reply is the only one that carries files: from here on
+	// the socket refuses them, and each reply is read the cheaper way.
+	wc.RefuseFiles()
 	p.log.Debug("kvpool session", "session", rep.Session, "resumed", rep.Resumed, "capacity", rep.Capacity,
 		"page_size", rep.PageSize, "chunks", len(rep.Chunks), "gpu_numa", p.locality.GPUNUMA, "ranks", p.locality.Ranks)
 	return nil

@@ -13,6 +13,7 @@ import (
 	"path/filepath"
 	"strings"
 	stdsync "sync"
+	"syscall"
 	"testing"
 	"time"
 	"unsafe"
@@ -818,6 +819,11 @@ func TestOpenRejects(t *testing.T) {
 
 // fakeAgent answers hello, then answers open with rep and the given fds.
 func fakeAgent(t *testing.T, rep *wire.OpenReply, fds []int) string {
+	return fakeAgentThen(t, rep, fds, func(c *wire.Conn, buf []byte) { c.Recv(buf) }) // wait for the client to hang up
+}
+
+// fakeAgentThen is fakeAgent, which then hands the connection to then.
+func fakeAgentThen(t *testing.T, rep *wire.OpenReply, fds []int, then func(c *wire.Conn, buf []byte)) string {
 	t.Helper()
 	path := filepath.Join(t.TempDir(), "fake.sock")
 	l, err := net.ListenUnix(wire.Network, &net.UnixAddr{Name: path, Net: wire.Network})
@@ -849,9 +855,67 @@ func fakeAgent(t *testing.T, rep *wire.OpenReply, fds []int) string {
 				return
 			}
 		}
-		c.Recv(buf) // wait for the client to hang up
+		then(c, buf)
 	}()
 	return path
+}
+
+// TestRepliesAfterOpenRefuseFiles: once its session is open, the client's
+// socket refuses files (where the kernel can: Linux 6.16): an agent's reply
+// that carries one fails at the agent's send, with EPERM, and nothing
+// reaches the client; the same reply without it is answered as usual.
+// Where the kernel cannot, the client refuses such a reply itself.
+func TestRepliesAfterOpenRefuseFiles(t *testing.T) {
+	chunk, err := os.CreateTemp(t.TempDir(), "chunk")
+	if err != nil {
+		t.Fatal(err)
+	}
+	chunk.Truncate(1 << 20)
+	defer chunk.Close()
+	fd := int(chunk.Fd())
+	rep := &wire.OpenReply{Session: 1, PageSize: 4096, PagesPerChunk: 256, Capacity: 256, Chunks: []*wire.ChunkGrant{{Id: "c0", Size: 1 << 20}}}
+	sent := make(chan error, 1)
+	path := fakeAgentThen(t, rep, []int{fd}, func(c *wire.Conn, buf []byte) {
+		pkt, _, err := c.Recv(buf)
+		if err != nil {
+			sent <- err
+			return
+		}
+		h, _, _ := wire.ParseHeader(pkt)
+		out, _ := wire.AppendPacket(nil, wire.Header{Op: h.Op, Seq: h.Seq}, &wire.IsOffloadedReply{Offloaded: true})
+		err = c.Send(out, []int{fd})
+		sent <- err
+		if errors.Is(err, syscall.EPERM) {
+			_ = c.Send(out, nil)
+		}
+		c.Recv(buf)
+	})
+	sim := cudart.NewSim(cudart.SimOptions{Devices: 1})
+	dev, _ := sim.Open(0)
+	p, err := client.Open(context.Background(), client.Options{Socket: path, Token: "t", Device: dev, Logger: quiet,
+		Regions: []cudart.Region{{Base: 0x1000, Stride: 4096, PageBytes: 4096, Pages: 8}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	ok, err := p.IsOffloaded("r")
+	serr := <-sent
+	if wire.CanRefuseFiles() && !errors.Is(serr, syscall.EPERM) {
+		t.Fatalf("the agent's send of a file after the open: %v, want EPERM (the client's socket refusing files)", serr)
+	}
+	switch {
+	case errors.Is(serr, syscall.EPERM):
+		if !ok || err != nil {
+			t.Fatalf("is_offloaded after the refused send: %v, %v; want the reply sent without the file", ok, err)
+		}
+	case serr == nil:
+		t.Log("this kernel has no SO_PASSRIGHTS (Linux 6.16): the client checks replies itself")
+		if !errors.Is(err, client.ErrProtocol) || !strings.Contains(err.Error(), "carried 1 fds") {
+			t.Fatalf("is_offloaded of a reply with a file: %v, want ErrProtocol", err)
+		}
+	default:
+		t.Fatalf("the fake agent's send: %v", serr)
+	}
 }
 
 // TestOpenReplyChecked: a reply whose fds or geometry do not add up is a

@@ -41,14 +41,42 @@ func pair(t testing.TB) (client, server *Conn) {
 }
 
 // inMode runs f on a fresh pair of direct Conns (out of the poller,
-// waiting in the kernel) and on a fresh pair of polled ones.
+// waiting in the kernel) and on a fresh pair of polled ones; then again on
+// pairs whose sockets both refuse files (RefuseFiles: every receive a
+// recvfrom), where the kernel can.
 func inMode(t *testing.T, f func(t *testing.T, c, s *Conn)) {
-	for _, direct := range []bool{true, false} {
-		t.Run(modeName(direct), func(t *testing.T) {
-			c, s := pairIn(t, direct)
-			f(t, c, s)
-		})
+	for _, refuse := range []bool{false, true} {
+		for _, direct := range []bool{true, false} {
+			name := modeName(direct)
+			if refuse {
+				name += "/refusing-files"
+			}
+			t.Run(name, func(t *testing.T) {
+				c, s := pairIn(t, direct)
+				if refuse && !refuseBoth(t, c, s) {
+					return
+				}
+				f(t, c, s)
+			})
+		}
 	}
+}
+
+// refuseBoth makes both Conns refuse files, and reports whether they do: a
+// kernel before 6.16 has no SO_PASSRIGHTS, and the test is skipped.
+func refuseBoth(t *testing.T, c, s *Conn) bool {
+	t.Helper()
+	if !s.RefuseFiles() {
+		if CanRefuseFiles() {
+			t.Fatal("RefuseFiles failed on a kernel that has SO_PASSRIGHTS")
+		}
+		t.Skip("this kernel has no SO_PASSRIGHTS (Linux 6.16): a Conn cannot refuse files")
+		return false
+	}
+	if !c.RefuseFiles() {
+		t.Fatal("one socket refuses files, its peer cannot")
+	}
+	return true
 }
 
 func modeName(direct bool) string {
@@ -743,6 +771,53 @@ func TestSpinNotForAPeerInProcess(t *testing.T) {
 			if n := spun.Load() - spins; n != 0 {
 				t.Fatalf("%d packets taken by a spin whose peer is this process", n)
 			}
+		}
+	})
+}
+
+// A Conn that refuses files (RefuseFiles) reads with recvfrom: a peer's
+// files are refused at its send and nothing arrives; a packet longer than
+// the buffer, or than MaxMessage, is still ErrTooLarge; it says so twice
+// and changes nothing the second time.
+func TestRefuseFiles(t *testing.T) {
+	inMode(t, func(t *testing.T, c, s *Conn) {
+		if !s.noFiles {
+			return // the usual Conns: TestConnPassesFDsAndLimits
+		}
+		if !s.RefuseFiles() || !s.noFiles {
+			t.Fatal("a second RefuseFiles did not report the first")
+		}
+		f, err := os.CreateTemp(t.TempDir(), "fd")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		if err := c.Send([]byte("with a file"), []int{int(f.Fd())}); !errors.Is(err, unix.EPERM) {
+			t.Fatalf("send of a file to a socket refusing them: %v, want EPERM", err)
+		}
+		buf := make([]byte, MaxMessage+1)
+		if err := c.Send([]byte("after"), nil); err != nil {
+			t.Fatal(err)
+		}
+		if pkt, files, err := s.Recv(buf); err != nil || string(pkt) != "after" || len(files) != 0 {
+			t.Fatalf("recv %q, %d files, %v; want the packet after the refused one, alone", pkt, len(files), err)
+		}
+
+		// A packet longer than the buffer is not cut short silently.
+		if err := c.Send(make([]byte, 100), nil); err != nil {
+			t.Fatal(err)
+		}
+		if _, _, err := s.Recv(make([]byte, 99)); !errors.Is(err, ErrTooLarge) {
+			t.Fatalf("100 bytes into 99: %v, want ErrTooLarge", err)
+		}
+		// Nor one longer than MaxMessage, past Send's own check.
+		recvOversized(t, c, s)
+		// Exactly MaxMessage is a packet.
+		if err := c.Send(make([]byte, MaxMessage), nil); err != nil {
+			t.Fatal(err)
+		}
+		if pkt, _, err := s.Recv(buf); err != nil || len(pkt) != MaxMessage {
+			t.Fatalf("recv of MaxMessage bytes: %d, %v", len(pkt), err)
 		}
 	})
 }

@@ -172,7 +172,13 @@ func TestConnPassesFDsAndLimits(t *testing.T) {
 	if err := c.Send(make([]byte, MaxMessage+1), nil); !errors.Is(err, ErrTooLarge) {
 		t.Fatalf("send oversized: %v", err)
 	}
-	// Bypass Send's check: the receiver must detect it.
+	recvOversized(t, c, s)
+}
+
+// recvOversized writes a packet of MaxMessage+1 bytes from c, past Send's
+// check, and fails unless s's Recv says ErrTooLarge.
+func recvOversized(t *testing.T, c, s *Conn) {
+	t.Helper()
 	var werr error
 	if err := c.rc.Write(func(fd uintptr) bool {
 		_, werr = unix.Write(int(fd), make([]byte, MaxMessage+1))
@@ -180,7 +186,7 @@ func TestConnPassesFDsAndLimits(t *testing.T) {
 	}); err != nil || werr != nil {
 		t.Fatal(err, werr)
 	}
-	if _, _, err := s.Recv(buf); !errors.Is(err, ErrTooLarge) {
+	if _, _, err := s.Recv(make([]byte, MaxMessage+1)); !errors.Is(err, ErrTooLarge) {
 		t.Fatalf("recv oversized: %v", err)
 	}
 }
