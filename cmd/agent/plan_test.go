@@ -17,6 +17,8 @@ import (
 	"github.com/NVIDIA/go-nvml/pkg/nvml/mock/dgxh100"
 	"github.com/NVIDIA/go-nvml/pkg/nvml/mock/server"
 	"k8s.io/client-go/rest"
+
+	"github.com/kvpool/kvpool/internal/sizing"
 )
 
 // The fake /proc and /sys trees of internal/node.
@@ -71,8 +73,9 @@ func TestPlanDGXJSON(t *testing.T) {
 	if err := json.Unmarshal(out.Bytes(), &r); err != nil {
 		t.Fatalf("%v\n%s", err, out.String())
 	}
-	// The tree's pod cgroup allows 300Gi: 299.5Gi over 8 GPUs is 37 1Gi chunks each.
-	if r.Mode != "node" || r.GPUs != "NVML" || r.Plan.Bound != "cgroup limit - sizing.cgroupHeadroomBytes" || len(r.Plan.GPUs) != 8 {
+	// The tree's pod cgroup allows 300Gi: 299.5Gi less the page tables of
+	// its mapping (598Mi) over 8 GPUs is 37 1Gi chunks each.
+	if r.Mode != "node" || r.GPUs != "NVML" || r.Plan.Bound != sizing.BoundCgroup || len(r.Plan.GPUs) != 8 {
 		t.Fatalf("report %+v", r)
 	}
 	for i, g := range r.Plan.GPUs {
@@ -286,7 +289,7 @@ func TestPlanInCluster(t *testing.T) {
 	if err := json.Unmarshal(out.Bytes(), &r); err != nil {
 		t.Fatal(err)
 	}
-	if r.Node.Allocatable != 0 || r.Plan.Bound != "cgroup limit - sizing.cgroupHeadroomBytes" {
+	if r.Node.Allocatable != 0 || r.Plan.Bound != sizing.BoundCgroup {
 		t.Errorf("forbidden: allocatable %d, bound %q", r.Node.Allocatable, r.Plan.Bound)
 	}
 }

@@ -41,7 +41,7 @@ const (
 	BoundPoolBytes   = "sizing.poolBytes"
 	BoundFraction    = "sizing.fraction"
 	BoundAvailable   = "MemAvailable - sizing.reserveBytes"
-	BoundCgroup      = "cgroup limit - sizing.cgroupHeadroomBytes"
+	BoundCgroup      = "cgroup limit - sizing.cgroupHeadroomBytes - page tables"
 	BoundAllocatable = "node allocatable memory"
 	BoundMaxPerGPU   = "sizing.maxPerGPU"
 )
@@ -88,7 +88,8 @@ var hugeSizes = []int64{1 << 30, 2 << 20}
 
 // Make plans the pool. The sizing policy must be valid (config.Validate).
 // The total never exceeds MemAvailable less ReserveBytes, the cgroup limit
-// less CgroupHeadroomBytes, or the Node's allocatable memory. It fails,
+// less CgroupHeadroomBytes and the page tables of the agent's mapping of
+// the pool (PageTableBytes), or the Node's allocatable memory. It fails,
 // naming the bound, when a GPU would get less than one chunk or less than
 // MinPerGPU, or when huge pages are required and too few are free; the
 // plan returned with such an error holds the limits and bound found so far,
@@ -201,8 +202,10 @@ func hardBounds(s config.Sizing, in Input, huge int64) (hard []Limit, regular Li
 	hard = []Limit{{BoundAvailable, n.MemAvailable - int64(s.ReserveBytes),
 		fmt.Sprintf("%s - %s", bytesize.Approx(n.MemAvailable), bytesize.Approx(int64(s.ReserveBytes)))}}
 	if n.Cgroup.Limit != node.Unlimited {
-		hard = append(hard, Limit{BoundCgroup, n.Cgroup.Limit - int64(s.CgroupHeadroomBytes),
-			fmt.Sprintf("%s - %s", bytesize.Approx(n.Cgroup.Limit), bytesize.Approx(int64(s.CgroupHeadroomBytes)))})
+		room := n.Cgroup.Limit - int64(s.CgroupHeadroomBytes)
+		pt := max(0, ceilDiv(room, ptShare+1))
+		hard = append(hard, Limit{BoundCgroup, room - pt,
+			fmt.Sprintf("%s - %s - %s", bytesize.Approx(n.Cgroup.Limit), bytesize.Approx(int64(s.CgroupHeadroomBytes)), bytesize.Approx(pt))})
 	}
 	if in.Allocatable > 0 {
 		hard = append(hard, Limit{BoundAllocatable, in.Allocatable, bytesize.Approx(in.Allocatable)})
@@ -216,6 +219,22 @@ func hardBounds(s config.Sizing, in Input, huge int64) (hard []Limit, regular Li
 	}
 	return hard, regular
 }
+
+// ptShare is the bytes of ordinary (4 KiB) pages that one byte of page
+// table maps: an 8-byte entry a page.
+const ptShare = 512
+
+// PageTableBytes is the page tables of a mapping of b bytes of ordinary
+// pages, which the kernel charges to the memory cgroup of the process that
+// maps them: the agent, while it maps a chunk to fault it in and lock it
+// (a keeper that takes the lock over holds them after; the chart counts
+// them in both containers' memory). 2 GiB for 1 TiB: past the default
+// headroom from a 256 GiB pool on. The cgroup bound keeps room for them:
+// the largest pool x with x + PageTableBytes(x) within the cgroup limit
+// less the headroom. Huge pages take 512 times fewer, left to the headroom.
+func PageTableBytes(b int64) int64 { return ceilDiv(b, ptShare) }
+
+func ceilDiv(a, b int64) int64 { return (a + b - 1) / b }
 
 // tightest is the limit of fewest bytes; the first of them on a tie.
 func tightest(ls []Limit) Limit {

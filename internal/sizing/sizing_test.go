@@ -62,7 +62,7 @@ func TestMakeBinds(t *testing.T) {
 		}, want{bound: BoundFraction, perGPU: []int64{25 * gib, 25 * gib}}},
 		{"fraction of the cgroup bound", func(s *config.Sizing, in *Input) {
 			s.Fraction = 0.25
-			in.Node.Cgroup.Limit = 64*gib + 512*mib // usable 64Gi, a quarter is 16Gi
+			in.Node.Cgroup.Limit = 64*gib + 128*mib + 512*mib // usable 64Gi (and its page tables), a quarter is 16Gi
 		}, want{bound: BoundFraction, perGPU: []int64{8 * gib, 8 * gib}}},
 		{"MemAvailable less reserve", func(s *config.Sizing, in *Input) {
 			s.PoolBytes = config.Bytes(512 * gib)
@@ -285,7 +285,7 @@ func TestMakeErrors(t *testing.T) {
 		{"cgroup limit below headroom", func(s *config.Sizing, in *Input) {
 			s.PoolBytes = config.Bytes(8 * gib)
 			in.Node.Cgroup.Limit = 256 * mib
-		}, "cgroup limit - sizing.cgroupHeadroomBytes is 256Mi - 512Mi = -256Mi"},
+		}, BoundCgroup + " is 256Mi - 512Mi - 0 = -256Mi"},
 		{"less than a chunk per GPU", func(s *config.Sizing, in *Input) {
 			s.PoolBytes = config.Bytes(40 * gib)
 			in.Allocatable = 1536 * mib
@@ -435,5 +435,37 @@ func TestPlanAllocates(t *testing.T) {
 			t.Errorf("%s bound to %d though its NUMA node is unknown", r.ID, c.Node)
 		}
 		c.Close()
+	}
+}
+
+// TestPageTablesInTheCgroupBound: a cgroup limit of pool + PageTableBytes
+// (pool) + headroom, what the chart gives the agent, plans exactly the pool
+// it asks for, whatever its size; without the page tables a pool of 4 KiB
+// pages is cut to what leaves room for them (they would otherwise come out
+// of the headroom: all of the default 512Mi for a 256Gi pool).
+func TestPageTablesInTheCgroupBound(t *testing.T) {
+	for _, c := range []struct{ pool, chunk int64 }{
+		{16 * gib, gib}, {256 * gib, gib}, {1024 * gib, gib}, {7 * 1024 * gib, 2 * gib},
+		{100_000_000_000, 2 * mib}, {2 * mib, 2 * mib}, {3*gib + 6*mib, 2 * mib},
+	} {
+		s := policy()
+		s.PoolBytes = config.Bytes(c.pool)
+		s.ChunkBytes = config.Bytes(c.chunk)
+		in := Input{Node: host(), GPUs: twoGPUs()[:1], PageSize: 4096}
+		in.Node.MemAvailable = 16 * 1024 * gib
+		in.Node.Cgroup.Limit = c.pool + PageTableBytes(c.pool) + int64(s.CgroupHeadroomBytes)
+		p, err := Make(s, in)
+		want := c.pool / c.chunk * c.chunk
+		if err != nil || p.Total != want || p.Bound != BoundPoolBytes {
+			t.Errorf("pool %d with its page tables in the limit: %d bytes bound by %q (%v), want %d by %s", c.pool, p.Total, p.Bound, err, want, BoundPoolBytes)
+		}
+		in.Node.Cgroup.Limit = c.pool + int64(s.CgroupHeadroomBytes)
+		p, err = Make(s, in)
+		if c.pool >= 2*c.chunk && (err != nil || p.Total >= c.pool || p.Bound != BoundCgroup) {
+			t.Errorf("pool %d without its page tables in the limit: %d bytes bound by %q (%v), want less, by the cgroup", c.pool, p.Total, p.Bound, err)
+		}
+	}
+	if PageTableBytes(1024*gib) != 2*gib || PageTableBytes(1) != 1 || PageTableBytes(0) != 0 {
+		t.Errorf("PageTableBytes: 1Ti %d, 1 byte %d, none %d", PageTableBytes(1024*gib), PageTableBytes(1), PageTableBytes(0))
 	}
 }

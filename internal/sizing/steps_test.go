@@ -63,9 +63,16 @@ func TestHardBounds(t *testing.T) {
 	n.MemAvailable = 100 * gib
 	n.Cgroup.Limit = 50 * gib
 	hard, regular := hardBounds(s, Input{Node: n, Allocatable: 60 * gib}, 0)
+	// The cgroup bound leaves room for the page tables of the agent's
+	// mapping: the largest pool that fits with them in 49.5Gi.
+	room := 50*gib - 512*mib
+	cg := hard[1].Bytes
+	if cg+PageTableBytes(cg) > room || cg+1+PageTableBytes(cg+1) <= room {
+		t.Errorf("cgroup bound %d: with its page tables %d, room %d", cg, cg+PageTableBytes(cg), room)
+	}
 	want := []Limit{
 		{BoundAvailable, 92 * gib, "100Gi - 8Gi"},
-		{BoundCgroup, 50*gib - 512*mib, "50Gi - 512Mi"},
+		{BoundCgroup, cg, "50Gi - 512Mi - 98.8Mi"},
 		{BoundAllocatable, 60 * gib, "60Gi"},
 	}
 	if len(hard) != len(want) {

@@ -482,9 +482,11 @@ func checkResources(t *testing.T, vs valueSet, ds *appsv1.DaemonSet) {
 	res := ds.Spec.Template.Spec.Containers[0].Resources
 	pool := resource.MustParse(vs.pool)
 	headroom := resource.MustParse(vs.headroom)
+	pt := *resource.NewQuantity(pageTables(vs), resource.BinarySI)
 	wantMemory := headroom.DeepCopy()
 	if vs.hugePages == "" {
 		wantMemory.Add(pool)
+		wantMemory.Add(pt)
 	}
 	for _, side := range []struct {
 		name string
@@ -492,8 +494,8 @@ func checkResources(t *testing.T, vs valueSet, ds *appsv1.DaemonSet) {
 	}{{"requests", res.Requests}, {"limits", res.Limits}} {
 		mem, ok := side.list[corev1.ResourceMemory]
 		if !ok || mem.Cmp(wantMemory) != 0 {
-			t.Errorf("memory %s = %s, want %s (pool %s + headroom %s, huge pages %q)",
-				side.name, mem.String(), wantMemory.String(), vs.pool, vs.headroom, vs.hugePages)
+			t.Errorf("memory %s = %s, want %s (pool %s + its page tables %s + headroom %s, huge pages %q)",
+				side.name, mem.String(), wantMemory.String(), vs.pool, pt.String(), vs.headroom, vs.hugePages)
 		}
 		for name, q := range side.list {
 			if !strings.HasPrefix(string(name), corev1.ResourceHugePagesPrefix) {
@@ -509,7 +511,8 @@ func checkResources(t *testing.T, vs valueSet, ds *appsv1.DaemonSet) {
 			}
 		}
 	}
-	// Everything the pod reserves adds up to pool plus headroom, once.
+	// Everything the pod reserves adds up to pool plus headroom (and the
+	// page tables of a pool of 4 KiB pages), once.
 	total := resource.Quantity{}
 	for name, q := range res.Limits {
 		if name == corev1.ResourceMemory || strings.HasPrefix(string(name), corev1.ResourceHugePagesPrefix) {
@@ -518,9 +521,21 @@ func checkResources(t *testing.T, vs valueSet, ds *appsv1.DaemonSet) {
 	}
 	want := pool.DeepCopy()
 	want.Add(headroom)
+	want.Add(pt)
 	if total.Cmp(want) != 0 {
-		t.Errorf("memory plus huge pages = %s, want pool + headroom = %s", total.String(), want.String())
+		t.Errorf("memory plus huge pages = %s, want pool + page tables + headroom = %s", total.String(), want.String())
 	}
+}
+
+// pageTables is what the chart adds to the agent's and the keeper's memory
+// for the page tables of a mapping of the pool: 8 bytes a 4 KiB page,
+// rounded up; none with huge pages.
+func pageTables(vs valueSet) int64 {
+	if vs.hugePages != "" {
+		return 0
+	}
+	pool := resource.MustParse(vs.pool)
+	return (pool.Value() + 511) / 512
 }
 
 // clusterRules is every cluster-wide (group, resource, verb) the agent calls:

@@ -60,6 +60,7 @@ func FuzzPoolBytes(f *testing.F) {
 			t.Fatalf("pool.bytes=%q rendered, but it is not a Kubernetes quantity: %v", s, perr)
 		}
 		want.Add(headroom)
+		want.Add(*resource.NewQuantity((want.Value()-headroom.Value()+511)/512, resource.BinarySI)) // the page tables
 		var ds *appsv1.DaemonSet
 		for _, o := range decodeAll(t, files) {
 			if d, ok := o.typed.(*appsv1.DaemonSet); ok && !strings.HasSuffix(d.Name, "-keeper") {

@@ -83,6 +83,15 @@ Fractions and exponents are refused: sizes here are whole bytes.
 {{- $b -}}
 {{- end -}}
 
+{{- /* The page tables of a mapping of the whole pool of 4 KiB pages: 8 bytes
+a page, rounded up (the agent's sizing.PageTableBytes). The kernel charges
+them to the process that maps the pool: the agent, while it faults a chunk
+in and locks it, and the keeper, which holds the lock after. With huge pages
+they are 512 times fewer, left to the headroom: 0 here. */ -}}
+{{- define "kvpool.pageTableBytes" -}}
+{{- if .Values.pool.hugePages -}}0{{- else -}}{{- div (add (include "kvpool.poolBytes" . | int64) 511) 512 -}}{{- end -}}
+{{- end -}}
+
 {{- define "kvpool.headroomBytes" -}}
 {{- include "kvpool.bytes" (dict "name" "pool.headroom" "value" .Values.pool.headroom) -}}
 {{- end -}}
