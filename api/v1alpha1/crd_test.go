@@ -59,7 +59,7 @@ func full() *v1alpha1.KVPoolNode {
 			Conditions: []metav1.Condition{{Type: v1alpha1.ConditionReady, Status: metav1.ConditionTrue,
 				ObservedGeneration: 1, LastTransitionTime: ts, Reason: "ChecksPassed", Message: "ok"}},
 			Restart: &v1alpha1.RestartStatus{AdoptedChunks: 3, FreshChunks: 1, LastGapMilliseconds: 120,
-				KeeperConnected: true, KeeperLosses: 2, PoolLost: true},
+				KeeperConnected: true, KeeperLockedChunks: 4, KeeperLosses: 2, PoolLost: true},
 			Claims: []v1alpha1.PreparedClaim{{Namespace: "ns", Name: "kv", UID: "0b5a3b0e-5d5c-4cf4-9f43-2f0b9f6d0a11",
 				Requests: 1, Chunks: 3, Bytes: q("3Gi"), GPUs: []int32{1}}},
 			LastUpdateTime: ts,

@@ -188,6 +188,14 @@ type RestartStatus struct {
 	// now. While it does not, changes to sessions are refused (clients
 	// retry) and the agent reconnects to the keeper.
 	KeeperConnected bool `json:"keeperConnected"`
+	// KeeperLockedChunks is how many chunks' lock the keeper holds: the
+	// agent hands it each chunk's lock once the chunk is in the pool, then
+	// unmaps the chunk, so that a restart does not wait for the kernel to
+	// unmap the pool. Below adoptedChunks plus freshChunks while the hand-over
+	// runs, or for good where the keeper cannot lock (no IPC_LOCK).
+	// +kubebuilder:validation:Minimum=0
+	// +optional
+	KeeperLockedChunks int32 `json:"keeperLockedChunks,omitempty"`
 	// KeeperLosses counts the keeper connections this agent lost.
 	// +kubebuilder:validation:Minimum=0
 	// +optional

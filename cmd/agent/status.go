@@ -133,8 +133,8 @@ func printAgent(tw io.Writer, r report.Report) {
 	}
 	fmt.Fprintf(tw, "Node:\t%s\nMode:\t%s\nVersion:\t%s\nUp:\t%s\nReady:\t%s\n", dash(r.Node), mode, dash(r.Version), up, ready)
 	if rs := r.Restart; rs != nil {
-		fmt.Fprintf(tw, "Restart:\t%d chunks adopted from the keeper, %d fresh; %d sessions and %d streams restored; gap %s\n",
-			rs.AdoptedChunks, rs.FreshChunks, rs.Sessions, rs.Streams, time.Duration(rs.LastGapSeconds*float64(time.Second)).Round(time.Millisecond))
+		fmt.Fprintf(tw, "Restart:\t%d chunks adopted from the keeper, %d fresh, %d locked by the keeper; %d sessions and %d streams restored; gap %s\n",
+			rs.AdoptedChunks, rs.FreshChunks, rs.KeeperLockedChunks, rs.Sessions, rs.Streams, time.Duration(rs.LastGapSeconds*float64(time.Second)).Round(time.Millisecond))
 	}
 }
 

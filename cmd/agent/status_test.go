@@ -155,6 +155,26 @@ func TestStatusClaims(t *testing.T) {
 	}
 }
 
+// With a keeper the report says what the agent took over at start: chunks
+// adopted, fresh and locked by the keeper, sessions, streams and the gap.
+func TestStatusRestart(t *testing.T) {
+	rep := &report.Reporter{Pool: pool.New(), Node: "node-a", Mode: "cluster", Started: time.Now(),
+		Restart: func() *report.Restart {
+			return &report.Restart{Keeper: "/k.sock", AdoptedChunks: 6, FreshChunks: 2, KeeperLockedChunks: 7, Sessions: 3, Streams: 1000,
+				LastGapSeconds: 0.0654, KeeperConnected: true}
+		}}
+	srv := httptest.NewServer(rep)
+	defer srv.Close()
+	var out bytes.Buffer
+	if err := statusCmd(context.Background(), []string{"--addr", strings.TrimPrefix(srv.URL, "http://")}, &out); err != nil {
+		t.Fatal(err)
+	}
+	want := "Restart: 6 chunks adopted from the keeper, 2 fresh, 7 locked by the keeper; 3 sessions and 1000 streams restored; gap 65ms"
+	if got := strings.Join(strings.Fields(grepLines(out.String(), "Restart:")), " "); got != want {
+		t.Errorf("restart line %q, want %q\n%s", got, want, out.String())
+	}
+}
+
 func TestStatusErrors(t *testing.T) {
 	// A port nothing listens on.
 	ln, err := net.Listen("tcp", "127.0.0.1:0")

@@ -61,7 +61,7 @@ func Build(node string, in Input) v1alpha1.KVPoolNodeStatus {
 	if r := in.Restart; r != nil {
 		st.Restart = &v1alpha1.RestartStatus{AdoptedChunks: int32(r.AdoptedChunks), FreshChunks: int32(r.FreshChunks),
 			LastGapMilliseconds: int64(r.LastGapSeconds * 1000), KeeperConnected: r.KeeperConnected,
-			KeeperLosses: int32(r.KeeperLosses), PoolLost: r.PoolLost}
+			KeeperLockedChunks: int32(r.KeeperLockedChunks), KeeperLosses: int32(r.KeeperLosses), PoolLost: r.PoolLost}
 	}
 	var sick []string
 	for _, g := range in.Snapshot.GPUs {

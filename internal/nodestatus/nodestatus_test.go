@@ -502,8 +502,10 @@ func TestBuildRestart(t *testing.T) {
 	if st.Restart != nil {
 		t.Fatalf("restart without a keeper: %+v", st.Restart)
 	}
-	st = Build("n", Input{Restart: &report.Restart{AdoptedChunks: 7, FreshChunks: 1, LastGapSeconds: 0.1234}})
-	if r := st.Restart; r == nil || r.AdoptedChunks != 7 || r.FreshChunks != 1 || r.LastGapMilliseconds != 123 {
+	st = Build("n", Input{Restart: &report.Restart{AdoptedChunks: 7, FreshChunks: 1, KeeperLockedChunks: 6, KeeperLosses: 2, PoolLost: true,
+		KeeperConnected: true, LastGapSeconds: 0.1234}})
+	if r := st.Restart; r == nil || r.AdoptedChunks != 7 || r.FreshChunks != 1 || r.LastGapMilliseconds != 123 || r.KeeperLockedChunks != 6 ||
+		r.KeeperLosses != 2 || !r.PoolLost || !r.KeeperConnected {
 		t.Fatalf("restart %+v", st.Restart)
 	}
 }
