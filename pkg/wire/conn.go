@@ -486,7 +486,8 @@ var CanRefuseFiles = sync.OnceValue(func() bool {
 // the kernel the copies in and out of a message header that recvmsg makes
 // (measured in C on one CPU, about 0.3 µs of each receive, 0.6 of an 8 µs
 // round trip), and never returns files. For a side whose peer never sends
-// files: the agent for requests, a client once its session is open.
+// files: the agent for requests, a client once its session is open. It
+// waits for a Recv under way.
 func (c *Conn) RefuseFiles() bool {
 	c.rmu.Lock()
 	defer c.rmu.Unlock()
@@ -768,6 +769,8 @@ func (c *Conn) Recv(buf []byte) ([]byte, []*os.File, error) {
 	}
 	m := &c.rmsg
 	*m = unix.Msghdr{}
+	c.riov.Base = nil
+	c.riov.SetLen(0) // recvfrom reads the iovec's fields (recv)
 	if len(buf) > 0 {
 		c.riov.Base = &buf[0]
 		c.riov.SetLen(len(buf))
@@ -780,7 +783,11 @@ func (c *Conn) Recv(buf []byte) ([]byte, []*os.File, error) {
 	n, errno := c.rn, c.rerrno
 	c.riov.Base, m.Iov = nil, nil
 	if err == nil && errno != 0 {
-		err = os.NewSyscallError("recvmsg", errno)
+		call := "recvmsg"
+		if c.noFiles {
+			call = "recvfrom"
+		}
+		err = os.NewSyscallError(call, errno)
 	}
 	if err != nil {
 		if c.closed.Load() && !errors.Is(err, net.ErrClosed) {

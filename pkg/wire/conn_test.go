@@ -812,6 +812,14 @@ func TestRefuseFiles(t *testing.T) {
 		}
 		// Nor one longer than MaxMessage, past Send's own check.
 		recvOversized(t, c, s)
+		// An empty buffer after a full one: the packet is too large for
+		// it, not a fault.
+		if err := c.Send([]byte("x"), nil); err != nil {
+			t.Fatal(err)
+		}
+		if _, _, err := s.Recv(nil); !errors.Is(err, ErrTooLarge) {
+			t.Fatalf("a packet into no buffer: %v, want ErrTooLarge", err)
+		}
 		// Exactly MaxMessage is a packet.
 		if err := c.Send(make([]byte, MaxMessage), nil); err != nil {
 			t.Fatal(err)
