@@ -26,6 +26,7 @@ import (
 	"github.com/kvpool/kvpool/pkg/contract"
 	"github.com/kvpool/kvpool/pkg/plugin/kubelettest"
 	"github.com/kvpool/kvpool/pkg/standalone"
+	"github.com/kvpool/kvpool/pkg/wire"
 )
 
 // logBuf collects a child agent's JSON log lines.
@@ -405,6 +406,9 @@ standalone:
 	sock := filepath.Join(sockDir, contract.SocketFile)
 	if a.log.find("kvpool agent serving", map[string]any{"socket": sock}) == nil {
 		t.Errorf("socket is not %s", sock)
+	}
+	if a.log.find("kvpool agent serving", map[string]any{"socketRefusesFiles": wire.CanRefuseFiles()}) == nil {
+		t.Errorf("the serving line does not say socketRefusesFiles=%v (this kernel)", wire.CanRefuseFiles())
 	}
 	try := a.log.wait(t, "standalone tokens granted", nil)["try"].(string)
 	if want := "KVPOOL_SOCKET=" + sock + " KVPOOL_TOKEN=file-a go run ./cmd/kvclient"; try != want {

@@ -39,6 +39,7 @@ import (
 	"github.com/kvpool/kvpool/internal/server"
 	"github.com/kvpool/kvpool/internal/sizing"
 	"github.com/kvpool/kvpool/pkg/pool"
+	"github.com/kvpool/kvpool/pkg/wire"
 )
 
 // Options configure an agent. Config is required; the rest are what the
@@ -370,7 +371,10 @@ func chainHooks(a, b server.Hooks) server.Hooks {
 
 func (a *agent) logServing(took time.Duration) {
 	attrs := []any{"mode", a.mode, "node", a.node, "socket", a.socket, "gpus", len(a.plan.GPUs),
-		"chunks", len(a.specs), bytesize.Attr("chunk", a.plan.ChunkBytes), "startup", took.Round(time.Millisecond)}
+		"chunks", len(a.specs), bytesize.Attr("chunk", a.plan.ChunkBytes), "startup", took.Round(time.Millisecond),
+		// Whether the kernel lets the socket refuse files a pod would pass
+		// (SO_PASSRIGHTS, Linux 6.16): one line says where the node stands.
+		"socketRefusesFiles", wire.CanRefuseFiles()}
 	if a.obs.metricsAddr != nil {
 		attrs = append(attrs, "metrics", a.obs.metricsAddr.String())
 	}
