@@ -37,6 +37,7 @@ type restart struct {
 	sessions []server.RestoredSession
 	streams  int
 	warmed   int64 // heap made resident for the restore (warmHeap)
+	warmHuge bool  // and asked for in huge pages
 	// lastAlive is the previous agent's last sign of life; the gap runs
 	// from it until this agent serves.
 	lastAlive time.Time
@@ -101,7 +102,7 @@ func (a *agent) restore() (err error) {
 		a.events.PoolLost(m.Chunks, m.Sessions)
 	}
 	t0 := time.Now()
-	r.warmed = warmHeap(warmSize(booksBytes(held.Books), memoryLimit()))
+	r.warmed, r.warmHuge = warmHeap(warmSize(booksBytes(held.Books), memoryLimit()))
 	tWarm := time.Now()
 	st, info, held := a.loadBooks(held)
 	r.lastAlive = info.LastAlive
@@ -151,7 +152,7 @@ func (a *agent) restore() (err error) {
 	a.pool.SetJournal(b)
 	if len(held.Chunks) > 0 || len(r.adopted) > 0 {
 		a.log.Info("pool adopted from the keeper", "chunks", len(r.adopted), "sessions", len(r.sessions),
-			"streams", r.streams, "booksGen", info.Gen, bytesize.Attr("warmHeap", r.warmed), "warm", tWarm.Sub(t0).Round(time.Microsecond),
+			"streams", r.streams, "booksGen", info.Gen, bytesize.Attr("warmHeap", r.warmed), "warmHuge", r.warmHuge, "warm", tWarm.Sub(t0).Round(time.Microsecond),
 			"load", tLoad.Sub(tWarm).Round(time.Microsecond),
 			"adopt", tAdopt.Sub(tLoad).Round(time.Microsecond), "rebuild", tPool.Sub(tAdopt).Round(time.Microsecond),
 			"books", tBooks.Sub(tPool).Round(time.Microsecond))

@@ -75,11 +75,12 @@ func TestWarmHeapIsWhatTheRestoreGets(t *testing.T) {
 	if err != nil {
 		t.Fatalf("child: %v\n%s", err, out)
 	}
-	var warmedBytes, resident, pages, objects, inside int64
+	var warmedBytes, resident, pages, objects, inside, hugeKiB int64
+	var huge bool
 	found := false
 	for _, l := range strings.Split(string(out), "\n") {
 		if i := strings.Index(l, "warmheap:"); i >= 0 {
-			_, err := fmt.Sscan(l[i+len("warmheap:"):], &warmedBytes, &resident, &pages, &objects, &inside)
+			_, err := fmt.Sscan(l[i+len("warmheap:"):], &warmedBytes, &resident, &pages, &objects, &inside, &huge, &hugeKiB)
 			found = err == nil
 		}
 	}
@@ -89,7 +90,14 @@ func TestWarmHeapIsWhatTheRestoreGets(t *testing.T) {
 	if warmedBytes == 0 {
 		t.Skip("the kernel cannot populate a range (MADV_POPULATE_WRITE needs Linux 5.14): warmHeap does nothing here")
 	}
-	t.Logf("warmed %d MiB: %d of %d pages resident; %d of %d objects allocated next inside them", warmedBytes>>20, resident, pages, inside, objects)
+	t.Logf("warmed %d MiB: %d of %d pages resident; %d of %d objects allocated next inside them; huge pages asked for: %t, %d MiB in them",
+		warmedBytes>>20, resident, pages, inside, objects, huge, hugeKiB>>10)
+	// Asked for where free huge blocks are plenty (hugeWarmOK: twice the
+	// heap), they are what the kernel gives: all but the first piece, which
+	// is warmed before the ask, and the pieces' rounding.
+	if huge && hugeKiB<<10 < childAlloc/2 {
+		t.Errorf("huge pages asked for, yet %d KiB of the %d MiB warm heap in them", hugeKiB, childAlloc>>20)
+	}
 	if warmedBytes < childAlloc {
 		t.Fatalf("warmed %d bytes, asked for at least %d", warmedBytes, childAlloc)
 	}
@@ -107,8 +115,9 @@ func warmHeapChild(t *testing.T) {
 	debug.SetGCPercent(-1)
 	type span struct{ lo, hi uintptr }
 	var spans []span
-	var resident, pages int64
+	var resident, pages, hugeKiB int64
 	onWarm = func(pieces [][]byte) {
+		hugeKiB = anonHugeKiB(t)
 		for _, b := range pieces {
 			vec := make([]byte, (len(b)+4095)/4096)
 			if _, _, e := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(&b[0])), uintptr(len(b)), uintptr(unsafe.Pointer(&vec[0]))); e != 0 {
@@ -123,7 +132,7 @@ func warmHeapChild(t *testing.T) {
 		}
 	}
 	defer func() { onWarm = nil }()
-	n := warmHeap(childAlloc)
+	n, huge := warmHeap(childAlloc)
 	keep := make([]*[256]byte, 0, childAlloc/256/2)
 	for range cap(keep) {
 		keep = append(keep, new([256]byte))
@@ -138,5 +147,58 @@ func warmHeapChild(t *testing.T) {
 			}
 		}
 	}
-	t.Logf("warmheap: %d %d %d %d %d", n, resident, pages, len(keep), inside)
+	t.Logf("warmheap: %d %d %d %d %d %t %d", n, resident, pages, len(keep), inside, huge, hugeKiB)
+}
+
+// anonHugeKiB is the process's anonymous memory in transparent huge pages.
+func anonHugeKiB(t *testing.T) int64 {
+	b, err := os.ReadFile("/proc/self/smaps_rollup")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(l, "AnonHugePages:"); ok {
+			var kib int64
+			if _, err := fmt.Sscan(v, &kib); err != nil {
+				t.Fatalf("smaps_rollup: %q: %v", l, err)
+			}
+			return kib
+		}
+	}
+	t.Fatal("smaps_rollup: no AnonHugePages line")
+	return 0
+}
+
+func TestFreeHugeBlocks(t *testing.T) {
+	for _, c := range []struct {
+		name, in string
+		want     int64
+	}{
+		{"empty", "", 0},
+		{"a fresh VM's", "Node 0, zone      DMA      0      0      0      0      0      0      0      0      1      1      3\n" +
+			"Node 0, zone    DMA32      3      7      6      5      4      6      2      6      8      4    748\n" +
+			"Node 0, zone   Normal   7417   8458   5609   3191   1352    490    139     50    160     29   4738\n",
+			(1 + 3*2) + (4 + 748*2) + (29 + 4738*2)},
+		{"fragmented: nothing of order 9 or more", "Node 0, zone   Normal   7417   8458   5609   3191   1352    490    139     50    160     0      0\n", 0},
+		{"two nodes", "Node 0, zone Normal 0 0 0 0 0 0 0 0 0 2 1\nNode 1, zone Normal 0 0 0 0 0 0 0 0 0 3 0\n", 2 + 2 + 3},
+		{"a count that is not a number ends its line", "Node 0, zone Normal 0 0 0 0 0 0 0 0 0 2 x 5\n", 2},
+		{"a negative count ends its line", "Node 0, zone Normal 0 0 0 0 0 0 0 0 0 -2 1\n", 0},
+		{"an absurd count ends its line", "Node 0, zone Normal 0 0 0 0 0 0 0 0 0 2 99999999999999\n", 2},
+		{"orders past the kernel's are not counted", "Node 0, zone Normal 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 1\n", 0},
+		{"not a buddyinfo line", "Some 0, other Normal 0 0 0 0 0 0 0 0 0 2 1\nNode 0\n", 0},
+	} {
+		if got := freeHugeBlocks(c.in); got != c.want {
+			t.Errorf("%s: freeHugeBlocks = %d, want %d", c.name, got, c.want)
+		}
+	}
+}
+
+func FuzzFreeHugeBlocks(f *testing.F) {
+	f.Add("Node 0, zone   Normal   7417   8458   5609   3191   1352    490    139     50    160     29   4738\n")
+	f.Add("Node 0, zone Normal 0 0 0 0 0 0 0 0 0 -2 1 x\nNode")
+	f.Fuzz(func(t *testing.T, in string) {
+		if n := freeHugeBlocks(in); n < 0 {
+			t.Fatalf("freeHugeBlocks(%q) = %d: negative", in, n)
+		}
+	})
 }
