@@ -136,10 +136,13 @@ const hugeBlock = 2 << 20
 // with "always" it gives them unasked, with "never" not at all), and at
 // least twice n lying free in blocks of a huge page or more, so that each
 // huge fault takes a free block instead of compacting memory first (an
-// earlier try without this gate, on a VM whose memory had been in use for
-// days, took 117-139 ms for a 136 MiB warm heap). A huge page is one fault and one page-table entry where 512 base
-// pages are 512 of each: on a paravirtualised VM, where faults and first
-// touches exit to the host, that is most of the warm heap's cost.
+// earlier try without this gate, on another VM, took 117-139 ms for a
+// 136 MiB warm heap, put down to compaction then). A huge page is one
+// fault and one page-table entry where 512 base pages are 512 of each, and
+// then one first touch where there were 512: on a paravirtualised VM,
+// where each of those exits to the host, the replay and the rebuild that
+// run in the warm heap took about half the time (docs/benchmarks.md, "A
+// second machine kind").
 func hugeWarmOK(n int64) bool {
 	if os.Getpagesize() != 4096 || n < hugeBlock {
 		return false

@@ -70,8 +70,8 @@ const (
 	maxRequestFDs = 4
 	// MaxLockStep bounds one lock request (a 1 GiB huge page is one
 	// step): the agent asks 64 MiB at a time of 4 KiB pages, about 6 ms
-	// of the keeper's time on the dev VM (4 GiB in 0.4 s), far within CallTimeout, and other requests
-	// pass between steps.
+	// of the keeper's time on the dev VM (4 GiB in 0.4 s), far within
+	// CallTimeout, and other requests pass between steps.
 	MaxLockStep = 1 << 30
 	// MaxConns bounds the keeper's connections, each with a maxPacket
 	// buffer (4 MiB in all): at the bound the idlest connection that is

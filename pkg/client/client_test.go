@@ -860,19 +860,28 @@ func fakeAgentThen(t *testing.T, rep *wire.OpenReply, fds []int, then func(c *wi
 	return path
 }
 
+// chunkFD is the descriptor of a 1 MiB file standing in for a granted
+// chunk, closed when the test ends.
+func chunkFD(t *testing.T) int {
+	t.Helper()
+	f, err := os.CreateTemp(t.TempDir(), "chunk")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { f.Close() })
+	if err := f.Truncate(1 << 20); err != nil {
+		t.Fatal(err)
+	}
+	return int(f.Fd())
+}
+
 // TestRepliesAfterOpenRefuseFiles: once its session is open, the client's
 // socket refuses files (where the kernel can: Linux 6.16): an agent's reply
 // that carries one fails at the agent's send, with EPERM, and nothing
 // reaches the client; the same reply without it is answered as usual.
 // Where the kernel cannot, the client refuses such a reply itself.
 func TestRepliesAfterOpenRefuseFiles(t *testing.T) {
-	chunk, err := os.CreateTemp(t.TempDir(), "chunk")
-	if err != nil {
-		t.Fatal(err)
-	}
-	chunk.Truncate(1 << 20)
-	defer chunk.Close()
-	fd := int(chunk.Fd())
+	fd := chunkFD(t)
 	rep := &wire.OpenReply{Session: 1, PageSize: 4096, PagesPerChunk: 256, Capacity: 256, Chunks: []*wire.ChunkGrant{{Id: "c0", Size: 1 << 20}}}
 	sent := make(chan error, 1)
 	path := fakeAgentThen(t, rep, []int{fd}, func(c *wire.Conn, buf []byte) {
@@ -921,13 +930,7 @@ func TestRepliesAfterOpenRefuseFiles(t *testing.T) {
 // TestOpenReplyChecked: a reply whose fds or geometry do not add up is a
 // protocol error.
 func TestOpenReplyChecked(t *testing.T) {
-	f, err := os.CreateTemp(t.TempDir(), "chunk")
-	if err != nil {
-		t.Fatal(err)
-	}
-	f.Truncate(1 << 20)
-	defer f.Close()
-	fd := int(f.Fd())
+	fd := chunkFD(t)
 	chunk := []*wire.ChunkGrant{{Id: "c0", Size: 1 << 20}}
 	cases := []struct {
 		name string
