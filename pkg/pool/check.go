@@ -18,8 +18,17 @@ func (s *Session) Check() error {
 	if err := s.reqs.check(); err != nil {
 		return fmt.Errorf("request index: %w", err)
 	}
+	if s.fresh < 0 || int(s.fresh) > s.capacity {
+		return fmt.Errorf("untouched pages from %d, outside [0, %d]", s.fresh, s.capacity)
+	}
+	if s.listedFree() < 0 {
+		return fmt.Errorf("%d free pages, fewer than the %d untouched ones", s.nfree, s.capacity-int(s.fresh))
+	}
 	owner := make([]byte, s.capacity) // 0 unseen, 1 seen
-	if err := s.checkList(owner, "free list", s.freeHead, nilPage, s.nfree); err != nil {
+	for p := s.fresh; int(p) < s.capacity; p++ {
+		owner[p] = 1 // free, on no list: a list that holds one holds it twice
+	}
+	if err := s.checkList(owner, "free list", s.freeHead, nilPage, s.listedFree()); err != nil {
 		return err
 	}
 	if err := s.checkStreams(owner); err != nil {

@@ -355,6 +355,7 @@ func (s *Session) linkPages(pages []int32, used []bool) (head, tail int32, err e
 			return 0, 0, fmt.Errorf("%w: host page %d held twice", poolerr.ErrDuplicateIndex, pg)
 		}
 		used[pg] = true
+		s.fresh = max(s.fresh, pg+1)
 		if tail == nilPage {
 			head = pg
 		} else {
@@ -484,11 +485,13 @@ func (s *Session) restorePending(si SessionImage, used []bool) error {
 	return nil
 }
 
-// restoreFree makes every page not used the free list, ascending.
+// restoreFree makes every page not used the free list, ascending, up to
+// the last page used (linkPages moved fresh past it); the pages above it
+// stay untouched, free from fresh up.
 func (s *Session) restoreFree(used []bool) {
-	s.freeHead, s.nfree = nilPage, 0
+	s.freeHead, s.nfree = nilPage, s.capacity-int(s.fresh)
 	prev := int32(nilPage)
-	for pg := range used {
+	for pg := range used[:s.fresh] {
 		if used[pg] {
 			continue
 		}

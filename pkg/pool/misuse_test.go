@@ -47,6 +47,9 @@ func stateOf(s *Session) sessionState {
 		}
 	}
 	st.Free = chain(s.freeHead)
+	for p := s.fresh; int(p) < s.capacity; p++ {
+		st.Free = append(st.Free, p) // never handed out: after the listed ones
+	}
 	for _, r := range s.pending[s.phead:] {
 		st.Pending = append(st.Pending, fmt.Sprintf("%d:%v", r.ticket, chain(r.head)[:r.n]))
 	}

@@ -56,10 +56,16 @@ type Session struct {
 	mu     sync.Mutex
 	closed bool
 
-	// next threads every page onto exactly one list: the free list, a
-	// stream's page chain, or a pending release. nilPage ends a list.
+	// next threads every page below fresh onto exactly one list: the
+	// free list, a stream's page chain, or a pending release. nilPage
+	// ends a list. The pages from fresh up have never been handed out:
+	// they are free, on no list, and their entries of next unwritten (a
+	// session of a million pages opens without writing 4 MiB of links,
+	// which a restarted agent faulted in page by page before it served).
+	// nfree counts both kinds of free page.
 	next     []int32
 	freeHead int32
+	fresh    int32
 	nfree    int
 
 	pending  []release // FIFO of reloads awaiting their fence; live from phead
@@ -174,14 +180,6 @@ func newSession(p *Pool, a *allocation, spec Spec, chunks []*chunk, ppc, capacit
 		seen:      make([]uint64, (spec.DevicePages+63)/64),
 		labelIdx:  make(map[string]int32),
 		ownLabels: make(map[int32]string),
-	}
-	// Ascending order, so that a fresh pool hands out contiguous runs.
-	for i := range s.next {
-		s.next[i] = int32(i + 1)
-	}
-	if capacity > 0 {
-		s.next[capacity-1] = nilPage
-		s.freeHead = 0
 	}
 	return s
 }
@@ -410,16 +408,26 @@ func (s *Session) Offload(rid, label string, gpuPages []int32, m Meta, dst []int
 
 	head, tail := s.freeHead, int32(nilPage)
 	p := head
-	for range n {
+	listed := min(n, s.listedFree())
+	for range listed {
 		dst = append(dst, p)
 		tail, p = p, s.next[p]
 	}
 	s.freeHead = p
-	if tail != nilPage {
-		s.next[tail] = nilPage
-	} else {
-		head = nilPage
+	// The rest from the pages never handed out, in ascending order, so
+	// that a fresh session hands out contiguous runs.
+	for range n - listed {
+		p = s.fresh
+		s.fresh++
+		dst = append(dst, p)
+		if tail == nilPage {
+			head = p
+		} else {
+			s.next[tail] = p
+		}
+		tail = p
 	}
+	s.next[tail] = nilPage
 	s.nfree -= n
 
 	slot := s.newSlot()
@@ -430,6 +438,10 @@ func (s *Session) Offload(rid, label string, gpuPages []int32, m Meta, dst []int
 	s.pool.names.Add(int64(len(rid) + len(label)))
 	return dst, nil
 }
+
+// listedFree is how many free pages are on the free list (the others lie
+// from fresh up).
+func (s *Session) listedFree() int { return s.nfree - (s.capacity - int(s.fresh)) }
 
 // pendingErr names the oldest pending reload whose completion frees enough
 // pages for an offload of n.
@@ -667,6 +679,6 @@ func (s *Session) dropAll() {
 	s.pending, s.phead = nil, 0
 	s.used, s.nstreams, s.npending, s.nfree, s.names = 0, 0, 0, 0, 0
 	s.seen = nil
-	s.next, s.freeHead = nil, nilPage
+	s.next, s.freeHead, s.fresh = nil, nilPage, int32(s.capacity)
 	s.labels, s.labelIdx, s.ownLabels = nil, nil, nil
 }
