@@ -3,7 +3,6 @@ package agent
 import (
 	"math"
 	"os"
-	"path/filepath"
 	"runtime"
 	"runtime/debug"
 	"strconv"
@@ -12,6 +11,8 @@ import (
 	"unsafe"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/kvpool/kvpool/internal/hostmem"
 )
 
 // The restore allocates its heap with the collector off, most of it in
@@ -132,7 +133,8 @@ const hugeBlock = 2 << 20
 
 // hugeWarmOK reports whether the warm heap of n bytes should ask for
 // transparent huge pages (MADV_HUGEPAGE): base pages of 4 KiB, the kernel
-// giving huge pages to a range that asks for them (thpMode "madvise";
+// giving huge pages to a range that asks for them (hostmem.AnonTHP
+// "madvise";
 // with "always" it gives them unasked, with "never" not at all), and at
 // least twice n lying free in blocks of a huge page or more, so that each
 // huge fault takes a free block instead of compacting memory first (an
@@ -147,7 +149,7 @@ func hugeWarmOK(n int64) bool {
 	if os.Getpagesize() != 4096 || n < hugeBlock {
 		return false
 	}
-	if thpMode(thpDir) != "madvise" {
+	if hostmem.AnonTHP() != "madvise" {
 		return false
 	}
 	buddy, err := os.ReadFile("/proc/buddyinfo")
@@ -155,38 +157,6 @@ func hugeWarmOK(n int64) bool {
 		return false
 	}
 	return freeHugeBlocks(string(buddy)) >= 2*(n+hugeBlock-1)/hugeBlock
-}
-
-// thpDir is where the kernel says how it gives transparent huge pages.
-const thpDir = "/sys/kernel/mm/transparent_hugepage"
-
-// thpMode is how the kernel under dir gives 2 MiB transparent huge pages
-// to anonymous memory: "always", "madvise" or "never" ("" where it does
-// not say, or its huge page is not 2 MiB). Since Linux 6.8 each size has
-// its own setting, which may defer to the top one ("inherit").
-func thpMode(dir string) string {
-	read := func(name string) string {
-		b, err := os.ReadFile(filepath.Join(dir, name))
-		if err != nil {
-			return ""
-		}
-		return string(b)
-	}
-	// "always [madvise] never": the one in brackets is in force.
-	inForce := func(s string) string {
-		i, j := strings.IndexByte(s, '['), strings.IndexByte(s, ']')
-		if i < 0 || j < i {
-			return ""
-		}
-		return s[i+1 : j]
-	}
-	if strings.TrimSpace(read("hpage_pmd_size")) != strconv.Itoa(hugeBlock) {
-		return ""
-	}
-	if m := inForce(read("hugepages-2048kB/enabled")); m != "" && m != "inherit" {
-		return m
-	}
-	return inForce(read("enabled"))
 }
 
 // freeHugeBlocks counts the free 2 MiB blocks /proc/buddyinfo lists (4 KiB

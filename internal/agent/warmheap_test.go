@@ -5,7 +5,6 @@ import (
 	"math"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"runtime/debug"
 	"strings"
 	"testing"
@@ -202,38 +201,4 @@ func FuzzFreeHugeBlocks(f *testing.F) {
 			t.Fatalf("freeHugeBlocks(%q) = %d: negative", in, n)
 		}
 	})
-}
-
-func TestTHPMode(t *testing.T) {
-	for _, c := range []struct {
-		name  string
-		files map[string]string
-		want  string
-	}{
-		{"no THP at all", nil, ""},
-		{"madvise, one setting (before Linux 6.8)", map[string]string{"hpage_pmd_size": "2097152\n", "enabled": "always [madvise] never\n"}, "madvise"},
-		{"always", map[string]string{"hpage_pmd_size": "2097152\n", "enabled": "[always] madvise never\n"}, "always"},
-		{"the 2 MiB size defers to the top", map[string]string{"hpage_pmd_size": "2097152\n", "enabled": "always [madvise] never\n",
-			"hugepages-2048kB/enabled": "always [inherit] madvise never\n"}, "madvise"},
-		{"the 2 MiB size says never over a top madvise", map[string]string{"hpage_pmd_size": "2097152\n", "enabled": "always [madvise] never\n",
-			"hugepages-2048kB/enabled": "always inherit madvise [never]\n"}, "never"},
-		{"the 2 MiB size says madvise over a top never", map[string]string{"hpage_pmd_size": "2097152\n", "enabled": "always madvise [never]\n",
-			"hugepages-2048kB/enabled": "always inherit [madvise] never\n"}, "madvise"},
-		{"a huge page that is not 2 MiB (64 KiB base pages)", map[string]string{"hpage_pmd_size": "536870912\n", "enabled": "always [madvise] never\n"}, ""},
-		{"a setting without brackets", map[string]string{"hpage_pmd_size": "2097152\n", "enabled": "madvise\n"}, ""},
-	} {
-		dir := t.TempDir()
-		for name, body := range c.files {
-			path := filepath.Join(dir, name)
-			if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
-				t.Fatal(err)
-			}
-			if err := os.WriteFile(path, []byte(body), 0o644); err != nil {
-				t.Fatal(err)
-			}
-		}
-		if got := thpMode(dir); got != c.want {
-			t.Errorf("%s: thpMode = %q, want %q", c.name, got, c.want)
-		}
-	}
 }

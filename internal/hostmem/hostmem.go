@@ -8,9 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"path/filepath"
 	"runtime"
-	"strings"
 	"sync"
 	"time"
 	"unsafe"
@@ -343,31 +341,6 @@ func populate(mem []byte, file *os.File, pageSize int64, workers int, cpus []int
 	}
 	wg.Wait()
 	return errors.Join(errs...)
-}
-
-// shmemTHP reports whether shared-memory transparent huge pages may back
-// a chunk that asks for them (MADV_HUGEPAGE): the global setting, or that
-// of any size, is other than never or deny; false where the kernel has no
-// such setting. Read for every chunk (a few small files; the administrator
-// may change the setting while the agent runs).
-func shmemTHP() bool {
-	const dir = "/sys/kernel/mm/transparent_hugepage"
-	paths, _ := filepath.Glob(dir + "/hugepages-*kB/shmem_enabled")
-	for _, p := range append([]string{dir + "/shmem_enabled"}, paths...) {
-		data, err := os.ReadFile(p)
-		if err != nil {
-			continue
-		}
-		for _, f := range strings.Fields(string(data)) {
-			if mode, ok := strings.CutPrefix(f, "["); ok {
-				switch strings.TrimSuffix(mode, "]") {
-				case "always", "within_size", "advise", "force":
-					return true
-				}
-			}
-		}
-	}
-	return false
 }
 
 // fallocateStep is how much of a file one fallocate call allocates: the
