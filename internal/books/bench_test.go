@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"runtime"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -226,5 +227,52 @@ func BenchmarkLoadProbe(b *testing.B) {
 				b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*sessions*limStreams), "ns/stream")
 			})
 		}
+	}
+}
+
+// BenchmarkAppendWhileCompacting appends changes (a one-page offload of a
+// new request, then its removal, in turn) to books holding the agent's
+// bound of streams (four sessions at one session's bound) until the log has
+// compacted a few times, and reports how long the slowest appends took:
+// with the compaction in line (as before it ran aside) a change that fills
+// the log waits for the whole replay and snapshot, and every other
+// session's change waits behind it; aside, only the copy of the records
+// appended meanwhile and the hand-over hold them up.
+//
+//	go test -run XXX -bench AppendWhileCompacting -benchtime 2000000x ./internal/books/
+func BenchmarkAppendWhileCompacting(b *testing.B) {
+	for _, mode := range []string{"inline", "aside"} {
+		b.Run(mode, func(b *testing.B) {
+			defer func(old bool) { inLine = old }(inLine)
+			inLine = mode == "inline"
+			_, bk, _ := atLimits(b, 4, limAllStream/4, int64(limAllStream/4)*13, true)
+			bk.settle()
+			c0 := bk.Stats().Compactions
+			took := make([]time.Duration, b.N)
+			seq := uint32(1 << 30)
+			b.ResetTimer()
+			for i := range b.N {
+				seq++
+				op := server.SessionOp{Session: uint64(1 + i%4), Seq: seq, Rid: fmt.Sprintf("churn-%07x", i/2), Reply: []byte{8, 1}}
+				if i%2 == 0 {
+					op.Op, op.Label, op.Pages = wire.OpOffload, "kv", []int32{int32(i % 1024)}
+				} else {
+					op.Op = wire.OpRemoveRequest
+				}
+				t0 := time.Now()
+				if err := bk.Session(op); err != nil {
+					b.Fatal(err)
+				}
+				took[i] = time.Since(t0)
+			}
+			b.StopTimer()
+			bk.Close()
+			slices.Sort(took)
+			at := func(q float64) float64 { return float64(took[int(q*float64(len(took)-1))].Nanoseconds()) / 1e3 }
+			b.ReportMetric(at(0.5), "p50-µs")
+			b.ReportMetric(at(0.999), "p99.9-µs")
+			b.ReportMetric(at(1), "max-µs")
+			b.ReportMetric(float64(bk.Stats().Compactions-c0), "compactions")
+		})
 	}
 }

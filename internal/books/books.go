@@ -23,8 +23,11 @@
 // are changes (pool table events, chunk generations, session ops). When
 // the log is full the books compact: they replay the memfd and write the
 // state as the snapshot of a fresh memfd, the keeper is handed that memfd
-// (replacing the old one), and appending goes on there. The heap holds no
-// copy of the state between compactions. A new agent always starts a
+// (replacing the old one), and appending goes on there. The compaction
+// runs beside the appends (compactAside): the full log grows while it
+// replays and writes, and only the copy of the records appended meanwhile
+// and the hand-over hold them up. The heap holds no copy of the state
+// between compactions. A new agent always starts a
 // fresh memfd (Start): a copy of the records it replayed, up to the last
 // committed one, or a compaction; so it never appends over a torn record.
 package books
@@ -287,9 +290,34 @@ type Books struct {
 	unkept   error
 	onUnkept func(error)
 
+	// aside is the compaction running beside the appends, nil when none
+	// does; asideErr is why the last one failed, and makes the next one
+	// run in line (as every compaction did before), whose failure is
+	// fatal.
+	aside    *compaction
+	asideErr error
+
 	compactions atomic.Int64
 	records     atomic.Int64
 }
+
+// compaction is a compaction running beside the appends: it replays the
+// log up to from and writes the snapshot of a fresh memfd, then copies the
+// records appended since, under the lock, and installs the memfd.
+type compaction struct {
+	gen  uint64 // the books' generation when it began: a later one (Rehand) makes it stale
+	from uint64
+	done chan struct{}
+}
+
+// asideHook, when set (tests), is called by a compaction aside after it
+// wrote its snapshot, before it takes the lock to install it; an error
+// fails the compaction. inLine makes every compaction run in line, as
+// before compactions ran aside (tests and benchmarks compare the two).
+var (
+	asideHook func() error
+	inLine    bool
+)
 
 // Start writes st as the snapshot of a fresh books memfd of generation
 // gen+1, hands it to store and returns the books, which record every later
@@ -426,37 +454,201 @@ func (b *Books) startLocked(st *State) error {
 // (the keeper is lost) does not stop the books: they go on in it, unkept
 // (OnUnkept), so that nothing recorded is lost while this process lives.
 func (b *Books) compactLocked(st *State, extra int) error {
-	lf, err := newLogFile(b.gen+1, roundPage(max(uint64(minLog), 2*b.lastSnap+uint64(extra)+64)))
+	lf, snap, err := writeCompaction(st, b.gen+1, b.lastSnap, extra, &b.buf)
 	if err != nil {
-		return err
-	}
-	w := newSnapWriter(b.buf, lf.append)
-	err = writeSnapshot(w, st)
-	if cap(w.e) <= 2*snapPart {
-		b.buf = w.e[:0]
-	}
-	snap := lf.off - headerSize
-	// The log has as much room again (at least minLog) before the next
-	// compaction: a compaction, which costs about a snapshot, comes after
-	// about a snapshot's bytes of records.
-	if final := roundPage(snap + max(uint64(minLog), snap) + uint64(extra) + 32); err == nil && final != lf.capacity {
-		err = lf.resize(final)
-	}
-	if err != nil {
-		lf.close()
 		return err
 	}
 	b.install(lf, snap, st.Skipped)
+	b.asideErr = nil
+	return nil
+}
+
+// writeCompaction writes st as the snapshot of a fresh memfd of generation
+// gen, sized for the room rule with extra more bytes of records (lastSnap:
+// the last snapshot's bytes, a guess at this one's), and returns it and
+// the snapshot's bytes. buf lends the encoder its buffer (kept when small).
+func writeCompaction(st *State, gen, lastSnap uint64, extra int, buf *enc) (*logFile, uint64, error) {
+	lf, err := newLogFile(gen, roundPage(max(uint64(minLog), 2*lastSnap+uint64(extra)+64)))
+	if err != nil {
+		return nil, 0, err
+	}
+	w := newSnapWriter(*buf, lf.append)
+	err = writeSnapshot(w, st)
+	if cap(w.e) <= 2*snapPart {
+		*buf = w.e[:0]
+	}
+	snap := lf.off - headerSize
+	if err == nil {
+		err = lf.fit(snap, extra)
+	}
+	if err != nil {
+		lf.close()
+		return nil, 0, err
+	}
+	return lf, snap, nil
+}
+
+// fit sizes the log after a snapshot of snap bytes and extra bytes of
+// records: it has as much room again (at least minLog) before the next
+// compaction, so a compaction, which costs about a snapshot, comes after
+// about a snapshot's bytes of records.
+func (l *logFile) fit(snap uint64, extra int) error {
+	if final := roundPage(snap + max(uint64(minLog), snap) + uint64(extra) + 32); final != l.capacity {
+		return l.resize(final)
+	}
+	return nil
+}
+
+// compactAsideLocked starts a compaction of the log as it stands beside
+// the appends. It reads the log through a mapping of its own, so that the
+// live one may grow (and move) meanwhile.
+func (b *Books) compactAsideLocked() error {
+	fd, err := unix.FcntlInt(b.f.Fd(), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("books: compaction: %w", err)
+	}
+	c := &compaction{gen: b.gen, from: b.off, done: make(chan struct{})}
+	b.aside = c
+	go b.compactAside(c, os.NewFile(uintptr(fd), "kvpool-books-compacting"), b.lastSnap)
+	return nil
+}
+
+func (b *Books) compactAside(c *compaction, f *os.File, lastSnap uint64) {
+	defer close(c.done)
+	defer f.Close()
+	lf, snap, skipped, err := writeAside(c, f, lastSnap)
+	if err == nil && asideHook != nil {
+		err = asideHook()
+	}
+	// The records appended since the compaction began go after the
+	// snapshot: most of them copied outside the lock, in rounds while
+	// the appends go on, the last few under it.
+	copied := c.from
+	for round := 0; ; round++ {
+		b.mu.Lock()
+		if b.mem == nil || b.gen != c.gen || b.broken != nil {
+			// Closed, or compacted in line since (Rehand): of no use.
+			b.aside = nil
+			b.mu.Unlock()
+			if lf != nil {
+				lf.close()
+			}
+			return
+		}
+		upTo := b.off
+		if err == nil && (upTo-copied <= lockedCopy || round == copyRounds) {
+			err = appendLog(lf, snap, b.mem[copied:upTo])
+			if err == nil {
+				b.aside = nil
+				old := b.swap(lf, snap, skipped)
+				b.asideErr = nil
+				b.mu.Unlock()
+				if old != nil {
+					old.close()
+				}
+				return
+			}
+		}
+		if err != nil {
+			b.aside, b.asideErr = nil, err
+			b.mu.Unlock()
+			if lf != nil {
+				lf.close()
+			}
+			return
+		}
+		b.mu.Unlock()
+		// Committed records do not change: they are read through a
+		// mapping of this compaction's own (the live one may move).
+		err = copyLog(lf, snap, f, copied, upTo)
+		copied = upTo
+	}
+}
+
+// lockedCopy is the most of the records appended during a compaction
+// aside that it copies under the books' lock (the appends wait for it);
+// more is copied outside first, in at most copyRounds rounds.
+const (
+	lockedCopy = 256 << 10
+	copyRounds = 4
+)
+
+// writeAside replays the log in f up to c.from and writes its snapshot
+// into a fresh memfd of the next generation.
+func writeAside(c *compaction, f *os.File, lastSnap uint64) (*logFile, uint64, int, error) {
+	mem, err := unix.Mmap(int(f.Fd()), 0, int(c.from), unix.PROT_READ, unix.MAP_SHARED)
+	if err != nil {
+		return nil, 0, 0, fmt.Errorf("books: compaction: map: %w", err)
+	}
+	defer unix.Munmap(mem)
+	_ = unix.Madvise(mem, unix.MADV_POPULATE_READ) // as Load does
+	st, _, _, err := replay(mem)
+	if err != nil {
+		return nil, 0, 0, err
+	}
+	var buf enc
+	lf, snap, err := writeCompaction(st, c.gen+1, lastSnap, 0, &buf)
+	return lf, snap, st.Skipped, err
+}
+
+// copyLog appends the records of the log in f from off to end to lf.
+func copyLog(lf *logFile, snap uint64, f *os.File, off, end uint64) error {
+	at := off &^ 4095 // a mapping begins on a page
+	mem, err := unix.Mmap(int(f.Fd()), int64(at), int(end-at), unix.PROT_READ, unix.MAP_SHARED)
+	if err != nil {
+		return fmt.Errorf("books: compaction: map the records appended meanwhile: %w", err)
+	}
+	defer unix.Munmap(mem)
+	return appendLog(lf, snap, mem[off-at:])
+}
+
+// appendLog appends recs, records of the log copied whole, to lf, after
+// its snapshot of snap bytes and the records copied before, and sizes lf
+// for them all. They take their room from the log's usual room (the next
+// compaction comes that much sooner) up to half of it, so that a memfd
+// kept at a restart stays within the room rule startLocked copies by.
+func appendLog(lf *logFile, snap uint64, recs []byte) error {
+	copied := lf.off - headerSize - snap + uint64(len(recs))
+	room := max(uint64(minLog), snap)
+	if err := lf.fit(snap, int(max(copied, room/2)-room/2)); err != nil {
+		return err
+	}
+	// Written, not copied into the mapping, as startLocked does.
+	if _, err := lf.f.WriteAt(recs, int64(lf.off)); err != nil {
+		return fmt.Errorf("books: compaction: copy the records appended meanwhile: %w", err)
+	}
+	lf.off += uint64(len(recs))
+	return nil
+}
+
+// growLocked makes room for need more bytes in the live log while a
+// compaction runs aside: a quarter more, or need if that is more. The
+// memfd is sparse: only what is written takes memory.
+func (b *Books) growLocked(need uint64) error {
+	l := logFile{f: b.f, mem: b.mem, capacity: b.end - headerSize, off: b.off}
+	if err := l.resize(roundPage(l.capacity + max(l.capacity/4, need))); err != nil {
+		return err
+	}
+	b.mem, b.end = l.mem, headerSize+l.capacity
 	return nil
 }
 
 // install hands lf, of snap bytes of snapshot, to the store and makes it
 // the books' memfd.
 func (b *Books) install(lf *logFile, snap uint64, skipped int) {
+	if old := b.swap(lf, snap, skipped); old != nil {
+		old.close()
+	}
+}
+
+// swap is install, returning the memfd it replaced (nil: none) for the
+// caller to close: a compaction aside closes it after it lets the appends
+// go on (unmapping tens of MiB of log took milliseconds).
+func (b *Books) swap(lf *logFile, snap uint64, skipped int) *logFile {
 	unkept := b.store.PutBooks(b.gen+1, lf.f)
+	var old *logFile
 	if b.mem != nil {
-		unix.Munmap(b.mem)
-		b.f.Close()
+		old = &logFile{f: b.f, mem: b.mem}
 	}
 	b.f, b.mem, b.gen, b.off, b.end = lf.f, lf.mem, b.gen+1, lf.off, headerSize+lf.capacity
 	b.lastSnap, b.skipped = snap, skipped
@@ -466,6 +658,7 @@ func (b *Books) install(lf *logFile, snap uint64, skipped int) {
 	}
 	b.touchLocked()
 	b.compactions.Add(1)
+	return old
 }
 
 // logFile is a books memfd being written by a compaction: its mapping,
@@ -574,22 +767,41 @@ func (b *Books) appendLocked() error {
 	}
 	need := recordSize(len(rec)) + 8 // and a zero length after it
 	if b.off+need > b.end {
-		saved := append([]byte(nil), rec...)
-		st, err := b.stateLocked()
-		if err == nil {
-			err = b.compactLocked(st, len(saved))
-		}
-		if err != nil {
+		if err := b.makeRoomLocked(need); err != nil {
 			b.broken = err
 			b.fatal(err)
 			return err
 		}
-		rec = saved
+		rec = b.buf // an in-line compaction may have lent it out and left it
 	}
 	b.off = writeRecord(b.mem, b.off, rec)
 	b.records.Add(1)
 	b.touchLocked()
 	return nil
+}
+
+// makeRoomLocked makes room for need bytes in a full log: it starts a
+// compaction aside (or finds one running) and grows the live log until
+// that compaction installs a fresh one. After a compaction aside failed,
+// it compacts in line, as the books did before: the record in b.buf waits
+// for it, and a failure there is fatal.
+func (b *Books) makeRoomLocked(need uint64) error {
+	if b.asideErr == nil && !inLine {
+		if b.aside == nil {
+			if err := b.compactAsideLocked(); err != nil {
+				b.asideErr = err
+				return b.makeRoomLocked(need)
+			}
+		}
+		return b.growLocked(need)
+	}
+	saved := append([]byte(nil), b.buf...)
+	st, err := b.stateLocked()
+	if err == nil {
+		err = b.compactLocked(st, len(saved))
+	}
+	b.buf = append(b.buf[:0], saved...)
+	return err
 }
 
 func (b *Books) touchLocked() {
@@ -662,10 +874,10 @@ func (b *Books) Check(img pool.Image) error {
 	return st.Check(img)
 }
 
-// Close unmaps the books; the store keeps the memfd.
+// Close unmaps the books; the store keeps the memfd. A compaction running
+// aside is waited for and dropped.
 func (b *Books) Close() {
 	b.mu.Lock()
-	defer b.mu.Unlock()
 	if b.mem != nil {
 		unix.Munmap(b.mem)
 		b.f.Close()
@@ -673,6 +885,21 @@ func (b *Books) Close() {
 	}
 	if b.broken == nil {
 		b.broken = errors.New("books: closed")
+	}
+	c := b.aside
+	b.mu.Unlock()
+	if c != nil {
+		<-c.done
+	}
+}
+
+// settle waits for the compaction running aside, if one is (tests).
+func (b *Books) settle() {
+	b.mu.Lock()
+	c := b.aside
+	b.mu.Unlock()
+	if c != nil {
+		<-c.done
 	}
 }
 

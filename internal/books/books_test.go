@@ -179,6 +179,7 @@ func grantedBooks(t testing.TB, chunk string, size int64) (*pool.Pool, *Books, *
 }
 
 func (r *rig) load() *State {
+	r.b.settle()
 	st, info, err := Load(r.store.f)
 	must(r.t, err)
 	if info.Gen != r.store.gen || time.Since(info.LastAlive) > time.Minute {
@@ -231,6 +232,7 @@ func TestTornRecordIsIgnored(t *testing.T) {
 	for i := range 200 {
 		r.step(i)
 	}
+	r.b.settle()
 	before := snapshotMem(t, r.store.f)
 	wantBefore, _, _, err := replay(before)
 	must(t, err)
@@ -241,6 +243,7 @@ func TestTornRecordIsIgnored(t *testing.T) {
 	must(t, err)
 	r.seq++
 	must(t, r.b.Session(server.SessionOp{Session: ps.ID(), Op: wire.OpOffload, Seq: r.seq, Rid: "torn", Label: "x", Pages: pages, Reply: []byte("reply")}))
+	r.b.settle()
 	after := snapshotMem(t, r.store.f)
 	wantAfter, _, _, err := replay(after)
 	must(t, err)
@@ -291,6 +294,7 @@ func TestCompaction(t *testing.T) {
 	for i := range 5000 {
 		r.step(i)
 	}
+	r.b.settle()
 	s := r.b.Stats()
 	if s.Compactions < 3 || r.store.puts != int(s.Compactions) || s.Gen != r.store.gen {
 		t.Fatalf("stats %+v, %d puts", s, r.store.puts)
@@ -303,9 +307,10 @@ func TestCompaction(t *testing.T) {
 	var told error
 	r.b.OnUnkept(func(err error) { told = err })
 	r.b.fatal = func(err error) { t.Errorf("fatal: %v", err) }
-	for i := 0; told == nil && i < 100000; i++ {
+	for i := 0; r.b.Unkept() == nil && i < 100000; i++ {
 		r.step(i)
 	}
+	r.b.settle()
 	if told == nil || !errors.Is(r.b.Unkept(), r.store.fail) {
 		t.Fatalf("a compaction the store refused: told %v, unkept %v", told, r.b.Unkept())
 	}
@@ -491,9 +496,12 @@ func TestSnapshotOfAnySizeReadsBack(t *testing.T) {
 	for i := range 3000 {
 		offload(fmt.Sprintf("request-%04d-%s", i, strings.Repeat("n", 100)), strings.Repeat("l", 1000), 1)
 	}
+	b.settle()
+	b.mu.Lock()
 	st, err := b.stateLocked()
 	must(t, err)
 	must(t, b.compactLocked(st, 0)) // the snapshot of all that
+	b.mu.Unlock()
 	s := b.Stats()
 	if s.Snapshot < 10*uint64(maxRecord) {
 		t.Fatalf("snapshot of %d bytes, want many times the record bound %d", s.Snapshot, maxRecord)

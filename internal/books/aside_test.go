@@ -1,0 +1,211 @@
+package books
+
+import (
+	"errors"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// heldAside makes the next compactions aside stop after their snapshot
+// until released, and reports when one has stopped there. fail is what
+// each returns once released.
+type heldAside struct {
+	stopped chan struct{}
+	release chan struct{}
+	fail    atomic.Pointer[error]
+}
+
+func holdAside(t *testing.T) *heldAside {
+	h := &heldAside{stopped: make(chan struct{}, 1), release: make(chan struct{})}
+	asideHook = func() error {
+		h.stopped <- struct{}{}
+		<-h.release
+		if err := h.fail.Load(); err != nil {
+			return *err
+		}
+		return nil
+	}
+	t.Cleanup(func() { asideHook = nil })
+	return h
+}
+
+// stepUntilAside steps the rig until a compaction aside has written its
+// snapshot and stopped.
+func (r *rig) stepUntilAside(h *heldAside) {
+	r.t.Helper()
+	for i := range 100000 {
+		r.step(i)
+		select {
+		case <-h.stopped:
+			return
+		default:
+		}
+	}
+	r.t.Fatal("no compaction began")
+}
+
+// withoutWaiting runs f, failing the test if it has not returned after a
+// long while: appends must not wait for a compaction that runs aside.
+func withoutWaiting(t *testing.T, what string, f func()) {
+	t.Helper()
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		f()
+	}()
+	select {
+	case <-done:
+	case <-time.After(30 * time.Second):
+		t.Fatalf("%s waited for the compaction running aside", what)
+	}
+}
+
+// TestCompactionAside: a full log compacts beside the appends. While the
+// compaction replays and writes, the changes go on into the old memfd,
+// which grows; the keeper still holds it, so an agent killed then loses
+// nothing; once installed, the new memfd holds the snapshot and every
+// record appended meanwhile.
+func TestCompactionAside(t *testing.T) {
+	old := minLog
+	minLog = 4 << 10
+	defer func() { minLog = old }()
+	h := holdAside(t)
+	r := newRig(t, 21)
+	r.stepUntilAside(h)
+	before := r.b.Stats()
+	puts := r.store.puts // the compaction has not handed anything yet
+	withoutWaiting(t, "appending", func() {
+		for i := range 3000 {
+			r.step(i)
+		}
+	})
+	grown := r.b.Stats()
+	if grown.Gen != before.Gen || grown.Capacity <= before.Capacity || grown.LogBytes <= before.LogBytes {
+		t.Fatalf("while compacting aside: books %+v, then %+v; want the same generation, grown", before, grown)
+	}
+	// Killed now: the keeper's memfd is the old one, with every change.
+	st, info, err := Load(r.store.f)
+	must(t, err)
+	if info.Gen != before.Gen || r.store.puts != puts {
+		t.Fatalf("the keeper holds generation %d after %d puts, want %d after %d", info.Gen, r.store.puts, before.Gen, puts)
+	}
+	must(t, st.Check(r.p.Export()))
+
+	close(h.release)
+	r.b.settle()
+	after := r.b.Stats()
+	if after.Gen != before.Gen+1 || r.store.gen != after.Gen || r.store.puts != puts+1 {
+		t.Fatalf("after the compaction: books %+v, the keeper's generation %d after %d puts", after, r.store.gen, r.store.puts)
+	}
+	if after.LogBytes <= headerSize+after.Snapshot {
+		t.Fatalf("the new memfd holds %d bytes after a snapshot of %d: the records appended meanwhile are missing", after.LogBytes-headerSize, after.Snapshot)
+	}
+	// The records copied take their room from the log's room, up to half
+	// of it (here they are many times the room: the rest is added).
+	room, copied := max(uint64(minLog), after.Snapshot), after.LogBytes-headerSize-after.Snapshot
+	if want := roundPage(after.Snapshot + room + max(copied, room/2) - room/2 + 32); after.Capacity-headerSize != want {
+		t.Fatalf("a log of %d bytes after a snapshot of %d and %d bytes of records copied: want %d", after.Capacity-headerSize, after.Snapshot, copied, want)
+	}
+	must(t, r.load().Check(r.p.Export()))
+	// And the books go on: more compactions, all aside.
+	asideHook = nil
+	for i := range 5000 {
+		r.step(i)
+	}
+	must(t, r.load().Check(r.p.Export()))
+	if s := r.b.Stats(); s.Compactions < after.Compactions+2 || r.store.puts != int(s.Compactions) {
+		t.Fatalf("books %+v after %d puts", s, r.store.puts)
+	}
+	r.b.Close()
+}
+
+// TestCompactionAsideFails: a compaction aside that fails changes nothing
+// (the books go on in the grown memfd the keeper holds), and the next full
+// log compacts in line, as every compaction did before.
+func TestCompactionAsideFails(t *testing.T) {
+	old := minLog
+	minLog = 4 << 10
+	defer func() { minLog = old }()
+	h := holdAside(t)
+	r := newRig(t, 22)
+	r.stepUntilAside(h)
+	gen, puts := r.b.Stats().Gen, r.store.puts
+	errNoMemory := errors.New("no memory for a memfd")
+	h.fail.Store(&errNoMemory)
+	close(h.release)
+	r.b.settle()
+	if s := r.b.Stats(); s.Gen != gen || r.store.puts != puts {
+		t.Fatalf("a failed compaction changed the books: %+v, %d puts (was generation %d, %d puts)", s, r.store.puts, gen, puts)
+	}
+	must(t, r.load().Check(r.p.Export()))
+	// The next full log compacts in line: the record that filled it
+	// returns after the new memfd was handed over.
+	for i := 0; r.store.puts == puts; i++ {
+		if i == 100000 {
+			t.Fatal("the log never filled again")
+		}
+		r.step(i)
+	}
+	if r.b.aside != nil || r.b.asideErr != nil || r.store.gen != gen+1 {
+		t.Fatalf("after the compaction in line: aside %v, error %v, the keeper's generation %d", r.b.aside, r.b.asideErr, r.store.gen)
+	}
+	must(t, r.load().Check(r.p.Export()))
+	r.b.Close()
+}
+
+// TestCompactionAsideOvertaken: a compaction in line while one runs aside
+// (Rehand, after a keeper loss) makes the one aside stale: it is dropped,
+// and the books are the in-line one's and what came after it.
+func TestCompactionAsideOvertaken(t *testing.T) {
+	old := minLog
+	minLog = 4 << 10
+	defer func() { minLog = old }()
+	h := holdAside(t)
+	r := newRig(t, 23)
+	r.stepUntilAside(h)
+	gen := r.b.Stats().Gen
+	fresh := &memStore{}
+	withoutWaiting(t, "Rehand", func() { must(t, r.b.Rehand(fresh)) })
+	for i := range 50 {
+		r.step(i)
+	}
+	close(h.release)
+	r.b.settle()
+	if s := r.b.Stats(); s.Gen != gen+1 || fresh.gen != gen+1 || fresh.puts != 1 {
+		t.Fatalf("books %+v, the new keeper's generation %d after %d puts; want %d after one", s, fresh.gen, fresh.puts, gen+1)
+	}
+	r.store = fresh
+	must(t, r.load().Check(r.p.Export()))
+	r.b.Close()
+}
+
+// TestCloseWaitsForTheCompactionAside: Close returns once the compaction
+// aside has ended, and drops it: the keeper keeps the memfd it held, whole.
+func TestCloseWaitsForTheCompactionAside(t *testing.T) {
+	old := minLog
+	minLog = 4 << 10
+	defer func() { minLog = old }()
+	h := holdAside(t)
+	r := newRig(t, 24)
+	r.stepUntilAside(h)
+	gen, puts := r.b.Stats().Gen, r.store.puts
+	closed := make(chan struct{})
+	go func() {
+		r.b.Close()
+		close(closed)
+	}()
+	select {
+	case <-closed:
+		t.Fatal("Close returned while a compaction ran aside")
+	case <-time.After(50 * time.Millisecond):
+	}
+	close(h.release)
+	<-closed
+	if r.store.gen != gen || r.store.puts != puts {
+		t.Fatalf("a compaction installed after Close: the keeper holds generation %d after %d puts, want %d after %d", r.store.gen, r.store.puts, gen, puts)
+	}
+	st, _, err := Load(r.store.f)
+	must(t, err)
+	must(t, st.Check(r.p.Export()))
+}
