@@ -5,6 +5,9 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
 )
 
 // heldAside makes the next compactions aside stop after their snapshot
@@ -208,4 +211,35 @@ func TestCloseWaitsForTheCompactionAside(t *testing.T) {
 	st, _, err := Load(r.store.f)
 	must(t, err)
 	must(t, st.Check(r.p.Export()))
+}
+
+// TestLogPagesPresentAhead: the log's pages past the last record are
+// present before a record is written there (populateLocked), so that an
+// append does not take the page fault of a sparse memfd's fresh page.
+func TestLogPagesPresentAhead(t *testing.T) {
+	r := newRig(t, 25)
+	defer r.b.Close()
+	for i := range 3000 {
+		r.step(i)
+		if i%500 != 0 {
+			continue
+		}
+		r.b.mu.Lock()
+		if r.b.noPopulate {
+			r.b.mu.Unlock()
+			t.Skip("this kernel cannot populate a mapping (MADV_POPULATE_WRITE, Linux 5.14)")
+		}
+		from, to := r.b.off&^4095, min(roundPage(r.b.off+ahead), r.b.end)
+		vec := make([]byte, (to-from)/4096)
+		_, _, errno := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(&r.b.mem[from])), uintptr(to-from), uintptr(unsafe.Pointer(&vec[0])))
+		r.b.mu.Unlock()
+		if errno != 0 {
+			t.Fatalf("mincore: %v", errno)
+		}
+		for p, v := range vec {
+			if v&1 == 0 {
+				t.Fatalf("after %d changes the log ends at %d; its page at %d is not present", i+1, r.b.off, from+uint64(p)*4096)
+			}
+		}
+	}
 }

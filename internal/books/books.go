@@ -297,6 +297,11 @@ type Books struct {
 	aside    *compaction
 	asideErr error
 
+	// ready is where the log's pages stop being present (populateLocked);
+	// noPopulate is set where the kernel cannot make them so.
+	ready      uint64
+	noPopulate bool
+
 	compactions atomic.Int64
 	records     atomic.Int64
 }
@@ -651,6 +656,8 @@ func (b *Books) swap(lf *logFile, snap uint64, skipped int) *logFile {
 		old = &logFile{f: b.f, mem: b.mem}
 	}
 	b.f, b.mem, b.gen, b.off, b.end = lf.f, lf.mem, b.gen+1, lf.off, headerSize+lf.capacity
+	b.ready = 0
+	b.populateLocked()
 	b.lastSnap, b.skipped = snap, skipped
 	b.unkept = unkept
 	if unkept != nil && b.onUnkept != nil {
@@ -775,6 +782,9 @@ func (b *Books) appendLocked() error {
 		rec = b.buf // an in-line compaction may have lent it out and left it
 	}
 	b.off = writeRecord(b.mem, b.off, rec)
+	if b.off+ahead > b.ready {
+		b.populateLocked()
+	}
 	b.records.Add(1)
 	b.touchLocked()
 	return nil
@@ -802,6 +812,31 @@ func (b *Books) makeRoomLocked(need uint64) error {
 	}
 	b.buf = append(b.buf[:0], saved...)
 	return err
+}
+
+// ahead is how far past the end of the log its pages are made present
+// before a record is written there: a record whose page was not took a
+// page fault, the slowest append in sixty (about 12 µs on a
+// paravirtualised VM, where populating four pages takes 10-13 µs in all:
+// BenchmarkAppendWhileCompacting's p99 went from 12-13 µs to 5.3-5.9).
+const ahead = 16 << 10
+
+// populateLocked makes the log's pages present and writable from the end
+// of what is written to ahead past it (MADV_POPULATE_WRITE: a sparse
+// memfd's pages are allocated there rather than at the first write).
+// Where the kernel cannot (before Linux 5.14), records fault their pages
+// in as they did.
+func (b *Books) populateLocked() {
+	from := max(b.ready, b.off&^4095)
+	to := min(roundPage(b.off+2*ahead), b.end&^4095)
+	if b.noPopulate || from >= to {
+		b.ready = max(b.ready, to)
+		return
+	}
+	if unix.Madvise(b.mem[from:to], unix.MADV_POPULATE_WRITE) != nil {
+		b.noPopulate = true
+	}
+	b.ready = to
 }
 
 func (b *Books) touchLocked() {
