@@ -12,6 +12,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -53,6 +54,20 @@ type restartRow struct {
 	// the floor of a restart that adopted its state instead of rebuilding it.
 	AdoptMs    []float64 `json:"adopt_floor_ms"`
 	AdoptP50Ms float64   `json:"adopt_floor_p50_ms"`
+	// Churn: the calls of --churn before the first restart, with the
+	// books as full as the streams make them (each a change the agent
+	// records before it answers: the books' compactions fall among them).
+	Churn *churnStats `json:"churn,omitempty"`
+}
+
+// churnStats are the round trips of the churn's calls.
+type churnStats struct {
+	Calls   int     `json:"calls"`
+	Seconds float64 `json:"seconds"`
+	P50us   float64 `json:"p50_us"`
+	P99us   float64 `json:"p99_us"`
+	P999us  float64 `json:"p999_us"`
+	MaxUs   float64 `json:"max_us"`
 }
 
 // runRestart is `kvbench restart`: a keeper and an agent as real
@@ -73,6 +88,7 @@ func runRestart(ctx context.Context, args []string) error {
 	chunks := fs.Int("chunks", 2, "the agent's pool chunks (one simulated GPU)")
 	chunkMiB := fs.Int("chunk-mib", 16, "MiB per chunk: the pool is chunks x chunk-mib, pinned at the first start and adopted at every restart")
 	sessions := fs.Int("sessions", 1, "sessions the streams are spread over, each its own standalone token and allocation (chunks/sessions chunks each)")
+	churn := fs.Int("churn", 0, "before the first restart, this many discards of a stream of the first session, each followed by its offload again, every call timed (the books fill, and compact, as the calls go on)")
 	wait := fs.String("wait", "poll", `how the gap is timed: "poll" (a call without retries every ms: when the agent serves again) or "client" (one call in flight from the killed agent's exit, riding out the restart with the client's default retries: what an engine waits)`)
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -96,6 +112,9 @@ func runRestart(ctx context.Context, args []string) error {
 		}
 		ns = append(ns, n)
 	}
+	if *churn < 0 {
+		return errors.New("--churn must not be negative")
+	}
 	if *restarts < 1 {
 		return errors.New("--restarts must be at least 1")
 	}
@@ -114,7 +133,7 @@ func runRestart(ctx context.Context, args []string) error {
 	load, _ := os.ReadFile("/proc/loadavg")
 	rep := restartReport{Load: strings.TrimSpace(string(load)), Wait: *wait}
 	for _, n := range ns {
-		row, err := probeRestart(ctx, bin, pool, n, *restarts, *settle, *wait == "client")
+		row, err := probeRestart(ctx, bin, pool, n, *restarts, *churn, *settle, *wait == "client")
 		if err != nil {
 			return fmt.Errorf("%d streams: %w", n, err)
 		}
@@ -163,6 +182,12 @@ func printRestart(w io.Writer, rep *restartReport) {
 			c.AdoptP50Ms, mib(c.RSSBefore), list(c.RSSAfter), mib(c.AnonBefore), list(c.AnonAfter), list(c.PeakAfter))
 	}
 	tw.Flush()
+	for _, c := range rep.Cases {
+		if ch := c.Churn; ch != nil {
+			fmt.Fprintf(w, "churn before the restarts, %d streams: %d calls in %.1f s, round trip p50 %.1f µs, p99 %.1f, p99.9 %.1f, max %.1f\n",
+				c.Streams, ch.Calls, ch.Seconds, ch.P50us, ch.P99us, ch.P999us, ch.MaxUs)
+		}
+	}
 }
 
 // agentLogLevel is the agents' --log-level (--agent-log-level).
@@ -180,7 +205,7 @@ func probeToken(i int) string { return fmt.Sprintf("bench-token-%d", i) }
 
 // probeRestart runs one stream count: a fresh keeper and agent, the fill,
 // restarts kills and restarts, the check of every stream.
-func probeRestart(ctx context.Context, bin string, pool poolShape, n, restarts int, settle time.Duration, clientWait bool) (restartRow, error) {
+func probeRestart(ctx context.Context, bin string, pool poolShape, n, restarts, churn int, settle time.Duration, clientWait bool) (restartRow, error) {
 	row := restartRow{Streams: n, Sessions: pool.sessions, PoolMiB: pool.chunks * pool.chunkMiB}
 	pr, err := startProbe(bin, pool)
 	if err != nil {
@@ -197,6 +222,11 @@ func probeRestart(ctx context.Context, bin string, pool poolShape, n, restarts i
 		return row, err
 	}
 	defer p.Close()
+	if churn > 0 {
+		if row.Churn, err = churnCalls(p, counts[0], churn); err != nil {
+			return row, err
+		}
+	}
 	time.Sleep(settle)
 	row.RSSBefore, row.AnonBefore, _ = procRSS(pr.agent.Process.Pid)
 	for range restarts {
@@ -243,6 +273,31 @@ func probeRestart(ctx context.Context, bin string, pool poolShape, n, restarts i
 }
 
 func probeRid(i int) string { return fmt.Sprintf("req-%07d", i) }
+
+// churnCalls discards the streams of p's session in turn, m of them, and
+// offloads each again (one page, as the fill did), calls times in all,
+// and returns the calls' round trips.
+func churnCalls(p *client.CPUPagePool, m, calls int) (*churnStats, error) {
+	took := make([]time.Duration, 0, calls)
+	t0 := time.Now()
+	for i := 0; len(took) < calls; i++ {
+		rid := probeRid(i % m)
+		t := time.Now()
+		if err := p.Discard(rid, "kv"); err != nil {
+			return nil, fmt.Errorf("churn: discard %s: %w", rid, err)
+		}
+		took = append(took, time.Since(t))
+		t = time.Now()
+		if ok, err := p.OffloadStream(rid, "kv", []int32{int32(i % 16)}, int64(i), int64(i), 0); err != nil || !ok {
+			return nil, fmt.Errorf("churn: offload %s: %v, %v", rid, ok, err)
+		}
+		took = append(took, time.Since(t))
+	}
+	el := time.Since(t0)
+	slices.Sort(took)
+	at := func(q float64) float64 { return float64(took[int(q*float64(len(took)-1))].Nanoseconds()) / 1e3 }
+	return &churnStats{Calls: len(took), Seconds: el.Seconds(), P50us: at(0.5), P99us: at(0.99), P999us: at(0.999), MaxUs: at(1)}, nil
+}
 
 // probe is one stream count's keeper and agent processes.
 type probe struct {

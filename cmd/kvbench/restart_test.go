@@ -63,14 +63,14 @@ func TestAdoptFloor(t *testing.T) {
 }
 
 // TestRestartProbe runs the restart probe small: a keeper and an agent
-// built from this tree, 2 and 301 streams over two sessions, two SIGKILLs
-// each; the probe fails when a restarted agent does not serve every
-// session's streams.
+// built from this tree, 2 and 301 streams over two sessions, churned by
+// 600 calls, two SIGKILLs each; the probe fails when a restarted agent
+// does not serve every session's streams.
 func TestRestartProbe(t *testing.T) {
 	if testing.Short() {
 		t.Skip("builds the agent and kills it")
 	}
-	if err := runRestart(context.Background(), []string{"--streams", "2,301", "--sessions", "2", "--chunks", "4", "--restarts", "2", "--settle", "10ms"}); err != nil {
+	if err := runRestart(context.Background(), []string{"--streams", "2,301", "--sessions", "2", "--chunks", "4", "--restarts", "2", "--settle", "10ms", "--churn", "600"}); err != nil {
 		t.Fatal(err)
 	}
 	// The gap timed by one call that rides out each restart.
@@ -78,7 +78,7 @@ func TestRestartProbe(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, bad := range [][]string{{"--streams", "0"}, {"--chunks", "0"}, {"--chunks", "1", "--chunk-mib", "16"},
-		{"--sessions", "0"}, {"--sessions", "3", "--chunks", "2"}, {"--streams", "131073"}, {"--wait", "sometimes"}} {
+		{"--sessions", "0"}, {"--sessions", "3", "--chunks", "2"}, {"--streams", "131073"}, {"--wait", "sometimes"}, {"--churn", "-1"}} {
 		if err := runRestart(context.Background(), bad); err == nil {
 			t.Fatalf("%q accepted", bad)
 		}
