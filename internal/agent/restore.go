@@ -102,7 +102,8 @@ func (a *agent) restore() (err error) {
 		a.events.PoolLost(m.Chunks, m.Sessions)
 	}
 	t0 := time.Now()
-	r.warmed, r.warmHuge = warmHeap(warmSize(booksBytes(held.Books), memoryLimit()))
+	snap, recs := books.Sizes(held.Books)
+	r.warmed, r.warmHuge = warmHeap(warmSize(snap, recs, memoryLimit()))
 	tWarm := time.Now()
 	st, info, held := a.loadBooks(held)
 	r.lastAlive = info.LastAlive

@@ -17,44 +17,23 @@ func TestWarmSize(t *testing.T) {
 	const mi = 1 << 20
 	none := int64(math.MaxInt64)
 	for _, c := range []struct {
-		name         string
-		books, limit int64
-		want         int64
+		name            string
+		snap, recs, lim int64
+		want            int64
 	}{
-		{"no books", 0, none, 0},
-		{"books too small to be worth it", warmFrom/warmPerBooksByte - 1, none, 0},
-		{"the smallest warmed", (warmFrom + warmPerBooksByte - 1) / warmPerBooksByte, none, (warmFrom + warmPerBooksByte - 1) / warmPerBooksByte * warmPerBooksByte},
-		{"one session at its bound (7 MiB of books)", 7 * mi, none, 7 * mi * warmPerBooksByte},
-		{"bounded", 1 << 30, none, warmMost},
-		{"a quarter of GOMEMLIMIT", 7 * mi, 100 * mi, 25 * mi},
-		{"GOMEMLIMIT too small to warm anything", 7 * mi, 8 * mi, 0},
+		{"no books", 0, 0, none, 0},
+		{"books too small to be worth it", 0, warmFrom/warmPerRecordByte - 1, none, 0},
+		{"the smallest warmed", warmFrom / warmPerSnapshotByte, 0, none, warmFrom},
+		{"records only (7 MiB)", 0, 7 * mi, none, 7 * mi * warmPerRecordByte},
+		{"a snapshot only (7 MiB)", 7 * mi, 0, none, 7 * mi * warmPerSnapshotByte},
+		{"both: each at its rate", 14 * mi, 6 * mi, none, 14*mi*warmPerSnapshotByte + 6*mi*warmPerRecordByte},
+		{"bounded", 1 << 30, 0, none, warmMost},
+		{"a quarter of GOMEMLIMIT", 7 * mi, 7 * mi, 100 * mi, 25 * mi},
+		{"GOMEMLIMIT too small to warm anything", 7 * mi, 0, 8 * mi, 0},
 	} {
-		if got := warmSize(c.books, c.limit); got != c.want {
-			t.Errorf("%s: warmSize(%d, %d) = %d, want %d", c.name, c.books, c.limit, got, c.want)
+		if got := warmSize(c.snap, c.recs, c.lim); got != c.want {
+			t.Errorf("%s: warmSize(%d, %d, %d) = %d, want %d", c.name, c.snap, c.recs, c.lim, got, c.want)
 		}
-	}
-}
-
-// TestBooksBytes: the kept books' size is what their memfd holds, not the
-// room it was made with.
-func TestBooksBytes(t *testing.T) {
-	if booksBytes(nil) != 0 {
-		t.Fatal("no books: want 0")
-	}
-	fd, err := unix.MemfdCreate("books-test", unix.MFD_CLOEXEC)
-	if err != nil {
-		t.Skipf("memfd_create: %v", err)
-	}
-	f := os.NewFile(uintptr(fd), "books-test")
-	defer f.Close()
-	if err := f.Truncate(16 << 20); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := f.WriteAt(make([]byte, 3<<20), 4096); err != nil {
-		t.Fatal(err)
-	}
-	if got := booksBytes(f); got < 3<<20 || got > 3<<20+8192 {
-		t.Fatalf("booksBytes = %d, want about %d (3 MiB written into a 16 MiB memfd)", got, 3<<20)
 	}
 }
 

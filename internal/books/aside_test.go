@@ -1,7 +1,9 @@
 package books
 
 import (
+	"bytes"
 	"errors"
+	"os"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -241,5 +243,54 @@ func TestLogPagesPresentAhead(t *testing.T) {
 				t.Fatalf("after %d changes the log ends at %d; its page at %d is not present", i+1, r.b.off, from+uint64(p)*4096)
 			}
 		}
+	}
+}
+
+// TestSizes: the kept books' snapshot and records, told from the framing
+// of the snapshot's parts, are what the books wrote: at start (the
+// snapshot of a fresh state), after changes, and after a compaction into
+// many parts. Books it cannot read are all records.
+func TestSizes(t *testing.T) {
+	check := func(r *rig, what string) {
+		t.Helper()
+		r.b.settle()
+		s := r.b.Stats()
+		snap, recs := Sizes(r.store.f)
+		logged := int64(s.LogBytes - headerSize - s.Snapshot)
+		if snap != int64(s.Snapshot) || recs < logged || recs > logged+2*ahead+4096 {
+			t.Fatalf("%s: Sizes = %d and %d, the books wrote a snapshot of %d and %d bytes of records", what, snap, recs, s.Snapshot, logged)
+		}
+	}
+	r := newRig(t, 26)
+	defer r.b.Close()
+	check(r, "at start")
+	for i := range 2000 {
+		r.step(i)
+	}
+	check(r, "after 2000 changes")
+	oldPart := snapPart
+	snapPart = 256
+	must(t, r.b.Rehand(r.store))
+	snapPart = oldPart
+	for i := range 300 {
+		r.step(i)
+	}
+	if s := r.b.Stats(); s.Snapshot < 3*256 {
+		t.Fatalf("a snapshot of %d bytes: want many parts", s.Snapshot)
+	}
+	check(r, "compacted in parts")
+
+	if snap, recs := Sizes(nil); snap != 0 || recs != 0 {
+		t.Fatalf("no books: %d and %d", snap, recs)
+	}
+	fd, err := unix.MemfdCreate("not-books", unix.MFD_CLOEXEC)
+	must(t, err)
+	f := os.NewFile(uintptr(fd), "not-books")
+	defer f.Close()
+	if _, err := f.WriteAt(bytes.Repeat([]byte{0xff}, 3<<20), 0); err != nil {
+		t.Fatal(err)
+	}
+	if snap, recs := Sizes(f); snap != 0 || recs != 3<<20-headerSize {
+		t.Fatalf("3 MiB that are not books: %d and %d, want all records", snap, recs)
 	}
 }

@@ -940,3 +940,34 @@ func (b *Books) settle() {
 
 // minLog is the smallest log capacity (a variable for tests).
 var minLog = defaultMinLog
+
+// Sizes tells how many of the bytes written in the books memfd f are its
+// snapshot and how many the records after it, from the framing of the
+// snapshot's parts alone (a few reads: a part is about 4 MiB). It is a
+// hint, for sizing what a Load of them will allocate (the two kinds
+// decode into different amounts of heap per byte), and checks nothing:
+// books it cannot read are all records.
+func Sizes(f *os.File) (snapshot, records int64) {
+	var st unix.Stat_t
+	if f == nil || unix.Fstat(int(f.Fd()), &st) != nil {
+		return 0, 0
+	}
+	written := min(st.Blocks*512, st.Size)
+	var hdr [10]byte // length, checksum, record type, a part's flags
+	off := int64(headerSize)
+	for off+int64(len(hdr)) <= st.Size {
+		if _, err := f.ReadAt(hdr[:], off); err != nil {
+			break
+		}
+		n := int64(binary.LittleEndian.Uint32(hdr[:]))
+		if n < 2 || n > int64(maxRecord) || (hdr[8] != recSnapshotPart && hdr[8] != recSnapshot) {
+			break
+		}
+		off += int64(recordSize(int(n)))
+		if hdr[8] == recSnapshot || hdr[9]&partLast != 0 {
+			snapshot = off - headerSize
+			break
+		}
+	}
+	return snapshot, max(written-headerSize-snapshot, 0)
+}
