@@ -38,6 +38,7 @@ import (
 	"fmt"
 	"hash/crc32"
 	"os"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -170,6 +171,12 @@ func offloadHints(mem []byte, off, end uint64) map[uint64]int {
 // replay reads books from mem. It returns the state, the generation and
 // the end of the last committed record.
 func replay(mem []byte) (*State, uint64, uint64, error) {
+	return replayOn(mem, runtime.GOMAXPROCS(0))
+}
+
+// replayOn is replay on up to procs goroutines at a time (sessions side
+// by side, and their records decoded ahead).
+func replayOn(mem []byte, procs int) (*State, uint64, uint64, error) {
 	if len(mem) < headerSize || string(mem[:8]) != magic {
 		return nil, 0, 0, fmt.Errorf("%w: no books header", ErrCorrupt)
 	}
@@ -185,7 +192,7 @@ func replay(mem []byte) (*State, uint64, uint64, error) {
 	var st *State
 	var parts [][]byte  // of a snapshot in parts, until its last
 	var sessionAt []int // the parts that begin a session (partSession)
-	var r router
+	r := router{procs: procs}
 	off := uint64(headerSize)
 	hints := offloadHints(mem, off, end)
 	// fail is replay's error at the record at at: the first failure in
@@ -228,7 +235,7 @@ func replay(mem []byte) (*State, uint64, uint64, error) {
 			if payload[1]&partSession != 0 {
 				sessionAt = append(sessionAt, len(parts))
 			}
-			if st, err = decodeSnapshot(append(parts, payload[2:]), sessionAt, hints); err != nil {
+			if st, err = decodeSnapshot(append(parts, payload[2:]), sessionAt, hints, procs); err != nil {
 				return nil, 0, 0, fmt.Errorf("snapshot ending at %d: %w", off, err)
 			}
 			parts = nil
@@ -570,6 +577,11 @@ func (b *Books) compactAside(c *compaction, f *os.File, lastSnap uint64) {
 	}
 }
 
+// asideProcs is how many goroutines a compaction aside replays on at a
+// time: half the CPUs, one at least, so that the sessions it runs beside
+// keep the rest (on both of two CPUs it slowed their calls).
+func asideProcs() int { return max(1, runtime.GOMAXPROCS(0)/2) }
+
 // lockedCopy is the most of the records appended during a compaction
 // aside that it copies under the books' lock (the appends wait for it);
 // more is copied outside first, in at most copyRounds rounds.
@@ -587,7 +599,7 @@ func writeAside(c *compaction, f *os.File, lastSnap uint64) (*logFile, uint64, i
 	}
 	defer unix.Munmap(mem)
 	_ = unix.Madvise(mem, unix.MADV_POPULATE_READ) // as Load does
-	st, _, _, err := replay(mem)
+	st, _, _, err := replayOn(mem, asideProcs())
 	if err != nil {
 		return nil, 0, 0, err
 	}

@@ -4,7 +4,6 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
-	"runtime"
 	"slices"
 
 	"golang.org/x/sync/errgroup"
@@ -654,9 +653,9 @@ func (d *dec) session() *Session {
 // sessions are decoded side by side (sessionsApart); else, or when that
 // fails, the parts are read as one (as an agent that ignores the flag
 // does).
-func decodeSnapshot(parts [][]byte, sessionAt []int, more map[uint64]int) (*State, error) {
+func decodeSnapshot(parts [][]byte, sessionAt []int, more map[uint64]int, procs int) (*State, error) {
 	if len(sessionAt) > 0 && sideBySide {
-		if st := sessionsApart(parts, sessionAt, more); st != nil {
+		if st := sessionsApart(parts, sessionAt, more, procs); st != nil {
 			return st, nil
 		}
 	}
@@ -728,10 +727,10 @@ func decodeRecord(st *State, payload []byte) (*State, error) {
 
 // sessionsApart decodes a snapshot whose sessions each begin a part (at
 // the parts sessionAt lists, ascending), one goroutine a session up to
-// GOMAXPROCS. It returns nil unless the head ends where the first session
+// procs at a time. It returns nil unless the head ends where the first session
 // begins, each session's parts hold exactly one session and there are as
 // many as the head counts.
-func sessionsApart(parts [][]byte, sessionAt []int, more map[uint64]int) *State {
+func sessionsApart(parts [][]byte, sessionAt []int, more map[uint64]int, procs int) *State {
 	if sessionAt[0] < 1 {
 		return nil
 	}
@@ -744,7 +743,7 @@ func sessionsApart(parts [][]byte, sessionAt []int, more map[uint64]int) *State 
 	n := len(sessionAt)
 	sessions := make([]*Session, n)
 	var g errgroup.Group
-	g.SetLimit(runtime.GOMAXPROCS(0))
+	g.SetLimit(procs)
 	for i, at := range sessionAt {
 		end := len(parts)
 		if i+1 < n {

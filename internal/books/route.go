@@ -3,7 +3,6 @@ package books
 import (
 	"encoding/binary"
 	"fmt"
-	"runtime"
 	"sync/atomic"
 
 	"golang.org/x/sync/errgroup"
@@ -53,6 +52,7 @@ type router struct {
 	queues []*sessionQueue
 	by     map[*Session]*sessionQueue
 	last   *sessionQueue
+	procs  int // goroutines at a time that apply and decode the queues
 }
 
 // route queues the record at off in mem, whose payload is payload, when
@@ -100,7 +100,7 @@ func (r *router) apply(st *State) (uint64, error) {
 	// A session closed or replaced meanwhile gets its changes too: they
 	// vanish with it, but must decode, as in order.
 	live := r.queues
-	procs := runtime.GOMAXPROCS(0)
+	procs := max(r.procs, 1)
 	// With CPUs to spare, each queue's records are decoded ahead of
 	// applying them, on CPUs of their own: one session's on up to
 	// decodeLanes of them.

@@ -176,11 +176,11 @@ func TestSnapshotSessionsDecodeApart(t *testing.T) {
 	if len(sessionAt) != st.Sessions() || len(sessionAt) < 3 || len(parts) < 2*len(sessionAt) {
 		t.Fatalf("%d parts, %v begin sessions; the state has %d sessions", len(parts), sessionAt, st.Sessions())
 	}
-	apart := sessionsApart(parts, sessionAt, nil)
+	apart := sessionsApart(parts, sessionAt, nil, 2)
 	if apart == nil {
 		t.Fatal("the sessions did not decode apart")
 	}
-	inOrder, err := decodeSnapshot(parts, nil, nil)
+	inOrder, err := decodeSnapshot(parts, nil, nil, 2)
 	must(t, err)
 	must(t, apart.Check(inOrder.Image()))
 	must(t, apart.Check(r.p.Export()))
@@ -192,10 +192,10 @@ func TestSnapshotSessionsDecodeApart(t *testing.T) {
 		"a session short": sessionAt[:len(sessionAt)-1],
 		"the head's part": append([]int{0}, sessionAt[1:]...),
 	} {
-		if sessionsApart(parts, at, nil) != nil {
+		if sessionsApart(parts, at, nil, 2) != nil {
 			t.Fatalf("%s: decoded apart", name)
 		}
-		got, err := decodeSnapshot(parts, at, nil)
+		got, err := decodeSnapshot(parts, at, nil, 2)
 		must(t, err)
 		must(t, got.Check(inOrder.Image()))
 	}
