@@ -72,9 +72,10 @@ func withoutWaiting(t *testing.T, what string, f func()) {
 // nothing; once installed, the new memfd holds the snapshot and every
 // record appended meanwhile.
 func TestCompactionAside(t *testing.T) {
-	old := minLog
+	old, oldCopy := minLog, lockedCopy
 	minLog = 4 << 10
-	defer func() { minLog = old }()
+	lockedCopy = 4 << 10 // most of what is appended meanwhile copied outside the lock, in rounds
+	defer func() { minLog, lockedCopy = old, oldCopy }()
 	h := holdAside(t)
 	r := newRig(t, 21)
 	r.stepUntilAside(h)

@@ -584,11 +584,11 @@ func asideProcs() int { return max(1, runtime.GOMAXPROCS(0)/2) }
 
 // lockedCopy is the most of the records appended during a compaction
 // aside that it copies under the books' lock (the appends wait for it);
-// more is copied outside first, in at most copyRounds rounds.
-const (
-	lockedCopy = 256 << 10
-	copyRounds = 4
-)
+// more is copied outside first, in at most copyRounds rounds. A variable
+// for tests.
+var lockedCopy uint64 = 256 << 10
+
+const copyRounds = 4
 
 // writeAside replays the log in f up to c.from and writes its snapshot
 // into a fresh memfd of the next generation.
