@@ -315,7 +315,8 @@ type Books struct {
 
 // compaction is a compaction running beside the appends: it replays the
 // log up to from and writes the snapshot of a fresh memfd, then copies the
-// records appended since, under the lock, and installs the memfd.
+// records appended since (the last of them under the lock) and installs
+// the memfd.
 type compaction struct {
 	gen  uint64 // the books' generation when it began: a later one (Rehand) makes it stale
 	from uint64

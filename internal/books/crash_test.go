@@ -39,7 +39,7 @@ func TestKilledWhileCompactingAside(t *testing.T) {
 	if testing.Short() {
 		t.Skip("kills processes")
 	}
-	k := startFDKeeper(t)
+	k := newFDKeeper(t)
 	rng := rand.New(rand.NewPCG(7, 7))
 	live := map[string]bool{} // requests offloaded and not removed, as told
 	var compactions int
@@ -238,7 +238,7 @@ type fdKeeper struct {
 	gen uint64
 }
 
-func startFDKeeper(t *testing.T) *fdKeeper {
+func newFDKeeper(t *testing.T) *fdKeeper {
 	k := &fdKeeper{}
 	t.Cleanup(func() {
 		if k.f != nil {
