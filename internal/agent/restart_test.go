@@ -622,5 +622,8 @@ func TestRestartLoggedWithoutASignOfLife(t *testing.T) {
 		if rs.AdoptedChunks == 0 || (rs.LastGapSeconds > 0) != stamped {
 			t.Errorf("stamped %v: restart status %+v", stamped, rs)
 		}
+		if rs.BooksSnapshotBytes <= 0 || rs.BooksLogBytes <= rs.BooksSnapshotBytes || rs.BooksCompactions != 0 {
+			t.Errorf("stamped %v: the books in the restart status: %+v", stamped, rs)
+		}
 	}
 }

@@ -568,5 +568,11 @@ func (a *agent) restartStatus() *report.Restart {
 	if p := r.poolLost; p != nil {
 		rs.PoolLost, rs.LostChunks, rs.LostSessions = true, p.Chunks, p.Sessions
 	}
+	if b := r.books; b != nil {
+		s := b.Stats()
+		rs.BooksLogBytes, rs.BooksSnapshotBytes = int64(s.LogBytes), int64(s.Snapshot)
+		rs.BooksCompactions = max(s.Compactions-1, 0) // the move to a fresh memfd at start is none
+		rs.BooksLongestHoldSeconds = s.LongestHold.Seconds()
+	}
 	return rs
 }

@@ -311,6 +311,7 @@ type Books struct {
 
 	compactions atomic.Int64
 	records     atomic.Int64
+	longestHold atomic.Int64 // ns: the longest a compaction held the appends up
 }
 
 // compaction is a compaction running beside the appends: it replays the
@@ -539,6 +540,7 @@ func (b *Books) compactAside(c *compaction, f *os.File, lastSnap uint64) {
 	copied := c.from
 	for round := 0; ; round++ {
 		b.mu.Lock()
+		locked := time.Now()
 		if b.mem == nil || b.gen != c.gen || b.broken != nil {
 			// Closed, or compacted in line since (Rehand): of no use.
 			b.aside = nil
@@ -555,6 +557,7 @@ func (b *Books) compactAside(c *compaction, f *os.File, lastSnap uint64) {
 				b.aside = nil
 				old := b.swap(lf, snap, skipped)
 				b.asideErr = nil
+				b.held(time.Since(locked))
 				b.mu.Unlock()
 				if old != nil {
 					old.close()
@@ -818,13 +821,25 @@ func (b *Books) makeRoomLocked(need uint64) error {
 		}
 		return b.growLocked(need)
 	}
+	t0 := time.Now()
 	saved := append([]byte(nil), b.buf...)
 	st, err := b.stateLocked()
 	if err == nil {
 		err = b.compactLocked(st, len(saved))
 	}
 	b.buf = append(b.buf[:0], saved...)
+	b.held(time.Since(t0))
 	return err
+}
+
+// held notes that a compaction held the appends up for d.
+func (b *Books) held(d time.Duration) {
+	for {
+		old := b.longestHold.Load()
+		if int64(d) <= old || b.longestHold.CompareAndSwap(old, int64(d)) {
+			return
+		}
+	}
 }
 
 // ahead is how far past the end of the log its pages are made present
@@ -900,6 +915,10 @@ type Stats struct {
 	Compactions int64
 	Skipped     int    // records the last replay (the last compaction's) skipped
 	Snapshot    uint64 // bytes of the last snapshot, its records' framing included
+	// LongestHold is the longest a compaction held the appends (every
+	// session's changes) up: all of it in line, its last copy and the
+	// hand-over aside.
+	LongestHold time.Duration
 }
 
 // Stats returns the books' figures.
@@ -907,7 +926,8 @@ func (b *Books) Stats() Stats {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	return Stats{Gen: b.gen, LogBytes: b.off, Capacity: b.end, Records: b.records.Load(),
-		Compactions: b.compactions.Load(), Skipped: b.skipped, Snapshot: b.lastSnap}
+		Compactions: b.compactions.Load(), Skipped: b.skipped, Snapshot: b.lastSnap,
+		LongestHold: time.Duration(b.longestHold.Load())}
 }
 
 // Check replays the books and compares them with the pool's export

@@ -30,6 +30,15 @@ func (m *Metrics) Restart(f func() *report.Restart) {
 			f: f, v: func(r *report.Restart) float64 { return float64(r.KeeperLosses) }, kind: prometheus.CounterValue},
 		gauge("pool_lost_at_start", "1 when at this agent's start the keeper held none of the pool an earlier agent had kept in it (its sessions and streams are gone).",
 			func(r *report.Restart) float64 { return b2f(r.PoolLost) }),
+		gauge("books_log_bytes", "Bytes of the books' memfd in use: its 4 KiB header, the snapshot and the records after it (a restart replays them all).",
+			func(r *report.Restart) float64 { return float64(r.BooksLogBytes) }),
+		gauge("books_snapshot_bytes", "Bytes of the books' last snapshot.",
+			func(r *report.Restart) float64 { return float64(r.BooksSnapshotBytes) }),
+		&restartGauge{desc: prometheus.NewDesc(prometheus.BuildFQName(Namespace, "", "books_compactions_total"),
+			"Compactions of the books since this agent started.", nil, nil),
+			f: f, v: func(r *report.Restart) float64 { return float64(r.BooksCompactions) }, kind: prometheus.CounterValue},
+		gauge("books_compaction_hold_seconds_max", "The longest one compaction of the books held every session's changes up since this agent started (a compaction runs beside them: only its last copy and the hand-over to the keeper hold them).",
+			func(r *report.Restart) float64 { return r.BooksLongestHoldSeconds }),
 	)
 }
 

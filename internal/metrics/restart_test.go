@@ -31,9 +31,13 @@ func TestRestartGauges(t *testing.T) {
 			t.Fatalf("restart gauges without a keeper: %v", v)
 		}
 	}
-	r = &report.Restart{AdoptedChunks: 6, FreshChunks: 2, LastGapSeconds: 0.25, KeeperLockedChunks: 5}
+	r = &report.Restart{AdoptedChunks: 6, FreshChunks: 2, LastGapSeconds: 0.25, KeeperLockedChunks: 5,
+		BooksLogBytes: 3 << 20, BooksSnapshotBytes: 1 << 20, BooksLongestHoldSeconds: 0.004}
 	v := values()
 	if v["kvpool_chunks_adopted"] != 6 || v["kvpool_chunks_fresh"] != 2 || v["kvpool_restart_gap_seconds"] != 0.25 || v["kvpool_chunks_locked_by_keeper"] != 5 {
 		t.Fatalf("restart gauges %v", v)
+	}
+	if v["kvpool_books_log_bytes"] != 3<<20 || v["kvpool_books_snapshot_bytes"] != 1<<20 || v["kvpool_books_compaction_hold_seconds_max"] != 0.004 {
+		t.Fatalf("books gauges %v", v)
 	}
 }

@@ -31,4 +31,12 @@ type Restart struct {
 	PoolLost     bool `json:"poolLost,omitempty"`
 	LostChunks   int  `json:"lostChunks,omitempty"`
 	LostSessions int  `json:"lostSessions,omitempty"`
+	// The books: the bytes of their memfd in use (its 4 KiB header, the
+	// snapshot and the records after it) and of the snapshot, the compactions since this
+	// agent started, and the longest one of them held every session's
+	// changes up.
+	BooksLogBytes           int64   `json:"booksLogBytes"`
+	BooksSnapshotBytes      int64   `json:"booksSnapshotBytes"`
+	BooksCompactions        int64   `json:"booksCompactions"`
+	BooksLongestHoldSeconds float64 `json:"booksLongestHoldSeconds"`
 }
