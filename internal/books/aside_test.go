@@ -104,6 +104,9 @@ func TestCompactionAside(t *testing.T) {
 	if after.Gen != before.Gen+1 || r.store.gen != after.Gen || r.store.puts != puts+1 {
 		t.Fatalf("after the compaction: books %+v, the keeper's generation %d after %d puts", after, r.store.gen, r.store.puts)
 	}
+	if after.LongestHold <= 0 {
+		t.Fatalf("the compaction's hold of the appends was not noted: %+v", after)
+	}
 	if after.LogBytes <= headerSize+after.Snapshot {
 		t.Fatalf("the new memfd holds %d bytes after a snapshot of %d: the records appended meanwhile are missing", after.LogBytes-headerSize, after.Snapshot)
 	}
@@ -157,6 +160,9 @@ func TestCompactionAsideFails(t *testing.T) {
 			t.Fatal("the log never filled again")
 		}
 		r.step(i)
+	}
+	if s := r.b.Stats(); s.LongestHold <= 0 {
+		t.Fatalf("the compaction in line held the appends, and no hold was noted: %+v", s)
 	}
 	if r.b.aside != nil || r.b.asideErr != nil || r.store.gen != gen+1 {
 		t.Fatalf("after the compaction in line: aside %v, error %v, the keeper's generation %d", r.b.aside, r.b.asideErr, r.store.gen)
