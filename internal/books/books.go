@@ -527,6 +527,10 @@ func (b *Books) compactAsideLocked() error {
 	return nil
 }
 
+// compactAside is compaction c's goroutine: f is the live log's memfd
+// (a descriptor of its own), lastSnap the last snapshot's bytes. It ends
+// with the new memfd installed, or with nothing changed (a failure, kept
+// in asideErr; the books closed or compacted in line meanwhile).
 func (b *Books) compactAside(c *compaction, f *os.File, lastSnap uint64) {
 	defer close(c.done)
 	defer f.Close()
