@@ -12,6 +12,7 @@ import (
 
 	dto "github.com/prometheus/client_model/go"
 
+	"github.com/kvpool/kvpool/internal/report"
 	"github.com/kvpool/kvpool/pkg/observe"
 	"github.com/kvpool/kvpool/pkg/pool"
 )
@@ -44,6 +45,7 @@ func exported(t *testing.T) map[string][]string {
 	m.ChunkPinFailed(0, errors.New("mlock"))
 	m.PoolFilled(0, time.Second)
 	m.InitPlugin()
+	m.Restart(func() *report.Restart { return &report.Restart{AdoptedChunks: 1} }) // an agent with a keeper
 
 	fams, err := m.Registry().Gather()
 	if err != nil {
