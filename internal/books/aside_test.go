@@ -35,6 +35,29 @@ func holdAside(t *testing.T) *heldAside {
 	return h
 }
 
+// settle waits for the compaction running aside, if one is (tests).
+func (b *Books) settle() {
+	b.mu.Lock()
+	c := b.aside
+	b.mu.Unlock()
+	if c != nil {
+		<-c.done
+	}
+}
+
+// asideRig is a rig whose log is 4 KiB (a compaction every few changes),
+// stepped until a compaction aside has written its snapshot and stopped
+// there (holdAside).
+func asideRig(t *testing.T, seed uint64) (*rig, *heldAside) {
+	old := minLog
+	minLog = 4 << 10
+	t.Cleanup(func() { minLog = old })
+	h := holdAside(t)
+	r := newRig(t, seed)
+	r.stepUntilAside(h)
+	return r, h
+}
+
 // stepUntilAside steps the rig until a compaction aside has written its
 // snapshot and stopped.
 func (r *rig) stepUntilAside(h *heldAside) {
@@ -72,13 +95,10 @@ func withoutWaiting(t *testing.T, what string, f func()) {
 // nothing; once installed, the new memfd holds the snapshot and every
 // record appended meanwhile.
 func TestCompactionAside(t *testing.T) {
-	old, oldCopy := minLog, lockedCopy
-	minLog = 4 << 10
+	oldCopy := lockedCopy
 	lockedCopy = 4 << 10 // most of what is appended meanwhile copied outside the lock, in rounds
-	defer func() { minLog, lockedCopy = old, oldCopy }()
-	h := holdAside(t)
-	r := newRig(t, 21)
-	r.stepUntilAside(h)
+	defer func() { lockedCopy = oldCopy }()
+	r, h := asideRig(t, 21)
 	before := r.b.Stats()
 	puts := r.store.puts // the compaction has not handed anything yet
 	withoutWaiting(t, "appending", func() {
@@ -138,12 +158,7 @@ func TestCompactionAside(t *testing.T) {
 // (the books go on in the grown memfd the keeper holds), and the next full
 // log compacts in line, as every compaction did before.
 func TestCompactionAsideFails(t *testing.T) {
-	old := minLog
-	minLog = 4 << 10
-	defer func() { minLog = old }()
-	h := holdAside(t)
-	r := newRig(t, 22)
-	r.stepUntilAside(h)
+	r, h := asideRig(t, 22)
 	gen, puts := r.b.Stats().Gen, r.store.puts
 	errNoMemory := errors.New("no memory for a memfd")
 	h.fail.Store(&errNoMemory)
@@ -175,12 +190,7 @@ func TestCompactionAsideFails(t *testing.T) {
 // (Rehand, after a keeper loss) makes the one aside stale: it is dropped,
 // and the books are the in-line one's and what came after it.
 func TestCompactionAsideOvertaken(t *testing.T) {
-	old := minLog
-	minLog = 4 << 10
-	defer func() { minLog = old }()
-	h := holdAside(t)
-	r := newRig(t, 23)
-	r.stepUntilAside(h)
+	r, h := asideRig(t, 23)
 	gen := r.b.Stats().Gen
 	fresh := &memStore{}
 	withoutWaiting(t, "Rehand", func() { must(t, r.b.Rehand(fresh)) })
@@ -200,12 +210,7 @@ func TestCompactionAsideOvertaken(t *testing.T) {
 // TestCloseWaitsForTheCompactionAside: Close returns once the compaction
 // aside has ended, and drops it: the keeper keeps the memfd it held, whole.
 func TestCloseWaitsForTheCompactionAside(t *testing.T) {
-	old := minLog
-	minLog = 4 << 10
-	defer func() { minLog = old }()
-	h := holdAside(t)
-	r := newRig(t, 24)
-	r.stepUntilAside(h)
+	r, h := asideRig(t, 24)
 	gen, puts := r.b.Stats().Gen, r.store.puts
 	closed := make(chan struct{})
 	go func() {
@@ -304,5 +309,24 @@ func TestSizes(t *testing.T) {
 	}
 	if snap, recs := Sizes(f); snap != 0 || recs != 3<<20-headerSize {
 		t.Fatalf("3 MiB that are not books: %d and %d, want all records", snap, recs)
+	}
+	// A snapshot of more parts than any books hold: the walk stops short
+	// of its last part, and the whole counts as records.
+	var many bytes.Buffer
+	many.Write(make([]byte, headerSize))
+	for i := range maxSizesParts + 1 {
+		flags := byte(0)
+		if i == maxSizesParts {
+			flags = partLast
+		}
+		many.Write([]byte{2, 0, 0, 0, 0, 0, 0, 0, recSnapshotPart, flags, 0, 0, 0, 0, 0, 0})
+	}
+	g, err := os.CreateTemp(t.TempDir(), "parts")
+	must(t, err)
+	defer g.Close()
+	_, err = g.Write(many.Bytes())
+	must(t, err)
+	if snap, recs := Sizes(g); snap != 0 || recs <= 0 {
+		t.Fatalf("%d parts, the last flagged: %d and %d, want all records", maxSizesParts+1, snap, recs)
 	}
 }

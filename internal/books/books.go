@@ -308,10 +308,11 @@ type Books struct {
 	// noPopulate is set where the kernel cannot make them so.
 	ready      uint64
 	noPopulate bool
+	// longestHold is the longest a compaction held the appends up.
+	longestHold time.Duration
 
 	compactions atomic.Int64
 	records     atomic.Int64
-	longestHold atomic.Int64 // ns: the longest a compaction held the appends up
 }
 
 // compaction is a compaction running beside the appends: it replays the
@@ -561,7 +562,7 @@ func (b *Books) compactAside(c *compaction, f *os.File, lastSnap uint64) {
 				b.aside = nil
 				old := b.swap(lf, snap, skipped)
 				b.asideErr = nil
-				b.held(time.Since(locked))
+				b.longestHold = max(b.longestHold, time.Since(locked))
 				b.mu.Unlock()
 				if old != nil {
 					old.close()
@@ -832,18 +833,8 @@ func (b *Books) makeRoomLocked(need uint64) error {
 		err = b.compactLocked(st, len(saved))
 	}
 	b.buf = append(b.buf[:0], saved...)
-	b.held(time.Since(t0))
+	b.longestHold = max(b.longestHold, time.Since(t0))
 	return err
-}
-
-// held notes that a compaction held the appends up for d.
-func (b *Books) held(d time.Duration) {
-	for {
-		old := b.longestHold.Load()
-		if int64(d) <= old || b.longestHold.CompareAndSwap(old, int64(d)) {
-			return
-		}
-	}
 }
 
 // ahead is how far past the end of the log its pages are made present
@@ -865,7 +856,10 @@ func (b *Books) populateLocked() {
 		b.ready = max(b.ready, to)
 		return
 	}
-	if unix.Madvise(b.mem[from:to], unix.MADV_POPULATE_WRITE) != nil {
+	// A kernel without the call (EINVAL) turns it off; another failure
+	// (ENOMEM under memory pressure) leaves those pages to fault in as
+	// records come, and the next window is tried.
+	if err := unix.Madvise(b.mem[from:to], unix.MADV_POPULATE_WRITE); err == unix.EINVAL {
 		b.noPopulate = true
 	}
 	b.ready = to
@@ -931,7 +925,7 @@ func (b *Books) Stats() Stats {
 	defer b.mu.Unlock()
 	return Stats{Gen: b.gen, LogBytes: b.off, Capacity: b.end, Records: b.records.Load(),
 		Compactions: b.compactions.Load(), Skipped: b.skipped, Snapshot: b.lastSnap,
-		LongestHold: time.Duration(b.longestHold.Load())}
+		LongestHold: b.longestHold}
 }
 
 // Check replays the books and compares them with the pool's export
@@ -965,16 +959,6 @@ func (b *Books) Close() {
 	}
 }
 
-// settle waits for the compaction running aside, if one is (tests).
-func (b *Books) settle() {
-	b.mu.Lock()
-	c := b.aside
-	b.mu.Unlock()
-	if c != nil {
-		<-c.done
-	}
-}
-
 // minLog is the smallest log capacity (a variable for tests).
 var minLog = defaultMinLog
 
@@ -992,7 +976,9 @@ func Sizes(f *os.File) (snapshot, records int64) {
 	written := min(st.Blocks*512, st.Size)
 	var hdr [10]byte // length, checksum, record type, a part's flags
 	off := int64(headerSize)
-	for off+int64(len(hdr)) <= st.Size {
+	// Parts are about snapPart each, and a session begins one of its own:
+	// books that claim many more are not books this agent wrote.
+	for parts := 0; parts < maxSizesParts && off+int64(len(hdr)) <= st.Size; parts++ {
 		if _, err := f.ReadAt(hdr[:], off); err != nil {
 			break
 		}
@@ -1008,3 +994,6 @@ func Sizes(f *os.File) (snapshot, records int64) {
 	}
 	return snapshot, max(written-headerSize-snapshot, 0)
 }
+
+// maxSizesParts bounds the snapshot parts Sizes reads the framing of.
+const maxSizesParts = 1 << 16
