@@ -150,15 +150,18 @@ func BenchmarkOffloadManyLabels(b *testing.B) {
 }
 
 // BenchmarkRestore rebuilds sessions of 131,072 streams (one session's
-// bound; one page and one stream a request, kvbench restart's shape) from
-// their image, as a restarted agent does after replaying its books: the
+// bound; one page and one stream a request, kvbench restart's shape, and
+// request IDs of 11 bytes or of 64, the agent's bound on name bytes over
+// as many streams) from their image, as a restarted agent does after replaying its books: the
 // "rebuild" phase of its keeper step, without the page faults of a fresh
 // process (the heap is the benchmark's, warm).
 //
 //	go test -run XXX -bench Restore -count 6 ./pkg/pool/
 func BenchmarkRestore(b *testing.B) {
-	for _, sessions := range []int{1, 4} {
-		b.Run(fmt.Sprintf("sessions=%d", sessions), func(b *testing.B) {
+	for _, c := range []struct{ sessions, rid int }{{1, 11}, {4, 11}, {4, 64}} {
+		sessions := c.sessions
+		pad := strings.Repeat("r", c.rid-11)
+		b.Run(fmt.Sprintf("sessions=%d,rid=%d", sessions, c.rid), func(b *testing.B) {
 			const streams = 1 << 17
 			p := New()
 			for i := range sessions {
@@ -168,7 +171,7 @@ func BenchmarkRestore(b *testing.B) {
 				s, err := p.Open(id, Spec{PageSize: 64, DevicePages: 64})
 				must(b, err)
 				for j := range streams {
-					_, err := s.Offload(fmt.Sprintf("req-%07d", j), "k", []int32{int32(j % 64)}, Meta{StoredLen: int64(j)}, nil)
+					_, err := s.Offload(fmt.Sprintf("%sreq-%07d", pad, j), "k", []int32{int32(j % 64)}, Meta{StoredLen: int64(j)}, nil)
 					must(b, err)
 				}
 			}
@@ -185,9 +188,9 @@ func BenchmarkRestore(b *testing.B) {
 
 // BenchmarkOffloadRemove offloads a one-page stream of a new request and
 // removes the request again, in a session holding 20,000 others, the new
-// request one of 8,192 in turn: the request index's insertion and deletion
-// (with its backward shift), with the table and the IDs past the caches'
-// first level.
+// request one of 8,192 in turn, its ID a fresh string as a server decodes
+// it: the request index's insertion and deletion (with its backward
+// shift), with the table and the IDs past the caches' first level.
 func BenchmarkOffloadRemove(b *testing.B) {
 	s, _ := benchSession(b, 200_000, 20_000)
 	rids := make([]string, 8192)
@@ -198,7 +201,7 @@ func BenchmarkOffloadRemove(b *testing.B) {
 	b.ReportAllocs()
 	i := 0
 	for b.Loop() {
-		rid := rids[i%len(rids)]
+		rid := strings.Clone(rids[i%len(rids)])
 		i++
 		if _, err := s.Offload(rid, "kv", dev, Meta{StoredLen: 16, Position: 16}, dst[:0]); err != nil {
 			b.Fatal(err)
@@ -210,5 +213,40 @@ func BenchmarkOffloadRemove(b *testing.B) {
 	b.StopTimer()
 	if err := s.Check(); err != nil {
 		b.Fatal(err)
+	}
+}
+
+// BenchmarkCollect is one collection of the heap while the pool holds four
+// sessions of 131,072 streams each (one page and one stream a request,
+// request IDs of 11 bytes made fresh per call, as a server decodes them):
+// what the pool's tables add to each collection an agent at its bound
+// makes, against the same collection with the pool empty ("empty").
+//
+//	go test -run XXX -bench Collect -count 6 ./pkg/pool/
+func BenchmarkCollect(b *testing.B) {
+	for _, streams := range []int{0, 1 << 17} {
+		name := "empty"
+		if streams > 0 {
+			name = fmt.Sprintf("sessions=4,streams=%d", streams)
+		}
+		b.Run(name, func(b *testing.B) {
+			p := New()
+			for i := range 4 {
+				id := fmt.Sprintf("c%d", i)
+				must(b, p.AddChunk(Chunk{ID: id, Size: (1 << 17) * 64}))
+				must(b, p.Grant(id, []string{id}))
+				s, err := p.Open(id, Spec{PageSize: 64, DevicePages: 64})
+				must(b, err)
+				for j := range streams {
+					_, err := s.Offload(fmt.Sprintf("req-%07d", j), "k", []int32{int32(j % 64)}, Meta{StoredLen: int64(j)}, nil)
+					must(b, err)
+				}
+			}
+			runtime.GC()
+			for b.Loop() {
+				runtime.GC()
+			}
+			runtime.KeepAlive(p)
+		})
 	}
 }

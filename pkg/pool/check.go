@@ -1,6 +1,10 @@
 package pool
 
-import "fmt"
+import (
+	"encoding/binary"
+	"fmt"
+	"slices"
+)
 
 // Check verifies the session's invariants: every page is on exactly one list
 // (free, a stream, or a pending release), the counts add up to the capacity,
@@ -220,22 +224,57 @@ func (p *Pool) Check() error {
 }
 
 // check verifies the request index: every request held is found at its
-// place, every slot names a place held once, and the counts agree with
-// the free places.
+// place, every slot names a place held once, the counts agree with the
+// free places, and the IDs' spans lie in names without overlapping, the
+// bytes between them counted dead.
 func (x *reqIndex) check() error {
-	if len(x.rids) != len(x.lists) {
-		return fmt.Errorf("%d request IDs, %d lists", len(x.rids), len(x.lists))
+	if len(x.spans) != len(x.lists) {
+		return fmt.Errorf("%d request IDs, %d lists", len(x.spans), len(x.lists))
 	}
-	held := 0
-	for p, rid := range x.rids {
-		if rid == "" {
+	held, live := 0, 0
+	type span struct{ off, end int }
+	var spans []span
+	for p, sp := range x.spans {
+		if sp.n == 0 {
 			continue
 		}
 		held++
+		if int(sp.off)+int(sp.n) > len(x.names) {
+			return fmt.Errorf("the ID at place %d lies at %d+%d, past the %d bytes of names", p, sp.off, sp.n, len(x.names))
+		}
+		live += int(sp.n)
+		spans = append(spans, span{int(sp.off), int(sp.off + sp.n)})
+		rid := string(x.rid(p))
 		s, ok := x.lookup(rid, ridHash(rid))
 		if !ok || placeOf(x.slots[s]) != p {
 			return fmt.Errorf("request %q at place %d is not found there", rid, p)
 		}
+	}
+	// The free spans, by length: each within names, as long as its list
+	// says; with the IDs', none overlapping another (so no list loops).
+	free := 0
+	for n, next := range x.freed {
+		for k := 0; next != 0; k++ {
+			off := int(next - 1)
+			if n < minFreed || off+n > len(x.names) || k > len(x.names)/minFreed {
+				return fmt.Errorf("a free span of %d bytes at %d, in %d bytes of names", n, off, len(x.names))
+			}
+			spans = append(spans, span{off, off + n})
+			free += n
+			next = binary.LittleEndian.Uint32(x.names[off:])
+		}
+	}
+	slices.SortFunc(spans, func(a, b span) int { return a.off - b.off })
+	for i := 1; i < len(spans); i++ {
+		if spans[i].off < spans[i-1].end {
+			return fmt.Errorf("two spans of names (request IDs or free) share bytes %d-%d", spans[i].off, spans[i-1].end)
+		}
+	}
+	if free > x.dead {
+		return fmt.Errorf("%d bytes of names in free spans, %d counted dead", free, x.dead)
+	}
+	if live+x.dead != len(x.names) {
+		return fmt.Errorf("names holds %d bytes: %d of IDs held and %d dead", len(x.names), live, x.dead)
 	}
 	used := 0
 	for _, e := range x.slots {
@@ -243,13 +282,13 @@ func (x *reqIndex) check() error {
 			continue
 		}
 		used++
-		if p := placeOf(e); p >= len(x.rids) || x.rids[p] == "" {
+		if p := placeOf(e); p >= len(x.spans) || x.spans[p].n == 0 {
 			return fmt.Errorf("a slot names place %d, which holds no request", p)
 		}
 	}
-	if held != x.n || used != x.n || len(x.free) != len(x.rids)-x.n || (len(x.slots) > 0 && 2*x.n > len(x.slots)) {
+	if held != x.n || used != x.n || len(x.free) != len(x.spans)-x.n || (len(x.slots) > 0 && 2*x.n > len(x.slots)) {
 		return fmt.Errorf("%d requests held, %d slots used of %d, %d places free of %d; the count says %d",
-			held, used, len(x.slots), len(x.free), len(x.rids), x.n)
+			held, used, len(x.slots), len(x.free), len(x.spans), x.n)
 	}
 	return nil
 }

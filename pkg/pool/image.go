@@ -415,10 +415,7 @@ const splitFrom = 4096
 // fillRequests puts in slots 0, 1, ... in order.
 func (s *Session) indexRequests(reqs []RequestImage, requests int) error {
 	s.reqs = newReqIndex(requests)
-	if dup, ok := s.reqs.indexAll(reqs); !ok {
-		return fmt.Errorf("request %q: %w", dup, errListedTwice)
-	}
-	return nil
+	return s.reqs.indexAll(reqs)
 }
 
 var errListedTwice = errors.New("listed twice (an image lists each request once, with its streams)")

@@ -124,6 +124,11 @@ func TestSessionMisuse(t *testing.T) {
 			}
 			return err
 		}, poolerr.ErrPending},
+		{"offload of a new request with the session's request IDs at their bound", func(s *Session) error {
+			defer boundNames(3)() // "r1" held, "r2" dead (packed away): "r3" does not fit
+			_, err := s.Offload("r3", "a", []int32{9}, Meta{}, nil)
+			return err
+		}, poolerr.ErrFull},
 		{"reload unknown stream", func(s *Session) error { _, err := s.Reload("r1", "zz", []int32{9}, nil); return err }, poolerr.ErrUnknownStream},
 		{"reload already reloaded stream", func(s *Session) error { _, err := s.Reload("r2", "x", []int32{9, 10}, nil); return err }, poolerr.ErrUnknownStream},
 		{"reload too few device pages", func(s *Session) error { _, err := s.Reload("r1", "a", []int32{9, 10}, nil); return err }, poolerr.ErrPageCount},
@@ -415,4 +420,34 @@ func testOwnGPU(t *testing.T) {
 		t.Fatalf("GPU 0 on GPU 3's chunks: locality %+v, capacity %d", l, s.Capacity())
 	}
 	must(t, p.Check())
+}
+
+// boundNames sets the bound on a session's request ID bytes (maxNames)
+// and returns what restores it.
+func boundNames(n int) func() {
+	old := maxNames
+	maxNames = n
+	return func() { maxNames = old }
+}
+
+// TestNamesPackedToFit: an offload of a new request whose ID fits only once
+// the removed requests' bytes are packed away is taken, and so is a new
+// label of a request held while the bound leaves no room for a new ID.
+func TestNamesPackedToFit(t *testing.T) {
+	s := misuseSession(t) // "r1" held, "r2" removed by its reload: 4 bytes of names, 2 dead
+	defer boundNames(4)()
+	must(t, s.Fence(1)) // three pages free
+	if _, err := s.Offload("r1", "c", []int32{9}, Meta{}, nil); err != nil {
+		t.Fatalf("a new label of a request held: %v", err)
+	}
+	if _, err := s.Offload("r3", "a", []int32{10}, Meta{}, nil); err != nil {
+		t.Fatalf("a new request that fits once the names are packed: %v", err)
+	}
+	if got := string(s.reqs.names); got != "r1r3" {
+		t.Fatalf("names %q, want r1r3", got)
+	}
+	if _, err := s.Offload("r4", "a", []int32{11}, Meta{}, nil); !errors.Is(err, poolerr.ErrFull) {
+		t.Fatalf("a new request past the bound: %v, want ErrFull", err)
+	}
+	must(t, s.Check())
 }

@@ -1,8 +1,12 @@
 package pool
 
 import (
+	"encoding/binary"
+	"fmt"
 	"hash/maphash"
 	"iter"
+
+	"github.com/kvpool/kvpool/pkg/poolerr"
 )
 
 // reqIndex maps a session's request IDs to their lists of streams. It is a
@@ -11,17 +15,67 @@ import (
 // indexes every request of a session at once, and a map took them one
 // cache miss after the other (about half of a large session's rebuild),
 // where indexAll computes a batch of hashes and reads their slots
-// together before it fills them. The table holds no pointers; a request's
-// ID (never empty: checkNames) and list live at its place in two slices
-// beside it.
+// together before it fills them.
+//
+// Nothing in it is a pointer: the request IDs (never empty: checkNames)
+// lie back to back in one byte slice, names, each place saying where its
+// own is (span), so that a session's index is a few flat slices however
+// many requests it holds. The collector has none of them to trace, a
+// request costs its ID's bytes and 8 more, not a string's 16-byte header
+// and its own allocation, and an offload of a new request copies its ID
+// instead of keeping the caller's string. A removed request's bytes go on
+// a list of free spans of their length, which the next ID of that length
+// takes (engines' IDs come and go at a few lengths, so names stops
+// growing); should more than half of names lie dead all the same (IDs of
+// ever new lengths), the live IDs are packed again (pack), each byte of ID
+// copied about once per byte removed.
 type reqIndex struct {
-	slots []uint64  // 0: empty; else the upper half of the ID's hash, then place+1 (entry)
-	rids  []string  // place -> request ID; "" for a free place
-	lists []ridList // place -> the request's streams
-	free  []int32   // free places, reused first
+	slots []uint64   // 0: empty; else the upper half of the ID's hash, then place+1 (entry)
+	names []byte     // the request IDs, back to back, with the dead ones' bytes
+	spans []nameSpan // place -> where its ID lies in names; none for a free place
+	lists []ridList  // place -> the request's streams
+	free  []int32    // free places, reused first
 	n     int
+	dead  int // bytes of names no request holds
+	// freed: by length, the first of the free spans of that length in
+	// names (offset+1; 0: none), each holding the next one's in its
+	// first 4 bytes; IDs shorter than that are not reused. Made at the
+	// first removal.
+	freed []uint32
 	// touched keeps indexAll's early reads from being optimised away.
 	touched uint64
+}
+
+// nameSpan is where a request ID lies in names; n is 0 for a free place.
+type nameSpan struct{ off, n uint32 }
+
+// packFrom is the least dead bytes worth packing names for.
+const packFrom = 64 << 10
+
+// maxNames bounds names (its offsets are 32 bits). An offload of a new
+// request that would take it past the bound is refused (full), after
+// packing; the server's limits on name bytes hold a session far below it.
+// A variable for tests.
+var maxNames = 1<<32 - 1
+
+// minFreed is the shortest ID whose bytes are reused (a free span holds
+// the next one's offset).
+const minFreed = 4
+
+// rid is the ID at place p, as bytes of names (valid until names changes).
+func (x *reqIndex) rid(p int) []byte {
+	sp := x.spans[p]
+	return x.names[sp.off : sp.off+sp.n]
+}
+
+// full reports whether an ID of n more bytes does not fit in names, even
+// once the dead ones are packed away.
+func (x *reqIndex) full(n int) bool {
+	if len(x.names)+n <= maxNames || n >= minFreed && x.freed != nil && x.freed[n] != 0 {
+		return false
+	}
+	x.pack()
+	return len(x.names)+n > maxNames
 }
 
 // ridSeed keys the index's hash: request IDs come from tenants, so where
@@ -41,7 +95,7 @@ func indexSlots(n int) int {
 }
 
 func newReqIndex(n int) reqIndex {
-	return reqIndex{slots: make([]uint64, indexSlots(n)), rids: make([]string, 0, n), lists: make([]ridList, 0, n)}
+	return reqIndex{slots: make([]uint64, indexSlots(n)), spans: make([]nameSpan, 0, n), lists: make([]ridList, 0, n)}
 }
 
 func entry(h uint64, place int) uint64 { return h&^(1<<32-1) | uint64(place+1) }
@@ -66,7 +120,7 @@ func (x *reqIndex) lookup(rid string, h uint64) (slot int, found bool) {
 		if e == 0 {
 			return i, false
 		}
-		if e>>32 == h>>32 && x.rids[placeOf(e)] == rid {
+		if e>>32 == h>>32 && string(x.rid(placeOf(e))) == rid {
 			return i, true
 		}
 	}
@@ -96,17 +150,27 @@ func (x *reqIndex) put(rid string, l ridList) {
 	x.n++
 }
 
-// add gives rid and l a place, a free one first, and returns it.
+// add gives rid (a copy of it) and l a place, a free one first, and
+// returns it. The caller has made sure the ID fits (full).
 func (x *reqIndex) add(rid string, l ridList) int {
+	sp := nameSpan{off: uint32(len(x.names)), n: uint32(len(rid))}
+	if n := len(rid); n >= minFreed && x.freed != nil && x.freed[n] != 0 {
+		sp.off = x.freed[n] - 1
+		x.freed[n] = binary.LittleEndian.Uint32(x.names[sp.off:])
+		copy(x.names[sp.off:], rid)
+		x.dead -= n
+	} else {
+		x.names = append(x.names, rid...)
+	}
 	if k := len(x.free); k > 0 {
 		p := int(x.free[k-1])
 		x.free = x.free[:k-1]
-		x.rids[p], x.lists[p] = rid, l
+		x.spans[p], x.lists[p] = sp, l
 		return p
 	}
-	x.rids = append(x.rids, rid)
+	x.spans = append(x.spans, sp)
 	x.lists = append(x.lists, l)
-	return len(x.rids) - 1
+	return len(x.spans) - 1
 }
 
 // del removes rid, and reports whether it was held.
@@ -116,7 +180,15 @@ func (x *reqIndex) del(rid string) bool {
 		return false
 	}
 	p := placeOf(x.slots[s])
-	x.rids[p], x.lists[p] = "", ridList{}
+	if sp := x.spans[p]; sp.n >= minFreed && sp.n <= MaxNameLen {
+		if x.freed == nil {
+			x.freed = make([]uint32, MaxNameLen+1)
+		}
+		binary.LittleEndian.PutUint32(x.names[sp.off:], x.freed[sp.n])
+		x.freed[sp.n] = sp.off + 1
+	}
+	x.dead += int(x.spans[p].n)
+	x.spans[p], x.lists[p] = nameSpan{}, ridList{}
 	x.free = append(x.free, int32(p))
 	x.n--
 	// Backward-shift deletion: the entries after the gap that would no
@@ -133,7 +205,26 @@ func (x *reqIndex) del(rid string) bool {
 		s = j
 	}
 	x.slots[s] = 0
+	if x.dead >= packFrom && 2*x.dead > len(x.names) {
+		x.pack()
+	}
 	return true
+}
+
+// pack copies the live request IDs back to back into a names of their
+// own size (and a little room), in place order, dropping the dead bytes.
+func (x *reqIndex) pack() {
+	live := len(x.names) - x.dead
+	names := make([]byte, 0, live+live/8)
+	for p, sp := range x.spans {
+		if sp.n == 0 {
+			continue
+		}
+		x.spans[p].off = uint32(len(names))
+		names = append(names, x.names[sp.off:sp.off+sp.n]...)
+	}
+	x.names, x.dead = names, 0
+	clear(x.freed)
 }
 
 // grow makes the table again with n slots.
@@ -153,11 +244,12 @@ func (x *reqIndex) grow(n int) {
 	}
 }
 
-// all yields every request held and its list, in no particular order.
+// all yields every request held (its ID a string of its own) and its
+// list, in no particular order.
 func (x *reqIndex) all() iter.Seq2[string, ridList] {
 	return func(yield func(string, ridList) bool) {
-		for p, rid := range x.rids {
-			if rid != "" && !yield(rid, x.lists[p]) {
+		for p, sp := range x.spans {
+			if sp.n != 0 && !yield(string(x.rid(p)), x.lists[p]) {
 				return
 			}
 		}
@@ -171,40 +263,53 @@ const indexBatch = 16
 // indexAll indexes the requests of a fresh session's image, those with
 // streams, into an empty index made for them: place i is the i-th, and its
 // streams take the slots after the previous one's (as fillRequests fills
-// them). It returns the first ID listed twice, if any ("" and true: none).
+// them). It refuses a request listed twice, and IDs of more bytes in all
+// than names holds.
 // A table of a large session is larger than the caches: one request at a
 // time, each new one missed them in turn; here a batch's first reads,
 // independent of each other, miss them together.
-func (x *reqIndex) indexAll(reqs []RequestImage) (string, bool) {
+func (x *reqIndex) indexAll(reqs []RequestImage) error {
 	var hs [indexBatch]uint64
+	var rs [indexBatch]string
+	bytes := 0
+	for i := range reqs {
+		if len(reqs[i].Streams) > 0 {
+			bytes += len(reqs[i].Rid)
+		}
+	}
+	if bytes > maxNames {
+		return fmt.Errorf("%w: the request IDs take %d bytes, more than a session's %d", poolerr.ErrFull, bytes, maxNames)
+	}
+	x.names = make([]byte, 0, bytes)
 	mask := len(x.slots) - 1
 	var touched uint64
 	slot := int32(0)
 	for i := 0; i < len(reqs); {
-		lo := len(x.rids)
-		for ; i < len(reqs) && len(x.rids)-lo < indexBatch; i++ {
+		lo := len(x.spans)
+		for ; i < len(reqs) && len(x.spans)-lo < indexBatch; i++ {
 			q := &reqs[i]
 			n := int32(len(q.Streams))
 			if n == 0 {
 				continue
 			}
 			h := ridHash(q.Rid)
-			hs[len(x.rids)-lo] = h
+			hs[len(x.spans)-lo], rs[len(x.spans)-lo] = h, q.Rid
 			touched |= x.slots[home(h, mask)]
-			x.rids = append(x.rids, q.Rid)
+			x.spans = append(x.spans, nameSpan{off: uint32(len(x.names)), n: uint32(len(q.Rid))})
+			x.names = append(x.names, q.Rid...)
 			x.lists = append(x.lists, ridList{first: slot, last: slot + n - 1, n: n})
 			slot += n
 		}
-		for p := lo; p < len(x.rids); p++ {
-			h := hs[p-lo]
-			s, found := x.lookup(x.rids[p], h)
+		for p := lo; p < len(x.spans); p++ {
+			h, rid := hs[p-lo], rs[p-lo]
+			s, found := x.lookup(rid, h)
 			if found {
-				return x.rids[p], false
+				return fmt.Errorf("request %q: %w", rid, errListedTwice)
 			}
 			x.slots[s] = entry(h, p)
 			x.n++
 		}
 	}
 	x.touched = touched
-	return "", true
+	return nil
 }

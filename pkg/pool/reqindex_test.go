@@ -1,9 +1,13 @@
 package pool
 
 import (
+	"errors"
 	"fmt"
 	"math/rand/v2"
+	"strconv"
+	"strings"
 	"testing"
+	"unsafe"
 )
 
 // TestReqIndexAgainstMap puts, replaces and deletes request IDs at random
@@ -96,12 +100,15 @@ func TestReqIndexAll(t *testing.T) {
 				}
 			}
 			x := newReqIndex(n)
-			dup, ok := x.indexAll(tc.reqs)
-			if dup != tc.dup || ok != (tc.dup == "") {
-				t.Fatalf("indexAll = %q, %v; want %q", dup, ok, tc.dup)
-			}
-			if !ok {
+			err := x.indexAll(tc.reqs)
+			if tc.dup != "" {
+				if !errors.Is(err, errListedTwice) || !strings.Contains(err.Error(), strconv.Quote(tc.dup)) {
+					t.Fatalf("indexAll = %v; want %q listed twice", err, tc.dup)
+				}
 				return
+			}
+			if err != nil {
+				t.Fatal(err)
 			}
 			if err := x.check(); err != nil {
 				t.Fatal(err)
@@ -116,8 +123,8 @@ func TestReqIndexAll(t *testing.T) {
 					}
 					continue
 				}
-				if want := (ridList{first: slot, last: slot + k - 1, n: k}); !held || l != want || x.rids[place] != q.Rid {
-					t.Fatalf("%q: %v, %v at place %d (%q); want %v", q.Rid, l, held, place, x.rids[place], want)
+				if want := (ridList{first: slot, last: slot + k - 1, n: k}); !held || l != want || string(x.rid(place)) != q.Rid {
+					t.Fatalf("%q: %v, %v at place %d (%q); want %v", q.Rid, l, held, place, x.rid(place), want)
 				}
 				place, slot = place+1, slot+k
 			}
@@ -126,4 +133,98 @@ func TestReqIndexAll(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestReqIndexNames: the index keeps its own copy of each request ID (the
+// caller's bytes may change after); an ID takes the bytes a removed one of
+// its length left, so that requests coming and going at one length keep
+// names at the size the live ones need; and IDs of ever new lengths, whose
+// removed bytes no later ID takes, are packed once more than half of names
+// is dead, which keeps names within twice what the live IDs take (and
+// packFrom). Every request held is found throughout.
+func TestReqIndexNames(t *testing.T) {
+	var x reqIndex
+	buf := []byte("caller-owned-id")
+	x.put(unsafe.String(&buf[0], len(buf)), ridList{first: 1, last: 1, n: 1})
+	copy(buf, "overwritten-xyz")
+	if _, ok := x.get("caller-owned-id"); !ok {
+		t.Fatal("the index lost a request ID whose caller's bytes changed after the put")
+	}
+	if _, ok := x.get("overwritten-xyz"); ok {
+		t.Fatal("the index found an ID it was never given: it kept the caller's bytes")
+	}
+	x.del("caller-owned-id")
+
+	t.Run("one length", func(t *testing.T) {
+		var x reqIndex
+		var held []string
+		for i := range 1000 {
+			held = append(held, fmt.Sprintf("request-%012d", i))
+			x.put(held[i], ridList{n: 1})
+		}
+		size := len(x.names)
+		r := rand.New(rand.NewPCG(1, 2))
+		for i := range 20_000 {
+			k := r.IntN(len(held))
+			if !x.del(held[k]) {
+				t.Fatalf("step %d: %q not held", i, held[k])
+			}
+			held[k] = fmt.Sprintf("request-%012d", 1000+i)
+			x.put(held[k], ridList{n: 1})
+			if len(x.names) != size {
+				t.Fatalf("step %d: names grew from %d to %d bytes with 1,000 IDs of one length held", i, size, len(x.names))
+			}
+		}
+		if err := x.check(); err != nil {
+			t.Fatal(err)
+		}
+		for _, rid := range held {
+			if _, ok := x.get(rid); !ok {
+				t.Fatalf("%q lost", rid)
+			}
+		}
+	})
+	t.Run("new lengths", func(t *testing.T) {
+		var x reqIndex
+		held := map[string]bool{}
+		next, packs := 0, 0
+		for round := range 12 {
+			long := strings.Repeat("r", 100+7*round) // a length no earlier round used
+			for range 1000 {
+				rid := fmt.Sprintf("%s-%06d", long, next)
+				next++
+				x.put(rid, ridList{n: 1})
+				held[rid] = true
+			}
+			k := 0
+			for rid := range held {
+				if k == 1000-round%3*100 {
+					break
+				}
+				before := len(x.names)
+				if !x.del(rid) {
+					t.Fatalf("round %d: %q not held", round, rid)
+				}
+				delete(held, rid)
+				if len(x.names) < before {
+					packs++
+				}
+				if live := len(x.names) - x.dead; len(x.names) > 2*live+packFrom {
+					t.Fatalf("round %d: names is %d bytes for %d live", round, len(x.names), live)
+				}
+				k++
+			}
+			if err := x.check(); err != nil {
+				t.Fatalf("round %d: %v", round, err)
+			}
+			for rid := range held {
+				if _, ok := x.get(rid); !ok {
+					t.Fatalf("round %d: %q lost", round, rid)
+				}
+			}
+		}
+		if packs < 3 {
+			t.Fatalf("names packed %d times over 12 rounds of new lengths", packs)
+		}
+	})
 }

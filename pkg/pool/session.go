@@ -405,6 +405,10 @@ func (s *Session) Offload(rid, label string, gpuPages []int32, m Meta, dst []int
 		}
 		return dst, s.pendingErr(n)
 	}
+	if list.n == 0 && s.reqs.full(len(rid)) {
+		return dst, streamErr("offload", rid, label,
+			fmt.Errorf("%w: the session's request IDs take %d bytes, no room for %d more", poolerr.ErrFull, len(s.reqs.names), len(rid)))
+	}
 
 	head, tail := s.freeHead, int32(nilPage)
 	p := head
