@@ -96,7 +96,10 @@ func (d *driver) labelSet() []string {
 }
 
 var (
-	rids   = []string{"r0", "r1", "r2", "r3", "r4", "r5"}
+	// Request IDs of three lengths, two each: shorter than the index
+	// reuses the bytes of (minFreed), and two lengths whose removed IDs'
+	// bytes the other of the pair takes.
+	rids   = []string{"r0", "r1", "req-2", "req-3", "request-4", "request-5"}
 	labels = []string{"", "k", "v", "mla"}
 )
 
