@@ -150,31 +150,24 @@ func BenchmarkOffloadManyLabels(b *testing.B) {
 }
 
 // BenchmarkRestore rebuilds sessions of 131,072 streams (one session's
-// bound; one page and one stream a request, kvbench restart's shape, and
-// request IDs of 11 bytes or of 64, the agent's bound on name bytes over
-// as many streams) from their image, as a restarted agent does after replaying its books: the
-// "rebuild" phase of its keeper step, without the page faults of a fresh
-// process (the heap is the benchmark's, warm).
+// bound; one page a stream) from their image, as a restarted agent does
+// after replaying its books: the "rebuild" phase of its keeper step,
+// without the page faults of a fresh process (the heap is the
+// benchmark's, warm). A request holds one stream (kvbench restart's
+// shape) or `labels` of them, and its ID takes 11 bytes, or 64 (the
+// agent's bound on name bytes over as many streams).
 //
 //	go test -run XXX -bench Restore -count 6 ./pkg/pool/
 func BenchmarkRestore(b *testing.B) {
-	for _, c := range []struct{ sessions, rid int }{{1, 11}, {4, 11}, {4, 64}} {
-		sessions := c.sessions
-		pad := strings.Repeat("r", c.rid-11)
-		b.Run(fmt.Sprintf("sessions=%d,rid=%d", sessions, c.rid), func(b *testing.B) {
+	for _, c := range []struct{ sessions, rid, labels int }{{1, 11, 1}, {4, 11, 1}, {4, 64, 1}, {1, 11, 9}, {1, 11, 80}} {
+		sessions, labels := c.sessions, c.labels
+		name := fmt.Sprintf("sessions=%d,rid=%d", sessions, c.rid)
+		if labels > 1 {
+			name += fmt.Sprintf(",labels=%d", labels)
+		}
+		b.Run(name, func(b *testing.B) {
 			const streams = 1 << 17
-			p := New()
-			for i := range sessions {
-				id := fmt.Sprintf("c%d", i)
-				must(b, p.AddChunk(Chunk{ID: id, Size: streams * 64}))
-				must(b, p.Grant(id, []string{id}))
-				s, err := p.Open(id, Spec{PageSize: 64, DevicePages: 64})
-				must(b, err)
-				for j := range streams {
-					_, err := s.Offload(fmt.Sprintf("%sreq-%07d", pad, j), "k", []int32{int32(j % 64)}, Meta{StoredLen: int64(j)}, nil)
-					must(b, err)
-				}
-			}
+			p := fullSessions(b, sessions, streams, c.rid, labels)
 			img := p.Export()
 			for b.Loop() {
 				if _, err := New().Restore(img); err != nil {
@@ -184,6 +177,32 @@ func BenchmarkRestore(b *testing.B) {
 			b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*sessions*streams), "ns/stream")
 		})
 	}
+}
+
+// fullSessions is a pool of sessions sessions of streams one-page streams
+// each, labels streams a request, the request IDs rid bytes long.
+func fullSessions(b *testing.B, sessions, streams, rid, labels int) *Pool {
+	pad := strings.Repeat("r", rid-11)
+	p := New()
+	if streams == 0 {
+		return p
+	}
+	for i := range sessions {
+		id := fmt.Sprintf("c%d", i)
+		must(b, p.AddChunk(Chunk{ID: id, Size: int64(streams) * 64}))
+		must(b, p.Grant(id, []string{id}))
+		s, err := p.Open(id, Spec{PageSize: 64, DevicePages: 64})
+		must(b, err)
+		for j := range streams {
+			label := "k"
+			if labels > 1 {
+				label = fmt.Sprintf("layer.%d", j%labels)
+			}
+			_, err := s.Offload(fmt.Sprintf("%sreq-%07d", pad, j/labels), label, []int32{int32(j % 64)}, Meta{StoredLen: int64(j)}, nil)
+			must(b, err)
+		}
+	}
+	return p
 }
 
 // BenchmarkOffloadRemove offloads a one-page stream of a new request and
@@ -217,31 +236,21 @@ func BenchmarkOffloadRemove(b *testing.B) {
 }
 
 // BenchmarkCollect is one collection of the heap while the pool holds four
-// sessions of 131,072 streams each (one page and one stream a request,
-// request IDs of 11 bytes made fresh per call, as a server decodes them):
-// what the pool's tables add to each collection an agent at its bound
-// makes, against the same collection with the pool empty ("empty").
+// sessions of 131,072 streams each (one page a stream, request IDs of 11
+// bytes made fresh per call, as a server decodes them), a request holding
+// one stream or 9: what the pool's tables add to each collection an agent
+// at its bound makes, against the same collection with the pool empty
+// ("empty").
 //
 //	go test -run XXX -bench Collect -count 6 ./pkg/pool/
 func BenchmarkCollect(b *testing.B) {
-	for _, streams := range []int{0, 1 << 17} {
+	for _, c := range []struct{ streams, labels int }{{0, 1}, {1 << 17, 1}, {1 << 17, 9}} {
 		name := "empty"
-		if streams > 0 {
-			name = fmt.Sprintf("sessions=4,streams=%d", streams)
+		if c.streams > 0 {
+			name = fmt.Sprintf("sessions=4,streams=%d,labels=%d", c.streams, c.labels)
 		}
 		b.Run(name, func(b *testing.B) {
-			p := New()
-			for i := range 4 {
-				id := fmt.Sprintf("c%d", i)
-				must(b, p.AddChunk(Chunk{ID: id, Size: (1 << 17) * 64}))
-				must(b, p.Grant(id, []string{id}))
-				s, err := p.Open(id, Spec{PageSize: 64, DevicePages: 64})
-				must(b, err)
-				for j := range streams {
-					_, err := s.Offload(fmt.Sprintf("req-%07d", j), "k", []int32{int32(j % 64)}, Meta{StoredLen: int64(j)}, nil)
-					must(b, err)
-				}
-			}
+			p := fullSessions(b, 4, c.streams, 11, c.labels)
 			runtime.GC()
 			for b.Loop() {
 				runtime.GC()

@@ -83,11 +83,13 @@ func (s *Session) checkList(owner []byte, what string, head, tail int32, n int) 
 // checkStreams checks every request's list of streams, their label index
 // and their pages, and the stream and page counters.
 func (s *Session) checkStreams(owner []byte) error {
-	used, streams, own := 0, 0, 0
+	used, streams, own, indexed := 0, 0, 0, 0
+	placeOfSlot := map[int32]int{}
 	for rid, l := range s.reqs.all() {
 		if l.first == nilPage || l.last == nilPage {
 			return fmt.Errorf("request %q has no streams", rid)
 		}
+		_, place, _ := s.reqs.find(rid)
 		labels := map[string]bool{}
 		prev := int32(nilPage)
 		for slot := l.first; slot != nilPage; slot = s.at(slot).next {
@@ -106,8 +108,12 @@ func (s *Session) checkStreams(owner []byte) error {
 			if st.prev != prev {
 				return fmt.Errorf("stream %q/%q: back link %d, want %d", rid, label, st.prev, prev)
 			}
-			if idx := s.byLabel[rid]; idx != nil && idx[label] != slot {
-				return fmt.Errorf("stream %q/%q: not indexed at slot %d", rid, label, slot)
+			if l.n > indexFrom {
+				if got := s.findLabel(place, label); got != slot {
+					return fmt.Errorf("stream %q/%q: the label index finds slot %d, not %d", rid, label, got, slot)
+				}
+				placeOfSlot[slot] = place
+				indexed++
 			}
 			if err := s.checkList(owner, fmt.Sprintf("stream %q/%q", rid, label), st.head, st.tail, int(st.n)); err != nil {
 				return err
@@ -119,16 +125,33 @@ func (s *Session) checkStreams(owner []byte) error {
 		if prev != l.last || int(l.n) != len(labels) {
 			return fmt.Errorf("request %q: last stream %d, count %d; list ends at %d after %d", rid, l.last, l.n, prev, len(labels))
 		}
-		if idx, ok := s.byLabel[rid]; ok != (l.n > indexFrom) || (ok && len(idx) != len(labels)) {
-			return fmt.Errorf("request %q: %d streams, label index of %d", rid, l.n, len(idx))
-		}
 	}
 	if used != s.used || streams != s.nstreams {
 		return fmt.Errorf("streams hold %d pages in %d streams, counters say %d in %d", used, streams, s.used, s.nstreams)
 	}
-	if own != len(s.ownLabels) || len(s.byLabel) > s.reqs.n {
-		return fmt.Errorf("%d streams keep their own label, %d own labels kept; %d label indexes for %d requests",
-			own, len(s.ownLabels), len(s.byLabel), s.reqs.n)
+	if own != len(s.ownLabels) {
+		return fmt.Errorf("%d streams keep their own label, %d own labels kept", own, len(s.ownLabels))
+	}
+	return s.checkLabelIndex(indexed, placeOfSlot)
+}
+
+// checkLabelIndex checks that the label index holds the indexed streams
+// of the requests of more than indexFrom (placeOfSlot: each one's
+// request's place) and nothing else, within its load.
+func (s *Session) checkLabelIndex(indexed int, placeOfSlot map[int32]int) error {
+	x := &s.byLabel
+	entries := 0
+	for _, e := range x.slots {
+		if e == 0 {
+			continue
+		}
+		entries++
+		if p, ok := placeOfSlot[entrySlot(e)]; !ok || p != entryPlace(e) {
+			return fmt.Errorf("the label index holds slot %d at place %d, which is no indexed stream of that request", entrySlot(e), entryPlace(e))
+		}
+	}
+	if entries != indexed || x.n != indexed || (len(x.slots) > 0 && 2*x.n > len(x.slots)) {
+		return fmt.Errorf("the label index holds %d entries in %d slots (count %d) for %d indexed streams", entries, len(x.slots), x.n, indexed)
 	}
 	return nil
 }

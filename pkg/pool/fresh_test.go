@@ -48,12 +48,7 @@ func TestFreshPages(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	img := p.Export()
-	q := New()
-	ss, err := q.Restore(img)
-	must(t, err)
-	r := ss[0]
-	must(t, r.Check())
+	_, _, r := restoreFirst(t, p)
 	if r.fresh != 7 || r.NumFreePages() != capacity-5 {
 		t.Fatalf("restored: untouched from %d with %d free, want 7 with %d", r.fresh, r.NumFreePages(), capacity-5)
 	}

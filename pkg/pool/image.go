@@ -425,11 +425,22 @@ var errListedTwice = errors.New("listed twice (an image lists each request once,
 // indexRequests'.
 func (s *Session) fillRequests(reqs []RequestImage, used []bool) error {
 	k := int32(0)
+	place := -1 // the request's place in the index: indexAll gives them in this order
+	indexed := 0
+	for i := range reqs {
+		if n := len(reqs[i].Streams); n > indexFrom {
+			indexed += n
+		}
+	}
+	if indexed > 0 {
+		s.growLabels(indexSlots(indexed))
+	}
 	for i := range reqs {
 		q := &reqs[i]
 		if len(q.Streams) == 0 {
 			continue
 		}
+		place++
 		rid := q.Rid
 		if err := checkNames(rid, ""); err != nil {
 			return err
@@ -443,7 +454,7 @@ func (s *Session) fillRequests(reqs []RequestImage, used []bool) error {
 			if err := st.Meta.validate(); err != nil {
 				return err
 			}
-			if slot, _ := s.findIn(rid, l, st.Label); slot != nilPage {
+			if s.findIn(place, l, st.Label) != nilPage {
 				return fmt.Errorf("%q/%q: %w", rid, st.Label, poolerr.ErrDuplicateStream)
 			}
 			head, tail, err := s.linkPages(st.Pages, used)
@@ -455,7 +466,7 @@ func (s *Session) fillRequests(reqs []RequestImage, used []bool) error {
 			}
 			*s.at(k) = stream{meta: st.Meta, head: head, tail: tail, n: int32(len(st.Pages))}
 			s.setLabel(k, st.Label)
-			l = s.linkOnly(rid, l, k)
+			l = s.linkOnly(place, l, k)
 			s.names += int64(len(rid) + len(st.Label))
 			k++
 		}

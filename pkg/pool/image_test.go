@@ -423,3 +423,62 @@ func TestRestoreSkipsEmptyRequests(t *testing.T) {
 		}
 	}
 }
+
+// TestRestoreManyLabels: requests of more streams than indexFrom, some
+// with labels past the intern table (their own), restore with their label
+// index: the restored session exports as the pool did, every stream is
+// found by its label, and removing streams and requests afterwards keeps
+// the index whole (Check).
+func TestRestoreManyLabels(t *testing.T) {
+	p := New()
+	must(t, p.AddChunk(Chunk{ID: "c", Size: 1 << 20}))
+	must(t, p.Grant("A", []string{"c"}))
+	s, err := p.Open("A", Spec{PageSize: 64, DevicePages: 64})
+	must(t, err)
+	sizes := map[string]int{"one": 1, "eight": indexFrom, "nine": indexFrom + 1, "thirty": 30, "many": maxInterned + 50}
+	for rid, n := range sizes {
+		for i := range n {
+			_, err := s.Offload(rid, fmt.Sprintf("%s-label-%d", rid, i), []int32{int32(i % 64)}, Meta{StoredLen: int64(i)}, nil)
+			must(t, err)
+		}
+	}
+	must(t, s.Discard("thirty", "thirty-label-3"))
+	must(t, s.Discard("many", "many-label-299"))
+	q, img, r := restoreFirst(t, p)
+	if got := q.Export(); !reflect.DeepEqual(got, img) {
+		t.Fatal("the restored pool exports differently")
+	}
+	for rid, n := range sizes {
+		for i := range n {
+			label := fmt.Sprintf("%s-label-%d", rid, i)
+			want := 1
+			if label == "thirty-label-3" || label == "many-label-299" {
+				want = 0
+			}
+			if got, err := r.NumPages(rid, label); err != nil || got != want {
+				t.Fatalf("num_pages(%s, %s) = %d, %v after the restore; want %d", rid, label, got, err, want)
+			}
+		}
+	}
+	for i := range 20 {
+		must(t, r.Discard("many", fmt.Sprintf("many-label-%d", 7*i)))
+	}
+	must(t, r.Discard("nine", "nine-label-0")) // down to indexFrom: walked again
+	must(t, r.Check())
+	if n, err := r.RemoveRequest("thirty"); err != nil || n != 29 {
+		t.Fatalf("remove_request = %d, %v; want 29", n, err)
+	}
+	must(t, r.Check())
+}
+
+// restoreFirst restores p's export into a fresh pool and returns that
+// pool, the export and its first session, checked.
+func restoreFirst(t *testing.T, p *Pool) (*Pool, Image, *Session) {
+	t.Helper()
+	img := p.Export()
+	q := New()
+	ss, err := q.Restore(img)
+	must(t, err)
+	must(t, ss[0].Check())
+	return q, img, ss[0]
+}

@@ -126,6 +126,15 @@ func (x *reqIndex) lookup(rid string, h uint64) (slot int, found bool) {
 	}
 }
 
+// find returns rid's list and its place.
+func (x *reqIndex) find(rid string) (ridList, int, bool) {
+	if s, ok := x.lookup(rid, ridHash(rid)); ok {
+		p := placeOf(x.slots[s])
+		return x.lists[p], p, true
+	}
+	return ridList{}, -1, false
+}
+
 // get returns rid's list.
 func (x *reqIndex) get(rid string) (ridList, bool) {
 	if s, ok := x.lookup(rid, ridHash(rid)); ok {

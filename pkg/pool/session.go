@@ -75,9 +75,10 @@ type Session struct {
 
 	reqs reqIndex // request ID -> its streams, in offload order
 	// byLabel indexes the streams of each request that holds more than
-	// indexFrom of them: request ID -> label -> slot. Kept out of ridList
-	// so that the entry every request has stays 12 bytes.
-	byLabel  map[string]map[string]int32
+	// indexFrom of them: (the request's place, label) -> slot, one table
+	// for the session (labelindex.go). Kept out of ridList so that the
+	// entry every request has stays 12 bytes.
+	byLabel  labelIndex
 	slab     []*slabBlock
 	freeSlot int32 // free slots, linked through stream.next
 	nstreams int
@@ -156,7 +157,7 @@ type stream struct {
 // ridList is a request's list of streams. A request with more than
 // indexFrom streams also indexes them by label (Session.byLabel), so that
 // finding one stays O(1) however many a request has; below that a walk of
-// the list is faster than a map and costs the hot path nothing.
+// the list is faster than the table and costs the hot path nothing.
 type ridList struct {
 	first, last int32
 	n           int32
@@ -175,7 +176,6 @@ func newSession(p *Pool, a *allocation, spec Spec, chunks []*chunk, ppc, capacit
 		freeHead:  nilPage,
 		nfree:     capacity,
 		reqs:      newReqIndex(0),
-		byLabel:   make(map[string]map[string]int32),
 		freeSlot:  nilPage,
 		seen:      make([]uint64, (spec.DevicePages+63)/64),
 		labelIdx:  make(map[string]int32),
@@ -238,41 +238,45 @@ func (s *Session) freeSlotAt(slot int32) {
 }
 
 // find returns the slot of (rid, label), or nilPage when there is none,
-// and rid's list.
-func (s *Session) find(rid, label string) (int32, ridList) {
-	l, ok := s.reqs.get(rid)
+// rid's list and its place in the request index (-1 when rid holds no
+// stream).
+func (s *Session) find(rid, label string) (int32, ridList, int) {
+	l, place, ok := s.reqs.find(rid)
 	if !ok {
-		return nilPage, l
+		return nilPage, l, -1
 	}
-	return s.findIn(rid, l, label)
+	return s.findIn(place, l, label), l, place
 }
 
-// findIn is find in rid's list l.
-func (s *Session) findIn(rid string, l ridList, label string) (int32, ridList) {
+// findIn is the slot of label's stream in the list l of the request at
+// place, or nilPage.
+func (s *Session) findIn(place int, l ridList, label string) int32 {
 	if l.n > indexFrom {
-		if slot, ok := s.byLabel[rid][label]; ok {
-			return slot, l
-		}
-		return nilPage, l
+		return s.findLabel(place, label)
 	}
 	for slot := l.first; slot != nilPage; slot = s.at(slot).next {
 		if s.labelOf(slot) == label {
-			return slot, l
+			return slot
 		}
 	}
-	return nilPage, l
+	return nilPage
 }
 
-// link appends a new stream in slot to rid's list l (zero when rid has no
-// stream yet).
-func (s *Session) link(rid string, l ridList, slot int32) {
-	s.reqs.put(rid, s.linkOnly(rid, l, slot))
+// link appends a new stream in slot to rid's list l, the request at place
+// (zero and -1 when rid has no stream yet).
+func (s *Session) link(rid string, l ridList, place int, slot int32) {
+	l = s.linkOnly(place, l, slot)
+	if place < 0 {
+		s.reqs.put(rid, l)
+	} else {
+		s.reqs.lists[place] = l
+	}
 	s.pool.streams.Add(1)
 }
 
 // linkOnly is link but for storing the list (it returns it) and for the
 // pool's count of streams (its caller adds them).
-func (s *Session) linkOnly(rid string, l ridList, slot int32) ridList {
+func (s *Session) linkOnly(place int, l ridList, slot int32) ridList {
 	st := s.at(slot)
 	st.next = nilPage
 	if l.n > 0 {
@@ -286,21 +290,28 @@ func (s *Session) linkOnly(rid string, l ridList, slot int32) ridList {
 	l.n++
 	switch {
 	case l.n > indexFrom+1:
-		s.byLabel[rid][s.labelOf(slot)] = slot
+		s.indexLabel(place, slot)
 	case l.n > indexFrom:
-		idx := make(map[string]int32, 2*indexFrom)
 		for x := l.first; x != nilPage; x = s.at(x).next {
-			idx[s.labelOf(x)] = x
+			s.indexLabel(place, x)
 		}
-		s.byLabel[strings.Clone(rid)] = idx
 	}
 	s.nstreams++
 	s.used += int(st.n)
 	return l
 }
 
-// unlink removes slot from rid's list l and frees the slot.
-func (s *Session) unlink(rid string, l ridList, slot int32) {
+// unlink removes slot from rid's list l, the request at place, and frees
+// the slot.
+func (s *Session) unlink(rid string, place int, l ridList, slot int32) {
+	switch {
+	case l.n > indexFrom+1:
+		s.unindexLabel(place, slot)
+	case l.n == indexFrom+1: // the request's streams are walked from now on
+		for x := l.first; x != nilPage; x = s.at(x).next {
+			s.unindexLabel(place, x)
+		}
+	}
 	st := s.at(slot)
 	if st.prev != nilPage {
 		s.at(st.prev).next = st.next
@@ -313,17 +324,11 @@ func (s *Session) unlink(rid string, l ridList, slot int32) {
 		l.last = st.prev
 	}
 	label := s.labelOf(slot)
-	switch {
-	case l.n > indexFrom+1:
-		delete(s.byLabel[rid], label)
-	case l.n == indexFrom+1:
-		delete(s.byLabel, rid)
-	}
 	l.n--
 	if l.n == 0 {
 		s.reqs.del(rid)
 	} else {
-		s.reqs.put(rid, l)
+		s.reqs.lists[place] = l
 	}
 	s.used -= int(st.n)
 	s.nstreams--
@@ -390,7 +395,7 @@ func (s *Session) Offload(rid, label string, gpuPages []int32, m Meta, dst []int
 	if err := s.checkDevicePages(gpuPages); err != nil {
 		return dst, streamErr("offload", rid, label, err)
 	}
-	found, list := s.find(rid, label)
+	found, list, place := s.find(rid, label)
 	if found != nilPage {
 		return dst, streamErr("offload", rid, label, poolerr.ErrDuplicateStream)
 	}
@@ -437,7 +442,7 @@ func (s *Session) Offload(rid, label string, gpuPages []int32, m Meta, dst []int
 	slot := s.newSlot()
 	*s.at(slot) = stream{meta: m, head: head, tail: tail, n: int32(n)}
 	s.setLabel(slot, label)
-	s.link(rid, list, slot)
+	s.link(rid, list, place, slot)
 	s.names += int64(len(rid) + len(label))
 	s.pool.names.Add(int64(len(rid) + len(label)))
 	return dst, nil
@@ -476,7 +481,7 @@ func (s *Session) Reload(rid, label string, gpuPages []int32, dst []int32) (Relo
 	if err := s.checkDevicePages(gpuPages); err != nil {
 		return Reloaded{Pages: dst}, streamErr("reload", rid, label, err)
 	}
-	slot, list := s.find(rid, label)
+	slot, list, place := s.find(rid, label)
 	if slot == nilPage {
 		return Reloaded{Pages: dst}, streamErr("reload", rid, label, poolerr.ErrUnknownStream)
 	}
@@ -495,7 +500,7 @@ func (s *Session) Reload(rid, label string, gpuPages []int32, dst []int32) (Relo
 		s.pending = append(s.pending, release{ticket: s.ticket, head: st.head, tail: st.tail, n: st.n})
 		s.npending += int(st.n)
 	}
-	s.unlink(rid, list, slot)
+	s.unlink(rid, place, list, slot)
 	return out, nil
 }
 
@@ -552,12 +557,12 @@ func (s *Session) Discard(rid, label string) error {
 	if s.closed {
 		return streamErr("discard", rid, label, poolerr.ErrClosed)
 	}
-	slot, list := s.find(rid, label)
+	slot, list, place := s.find(rid, label)
 	if slot == nilPage {
 		return nil
 	}
 	s.freeChain(s.at(slot))
-	s.unlink(rid, list, slot)
+	s.unlink(rid, place, list, slot)
 	return nil
 }
 
@@ -573,8 +578,17 @@ func (s *Session) RemoveRequest(rid string) (int, error) {
 	if s.closed {
 		return 0, fmt.Errorf("remove_request %q: %w", rid, poolerr.ErrClosed)
 	}
+	l, place, ok := s.reqs.find(rid)
+	if !ok {
+		return 0, nil
+	}
+	if l.n > indexFrom {
+		for slot := l.first; slot != nilPage; slot = s.at(slot).next {
+			s.unindexLabel(place, slot)
+		}
+	}
 	removed := 0
-	for slot := s.first(rid); slot != nilPage; {
+	for slot := l.first; slot != nilPage; {
 		st := s.at(slot)
 		next := st.next
 		s.freeChain(st)
@@ -589,7 +603,6 @@ func (s *Session) RemoveRequest(rid string) (int, error) {
 		slot = next
 	}
 	s.reqs.del(rid)
-	delete(s.byLabel, rid)
 	return removed, nil
 }
 
@@ -628,7 +641,7 @@ func (s *Session) NumPages(rid, label string) (int, error) {
 	if s.closed {
 		return 0, streamErr("num_pages", rid, label, poolerr.ErrClosed)
 	}
-	slot, _ := s.find(rid, label)
+	slot, _, _ := s.find(rid, label)
 	if slot == nilPage {
 		return 0, nil
 	}
@@ -678,7 +691,7 @@ func (s *Session) dropAll() {
 	s.pool.streams.Add(-int64(s.nstreams))
 	s.pool.names.Add(-s.names)
 	s.reqs = reqIndex{}
-	s.byLabel = nil
+	s.byLabel = labelIndex{}
 	s.slab, s.freeSlot = nil, nilPage
 	s.pending, s.phead = nil, 0
 	s.used, s.nstreams, s.npending, s.nfree, s.names = 0, 0, 0, 0, 0
