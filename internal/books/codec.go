@@ -512,6 +512,7 @@ func writeSnapshot(w *snapWriter, st *State) error {
 		w.pages(s.Last.Pages)
 		// Requests in the order they came (requests), which the
 		// replay of this snapshot keeps.
+		s.closeUpAll()
 		w.e = w.e.u(uint64(s.reqs.len()))
 		for rid, list := range s.reqs.all() {
 			w.e = w.e.str(rid).u(uint64(len(list)))

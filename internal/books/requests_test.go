@@ -231,3 +231,149 @@ func TestRequestIndexWrapsAround(t *testing.T) {
 		}
 	}
 }
+
+// largeRequestRig is a pool session with its books, and ops that go to
+// both: offload, reload (fenced at once) and discard of (rid, label),
+// remove_request of rid.
+type largeRequestRig struct {
+	t     testing.TB
+	p     *pool.Pool
+	b     *Books
+	store *memStore
+	s     *pool.Session
+	seq   uint32
+}
+
+func newLargeRequestRig(t testing.TB) *largeRequestRig {
+	p, b, store := grantedBooks(t, "c", 64<<20)
+	s, err := p.Open("a", pool.Spec{PageSize: 64, DevicePages: 64})
+	must(t, err)
+	r := &largeRequestRig{t: t, p: p, b: b, store: store, s: s}
+	info := &server.OpenInfo{Allocation: "a", Instance: "i", Regions: 1,
+		Image: pool.SessionImage{ID: s.ID(), Allocation: "a", Spec: s.Spec(), Chunks: []string{"c"}, PPC: s.PagesPerChunk(), Capacity: s.Capacity()}}
+	r.journal(server.SessionOp{Op: wire.OpOpen, Open: info})
+	return r
+}
+
+func (r *largeRequestRig) journal(op server.SessionOp) {
+	r.seq++
+	op.Session, op.Seq, op.Reply = r.s.ID(), r.seq, []byte{8, 1}
+	must(r.t, r.b.Session(op))
+}
+
+func (r *largeRequestRig) offload(rid, label string) {
+	m := pool.Meta{StoredLen: int64(r.seq)}
+	pages, err := r.s.Offload(rid, label, []int32{int32(r.seq % 64)}, m, nil)
+	must(r.t, err)
+	r.journal(server.SessionOp{Op: wire.OpOffload, Rid: rid, Label: label, Pages: pages, Meta: m})
+}
+
+func (r *largeRequestRig) drop(rid, label string, reload bool) {
+	if !reload {
+		must(r.t, r.s.Discard(rid, label))
+		r.journal(server.SessionOp{Op: wire.OpDiscard, Rid: rid, Label: label})
+		return
+	}
+	rl, err := r.s.Reload(rid, label, []int32{1}, nil)
+	must(r.t, err)
+	r.journal(server.SessionOp{Op: wire.OpReload, Rid: rid, Label: label, Pages: rl.Pages, Ticket: rl.Ticket})
+	must(r.t, r.s.Fence(rl.Ticket))
+	r.journal(server.SessionOp{Fence: rl.Ticket})
+}
+
+// TestReplayLargeRequests: requests of thousands of streams, streams
+// dropped (reloaded or discarded) from anywhere in them, some offloaded
+// again, others added, a request shrunk to a few streams and grown again,
+// another removed, replay to what the pool holds, in the order offloaded,
+// from the records and from a snapshot with records after it.
+func TestReplayLargeRequests(t *testing.T) {
+	r := newLargeRequestRig(t)
+	rng := rand.New(rand.NewPCG(3, 5))
+	held := map[string][]string{}
+	for _, rid := range []string{"wide", "shrinks", "removed"} {
+		for i := range 3000 {
+			label := fmt.Sprintf("layer.%d", i)
+			r.offload(rid, label)
+			held[rid] = append(held[rid], label)
+		}
+	}
+	drop := func(rid string, k int) {
+		for range k {
+			i := rng.IntN(len(held[rid]))
+			r.drop(rid, held[rid][i], rng.IntN(2) == 0)
+			held[rid] = slices.Delete(held[rid], i, i+1)
+		}
+	}
+	check := func(step string) {
+		t.Helper()
+		r.b.settle()
+		st, _, err := Load(r.store.f)
+		must(t, err)
+		must(t, st.Check(r.p.Export()))
+		for _, q := range st.Image().Sessions[0].Requests {
+			var labels []string
+			for _, x := range q.Streams {
+				labels = append(labels, x.Label)
+			}
+			if len(q.Streams) > 0 && !slices.Equal(labels, r.s.Labels(q.Rid)) {
+				t.Fatalf("%s: %q replays with %d labels, the pool holds %d, or in another order", step, q.Rid, len(labels), len(r.s.Labels(q.Rid)))
+			}
+		}
+	}
+	drop("wide", 1800)
+	for i := range 200 { // offloaded again, after the holes
+		label := fmt.Sprintf("layer.%d", i)
+		if !slices.Contains(held["wide"], label) {
+			r.offload("wide", label)
+			held["wide"] = append(held["wide"], label)
+		}
+	}
+	drop("shrinks", 2995)
+	check("records")
+
+	r.b.mu.Lock()
+	st, err := r.b.stateLocked()
+	must(t, err)
+	must(t, r.b.compactLocked(st, 0))
+	r.b.mu.Unlock()
+	check("snapshot")
+
+	drop("wide", 500)
+	for i := range 20 { // grown past indexFrom again
+		label := fmt.Sprintf("again.%d", i)
+		r.offload("shrinks", label)
+		held["shrinks"] = append(held["shrinks"], label)
+	}
+	drop("shrinks", 7)
+	_, err = r.s.RemoveRequest("removed")
+	must(t, err)
+	r.journal(server.SessionOp{Op: wire.OpRemoveRequest, Rid: "removed"})
+	check("snapshot and records")
+	r.b.Close()
+}
+
+// BenchmarkReplayLargeRequest replays books holding one request of 16,000
+// streams, offloaded in turn and then half of them discarded, the first
+// first: what a request of many streams costs a restart (and each
+// compaction). The replay walked the request's streams for each record,
+// and moved its tail down for each discard.
+//
+//	go test -run XXX -bench ReplayLargeRequest ./internal/books/
+func BenchmarkReplayLargeRequest(b *testing.B) {
+	r := newLargeRequestRig(b)
+	const n = 16000
+	for i := range n {
+		r.offload("r", fmt.Sprintf("layer.%d", i))
+	}
+	for i := range n / 2 {
+		r.drop("r", fmt.Sprintf("layer.%d", i), false)
+	}
+	r.b.settle()
+	for b.Loop() {
+		if _, _, err := Load(r.store.f); err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*(n+n/2)), "ns/record")
+	r.b.Close()
+}

@@ -92,6 +92,9 @@ type Session struct {
 
 	reqs    requests
 	pending []pool.PendingImage
+	// bigs: the label index of each request of more than indexFrom
+	// streams a replay has looked in (labels.go).
+	bigs map[string]*bigRequest
 }
 
 // stream is one stream of a request: the pool's own type (request).
@@ -178,6 +181,7 @@ func (st *State) Image() pool.Image {
 }
 
 func (s *Session) image() pool.SessionImage {
+	s.closeUpAll()
 	si := s.Image
 	si.Chunks = slices.Clone(si.Chunks)
 	// The request list as it is, holes and all (the pool skips them): a
@@ -336,11 +340,16 @@ func (s *Session) apply(op server.SessionOp, h uint64) bool {
 	switch op.Op {
 	case wire.OpOffload:
 		list := s.reqs.openHashed(op.Rid, h)
-		if indexOf(*list, op.Label) >= 0 {
+		if b := s.big(op.Rid, *list); b != nil {
+			if _, ok := b.at[op.Label]; ok {
+				return false
+			}
+		} else if indexOf(*list, op.Label) >= 0 {
 			return false
 		}
 		// op is the decoder's own (decodeRecord): its pages are kept.
 		*list = append(*list, stream{Label: op.Label, Meta: op.Meta, Pages: op.Pages})
+		s.added(op.Rid, *list)
 	case wire.OpReload, wire.OpDiscard:
 		i := s.find(op.Rid, op.Label)
 		if i < 0 && op.Op == wire.OpDiscard {
@@ -356,9 +365,10 @@ func (s *Session) apply(op server.SessionOp, h uint64) bool {
 		if op.Op == wire.OpReload && op.Ticket > s.Image.Ticket {
 			s.Image.Ticket = op.Ticket
 		}
-		s.reqs.set(op.Rid, slices.Delete(list, i, i+1))
+		s.drop(op.Rid, list, i)
 	case wire.OpRemoveRequest:
 		s.reqs.remove(op.Rid)
+		delete(s.bigs, op.Rid)
 	default:
 		return false
 	}
@@ -372,23 +382,12 @@ func (s *Session) apply(op server.SessionOp, h uint64) bool {
 }
 
 func (s *Session) streams() int {
+	s.closeUpAll()
 	n := 0
 	for _, list := range s.reqs.all() {
 		n += len(list)
 	}
 	return n
-}
-
-func (s *Session) find(rid, label string) int { return indexOf(s.reqs.get(rid), label) }
-
-// indexOf is the index of label's stream in a request's list, or -1.
-func indexOf(list []stream, label string) int {
-	for i, x := range list {
-		if x.Label == label {
-			return i
-		}
-	}
-	return -1
 }
 
 func (st *State) open(op server.SessionOp) {

@@ -62,6 +62,11 @@ var maxNames = 1<<32 - 1
 // the next one's offset).
 const minFreed = 4
 
+// reusable reports whether a removed ID of n bytes left its bytes free.
+func (x *reqIndex) reusable(n int) bool {
+	return n >= minFreed && n < len(x.freed) && x.freed[n] != 0
+}
+
 // rid is the ID at place p, as bytes of names (valid until names changes).
 func (x *reqIndex) rid(p int) []byte {
 	sp := x.spans[p]
@@ -71,7 +76,7 @@ func (x *reqIndex) rid(p int) []byte {
 // full reports whether an ID of n more bytes does not fit in names, even
 // once the dead ones are packed away.
 func (x *reqIndex) full(n int) bool {
-	if len(x.names)+n <= maxNames || n >= minFreed && x.freed != nil && x.freed[n] != 0 {
+	if len(x.names)+n <= maxNames || x.reusable(n) {
 		return false
 	}
 	x.pack()
@@ -163,7 +168,7 @@ func (x *reqIndex) put(rid string, l ridList) {
 // returns it. The caller has made sure the ID fits (full).
 func (x *reqIndex) add(rid string, l ridList) int {
 	sp := nameSpan{off: uint32(len(x.names)), n: uint32(len(rid))}
-	if n := len(rid); n >= minFreed && x.freed != nil && x.freed[n] != 0 {
+	if n := len(rid); x.reusable(n) {
 		sp.off = x.freed[n] - 1
 		x.freed[n] = binary.LittleEndian.Uint32(x.names[sp.off:])
 		copy(x.names[sp.off:], rid)
