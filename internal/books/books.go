@@ -268,6 +268,11 @@ func replayOn(mem []byte, procs int) (*State, uint64, uint64, error) {
 	}
 	st.ownReplies()
 	st.ridHints = nil
+	// No list keeps a hole past the replay: what reads the state after
+	// (the image, the fresh books' snapshot) may do so side by side.
+	for _, s := range st.sessions {
+		s.closeUpAll()
+	}
 	return st, gen, off, nil
 }
 

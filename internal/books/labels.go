@@ -12,9 +12,11 @@ import "slices"
 // gets, the first time a replay looks in it, a map from label to place in
 // its list (big), and a removal from it leaves a hole where the stream
 // was, noted in a bitmap, until holes are as many as streams, or the
-// request is down to indexFrom: then the list is closed up again. Every
-// walk of the streams (the snapshot, the image, the count) closes the
-// lists up first (closeUp), so none of them sees a hole.
+// request is down to indexFrom: then the list is closed up again. The
+// replay closes every list up before it returns the state, and every walk
+// of the streams (the snapshot, the image, the count) does first, so none
+// of them sees a hole; a state without holes is only read by them, so the
+// image and the fresh books' snapshot may walk it side by side.
 
 // indexFrom is the most streams a request's list holds that a replay walks
 // to find one by its label.
