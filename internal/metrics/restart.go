@@ -11,9 +11,12 @@ import (
 // service. f is read at scrape time; it returns nil when there is no keeper
 // (the gauges are then absent).
 func (m *Metrics) Restart(f func() *report.Restart) {
-	gauge := func(name, help string, v func(r *report.Restart) float64) prometheus.Collector {
-		return &restartGauge{desc: prometheus.NewDesc(prometheus.BuildFQName(Namespace, "", name), help, nil, nil), f: f, v: v}
+	metric := func(kind prometheus.ValueType) func(name, help string, v func(r *report.Restart) float64) prometheus.Collector {
+		return func(name, help string, v func(r *report.Restart) float64) prometheus.Collector {
+			return &restartGauge{desc: prometheus.NewDesc(prometheus.BuildFQName(Namespace, "", name), help, nil, nil), f: f, v: v, kind: kind}
+		}
 	}
+	gauge, counter := metric(prometheus.GaugeValue), metric(prometheus.CounterValue)
 	m.reg.MustRegister(
 		gauge("chunks_adopted", "Chunks this agent adopted from the keeper at start: the previous agent's memory, not pinned again.",
 			func(r *report.Restart) float64 { return float64(r.AdoptedChunks) }),
@@ -25,18 +28,16 @@ func (m *Metrics) Restart(f func() *report.Restart) {
 			func(r *report.Restart) float64 { return float64(r.KeeperLockedChunks) }),
 		gauge("keeper_connected", "1 while the keeper holds the pool and its books; 0 while it is lost (changes are refused, the agent reconnects).",
 			func(r *report.Restart) float64 { return b2f(r.KeeperConnected) }),
-		&restartGauge{desc: prometheus.NewDesc(prometheus.BuildFQName(Namespace, "", "keeper_losses_total"),
-			"Keeper connections this agent lost (the keeper exited, or did not answer within its deadline).", nil, nil),
-			f: f, v: func(r *report.Restart) float64 { return float64(r.KeeperLosses) }, kind: prometheus.CounterValue},
+		counter("keeper_losses_total", "Keeper connections this agent lost (the keeper exited, or did not answer within its deadline).",
+			func(r *report.Restart) float64 { return float64(r.KeeperLosses) }),
 		gauge("pool_lost_at_start", "1 when at this agent's start the keeper held none of the pool an earlier agent had kept in it (its sessions and streams are gone).",
 			func(r *report.Restart) float64 { return b2f(r.PoolLost) }),
 		gauge("books_log_bytes", "Bytes of the books' memfd in use: its 4 KiB header, the snapshot and the records after it (a restart replays them all).",
 			func(r *report.Restart) float64 { return float64(r.BooksLogBytes) }),
 		gauge("books_snapshot_bytes", "Bytes of the books' last snapshot.",
 			func(r *report.Restart) float64 { return float64(r.BooksSnapshotBytes) }),
-		&restartGauge{desc: prometheus.NewDesc(prometheus.BuildFQName(Namespace, "", "books_compactions_total"),
-			"Compactions of the books since this agent started.", nil, nil),
-			f: f, v: func(r *report.Restart) float64 { return float64(r.BooksCompactions) }, kind: prometheus.CounterValue},
+		counter("books_compactions_total", "Compactions of the books since this agent started.",
+			func(r *report.Restart) float64 { return float64(r.BooksCompactions) }),
 		gauge("books_compaction_hold_seconds_max", "The longest one compaction of the books held every session's changes up since this agent started (a compaction runs beside them: only its last copy and the hand-over to the keeper hold them).",
 			func(r *report.Restart) float64 { return r.BooksLongestHoldSeconds }),
 	)
@@ -53,17 +54,13 @@ type restartGauge struct {
 	desc *prometheus.Desc
 	f    func() *report.Restart
 	v    func(*report.Restart) float64
-	kind prometheus.ValueType // GaugeValue when zero
+	kind prometheus.ValueType
 }
 
 func (g *restartGauge) Describe(ch chan<- *prometheus.Desc) { ch <- g.desc }
 
 func (g *restartGauge) Collect(ch chan<- prometheus.Metric) {
 	if r := g.f(); r != nil {
-		kind := g.kind
-		if kind == 0 {
-			kind = prometheus.GaugeValue
-		}
-		ch <- prometheus.MustNewConstMetric(g.desc, kind, g.v(r))
+		ch <- prometheus.MustNewConstMetric(g.desc, g.kind, g.v(r))
 	}
 }
