@@ -135,6 +135,17 @@ func printAgent(tw io.Writer, r report.Report) {
 	if rs := r.Restart; rs != nil {
 		fmt.Fprintf(tw, "Restart:\t%d chunks adopted from the keeper, %d fresh, %d locked by the keeper; %d sessions and %d streams restored; gap %s\n",
 			rs.AdoptedChunks, rs.FreshChunks, rs.KeeperLockedChunks, rs.Sessions, rs.Streams, time.Duration(rs.LastGapSeconds*float64(time.Second)).Round(time.Millisecond))
+		if s := rs.Restore; s != nil {
+			ms := func(sec float64) time.Duration {
+				return time.Duration(sec * float64(time.Second)).Round(100 * time.Microsecond)
+			}
+			warm := "heap not warmed"
+			if s.WarmBytes > 0 {
+				warm = fmt.Sprintf("heap warmed %s (%s)", ms(s.WarmSeconds), bytesize.Exact(s.WarmBytes))
+			}
+			fmt.Fprintf(tw, "Restore:\t%s, books replayed %s, chunks adopted %s, pool rebuilt %s, fresh books waited for %s\n",
+				warm, ms(s.LoadSeconds), ms(s.AdoptSeconds), ms(s.RebuildSeconds), ms(s.BooksSeconds))
+		}
 	}
 }
 

@@ -161,7 +161,8 @@ func TestStatusRestart(t *testing.T) {
 	rep := &report.Reporter{Pool: pool.New(), Node: "node-a", Mode: "cluster", Started: time.Now(),
 		Restart: func() *report.Restart {
 			return &report.Restart{Keeper: "/k.sock", AdoptedChunks: 6, FreshChunks: 2, KeeperLockedChunks: 7, Sessions: 3, Streams: 1000,
-				LastGapSeconds: 0.0654, KeeperConnected: true}
+				LastGapSeconds: 0.0654, KeeperConnected: true,
+				Restore: &report.RestoreSteps{WarmSeconds: 0.0131, WarmBytes: 136 << 20, LoadSeconds: 0.08436, AdoptSeconds: 0.000127, RebuildSeconds: 0.04077, BooksSeconds: 0.000002}}
 		}}
 	srv := httptest.NewServer(rep)
 	defer srv.Close()
@@ -172,6 +173,10 @@ func TestStatusRestart(t *testing.T) {
 	want := "Restart: 6 chunks adopted from the keeper, 2 fresh, 7 locked by the keeper; 3 sessions and 1000 streams restored; gap 65ms"
 	if got := strings.Join(strings.Fields(grepLines(out.String(), "Restart:")), " "); got != want {
 		t.Errorf("restart line %q, want %q\n%s", got, want, out.String())
+	}
+	want = "Restore: heap warmed 13.1ms (136Mi), books replayed 84.4ms, chunks adopted 100µs, pool rebuilt 40.8ms, fresh books waited for 0s"
+	if got := strings.Join(strings.Fields(grepLines(out.String(), "Restore:")), " "); got != want {
+		t.Errorf("restore line %q, want %q\n%s", got, want, out.String())
 	}
 }
 

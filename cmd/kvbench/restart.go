@@ -2,6 +2,7 @@ package main
 
 import (
 	"bufio"
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -58,6 +59,10 @@ type restartRow struct {
 	// books as full as the streams make them (each a change the agent
 	// records before it answers: the books' compactions fall among them).
 	Churn *churnStats `json:"churn,omitempty"`
+	// Steps: where each restart's gap went, from the agents' own log
+	// (splitGaps); absent when it does not say (--agent-log-level above
+	// info).
+	Steps []gapSteps `json:"steps,omitempty"`
 }
 
 // churnStats are the round trips of the churn's calls.
@@ -84,7 +89,7 @@ func runRestart(ctx context.Context, args []string) error {
 	agentBin := fs.String("agent-bin", "", "the agent binary (default: go build ./cmd/agent into a temporary directory)")
 	settle := fs.Duration("settle", time.Second, "how long after a fill and after a restart before the RSS is read")
 	asJSON := fs.Bool("json", false, "print the results as JSON")
-	fs.StringVar(&agentLogLevel, "agent-log-level", "warn", "the agents' --log-level (their logs go to stderr at the end of each count)")
+	fs.StringVar(&agentLogLevel, "agent-log-level", "", "the agents' --log-level; when set, their logs go to stderr at the end of each count (default: info, shown only when an agent logs an error; the gap's steps are read from it)")
 	chunks := fs.Int("chunks", 2, "the agent's pool chunks (one simulated GPU)")
 	chunkMiB := fs.Int("chunk-mib", 16, "MiB per chunk: the pool is chunks x chunk-mib, pinned at the first start and adopted at every restart")
 	sessions := fs.Int("sessions", 1, "sessions the streams are spread over, each its own standalone token and allocation (chunks/sessions chunks each)")
@@ -182,6 +187,7 @@ func printRestart(w io.Writer, rep *restartReport) {
 			c.AdoptP50Ms, mib(c.RSSBefore), list(c.RSSAfter), mib(c.AnonBefore), list(c.AnonAfter), list(c.PeakAfter))
 	}
 	tw.Flush()
+	printSteps(w, rep)
 	for _, c := range rep.Cases {
 		if ch := c.Churn; ch != nil {
 			fmt.Fprintf(w, "churn before the restarts, %d streams: %d calls in %.1f s, round trip p50 %.1f µs, p99 %.1f, p99.9 %.1f, max %.1f\n",
@@ -190,8 +196,9 @@ func printRestart(w io.Writer, rep *restartReport) {
 	}
 }
 
-// agentLogLevel is the agents' --log-level (--agent-log-level).
-var agentLogLevel = "warn"
+// agentLogLevel is the agents' --log-level (--agent-log-level); empty:
+// info, their log not shown unless it holds an error.
+var agentLogLevel = ""
 
 // poolShape is the probe agent's pool: chunks of chunkMiB, 128-byte pages,
 // shared by sessions tokens.
@@ -259,6 +266,7 @@ func probeRestart(ctx context.Context, bin string, pool poolShape, n, restarts, 
 		}
 	}
 	row.GapP50Ms = median(row.GapsMs)
+	row.Steps = splitGaps(pr.log.String(), row.GapsMs, row.ExitsMs)
 	anon := make([]float64, len(row.AnonAfter))
 	for i, a := range row.AnonAfter {
 		anon[i] = float64(a)
@@ -339,7 +347,7 @@ func startProbe(bin string, pool poolShape) (*probe, error) {
 	}
 	pr.args = []string{"--standalone", "--socket", pr.sock, "--keeper-socket", keeperSock, "--standalone-gpus", "1",
 		"--chunks-per-gpu", strconv.Itoa(pool.chunks), "--chunk-mib", strconv.Itoa(pool.chunkMiB), "--state-dir", filepath.Join(dir, "state"),
-		"--log-level", agentLogLevel, "--standalone-tokens", strings.Join(tokens, ",")}
+		"--log-level", cmp.Or(agentLogLevel, "info"), "--standalone-tokens", strings.Join(tokens, ",")}
 	if err := pr.startAgent(); err != nil {
 		pr.stop(0)
 		return nil, err
@@ -367,7 +375,7 @@ func (pr *probe) stop(n int) {
 			_ = c.Wait()
 		}
 	}
-	if s := pr.log.String(); strings.Contains(s, "level=ERROR") || agentLogLevel != "warn" {
+	if s := pr.log.String(); strings.Contains(s, "level=ERROR") || agentLogLevel != "" {
 		fmt.Fprintf(os.Stderr, "kvbench: the agents' log (%d streams):\n%s", n, s)
 	}
 	os.RemoveAll(pr.dir)

@@ -2,6 +2,8 @@ package main
 
 import (
 	"context"
+	"encoding/json"
+	"io"
 	"os"
 	"os/exec"
 	"strconv"
@@ -65,13 +67,29 @@ func TestAdoptFloor(t *testing.T) {
 // TestRestartProbe runs the restart probe small: a keeper and an agent
 // built from this tree, 2 and 301 streams over two sessions, churned by
 // 600 calls, two SIGKILLs each; the probe fails when a restarted agent
-// does not serve every session's streams.
+// does not serve every session's streams. Each gap is split into its
+// steps by the agents' log, and the steps add up to it.
 func TestRestartProbe(t *testing.T) {
 	if testing.Short() {
 		t.Skip("builds the agent and kills it")
 	}
-	if err := runRestart(context.Background(), []string{"--streams", "2,301", "--sessions", "2", "--chunks", "4", "--restarts", "2", "--settle", "10ms", "--churn", "600"}); err != nil {
-		t.Fatal(err)
+	out := captureStdout(t, func() error {
+		return runRestart(context.Background(), []string{"--streams", "2,301", "--sessions", "2", "--chunks", "4", "--restarts", "2", "--settle", "10ms", "--churn", "600", "--json"})
+	})
+	var rep restartReport
+	if err := json.Unmarshal(out, &rep); err != nil || len(rep.Cases) != 2 {
+		t.Fatalf("the report: %v, %d cases\n%s", err, len(rep.Cases), out)
+	}
+	for _, c := range rep.Cases {
+		if len(c.Steps) != len(c.GapsMs) {
+			t.Fatalf("%d streams: %d gaps split of %d\n%s", c.Streams, len(c.Steps), len(c.GapsMs), out)
+		}
+		for i, s := range c.Steps {
+			sum := s.Exit + s.Start + s.Warm + s.Load + s.Adopt + s.Rebuild + s.Books + s.Other
+			if d := sum - c.GapsMs[i]; d > 0.01 || d < -0.01 || s.Load <= 0 || s.Rebuild <= 0 || s.Start <= 0 || s.Exit != c.ExitsMs[i] {
+				t.Errorf("%d streams, restart %d: steps %+v add up to %.3f ms, the gap %.3f", c.Streams, i, s, sum, c.GapsMs[i])
+			}
+		}
 	}
 	// The gap timed by one call that rides out each restart.
 	if err := runRestart(context.Background(), []string{"--streams", "1", "--restarts", "2", "--settle", "10ms", "--wait", "client"}); err != nil {
@@ -83,4 +101,30 @@ func TestRestartProbe(t *testing.T) {
 			t.Fatalf("%q accepted", bad)
 		}
 	}
+}
+
+// captureStdout runs f with os.Stdout going to a pipe and returns what it
+// wrote there.
+func captureStdout(t *testing.T, f func() error) []byte {
+	t.Helper()
+	r, w, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	old := os.Stdout
+	os.Stdout = w
+	got := make(chan []byte)
+	go func() {
+		b, _ := io.ReadAll(r)
+		got <- b
+	}()
+	ferr := f()
+	os.Stdout = old
+	w.Close()
+	out := <-got
+	r.Close()
+	if ferr != nil {
+		t.Fatalf("%v\n%s", ferr, out)
+	}
+	return out
 }

@@ -8,6 +8,7 @@ import (
 	"maps"
 	"os"
 	"path/filepath"
+	"regexp"
 	"runtime/debug"
 	"runtime/metrics"
 	"slices"
@@ -589,7 +590,10 @@ func TestRestartLoggedWithoutASignOfLife(t *testing.T) {
 	for _, stamped := range []bool{true, false} {
 		dir := t.TempDir()
 		ksock, _ := startKeeper(t)
-		_, stop := keptAgent(t, dir, ksock, []string{"tenant-a"})
+		first, stop := keptAgent(t, dir, ksock, []string{"tenant-a"})
+		if s := first.a.restartStatus().Restore; s != nil {
+			t.Errorf("a first start reports restore steps: %+v", s)
+		}
 		stop()
 		if !stamped {
 			// As an agent would that held the books' memfd: zero the
@@ -624,6 +628,22 @@ func TestRestartLoggedWithoutASignOfLife(t *testing.T) {
 		}
 		if rs.BooksSnapshotBytes <= 0 || rs.BooksLogBytes <= rs.BooksSnapshotBytes || rs.BooksCompactions != 0 {
 			t.Errorf("stamped %v: the books in the restart status: %+v", stamped, rs)
+		}
+		// The restore's steps, as the log line that says it adopted the
+		// pool has them (rounded to the µs there).
+		s := rs.Restore
+		if s == nil || s.LoadSeconds <= 0 || s.RebuildSeconds <= 0 || s.WarmSeconds < 0 || s.AdoptSeconds < 0 || s.BooksSeconds < 0 {
+			t.Fatalf("stamped %v: restore steps %+v", stamped, s)
+		}
+		m := regexp.MustCompile(`msg="pool adopted from the keeper".* load=(\S+) .* rebuild=(\S+) `).FindStringSubmatch(got)
+		for i, v := range []float64{s.LoadSeconds, s.RebuildSeconds} {
+			if m == nil {
+				t.Fatalf("stamped %v: no adoption logged:\n%s", stamped, got)
+			}
+			logged, err := time.ParseDuration(m[i+1])
+			if d := logged.Seconds() - v; err != nil || d > 1e-6 || d < -1e-6 {
+				t.Errorf("stamped %v: step %d logged %s, reported %.9f s (%v)", stamped, i, m[i+1], v, err)
+			}
 		}
 	}
 }

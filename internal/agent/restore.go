@@ -43,6 +43,8 @@ type restart struct {
 	lastAlive time.Time
 	gap       time.Duration
 	fresh     atomic.Int64 // chunks allocated by this agent
+	// steps: how long the restore's steps took (nil: nothing restored).
+	steps *report.RestoreSteps
 	// gcOn turns the collector back on (the restore turned it off).
 	gcOn func()
 	// locks: the keeper takes lock requests (keeperlock.go), until one is
@@ -152,6 +154,8 @@ func (a *agent) restore() (err error) {
 	r.books = b
 	a.pool.SetJournal(b)
 	if len(held.Chunks) > 0 || len(r.adopted) > 0 {
+		r.steps = &report.RestoreSteps{WarmSeconds: tWarm.Sub(t0).Seconds(), WarmBytes: r.warmed, LoadSeconds: tLoad.Sub(tWarm).Seconds(),
+			AdoptSeconds: tAdopt.Sub(tLoad).Seconds(), RebuildSeconds: tPool.Sub(tAdopt).Seconds(), BooksSeconds: tBooks.Sub(tPool).Seconds()}
 		a.log.Info("pool adopted from the keeper", "chunks", len(r.adopted), "sessions", len(r.sessions),
 			"streams", r.streams, "booksGen", info.Gen, bytesize.Attr("warmHeap", r.warmed), "warmHuge", r.warmHuge, "warm", tWarm.Sub(t0).Round(time.Microsecond),
 			"load", tLoad.Sub(tWarm).Round(time.Microsecond),
@@ -562,6 +566,10 @@ func (a *agent) restartStatus() *report.Restart {
 	rs := &report.Restart{Keeper: a.cfg.KeeperSocket, AdoptedChunks: len(r.adopted), FreshChunks: int(r.fresh.Load()), KeeperLockedChunks: kept,
 		Sessions: len(r.sessions), Streams: r.streams, LastGapSeconds: r.gap.Seconds(),
 		KeeperConnected: true, KeeperLosses: int(r.losses.Load())}
+	if r.steps != nil {
+		steps := *r.steps
+		rs.Restore = &steps
+	}
 	if l := r.lost.Load(); l != nil {
 		rs.KeeperConnected, rs.KeeperLostSeconds, rs.KeeperError = false, time.Since(l.at).Seconds(), l.err.Error()
 	}

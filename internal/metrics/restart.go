@@ -38,6 +38,9 @@ func (m *Metrics) Restart(f func() *report.Restart) {
 			func(r *report.Restart) float64 { return float64(r.BooksSnapshotBytes) }),
 		counter("books_compactions_total", "Compactions of the books since this agent started.",
 			func(r *report.Restart) float64 { return float64(r.BooksCompactions) }),
+		&restoreSteps{desc: prometheus.NewDesc(prometheus.BuildFQName(Namespace, "", "restore_step_seconds"),
+			"How long each step of the restore at this agent's start took, before it served: warm (the heap made resident), load (the books replayed), adopt (the kept chunks), rebuild (the pool's tables), books (the wait for the fresh books memfd). Absent when nothing was restored.",
+			[]string{"step"}, nil), f: f},
 		gauge("books_compaction_hold_seconds_max", "The longest one compaction of the books held every session's changes up since this agent started (a compaction runs beside them: only its last copy and the hand-over to the keeper hold them).",
 			func(r *report.Restart) float64 { return r.BooksLongestHoldSeconds }),
 	)
@@ -62,5 +65,27 @@ func (g *restartGauge) Describe(ch chan<- *prometheus.Desc) { ch <- g.desc }
 func (g *restartGauge) Collect(ch chan<- prometheus.Metric) {
 	if r := g.f(); r != nil {
 		ch <- prometheus.MustNewConstMetric(g.desc, g.kind, g.v(r))
+	}
+}
+
+// restoreSteps exports report.RestoreSteps, one series a step.
+type restoreSteps struct {
+	desc *prometheus.Desc
+	f    func() *report.Restart
+}
+
+func (c *restoreSteps) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
+
+func (c *restoreSteps) Collect(ch chan<- prometheus.Metric) {
+	r := c.f()
+	if r == nil || r.Restore == nil {
+		return
+	}
+	s := r.Restore
+	for _, step := range []struct {
+		name string
+		v    float64
+	}{{"warm", s.WarmSeconds}, {"load", s.LoadSeconds}, {"adopt", s.AdoptSeconds}, {"rebuild", s.RebuildSeconds}, {"books", s.BooksSeconds}} {
+		ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, step.v, step.name)
 	}
 }

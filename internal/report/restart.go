@@ -39,4 +39,21 @@ type Restart struct {
 	BooksSnapshotBytes      int64   `json:"booksSnapshotBytes"`
 	BooksCompactions        int64   `json:"booksCompactions"`
 	BooksLongestHoldSeconds float64 `json:"booksLongestHoldSeconds"`
+	// Restore is how long each step of the restore at this agent's start
+	// took; nil when the keeper held nothing to restore (a first start).
+	Restore *RestoreSteps `json:"restore,omitempty"`
+}
+
+// RestoreSteps are the steps of a restore from the keeper, in the order
+// they ran, all before the agent served: the heap made resident for it
+// (Warm), the books replayed (Load), the kept chunks adopted (Adopt), the
+// pool's tables rebuilt (Rebuild, while the fresh books memfd is written
+// beside it), and the wait for that memfd after the rebuild (Books).
+type RestoreSteps struct {
+	WarmSeconds    float64 `json:"warmSeconds"`
+	WarmBytes      int64   `json:"warmBytes"`
+	LoadSeconds    float64 `json:"loadSeconds"`
+	AdoptSeconds   float64 `json:"adoptSeconds"`
+	RebuildSeconds float64 `json:"rebuildSeconds"`
+	BooksSeconds   float64 `json:"booksSeconds"`
 }
