@@ -8,13 +8,16 @@ import (
 	"time"
 )
 
-// gapSteps is where one restart's gap went, in ms: the killed agent's
-// exit (Exit), the new process until its main function began (Start:
-// exec, the Go runtime's and the packages' initialisation, and the client
-// poll's last ms), the restore's steps as the agent logged them (Warm,
-// Load, Adopt, Rebuild, Books) and the rest of its start-up until it
-// served (Other: flags, configuration, the keeper's connection, the
-// socket). They add up to the gap.
+// gapSteps is where one restart's gap went, in ms: from the SIGKILL until
+// the killed agent was reaped and the new one started (Exit); the new
+// process until its first log line (Start: exec, Go's initialisation of
+// the binary's packages, flags and configuration); the restore's steps as
+// the agent logged them (Warm, Load, Adopt, Rebuild, Books); the rest of
+// its start-up until it logged that it serves again (Other: the node
+// step, the keeper's connection, the observability and socket steps); and
+// from then until the probe's call succeeded (After: the poll's last ms,
+// the client's reconnection, the call). They add up to the gap; those read
+// off the log's timestamps are good to its millisecond.
 type gapSteps struct {
 	Exit    float64 `json:"exit_ms"`
 	Start   float64 `json:"process_start_ms"`
@@ -24,47 +27,57 @@ type gapSteps struct {
 	Rebuild float64 `json:"rebuild_ms"`
 	Books   float64 `json:"books_ms"`
 	Other   float64 `json:"other_ms"`
+	After   float64 `json:"after_serving_ms"`
 }
 
-// splitGaps reads the restarted agents' start-up from log (every agent of
-// one count, in order: the first one's start, then one start a restart)
-// and splits each gap by it. It returns nil when the log lacks a line it
-// needs (agents logging above info).
-func splitGaps(log string, gaps, exits []float64) []gapSteps {
-	var adopted, serving []map[string]string
+// restartTimes are one restart's instants as the probe saw them.
+type restartTimes struct {
+	kill, exec, ok time.Time
+}
+
+// splitGaps reads the agents' start-ups from log (every agent of one
+// count, in order: the first one's, then one a restart) and splits each
+// restart's gap by it. It returns nil when the log lacks a line it needs
+// (agents logging above info).
+func splitGaps(log string, times []restartTimes) []gapSteps {
+	var configs, adopted, serving []map[string]string
 	for _, line := range strings.Split(log, "\n") {
-		switch {
-		case strings.Contains(line, `msg="pool adopted from the keeper"`):
-			adopted = append(adopted, logFields(line))
-		case strings.Contains(line, `msg="kvpool agent serving"`):
-			serving = append(serving, logFields(line))
+		switch f := logFields(line); {
+		case f["msg"] == "configuration" && f["setFrom"] != "":
+			configs = append(configs, f)
+		case f["msg"] == "pool adopted from the keeper":
+			adopted = append(adopted, f)
+		case f["msg"] == "serving again after a restart":
+			serving = append(serving, f)
 		}
 	}
-	if len(adopted) != len(gaps) || len(serving) != len(gaps)+1 {
+	n := len(times)
+	if len(configs) != n+1 || len(adopted) != n || len(serving) != n {
 		return nil
 	}
-	ms := func(f map[string]string, key string) (float64, bool) {
-		d, err := time.ParseDuration(f[key])
-		return float64(d.Microseconds()) / 1e3, err == nil
-	}
-	out := make([]gapSteps, len(gaps))
-	for i := range gaps {
-		s := &out[i]
-		a := adopted[i]
-		var ok [6]bool
-		s.Warm, ok[0] = ms(a, "warm")
-		s.Load, ok[1] = ms(a, "load")
-		s.Adopt, ok[2] = ms(a, "adopt")
-		s.Rebuild, ok[3] = ms(a, "rebuild")
-		s.Books, ok[4] = ms(a, "books")
-		startup, up := ms(serving[i+1], "startup")
-		ok[5] = up
-		if ok != [6]bool{true, true, true, true, true, true} {
+	ms := func(d time.Duration) float64 { return float64(d.Microseconds()) / 1e3 }
+	out := make([]gapSteps, n)
+	for i, tm := range times {
+		first, err1 := time.Parse(time.RFC3339Nano, configs[i+1]["time"])
+		served, err2 := time.Parse(time.RFC3339Nano, serving[i]["time"])
+		if err1 != nil || err2 != nil {
 			return nil
 		}
-		s.Exit = exits[i]
-		s.Start = gaps[i] - exits[i] - startup
-		s.Other = startup - s.Warm - s.Load - s.Adopt - s.Rebuild - s.Books
+		s := &out[i]
+		for _, st := range []struct {
+			key string
+			v   *float64
+		}{{"warm", &s.Warm}, {"load", &s.Load}, {"adopt", &s.Adopt}, {"rebuild", &s.Rebuild}, {"books", &s.Books}} {
+			d, err := time.ParseDuration(adopted[i][st.key])
+			if err != nil {
+				return nil
+			}
+			*st.v = ms(d)
+		}
+		s.Exit = ms(tm.exec.Sub(tm.kill))
+		s.Start = ms(first.Sub(tm.exec))
+		s.Other = ms(served.Sub(first)) - s.Warm - s.Load - s.Adopt - s.Rebuild - s.Books
+		s.After = ms(tm.ok.Sub(served))
 	}
 	return out
 }
@@ -119,10 +132,10 @@ func printSteps(w io.Writer, rep *restartReport) {
 	if len(rows) == 0 {
 		return
 	}
-	fmt.Fprintln(w, "where the gaps went, ms (median of each step over the restarts): the killed agent's exit, the new process until the agent's start-up")
-	fmt.Fprintln(w, "began, the restore's steps as the agent logged them, the rest of its start-up until it served")
+	fmt.Fprintln(w, "where the gaps went, ms (each step's median over the restarts): the killed agent's exit, the new process until its first log line,")
+	fmt.Fprintln(w, "the restore's steps as the agent logged them, the rest of its start-up until it served, and then until the probe's call succeeded")
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "streams\tgap p50\texit\tprocess\twarm\tload\tadopt\trebuild\tbooks\tother")
+	fmt.Fprintln(tw, "streams\tgap p50\texit\tprocess\twarm\tload\tadopt\trebuild\tbooks\tother\tafter")
 	for _, c := range rows {
 		step := func(f func(gapSteps) float64) float64 {
 			v := make([]float64, len(c.Steps))
@@ -131,11 +144,12 @@ func printSteps(w io.Writer, rep *restartReport) {
 			}
 			return median(v)
 		}
-		fmt.Fprintf(tw, "%d\t%.1f\t%.1f\t%.1f\t%.1f\t%.1f\t%.1f\t%.1f\t%.1f\t%.1f\n", c.Streams, c.GapP50Ms,
+		fmt.Fprintf(tw, "%d\t%.1f\t%.1f\t%.1f\t%.1f\t%.1f\t%.1f\t%.1f\t%.1f\t%.1f\t%.1f\n", c.Streams, c.GapP50Ms,
 			step(func(s gapSteps) float64 { return s.Exit }), step(func(s gapSteps) float64 { return s.Start }),
 			step(func(s gapSteps) float64 { return s.Warm }), step(func(s gapSteps) float64 { return s.Load }),
 			step(func(s gapSteps) float64 { return s.Adopt }), step(func(s gapSteps) float64 { return s.Rebuild }),
-			step(func(s gapSteps) float64 { return s.Books }), step(func(s gapSteps) float64 { return s.Other }))
+			step(func(s gapSteps) float64 { return s.Books }), step(func(s gapSteps) float64 { return s.Other }),
+			step(func(s gapSteps) float64 { return s.After }))
 	}
 	tw.Flush()
 }

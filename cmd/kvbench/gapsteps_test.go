@@ -3,48 +3,72 @@ package main
 import (
 	"strings"
 	"testing"
+	"time"
 )
 
-// Lines as the agent's text log writes them (slog's TextHandler).
+// Lines as the agent's text log writes them (slog's TextHandler): the
+// first agent's start, then two restarts'.
 const (
+	logConfig0 = `time=2026-12-05T12:58:46.310Z level=INFO msg=configuration setFrom="keeperSocket=flag,log.level=flag"`
 	logFirst   = `time=2026-12-05T12:58:46.470Z level=INFO msg="kvpool agent serving" mode=standalone node=vm socket=/tmp/s/kv.sock gpus=1 chunks=4 chunk=32Mi startup=160ms socketRefusesFiles=true`
+	logConfig1 = `time=2026-12-05T12:58:47.512Z level=INFO msg=configuration setFrom="keeperSocket=flag,log.level=flag"`
+	logWarning = `time=2026-12-05T12:58:47.512Z level=WARN msg=configuration warning="a warning, not the start"`
 	logAdopt1  = `time=2026-12-05T12:58:47.655Z level=INFO msg="pool adopted from the keeper" chunks=4 sessions=4 streams=524288 booksGen=4 warmHeap=136Mi warmHuge=true warm=12.985ms load=84.361ms adopt=127µs rebuild=40.773ms books=2µs`
+	logServed1 = `time=2026-12-05T12:58:47.657Z level=INFO msg="serving again after a restart" gap=187ms adoptedChunks=4 sessions=4 streams=524288`
 	logServe1  = `time=2026-12-05T12:58:47.660Z level=INFO msg="kvpool agent serving" mode=standalone node=vm socket=/tmp/s/kv.sock gpus=1 chunks=4 chunk=32Mi startup=148ms socketRefusesFiles=true`
+	logConfig2 = `time=2026-12-05T12:58:48.500Z level=INFO msg=configuration setFrom="keeperSocket=flag,log.level=flag"`
 	logAdopt2  = `time=2026-12-05T12:58:48.655Z level=INFO msg="pool adopted from the keeper" chunks=4 sessions=4 streams=524288 booksGen=5 warmHeap=136Mi warmHuge=true warm=10ms load=80ms adopt=100µs rebuild=40ms books=1ms`
-	logServe2  = `time=2026-12-05T12:58:48.660Z level=INFO msg="kvpool agent serving" mode=standalone node=vm socket="/tmp/a b/kv.sock" gpus=1 chunks=4 chunk=32Mi startup=140ms socketRefusesFiles=true`
+	logServed2 = `time=2026-12-05T12:58:48.660Z level=INFO msg="serving again after a restart" gap=190ms adoptedChunks=4 sessions=4 streams=524288`
 	logResumed = `time=2026-12-05T12:58:47.659Z level=INFO msg="session resumed" session=1796475510443429`
 )
 
+func at(s string) time.Time {
+	t, err := time.Parse(time.RFC3339Nano, s)
+	if err != nil {
+		panic(err)
+	}
+	return t
+}
+
 func TestSplitGaps(t *testing.T) {
-	full := strings.Join([]string{logFirst, logResumed, logAdopt1, logServe1, logResumed, logAdopt2, logServe2, ""}, "\n")
-	gaps, exits := []float64{187, 190}, []float64{7, 2}
-	steps := splitGaps(full, gaps, exits)
+	full := strings.Join([]string{logConfig0, logFirst, logResumed, logConfig1, logWarning, logAdopt1, logServed1, logServe1, logResumed,
+		logConfig2, logAdopt2, logServed2, ""}, "\n")
+	times := []restartTimes{
+		{kill: at("2026-12-05T12:58:47.470Z"), exec: at("2026-12-05T12:58:47.474Z"), ok: at("2026-12-05T12:58:47.6585Z")},
+		{kill: at("2026-12-05T12:58:48.460Z"), exec: at("2026-12-05T12:58:48.462Z"), ok: at("2026-12-05T12:58:48.661Z")},
+	}
+	steps := splitGaps(full, times)
 	if len(steps) != 2 {
 		t.Fatalf("steps %+v", steps)
 	}
 	want := []gapSteps{
-		{Exit: 7, Start: 187 - 7 - 148, Warm: 12.985, Load: 84.361, Adopt: 0.127, Rebuild: 40.773, Books: 0.002, Other: 148 - 12.985 - 84.361 - 0.127 - 40.773 - 0.002},
-		{Exit: 2, Start: 190 - 2 - 140, Warm: 10, Load: 80, Adopt: 0.1, Rebuild: 40, Books: 1, Other: 140 - 10 - 80 - 0.1 - 40 - 1},
+		{Exit: 4, Start: 38, Warm: 12.985, Load: 84.361, Adopt: 0.127, Rebuild: 40.773, Books: 0.002, Other: 145 - 12.985 - 84.361 - 0.127 - 40.773 - 0.002, After: 1.5},
+		{Exit: 2, Start: 38, Warm: 10, Load: 80, Adopt: 0.1, Rebuild: 40, Books: 1, Other: 160 - 10 - 80 - 0.1 - 40 - 1, After: 1},
 	}
 	for i, s := range steps {
 		w := want[i]
 		for j, d := range []float64{s.Exit - w.Exit, s.Start - w.Start, s.Warm - w.Warm, s.Load - w.Load, s.Adopt - w.Adopt,
-			s.Rebuild - w.Rebuild, s.Books - w.Books, s.Other - w.Other} {
+			s.Rebuild - w.Rebuild, s.Books - w.Books, s.Other - w.Other, s.After - w.After} {
 			if d > 1e-9 || d < -1e-9 {
 				t.Errorf("restart %d, step %d: %+v, want %+v", i, j, s, w)
 			}
+		}
+		sum := s.Exit + s.Start + s.Warm + s.Load + s.Adopt + s.Rebuild + s.Books + s.Other + s.After
+		if gap := float64(times[i].ok.Sub(times[i].kill).Microseconds()) / 1e3; sum-gap > 1e-9 || gap-sum > 1e-9 {
+			t.Errorf("restart %d: steps add up to %.3f ms, the gap is %.3f", i, sum, gap)
 		}
 	}
 	// What the log does not say, no split is made of.
 	for name, log := range map[string]string{
 		"agents above info":  logResumed + "\n",
-		"a restart unlogged": strings.Join([]string{logFirst, logAdopt1, logServe1}, "\n"),
-		"no first start":     strings.Join([]string{logAdopt1, logServe1, logAdopt2, logServe2}, "\n"),
-		"a bad duration":     strings.Join([]string{logFirst, strings.Replace(logAdopt1, "load=84.361ms", "load=soon", 1), logServe1, logAdopt2, logServe2}, "\n"),
-		"a step missing":     strings.Join([]string{logFirst, strings.Replace(logAdopt1, " rebuild=40.773ms", "", 1), logServe1, logAdopt2, logServe2}, "\n"),
-		"no start-up":        strings.Join([]string{logFirst, logAdopt1, strings.Replace(logServe1, "startup=148ms", "startup=", 1), logAdopt2, logServe2}, "\n"),
+		"a restart unlogged": strings.Join([]string{logConfig0, logFirst, logConfig1, logAdopt1, logServed1}, "\n"),
+		"no first start":     strings.Join([]string{logConfig1, logAdopt1, logServed1, logConfig2, logAdopt2, logServed2}, "\n"),
+		"a bad duration":     strings.Join([]string{logConfig0, logConfig1, strings.Replace(logAdopt1, "load=84.361ms", "load=soon", 1), logServed1, logConfig2, logAdopt2, logServed2}, "\n"),
+		"a step missing":     strings.Join([]string{logConfig0, logConfig1, strings.Replace(logAdopt1, " rebuild=40.773ms", "", 1), logServed1, logConfig2, logAdopt2, logServed2}, "\n"),
+		"a bad time":         strings.Join([]string{logConfig0, strings.Replace(logConfig1, "time=2026", "time=when", 1), logAdopt1, logServed1, logConfig2, logAdopt2, logServed2}, "\n"),
+		"no serving again":   strings.Join([]string{logConfig0, logConfig1, logAdopt1, logConfig2, logAdopt2, logServed2}, "\n"),
 	} {
-		if s := splitGaps(log, gaps, exits); s != nil {
+		if s := splitGaps(log, times); s != nil {
 			t.Errorf("%s: split %+v", name, s)
 		}
 	}

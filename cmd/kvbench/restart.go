@@ -236,11 +236,13 @@ func probeRestart(ctx context.Context, bin string, pool poolShape, n, restarts, 
 	}
 	time.Sleep(settle)
 	row.RSSBefore, row.AnonBefore, _ = procRSS(pr.agent.Process.Pid)
+	var times []restartTimes
 	for range restarts {
-		gap, exit, err := pr.restart(p, clientWait)
+		gap, exit, tm, err := pr.restart(p, clientWait)
 		if err != nil {
 			return row, err
 		}
+		times = append(times, tm)
 		row.GapsMs = append(row.GapsMs, float64(gap.Microseconds())/1e3)
 		row.ExitsMs = append(row.ExitsMs, float64(exit.Microseconds())/1e3)
 		time.Sleep(settle)
@@ -266,7 +268,7 @@ func probeRestart(ctx context.Context, bin string, pool poolShape, n, restarts, 
 		}
 	}
 	row.GapP50Ms = median(row.GapsMs)
-	row.Steps = splitGaps(pr.log.String(), row.GapsMs, row.ExitsMs)
+	row.Steps = splitGaps(pr.log.String(), times)
 	anon := make([]float64, len(row.AnonAfter))
 	for i, a := range row.AnonAfter {
 		anon[i] = float64(a)
@@ -426,7 +428,7 @@ func (pr *probe) fill(ctx context.Context, dev cudart.Device, regions []cudart.R
 // made once, as soon as the killed agent is gone (made before, it could
 // still be answered by it), and rides out the restart with p's retries;
 // else it is made every ms until one succeeds.
-func (pr *probe) restart(p *client.CPUPagePool, clientWait bool) (gap, exit time.Duration, err error) {
+func (pr *probe) restart(p *client.CPUPagePool, clientWait bool) (gap, exit time.Duration, tm restartTimes, err error) {
 	type answer struct {
 		ok  bool
 		err error
@@ -435,10 +437,11 @@ func (pr *probe) restart(p *client.CPUPagePool, clientWait bool) (gap, exit time
 	var call chan answer
 	t0 := time.Now()
 	if err := pr.agent.Process.Signal(syscall.SIGKILL); err != nil {
-		return 0, 0, err
+		return 0, 0, tm, err
 	}
 	_ = pr.agent.Wait() // killed: the error says so
 	exit = time.Since(t0)
+	tm.kill = t0
 	if clientWait {
 		call = make(chan answer, 1)
 		go func() {
@@ -446,29 +449,32 @@ func (pr *probe) restart(p *client.CPUPagePool, clientWait bool) (gap, exit time
 			call <- answer{ok, err, time.Since(t0)}
 		}()
 	}
+	tm.exec = time.Now()
 	if err := pr.startAgent(); err != nil {
-		return 0, 0, err
+		return 0, 0, tm, err
 	}
 	if clientWait {
 		a := <-call
 		switch {
 		case a.err != nil:
-			return 0, 0, fmt.Errorf("the call through the restart: %w\n%s", a.err, pr.log.String())
+			return 0, 0, tm, fmt.Errorf("the call through the restart: %w\n%s", a.err, pr.log.String())
 		case !a.ok:
-			return 0, 0, errors.New("the restarted agent lost the first stream")
+			return 0, 0, tm, errors.New("the restarted agent lost the first stream")
 		}
-		return a.at, exit, nil
+		tm.ok = t0.Add(a.at)
+		return a.at, exit, tm, nil
 	}
 	for {
 		ok, err := p.IsOffloaded(probeRid(0))
 		if err == nil {
 			if !ok {
-				return 0, 0, errors.New("the restarted agent lost the first stream")
+				return 0, 0, tm, errors.New("the restarted agent lost the first stream")
 			}
-			return time.Since(t0), exit, nil
+			tm.ok = time.Now()
+			return tm.ok.Sub(t0), exit, tm, nil
 		}
 		if time.Since(t0) > 30*time.Second {
-			return 0, 0, fmt.Errorf("not serving 30 s after the kill: %w\n%s", err, pr.log.String())
+			return 0, 0, tm, fmt.Errorf("not serving 30 s after the kill: %w\n%s", err, pr.log.String())
 		}
 		time.Sleep(time.Millisecond)
 	}

@@ -647,3 +647,45 @@ func TestRestartLoggedWithoutASignOfLife(t *testing.T) {
 		}
 	}
 }
+
+// TestBooksCompactedWhileQuiet: once no change comes for a while, the
+// agent compacts its books (they hold a snapshot and nothing after it),
+// and the next agent restores every stream from that snapshot.
+func TestBooksCompactedWhileQuiet(t *testing.T) {
+	oldAfter, oldFrom := quietCompactAfter, quietCompactFrom
+	quietCompactAfter, quietCompactFrom = 300*time.Millisecond, 1
+	t.Cleanup(func() { quietCompactAfter, quietCompactFrom = oldAfter, oldFrom })
+	dir := t.TempDir()
+	ksock, _ := startKeeper(t)
+	a, stop := keptAgent(t, dir, ksock, []string{"tenant-a"})
+	w := dialAgent(t, a.Socket())
+	w.open("tenant-a", "instance-a")
+	const streams = 200
+	for i := range streams {
+		if st, msg := w.do(wire.OpOffload, &wire.Offload{Rid: fmt.Sprintf("r%03d", i), Label: "kv", GpuPages: []int32{int32(i % 8)}}, &wire.OffloadReply{}); st != 0 {
+			t.Fatalf("offload %d: %s %s", i, st, msg)
+		}
+	}
+	before := a.a.restartStatus()
+	if before.BooksLogBytes <= 4096+before.BooksSnapshotBytes {
+		t.Fatalf("no records after the snapshot after %d offloads: %+v", streams, before)
+	}
+	waitUntil(t, "the books compacted", func() bool {
+		r := a.a.restartStatus()
+		return r.BooksCompactions > before.BooksCompactions && r.BooksLogBytes == 4096+r.BooksSnapshotBytes
+	})
+	stop()
+	a2, stop2 := keptAgent(t, dir, ksock, []string{"tenant-a"})
+	defer stop2()
+	w2 := dialAgent(t, a2.Socket())
+	w2.open("tenant-a", "instance-a")
+	for _, i := range []int{0, streams / 2, streams - 1} {
+		var n wire.NumPagesReply
+		if st, msg := w2.do(wire.OpNumPages, &wire.Stream{Rid: fmt.Sprintf("r%03d", i), Label: "kv"}, &n); st != 0 || n.Pages != 1 {
+			t.Fatalf("stream %d after the restart: %s %s, %d pages", i, st, msg, n.Pages)
+		}
+	}
+	if r := a2.a.restartStatus(); r.Streams != streams {
+		t.Fatalf("restored %d streams, want %d: %+v", r.Streams, streams, r)
+	}
+}

@@ -30,11 +30,14 @@ const (
 	// bytes than the records that made it. Measured with kvbench
 	// restart's shapes (11-byte request IDs, four sessions at the agent's
 	// bound): 121 MiB for 6.9 MB of snapshot and 16.1 MB of records, 133
-	// MiB for 13.7 and 6.0 after a churn, so about 7.9 and 4.1; longer
-	// names take less. Warming a page too many costs a fraction of the
-	// fault a page too few costs, and the heartbeat step hands what the
-	// restore left unused back to the system.
-	warmPerSnapshotByte = 8
+	// MiB for 13.7 and 6.0 after a churn, so about 7.9 and 4.1; and 123
+	// MiB for 14.0 MB of snapshot alone (the books compacted while
+	// quiet), 9.2 a byte, which 8 left 16 MiB short (the rebuild faulted
+	// them in: 64-83 ms where it took 37-41). Longer names take less.
+	// Warming a page too many costs a fraction of the fault a page too
+	// few costs, and the heartbeat step hands what the restore left
+	// unused back to the system.
+	warmPerSnapshotByte = 10
 	warmPerRecordByte   = 5
 	// warmFrom is the least heap worth warming: below it the restore
 	// takes fewer faults than the warming costs.

@@ -23,7 +23,9 @@ func TestWarmSize(t *testing.T) {
 	}{
 		{"no books", 0, 0, none, 0},
 		{"books too small to be worth it", 0, warmFrom/warmPerRecordByte - 1, none, 0},
-		{"the smallest warmed", warmFrom / warmPerSnapshotByte, 0, none, warmFrom},
+		{"the smallest warmed", (warmFrom + warmPerSnapshotByte - 1) / warmPerSnapshotByte, 0, none,
+			(warmFrom + warmPerSnapshotByte - 1) / warmPerSnapshotByte * warmPerSnapshotByte},
+		{"just below it", (warmFrom+warmPerSnapshotByte-1)/warmPerSnapshotByte - 1, 0, none, 0},
 		{"records only (7 MiB)", 0, 7 * mi, none, 7 * mi * warmPerRecordByte},
 		{"a snapshot only (7 MiB)", 7 * mi, 0, none, 7 * mi * warmPerSnapshotByte},
 		{"both: each at its rate", 14 * mi, 6 * mi, none, 14*mi*warmPerSnapshotByte + 6*mi*warmPerRecordByte},

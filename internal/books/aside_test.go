@@ -330,3 +330,92 @@ func TestSizes(t *testing.T) {
 		t.Fatalf("%d parts, the last flagged: %d and %d, want all records", maxSizesParts+1, snap, recs)
 	}
 }
+
+// TestCompactIfQuiet: books left quiet are compacted beside the appends
+// once their records are worth it, and a restart then replays a snapshot
+// with nothing after it; busy books, records too few beside the snapshot,
+// a compaction already running and books no store holds are left as they
+// are.
+func TestCompactIfQuiet(t *testing.T) {
+	r := newRig(t, 33)
+	for i := range 3000 {
+		r.step(i)
+	}
+	before := r.b.Stats()
+	recs := before.LogBytes - headerSize - before.Snapshot
+	for _, c := range []struct {
+		name  string
+		quiet time.Duration
+		from  uint64
+	}{
+		{"appended within the hour", time.Hour, 1},
+		{"records below the bound", 0, recs + 1},
+	} {
+		if r.b.CompactIfQuiet(c.quiet, c.from) != nil {
+			t.Fatalf("%s: compacted", c.name)
+		}
+		r.b.settle()
+		if s := r.b.Stats(); s.Gen != before.Gen || r.store.puts != 1 {
+			t.Fatalf("%s: books %+v after %d puts, want them as they were: %+v", c.name, s, r.store.puts, before)
+		}
+	}
+	h := holdAside(t)
+	done := r.b.CompactIfQuiet(0, recs)
+	if done == nil {
+		t.Fatalf("quiet books with %d bytes of records after a snapshot of %d: not compacted", recs, before.Snapshot)
+	}
+	<-h.stopped
+	if r.b.CompactIfQuiet(0, 1) != nil {
+		t.Fatal("a second compaction began beside the first")
+	}
+	select {
+	case <-done:
+		t.Fatal("the compaction said it ended while held")
+	default:
+	}
+	close(h.release)
+	<-done
+	after := r.b.Stats()
+	if after.Gen != before.Gen+1 || r.store.gen != after.Gen || r.store.puts != 2 || after.LogBytes != headerSize+after.Snapshot {
+		t.Fatalf("after the quiet compaction: books %+v, the keeper's generation %d after %d puts; want the next generation, all snapshot", after, r.store.gen, r.store.puts)
+	}
+	must(t, r.load().Check(r.p.Export()))
+	if r.b.CompactIfQuiet(0, 1) != nil {
+		t.Fatal("compacted again with no record since")
+	}
+	// A few changes more: records far below a quarter of the snapshot.
+	for i := range 20 {
+		r.step(3000 + i)
+	}
+	if s := r.b.Stats(); s.LogBytes == headerSize+s.Snapshot || s.LogBytes-headerSize-s.Snapshot >= s.Snapshot/4 {
+		t.Fatalf("the rig: %d bytes of records after a snapshot of %d, want some below a quarter of it", s.LogBytes-headerSize-s.Snapshot, s.Snapshot)
+	}
+	if r.b.CompactIfQuiet(0, 1) != nil {
+		t.Fatalf("compacted for %d bytes of records after a snapshot of %d", r.b.Stats().LogBytes-headerSize-after.Snapshot, after.Snapshot)
+	}
+	// No store holds the books (the keeper is lost): a compaction would
+	// only hand them to nobody.
+	for i := range 3000 {
+		r.step(4000 + i)
+	}
+	r.store.fail = errors.New("keeper lost")
+	if err := r.b.Rehand(r.store); err == nil {
+		t.Fatal("handed to a failing store")
+	}
+	for i := range 3000 {
+		r.step(8000 + i)
+	}
+	if s := r.b.Stats(); s.LogBytes-headerSize-s.Snapshot < s.Snapshot/4 {
+		t.Fatalf("the rig: %d bytes of records after a snapshot of %d, want a quarter of it at least", s.LogBytes-headerSize-s.Snapshot, s.Snapshot)
+	}
+	if r.b.CompactIfQuiet(0, 1) != nil {
+		t.Fatal("compacted books no store holds")
+	}
+	r.store.fail = nil
+	must(t, r.b.Rehand(r.store))
+	must(t, r.load().Check(r.p.Export()))
+	r.b.Close()
+	if r.b.CompactIfQuiet(0, 1) != nil {
+		t.Fatal("compacted closed books")
+	}
+}
