@@ -419,3 +419,33 @@ func TestCompactIfQuiet(t *testing.T) {
 		t.Fatal("compacted closed books")
 	}
 }
+
+// TestCompactIfQuietCountsFromStart: books a restarted agent starts from
+// kept records are not quiet until quiet has passed since they started.
+func TestCompactIfQuietCountsFromStart(t *testing.T) {
+	r := newRig(t, 34)
+	for i := range 3000 {
+		r.step(i)
+	}
+	r.b.Close()
+	st, info, err := Load(r.store.f)
+	must(t, err)
+	store := &memStore{}
+	b, err := Start(st, info.Gen, store, func(err error) { t.Errorf("fatal: %v", err) })
+	must(t, err)
+	defer b.Close()
+	if s := b.Stats(); s.LogBytes-headerSize-s.Snapshot < max(1, s.Snapshot/4) {
+		t.Fatalf("the rig: %d bytes of records kept after a snapshot of %d", s.LogBytes-headerSize-s.Snapshot, s.Snapshot)
+	}
+	if b.CompactIfQuiet(time.Hour, 1) != nil {
+		t.Fatal("compacted within the hour after starting")
+	}
+	done := b.CompactIfQuiet(0, 1)
+	if done == nil {
+		t.Fatal("kept records not compacted")
+	}
+	<-done
+	if s := b.Stats(); s.LogBytes != headerSize+s.Snapshot || store.puts != 2 {
+		t.Fatalf("after the compaction: %+v after %d puts", s, store.puts)
+	}
+}

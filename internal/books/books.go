@@ -315,8 +315,8 @@ type Books struct {
 	noPopulate bool
 	// longestHold is the longest a compaction held the appends up.
 	longestHold time.Duration
-	// lastAppend is when the last record was appended (zero: none since
-	// Start), for CompactIfQuiet.
+	// lastAppend is when the last record was appended, or the books
+	// started, for CompactIfQuiet.
 	lastAppend time.Time
 
 	compactions atomic.Int64
@@ -351,7 +351,7 @@ func Start(st *State, gen uint64, store Store, fatal func(error)) (*Books, error
 	if fatal == nil {
 		fatal = func(error) {}
 	}
-	b := &Books{store: store, fatal: fatal, gen: gen}
+	b := &Books{store: store, fatal: fatal, gen: gen, lastAppend: time.Now()}
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if err := b.startLocked(st); err != nil {
@@ -821,15 +821,16 @@ func (b *Books) appendLocked() error {
 }
 
 // CompactIfQuiet starts a compaction beside the appends when nothing was
-// appended for quiet and the records after the snapshot take at least
-// from bytes and a quarter of the snapshot. A restart replays a snapshot
-// in about 60% of the time the same streams take as records
-// (docs/benchmarks.md, "Where a restart's gap goes, and the books
-// compacted while quiet"), so the books are compacted when the agent has
-// nothing else to do rather than only when the log is full. It does nothing while a
-// compaction runs, after one failed (the next runs in line, when the log
-// fills), or while no store holds the books (Unkept). The channel it
-// returns is closed when the compaction has ended (nil: none began).
+// appended for quiet (nor since the books started) and the records after
+// the snapshot take at least from bytes and a quarter of the snapshot. A
+// restart replays a snapshot in about 60% of the time the same streams
+// take as records (docs/benchmarks.md, "Where a restart's gap goes, and
+// the books compacted while quiet"), so the books are compacted when the
+// agent has nothing else to do rather than only when the log is full. It
+// does nothing while a compaction runs, after one failed (the next runs
+// in line, when the log fills), or while no store holds the books
+// (Unkept). The channel it returns is closed when the compaction has
+// ended (nil: none began).
 func (b *Books) CompactIfQuiet(quiet time.Duration, from uint64) <-chan struct{} {
 	b.mu.Lock()
 	defer b.mu.Unlock()
