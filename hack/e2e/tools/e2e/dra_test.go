@@ -607,8 +607,15 @@ echo "gpu $NVIDIA_VISIBLE_DEVICES index $KVCLIENT_GPU"`
 				t.Fatalf("chunk %s still zero after writing it", id)
 			}
 		}
-		d := e.slices(t, draDriver)
-		share := "gpu" + attrString(d.all[ids[0]], draDriver+"/gpu") + "-share"
+		// The claim's GPU, as the slices say: read again while the
+		// controller replaces them (a newer generation written in part
+		// lists only some of the devices).
+		var share string
+		eventually(t, 30*time.Second, "the claim's first chunk in the slices", func() (bool, string, error) {
+			gpu := attrString(e.slices(t, draDriver).all[ids[0]], draDriver+"/gpu")
+			share = "gpu" + gpu + "-share"
+			return gpu != "", fmt.Sprintf("chunk %s of GPU %q", ids[0], gpu), nil
+		})
 		c.deletePod(t, "dra-first")
 		eventually(t, 60*time.Second, "claim unprepared", func() (bool, string, error) {
 			claims, granted := c.nodeClaims(t)
@@ -625,9 +632,10 @@ echo "gpu $NVIDIA_VISIBLE_DEVICES index $KVCLIENT_GPU"`
 				t.Errorf("chunk %s holds %d non-zero bytes after its renewal", id, n)
 			}
 		}
-		if d := e.slices(t, draDriver); d.shares[share] != draChunks*chunkBytes {
-			t.Errorf("share %s capacity %d after the renewal", share, d.shares[share])
-		}
+		eventually(t, 30*time.Second, "the share's capacity back after the renewal", func() (bool, string, error) {
+			got := e.slices(t, draDriver).shares[share]
+			return got == draChunks*chunkBytes, fmt.Sprintf("share %s capacity %d", share, got), nil
+		})
 		// The next pod gets the same chunks and finds them clean.
 		c.createPod(t, c.draPod("dra-next", holdingScript("", "-ops 200"), draChunks))
 		p, _ = c.waitDone(t, "dra-next", 120*time.Second)
