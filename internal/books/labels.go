@@ -53,8 +53,10 @@ func (s *Session) big(rid string, list []stream) *bigRequest {
 }
 
 // find is the place of label's stream in rid's list, or -1.
-func (s *Session) find(rid, label string) int {
-	list := s.reqs.get(rid)
+func (s *Session) find(rid, label string) int { return s.findIn(rid, s.reqs.get(rid), label) }
+
+// findIn is find in rid's list, list.
+func (s *Session) findIn(rid string, list []stream, label string) int {
 	if b := s.big(rid, list); b != nil {
 		if i, ok := b.at[label]; ok {
 			return i

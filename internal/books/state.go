@@ -340,11 +340,7 @@ func (s *Session) apply(op server.SessionOp, h uint64) bool {
 	switch op.Op {
 	case wire.OpOffload:
 		list := s.reqs.openHashed(op.Rid, h)
-		if b := s.big(op.Rid, *list); b != nil {
-			if _, ok := b.at[op.Label]; ok {
-				return false
-			}
-		} else if indexOf(*list, op.Label) >= 0 {
+		if s.findIn(op.Rid, *list, op.Label) >= 0 {
 			return false
 		}
 		// op is the decoder's own (decodeRecord): its pages are kept.

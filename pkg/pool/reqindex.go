@@ -142,10 +142,8 @@ func (x *reqIndex) find(rid string) (ridList, int, bool) {
 
 // get returns rid's list.
 func (x *reqIndex) get(rid string) (ridList, bool) {
-	if s, ok := x.lookup(rid, ridHash(rid)); ok {
-		return x.lists[placeOf(x.slots[s])], true
-	}
-	return ridList{}, false
+	l, _, ok := x.find(rid)
+	return l, ok
 }
 
 // put sets rid's list, adding rid when it is not held.
