@@ -103,14 +103,29 @@ func BenchmarkRestoreAtLimits(b *testing.B) {
 	// kvbench restart's shape: one session at the stream bound, with short
 	// request IDs (11 bytes and a 2-byte label a stream).
 	b.Run("probe", func(b *testing.B) { benchRestore(b, 1, limStreams, int64(limStreams)*13) })
+	// The same after the books were compacted while quiet (a snapshot
+	// alone): what a restart replays once the agent had a second with
+	// nothing to record.
+	b.Run("agent-compacted", func(b *testing.B) { benchRestoreOf(b, 4, limAllStream/4, limAllNames/4, true) })
+	b.Run("probe-compacted", func(b *testing.B) { benchRestoreOf(b, 1, limStreams, int64(limStreams)*13, true) })
 }
 
 func benchRestore(b *testing.B, sessions, streams int, names int64) {
+	benchRestoreOf(b, sessions, streams, names, false)
+}
+
+func benchRestoreOf(b *testing.B, sessions, streams int, names int64, compacted bool) {
 	base := heapInUse()
 	p, _, _ := atLimits(b, sessions, streams, names, false)
 	live := heapInUse() - base
 	runtime.KeepAlive(p)
 	_, bk, store := atLimits(b, sessions, streams, names, true)
+	if compacted {
+		must(b, bk.Rehand(store))
+		if s := bk.Stats(); s.LogBytes != headerSize+s.Snapshot {
+			b.Fatalf("%d bytes of log after a snapshot of %d", s.LogBytes, s.Snapshot)
+		}
+	}
 	bk.Close()
 	bk = nil
 	var restored int64
@@ -187,10 +202,11 @@ func BenchmarkDecodeQueued(b *testing.B) {
 		off += 8 + (n+3)&^3 + 4
 	}
 	labels := map[string]string{}
+	ar := &arena{}
 	b.ResetTimer()
 	for b.Loop() {
 		for _, p := range payloads {
-			if _, err := decodeQueued(p, labels); err != nil {
+			if _, err := decodeQueued(p, labels, ar); err != nil {
 				b.Fatal(err)
 			}
 		}

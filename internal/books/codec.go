@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"unsafe"
 
 	"golang.org/x/sync/errgroup"
 
@@ -81,7 +82,26 @@ type dec struct {
 	// more: the offloads of each session the books hold after the
 	// snapshot (offloadHints), for which its request table is made room.
 	more map[uint64]int
+	// ar, when set, holds the request IDs and page lists of the streams
+	// read (arena): a replay's state is dropped once the pool is rebuilt.
+	ar *arena
 }
+
+// arena holds many short strings and page lists in a few blocks, for a
+// replay: a stream of the books then costs no allocation of its own
+// (about three a stream without: its request ID, its label and its
+// pages). A block's bytes are never written again once a string or list
+// holds them, and a list is capped so that appending to it copies.
+type arena struct {
+	names []byte
+	pages []int32
+}
+
+// nameBlock and pageBlock are the blocks an arena allocates.
+const (
+	nameBlock = 64 << 10
+	pageBlock = 4096
+)
 
 func newDec(segs ...[]byte) *dec {
 	d := &dec{}
@@ -268,6 +288,12 @@ func (d *dec) str() string {
 		d.b = d.b[n:]
 		return s
 	}
+	return d.spanning(n)
+}
+
+// spanning reads a string of n bytes into an allocation of its own (one
+// that spans segments, or one too long for an arena).
+func (d *dec) spanning(n int) string {
 	out := make([]byte, n)
 	d.bytesInto(n, out)
 	return string(out)
@@ -284,9 +310,7 @@ func (d *dec) label() string {
 		return ""
 	}
 	if d.settle(); n > len(d.b) {
-		out := make([]byte, n)
-		d.bytesInto(n, out)
-		return string(out)
+		return d.spanning(n)
 	}
 	b := d.b[:n]
 	d.b = d.b[n:]
@@ -314,7 +338,11 @@ func (d *dec) strs() []string {
 
 func (d *dec) pages() []int32 {
 	n := d.n()
-	out := make([]int32, 0, n)
+	return d.appendPages(make([]int32, 0, n), n)
+}
+
+// appendPages reads n page indices onto out (nil on an error).
+func (d *dec) appendPages(out []int32, n int) []int32 {
 	for range n {
 		v := d.u()
 		if v > 1<<31-1 {
@@ -324,6 +352,61 @@ func (d *dec) pages() []int32 {
 		out = append(out, int32(v))
 	}
 	return out
+}
+
+// rid reads a string as str does, into the arena when there is one. A
+// string longer than a quarter block, or split across segments, gets an
+// allocation of its own.
+func (d *dec) rid() string {
+	if d.ar == nil {
+		return d.str()
+	}
+	n := d.n()
+	if d.err != nil || n == 0 {
+		return ""
+	}
+	if d.settle(); n > len(d.b) || n > nameBlock/4 {
+		return d.spanning(n)
+	}
+	a := d.ar.names
+	if cap(a)-len(a) < n {
+		a = make([]byte, 0, nameBlock)
+	}
+	from := len(a)
+	a = append(a, d.b[:n]...)
+	d.b = d.b[n:]
+	d.ar.names = a
+	return unsafe.String(&a[from], n)
+}
+
+// streamPages reads a page list as pages does, into the arena when there
+// is one (a list longer than a quarter block gets an allocation of its
+// own: a long reload's pages, which a session keeps for its last reply,
+// never hold a block).
+func (d *dec) streamPages() []int32 {
+	if d.ar == nil {
+		return d.pages()
+	}
+	n := d.n()
+	if d.err != nil {
+		return nil
+	}
+	if n == 0 {
+		return []int32{} // as pages reads it
+	}
+	if n > pageBlock/4 {
+		return d.appendPages(make([]int32, 0, n), n)
+	}
+	a := d.ar.pages
+	if cap(a)-len(a) < n {
+		a = make([]int32, 0, pageBlock)
+	}
+	from := len(a)
+	if a = d.appendPages(a, n); a == nil {
+		return nil
+	}
+	d.ar.pages = a
+	return a[from:len(a):len(a)]
 }
 
 func (d *dec) meta() pool.Meta { return pool.Meta{StoredLen: d.i(), Position: d.i(), Released: d.i()} }
@@ -404,8 +487,8 @@ func (d *dec) sessionOp() server.SessionOp {
 		d.fail("sequence number out of range")
 	}
 	op.Seq = uint32(seq)
-	op.Fence, op.Rid, op.Label, op.Meta = d.u(), d.str(), d.label(), d.meta()
-	op.Pages, op.Ticket = d.pages(), d.u()
+	op.Fence, op.Rid, op.Label, op.Meta = d.u(), d.rid(), d.label(), d.meta()
+	op.Pages, op.Ticket = d.streamPages(), d.u()
 	op.Status, op.Reply = wire.Status(d.byte()), d.raw()
 	if d.byte() == 1 {
 		o := &server.OpenInfo{Replaces: d.u(), Allocation: d.str(), Instance: d.str(), UUID: d.str(), Peer: d.peer()}
@@ -619,17 +702,25 @@ func (d *dec) session() *Session {
 	var hs [prefetchBatch]uint64
 	var ends [prefetchBatch]int
 	var streams []stream
+	// A session's streams share its labels (an engine uses a handful),
+	// and their IDs and pages lie in an arena.
+	if d.labels == nil {
+		d.labels = map[string]string{}
+	}
+	if d.ar == nil {
+		d.ar = &arena{}
+	}
 	for left := nrids; left > 0 && d.err == nil; {
 		k := 0
 		streams = streams[:0]
 		for ; k < prefetchBatch && left > 0; left-- {
-			rid := d.str()
+			rid := d.rid()
 			n := d.n()
 			if n == 0 {
 				continue
 			}
 			for range n {
-				streams = append(streams, stream{Label: d.str(), Meta: d.meta(), Pages: d.pages()})
+				streams = append(streams, stream{Label: d.label(), Meta: d.meta(), Pages: d.streamPages()})
 			}
 			rids[k], hs[k], ends[k] = rid, ridHash(rid), len(streams)
 			k++

@@ -143,6 +143,7 @@ func (q *sessionQueue) apply(labels map[string]string, lanes int) {
 	}
 	type lane struct {
 		labels map[string]string
+		ar     *arena // the lane's own, as its labels
 		// Three batches go round each lane (being decoded, waiting,
 		// being applied): the collector is off while the agent
 		// restores, and a fresh batch each time would hold some 170
@@ -157,7 +158,7 @@ func (q *sessionQueue) apply(labels map[string]string, lanes int) {
 	failed.Store(int64(nb))
 	ls := make([]lane, lanes)
 	for l := range ls {
-		ls[l] = lane{labels: labels, free: make(chan []decoded, 3), done: make(chan []decoded, 2)}
+		ls[l] = lane{labels: labels, ar: &arena{}, free: make(chan []decoded, 3), done: make(chan []decoded, 2)}
 		if l > 0 {
 			ls[l].labels = map[string]string{} // a map is one goroutine's
 		}
@@ -172,7 +173,7 @@ func (q *sessionQueue) apply(labels map[string]string, lanes int) {
 			for i := l; i < nb && int64(i) < failed.Load(); i += lanes {
 				b := (<-ln.free)[:0]
 				for _, rec := range q.recs[i*decodeBatch : min((i+1)*decodeBatch, len(q.recs))] {
-					op, err := decodeQueued(q.payload(rec), ln.labels)
+					op, err := decodeQueued(q.payload(rec), ln.labels, ln.ar)
 					b = append(b, decoded{op, offloadHash(op), err, rec.off})
 					if err != nil {
 						for f := failed.Load(); int64(i) < f && !failed.CompareAndSwap(f, int64(i)); f = failed.Load() {
@@ -233,11 +234,12 @@ type decoded struct {
 func (q *sessionQueue) applyHere(labels map[string]string) {
 	var batch [prefetchBatch]decoded
 	hs := make([]uint64, 0, prefetchBatch)
+	ar := &arena{}
 	for lo := 0; lo < len(q.recs); lo += prefetchBatch {
 		b := batch[:0]
 		hs = hs[:0]
 		for _, rec := range q.recs[lo:min(lo+prefetchBatch, len(q.recs))] {
-			op, err := decodeQueued(q.payload(rec), labels)
+			op, err := decodeQueued(q.payload(rec), labels, ar)
 			h := offloadHash(op)
 			b = append(b, decoded{op, h, err, rec.off})
 			if err != nil {
@@ -269,8 +271,8 @@ const (
 )
 
 // decodeQueued decodes one queued record, a routed session op.
-func decodeQueued(payload []byte, labels map[string]string) (server.SessionOp, error) {
-	d := &dec{b: payload, labels: labels, alias: true}
+func decodeQueued(payload []byte, labels map[string]string, ar *arena) (server.SessionOp, error) {
+	d := &dec{b: payload, labels: labels, alias: true, ar: ar}
 	d.byte() // recSession
 	op := d.sessionOp()
 	err := d.err
