@@ -94,3 +94,29 @@ func TestArenaRefusesBadPages(t *testing.T) {
 		t.Fatalf("around a failed decode: %v and %v", before.Pages, after.Pages)
 	}
 }
+
+// TestArenaStartsSmall: a session of a few streams takes blocks of about
+// their size, and the blocks double up to the largest as a session grows.
+func TestArenaStartsSmall(t *testing.T) {
+	ar := &arena{}
+	rec := func(i int) []byte {
+		return appendSessionOp(nil, &server.SessionOp{Session: 1, Op: wire.OpOffload, Seq: uint32(i + 1), Rid: fmt.Sprintf("request-%06d", i), Label: "kv", Pages: []int32{int32(i)}})
+	}
+	for i := range 3 {
+		if _, err := decodeQueued(rec(i), nil, ar); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if cap(ar.names) != nameBlock/firstBlock || cap(ar.pages) != pageBlock/firstBlock {
+		t.Fatalf("three streams took blocks of %d bytes and %d pages, want %d and %d",
+			cap(ar.names), cap(ar.pages), nameBlock/firstBlock, pageBlock/firstBlock)
+	}
+	for i := 3; i < 20000; i++ {
+		if _, err := decodeQueued(rec(i), nil, ar); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if cap(ar.names) != nameBlock || cap(ar.pages) != pageBlock {
+		t.Fatalf("20,000 streams: blocks of %d bytes and %d pages, want the largest, %d and %d", cap(ar.names), cap(ar.pages), nameBlock, pageBlock)
+	}
+}

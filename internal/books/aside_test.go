@@ -10,6 +10,9 @@ import (
 	"unsafe"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/kvpool/kvpool/internal/server"
+	"github.com/kvpool/kvpool/pkg/wire"
 )
 
 // heldAside makes the next compactions aside stop after their snapshot
@@ -448,4 +451,70 @@ func TestCompactIfQuietCountsFromStart(t *testing.T) {
 	if s := b.Stats(); s.LogBytes != headerSize+s.Snapshot || store.puts != 2 {
 		t.Fatalf("after the compaction: %+v after %d puts", s, store.puts)
 	}
+}
+
+// TestStartCopiesALogPastItsRoom: an agent killed while a compaction ran
+// beside the appends leaves a log grown past the room a compaction of its
+// snapshot leaves. Up to twice that room, the next agent's start copies
+// it rather than compacting it (a compaction there ran beside the pool's
+// rebuild, before the agent served), and its first records start the
+// compaction again, beside them; past twice the room, the start compacts
+// (TestStartCompactsALongKeptLog).
+func TestStartCopiesALogPastItsRoom(t *testing.T) {
+	r, h := asideRig(t, 23)
+	defer func() {
+		close(h.release)
+		r.b.settle()
+		r.b.Close()
+	}()
+	// Appends go on into the live memfd, which grows past its room. (The
+	// rig's log filled at 4 KiB, and it stepped on while the compaction
+	// began: a start here sees a room of 20 KiB, within which the log
+	// grows to half as much again.)
+	minLog = 20 << 10 // asideRig's cleanup puts it back
+	s := r.b.Stats()
+	room := s.Snapshot + max(uint64(minLog), s.Snapshot)
+	for i := 0; r.b.Stats().LogBytes-headerSize+64 <= room+room/2; i++ {
+		r.step(i)
+	}
+	// Killed now: the keeper holds that memfd.
+	kept := snapshotMem(t, r.store.f)
+	st, info, err := Load(r.store.f)
+	must(t, err)
+	end, snap := st.srcEnd, st.snapEnd-headerSize
+	if k := end - headerSize + 64; snap != s.Snapshot || k <= room || k > 2*room {
+		t.Fatalf("kept %d bytes after a snapshot of %d: want past the room of %d, within twice it", end-headerSize, snap, room)
+	}
+	want := st.Image()
+	store := &memStore{}
+	b, err := Start(st, info.Gen, store, func(err error) { t.Errorf("fatal: %v", err) })
+	must(t, err)
+	defer b.Close()
+	started := b.Stats()
+	if started.Gen != info.Gen+1 || started.LogBytes != end || started.Snapshot != snap || !bytes.Equal(b.mem[headerSize:end], kept[headerSize:end]) {
+		t.Fatalf("started with %+v: want the kept log of %d bytes copied into generation %d", started, end-headerSize, info.Gen+1)
+	}
+	st2, _, err := Load(store.f)
+	must(t, err)
+	must(t, st2.Check(want))
+	// Its first records fill the copy and start a compaction aside
+	// (asideHook still holds the old agent's, not this one's).
+	asideHook = nil
+	sid := want.Sessions[0].ID
+	for seq := uint32(1); b.Stats().Compactions == started.Compactions; seq++ {
+		if seq > 100000 {
+			t.Fatal("no compaction after 100,000 records")
+		}
+		// A discard of a stream the session does not hold: recorded,
+		// and replayed as nothing.
+		must(t, b.Session(server.SessionOp{Session: sid, Op: wire.OpDiscard, Seq: seq, Rid: "none", Label: "none"}))
+		b.settle()
+	}
+	after := b.Stats()
+	if after.LogBytes-headerSize-after.Snapshot >= end-headerSize-snap {
+		t.Fatalf("after the compaction: %d bytes of records after a snapshot of %d, want fewer than the %d kept", after.LogBytes-headerSize-after.Snapshot, after.Snapshot, end-headerSize-snap)
+	}
+	st3, _, err := Load(store.f)
+	must(t, err)
+	must(t, st3.Check(want))
 }

@@ -437,16 +437,22 @@ func (b *Books) startLocked(st *State) error {
 		forgets = appendEvent(forgets[:0], pool.Event{Kind: pool.EventRemoveChunk, Chunk: pool.Chunk{ID: id}})
 		kept += recordSize(len(forgets))
 	}
-	// The room a compaction of this snapshot would have left: a kept log
-	// past it is compacted (so that neither the memfd nor the next replay
-	// grows from restart to restart), one within it copied, and the copy
-	// gets that room, as if the agent had not restarted.
+	// The room a compaction of this snapshot would have left. A kept log
+	// within it is copied with that room, as if the agent had not
+	// restarted. One past it (the live log grew while a compaction ran
+	// beside the appends, and the agent died first) is copied too, with
+	// no room left: the agent's first records start that compaction again,
+	// beside the appends, once it serves. Compacted here, beside the
+	// pool's rebuild, it took a CPU from the rebuild while the agent did
+	// not serve yet. Only a log past twice the room is compacted here, so
+	// that neither the memfd nor the next replay grows from restart to
+	// restart.
 	snap := st.snapEnd - headerSize
 	room := snap + max(uint64(minLog), snap)
-	if kept+64 > room {
+	if kept+64 > 2*room {
 		return b.compactLocked(st, 0)
 	}
-	lf, err := newLogFile(b.gen+1, roundPage(room))
+	lf, err := newLogFile(b.gen+1, roundPage(max(room, kept+64)))
 	if err != nil {
 		return err
 	}

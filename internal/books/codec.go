@@ -97,11 +97,21 @@ type arena struct {
 	pages []int32
 }
 
-// nameBlock and pageBlock are the blocks an arena allocates.
+// nameBlock and pageBlock are the largest blocks an arena allocates; its
+// first are firstBlock times smaller, and each next one twice the last, so
+// that a replay of many small sessions (an arena each) takes little more
+// than their streams.
 const (
-	nameBlock = 64 << 10
-	pageBlock = 4096
+	nameBlock  = 64 << 10
+	pageBlock  = 4096
+	firstBlock = 64
 )
+
+// nextBlock is the capacity of the block after one of capacity last, for
+// at least n more elements, of at most most.
+func nextBlock(last, n, most int) int {
+	return max(n, min(most, max(most/firstBlock, 2*last)))
+}
 
 func newDec(segs ...[]byte) *dec {
 	d := &dec{}
@@ -370,7 +380,7 @@ func (d *dec) rid() string {
 	}
 	a := d.ar.names
 	if cap(a)-len(a) < n {
-		a = make([]byte, 0, nameBlock)
+		a = make([]byte, 0, nextBlock(cap(a), n, nameBlock))
 	}
 	from := len(a)
 	a = append(a, d.b[:n]...)
@@ -399,7 +409,7 @@ func (d *dec) streamPages() []int32 {
 	}
 	a := d.ar.pages
 	if cap(a)-len(a) < n {
-		a = make([]int32, 0, pageBlock)
+		a = make([]int32, 0, nextBlock(cap(a), n, pageBlock))
 	}
 	from := len(a)
 	if a = d.appendPages(a, n); a == nil {
