@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"unsafe"
 
@@ -288,25 +289,31 @@ func (d *dec) raw() []byte {
 }
 
 func (d *dec) str() string {
-	n := d.n()
-	if d.err != nil || n == 0 {
-		return ""
-	}
-	d.settle()
-	if n <= len(d.b) {
-		s := string(d.b[:n])
-		d.b = d.b[n:]
+	b, s := d.strBytes(math.MaxInt)
+	if b == nil {
 		return s
 	}
-	return d.spanning(n)
+	return string(b)
 }
 
-// spanning reads a string of n bytes into an allocation of its own (one
-// that spans segments, or one too long for an arena).
-func (d *dec) spanning(n int) string {
-	out := make([]byte, n)
-	d.bytesInto(n, out)
-	return string(out)
+// strBytes reads a string's length and, when its bytes lie whole in the
+// current segment and are at most most, returns them (a slice of the
+// segment, nil for an empty string); else it returns the string read
+// into an allocation of its own (one that spans segments, or one longer
+// than most).
+func (d *dec) strBytes(most int) ([]byte, string) {
+	n := d.n()
+	if d.err != nil || n == 0 {
+		return nil, ""
+	}
+	if d.settle(); n > len(d.b) || n > most {
+		out := make([]byte, n)
+		d.bytesInto(n, out)
+		return nil, string(out)
+	}
+	b := d.b[:n]
+	d.b = d.b[n:]
+	return b, ""
 }
 
 // label reads a string as str does, from the intern table when there is
@@ -315,15 +322,10 @@ func (d *dec) label() string {
 	if d.labels == nil {
 		return d.str()
 	}
-	n := d.n()
-	if d.err != nil || n == 0 {
-		return ""
+	b, s := d.strBytes(math.MaxInt)
+	if b == nil {
+		return s
 	}
-	if d.settle(); n > len(d.b) {
-		return d.spanning(n)
-	}
-	b := d.b[:n]
-	d.b = d.b[n:]
 	if l, ok := d.labels[string(b)]; ok {
 		return l
 	}
@@ -371,22 +373,18 @@ func (d *dec) rid() string {
 	if d.ar == nil {
 		return d.str()
 	}
-	n := d.n()
-	if d.err != nil || n == 0 {
-		return ""
-	}
-	if d.settle(); n > len(d.b) || n > nameBlock/4 {
-		return d.spanning(n)
+	b, s := d.strBytes(nameBlock / 4)
+	if b == nil {
+		return s
 	}
 	a := d.ar.names
-	if cap(a)-len(a) < n {
-		a = make([]byte, 0, nextBlock(cap(a), n, nameBlock))
+	if cap(a)-len(a) < len(b) {
+		a = make([]byte, 0, nextBlock(cap(a), len(b), nameBlock))
 	}
 	from := len(a)
-	a = append(a, d.b[:n]...)
-	d.b = d.b[n:]
+	a = append(a, b...)
 	d.ar.names = a
-	return unsafe.String(&a[from], n)
+	return unsafe.String(&a[from], len(b))
 }
 
 // streamPages reads a page list as pages does, into the arena when there
