@@ -114,8 +114,9 @@ func (a *agent) restore() (err error) {
 		return err
 	}
 	tAdopt := time.Now()
-	// The fresh books memfd (a copy of the kept records, mostly) is
-	// written while the pool is rebuilt: both only read st.
+	// The books start while the pool is rebuilt (both only read st):
+	// mostly they go on in the kept memfd, which costs little, but a log
+	// past its room is copied and one far past it compacted.
 	startBooks := startAside(func() (*books.Books, error) { return books.Start(st, info.Gen, kc, a.booksFailed) })
 	img := st.Image()
 	if breakImage != nil {
@@ -604,7 +605,7 @@ func (a *agent) restartStatus() *report.Restart {
 	if b := r.books; b != nil {
 		s := b.Stats()
 		rs.BooksLogBytes, rs.BooksSnapshotBytes = int64(s.LogBytes), int64(s.Snapshot)
-		rs.BooksCompactions = max(s.Compactions-1, 0) // the move to a fresh memfd at start is none
+		rs.BooksCompactions = s.Compactions
 		rs.BooksLongestHoldSeconds = s.LongestHold.Seconds()
 	}
 	return rs

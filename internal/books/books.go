@@ -27,9 +27,11 @@
 // runs beside the appends (compactAside): the full log grows while it
 // replays and writes, and only the copy of the records appended meanwhile
 // and the hand-over hold them up. The heap holds no copy of the state
-// between compactions. A new agent always starts a
-// fresh memfd (Start): a copy of the records it replayed, up to the last
-// committed one, or a compaction; so it never appends over a torn record.
+// between compactions. A new agent goes on in the memfd it replayed
+// (Start), after clearing what lies past the last committed record, so it
+// never appends before a torn record's bytes; where that log has outgrown
+// its room, it starts a fresh memfd instead: a copy of the records it
+// replayed, or a compaction.
 package books
 
 import (
@@ -342,11 +344,13 @@ var (
 	inLine    bool
 )
 
-// Start writes st as the snapshot of a fresh books memfd of generation
-// gen+1, hands it to store and returns the books, which record every later
-// change. fatal is called (once) when a change can no longer be recorded:
-// the process must stop, since what it answers would not survive it. The
-// books do not keep st.
+// Start makes the books of st, which Load read from books of generation
+// gen (or which is new), and returns them, recording every later change:
+// they go on in the memfd Load read, which store must be what holds (the
+// generation stays gen), or, when that cannot be, in a fresh memfd of
+// generation gen+1 handed to store (startLocked). fatal is called (once)
+// when a change can no longer be recorded: the process must stop, since
+// what it answers would not survive it. The books do not keep st.
 func Start(st *State, gen uint64, store Store, fatal func(error)) (*Books, error) {
 	if fatal == nil {
 		fatal = func(error) {}
@@ -357,6 +361,7 @@ func Start(st *State, gen uint64, store Store, fatal func(error)) (*Books, error
 	if err := b.startLocked(st); err != nil {
 		return nil, err
 	}
+	b.compactions.Store(0)
 	if b.unkept != nil {
 		return nil, fmt.Errorf("books: hand the books to the keeper: %w", b.unkept)
 	}
@@ -409,12 +414,15 @@ func (b *Books) stateLocked() (*State, error) {
 	return st, err
 }
 
-// startLocked writes the first memfd of the books: a copy of the records
-// Load read, when st came from Load in this format and changed since only
-// by Forget (each then recorded as a chunk's removal, which replays as a
-// Forget), else a compaction of st. The copy costs a memcpy of the kept
-// log where a compaction decodes and encodes every stream: an agent serves
-// sooner after a restart, and the log compacts when it fills, as always.
+// startLocked makes the books' first memfd. When st came from Load in
+// this format and changed since only by Forget (each then recorded as a
+// chunk's removal, which replays as a Forget), the records Load read are
+// kept: within the room a compaction of their snapshot leaves, the books
+// go on in the very memfd the keeper holds (resumeLocked); past it they
+// are copied into a fresh one. Otherwise st is compacted. Either way of
+// keeping costs far less than a compaction, which decodes and encodes
+// every stream: an agent serves sooner after a restart, and the log
+// compacts when it fills, as always.
 func (b *Books) startLocked(st *State) error {
 	src := st.src
 	st.src = nil
@@ -424,6 +432,20 @@ func (b *Books) startLocked(st *State) error {
 		}
 		return b.compactLocked(st, 0)
 	}
+	kept := st.srcEnd - headerSize
+	var forgets enc
+	for _, id := range st.forgot {
+		forgets = appendEvent(forgets[:0], pool.Event{Kind: pool.EventRemoveChunk, Chunk: pool.Chunk{ID: id}})
+		kept += recordSize(len(forgets))
+	}
+	snap := st.snapEnd - headerSize
+	room := snap + max(uint64(minLog), snap)
+	if kept+64 <= room && !noResume {
+		if err := b.resumeLocked(src, st, room); err == nil {
+			return nil
+		}
+		// A memfd that cannot be written again is copied.
+	}
 	defer src.Close()
 	size := int(st.srcEnd)
 	mem, err := unix.Mmap(int(src.Fd()), 0, size, unix.PROT_READ, unix.MAP_SHARED)
@@ -431,24 +453,14 @@ func (b *Books) startLocked(st *State) error {
 		return b.compactLocked(st, 0)
 	}
 	defer unix.Munmap(mem)
-	kept := st.srcEnd - headerSize
-	var forgets enc
-	for _, id := range st.forgot {
-		forgets = appendEvent(forgets[:0], pool.Event{Kind: pool.EventRemoveChunk, Chunk: pool.Chunk{ID: id}})
-		kept += recordSize(len(forgets))
-	}
-	// The room a compaction of this snapshot would have left. A kept log
-	// within it is copied with that room, as if the agent had not
-	// restarted. One past it (the live log grew while a compaction ran
-	// beside the appends, and the agent died first) is copied too, with
-	// no room left: the agent's first records start that compaction again,
-	// beside the appends, once it serves. Compacted here, beside the
-	// pool's rebuild, it took a CPU from the rebuild while the agent did
-	// not serve yet. Only a log past twice the room is compacted here, so
-	// that neither the memfd nor the next replay grows from restart to
-	// restart.
-	snap := st.snapEnd - headerSize
-	room := snap + max(uint64(minLog), snap)
+	// A kept log past the room a compaction of its snapshot leaves (the
+	// live log grew while a compaction ran beside the appends, and the
+	// agent died first) is copied, with no room left: the agent's first
+	// records start that compaction again, beside the appends, once it
+	// serves. Compacted here, beside the pool's rebuild, it took a CPU
+	// from the rebuild while the agent did not serve yet. Only a log past
+	// twice the room is compacted here, so that neither the memfd nor the
+	// next replay grows from restart to restart.
 	if kept+64 > 2*room {
 		return b.compactLocked(st, 0)
 	}
@@ -472,6 +484,67 @@ func (b *Books) startLocked(st *State) error {
 		}
 	}
 	b.install(lf, snap, st.Skipped)
+	return nil
+}
+
+// noResume, set by tests, makes Start copy a kept log that it would
+// otherwise go on in.
+var noResume bool
+
+// resumeLocked makes f, the books memfd Load read, the books again, the
+// next record going after the last committed one (st.srcEnd), and records
+// the chunks st forgot: no byte of the kept log is written anew, and the
+// keeper, which holds f, is handed nothing. The log gets at least room
+// bytes (room holds them all: the caller checked). What lies past the
+// last committed record is cleared first: a record the killed agent tore
+// may have left its payload there without its length, and a payload
+// holds what tenants named, so bytes in it could read as a committed
+// record once a record is written before them. On an error the memfd is
+// as Load found it, but for bytes past its last committed record, and f
+// is not closed.
+func (b *Books) resumeLocked(f *os.File, st *State, room uint64) error {
+	fd := int(f.Fd())
+	var fs unix.Stat_t
+	if err := unix.Fstat(fd, &fs); err != nil {
+		return err
+	}
+	end := st.srcEnd
+	size := uint64(max(fs.Size, 0))
+	if size < end {
+		return fmt.Errorf("books: the kept memfd is %d bytes, its records end at %d", size, end)
+	}
+	capacity := max(size-headerSize, roundPage(room))
+	if headerSize+capacity > size {
+		if err := f.Truncate(int64(headerSize + capacity)); err != nil {
+			return err
+		}
+	}
+	// The rest of end's page by hand, the pages after it punched out
+	// (they read as zeros, and only those written take memory).
+	if page := roundPage(end); page > end {
+		if _, err := f.WriteAt(make([]byte, page-end), int64(end)); err != nil {
+			return err
+		}
+	}
+	if tail := headerSize + capacity - roundPage(end); roundPage(end) < headerSize+capacity {
+		if err := unix.Fallocate(fd, unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, int64(roundPage(end)), int64(tail)); err != nil {
+			return fmt.Errorf("books: clear the kept memfd past its records: %w", err)
+		}
+	}
+	mem, err := unix.Mmap(fd, 0, int(headerSize+capacity), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		return err
+	}
+	binary.LittleEndian.PutUint64(mem[24:], capacity)
+	b.f, b.mem, b.off, b.end = f, mem, end, headerSize+capacity
+	b.lastSnap, b.skipped = st.snapEnd-headerSize, st.Skipped
+	b.ready = 0
+	b.populateLocked()
+	b.touchLocked()
+	for _, id := range st.forgot {
+		b.buf = appendEvent(b.buf[:0], pool.Event{Kind: pool.EventRemoveChunk, Chunk: pool.Chunk{ID: id}})
+		b.off = writeRecord(b.mem, b.off, b.buf)
+	}
 	return nil
 }
 
@@ -956,7 +1029,7 @@ type Stats struct {
 	LogBytes    uint64 // used, header included
 	Capacity    uint64 // of the current memfd, header included
 	Records     int64  // appended by this process
-	Compactions int64
+	Compactions int64  // since Start (which writes a snapshot only where it must, and counts none)
 	Skipped     int    // records the last replay (the last compaction's) skipped
 	Snapshot    uint64 // bytes of the last snapshot, its records' framing included
 	// LongestHold is the longest a compaction held the appends (every

@@ -1,6 +1,7 @@
 package books
 
 import (
+	"bytes"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -300,7 +301,7 @@ func TestCompaction(t *testing.T) {
 		r.b.settle()
 	}
 	s := r.b.Stats()
-	if s.Compactions < 3 || r.store.puts != int(s.Compactions) || s.Gen != r.store.gen {
+	if s.Compactions < 3 || r.store.puts != int(s.Compactions)+1 || s.Gen != r.store.gen {
 		t.Fatalf("stats %+v, %d puts", s, r.store.puts)
 	}
 	must(t, r.load().Check(r.p.Export()))
@@ -355,6 +356,10 @@ func TestHandedBooksCarryASignOfLife(t *testing.T) {
 	st, info, err := Load(fresh.f)
 	must(t, err)
 	r.b.Close()
+	// The start copies the kept log into a memfd it hands over, rather
+	// than go on in the one the store holds (which hands nothing).
+	noResume = true
+	defer func() { noResume = false }()
 	b, err := Start(st, info.Gen, fresh, nil)
 	must(t, err)
 	defer b.Close()
@@ -563,17 +568,25 @@ func TestReadsFormatVersion1(t *testing.T) {
 	must(t, got.Check(r.p.Export()))
 }
 
-// TestStartCopiesTheKeptLog: books started from Load copy the records
-// they read (the bytes of the log, not a new snapshot), without a torn
-// record at its end, and record the chunks forgotten in between as
-// removals; a change Start cannot record that way (SetGen) makes it
-// compact instead. Either way the next Load reads what Start was given.
-func TestStartCopiesTheKeptLog(t *testing.T) {
+// TestStartKeepsTheKeptLog: books started from Load keep the records they
+// read (the log's bytes, not a new snapshot), without the torn record at
+// its end, and record the chunks forgotten in between as removals: in the
+// very memfd the store holds, handed nothing and of the same generation,
+// or (noResume) as a copy in a fresh memfd handed to the store. A change
+// Start cannot record that way (SetGen) makes it compact instead. Either
+// way the next Load reads what Start was given.
+func TestStartKeepsTheKeptLog(t *testing.T) {
 	for _, tc := range []struct {
-		name           string
-		forget, setGen bool
-	}{{"as kept", false, false}, {"a chunk forgotten", true, false}, {"a generation set", false, true}} {
+		name                   string
+		forget, setGen, resume bool
+	}{
+		{"as kept", false, false, true}, {"a chunk forgotten", true, false, true},
+		{"copied", false, false, false}, {"copied, a chunk forgotten", true, false, false},
+		{"a generation set", false, true, true},
+	} {
 		t.Run(tc.name, func(t *testing.T) {
+			noResume = !tc.resume
+			defer func() { noResume = false }()
 			r := newRig(t, 7)
 			for i := range 300 {
 				r.step(i)
@@ -586,7 +599,9 @@ func TestStartCopiesTheKeptLog(t *testing.T) {
 			binary.LittleEndian.PutUint32(r.b.mem[end:], 16)
 			copy(r.b.mem[end+8:], "torn record body")
 			r.b.Close()
-			st, info, err := Load(r.store.f)
+			keptFile := r.store.f
+			puts := r.store.puts
+			st, info, err := Load(keptFile)
 			must(t, err)
 			if tc.forget {
 				st.Forget("c4") // revokes b and closes its session
@@ -598,17 +613,21 @@ func TestStartCopiesTheKeptLog(t *testing.T) {
 			b, err := Start(st, info.Gen, r.store, func(err error) { t.Errorf("fatal: %v", err) })
 			must(t, err)
 			defer b.Close()
-			copied := !tc.setGen
-			if got := string(b.mem[headerSize:end]) == string(kept[headerSize:end]); got != copied {
-				t.Fatalf("the new memfd holds the kept log's bytes: %v, want %v", got, copied)
+			kept1 := !tc.setGen
+			if got := string(b.mem[headerSize:end]) == string(kept[headerSize:end]); got != kept1 {
+				t.Fatalf("the books hold the kept log's bytes: %v, want %v", got, kept1)
 			}
-			if b.mem[end] != 0 && !tc.forget && copied {
-				t.Fatalf("the torn record was copied")
+			resumed := tc.resume && !tc.setGen
+			if got := r.store.f == keptFile && r.store.puts == puts; got != resumed {
+				t.Fatalf("the store holds the kept memfd, handed nothing: %v, want %v (%d puts after %d)", got, resumed, r.store.puts, puts)
+			}
+			if !bytes.Equal(b.mem[b.off:], make([]byte, len(b.mem)-int(b.off))) {
+				t.Fatalf("the books' log holds bytes past its last record (at %d)", b.off)
 			}
 			st2, info2, err := Load(r.store.f)
 			must(t, err)
-			if info2.Gen != info.Gen+1 {
-				t.Fatalf("generation %d after %d", info2.Gen, info.Gen)
+			if wantGen := info.Gen + uint64(btoi(!resumed)); info2.Gen != wantGen {
+				t.Fatalf("generation %d after %d, want %d", info2.Gen, info.Gen, wantGen)
 			}
 			must(t, st2.Check(want))
 			if _, ok := st2.Chunk("c4"); ok == tc.forget {
@@ -618,6 +637,52 @@ func TestStartCopiesTheKeptLog(t *testing.T) {
 				t.Fatalf("%d sessions, want %d", len(want.Sessions), 3-btoi(tc.forget))
 			}
 		})
+	}
+}
+
+// TestResumedBooksClearATornTail: the agent a restart replaced may have
+// died writing a record's payload, which goes in before its length, so
+// the bytes past the last committed record can hold anything a tenant
+// named, a well-formed committed record included. The next agent's books
+// go on in that memfd: a record they write must not end right before such
+// bytes, or the replay after it would take them for a record.
+func TestResumedBooksClearATornTail(t *testing.T) {
+	r := newRig(t, 11)
+	for i := range 200 {
+		r.step(i)
+	}
+	_, _, end, err := replay(r.b.mem)
+	must(t, err)
+	// The next agent forgets c4 (its first record, at end); forged after
+	// it, where its second would go, a removal of c0, framed, checksummed
+	// and committed, and another a few pages further on.
+	first := recordSize(len(appendEvent(nil, pool.Event{Kind: pool.EventRemoveChunk, Chunk: pool.Chunk{ID: "c4"}})))
+	forged := appendEvent(nil, pool.Event{Kind: pool.EventRemoveChunk, Chunk: pool.Chunk{ID: "c0"}})
+	writeRecord(r.b.mem, end+first, forged)
+	far := roundPage(end) + 5*4096
+	writeRecord(r.b.mem, far, forged)
+	r.b.Close()
+	st, info, err := Load(r.store.f)
+	must(t, err)
+	st.Forget("c4")
+	b, err := Start(st, info.Gen, r.store, func(err error) { t.Errorf("fatal: %v", err) })
+	must(t, err)
+	defer b.Close()
+	if r.store.puts != 1 || b.off != end+first {
+		t.Fatalf("%d hand-overs, the log ends at %d: want the books gone on in the kept memfd, to %d", r.store.puts, b.off, end+first)
+	}
+	// Killed now.
+	st2, _, err := Load(r.store.f)
+	must(t, err)
+	if _, ok := st2.Chunk("c0"); !ok {
+		t.Fatal("the replay took a torn record's bytes for a record: chunk c0 was removed")
+	}
+	if _, ok := st2.Chunk("c4"); ok {
+		t.Fatal("chunk c4 is in the books after it was forgotten")
+	}
+	// And nothing is left further on for a later record to end before.
+	if !bytes.Equal(b.mem[far:far+first], make([]byte, first)) {
+		t.Fatal("the forged record a few pages past the log's end is still there")
 	}
 }
 
