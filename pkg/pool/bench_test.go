@@ -5,6 +5,7 @@ import (
 	"runtime"
 	"strings"
 	"testing"
+	"time"
 )
 
 // benchSession opens a session of pages host pages of 4 KiB over 4,096
@@ -258,4 +259,56 @@ func BenchmarkCollect(b *testing.B) {
 			runtime.KeepAlive(p)
 		})
 	}
+}
+
+// BenchmarkFillToTheBound fills a fresh session with 131,072 requests of
+// one 2-page stream each, 128-byte request IDs (one session's bound of
+// streams, the longest IDs the benchmarks use), one offload at a time as a
+// server makes them. An op is one offload; slowest-ms is the slowest
+// single offload of the last fill: what a caller (and every caller of that
+// session, behind its lock) waits when a table grows.
+func BenchmarkFillToTheBound(b *testing.B) {
+	const streams, pageSize, chunkSize = 131072, 4 << 10, 64 << 20
+	pages := 2 * streams
+	p := New()
+	var ids []string
+	for i := range (pages*pageSize + chunkSize - 1) / chunkSize {
+		id := fmt.Sprintf("gpu0-numa0-%d", i)
+		if err := p.AddChunk(Chunk{ID: id, Size: chunkSize}); err != nil {
+			b.Fatal(err)
+		}
+		ids = append(ids, id)
+	}
+	if err := p.Grant("bench", ids); err != nil {
+		b.Fatal(err)
+	}
+	rids := make([]string, streams)
+	for i := range rids {
+		rids[i] = fmt.Sprintf("%0128d", i)
+	}
+	dev := []int32{0, 1}
+	dst := make([]int32, 0, 2)
+	var slowest time.Duration
+	b.ResetTimer()
+	for done := 0; done < b.N; {
+		b.StopTimer()
+		s, err := p.Open("bench", Spec{PageSize: pageSize, DevicePages: 64, MaxPages: pages})
+		if err != nil {
+			b.Fatal(err)
+		}
+		runtime.GC()
+		slowest = 0
+		b.StartTimer()
+		for i := 0; i < streams && done < b.N; i, done = i+1, done+1 {
+			t0 := time.Now()
+			if _, err := s.Offload(rids[i], "kv", dev, Meta{StoredLen: 1}, dst[:0]); err != nil {
+				b.Fatal(err)
+			}
+			slowest = max(slowest, time.Since(t0))
+		}
+		b.StopTimer()
+		p.Close(s)
+		b.StartTimer()
+	}
+	b.ReportMetric(float64(slowest.Microseconds())/1000, "slowest-ms")
 }

@@ -262,8 +262,8 @@ func (x *reqIndex) check() error {
 			continue
 		}
 		held++
-		if int(sp.off)+int(sp.n) > len(x.names) {
-			return fmt.Errorf("the ID at place %d lies at %d+%d, past the %d bytes of names", p, sp.off, sp.n, len(x.names))
+		if !x.names.within(sp.off, sp.n) {
+			return fmt.Errorf("the ID at place %d lies at %d+%d, outside the %d blocks of names", p, sp.off, sp.n, len(x.names.b))
 		}
 		live += int(sp.n)
 		spans = append(spans, span{int(sp.off), int(sp.off + sp.n)})
@@ -279,12 +279,12 @@ func (x *reqIndex) check() error {
 	for n, next := range x.freed {
 		for k := 0; next != 0; k++ {
 			off := int(next - 1)
-			if n < minFreed || off+n > len(x.names) || k > len(x.names)/minFreed {
-				return fmt.Errorf("a free span of %d bytes at %d, in %d bytes of names", n, off, len(x.names))
+			if n < minFreed || !x.names.within(uint32(off), uint32(n)) || k > x.names.size/minFreed {
+				return fmt.Errorf("a free span of %d bytes at %d, outside the %d blocks of names", n, off, len(x.names.b))
 			}
 			spans = append(spans, span{off, off + n})
 			free += n
-			next = binary.LittleEndian.Uint32(x.names[off:])
+			next = binary.LittleEndian.Uint32(x.names.at(uint32(off), uint32(n)))
 		}
 	}
 	slices.SortFunc(spans, func(a, b span) int { return a.off - b.off })
@@ -296,8 +296,12 @@ func (x *reqIndex) check() error {
 	if free > x.dead {
 		return fmt.Errorf("%d bytes of names in free spans, %d counted dead", free, x.dead)
 	}
-	if live+x.dead != len(x.names) {
-		return fmt.Errorf("names holds %d bytes: %d of IDs held and %d dead", len(x.names), live, x.dead)
+	inBlocks := 0
+	for _, b := range x.names.b {
+		inBlocks += len(b)
+	}
+	if live+x.dead != x.names.size || inBlocks != x.names.size {
+		return fmt.Errorf("names holds %d bytes (%d in its blocks): %d of IDs held and %d dead", x.names.size, inBlocks, live, x.dead)
 	}
 	used := 0
 	for _, e := range x.slots {

@@ -1,6 +1,7 @@
 package pool
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"reflect"
@@ -443,7 +444,7 @@ func TestNamesPackedToFit(t *testing.T) {
 	if _, err := s.Offload("r3", "a", []int32{10}, Meta{}, nil); err != nil {
 		t.Fatalf("a new request that fits once the names are packed: %v", err)
 	}
-	if got := string(s.reqs.names); got != "r1r3" {
+	if got := string(bytes.Join(s.reqs.names.b, nil)); got != "r1r3" {
 		t.Fatalf("names %q, want r1r3", got)
 	}
 	if _, err := s.Offload("r4", "a", []int32{11}, Meta{}, nil); !errors.Is(err, poolerr.ErrFull) {

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"hash/maphash"
 	"iter"
+	"unsafe"
 
 	"github.com/kvpool/kvpool/pkg/poolerr"
 )
@@ -18,7 +19,7 @@ import (
 // together before it fills them.
 //
 // Nothing in it is a pointer: the request IDs (never empty: checkNames)
-// lie back to back in one byte slice, names, each place saying where its
+// lie back to back in blocks of bytes, names, each place saying where its
 // own is (span), so that a session's index is a few flat slices however
 // many requests it holds. The collector has none of them to trace, a
 // request costs its ID's bytes and 8 more, not a string's 16-byte header
@@ -31,7 +32,7 @@ import (
 // copied about once per byte removed.
 type reqIndex struct {
 	slots []uint64   // 0: empty; else the upper half of the ID's hash, then place+1 (entry)
-	names []byte     // the request IDs, back to back, with the dead ones' bytes
+	names nameBlocks // the request IDs, back to back, with the dead ones' bytes
 	spans []nameSpan // place -> where its ID lies in names; none for a free place
 	lists []ridList  // place -> the request's streams
 	free  []int32    // free places, reused first
@@ -49,10 +50,110 @@ type reqIndex struct {
 // nameSpan is where a request ID lies in names; n is 0 for a free place.
 type nameSpan struct{ off, n uint32 }
 
+// nameShift makes a block of names 64 KiB: an ID (at most MaxNameLen
+// bytes) never spans two, and its offset is its block's index shifted by
+// nameShift, plus where it lies in the block.
+const (
+	nameShift = 16
+	nameBlock = 1 << nameShift
+	// firstNames is the least room of a session's first block, which
+	// grows as it fills (a session of a few requests takes little); every
+	// later block is made whole.
+	firstNames = 64
+)
+
+// nameBlocks holds a session's request IDs in blocks of nameBlock bytes.
+// Held in one byte slice, names grew by a quarter at a time, each time
+// copying every ID into fresh memory in the call of the offload that
+// found it full: filling a session to its bound with 128-byte IDs, single
+// offloads took 20-58 ms (docs/benchmarks.md, "The request IDs in
+// blocks"). A block is never moved: the first grows to nameBlock, and the
+// next ID that does not fit in the last block starts a new one.
+type nameBlocks struct {
+	b    [][]byte
+	size int // bytes in the blocks (the IDs', the dead ones' included)
+	// spare is memory set aside for the next blocks (newNameBlocks): a
+	// restore or a pack, which know how many bytes they will add, take
+	// their blocks from one allocation.
+	spare []byte
+}
+
+// newNameBlocks is a store made for n bytes of IDs, and the ends of
+// blocks they leave unused.
+func newNameBlocks(n int) nameBlocks {
+	if n <= 0 {
+		return nameBlocks{}
+	}
+	if n <= nameBlock {
+		return nameBlocks{b: [][]byte{make([]byte, 0, max(n, firstNames))}}
+	}
+	// At most MaxNameLen-1 bytes of a block stay unused.
+	blocks := (n + nameBlock - MaxNameLen - 1) / (nameBlock - MaxNameLen + 1)
+	return nameBlocks{spare: make([]byte, blocks*nameBlock)}
+}
+
+// fits reports whether an ID of n bytes can be added without passing
+// maxNames bytes, or the blocks an offset can name.
+func (nb *nameBlocks) fits(n int) bool {
+	if nb.size+n > maxNames {
+		return false
+	}
+	k := len(nb.b) - 1
+	return k >= 0 && len(nb.b[k])+n <= nameBlock || len(nb.b) < 1<<(32-nameShift)
+}
+
+// add copies rid into the store and returns its offset. The caller
+// checked that it fits.
+func (nb *nameBlocks) add(rid string) uint32 {
+	k := len(nb.b) - 1
+	if k >= 0 {
+		if b := nb.b[k]; len(b)+len(rid) <= nameBlock {
+			nb.b[k] = append(b, rid...)
+			nb.size += len(rid)
+			return uint32(k)<<nameShift | uint32(len(b))
+		}
+	}
+	return nb.addBlock(rid)
+}
+
+// addBlock is add where the last block cannot take rid (or there is
+// none): rid starts a new one.
+func (nb *nameBlocks) addBlock(rid string) uint32 {
+	var b []byte
+	switch {
+	case len(nb.spare) >= nameBlock:
+		b, nb.spare = nb.spare[:0:nameBlock], nb.spare[nameBlock:]
+	case len(nb.b) == 0:
+		b = make([]byte, 0, max(firstNames, len(rid)))
+	default:
+		b = make([]byte, 0, nameBlock)
+	}
+	nb.b = append(nb.b, append(b, rid...))
+	nb.size += len(rid)
+	return uint32(len(nb.b)-1) << nameShift
+}
+
+// maxBlocked is the most bytes of IDs that the blocks an offset can name
+// surely hold, however IDs of up to MaxNameLen bytes leave their ends
+// unused.
+const maxBlocked = (1 << (32 - nameShift)) * (nameBlock - MaxNameLen + 1)
+
+// at is the n bytes at off.
+func (nb *nameBlocks) at(off, n uint32) []byte {
+	w := off & (nameBlock - 1)
+	return nb.b[off>>nameShift][w : w+n]
+}
+
+// within reports whether the n bytes at off lie in the store.
+func (nb *nameBlocks) within(off, n uint32) bool {
+	k, w := int(off>>nameShift), int(off&(nameBlock-1))
+	return k < len(nb.b) && w+int(n) <= len(nb.b[k])
+}
+
 // packFrom is the least dead bytes worth packing names for.
 const packFrom = 64 << 10
 
-// maxNames bounds names (its offsets are 32 bits). An offload of a new
+// maxNames bounds the bytes of names (its offsets are 32 bits). An offload of a new
 // request that would take it past the bound is refused (full), after
 // packing; the server's limits on name bytes hold a session far below it.
 // A variable for tests.
@@ -70,17 +171,17 @@ func (x *reqIndex) reusable(n int) bool {
 // rid is the ID at place p, as bytes of names (valid until names changes).
 func (x *reqIndex) rid(p int) []byte {
 	sp := x.spans[p]
-	return x.names[sp.off : sp.off+sp.n]
+	return x.names.at(sp.off, sp.n)
 }
 
 // full reports whether an ID of n more bytes does not fit in names, even
 // once the dead ones are packed away.
 func (x *reqIndex) full(n int) bool {
-	if len(x.names)+n <= maxNames || x.reusable(n) {
+	if x.names.fits(n) || x.reusable(n) {
 		return false
 	}
 	x.pack()
-	return len(x.names)+n > maxNames
+	return !x.names.fits(n)
 }
 
 // ridSeed keys the index's hash: request IDs come from tenants, so where
@@ -165,14 +266,15 @@ func (x *reqIndex) put(rid string, l ridList) {
 // add gives rid (a copy of it) and l a place, a free one first, and
 // returns it. The caller has made sure the ID fits (full).
 func (x *reqIndex) add(rid string, l ridList) int {
-	sp := nameSpan{off: uint32(len(x.names)), n: uint32(len(rid))}
+	sp := nameSpan{n: uint32(len(rid))}
 	if n := len(rid); x.reusable(n) {
 		sp.off = x.freed[n] - 1
-		x.freed[n] = binary.LittleEndian.Uint32(x.names[sp.off:])
-		copy(x.names[sp.off:], rid)
+		b := x.names.at(sp.off, sp.n)
+		x.freed[n] = binary.LittleEndian.Uint32(b)
+		copy(b, rid)
 		x.dead -= n
 	} else {
-		x.names = append(x.names, rid...)
+		sp.off = x.names.add(rid)
 	}
 	if k := len(x.free); k > 0 {
 		p := int(x.free[k-1])
@@ -196,7 +298,7 @@ func (x *reqIndex) del(rid string) bool {
 		if x.freed == nil {
 			x.freed = make([]uint32, MaxNameLen+1)
 		}
-		binary.LittleEndian.PutUint32(x.names[sp.off:], x.freed[sp.n])
+		binary.LittleEndian.PutUint32(x.names.at(sp.off, sp.n), x.freed[sp.n])
 		x.freed[sp.n] = sp.off + 1
 	}
 	x.dead += int(x.spans[p].n)
@@ -217,23 +319,21 @@ func (x *reqIndex) del(rid string) bool {
 		s = j
 	}
 	x.slots[s] = 0
-	if x.dead >= packFrom && 2*x.dead > len(x.names) {
+	if x.dead >= packFrom && 2*x.dead > x.names.size {
 		x.pack()
 	}
 	return true
 }
 
-// pack copies the live request IDs back to back into a names of their
-// own size (and a little room), in place order, dropping the dead bytes.
+// pack copies the live request IDs back to back into fresh blocks, in
+// place order, dropping the dead bytes.
 func (x *reqIndex) pack() {
-	live := len(x.names) - x.dead
-	names := make([]byte, 0, live+live/8)
+	names := newNameBlocks(x.names.size - x.dead)
 	for p, sp := range x.spans {
 		if sp.n == 0 {
 			continue
 		}
-		x.spans[p].off = uint32(len(names))
-		names = append(names, x.names[sp.off:sp.off+sp.n]...)
+		x.spans[p].off = names.add(unsafe.String(&x.names.at(sp.off, sp.n)[0], sp.n))
 	}
 	x.names, x.dead = names, 0
 	clear(x.freed)
@@ -289,10 +389,10 @@ func (x *reqIndex) indexAll(reqs []RequestImage) error {
 			bytes += len(reqs[i].Rid)
 		}
 	}
-	if bytes > maxNames {
-		return fmt.Errorf("%w: the request IDs take %d bytes, more than a session's %d", poolerr.ErrFull, bytes, maxNames)
+	if bytes > maxNames || bytes > maxBlocked {
+		return fmt.Errorf("%w: the request IDs take %d bytes, more than a session's %d", poolerr.ErrFull, bytes, min(maxNames, maxBlocked))
 	}
-	x.names = make([]byte, 0, bytes)
+	x.names = newNameBlocks(bytes)
 	mask := len(x.slots) - 1
 	var touched uint64
 	slot := int32(0)
@@ -307,8 +407,7 @@ func (x *reqIndex) indexAll(reqs []RequestImage) error {
 			h := ridHash(q.Rid)
 			hs[len(x.spans)-lo], rs[len(x.spans)-lo] = h, q.Rid
 			touched |= x.slots[home(h, mask)]
-			x.spans = append(x.spans, nameSpan{off: uint32(len(x.names)), n: uint32(len(q.Rid))})
-			x.names = append(x.names, q.Rid...)
+			x.spans = append(x.spans, nameSpan{off: x.names.add(q.Rid), n: uint32(len(q.Rid))})
 			x.lists = append(x.lists, ridList{first: slot, last: slot + n - 1, n: n})
 			slot += n
 		}

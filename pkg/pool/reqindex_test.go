@@ -162,7 +162,7 @@ func TestReqIndexNames(t *testing.T) {
 			held = append(held, fmt.Sprintf("request-%012d", i))
 			x.put(held[i], ridList{n: 1})
 		}
-		size := len(x.names)
+		size := x.names.size
 		r := rand.New(rand.NewPCG(1, 2))
 		for i := range 20_000 {
 			k := r.IntN(len(held))
@@ -171,8 +171,8 @@ func TestReqIndexNames(t *testing.T) {
 			}
 			held[k] = fmt.Sprintf("request-%012d", 1000+i)
 			x.put(held[k], ridList{n: 1})
-			if len(x.names) != size {
-				t.Fatalf("step %d: names grew from %d to %d bytes with 1,000 IDs of one length held", i, size, len(x.names))
+			if x.names.size != size {
+				t.Fatalf("step %d: names grew from %d to %d bytes with 1,000 IDs of one length held", i, size, x.names.size)
 			}
 		}
 		if err := x.check(); err != nil {
@@ -201,16 +201,16 @@ func TestReqIndexNames(t *testing.T) {
 				if k == 1000-round%3*100 {
 					break
 				}
-				before := len(x.names)
+				before := x.names.size
 				if !x.del(rid) {
 					t.Fatalf("round %d: %q not held", round, rid)
 				}
 				delete(held, rid)
-				if len(x.names) < before {
+				if x.names.size < before {
 					packs++
 				}
-				if live := len(x.names) - x.dead; len(x.names) > 2*live+packFrom {
-					t.Fatalf("round %d: names is %d bytes for %d live", round, len(x.names), live)
+				if live := x.names.size - x.dead; x.names.size > 2*live+packFrom {
+					t.Fatalf("round %d: names is %d bytes for %d live", round, x.names.size, live)
 				}
 				k++
 			}
@@ -227,4 +227,77 @@ func TestReqIndexNames(t *testing.T) {
 			t.Fatalf("names packed %d times over 12 rounds of new lengths", packs)
 		}
 	})
+}
+
+// TestNameBlocks: request IDs of every length up to MaxNameLen fill blocks
+// of names, none spanning two; a block, once made, is never moved (an
+// offload copies its own ID and no other), the first starts small, and
+// every ID reads back whole through removals, reuse of their bytes and
+// a pack.
+func TestNameBlocks(t *testing.T) {
+	var x reqIndex
+	x.put("r", ridList{n: 1})
+	if c := cap(x.names.b[0]); c >= nameBlock {
+		t.Fatalf("one request of 1 byte took a block of %d bytes", c)
+	}
+	x.del("r")
+	var held []string
+	first := map[int]*byte{} // a block's first byte, as it was made
+	for i := 0; len(x.names.b) < 6; i++ {
+		n := 8 + i*37%(MaxNameLen-7)
+		rid := fmt.Sprintf("%0*d", n, i)
+		x.put(rid, ridList{n: int32(i)})
+		held = append(held, rid)
+		for k := 1; k < len(x.names.b); k++ {
+			if p, ok := first[k]; !ok {
+				first[k] = unsafe.SliceData(x.names.b[k])
+			} else if p != unsafe.SliceData(x.names.b[k]) {
+				t.Fatalf("after %d IDs block %d moved", i+1, k)
+			}
+		}
+	}
+	for p, sp := range x.spans {
+		if sp.n != 0 && int(sp.off&(nameBlock-1))+int(sp.n) > nameBlock {
+			t.Fatalf("the ID at place %d spans two blocks (%d+%d)", p, sp.off, sp.n)
+		}
+	}
+	check := func(when string) {
+		t.Helper()
+		if err := x.check(); err != nil {
+			t.Fatalf("%s: %v", when, err)
+		}
+		for i, rid := range held {
+			if rid == "" {
+				continue
+			}
+			if l, ok := x.get(rid); !ok || l.n != int32(i) {
+				t.Fatalf("%s: %q (%d bytes): %v %+v", when, rid[:8], len(rid), ok, l)
+			}
+		}
+	}
+	check("filled")
+	// Every other ID removed and replaced by one of its length: their
+	// bytes are reused in place.
+	size := x.names.size
+	for i := 0; i < len(held); i += 2 {
+		x.del(held[i])
+		held[i] = strings.Repeat("z", len(held[i])-8) + fmt.Sprintf("%08d", i)
+		x.put(held[i], ridList{n: int32(i)})
+	}
+	if x.names.size != size {
+		t.Fatalf("names grew from %d to %d bytes replacing IDs by IDs of their lengths", size, x.names.size)
+	}
+	check("replaced")
+	// Most removed: the rest are packed into fewer blocks.
+	blocks := len(x.names.b)
+	for i := range held {
+		if i%7 != 0 {
+			x.del(held[i])
+			held[i] = ""
+		}
+	}
+	if len(x.names.b) >= blocks {
+		t.Fatalf("after removing 6 in 7: %d blocks of %d, %d bytes dead", len(x.names.b), blocks, x.dead)
+	}
+	check("packed")
 }

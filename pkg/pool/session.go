@@ -412,7 +412,7 @@ func (s *Session) Offload(rid, label string, gpuPages []int32, m Meta, dst []int
 	}
 	if list.n == 0 && s.reqs.full(len(rid)) {
 		return dst, streamErr("offload", rid, label,
-			fmt.Errorf("%w: the session's request IDs take %d bytes, no room for %d more", poolerr.ErrFull, len(s.reqs.names), len(rid)))
+			fmt.Errorf("%w: the session's request IDs take %d bytes, no room for %d more", poolerr.ErrFull, s.reqs.names.size, len(rid)))
 	}
 
 	head, tail := s.freeHead, int32(nilPage)
