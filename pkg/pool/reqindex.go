@@ -65,9 +65,9 @@ const (
 // nameBlocks holds a session's request IDs in blocks of nameBlock bytes.
 // Held in one byte slice, names grew by a quarter at a time, each time
 // copying every ID into fresh memory in the call of the offload that
-// found it full: filling a session to its bound with 128-byte IDs, single
-// offloads took 20-58 ms (docs/benchmarks.md, "The request IDs in
-// blocks"). A block is never moved: the first grows to nameBlock, and the
+// found it full: filling a session to its bound with 128-byte IDs, the
+// slowest offload took 93-129 ms (BenchmarkFillToTheBound; 7 ms with the
+// blocks). A block is never moved: the first grows to nameBlock, and the
 // next ID that does not fit in the last block starts a new one.
 type nameBlocks struct {
 	b    [][]byte
@@ -87,9 +87,10 @@ func newNameBlocks(n int) nameBlocks {
 	if n <= nameBlock {
 		return nameBlocks{b: [][]byte{make([]byte, 0, max(n, firstNames))}}
 	}
-	// At most MaxNameLen-1 bytes of a block stay unused.
-	blocks := (n + nameBlock - MaxNameLen - 1) / (nameBlock - MaxNameLen + 1)
-	return nameBlocks{spare: make([]byte, blocks*nameBlock)}
+	// A block ends where the next ID does not fit: at most MaxNameLen-1
+	// of its bytes stay unused.
+	const least = nameBlock - MaxNameLen + 1
+	return nameBlocks{spare: make([]byte, (n+least-1)/least*nameBlock)}
 }
 
 // fits reports whether an ID of n bytes can be added without passing
@@ -153,9 +154,10 @@ func (nb *nameBlocks) within(off, n uint32) bool {
 // packFrom is the least dead bytes worth packing names for.
 const packFrom = 64 << 10
 
-// maxNames bounds the bytes of names (its offsets are 32 bits). An offload of a new
-// request that would take it past the bound is refused (full), after
-// packing; the server's limits on name bytes hold a session far below it.
+// maxNames bounds the bytes of names (its offsets are 32 bits). An
+// offload of a new request that would take it past the bound is refused
+// (full), after packing; the server's limits on name bytes hold a session
+// far below it.
 // A variable for tests.
 var maxNames = 1<<32 - 1
 
