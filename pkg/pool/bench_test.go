@@ -13,20 +13,8 @@ import (
 // with the heap bytes its bookkeeping uses per host page.
 func benchSession(b testing.TB, pages, others int) (*Session, float64) {
 	b.Helper()
-	const pageSize, chunkSize = 4 << 10, 64 << 20
-	p := New()
-	ppc := chunkSize / pageSize
-	var ids []string
-	for i := 0; i < (pages+ppc-1)/ppc; i++ {
-		id := fmt.Sprintf("gpu0-numa0-%d", i)
-		if err := p.AddChunk(Chunk{ID: id, Size: chunkSize}); err != nil {
-			b.Fatal(err)
-		}
-		ids = append(ids, id)
-	}
-	if err := p.Grant("bench", ids); err != nil {
-		b.Fatal(err)
-	}
+	const pageSize = 4 << 10
+	p := benchPool(b, pages, pageSize)
 	var before, after runtime.MemStats
 	runtime.GC()
 	runtime.ReadMemStats(&before)
@@ -46,6 +34,26 @@ func benchSession(b testing.TB, pages, others int) (*Session, float64) {
 	runtime.GC()
 	runtime.ReadMemStats(&after)
 	return s, float64(after.HeapAlloc-before.HeapAlloc) / float64(pages)
+}
+
+// benchPool is a pool whose allocation "bench" holds chunks of 64 MiB,
+// enough of them for pages host pages of pageSize bytes.
+func benchPool(b testing.TB, pages, pageSize int) *Pool {
+	b.Helper()
+	const chunkSize = 64 << 20
+	p := New()
+	var ids []string
+	for i := range (pages*pageSize + chunkSize - 1) / chunkSize {
+		id := fmt.Sprintf("gpu0-numa0-%d", i)
+		if err := p.AddChunk(Chunk{ID: id, Size: chunkSize}); err != nil {
+			b.Fatal(err)
+		}
+		ids = append(ids, id)
+	}
+	if err := p.Grant("bench", ids); err != nil {
+		b.Fatal(err)
+	}
+	return p
 }
 
 func benchOffloadReload64(b *testing.B, pages, others int) {
@@ -269,20 +277,9 @@ func BenchmarkCollect(b *testing.B) {
 // its lock) waits when a table grows. Later fills reuse the heap the first
 // one faulted in; -benchtime 131072x is one fill, on a fresh heap.
 func BenchmarkFillToTheBound(b *testing.B) {
-	const streams, pageSize, chunkSize = 131072, 4 << 10, 64 << 20
+	const streams, pageSize = 131072, 4 << 10
 	pages := 2 * streams
-	p := New()
-	var ids []string
-	for i := range (pages*pageSize + chunkSize - 1) / chunkSize {
-		id := fmt.Sprintf("gpu0-numa0-%d", i)
-		if err := p.AddChunk(Chunk{ID: id, Size: chunkSize}); err != nil {
-			b.Fatal(err)
-		}
-		ids = append(ids, id)
-	}
-	if err := p.Grant("bench", ids); err != nil {
-		b.Fatal(err)
-	}
+	p := benchPool(b, pages, pageSize)
 	rids := make([]string, streams)
 	for i := range rids {
 		rids[i] = fmt.Sprintf("%0128d", i)
