@@ -140,18 +140,37 @@ func (s *Session) checkStreams(owner []byte) error {
 // request's place) and nothing else, within its load.
 func (s *Session) checkLabelIndex(indexed int, placeOfSlot map[int32]int) error {
 	x := &s.byLabel
-	entries := 0
-	for _, e := range x.slots {
-		if e == 0 {
-			continue
-		}
-		entries++
-		if p, ok := placeOfSlot[entrySlot(e)]; !ok || p != entryPlace(e) {
-			return fmt.Errorf("the label index holds slot %d at place %d, which is no indexed stream of that request", entrySlot(e), entryPlace(e))
-		}
+	if len(x.tabs) != len(x.tabN) || (len(x.tabs) > 0 && len(x.tabs) != 1<<(64-x.shift)) {
+		return fmt.Errorf("the label index has %d tables and %d counts (shift %d)", len(x.tabs), len(x.tabN), x.shift)
 	}
-	if entries != indexed || x.n != indexed || (len(x.slots) > 0 && 2*x.n > len(x.slots)) {
-		return fmt.Errorf("the label index holds %d entries in %d slots (count %d) for %d indexed streams", entries, len(x.slots), x.n, indexed)
+	if len(x.tabs) == 1 && x.n >= splitAt {
+		return fmt.Errorf("one label table holds %d entries; the index splits at %d", x.n, splitAt)
+	}
+	entries := 0
+	for t, tab := range x.tabs {
+		if len(tab) < 8 || len(tab)&(len(tab)-1) != 0 {
+			return fmt.Errorf("label table %d has %d slots, not a power of two from 8", t, len(tab))
+		}
+		n := 0
+		for _, e := range tab {
+			if e == 0 {
+				continue
+			}
+			n++
+			if p, ok := placeOfSlot[entrySlot(e)]; !ok || p != entryPlace(e) {
+				return fmt.Errorf("the label index holds slot %d at place %d, which is no indexed stream of that request", entrySlot(e), entryPlace(e))
+			}
+			if k := x.tabOf(s.keyAt(entryPlace(e), entrySlot(e))); k != t {
+				return fmt.Errorf("label table %d holds an entry of table %d", t, k)
+			}
+		}
+		if n != int(x.tabN[t]) || over(n, len(tab)) {
+			return fmt.Errorf("label table %d holds %d entries in %d slots; its count says %d", t, n, len(tab), x.tabN[t])
+		}
+		entries += n
+	}
+	if entries != indexed || x.n != indexed {
+		return fmt.Errorf("the label index holds %d entries (count %d) for %d indexed streams", entries, x.n, indexed)
 	}
 	return nil
 }
@@ -251,13 +270,14 @@ func (p *Pool) Check() error {
 // free places, and the IDs' spans lie in names without overlapping, the
 // bytes between them counted dead.
 func (x *reqIndex) check() error {
-	if len(x.spans) != len(x.lists) {
-		return fmt.Errorf("%d request IDs, %d lists", len(x.spans), len(x.lists))
+	if err := x.checkPlaces(); err != nil {
+		return err
 	}
 	held, live := 0, 0
 	type span struct{ off, end int }
 	var spans []span
-	for p, sp := range x.spans {
+	for p := range x.places.len() {
+		sp := x.places.at(p).span
 		if sp.n == 0 {
 			continue
 		}
@@ -268,8 +288,8 @@ func (x *reqIndex) check() error {
 		live += int(sp.n)
 		spans = append(spans, span{int(sp.off), int(sp.off + sp.n)})
 		rid := string(x.rid(p))
-		s, ok := x.lookup(rid, ridHash(rid))
-		if !ok || placeOf(x.slots[s]) != p {
+		t, s, ok := x.lookup(rid, ridHash(rid))
+		if !ok || placeOf(x.tabs[t][s]) != p {
 			return fmt.Errorf("request %q at place %d is not found there", rid, p)
 		}
 	}
@@ -303,19 +323,71 @@ func (x *reqIndex) check() error {
 	if live+x.dead != x.names.size || inBlocks != x.names.size {
 		return fmt.Errorf("names holds %d bytes (%d in its blocks): %d of IDs held and %d dead", x.names.size, inBlocks, live, x.dead)
 	}
-	used := 0
-	for _, e := range x.slots {
-		if e == 0 {
-			continue
-		}
-		used++
-		if p := placeOf(e); p >= len(x.spans) || x.spans[p].n == 0 {
-			return fmt.Errorf("a slot names place %d, which holds no request", p)
-		}
+	used, err := x.checkTables()
+	if err != nil {
+		return err
 	}
-	if held != x.n || used != x.n || len(x.free) != len(x.spans)-x.n || (len(x.slots) > 0 && 2*x.n > len(x.slots)) {
-		return fmt.Errorf("%d requests held, %d slots used of %d, %d places free of %d; the count says %d",
-			held, used, len(x.slots), len(x.free), len(x.spans), x.n)
+	if held != x.n || used != x.n || len(x.free) != x.places.len()-x.n {
+		return fmt.Errorf("%d requests held, %d slots used, %d places free of %d; the count says %d",
+			held, used, len(x.free), x.places.len(), x.n)
 	}
 	return nil
+}
+
+// checkPlaces checks that the blocks of places hold as many as they count,
+// every block but the first whole and none moved out of its length.
+func (x *reqIndex) checkPlaces() error {
+	a := &x.places
+	k := (a.n + blockLen - 1) >> blockShift
+	if len(a.b) != k && !(a.n == 0 && len(a.b) <= 1) {
+		return fmt.Errorf("%d places in %d blocks", a.n, len(a.b))
+	}
+	in := 0
+	for i, b := range a.b {
+		if i < len(a.b)-1 && len(b) != blockLen {
+			return fmt.Errorf("block %d of places holds %d, not %d", i, len(b), blockLen)
+		}
+		in += len(b)
+	}
+	if in != a.n {
+		return fmt.Errorf("the blocks of places hold %d; the count says %d", in, a.n)
+	}
+	return nil
+}
+
+// checkTables checks that every entry of the index lies in its hash's
+// table and names a place that holds a request, that each table counts its
+// entries and is at most half full, and that the index is split from
+// splitAt requests; it returns the entries.
+func (x *reqIndex) checkTables() (int, error) {
+	if len(x.tabs) != len(x.tabN) || (len(x.tabs) > 0 && len(x.tabs) != 1<<(64-x.shift)) {
+		return 0, fmt.Errorf("%d tables, %d counts, shift %d", len(x.tabs), len(x.tabN), x.shift)
+	}
+	if len(x.tabs) == 1 && x.n >= splitAt {
+		return 0, fmt.Errorf("one table holds %d requests; the index splits at %d", x.n, splitAt)
+	}
+	used := 0
+	for t, tab := range x.tabs {
+		if len(tab) < 8 || len(tab)&(len(tab)-1) != 0 {
+			return 0, fmt.Errorf("table %d has %d slots, not a power of two from 8", t, len(tab))
+		}
+		n := 0
+		for _, e := range tab {
+			if e == 0 {
+				continue
+			}
+			n++
+			if x.tabOf(e) != t {
+				return 0, fmt.Errorf("table %d holds an entry of table %d", t, x.tabOf(e))
+			}
+			if p := placeOf(e); p >= x.places.len() || x.places.at(p).span.n == 0 {
+				return 0, fmt.Errorf("a slot names place %d, which holds no request", p)
+			}
+		}
+		if n != int(x.tabN[t]) || over(n, len(tab)) {
+			return 0, fmt.Errorf("table %d holds %d entries in %d slots; its count says %d", t, n, len(tab), x.tabN[t])
+		}
+		used += n
+	}
+	return used, nil
 }

@@ -426,14 +426,19 @@ var errListedTwice = errors.New("listed twice (an image lists each request once,
 func (s *Session) fillRequests(reqs []RequestImage, used []bool) error {
 	k := int32(0)
 	place := -1 // the request's place in the index: indexAll gives them in this order
+	// The label index made for the streams it will hold, so that it does
+	// not grow while it fills.
 	indexed := 0
 	for i := range reqs {
 		if n := len(reqs[i].Streams); n > indexFrom {
 			indexed += n
 		}
 	}
-	if indexed > 0 {
-		s.growLabels(indexSlots(indexed))
+	switch {
+	case indexed >= splitAt:
+		s.makeLabels(1<<tabBits, indexed)
+	case indexed > 0:
+		s.makeLabels(1, indexed)
 	}
 	for i := range reqs {
 		q := &reqs[i]

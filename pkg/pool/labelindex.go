@@ -17,10 +17,21 @@ import "hash/maphash"
 // an interned label, else the label's own bytes, hashed with ridSeed (a
 // tenant chooses them). A label is interned, or not, for good (the intern
 // table only grows), so both ways of reaching a key agree.
+//
+// As the request index, it is one table until it holds splitAt entries,
+// then 1<<tabBits, an entry in the one the top bits of its key's hash
+// name (tabOf), each growing alone: one table doubling held an offload up
+// for 8.5 ms at 65,536 streams in requests of 80 on a VM whose first touch
+// of a page costs 11 us.
 type labelIndex struct {
-	slots []uint64 // 0: empty; else place<<32 | slot+1 (labelEntry)
+	tabs  [][]uint64 // 0: empty; else place<<32 | slot+1 (labelEntry)
+	tabN  []int32
+	shift uint // 64 with one table (tabOf is then 0), 64-tabBits once split
 	n     int
 }
+
+// tabOf is the table of the entries whose key hashes to k.
+func (x *labelIndex) tabOf(k uint64) int { return int(k >> x.shift) }
 
 func labelEntry(place int, slot int32) uint64 {
 	return uint64(uint32(place))<<32 | uint64(uint32(slot+1))
@@ -71,9 +82,11 @@ func (s *Session) findLabel(place int, label string) int32 {
 	if x.n == 0 {
 		return nilPage
 	}
-	mask := len(x.slots) - 1
-	for i := int(s.keyOf(place, label)) & mask; ; i = (i + 1) & mask {
-		e := x.slots[i]
+	k := s.keyOf(place, label)
+	tab := x.tabs[x.tabOf(k)]
+	mask := len(tab) - 1
+	for i := int(k) & mask; ; i = (i + 1) & mask {
+		e := tab[i]
 		if e == 0 {
 			return nilPage
 		}
@@ -87,15 +100,19 @@ func (s *Session) findLabel(place int, label string) int32 {
 // label index.
 func (s *Session) indexLabel(place int, slot int32) {
 	x := &s.byLabel
-	if 2*(x.n+1) > len(x.slots) {
-		s.growLabels(indexSlots(x.n + 1))
+	switch {
+	case len(x.tabs) == 0:
+		s.makeLabels(1, 0)
+	case x.shift == 64 && x.n+1 >= splitAt:
+		s.makeLabels(1<<tabBits, x.n+1)
 	}
-	mask := len(x.slots) - 1
-	i := int(s.keyAt(place, slot)) & mask
-	for x.slots[i] != 0 {
-		i = (i + 1) & mask
+	k := s.keyAt(place, slot)
+	t := x.tabOf(k)
+	if over(int(x.tabN[t])+1, len(x.tabs[t])) {
+		s.growLabels(t)
 	}
-	x.slots[i] = labelEntry(place, slot)
+	insertLabel(x.tabs[t], k, labelEntry(place, slot))
+	x.tabN[t]++
 	x.n++
 }
 
@@ -106,42 +123,80 @@ func (s *Session) unindexLabel(place int, slot int32) {
 	if x.n == 0 {
 		return
 	}
-	mask := len(x.slots) - 1
+	k := s.keyAt(place, slot)
+	t := x.tabOf(k)
+	tab := x.tabs[t]
+	mask := len(tab) - 1
 	want := labelEntry(place, slot)
-	i := int(s.keyAt(place, slot)) & mask
-	for ; x.slots[i] != want; i = (i + 1) & mask {
-		if x.slots[i] == 0 {
+	i := int(k) & mask
+	for ; tab[i] != want; i = (i + 1) & mask {
+		if tab[i] == 0 {
 			return
 		}
 	}
+	x.tabN[t]--
 	x.n--
 	// Backward-shift deletion, as in the request index.
-	for j := (i + 1) & mask; x.slots[j] != 0; j = (j + 1) & mask {
-		e := x.slots[j]
+	for j := (i + 1) & mask; tab[j] != 0; j = (j + 1) & mask {
+		e := tab[j]
 		at := int(s.keyAt(entryPlace(e), entrySlot(e))) & mask
 		if (i < j && i < at && at <= j) || (i > j && (i < at || at <= j)) {
 			continue
 		}
-		x.slots[i] = e
+		tab[i] = e
 		i = j
 	}
-	x.slots[i] = 0
+	tab[i] = 0
 }
 
-// growLabels makes the label index n slots (a power of two), placing its
-// entries again.
-func (s *Session) growLabels(n int) {
-	old := s.byLabel.slots
-	s.byLabel.slots = make([]uint64, n)
-	mask := n - 1
-	for _, e := range old {
-		if e == 0 {
-			continue
-		}
-		i := int(s.keyAt(entryPlace(e), entrySlot(e))) & mask
-		for s.byLabel.slots[i] != 0 {
-			i = (i + 1) & mask
-		}
-		s.byLabel.slots[i] = e
+// makeLabels makes the label index k tables (1, or 1<<tabBits), each
+// sized for its share of n entries, and places its entries again. A table
+// that gets more than it was sized for grows as it fills.
+func (s *Session) makeLabels(k, n int) {
+	x := &s.byLabel
+	old := x.tabs
+	x.tabs, x.tabN, x.shift = make([][]uint64, k), make([]int32, k), 64
+	if k > 1 {
+		x.shift = 64 - tabBits
 	}
+	for t := range x.tabs {
+		x.tabs[t] = make([]uint64, indexSlots(n/k))
+	}
+	for _, tab := range old {
+		for _, e := range tab {
+			if e == 0 {
+				continue
+			}
+			key := s.keyAt(entryPlace(e), entrySlot(e))
+			t := x.tabOf(key)
+			if over(int(x.tabN[t])+1, len(x.tabs[t])) {
+				s.growLabels(t)
+			}
+			insertLabel(x.tabs[t], key, e)
+			x.tabN[t]++
+		}
+	}
+}
+
+// growLabels makes table t of the label index twice its slots.
+func (s *Session) growLabels(t int) {
+	x := &s.byLabel
+	old := x.tabs[t]
+	x.tabs[t] = make([]uint64, 2*len(old))
+	for _, e := range old {
+		if e != 0 {
+			insertLabel(x.tabs[t], s.keyAt(entryPlace(e), entrySlot(e)), e)
+		}
+	}
+}
+
+// insertLabel puts entry e, whose key hashes to k, in the first empty
+// slot of tab from its home.
+func insertLabel(tab []uint64, k, e uint64) {
+	mask := len(tab) - 1
+	i := int(k) & mask
+	for tab[i] != 0 {
+		i = (i + 1) & mask
+	}
+	tab[i] = e
 }

@@ -20,10 +20,11 @@ import (
 //
 // Nothing in it is a pointer: the request IDs (never empty: checkNames)
 // lie back to back in blocks of bytes, names, each place saying where its
-// own is (span), so that a session's index is a few flat slices however
-// many requests it holds. The collector has none of them to trace, a
-// request costs its ID's bytes and 8 more, not a string's 16-byte header
-// and its own allocation, and an offload of a new request copies its ID
+// own is (span), so that a session's index is a few tables and blocks of
+// flat values however many requests it holds. The collector has none of
+// them to trace, a request costs its ID's bytes and its place (20 bytes:
+// the span and its list), not a string's 16-byte header and its own
+// allocation besides, and an offload of a new request copies its ID
 // instead of keeping the caller's string. A removed request's bytes go on
 // a list of free spans of their length, which the next ID of that length
 // takes (engines' IDs come and go at a few lengths, so names stops
@@ -31,13 +32,24 @@ import (
 // ever new lengths), the live IDs are packed again (pack), each byte of ID
 // copied about once per byte removed.
 type reqIndex struct {
-	slots []uint64   // 0: empty; else the upper half of the ID's hash, then place+1 (entry)
+	// tabs is the index: one table until it holds splitAt requests,
+	// then 1<<tabBits, a request in the one the top bits of its ID's
+	// hash name (tabOf). Each table doubles alone, when it is full (over)
+	// (tabN counts its entries): one table of a session at its bound
+	// rehashed all of its requests into fresh memory in the offload that
+	// found it full (6.3 ms at 65,536 requests on a VM whose first touch
+	// of a page costs 11 us); a table of the split index holds 1/64 of
+	// them.
+	tabs  [][]uint64 // 0: empty; else the upper half of the ID's hash, then place+1 (entry)
+	tabN  []int32
+	shift uint       // 64 with one table (tabOf is then 0), 64-tabBits once split
 	names nameBlocks // the request IDs, back to back, with the dead ones' bytes
-	spans []nameSpan // place -> where its ID lies in names; none for a free place
-	lists []ridList  // place -> the request's streams
-	free  []int32    // free places, reused first
-	n     int
-	dead  int // bytes of names no request holds
+	// places: place -> where its ID lies in names and its streams (none
+	// for a free place), in blocks that never move.
+	places blocks[place]
+	free   []int32 // free places, reused first
+	n      int
+	dead   int // bytes of names no request holds
 	// freed: by length, the first of the free spans of that length in
 	// names (offset+1; 0: none), each holding the next one's in its
 	// first 4 bytes; IDs shorter than that are not reused. Made at the
@@ -45,6 +57,73 @@ type reqIndex struct {
 	freed []uint32
 	// touched keeps indexAll's early reads from being optimised away.
 	touched uint64
+}
+
+// place is a request's ID and its streams: the two a lookup that finds the
+// request reads, side by side.
+type place struct {
+	span nameSpan
+	list ridList
+}
+
+// The split index: tabBits of the hash choose the table, from splitAt
+// requests. A table's home slot is taken from the hash's bits 32 up
+// (home), which the table's choice (its top bits) leaves alone up to
+// 1<<(32-tabBits) slots a table (past that the homes would crowd into part
+// of a table: slower, still right; the server's limits keep a session's
+// tables far below it).
+const (
+	tabBits = 6
+	splitAt = 4096
+)
+
+// blockShift makes a block of places 4,096 of them (80 KiB).
+const (
+	blockShift = 12
+	blockLen   = 1 << blockShift
+)
+
+// blocks is an array that grows without moving what it holds: its first
+// block grows as it fills (a session of a few requests takes little),
+// every later one is made whole. A slice grown by append copied every
+// element into fresh memory in the call that found it full (the places of
+// a session at its bound: 4.4 and 8.8 ms at 99,669 and 110,592 requests on
+// the VM above).
+type blocks[T any] struct {
+	b     [][]T
+	n     int
+	spare []T // room set aside for the next blocks (sized)
+}
+
+// sized is an empty array whose first n elements take their blocks from
+// one allocation (a restore knows how many it adds).
+func sized[T any](n int) blocks[T] {
+	if n <= blockLen {
+		return blocks[T]{b: [][]T{make([]T, 0, n)}}
+	}
+	return blocks[T]{spare: make([]T, (n+blockLen-1)&^(blockLen-1))}
+}
+
+func (a *blocks[T]) at(i int) *T { return &a.b[i>>blockShift][i&(blockLen-1)] }
+
+func (a *blocks[T]) len() int { return a.n }
+
+// push appends v and returns its index.
+func (a *blocks[T]) push(v T) int {
+	k := a.n >> blockShift
+	if k == len(a.b) {
+		var b []T
+		switch {
+		case len(a.spare) >= blockLen:
+			b, a.spare = a.spare[:0:blockLen], a.spare[blockLen:]
+		case k > 0:
+			b = make([]T, 0, blockLen)
+		}
+		a.b = append(a.b, b)
+	}
+	a.b[k] = append(a.b[k], v)
+	a.n++
+	return a.n - 1
 }
 
 // nameSpan is where a request ID lies in names; n is 0 for a free place.
@@ -172,9 +251,15 @@ func (x *reqIndex) reusable(n int) bool {
 
 // rid is the ID at place p, as bytes of names (valid until names changes).
 func (x *reqIndex) rid(p int) []byte {
-	sp := x.spans[p]
+	sp := x.places.at(p).span
 	return x.names.at(sp.off, sp.n)
 }
+
+// list is the streams of the request at place p.
+func (x *reqIndex) list(p int) ridList { return x.places.at(p).list }
+
+// setList sets the streams of the request at place p.
+func (x *reqIndex) setList(p int, l ridList) { x.places.at(p).list = l }
 
 // full reports whether an ID of n more bytes does not fit in names, even
 // once the dead ones are packed away.
@@ -192,18 +277,32 @@ var ridSeed = maphash.MakeSeed()
 
 func ridHash(rid string) uint64 { return maphash.String(ridSeed, rid) }
 
-// indexSlots is the table's size for n requests: the least power of two
-// (8 at least) that is at least twice n, so that probes stay short.
+// indexSlots is a table's size for n entries: the least power of two (8
+// at least) that they fill to at most 9/16 (over), so that probes stay
+// short. A table grows when one more entry would pass it. (The bound was
+// 1/2: a split index at its bound, 131,072 requests, holds 2,048 a table
+// on average, give or take 45, so half its tables were made or grew to
+// twice the slots a table of 2,048 needs: 1.5 times the one table's
+// memory, and its fresh pages made a restore 20 % slower.)
 func indexSlots(n int) int {
 	s := 8
-	for s < 2*n {
+	for over(n, s) {
 		s <<= 1
 	}
 	return s
 }
 
+// over reports whether n entries fill a table of slots past 9/16.
+func over(n, slots int) bool { return 16*n > 9*slots }
+
+// newReqIndex is an empty index made for n requests. From splitAt the
+// tables are left for indexAll to make, each for the requests it takes.
 func newReqIndex(n int) reqIndex {
-	return reqIndex{slots: make([]uint64, indexSlots(n)), spans: make([]nameSpan, 0, n), lists: make([]ridList, 0, n)}
+	x := reqIndex{places: sized[place](n), shift: 64}
+	if n < splitAt {
+		x.tabs, x.tabN = [][]uint64{make([]uint64, indexSlots(n))}, make([]int32, 1)
+	}
+	return x
 }
 
 func entry(h uint64, place int) uint64 { return h&^(1<<32-1) | uint64(place+1) }
@@ -216,29 +315,34 @@ func placeOf(e uint64) int { return int(uint32(e)) - 1 }
 // again.
 func home(h uint64, mask int) int { return int(h>>32) & mask }
 
-// lookup returns the slot that holds rid (hash h), or the empty slot where
-// it would go.
-func (x *reqIndex) lookup(rid string, h uint64) (slot int, found bool) {
-	if len(x.slots) == 0 {
-		return 0, false // the zero index (a dropped session's): put grows it first
+// tabOf is the table of hash h, or of the entry made of it.
+func (x *reqIndex) tabOf(h uint64) int { return int(h >> x.shift) }
+
+// lookup returns the table and the slot that hold rid (hash h), or the
+// empty slot where it would go.
+func (x *reqIndex) lookup(rid string, h uint64) (t, slot int, found bool) {
+	if len(x.tabs) == 0 {
+		return 0, 0, false // the zero index (a dropped session's): put makes it first
 	}
-	mask := len(x.slots) - 1
+	t = x.tabOf(h)
+	tab := x.tabs[t]
+	mask := len(tab) - 1
 	for i := home(h, mask); ; i = (i + 1) & mask {
-		e := x.slots[i]
+		e := tab[i]
 		if e == 0 {
-			return i, false
+			return t, i, false
 		}
 		if e>>32 == h>>32 && string(x.rid(placeOf(e))) == rid {
-			return i, true
+			return t, i, true
 		}
 	}
 }
 
 // find returns rid's list and its place.
 func (x *reqIndex) find(rid string) (ridList, int, bool) {
-	if s, ok := x.lookup(rid, ridHash(rid)); ok {
-		p := placeOf(x.slots[s])
-		return x.lists[p], p, true
+	if t, s, ok := x.lookup(rid, ridHash(rid)); ok {
+		p := placeOf(x.tabs[t][s])
+		return x.list(p), p, true
 	}
 	return ridList{}, -1, false
 }
@@ -252,17 +356,83 @@ func (x *reqIndex) get(rid string) (ridList, bool) {
 // put sets rid's list, adding rid when it is not held.
 func (x *reqIndex) put(rid string, l ridList) {
 	h := ridHash(rid)
-	s, ok := x.lookup(rid, h)
+	t, s, ok := x.lookup(rid, h)
 	if ok {
-		x.lists[placeOf(x.slots[s])] = l
+		x.setList(placeOf(x.tabs[t][s]), l)
 		return
 	}
-	if 2*(x.n+1) > len(x.slots) {
-		x.grow(indexSlots(x.n + 1))
-		s, _ = x.lookup(rid, h)
+	if x.needsRoom(t) {
+		x.makeRoom(h)
+		t, s, _ = x.lookup(rid, h)
 	}
-	x.slots[s] = entry(h, x.add(rid, l))
+	x.tabs[t][s] = entry(h, x.add(rid, l))
+	x.tabN[t]++
 	x.n++
+}
+
+// needsRoom reports whether one more entry for table t (lookup's) needs
+// room made first: no tables yet, the one table at splitAt requests, or
+// table t over (more than 9/16 full) with it.
+func (x *reqIndex) needsRoom(t int) bool {
+	return len(x.tabs) == 0 || x.shift == 64 && x.n+1 >= splitAt || over(int(x.tabN[t])+1, len(x.tabs[t]))
+}
+
+// makeRoom makes room for one more entry of hash h (needsRoom): the first
+// table, the split, or its table twice the slots.
+func (x *reqIndex) makeRoom(h uint64) {
+	switch {
+	case len(x.tabs) == 0:
+		x.tabs, x.tabN, x.shift = [][]uint64{make([]uint64, indexSlots(0))}, make([]int32, 1), 64
+	case x.shift == 64 && x.n+1 >= splitAt:
+		x.split()
+	default:
+		t := x.tabOf(h)
+		x.tabs[t] = rehash(x.tabs[t], 2*len(x.tabs[t]))
+	}
+}
+
+// split makes the one table 1<<tabBits, each sized for the entries it
+// takes and one more.
+func (x *reqIndex) split() {
+	old := x.tabs[0]
+	shift := uint(64 - tabBits)
+	n := make([]int32, 1<<tabBits)
+	for _, e := range old {
+		if e != 0 {
+			n[e>>shift]++
+		}
+	}
+	tabs := make([][]uint64, 1<<tabBits)
+	for t := range tabs {
+		tabs[t] = make([]uint64, indexSlots(int(n[t])+1))
+	}
+	for _, e := range old {
+		if e != 0 {
+			insert(tabs[e>>shift], e)
+		}
+	}
+	x.tabs, x.tabN, x.shift = tabs, n, shift
+}
+
+// rehash is a table of n slots holding old's entries.
+func rehash(old []uint64, n int) []uint64 {
+	tab := make([]uint64, n)
+	for _, e := range old {
+		if e != 0 {
+			insert(tab, e)
+		}
+	}
+	return tab
+}
+
+// insert puts entry e in the first empty slot from its home.
+func insert(tab []uint64, e uint64) {
+	mask := len(tab) - 1
+	i := home(e, mask)
+	for tab[i] != 0 {
+		i = (i + 1) & mask
+	}
+	tab[i] = e
 }
 
 // add gives rid (a copy of it) and l a place, a free one first, and
@@ -281,46 +451,47 @@ func (x *reqIndex) add(rid string, l ridList) int {
 	if k := len(x.free); k > 0 {
 		p := int(x.free[k-1])
 		x.free = x.free[:k-1]
-		x.spans[p], x.lists[p] = sp, l
+		*x.places.at(p) = place{sp, l}
 		return p
 	}
-	x.spans = append(x.spans, sp)
-	x.lists = append(x.lists, l)
-	return len(x.spans) - 1
+	return x.places.push(place{sp, l})
 }
 
 // del removes rid, and reports whether it was held.
 func (x *reqIndex) del(rid string) bool {
-	s, ok := x.lookup(rid, ridHash(rid))
+	t, s, ok := x.lookup(rid, ridHash(rid))
 	if !ok {
 		return false
 	}
-	p := placeOf(x.slots[s])
-	if sp := x.spans[p]; sp.n >= minFreed && sp.n <= MaxNameLen {
+	tab := x.tabs[t]
+	p := placeOf(tab[s])
+	pl := x.places.at(p)
+	if sp := pl.span; sp.n >= minFreed && sp.n <= MaxNameLen {
 		if x.freed == nil {
 			x.freed = make([]uint32, MaxNameLen+1)
 		}
 		binary.LittleEndian.PutUint32(x.names.at(sp.off, sp.n), x.freed[sp.n])
 		x.freed[sp.n] = sp.off + 1
 	}
-	x.dead += int(x.spans[p].n)
-	x.spans[p], x.lists[p] = nameSpan{}, ridList{}
+	x.dead += int(pl.span.n)
+	*pl = place{}
 	x.free = append(x.free, int32(p))
+	x.tabN[t]--
 	x.n--
 	// Backward-shift deletion: the entries after the gap that would no
 	// longer be found past it move back (no tombstones, so probes stay as
 	// short as the table is full).
-	mask := len(x.slots) - 1
-	for j := (s + 1) & mask; x.slots[j] != 0; j = (j + 1) & mask {
-		e := x.slots[j]
+	mask := len(tab) - 1
+	for j := (s + 1) & mask; tab[j] != 0; j = (j + 1) & mask {
+		e := tab[j]
 		// e stays where it is when its home lies cyclically in (s, j].
 		if at := home(e, mask); (s < j && s < at && at <= j) || (s > j && (s < at || at <= j)) {
 			continue
 		}
-		x.slots[s] = e
+		tab[s] = e
 		s = j
 	}
-	x.slots[s] = 0
+	tab[s] = 0
 	if x.dead >= packFrom && 2*x.dead > x.names.size {
 		x.pack()
 	}
@@ -331,47 +502,30 @@ func (x *reqIndex) del(rid string) bool {
 // place order, dropping the dead bytes.
 func (x *reqIndex) pack() {
 	names := newNameBlocks(x.names.size - x.dead)
-	for p, sp := range x.spans {
-		if sp.n == 0 {
-			continue
+	for p := range x.places.len() {
+		pl := x.places.at(p)
+		if sp := pl.span; sp.n != 0 {
+			pl.span.off = names.add(unsafe.String(&x.names.at(sp.off, sp.n)[0], sp.n))
 		}
-		x.spans[p].off = names.add(unsafe.String(&x.names.at(sp.off, sp.n)[0], sp.n))
 	}
 	x.names, x.dead = names, 0
 	clear(x.freed)
-}
-
-// grow makes the table again with n slots.
-func (x *reqIndex) grow(n int) {
-	old := x.slots
-	x.slots = make([]uint64, n)
-	mask := n - 1
-	for _, e := range old {
-		if e == 0 {
-			continue
-		}
-		i := home(e, mask)
-		for x.slots[i] != 0 {
-			i = (i + 1) & mask
-		}
-		x.slots[i] = e
-	}
 }
 
 // all yields every request held (its ID a string of its own) and its
 // list, in no particular order.
 func (x *reqIndex) all() iter.Seq2[string, ridList] {
 	return func(yield func(string, ridList) bool) {
-		for p, sp := range x.spans {
-			if sp.n != 0 && !yield(string(x.rid(p)), x.lists[p]) {
+		for p := range x.places.len() {
+			if pl := x.places.at(p); pl.span.n != 0 && !yield(string(x.rid(p)), pl.list) {
 				return
 			}
 		}
 	}
 }
 
-// indexBatch is how many requests indexAll hashes, and whose slots it
-// reads, before it fills them.
+// indexBatch is how many entries indexAll reads the home slots of before
+// it fills them.
 const indexBatch = 16
 
 // indexAll indexes the requests of a fresh session's image, those with
@@ -383,46 +537,79 @@ const indexBatch = 16
 // time, each new one missed them in turn; here a batch's first reads,
 // independent of each other, miss them together.
 func (x *reqIndex) indexAll(reqs []RequestImage) error {
-	var hs [indexBatch]uint64
-	var rs [indexBatch]string
-	bytes := 0
+	bytes, n := 0, 0
 	for i := range reqs {
 		if len(reqs[i].Streams) > 0 {
 			bytes += len(reqs[i].Rid)
+			n++
 		}
 	}
 	if bytes > maxNames || bytes > maxBlocked {
 		return fmt.Errorf("%w: the request IDs take %d bytes, more than a session's %d", poolerr.ErrFull, bytes, min(maxNames, maxBlocked))
 	}
 	x.names = newNameBlocks(bytes)
-	mask := len(x.slots) - 1
-	var touched uint64
+	// Each request hashed once, its entry kept until the tables are
+	// made: split (newReqIndex left none), each for as many as it takes.
+	shift := x.shift
+	if len(x.tabs) == 0 {
+		shift = 64 - tabBits
+	}
+	entries := make([]uint64, 0, n)
+	var counts [1 << tabBits]int32
 	slot := int32(0)
-	for i := 0; i < len(reqs); {
-		lo := len(x.spans)
-		for ; i < len(reqs) && len(x.spans)-lo < indexBatch; i++ {
-			q := &reqs[i]
-			n := int32(len(q.Streams))
-			if n == 0 {
-				continue
-			}
-			h := ridHash(q.Rid)
-			hs[len(x.spans)-lo], rs[len(x.spans)-lo] = h, q.Rid
-			touched |= x.slots[home(h, mask)]
-			x.spans = append(x.spans, nameSpan{off: x.names.add(q.Rid), n: uint32(len(q.Rid))})
-			x.lists = append(x.lists, ridList{first: slot, last: slot + n - 1, n: n})
-			slot += n
+	for i := range reqs {
+		q := &reqs[i]
+		k := int32(len(q.Streams))
+		if k == 0 {
+			continue
 		}
-		for p := lo; p < len(x.spans); p++ {
-			h, rid := hs[p-lo], rs[p-lo]
-			s, found := x.lookup(rid, h)
-			if found {
-				return fmt.Errorf("request %q: %w", rid, errListedTwice)
+		h := ridHash(q.Rid)
+		p := x.places.push(place{nameSpan{off: x.names.add(q.Rid), n: uint32(len(q.Rid))}, ridList{first: slot, last: slot + k - 1, n: k}})
+		entries = append(entries, entry(h, p))
+		counts[h>>shift]++
+		slot += k
+	}
+	if len(x.tabs) == 0 {
+		x.tabs, x.tabN, x.shift = make([][]uint64, 1<<tabBits), make([]int32, 1<<tabBits), shift
+		for t := range x.tabs {
+			x.tabs[t] = make([]uint64, indexSlots(int(counts[t])))
+		}
+	}
+	var touched uint64
+	for lo := 0; lo < len(entries); lo += indexBatch {
+		batch := entries[lo:min(lo+indexBatch, len(entries))]
+		for _, e := range batch {
+			tab := x.tabs[x.tabOf(e)]
+			touched |= tab[home(e, len(tab)-1)]
+		}
+		for _, e := range batch {
+			if err := x.insertNew(e); err != nil {
+				return err
 			}
-			x.slots[s] = entry(h, p)
-			x.n++
 		}
 	}
 	x.touched = touched
+	return nil
+}
+
+// insertNew adds entry e to an index being filled by indexAll, refusing
+// an ID another entry holds.
+func (x *reqIndex) insertNew(e uint64) error {
+	if x.needsRoom(x.tabOf(e)) {
+		x.makeRoom(e) // not made for this many
+	}
+	t := x.tabOf(e)
+	tab := x.tabs[t]
+	mask := len(tab) - 1
+	rid := x.rid(placeOf(e))
+	i := home(e, mask)
+	for ; tab[i] != 0; i = (i + 1) & mask {
+		if o := tab[i]; o>>32 == e>>32 && string(x.rid(placeOf(o))) == string(rid) {
+			return fmt.Errorf("request %q: %w", rid, errListedTwice)
+		}
+	}
+	tab[i] = e
+	x.tabN[t]++
+	x.n++
 	return nil
 }

@@ -15,7 +15,7 @@ import (
 // deletions shift entries across its end, and checks that both hold the
 // same lists and that the index's invariants hold.
 func TestReqIndexAgainstMap(t *testing.T) {
-	for _, keys := range []int{3, 40, 3000} {
+	for _, keys := range []int{3, 40, 3000, 3 * splitAt} {
 		t.Run(fmt.Sprintf("keys=%d", keys), func(t *testing.T) {
 			r := rand.New(rand.NewPCG(uint64(keys), 11))
 			var x reqIndex // the zero index: a dropped session's
@@ -39,7 +39,7 @@ func TestReqIndexAgainstMap(t *testing.T) {
 						t.Fatalf("step %d: get(%q) = %v, %v; want %v, %v", i, rid, l, ok, wl, wok)
 					}
 				}
-				if i%97 == 0 || i == 20*keys-1 {
+				if i%max(97, keys) == 0 || i == 20*keys-1 {
 					if err := x.check(); err != nil {
 						t.Fatalf("step %d: %v", i, err)
 					}
@@ -90,6 +90,8 @@ func TestReqIndexAll(t *testing.T) {
 		{"a hole's ID again, with streams", reqs(5, "r0003"), ""},
 		{"twice in a batch", reqs(5, "r0002"), "r0002"},
 		{"twice across batches", reqs(3*indexBatch, "r0001", "r0007"), "r0001"},
+		{"split", reqs(2 * splitAt), ""},
+		{"split, twice", reqs(2*splitAt, "r5000"), "r5000"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			n, withStreams := 0, map[string]bool{}
@@ -133,6 +135,61 @@ func TestReqIndexAll(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestReqIndexGrowsInPieces: filling an index one request at a time, no
+// put moves more than a sixty-fourth of the entries or so once the index
+// holds splitAt requests (the one table it had until then is split, each
+// table growing alone), and no whole block of places ever moves; with one
+// table doubling, or places in one slice, the put that found it full moved
+// them all.
+func TestReqIndexGrowsInPieces(t *testing.T) {
+	const n = 40 * splitAt
+	var x reqIndex
+	firsts := map[int]*place{}
+	most := 0
+	for i := range n {
+		before := make([]*uint64, len(x.tabs))
+		for t, tab := range x.tabs {
+			before[t] = unsafe.SliceData(tab)
+		}
+		x.put(fmt.Sprintf("request-%07d", i), ridList{n: int32(i + 1)})
+		moved := 0
+		for t, tab := range x.tabs {
+			if len(before) != len(x.tabs) || before[t] != unsafe.SliceData(tab) {
+				moved += int(x.tabN[t])
+			}
+		}
+		if i+1 == splitAt {
+			if len(x.tabs) != 1<<tabBits {
+				t.Fatalf("%d tables at %d requests", len(x.tabs), i+1)
+			}
+			continue // the split: every entry moves, once
+		}
+		if i+1 > splitAt {
+			most = max(most, moved)
+		}
+		// The first block grows as it fills; the later ones stay put.
+		for k := 1; k < len(x.places.b); k++ {
+			if p, ok := firsts[k]; !ok {
+				firsts[k] = &x.places.b[k][0]
+			} else if p != &x.places.b[k][0] {
+				t.Fatalf("after %d requests block %d of places moved", i+1, k)
+			}
+		}
+	}
+	if bound := 4 * n >> tabBits; most > bound {
+		t.Fatalf("a put moved %d entries (of %d); want at most %d", most, n, bound)
+	}
+	if err := x.check(); err != nil {
+		t.Fatal(err)
+	}
+	for i := range n {
+		if l, ok := x.get(fmt.Sprintf("request-%07d", i)); !ok || l.n != int32(i+1) {
+			t.Fatalf("request %d: %v %v", i, l, ok)
+		}
+	}
+	t.Logf("%d requests: a put moved at most %d entries", n, most)
 }
 
 // TestReqIndexNames: the index keeps its own copy of each request ID (the
@@ -256,8 +313,8 @@ func TestNameBlocks(t *testing.T) {
 			}
 		}
 	}
-	for p, sp := range x.spans {
-		if sp.n != 0 && int(sp.off&(nameBlock-1))+int(sp.n) > nameBlock {
+	for p := range x.places.len() {
+		if sp := x.places.at(p).span; sp.n != 0 && int(sp.off&(nameBlock-1))+int(sp.n) > nameBlock {
 			t.Fatalf("the ID at place %d spans two blocks (%d+%d)", p, sp.off, sp.n)
 		}
 	}

@@ -269,7 +269,7 @@ func (s *Session) link(rid string, l ridList, place int, slot int32) {
 	if place < 0 {
 		s.reqs.put(rid, l)
 	} else {
-		s.reqs.lists[place] = l
+		s.reqs.setList(place, l)
 	}
 	s.pool.streams.Add(1)
 }
@@ -328,7 +328,7 @@ func (s *Session) unlink(rid string, place int, l ridList, slot int32) {
 	if l.n == 0 {
 		s.reqs.del(rid)
 	} else {
-		s.reqs.lists[place] = l
+		s.reqs.setList(place, l)
 	}
 	s.used -= int(st.n)
 	s.nstreams--
