@@ -283,7 +283,7 @@ func ridHash(rid string) uint64 { return maphash.String(ridSeed, rid) }
 // 1/2: a split index at its bound, 131,072 requests, holds 2,048 a table
 // on average, give or take 45, so half its tables were made or grew to
 // twice the slots a table of 2,048 needs: 1.5 times the one table's
-// memory, and its fresh pages made a restore 20 % slower.)
+// memory, every page of it written by a restore.)
 func indexSlots(n int) int {
 	s := 8
 	for over(n, s) {
