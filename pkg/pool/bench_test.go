@@ -327,3 +327,51 @@ func benchFill(b *testing.B, per int) {
 	b.ReportMetric(float64(slowest.Microseconds())/1000, "slowest-ms")
 	b.ReportMetric(float64(over)*streams/float64(b.N), "over-1ms/fill")
 }
+
+// BenchmarkDrainFromTheBound fills a session with 131,072 requests of one
+// 2-page stream and 128-byte IDs (untimed), then removes them one at a
+// time (remove_request), as an engine's finished requests go: an op is one
+// removal; slowest-ms and over-1ms/drain as in BenchmarkFillToTheBound.
+func BenchmarkDrainFromTheBound(b *testing.B) {
+	const streams, pageSize = 131072, 4 << 10
+	pages := 2 * streams
+	p := benchPool(b, pages, pageSize)
+	rids := make([]string, streams)
+	for i := range rids {
+		rids[i] = fmt.Sprintf("%0128d", i)
+	}
+	dev := []int32{0, 1}
+	var slowest time.Duration
+	over := 0
+	b.ResetTimer()
+	for done := 0; done < b.N; {
+		b.StopTimer()
+		s, err := p.Open("bench", Spec{PageSize: pageSize, DevicePages: 64, MaxPages: pages})
+		if err != nil {
+			b.Fatal(err)
+		}
+		for i := range streams {
+			if _, err := s.Offload(rids[i], "kv", dev, Meta{StoredLen: 1}, nil); err != nil {
+				b.Fatal(err)
+			}
+		}
+		runtime.GC()
+		b.StartTimer()
+		for i := 0; i < streams && done < b.N; i, done = i+1, done+1 {
+			t0 := time.Now()
+			if _, err := s.RemoveRequest(rids[i]); err != nil {
+				b.Fatal(err)
+			}
+			d := time.Since(t0)
+			slowest = max(slowest, d)
+			if d >= time.Millisecond {
+				over++
+			}
+		}
+		b.StopTimer()
+		p.Close(s)
+		b.StartTimer()
+	}
+	b.ReportMetric(float64(slowest.Microseconds())/1000, "slowest-ms")
+	b.ReportMetric(float64(over)*streams/float64(b.N), "over-1ms/drain")
+}

@@ -327,9 +327,17 @@ func (x *reqIndex) check() error {
 	if err != nil {
 		return err
 	}
-	if held != x.n || used != x.n || len(x.free) != x.places.len()-x.n {
+	freed := make(map[int32]bool, x.free.len())
+	for i := range x.free.len() {
+		p := *x.free.at(i)
+		if p < 0 || int(p) >= x.places.len() || x.places.at(int(p)).span.n != 0 || freed[p] {
+			return fmt.Errorf("the free places list place %d, which is not a free place of the %d, or twice", p, x.places.len())
+		}
+		freed[p] = true
+	}
+	if held != x.n || used != x.n || x.free.len() != x.places.len()-x.n {
 		return fmt.Errorf("%d requests held, %d slots used, %d places free of %d; the count says %d",
-			held, used, len(x.free), x.places.len(), x.n)
+			held, used, x.free.len(), x.places.len(), x.n)
 	}
 	return nil
 }

@@ -29,8 +29,14 @@ import (
 // a list of free spans of their length, which the next ID of that length
 // takes (engines' IDs come and go at a few lengths, so names stops
 // growing); should more than half of names lie dead all the same (IDs of
-// ever new lengths), the live IDs are packed again (pack), each byte of ID
-// copied about once per byte removed.
+// ever new lengths) when an ID needs a new block, the live IDs are packed
+// again first (pack), each byte of ID copied about once per byte removed.
+// Not at a removal: packed there, a session at its bound draining its
+// requests one by one copied what it still held into fresh blocks each
+// time half of names had died (8 MiB of 128-byte IDs: a removal of 24-52
+// ms on a VM whose first touch of a page costs 11 us, then 12-16, 4-8 ...);
+// a drained session packs, if ever, when it grows again, little as it then
+// holds, and until then keeps no more than it held.
 type reqIndex struct {
 	// tabs is the index: one table until it holds splitAt requests,
 	// then 1<<tabBits, a request in the one the top bits of its ID's
@@ -47,7 +53,7 @@ type reqIndex struct {
 	// places: place -> where its ID lies in names and its streams (none
 	// for a free place), in blocks that never move.
 	places blocks[place]
-	free   []int32 // free places, reused first
+	free   blocks[int32] // free places, reused first (a stack)
 	n      int
 	dead   int // bytes of names no request holds
 	// freed: by length, the first of the free spans of that length in
@@ -110,7 +116,7 @@ func (a *blocks[T]) len() int { return a.n }
 
 // push appends v and returns its index.
 func (a *blocks[T]) push(v T) int {
-	k := a.n >> blockShift
+	k, i := a.n>>blockShift, a.n&(blockLen-1)
 	if k == len(a.b) {
 		var b []T
 		switch {
@@ -121,9 +127,20 @@ func (a *blocks[T]) push(v T) int {
 		}
 		a.b = append(a.b, b)
 	}
-	a.b[k] = append(a.b[k], v)
+	if i < len(a.b[k]) {
+		a.b[k][i] = v // a place pop left
+	} else {
+		a.b[k] = append(a.b[k], v)
+	}
 	a.n++
 	return a.n - 1
+}
+
+// pop removes the last element and returns it; its block stays for the
+// next push.
+func (a *blocks[T]) pop() T {
+	a.n--
+	return *a.at(a.n)
 }
 
 // nameSpan is where a request ID lies in names; n is 0 for a free place.
@@ -182,6 +199,13 @@ func (nb *nameBlocks) fits(n int) bool {
 	return k >= 0 && len(nb.b[k])+n <= nameBlock || len(nb.b) < 1<<(32-nameShift)
 }
 
+// fitsLast reports whether an ID of n bytes fits in the last block, so
+// that adding it makes no block.
+func (nb *nameBlocks) fitsLast(n int) bool {
+	k := len(nb.b) - 1
+	return k >= 0 && len(nb.b[k])+n <= nameBlock
+}
+
 // add copies rid into the store and returns its offset. The caller
 // checked that it fits.
 func (nb *nameBlocks) add(rid string) uint32 {
@@ -230,7 +254,7 @@ func (nb *nameBlocks) within(off, n uint32) bool {
 	return k < len(nb.b) && w+int(n) <= len(nb.b[k])
 }
 
-// packFrom is the least dead bytes worth packing names for.
+// packFrom is the least dead bytes worth packing names for (add).
 const packFrom = 64 << 10
 
 // maxNames bounds the bytes of names (its offsets are 32 bits). An
@@ -446,11 +470,13 @@ func (x *reqIndex) add(rid string, l ridList) int {
 		copy(b, rid)
 		x.dead -= n
 	} else {
+		if !x.names.fitsLast(len(rid)) && x.dead >= packFrom && 2*x.dead > x.names.size {
+			x.pack()
+		}
 		sp.off = x.names.add(rid)
 	}
-	if k := len(x.free); k > 0 {
-		p := int(x.free[k-1])
-		x.free = x.free[:k-1]
+	if x.free.len() > 0 {
+		p := int(x.free.pop())
 		*x.places.at(p) = place{sp, l}
 		return p
 	}
@@ -475,7 +501,7 @@ func (x *reqIndex) del(rid string) bool {
 	}
 	x.dead += int(pl.span.n)
 	*pl = place{}
-	x.free = append(x.free, int32(p))
+	x.free.push(int32(p))
 	x.tabN[t]--
 	x.n--
 	// Backward-shift deletion: the entries after the gap that would no
@@ -492,9 +518,6 @@ func (x *reqIndex) del(rid string) bool {
 		s = j
 	}
 	tab[s] = 0
-	if x.dead >= packFrom && 2*x.dead > x.names.size {
-		x.pack()
-	}
 	return true
 }
 
