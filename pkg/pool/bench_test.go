@@ -266,6 +266,21 @@ func BenchmarkCollect(b *testing.B) {
 			}
 			runtime.KeepAlive(p)
 		})
+		if c.streams == 0 {
+			continue
+		}
+		// The same sessions restored (as after an agent's restart).
+		b.Run(name+",restored", func(b *testing.B) {
+			q := New()
+			if _, err := q.Restore(fullSessions(b, 4, c.streams, 11, c.labels).Export()); err != nil {
+				b.Fatal(err)
+			}
+			runtime.GC()
+			for b.Loop() {
+				runtime.GC()
+			}
+			runtime.KeepAlive(q)
+		})
 	}
 }
 

@@ -155,13 +155,15 @@ func (s *Session) unindexLabel(place int, slot int32) {
 func (s *Session) makeLabels(k, n int) {
 	x := &s.byLabel
 	old := x.tabs
-	x.tabs, x.tabN, x.shift = make([][]uint64, k), make([]int32, k), 64
+	x.tabN, x.shift = make([]int32, k), 64
 	if k > 1 {
 		x.shift = 64 - tabBits
 	}
-	for t := range x.tabs {
-		x.tabs[t] = make([]uint64, indexSlots(n/k))
+	sizes := make([]int, k)
+	for t := range sizes {
+		sizes[t] = indexSlots(n / k)
 	}
+	x.tabs = carve(sizes)
 	for _, tab := range old {
 		for _, e := range tab {
 			if e == 0 {

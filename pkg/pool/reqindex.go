@@ -426,16 +426,35 @@ func (x *reqIndex) split() {
 			n[e>>shift]++
 		}
 	}
-	tabs := make([][]uint64, 1<<tabBits)
-	for t := range tabs {
-		tabs[t] = make([]uint64, indexSlots(int(n[t])+1))
+	sizes := make([]int, 1<<tabBits)
+	for t := range sizes {
+		sizes[t] = indexSlots(int(n[t]) + 1)
 	}
+	tabs := carve(sizes)
 	for _, e := range old {
 		if e != 0 {
 			insert(tabs[e>>shift], e)
 		}
 	}
 	x.tabs, x.tabN, x.shift = tabs, n, shift
+}
+
+// carve makes tables of the given sizes in one allocation, each capped at
+// its own length: the collector sweeps one object where a split index had
+// 64 (a full collection with four sessions of 131,072 streams in requests
+// of nine took 0.4-0.8 ms longer with a span a table). A table that grows
+// later takes memory of its own; the block goes once the last has.
+func carve(sizes []int) [][]uint64 {
+	total := 0
+	for _, n := range sizes {
+		total += n
+	}
+	block := make([]uint64, total)
+	tabs := make([][]uint64, len(sizes))
+	for t, n := range sizes {
+		tabs[t], block = block[:n:n], block[n:]
+	}
+	return tabs
 }
 
 // rehash is a table of n slots holding old's entries.
@@ -593,10 +612,11 @@ func (x *reqIndex) indexAll(reqs []RequestImage) error {
 		slot += k
 	}
 	if len(x.tabs) == 0 {
-		x.tabs, x.tabN, x.shift = make([][]uint64, 1<<tabBits), make([]int32, 1<<tabBits), shift
-		for t := range x.tabs {
-			x.tabs[t] = make([]uint64, indexSlots(int(counts[t])))
+		sizes := make([]int, 1<<tabBits)
+		for t := range sizes {
+			sizes[t] = indexSlots(int(counts[t]))
 		}
+		x.tabs, x.tabN, x.shift = carve(sizes), make([]int32, 1<<tabBits), shift
 	}
 	var touched uint64
 	for lo := 0; lo < len(entries); lo += indexBatch {
