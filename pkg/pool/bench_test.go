@@ -301,46 +301,15 @@ func BenchmarkFillToTheBound(b *testing.B) {
 }
 
 func benchFill(b *testing.B, per int) {
-	const streams, pageSize = 131072, 4 << 10
-	pages := 2 * streams
-	p := benchPool(b, pages, pageSize)
-	rids, labels := make([]string, streams), make([]string, per)
-	for i := range rids {
-		rids[i] = fmt.Sprintf("%0128d", i/per)
-	}
+	labels := make([]string, per)
 	for i := range labels {
 		labels[i] = fmt.Sprint("layer-", i)
 	}
-	dev := []int32{0, 1}
-	dst := make([]int32, 0, 2)
-	var slowest time.Duration
-	over := 0
-	b.ResetTimer()
-	for done := 0; done < b.N; {
-		b.StopTimer()
-		s, err := p.Open("bench", Spec{PageSize: pageSize, DevicePages: 64, MaxPages: pages})
-		if err != nil {
-			b.Fatal(err)
-		}
-		runtime.GC()
-		b.StartTimer()
-		for i := 0; i < streams && done < b.N; i, done = i+1, done+1 {
-			t0 := time.Now()
-			if _, err := s.Offload(rids[i], labels[i%per], dev, Meta{StoredLen: 1}, dst[:0]); err != nil {
-				b.Fatal(err)
-			}
-			d := time.Since(t0)
-			slowest = max(slowest, d)
-			if d >= time.Millisecond {
-				over++
-			}
-		}
-		b.StopTimer()
-		p.Close(s)
-		b.StartTimer()
-	}
-	b.ReportMetric(float64(slowest.Microseconds())/1000, "slowest-ms")
-	b.ReportMetric(float64(over)*streams/float64(b.N), "over-1ms/fill")
+	dev, dst := []int32{0, 1}, make([]int32, 0, 2)
+	benchEachCall(b, per, "over-1ms/fill", nil, func(s *Session, rid string, i int) error {
+		_, err := s.Offload(rid, labels[i%per], dev, Meta{StoredLen: 1}, dst[:0])
+		return err
+	})
 }
 
 // BenchmarkDrainFromTheBound fills a session with 131,072 requests of one
@@ -348,14 +317,32 @@ func benchFill(b *testing.B, per int) {
 // time (remove_request), as an engine's finished requests go: an op is one
 // removal; slowest-ms and over-1ms/drain as in BenchmarkFillToTheBound.
 func BenchmarkDrainFromTheBound(b *testing.B) {
+	fill := func(s *Session, rids []string) {
+		for _, rid := range rids {
+			if _, err := s.Offload(rid, "kv", []int32{0, 1}, Meta{StoredLen: 1}, nil); err != nil {
+				b.Fatal(err)
+			}
+		}
+	}
+	benchEachCall(b, 1, "over-1ms/drain", fill, func(s *Session, rid string, _ int) error {
+		_, err := s.RemoveRequest(rid)
+		return err
+	})
+}
+
+// benchEachCall times call once for each of one session's bound of
+// streams (131,072, in requests of per streams with 128-byte IDs: call i
+// is given the i-th stream's request ID), on a fresh session each round
+// that prepare, when given, readies untimed. It reports the slowest call
+// (slowest-ms) and how many a round took a millisecond or more (unit).
+func benchEachCall(b *testing.B, per int, unit string, prepare func(s *Session, rids []string), call func(s *Session, rid string, i int) error) {
 	const streams, pageSize = 131072, 4 << 10
 	pages := 2 * streams
 	p := benchPool(b, pages, pageSize)
 	rids := make([]string, streams)
 	for i := range rids {
-		rids[i] = fmt.Sprintf("%0128d", i)
+		rids[i] = fmt.Sprintf("%0128d", i/per)
 	}
-	dev := []int32{0, 1}
 	var slowest time.Duration
 	over := 0
 	b.ResetTimer()
@@ -365,16 +352,14 @@ func BenchmarkDrainFromTheBound(b *testing.B) {
 		if err != nil {
 			b.Fatal(err)
 		}
-		for i := range streams {
-			if _, err := s.Offload(rids[i], "kv", dev, Meta{StoredLen: 1}, nil); err != nil {
-				b.Fatal(err)
-			}
+		if prepare != nil {
+			prepare(s, rids)
 		}
 		runtime.GC()
 		b.StartTimer()
 		for i := 0; i < streams && done < b.N; i, done = i+1, done+1 {
 			t0 := time.Now()
-			if _, err := s.RemoveRequest(rids[i]); err != nil {
+			if err := call(s, rids[i], i); err != nil {
 				b.Fatal(err)
 			}
 			d := time.Since(t0)
@@ -388,5 +373,5 @@ func BenchmarkDrainFromTheBound(b *testing.B) {
 		b.StartTimer()
 	}
 	b.ReportMetric(float64(slowest.Microseconds())/1000, "slowest-ms")
-	b.ReportMetric(float64(over)*streams/float64(b.N), "over-1ms/drain")
+	b.ReportMetric(float64(over)*streams/float64(b.N), unit)
 }
