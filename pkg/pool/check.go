@@ -139,40 +139,16 @@ func (s *Session) checkStreams(owner []byte) error {
 // of the requests of more than indexFrom (placeOfSlot: each one's
 // request's place) and nothing else, within its load.
 func (s *Session) checkLabelIndex(indexed int, placeOfSlot map[int32]int) error {
-	x := &s.byLabel
-	if len(x.tabs) != len(x.tabN) || (len(x.tabs) > 0 && len(x.tabs) != 1<<(64-x.shift)) {
-		return fmt.Errorf("the label index has %d tables and %d counts (shift %d)", len(x.tabs), len(x.tabN), x.shift)
-	}
-	if len(x.tabs) == 1 && x.n >= splitAt {
-		return fmt.Errorf("one label table holds %d entries; the index splits at %d", x.n, splitAt)
-	}
-	entries := 0
-	for t, tab := range x.tabs {
-		if len(tab) < 8 || len(tab)&(len(tab)-1) != 0 {
-			return fmt.Errorf("label table %d has %d slots, not a power of two from 8", t, len(tab))
+	n, err := s.byLabel.checkTables("label index", s.labelKey, func(e uint64) error {
+		if p, ok := placeOfSlot[entrySlot(e)]; !ok || p != entryPlace(e) {
+			return fmt.Errorf("the label index holds slot %d at place %d, which is no indexed stream of that request", entrySlot(e), entryPlace(e))
 		}
-		n := 0
-		for _, e := range tab {
-			if e == 0 {
-				continue
-			}
-			n++
-			if p, ok := placeOfSlot[entrySlot(e)]; !ok || p != entryPlace(e) {
-				return fmt.Errorf("the label index holds slot %d at place %d, which is no indexed stream of that request", entrySlot(e), entryPlace(e))
-			}
-			if k := x.tabOf(s.keyAt(entryPlace(e), entrySlot(e))); k != t {
-				return fmt.Errorf("label table %d holds an entry of table %d", t, k)
-			}
-		}
-		if n != int(x.tabN[t]) || over(n, len(tab)) {
-			return fmt.Errorf("label table %d holds %d entries in %d slots; its count says %d", t, n, len(tab), x.tabN[t])
-		}
-		entries += n
+		return nil
+	})
+	if err == nil && n != indexed {
+		err = fmt.Errorf("the label index holds %d entries for %d indexed streams", n, indexed)
 	}
-	if entries != indexed || x.n != indexed {
-		return fmt.Errorf("the label index holds %d entries (count %d) for %d indexed streams", entries, x.n, indexed)
-	}
-	return nil
+	return err
 }
 
 // checkLabel returns the label of the stream in slot: an index into the
@@ -323,7 +299,12 @@ func (x *reqIndex) check() error {
 	if live+x.dead != x.names.size || inBlocks != x.names.size {
 		return fmt.Errorf("names holds %d bytes (%d in its blocks): %d of IDs held and %d dead", x.names.size, inBlocks, live, x.dead)
 	}
-	used, err := x.checkTables()
+	used, err := x.checkTables("request index", reqKey, func(e uint64) error {
+		if p := placeOf(e); p >= x.places.len() || x.places.at(p).span.n == 0 {
+			return fmt.Errorf("a slot names place %d, which holds no request", p)
+		}
+		return nil
+	})
 	if err != nil {
 		return err
 	}
@@ -361,41 +342,4 @@ func (x *reqIndex) checkPlaces() error {
 		return fmt.Errorf("the blocks of places hold %d; the count says %d", in, a.n)
 	}
 	return nil
-}
-
-// checkTables checks that every entry of the index lies in its hash's
-// table and names a place that holds a request, that each table counts its
-// entries and is at most half full, and that the index is split from
-// splitAt requests; it returns the entries.
-func (x *reqIndex) checkTables() (int, error) {
-	if len(x.tabs) != len(x.tabN) || (len(x.tabs) > 0 && len(x.tabs) != 1<<(64-x.shift)) {
-		return 0, fmt.Errorf("%d tables, %d counts, shift %d", len(x.tabs), len(x.tabN), x.shift)
-	}
-	if len(x.tabs) == 1 && x.n >= splitAt {
-		return 0, fmt.Errorf("one table holds %d requests; the index splits at %d", x.n, splitAt)
-	}
-	used := 0
-	for t, tab := range x.tabs {
-		if len(tab) < 8 || len(tab)&(len(tab)-1) != 0 {
-			return 0, fmt.Errorf("table %d has %d slots, not a power of two from 8", t, len(tab))
-		}
-		n := 0
-		for _, e := range tab {
-			if e == 0 {
-				continue
-			}
-			n++
-			if x.tabOf(e) != t {
-				return 0, fmt.Errorf("table %d holds an entry of table %d", t, x.tabOf(e))
-			}
-			if p := placeOf(e); p >= x.places.len() || x.places.at(p).span.n == 0 {
-				return 0, fmt.Errorf("a slot names place %d, which holds no request", p)
-			}
-		}
-		if n != int(x.tabN[t]) || over(n, len(tab)) {
-			return 0, fmt.Errorf("table %d holds %d entries in %d slots; its count says %d", t, n, len(tab), x.tabN[t])
-		}
-		used += n
-	}
-	return used, nil
 }

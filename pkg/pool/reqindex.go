@@ -38,24 +38,15 @@ import (
 // a drained session packs, if ever, when it grows again, little as it then
 // holds, and until then keeps no more than it held.
 type reqIndex struct {
-	// tabs is the index: one table until it holds splitAt requests,
-	// then 1<<tabBits, a request in the one the top bits of its ID's
-	// hash name (tabOf). Each table doubles alone, when it is full (over)
-	// (tabN counts its entries): one table of a session at its bound
-	// rehashed all of its requests into fresh memory in the offload that
-	// found it full (6.3 ms at 65,536 requests on a VM whose first touch
-	// of a page costs 11 us); a table of the split index holds 1/64 of
-	// them.
-	tabs  [][]uint64 // 0: empty; else the upper half of the ID's hash, then place+1 (entry)
-	tabN  []int32
-	shift uint       // 64 with one table (tabOf is then 0), 64-tabBits once split
+	// tables is the index, keyed by the ID's hash, each entry its upper
+	// half and the place (entry): the entry is its own key (reqKey).
+	tables
 	names nameBlocks // the request IDs, back to back, with the dead ones' bytes
 	// places: place -> where its ID lies in names and its streams (none
 	// for a free place), in blocks that never move.
 	places blocks[place]
 	free   blocks[int32] // free places, reused first (a stack)
-	n      int
-	dead   int // bytes of names no request holds
+	dead   int           // bytes of names no request holds
 	// freed: by length, the first of the free spans of that length in
 	// names (offset+1; 0: none), each holding the next one's in its
 	// first 4 bytes; IDs shorter than that are not reused. Made at the
@@ -71,17 +62,6 @@ type place struct {
 	span nameSpan
 	list ridList
 }
-
-// The split index: tabBits of the hash choose the table, from splitAt
-// requests. A table's home slot is taken from the hash's bits 32 up
-// (home), which the table's choice (its top bits) leaves alone up to
-// 1<<(32-tabBits) slots a table (past that the homes would crowd into part
-// of a table: slower, still right; the server's limits keep a session's
-// tables far below it).
-const (
-	tabBits = 6
-	splitAt = 4096
-)
 
 // blockShift makes a block of places 4,096 of them (80 KiB).
 const (
@@ -301,46 +281,26 @@ var ridSeed = maphash.MakeSeed()
 
 func ridHash(rid string) uint64 { return maphash.String(ridSeed, rid) }
 
-// indexSlots is a table's size for n entries: the least power of two (8
-// at least) that they fill to at most 9/16 (over), so that probes stay
-// short. A table grows when one more entry would pass it. (The bound was
-// 1/2: a split index at its bound, 131,072 requests, holds 2,048 a table
-// on average, give or take 45, so half its tables were made or grew to
-// twice the slots a table of 2,048 needs: 1.5 times the one table's
-// memory, every page of it written by a restore.)
-func indexSlots(n int) int {
-	s := 8
-	for over(n, s) {
-		s <<= 1
-	}
-	return s
-}
-
-// over reports whether n entries fill a table of slots past 9/16.
-func over(n, slots int) bool { return 16*n > 9*slots }
-
 // newReqIndex is an empty index made for n requests. From splitAt the
 // tables are left for indexAll to make, each for the requests it takes.
 func newReqIndex(n int) reqIndex {
-	x := reqIndex{places: sized[place](n), shift: 64}
+	x := reqIndex{places: sized[place](n)}
+	x.shift = 64
 	if n < splitAt {
-		x.tabs, x.tabN = [][]uint64{make([]uint64, indexSlots(n))}, make([]int32, 1)
+		x.make(1, []int{indexSlots(n)})
 	}
 	return x
 }
 
+// entry is the index's entry for the request at place, its ID's hash h:
+// the upper half of h, which chooses its table and its home, then place+1.
 func entry(h uint64, place int) uint64 { return h&^(1<<32-1) | uint64(place+1) }
 
+// reqKey is a request entry's key: the entry, whose upper half is its
+// hash's.
+func reqKey(e uint64) uint64 { return e }
+
 func placeOf(e uint64) int { return int(uint32(e)) - 1 }
-
-// home is the slot where the probe for hash h (or for the entry made of
-// it: the upper half is the same) starts. It takes the upper half, which
-// an entry keeps, so that moving entries (del, grow) needs no ID hashed
-// again.
-func home(h uint64, mask int) int { return int(h>>32) & mask }
-
-// tabOf is the table of hash h, or of the entry made of it.
-func (x *reqIndex) tabOf(h uint64) int { return int(h >> x.shift) }
 
 // lookup returns the table and the slot that hold rid (hash h), or the
 // empty slot where it would go.
@@ -386,96 +346,12 @@ func (x *reqIndex) put(rid string, l ridList) {
 		return
 	}
 	if x.needsRoom(t) {
-		x.makeRoom(h)
+		x.makeRoom(h, reqKey)
 		t, s, _ = x.lookup(rid, h)
 	}
 	x.tabs[t][s] = entry(h, x.add(rid, l))
 	x.tabN[t]++
 	x.n++
-}
-
-// needsRoom reports whether one more entry for table t (lookup's) needs
-// room made first: no tables yet, the one table at splitAt requests, or
-// table t over (more than 9/16 full) with it.
-func (x *reqIndex) needsRoom(t int) bool {
-	return len(x.tabs) == 0 || x.shift == 64 && x.n+1 >= splitAt || over(int(x.tabN[t])+1, len(x.tabs[t]))
-}
-
-// makeRoom makes room for one more entry of hash h (needsRoom): the first
-// table, the split, or its table twice the slots.
-func (x *reqIndex) makeRoom(h uint64) {
-	switch {
-	case len(x.tabs) == 0:
-		x.tabs, x.tabN, x.shift = [][]uint64{make([]uint64, indexSlots(0))}, make([]int32, 1), 64
-	case x.shift == 64 && x.n+1 >= splitAt:
-		x.split()
-	default:
-		t := x.tabOf(h)
-		x.tabs[t] = rehash(x.tabs[t], 2*len(x.tabs[t]))
-	}
-}
-
-// split makes the one table 1<<tabBits, each sized for the entries it
-// takes and one more.
-func (x *reqIndex) split() {
-	old := x.tabs[0]
-	shift := uint(64 - tabBits)
-	n := make([]int32, 1<<tabBits)
-	for _, e := range old {
-		if e != 0 {
-			n[e>>shift]++
-		}
-	}
-	sizes := make([]int, 1<<tabBits)
-	for t := range sizes {
-		sizes[t] = indexSlots(int(n[t]) + 1)
-	}
-	tabs := carve(sizes)
-	for _, e := range old {
-		if e != 0 {
-			insert(tabs[e>>shift], e)
-		}
-	}
-	x.tabs, x.tabN, x.shift = tabs, n, shift
-}
-
-// carve makes tables of the given sizes in one allocation, each capped at
-// its own length: the collector sweeps one object where a split index had
-// 64 (a full collection with four sessions of 131,072 streams in requests
-// of nine took 0.4-0.8 ms longer with a span a table). A table that grows
-// later takes memory of its own; the block goes once the last has.
-func carve(sizes []int) [][]uint64 {
-	total := 0
-	for _, n := range sizes {
-		total += n
-	}
-	block := make([]uint64, total)
-	tabs := make([][]uint64, len(sizes))
-	for t, n := range sizes {
-		tabs[t], block = block[:n:n], block[n:]
-	}
-	return tabs
-}
-
-// rehash is a table of n slots holding old's entries.
-func rehash(old []uint64, n int) []uint64 {
-	tab := make([]uint64, n)
-	for _, e := range old {
-		if e != 0 {
-			insert(tab, e)
-		}
-	}
-	return tab
-}
-
-// insert puts entry e in the first empty slot from its home.
-func insert(tab []uint64, e uint64) {
-	mask := len(tab) - 1
-	i := home(e, mask)
-	for tab[i] != 0 {
-		i = (i + 1) & mask
-	}
-	tab[i] = e
 }
 
 // add gives rid (a copy of it) and l a place, a free one first, and
@@ -508,8 +384,7 @@ func (x *reqIndex) del(rid string) bool {
 	if !ok {
 		return false
 	}
-	tab := x.tabs[t]
-	p := placeOf(tab[s])
+	p := placeOf(x.tabs[t][s])
 	pl := x.places.at(p)
 	if sp := pl.span; sp.n >= minFreed && sp.n <= MaxNameLen {
 		if x.freed == nil {
@@ -521,22 +396,7 @@ func (x *reqIndex) del(rid string) bool {
 	x.dead += int(pl.span.n)
 	*pl = place{}
 	x.free.push(int32(p))
-	x.tabN[t]--
-	x.n--
-	// Backward-shift deletion: the entries after the gap that would no
-	// longer be found past it move back (no tombstones, so probes stay as
-	// short as the table is full).
-	mask := len(tab) - 1
-	for j := (s + 1) & mask; tab[j] != 0; j = (j + 1) & mask {
-		e := tab[j]
-		// e stays where it is when its home lies cyclically in (s, j].
-		if at := home(e, mask); (s < j && s < at && at <= j) || (s > j && (s < at || at <= j)) {
-			continue
-		}
-		tab[s] = e
-		s = j
-	}
-	tab[s] = 0
+	x.removeAt(t, s, reqKey)
 	return true
 }
 
@@ -616,7 +476,7 @@ func (x *reqIndex) indexAll(reqs []RequestImage) error {
 		for t := range sizes {
 			sizes[t] = indexSlots(int(counts[t]))
 		}
-		x.tabs, x.tabN, x.shift = carve(sizes), make([]int32, 1<<tabBits), shift
+		x.make(1<<tabBits, sizes)
 	}
 	var touched uint64
 	for lo := 0; lo < len(entries); lo += indexBatch {
@@ -639,7 +499,7 @@ func (x *reqIndex) indexAll(reqs []RequestImage) error {
 // an ID another entry holds.
 func (x *reqIndex) insertNew(e uint64) error {
 	if x.needsRoom(x.tabOf(e)) {
-		x.makeRoom(e) // not made for this many
+		x.makeRoom(e, reqKey) // not made for this many
 	}
 	t := x.tabOf(e)
 	tab := x.tabs[t]
