@@ -109,6 +109,9 @@ func BenchmarkRestoreAtLimits(b *testing.B) {
 	// kvbench restart's shape: one session at the stream bound, with short
 	// request IDs (11 bytes and a 2-byte label a stream).
 	b.Run("probe", func(b *testing.B) { benchRestore(b, 1, limStreams, int64(limStreams)*13) })
+	// And four such sessions: kvbench restart at the agent's bound
+	// (--streams 4,524288 --sessions 4).
+	b.Run("probe-agent", func(b *testing.B) { benchRestore(b, 4, limStreams, int64(limStreams)*13) })
 	// The same after the books were compacted while quiet (a snapshot
 	// alone): what a restart replays once the agent had a second with
 	// nothing to record.

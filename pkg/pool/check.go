@@ -299,7 +299,7 @@ func (x *reqIndex) check() error {
 	if live+x.dead != x.names.size || inBlocks != x.names.size {
 		return fmt.Errorf("names holds %d bytes (%d in its blocks): %d of IDs held and %d dead", x.names.size, inBlocks, live, x.dead)
 	}
-	used, err := x.checkTables("request index", reqKey, func(e uint64) error {
+	used, err := x.checkTables("request index", nil, func(e uint64) error {
 		if p := placeOf(e); p >= x.places.len() || x.places.at(p).span.n == 0 {
 			return fmt.Errorf("a slot names place %d, which holds no request", p)
 		}

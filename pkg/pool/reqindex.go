@@ -39,7 +39,8 @@ import (
 // holds, and until then keeps no more than it held.
 type reqIndex struct {
 	// tables is the index, keyed by the ID's hash, each entry its upper
-	// half and the place (entry): the entry is its own key (reqKey).
+	// half and the place (entry): the entry is its own key (a nil
+	// keyFunc).
 	tables
 	names nameBlocks // the request IDs, back to back, with the dead ones' bytes
 	// places: place -> where its ID lies in names and its streams (none
@@ -296,10 +297,6 @@ func newReqIndex(n int) reqIndex {
 // the upper half of h, which chooses its table and its home, then place+1.
 func entry(h uint64, place int) uint64 { return h&^(1<<32-1) | uint64(place+1) }
 
-// reqKey is a request entry's key: the entry, whose upper half is its
-// hash's.
-func reqKey(e uint64) uint64 { return e }
-
 func placeOf(e uint64) int { return int(uint32(e)) - 1 }
 
 // lookup returns the table and the slot that hold rid (hash h), or the
@@ -346,7 +343,7 @@ func (x *reqIndex) put(rid string, l ridList) {
 		return
 	}
 	if x.needsRoom(t) {
-		x.makeRoom(h, reqKey)
+		x.makeRoom(h, nil)
 		t, s, _ = x.lookup(rid, h)
 	}
 	x.tabs[t][s] = entry(h, x.add(rid, l))
@@ -396,7 +393,7 @@ func (x *reqIndex) del(rid string) bool {
 	x.dead += int(pl.span.n)
 	*pl = place{}
 	x.free.push(int32(p))
-	x.removeAt(t, s, reqKey)
+	x.removeAt(t, s, nil)
 	return true
 }
 
@@ -499,7 +496,7 @@ func (x *reqIndex) indexAll(reqs []RequestImage) error {
 // an ID another entry holds.
 func (x *reqIndex) insertNew(e uint64) error {
 	if x.needsRoom(x.tabOf(e)) {
-		x.makeRoom(e, reqKey) // not made for this many
+		x.makeRoom(e, nil) // not made for this many
 	}
 	t := x.tabOf(e)
 	tab := x.tabs[t]

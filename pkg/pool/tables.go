@@ -15,9 +15,11 @@ import "fmt"
 //
 // An entry's key is the 64-bit hash it was placed by: the top bits choose
 // its table, bits 32 up its home slot (home). The index that owns the
-// entries says how to find an entry's key again (a keyFunc): the request
-// index keeps the key's upper half in the entry itself, the label index
-// hashes the stream's label again.
+// entries says how to find an entry's key again (a keyFunc): the label
+// index hashes the stream's label again; the request index keeps the key's
+// upper half in the entry itself, which is then its own key (a nil
+// keyFunc, so that its removals call no function for the entries they
+// shift: 8 ns of an offload and removal's 190 when they did).
 type tables struct {
 	tabs  [][]uint64
 	tabN  []int32 // entries in each table
@@ -35,8 +37,17 @@ const (
 	splitAt = 4096
 )
 
-// keyFunc returns the key an entry was placed by.
+// keyFunc returns the key an entry was placed by; nil: the entry is its
+// own key.
 type keyFunc func(e uint64) uint64
+
+// of is entry e's key.
+func (key keyFunc) of(e uint64) uint64 {
+	if key == nil {
+		return e
+	}
+	return key(e)
+}
 
 // tabOf is the table of key k.
 func (x *tables) tabOf(k uint64) int { return int(k >> x.shift) }
@@ -83,7 +94,7 @@ func (x *tables) makeRoom(k uint64, key keyFunc) {
 		x.tabs[t] = make([]uint64, 2*len(old))
 		for _, e := range old {
 			if e != 0 {
-				insert(x.tabs[t], key(e), e)
+				insert(x.tabs[t], key.of(e), e)
 			}
 		}
 	}
@@ -106,7 +117,7 @@ func (x *tables) split(key keyFunc) {
 	counts := make([]int, 1<<tabBits)
 	for _, e := range old {
 		if e != 0 {
-			counts[key(e)>>shift]++
+			counts[key.of(e)>>shift]++
 		}
 	}
 	for t, c := range counts {
@@ -115,7 +126,7 @@ func (x *tables) split(key keyFunc) {
 	x.make(1<<tabBits, counts)
 	for _, e := range old {
 		if e != 0 {
-			x.addEntry(key(e), e)
+			x.addEntry(key.of(e), e)
 		}
 	}
 }
@@ -168,7 +179,7 @@ func (x *tables) removeAt(t, s int, key keyFunc) {
 	for j := (s + 1) & mask; tab[j] != 0; j = (j + 1) & mask {
 		e := tab[j]
 		// e stays where it is when its home lies cyclically in (s, j].
-		if at := home(key(e), mask); (s < j && s < at && at <= j) || (s > j && (s < at || at <= j)) {
+		if at := home(key.of(e), mask); (s < j && s < at && at <= j) || (s > j && (s < at || at <= j)) {
 			continue
 		}
 		tab[s] = e
@@ -199,7 +210,7 @@ func (x *tables) checkTables(what string, key keyFunc, ok func(e uint64) error) 
 				continue
 			}
 			n++
-			if k := x.tabOf(key(e)); k != t {
+			if k := x.tabOf(key.of(e)); k != t {
 				return 0, fmt.Errorf("table %d of the %s holds an entry of table %d", t, what, k)
 			}
 			if err := ok(e); err != nil {
