@@ -434,11 +434,8 @@ func (s *Session) fillRequests(reqs []RequestImage, used []bool) error {
 			indexed += n
 		}
 	}
-	switch {
-	case indexed >= splitAt:
-		s.makeLabels(1<<tabBits, indexed)
-	case indexed > 0:
-		s.makeLabels(1, indexed)
+	if indexed > 0 {
+		s.byLabel.makeFor(indexed)
 	}
 	for i := range reqs {
 		q := &reqs[i]

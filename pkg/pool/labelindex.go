@@ -117,14 +117,3 @@ func (s *Session) unindexLabel(place int, slot int32) {
 	}
 	x.removeAt(t, i, s.labelKey)
 }
-
-// makeLabels makes the label index k empty tables (1, or 1<<tabBits),
-// each sized for its share of n entries, for a restore to fill: a table
-// that gets more than its share grows as it fills.
-func (s *Session) makeLabels(k, n int) {
-	sizes := make([]int, k)
-	for t := range sizes {
-		sizes[t] = indexSlots(n / k)
-	}
-	s.byLabel.make(k, sizes)
-}

@@ -286,9 +286,8 @@ func ridHash(rid string) uint64 { return maphash.String(ridSeed, rid) }
 // tables are left for indexAll to make, each for the requests it takes.
 func newReqIndex(n int) reqIndex {
 	x := reqIndex{places: sized[place](n)}
-	x.shift = 64
 	if n < splitAt {
-		x.make(1, []int{indexSlots(n)})
+		x.makeFor(n)
 	}
 	return x
 }

@@ -85,7 +85,7 @@ func (x *tables) needsRoom(t int) bool {
 func (x *tables) makeRoom(k uint64, key keyFunc) {
 	switch {
 	case len(x.tabs) == 0:
-		x.make(1, []int{indexSlots(0)})
+		x.makeFor(0)
 	case x.shift == 64 && x.n+1 >= splitAt:
 		x.split(key)
 	default:
@@ -107,6 +107,21 @@ func (x *tables) make(k int, sizes []int) {
 	if k > 1 {
 		x.shift = 64 - tabBits
 	}
+}
+
+// makeFor makes the index empty tables for n entries: one below splitAt,
+// else 1<<tabBits, each sized for an even share (a table that gets more
+// grows as it fills).
+func (x *tables) makeFor(n int) {
+	k := 1
+	if n >= splitAt {
+		k = 1 << tabBits
+	}
+	sizes := make([]int, k)
+	for t := range sizes {
+		sizes[t] = indexSlots(n / k)
+	}
+	x.make(k, sizes)
 }
 
 // split makes the one table 1<<tabBits, each sized for the entries it
