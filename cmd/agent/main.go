@@ -56,11 +56,21 @@ func main() {
 	if errors.Is(err, flag.ErrHelp) {
 		os.Exit(0)
 	}
+	var code exitCode
+	if errors.As(err, &code) {
+		os.Exit(int(code)) // said already: the supervised agent's own end
+	}
 	if err != nil {
 		fmt.Fprintf(os.Stderr, "agent %s: %v\n", name, err)
 		os.Exit(1)
 	}
 }
+
+// exitCode is a run's end that says nothing more than its exit status: a
+// supervised agent's (its log said why).
+type exitCode int
+
+func (c exitCode) Error() string { return fmt.Sprintf("exit status %d", int(c)) }
 
 // version is the agent's version, set at link time (-X main.version=...).
 var version = "dev"

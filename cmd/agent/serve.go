@@ -8,11 +8,15 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"os/signal"
 	"path/filepath"
+	"strconv"
+	"syscall"
 
 	"github.com/kvpool/kvpool/internal/agent"
 	"github.com/kvpool/kvpool/internal/config"
 	"github.com/kvpool/kvpool/internal/logging"
+	"github.com/kvpool/kvpool/internal/supervise"
 	"github.com/kvpool/kvpool/pkg/contract"
 )
 
@@ -185,11 +189,53 @@ func runServe(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
+	if s.cfg.RestartInPlace.Max > 0 && os.Getenv(supervise.EnvChild) == "" {
+		return superviseServe(s, log)
+	}
 	log.Info("configuration", "setFrom", s.src.String())
 	for _, w := range s.cfg.Warnings() {
 		log.Warn("configuration", "warning", w)
 	}
-	return agent.Run(ctx, s.options(log))
+	o := s.options(log)
+	o.RestartsInPlace, o.LastExit = restartedInPlace(os.Getenv)
+	return agent.Run(ctx, o)
+}
+
+// superviseServe runs `agent serve` again as its own child, restarting it
+// in place when it dies (restartInPlace, internal/supervise). It returns
+// the child's end as an exitCode.
+func superviseServe(s *serveSetup, log *slog.Logger) error {
+	exe, err := os.Executable()
+	if err != nil {
+		return fmt.Errorf("restart in place: find this program: %w", err)
+	}
+	sigs := make(chan os.Signal, 4)
+	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP, syscall.SIGQUIT)
+	defer signal.Stop(sigs)
+	rp := s.cfg.RestartInPlace
+	log.Info("supervising the agent: a dead agent is restarted in place", "max", rp.Max, "window", rp.Window.Duration)
+	end, err := supervise.Run(supervise.Options{Path: exe, Args: os.Args, Env: os.Environ(),
+		Max: rp.Max, Window: rp.Window.Duration, Signals: sigs, Log: log})
+	if err != nil {
+		return err
+	}
+	if end.Code != 0 {
+		return exitCode(end.Code)
+	}
+	return nil
+}
+
+// restartedInPlace reads what a supervisor told its child: how many times
+// the agent was restarted in place before it, and how the last one ended.
+func restartedInPlace(getenv func(string) string) (int, string) {
+	if getenv(supervise.EnvChild) == "" {
+		return 0, ""
+	}
+	n, err := strconv.Atoi(getenv(supervise.EnvRestarts))
+	if err != nil || n < 0 {
+		return 0, ""
+	}
+	return n, getenv(supervise.EnvLastExit)
 }
 
 // options is the agent's configuration.

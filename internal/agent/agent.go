@@ -82,6 +82,11 @@ type Options struct {
 	NVML func() nvml.Interface
 	// Hooks are called besides the agent's own metrics hooks.
 	Hooks server.Hooks
+	// RestartsInPlace counts the times a supervisor restarted the agent in
+	// its container before this one (restartInPlace); LastExit says how the
+	// last of them ended ("signal: killed").
+	RestartsInPlace int
+	LastExit        string
 }
 
 // Agent is a running node agent.

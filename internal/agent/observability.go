@@ -56,6 +56,10 @@ func (a *agent) newObservability(context.Context) error {
 	for _, g := range a.plan.GPUs {
 		a.obs.Metrics.InitGPU(g.GPU)
 	}
+	a.obs.Metrics.RestartsInPlace(a.opts.RestartsInPlace)
+	if n := a.opts.RestartsInPlace; n > 0 {
+		a.log.Warn("restarted in place: the agent before this one in this container died", "lastExit", a.opts.LastExit, "restartsInPlace", n)
+	}
 	a.obs.Report.Restart = a.restartStatus
 	a.obs.Metrics.Restart(a.restartStatus)
 	if !a.opts.Standalone {

@@ -121,6 +121,10 @@ type Config struct {
 	// Default "0s": off.
 	PollAfterReply Duration `json:"pollAfterReply"`
 
+	// RestartInPlace says how often the container's first process restarts
+	// a dead agent itself instead of leaving it to kubelet.
+	RestartInPlace RestartInPlace `json:"restartInPlace"`
+
 	// DRA configures the DRA driver (Mode "dra").
 	DRA DRA `json:"dra"`
 	// Sizing decides how much host memory the pool takes and how it is
@@ -139,6 +143,23 @@ type Config struct {
 	Log Log `json:"log"`
 	// Standalone configures --standalone mode (no kubelet).
 	Standalone Standalone `json:"standalone"`
+}
+
+// RestartInPlace configures `agent serve` as a supervisor of itself
+// (internal/supervise): the process kubelet starts runs the agent as its
+// child and starts it again at once when it dies abnormally, instead of
+// leaving the restart to kubelet (its next relist and, after a first
+// crash, a back-off of 10 s and more). A crash loop still reaches kubelet:
+// past Max restarts within Window the supervisor exits with the agent's
+// status.
+type RestartInPlace struct {
+	// Max is how many restarts in place Window may hold, 0 to 100.
+	// Default 0: off (the agent is the process kubelet started). The
+	// chart sets 3.
+	Max int `json:"max"`
+	// Window is how far back restarts in place count against Max.
+	// Default "10m". Positive.
+	Window Duration `json:"window"`
 }
 
 // DRA configures the DRA driver. Its sockets go where kubelet looks for
@@ -318,17 +339,18 @@ const (
 // package.
 func Default() Config {
 	return Config{
-		APIVersion:   APIVersion,
-		Kind:         Kind,
-		Mode:         ModeDevicePlugin,
-		ResourceName: contract.DefaultResourceName,
-		SocketDir:    "/var/lib/kvpool/sock",
-		KubeletDir:   "/var/lib/kubelet",
-		StateDir:     "/var/lib/kvpool/state",
-		TokenBinding: TokenBindingPod,
-		PodLogsDir:   "/var/log/pods",
-		DRA:          DRA{DriverName: DefaultDRADriverName, CDIDir: "/var/run/cdi"},
-		GPUResources: []string{"nvidia.com/gpu", "nvidia.com/gpu.shared", "nvidia.com/mig-*"},
+		APIVersion:     APIVersion,
+		Kind:           Kind,
+		Mode:           ModeDevicePlugin,
+		ResourceName:   contract.DefaultResourceName,
+		SocketDir:      "/var/lib/kvpool/sock",
+		KubeletDir:     "/var/lib/kubelet",
+		StateDir:       "/var/lib/kvpool/state",
+		TokenBinding:   TokenBindingPod,
+		PodLogsDir:     "/var/log/pods",
+		DRA:            DRA{DriverName: DefaultDRADriverName, CDIDir: "/var/run/cdi"},
+		RestartInPlace: RestartInPlace{Window: Duration{10 * time.Minute}},
+		GPUResources:   []string{"nvidia.com/gpu", "nvidia.com/gpu.shared", "nvidia.com/mig-*"},
 		Sizing: Sizing{
 			Fraction:            0.5,
 			ReserveBytes:        8 * GiB,

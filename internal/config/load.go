@@ -95,6 +95,8 @@ var settings = func() []setting {
 		}})
 	add("pollAfterReply", "poll-after-reply", "KVPOOL_POLL_AFTER_REPLY", "how long a connection polls for the next request after a reply (0: off, at most 1ms)", dur(func(c *Config) *Duration { return &c.PollAfterReply }))
 	add("keeperSocket", "keeper-socket", "KVPOOL_KEEPER_SOCKET", "the keeper's socket, which keeps the pool across agent restarts (empty: none)", str(func(c *Config) *string { return &c.KeeperSocket }))
+	add("restartInPlace.max", "restart-in-place-max", "KVPOOL_RESTART_IN_PLACE_MAX", "restarts of a dead agent by its own supervisor within the window, before kubelet's (0: off)", integer(func(c *Config) *int { return &c.RestartInPlace.Max }))
+	add("restartInPlace.window", "restart-in-place-window", "KVPOOL_RESTART_IN_PLACE_WINDOW", "how far back restarts in place count", dur(func(c *Config) *Duration { return &c.RestartInPlace.Window }))
 	add("stateDir", "state-dir", "KVPOOL_STATE_DIR", "directory for the agent checkpoint", str(func(c *Config) *string { return &c.StateDir }))
 	add("dra.driverName", "dra-driver-name", "KVPOOL_DRA_DRIVER_NAME", "the DRA driver's name (mode dra)", str(func(c *Config) *string { return &c.DRA.DriverName }))
 	add("dra.cdiDir", "cdi-dir", "KVPOOL_CDI_DIR", "the container runtime's CDI spec directory (mode dra)", str(func(c *Config) *string { return &c.DRA.CDIDir }))

@@ -12,6 +12,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/apimachinery/pkg/util/validation/field"
 
+	"github.com/kvpool/kvpool/internal/supervise"
 	"github.com/kvpool/kvpool/pkg/contract"
 )
 
@@ -109,6 +110,12 @@ func (c *Config) validateTop() field.ErrorList {
 	}
 	if d := c.PollAfterReply.Duration; d < 0 || d > MaxPollAfterReply {
 		errs = append(errs, field.Invalid(p("pollAfterReply"), c.PollAfterReply.String(), fmt.Sprintf("must be between 0s and %v", MaxPollAfterReply)))
+	}
+	if n := c.RestartInPlace.Max; n < 0 || n > supervise.MaxRestarts {
+		errs = append(errs, field.Invalid(p("restartInPlace", "max"), n, fmt.Sprintf("must be between 0 (off) and %d", supervise.MaxRestarts)))
+	}
+	if d := c.RestartInPlace.Window.Duration; d <= 0 {
+		errs = append(errs, field.Invalid(p("restartInPlace", "window"), c.RestartInPlace.Window.String(), "must be a positive duration such as 10m"))
 	}
 	if k := c.KeeperSocket; k != "" && (!filepath.IsAbs(k) || len(k) > maxSunPath) {
 		errs = append(errs, field.Invalid(p("keeperSocket"), k, fmt.Sprintf("must be an absolute path of at most %d bytes", maxSunPath)))

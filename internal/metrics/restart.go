@@ -46,6 +46,17 @@ func (m *Metrics) Restart(f func() *report.Restart) {
 	)
 }
 
+// RestartsInPlace registers kvpool_agent_restarts_in_place_total: n, the
+// restarts of a dead agent by its supervisor in this container before this
+// agent (restartInPlace; 0 where there is none). A counter: it only grows
+// until the container restarts.
+func (m *Metrics) RestartsInPlace(n int) {
+	c := prometheus.NewCounter(prometheus.CounterOpts{Namespace: Namespace, Name: "agent_restarts_in_place_total",
+		Help: "Restarts of a dead agent by the supervisor in its container (restartInPlace) before this agent: crashes that kubelet's restart count does not show."})
+	c.Add(float64(n))
+	m.reg.MustRegister(c)
+}
+
 func b2f(b bool) float64 {
 	if b {
 		return 1

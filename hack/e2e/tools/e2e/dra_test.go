@@ -596,7 +596,7 @@ echo "gpu $NVIDIA_VISIBLE_DEVICES index $KVCLIENT_GPU"`
 		for _, r := range results(cl, draDriver) {
 			ids = append(ids, strings.Split(r, "=")[1])
 		}
-		pid := hostPIDOf(t, c.agentPodOf(t, e).UID, "kvpool-agent")
+		_, pid := agentPIDs(t, c.agentPodOf(t, e).UID)
 		before := chunkFiles(t, pid, ids)
 		if len(before) != len(ids) {
 			t.Fatalf("the agent's memfds of %v: %v", ids, before)
@@ -685,15 +685,17 @@ echo "gpu $NVIDIA_VISIBLE_DEVICES index $KVCLIENT_GPU"`
 		}
 		check("before the restarts")
 
-		// The agent crashes: SIGKILL; kubelet restarts the container, the
-		// keeper keeps the pool and the books, the checkpoint the claim.
+		// The agent's container crashes: SIGKILL to its first process (the
+		// supervisor and the agent end); kubelet restarts the container,
+		// the keeper keeps the pool and the books, the checkpoint the claim.
 		ap := c.agentPodOf(t, e)
 		restarts := int32(0)
 		for _, st := range ap.Status.ContainerStatuses {
 			restarts += st.RestartCount
 		}
 		at := len(runs())
-		if err := syscall.Kill(hostPIDOf(t, ap.UID, "kvpool-agent"), syscall.SIGKILL); err != nil {
+		first, _ := agentPIDs(t, ap.UID)
+		if err := syscall.Kill(first, syscall.SIGKILL); err != nil {
 			t.Fatal(err)
 		}
 		eventually(t, 90*time.Second, "the agent container restarted and Ready", func() (bool, string, error) {

@@ -516,9 +516,12 @@ func TestChartInstall(t *testing.T) {
 	})
 
 	t.Run("agent killed under a workload", func(t *testing.T) {
-		// A crash: SIGKILL to the agent's process; kubelet restarts the
-		// container, the new agent adopts the keeper's pool and books, and
-		// the workload's clients ride out the gap.
+		// A crash: SIGKILL to the serving agent. The supervisor that is
+		// its container's first process (restartInPlace, on in the chart)
+		// starts it again at once, kubelet restarts nothing; the new agent
+		// adopts the keeper's pool and books, and the workload's clients
+		// ride out the gap. (The keeper's and the DRA tests kill the
+		// container's first process instead: kubelet's restart.)
 		script := `i=0; while [ ! -e /tmp/stop ]; do i=$((i+1)); /kvclient -ops 100 >/tmp/out 2>&1; rc=$?; echo "run $i rc=$rc $(tail -n 1 /tmp/out)"; sleep 0.3; done; sleep 3600`
 		c.createPod(t, c.scheduledPod("chart-crash", []string{"sh", "-c", script}, 2))
 		if p := c.waitPod(t, "chart-crash", 120*time.Second, corev1.PodRunning, corev1.PodFailed, corev1.PodSucceeded); p.Status.Phase != corev1.PodRunning {
@@ -535,28 +538,39 @@ func TestChartInstall(t *testing.T) {
 			return len(clientRuns(wl())) > 0, "no run yet", nil
 		})
 		ap := c.agentPod(t)
-		restarts := int32(0)
-		for _, st := range ap.Status.ContainerStatuses {
-			restarts += st.RestartCount
+		restarts := restartsOf(ap)
+		first, pid := agentPIDs(t, ap.UID)
+		if first == pid {
+			t.Fatalf("the agent's container has no supervisor (pid %d serves): restartInPlace is on in the chart", pid)
 		}
-		pid := hostPIDOf(t, ap.UID, "kvpool-agent")
+		gapsBefore := len(restartGaps(containerLog(ap, "agent", 8<<20)))
 		runsAtKill := len(clientRuns(wl()))
+		killed := time.Now()
 		if err := syscall.Kill(pid, syscall.SIGKILL); err != nil {
 			t.Fatalf("kill the agent (pid %d): %v", pid, err)
 		}
-		killed := time.Now()
-		eventually(t, 90*time.Second, "the agent container restarted and Ready", func() (bool, string, error) {
+		var gaps []restart
+		eventually(t, 60*time.Second, "the agent serving again in place", func() (bool, string, error) {
+			gaps = restartGaps(containerLog(ap, "agent", 8<<20))
+			return len(gaps) > gapsBefore, fmt.Sprintf("%d restarts served, %d before the kill", len(gaps), gapsBefore), nil
+		})
+		r := gaps[len(gaps)-1]
+		t.Logf("agent restarted in place: serving again %s after the SIGKILL (its own gap, from the killed agent's last sign of life: %v)", r.since(killed), r.gap)
+		eventually(t, 60*time.Second, "the agent pod Ready", func() (bool, string, error) {
 			p, err := c.cs.CoreV1().Pods(releaseNS).Get(ctx(t), ap.Name, metav1.GetOptions{})
 			if err != nil {
 				return false, "", err
 			}
-			n := int32(0)
-			for _, st := range p.Status.ContainerStatuses {
-				n += st.RestartCount
-			}
-			return n > restarts && podReady(p), fmt.Sprintf("restarts %d, ready %v", n, podReady(p)), nil
+			return podReady(p), fmt.Sprintf("restarts %d, ready %v", restartsOf(p), podReady(p)), nil
 		})
-		t.Logf("agent container back and Ready %v after SIGKILL", time.Since(killed).Round(100*time.Millisecond))
+		if p, err := c.cs.CoreV1().Pods(releaseNS).Get(ctx(t), ap.Name, metav1.GetOptions{}); err != nil {
+			t.Fatal(err)
+		} else if restartsOf(p) != restarts {
+			t.Errorf("kubelet restarted the agent's container (restarts %d -> %d); its supervisor should have restarted the agent", restarts, restartsOf(p))
+		}
+		if now, _ := agentPIDs(t, ap.UID); now != first {
+			t.Errorf("the container's first process changed (%d -> %d)", first, now)
+		}
 		eventually(t, 60*time.Second, "three client runs since the kill", func() (bool, string, error) {
 			n := len(clientRuns(wl())) - runsAtKill
 			return n >= 3, fmt.Sprint(n, " runs"), nil
@@ -570,8 +584,8 @@ func TestChartInstall(t *testing.T) {
 			}
 		}
 		t.Logf("workload: %d client runs since the kill, %d failed", len(runs)-runsAtKill, failed)
-		if log := containerLog(c.agentPod(t), "agent", 1<<20); !strings.Contains(log, "serving again after a restart") {
-			t.Errorf("the restarted agent did not report adopting the pool:\n%s", logTailString(log, 3000))
+		if log := containerLog(c.agentPod(t), "agent", 1<<20); !strings.Contains(log, "restarting it in place") || !strings.Contains(log, "restarted in place") {
+			t.Errorf("the supervisor and the restarted agent did not report the restart in place:\n%s", logTailString(log, 3000))
 		}
 		// While no agent ran, kubelet held every chunk unhealthy
 		// (allocatable 0); it reports the new agent's healthy list at its
@@ -656,26 +670,96 @@ func TestChartInstall(t *testing.T) {
 	})
 }
 
-// hostPIDOf finds the process named comm in the pod with uid, by the pod's
-// cgroup (kubelet names it after the UID, with '-' or '_').
-func hostPIDOf(t *testing.T, uid types.UID, comm string) int {
+// agentPIDs are the host PIDs of the agent pod's processes: first, its
+// container's first process (the supervisor where restartInPlace is on),
+// and serving, the agent that serves (first itself where it is off). The
+// pod shares the host's PID namespace (hostPID: token binding reads every
+// process), so the first process is the one whose parent is not another
+// kvpool-agent of the pod.
+func agentPIDs(t *testing.T, uid types.UID) (first, serving int) {
 	t.Helper()
 	dash, under := string(uid), strings.ReplaceAll(string(uid), "-", "_")
 	procs, _ := filepath.Glob("/proc/[0-9]*")
+	parent := map[int]int{}
 	for _, d := range procs {
 		name, err := os.ReadFile(filepath.Join(d, "comm"))
-		if err != nil || strings.TrimSpace(string(name)) != comm {
+		if err != nil || strings.TrimSpace(string(name)) != "kvpool-agent" {
 			continue
 		}
 		cg, err := os.ReadFile(filepath.Join(d, "cgroup"))
 		if err != nil || !(strings.Contains(string(cg), dash) || strings.Contains(string(cg), under)) {
 			continue
 		}
+		st, err := os.ReadFile(filepath.Join(d, "status"))
+		if err != nil {
+			continue
+		}
 		pid, _ := strconv.Atoi(filepath.Base(d))
-		return pid
+		if _, pp, ok := strings.Cut(string(st), "\nPPid:"); ok {
+			parent[pid], _ = strconv.Atoi(strings.Fields(pp)[0])
+		}
 	}
-	t.Fatalf("no process %q in pod %s", comm, uid)
-	return 0
+	for pid, pp := range parent {
+		if _, ok := parent[pp]; ok {
+			serving = pid
+		} else {
+			first = pid
+		}
+	}
+	switch {
+	case len(parent) == 1 && first != 0:
+		return first, first
+	case len(parent) == 2 && first != 0 && serving != 0:
+		return first, serving
+	}
+	t.Fatalf("kvpool-agent processes in pod %s (pid: parent) %v: want the container's first and, where it supervises, its child", uid, parent)
+	return 0, 0
+}
+
+// restart is one "serving again after a restart" line of an agent's log:
+// when it was written, and the gap the agent measured from its
+// predecessor's last sign of life (written every 100 ms).
+type restart struct {
+	at  time.Time
+	gap time.Duration
+}
+
+// restartGaps are the restarts the agents in log reported serving again
+// after (JSON lines; a text line counts with a zero time), in order.
+func restartGaps(log string) []restart {
+	var out []restart
+	for _, line := range strings.Split(log, "\n") {
+		if !strings.Contains(line, "serving again after a restart") {
+			continue
+		}
+		if i := strings.IndexByte(line, '{'); i >= 0 {
+			var m struct {
+				Time time.Time `json:"time"`
+				Gap  any       `json:"gap"`
+			}
+			if json.Unmarshal([]byte(line[i:]), &m) == nil {
+				if ns, ok := m.Gap.(float64); ok {
+					out = append(out, restart{m.Time, time.Duration(ns)})
+				}
+				continue
+			}
+		}
+		if _, v, ok := strings.Cut(line, " gap="); ok {
+			if d, err := time.ParseDuration(strings.Fields(v)[0]); err == nil {
+				out = append(out, restart{gap: d})
+			}
+		}
+	}
+	return out
+}
+
+// since says how long after t0 r's agent served: from its log line's time
+// (the same clock: the agent runs on this host), or unknown.
+func (r restart) since(t0 time.Time) string {
+	if r.at.IsZero() {
+		return "unknown"
+	}
+	return r.at.Sub(t0).Round(time.Millisecond).String()
 }
 
 func logTailString(s string, n int) string {

@@ -191,14 +191,16 @@ func (c *cluster) keeperDeletedUnderWorkload(t *testing.T) {
 	}
 	c.deletePod(t, "chart-all-chunks")
 
-	// A crash of the agent now: the new keeper holds the whole pool.
+	// A crash of the agent's container now (its first process: the
+	// supervisor and the agent end; kubelet restarts the container): the
+	// new keeper holds the whole pool.
 	ap = c.agentPod(t)
 	restarts := restartsOf(ap)
-	pid := hostPIDOf(t, ap.UID, "kvpool-agent")
+	pid, _ := agentPIDs(t, ap.UID)
+	killed := time.Now()
 	if err := syscall.Kill(pid, syscall.SIGKILL); err != nil {
 		t.Fatalf("kill the agent (pid %d): %v", pid, err)
 	}
-	killed := time.Now()
 	eventually(t, 120*time.Second, "the agent container restarted and Ready", func() (bool, string, error) {
 		p, err := c.cs.CoreV1().Pods(releaseNS).Get(ctx(t), ap.Name, metav1.GetOptions{})
 		if err != nil {
@@ -208,6 +210,10 @@ func (c *cluster) keeperDeletedUnderWorkload(t *testing.T) {
 	})
 	t.Logf("agent container back and Ready %v after SIGKILL (kubelet's restart back-off included)", time.Since(killed).Round(100*time.Millisecond))
 	l := containerLog(c.agentPod(t), "agent", 1<<20)
+	if gaps := restartGaps(l); len(gaps) > 0 {
+		r := gaps[len(gaps)-1]
+		t.Logf("the agent restarted by kubelet: serving again %s after the SIGKILL (its own gap, from the killed agent's last sign of life: %v)", r.since(killed), r.gap)
+	}
 	if !regexp.MustCompile(fmt.Sprintf(`pool adopted from the keeper\W+chunks\W+%d\b`, poolChunks)).MatchString(l) {
 		t.Errorf("the agent after the crash did not adopt all %d chunks from the new keeper:\n%s", poolChunks, logTailString(l, 3000))
 	}

@@ -1,0 +1,278 @@
+package supervise
+
+import (
+	"bytes"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// The test binary is also the supervised child: with testPlan set it
+// writes a line to testRecord (what its supervisor told it) and then does
+// the plan's step for its start (the n-th, by EnvRestarts):
+//
+//	exit:N     exit with status N
+//	kill       SIGKILL itself
+//	term:N     say "ready", wait for SIGTERM, exit with status N
+//
+// With testSupervisor set it is a supervisor of such children instead
+// (Max 5), so that a test can kill one.
+const (
+	testPlan       = "SUPERVISE_TEST_PLAN"
+	testRecord     = "SUPERVISE_TEST_RECORD"
+	testSupervisor = "SUPERVISE_TEST_SUPERVISOR"
+)
+
+func TestMain(m *testing.M) {
+	if os.Getenv(testSupervisor) == "1" {
+		os.Unsetenv(testSupervisor)
+		exe, _ := os.Executable()
+		end, err := Run(Options{Path: exe, Args: os.Args, Env: os.Environ(), Max: 5, Window: time.Hour})
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(99)
+		}
+		os.Exit(end.Code)
+	}
+	if plan := os.Getenv(testPlan); plan != "" {
+		os.Exit(child(strings.Split(plan, ",")))
+	}
+	os.Exit(m.Run())
+}
+
+func child(plan []string) int {
+	n, _ := strconv.Atoi(os.Getenv(EnvRestarts))
+	f, err := os.OpenFile(os.Getenv(testRecord), os.O_APPEND|os.O_WRONLY, 0)
+	if err != nil {
+		return 98
+	}
+	fmt.Fprintf(f, "child=%s n=%d last=%q pid=%d\n", os.Getenv(EnvChild), n, os.Getenv(EnvLastExit), os.Getpid())
+	if n >= len(plan) {
+		return 97
+	}
+	step, arg, _ := strings.Cut(plan[n], ":")
+	code, _ := strconv.Atoi(arg)
+	switch step {
+	case "exit":
+		return code
+	case "kill":
+		syscall.Kill(os.Getpid(), syscall.SIGKILL)
+		select {}
+	case "term":
+		sigs := make(chan os.Signal, 1)
+		signal.Notify(sigs, syscall.SIGTERM)
+		fmt.Fprintln(f, "ready")
+		<-sigs
+		return code
+	}
+	return 96
+}
+
+// run supervises this test binary on plan and returns the end and the
+// children's record lines.
+func run(t *testing.T, plan string, o Options) (Exit, []string, error) {
+	t.Helper()
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	rec := filepath.Join(t.TempDir(), "record")
+	if err := os.WriteFile(rec, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	var log bytes.Buffer
+	o.Path, o.Args = exe, []string{exe}
+	o.Env = append(os.Environ(), testPlan+"="+plan, testRecord+"="+rec, EnvRestarts+"=42", EnvChild+"=stale")
+	o.Log = slog.New(slog.NewTextHandler(&log, nil))
+	end, err := Run(o)
+	b, _ := os.ReadFile(rec)
+	t.Logf("supervisor's log:\n%s", log.String())
+	return end, strings.Split(strings.TrimSpace(string(b)), "\n"), err
+}
+
+func started(lines []string) []string {
+	var out []string
+	for _, l := range lines {
+		if strings.HasPrefix(l, "child=") {
+			out = append(out, l[:strings.Index(l, " pid=")])
+		}
+	}
+	return out
+}
+
+func TestRestartsInPlace(t *testing.T) {
+	killed := Exit{Code: 137, Signal: syscall.SIGKILL}
+	for _, tc := range []struct {
+		name string
+		plan string
+		max  int
+		want Exit
+		// each start's view: its restart count and the end before it
+		starts []string
+	}{
+		{"a clean exit ends it", "exit:0", 3, Exit{}, []string{`child=1 n=0 last=""`}},
+		{"killed, then clean", "kill,exit:0", 3, Exit{}, []string{`child=1 n=0 last=""`, `child=1 n=1 last="signal: killed"`}},
+		{"a failure, then clean", "exit:3,exit:0", 1, Exit{}, []string{`child=1 n=0 last=""`, `child=1 n=1 last="exit status 3"`}},
+		{"failures past max: the last one's status", "exit:3,exit:4,exit:5,exit:0", 2, Exit{Code: 5},
+			[]string{`child=1 n=0 last=""`, `child=1 n=1 last="exit status 3"`, `child=1 n=2 last="exit status 4"`}},
+		{"kills past max: 128 and the signal", "kill,kill,exit:0", 1, killed, []string{`child=1 n=0 last=""`, `child=1 n=1 last="signal: killed"`}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			end, lines, err := run(t, tc.plan, Options{Max: tc.max, Window: time.Hour})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if end != tc.want {
+				t.Errorf("end %+v (%v), want %+v", end, end, tc.want)
+			}
+			if got := started(lines); strings.Join(got, "\n") != strings.Join(tc.starts, "\n") {
+				t.Errorf("starts:\n%s\nwant:\n%s", strings.Join(got, "\n"), strings.Join(tc.starts, "\n"))
+			}
+		})
+	}
+}
+
+// Restarts older than the window no longer count against Max.
+func TestWindow(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		step   time.Duration // the clock's advance at each reading
+		want   Exit
+		starts int
+	}{
+		{"all within the window", 0, Exit{Code: 1}, 2},
+		{"each restart out of the window by the next end", 2 * time.Hour, Exit{}, 4},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			clock := time.Unix(0, 0)
+			o := Options{Max: 1, Window: time.Hour, now: func() time.Time { clock = clock.Add(tc.step); return clock }}
+			end, lines, err := run(t, "exit:1,exit:1,exit:1,exit:0", o)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if end != tc.want || len(started(lines)) != tc.starts {
+				t.Errorf("end %v after %d starts, want %v after %d", end, len(started(lines)), tc.want, tc.starts)
+			}
+		})
+	}
+}
+
+// A signal passed on ends the child for good, whatever its status.
+func TestSignalPassedOn(t *testing.T) {
+	for _, code := range []int{0, 5} {
+		t.Run(strconv.Itoa(code), func(t *testing.T) {
+			sigs := make(chan os.Signal, 1)
+			exe, _ := os.Executable()
+			rec := filepath.Join(t.TempDir(), "record")
+			os.WriteFile(rec, nil, 0o600)
+			go func() {
+				// Once the child waits for it.
+				for {
+					if b, _ := os.ReadFile(rec); bytes.Contains(b, []byte("ready")) {
+						sigs <- syscall.SIGTERM
+						return
+					}
+					time.Sleep(5 * time.Millisecond)
+				}
+			}()
+			end, err := Run(Options{Path: exe, Args: []string{exe}, Env: append(os.Environ(), testPlan+"=term:"+strconv.Itoa(code)+",exit:0", testRecord+"="+rec),
+				Max: 3, Window: time.Hour, Signals: sigs})
+			if err != nil {
+				t.Fatal(err)
+			}
+			b, _ := os.ReadFile(rec)
+			if end.Code != code || len(started(strings.Split(string(b), "\n"))) != 1 {
+				t.Errorf("end %v, record:\n%s\nwant exit status %d after one start", end, b, code)
+			}
+		})
+	}
+}
+
+// Bad options are refused before anything starts.
+func TestOptionsRefused(t *testing.T) {
+	rec := filepath.Join(t.TempDir(), "record")
+	os.WriteFile(rec, nil, 0o600)
+	exe, _ := os.Executable()
+	env := append(os.Environ(), testPlan+"=exit:0", testRecord+"="+rec)
+	for _, tc := range []struct {
+		name string
+		o    Options
+		want string
+	}{
+		{"no program", Options{Args: []string{"x"}, Env: env, Max: 1, Window: time.Second}, "no program"},
+		{"no arguments", Options{Path: exe, Env: env, Max: 1, Window: time.Second}, "no program"},
+		{"max 0", Options{Path: exe, Args: []string{exe}, Env: env, Window: time.Second}, "0 restarts in place: want 1 to 100"},
+		{"max past the bound", Options{Path: exe, Args: []string{exe}, Env: env, Max: 101, Window: time.Second}, "want 1 to 100"},
+		{"no window", Options{Path: exe, Args: []string{exe}, Env: env, Max: 1}, "window 0s"},
+		{"negative window", Options{Path: exe, Args: []string{exe}, Env: env, Max: 1, Window: -time.Second}, "window -1s"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := Run(tc.o)
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("error %v, want one saying %q", err, tc.want)
+			}
+		})
+	}
+	if b, _ := os.ReadFile(rec); len(b) != 0 {
+		t.Fatalf("a refused supervisor started a child:\n%s", b)
+	}
+	if _, err := Run(Options{Path: filepath.Join(t.TempDir(), "missing"), Args: []string{"missing"}, Max: 1, Window: time.Second}); err == nil ||
+		!strings.Contains(err.Error(), "start") {
+		t.Fatalf("a missing program: error %v", err)
+	}
+}
+
+// A child does not outlive its supervisor.
+func TestChildDiesWithSupervisor(t *testing.T) {
+	exe, _ := os.Executable()
+	rec := filepath.Join(t.TempDir(), "record")
+	os.WriteFile(rec, nil, 0o600)
+	var p *os.Process
+	p, err := os.StartProcess(exe, []string{exe}, &os.ProcAttr{
+		Env:   append(os.Environ(), testSupervisor+"=1", testPlan+"=term:0", testRecord+"="+rec),
+		Files: []*os.File{nil, os.Stdout, os.Stderr},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var pid int
+	deadline := time.Now().Add(20 * time.Second)
+	for pid == 0 {
+		b, _ := os.ReadFile(rec)
+		if i := bytes.Index(b, []byte(" pid=")); i >= 0 && bytes.Contains(b, []byte("ready")) {
+			pid, _ = strconv.Atoi(strings.Fields(string(b[i+5:]))[0])
+		} else if time.Now().After(deadline) {
+			p.Kill()
+			t.Fatalf("no child ready; record:\n%s", b)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	if err := p.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	p.Wait()
+	for alive(pid) {
+		if time.Now().After(deadline) {
+			syscall.Kill(pid, syscall.SIGKILL)
+			t.Fatalf("the child (pid %d) outlived its supervisor", pid)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// alive says whether pid runs (a zombie has ended).
+func alive(pid int) bool {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return false
+	}
+	i := bytes.LastIndexByte(b, ')')
+	return i < 0 || i+2 >= len(b) || b[i+2] != 'Z'
+}
