@@ -181,6 +181,13 @@ func (s *serveSetup) standaloneDefaults() error {
 
 // runServe is `agent [serve]`.
 func runServe(ctx context.Context, args []string) error {
+	if os.Getenv(supervise.EnvSpare) != "" {
+		// A spare: started ahead by the supervisor, it waits here, past
+		// Go's initialisation, and reads the configuration when it serves.
+		if turn, err := supervise.AwaitTurn(); !turn {
+			return err
+		}
+	}
 	s, err := resolveServe(args, os.Getenv)
 	if err != nil {
 		return err
@@ -213,9 +220,9 @@ func superviseServe(s *serveSetup, log *slog.Logger) error {
 	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP, syscall.SIGQUIT)
 	defer signal.Stop(sigs)
 	rp := s.cfg.RestartInPlace
-	log.Info("supervising the agent: a dead agent is restarted in place", "max", rp.Max, "window", rp.Window.Duration)
+	log.Info("supervising the agent: a dead agent is restarted in place", "max", rp.Max, "window", rp.Window.Duration, "spare", rp.Spare)
 	end, err := supervise.Run(supervise.Options{Path: exe, Args: os.Args, Env: os.Environ(),
-		Max: rp.Max, Window: rp.Window.Duration, Signals: sigs, Log: log})
+		Max: rp.Max, Window: rp.Window.Duration, Spare: rp.Spare, SpareAfter: rp.SpareAfter.Duration, Signals: sigs, Log: log})
 	if err != nil {
 		return err
 	}

@@ -31,9 +31,12 @@ import (
 // restarted one, the agent's memory before and after, and the adopt floor
 // (adoptFloor) for the memory after.
 type restartReport struct {
-	Load  string       `json:"load_average"` // /proc/loadavg when the probe began
-	Wait  string       `json:"wait"`         // how the gap ends: "poll" or "client" (--wait)
-	Cases []restartRow `json:"cases"`
+	Load string `json:"load_average"` // /proc/loadavg when the probe began
+	Wait string `json:"wait"`         // how the gap ends: "poll" or "client" (--wait)
+	// RestartBy is who started the agent again (--restart-by): "kvbench",
+	// "supervisor" or "spare".
+	RestartBy string       `json:"restart_by"`
+	Cases     []restartRow `json:"cases"`
 }
 
 type restartRow struct {
@@ -63,6 +66,9 @@ type restartRow struct {
 	// (splitGaps); absent when it does not say (--agent-log-level above
 	// info).
 	Steps []gapSteps `json:"steps,omitempty"`
+	// FromSpare counts the restarts in place that woke a spare
+	// (--restart-by spare).
+	FromSpare int `json:"restarts_from_a_spare,omitempty"`
 }
 
 // churnStats are the round trips of the churn's calls.
@@ -94,12 +100,16 @@ func runRestart(ctx context.Context, args []string) error {
 	chunkMiB := fs.Int("chunk-mib", 16, "MiB per chunk: the pool is chunks x chunk-mib, pinned at the first start and adopted at every restart")
 	sessions := fs.Int("sessions", 1, "sessions the streams are spread over, each its own standalone token and allocation (chunks/sessions chunks each)")
 	churn := fs.Int("churn", 0, "before the first restart, this many discards of a stream of the first session, each followed by its offload again, every call timed (the books fill, and compact, as the calls go on)")
+	fs.StringVar(&restartBy, "restart-by", "kvbench", `who starts the agent again after each SIGKILL: "kvbench" (at once: the agent's own gap), "supervisor" (the agent's restartInPlace supervisor, as the chart runs it) or "spare" (the supervisor, waking a spare agent process that has already started)`)
 	wait := fs.String("wait", "poll", `how the gap is timed: "poll" (a call without retries every ms: when the agent serves again) or "client" (one call in flight from the killed agent's exit, riding out the restart with the client's default retries: what an engine waits)`)
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
 	if *wait != "poll" && *wait != "client" {
 		return fmt.Errorf("--wait: %q is not poll or client", *wait)
+	}
+	if restartBy != "kvbench" && restartBy != "supervisor" && restartBy != "spare" {
+		return fmt.Errorf("--restart-by: %q is not kvbench, supervisor or spare", restartBy)
 	}
 	if *sessions < 1 || *sessions > maxProbeSessions {
 		return fmt.Errorf("--sessions: %d is not 1 to %d", *sessions, maxProbeSessions)
@@ -140,7 +150,7 @@ func runRestart(ctx context.Context, args []string) error {
 		}
 	}
 	load, _ := os.ReadFile("/proc/loadavg")
-	rep := restartReport{Load: strings.TrimSpace(string(load)), Wait: *wait}
+	rep := restartReport{Load: strings.TrimSpace(string(load)), Wait: *wait, RestartBy: restartBy}
 	for _, n := range ns {
 		row, err := probeRestart(ctx, bin, pool, n, *restarts, *churn, *settle, *wait == "client")
 		if err != nil {
@@ -191,6 +201,11 @@ func printRestart(w io.Writer, rep *restartReport) {
 			c.AdoptP50Ms, mib(c.RSSBefore), list(c.RSSAfter), mib(c.AnonBefore), list(c.AnonAfter), list(c.PeakAfter))
 	}
 	tw.Flush()
+	if rep.RestartBy != "kvbench" {
+		for _, c := range rep.Cases {
+			fmt.Fprintf(w, "%d streams: restarted by the agent's supervisor (--restart-by %s), %d of %d restarts by waking a spare\n", c.Streams, rep.RestartBy, c.FromSpare, len(c.GapsMs))
+		}
+	}
 	printSteps(w, rep)
 	for _, c := range rep.Cases {
 		if ch := c.Churn; ch != nil {
@@ -203,6 +218,10 @@ func printRestart(w io.Writer, rep *restartReport) {
 // agentLogLevel is the agents' --log-level (--agent-log-level); empty:
 // info, their log not shown unless it holds an error.
 var agentLogLevel = ""
+
+// restartBy is who starts the agent again (--restart-by): kvbench, or the
+// agent's own supervisor (restartInPlace), with a spare or without.
+var restartBy = "kvbench"
 
 // poolShape is the probe agent's pool: chunks of chunkMiB, 128-byte pages,
 // shared by sessions tokens.
@@ -239,7 +258,7 @@ func probeRestart(ctx context.Context, bin string, pool poolShape, n, restarts, 
 		}
 	}
 	time.Sleep(settle)
-	row.RSSBefore, row.AnonBefore, _ = procRSS(pr.agent.Process.Pid)
+	row.RSSBefore, row.AnonBefore, _ = procRSS(pr.servingPID())
 	var times []restartTimes
 	for range restarts {
 		gap, exit, tm, err := pr.restart(p, clientWait)
@@ -250,7 +269,7 @@ func probeRestart(ctx context.Context, bin string, pool poolShape, n, restarts, 
 		row.GapsMs = append(row.GapsMs, float64(gap.Microseconds())/1e3)
 		row.ExitsMs = append(row.ExitsMs, float64(exit.Microseconds())/1e3)
 		time.Sleep(settle)
-		rss, anon, peak := procRSS(pr.agent.Process.Pid)
+		rss, anon, peak := procRSS(pr.servingPID())
 		row.RSSAfter, row.AnonAfter = append(row.RSSAfter, rss), append(row.AnonAfter, anon)
 		row.PeakAfter = append(row.PeakAfter, peak)
 	}
@@ -272,6 +291,20 @@ func probeRestart(ctx context.Context, bin string, pool poolShape, n, restarts, 
 		}
 	}
 	row.GapP50Ms = median(row.GapsMs)
+	if restartBy != "kvbench" {
+		// The supervisor's restart line is when the next agent began.
+		restarts := inPlaceRestarts(pr.log.String())
+		if len(restarts) != len(times) {
+			return row, fmt.Errorf("%d restarts in place logged for %d kills:\n%s", len(restarts), len(times), pr.log.String())
+		}
+		for i, r := range restarts {
+			times[i].exec = r.at
+			row.ExitsMs[i] = float64(r.at.Sub(times[i].kill).Microseconds()) / 1e3
+			if r.spare {
+				row.FromSpare++
+			}
+		}
+	}
 	row.Steps = splitGaps(pr.log.String(), times)
 	anon := make([]float64, len(row.AnonAfter))
 	for i, a := range row.AnonAfter {
@@ -354,11 +387,56 @@ func startProbe(bin string, pool poolShape) (*probe, error) {
 	pr.args = []string{"--standalone", "--socket", pr.sock, "--keeper-socket", keeperSock, "--standalone-gpus", "1",
 		"--chunks-per-gpu", strconv.Itoa(pool.chunks), "--chunk-mib", strconv.Itoa(pool.chunkMiB), "--state-dir", filepath.Join(dir, "state"),
 		"--log-level", cmp.Or(agentLogLevel, "info"), "--standalone-tokens", strings.Join(tokens, ",")}
+	if restartBy != "kvbench" {
+		pr.args = append(pr.args, "--restart-in-place-max", "100", "--restart-in-place-window", "1h")
+	}
+	if restartBy == "spare" {
+		// The spare starts soon after each restart, so that one stands
+		// behind the agent by the next kill (--settle, at least 300ms,
+		// after the call), and late enough to leave the restore alone.
+		pr.args = append(pr.args, "--restart-in-place-spare=true", "--restart-in-place-spare-after", "250ms")
+	}
 	if err := pr.startAgent(); err != nil {
 		pr.stop(0)
 		return nil, err
 	}
 	return pr, nil
+}
+
+// servingPID is the agent that serves: the process kvbench started, or
+// the supervisor's child that last said it serves.
+func (pr *probe) servingPID() int {
+	if restartBy == "kvbench" {
+		return pr.agent.Process.Pid
+	}
+	pid := 0
+	for _, line := range strings.Split(pr.log.String(), "\n") {
+		if f := logFields(line); f["msg"] == "kvpool agent serving" {
+			pid, _ = strconv.Atoi(f["pid"])
+		}
+	}
+	return pid
+}
+
+// inPlaceRestart is one restart in place as the supervisor logged it.
+type inPlaceRestart struct {
+	at    time.Time
+	spare bool
+}
+
+// inPlaceRestarts reads the supervisor's restarts from the agents' log.
+func inPlaceRestarts(log string) []inPlaceRestart {
+	var out []inPlaceRestart
+	for _, line := range strings.Split(log, "\n") {
+		if f := logFields(line); f["msg"] == "agent ended abnormally; restarting it in place" {
+			at, err := time.Parse(time.RFC3339Nano, f["time"])
+			if err != nil {
+				continue
+			}
+			out = append(out, inPlaceRestart{at: at, spare: f["spare"] == "true"})
+		}
+	}
+	return out
 }
 
 func (pr *probe) startAgent() error {
@@ -439,13 +517,28 @@ func (pr *probe) restart(p *client.CPUPagePool, clientWait bool) (gap, exit time
 		at  time.Duration
 	}
 	var call chan answer
-	t0 := time.Now()
-	if err := pr.agent.Process.Signal(syscall.SIGKILL); err != nil {
-		return 0, 0, tm, err
+	var t0 time.Time
+	if restartBy != "kvbench" {
+		// The supervisor reaps the agent and starts the next: the exit
+		// and the start are read from its log afterwards.
+		pid := pr.servingPID()
+		if pid <= 0 {
+			return 0, 0, tm, fmt.Errorf("no serving agent's pid in the log:\n%s", pr.log.String())
+		}
+		t0 = time.Now()
+		if err := syscall.Kill(pid, syscall.SIGKILL); err != nil {
+			return 0, 0, tm, err
+		}
+		tm.kill = t0
+	} else {
+		t0 = time.Now()
+		if err := pr.agent.Process.Signal(syscall.SIGKILL); err != nil {
+			return 0, 0, tm, err
+		}
+		_ = pr.agent.Wait() // killed: the error says so
+		exit = time.Since(t0)
+		tm.kill = t0
 	}
-	_ = pr.agent.Wait() // killed: the error says so
-	exit = time.Since(t0)
-	tm.kill = t0
 	if clientWait {
 		call = make(chan answer, 1)
 		go func() {
@@ -453,9 +546,11 @@ func (pr *probe) restart(p *client.CPUPagePool, clientWait bool) (gap, exit time
 			call <- answer{ok, err, time.Since(t0)}
 		}()
 	}
-	tm.exec = time.Now()
-	if err := pr.startAgent(); err != nil {
-		return 0, 0, tm, err
+	if restartBy == "kvbench" {
+		tm.exec = time.Now()
+		if err := pr.startAgent(); err != nil {
+			return 0, 0, tm, err
+		}
 	}
 	if clientWait {
 		a := <-call

@@ -91,12 +91,39 @@ func TestRestartProbe(t *testing.T) {
 			}
 		}
 	}
+	// Restarted by the agent's own supervisor, with a spare and without:
+	// every restart from the spare in the first, none in the second, and
+	// the steps (the exit and the start read from the supervisor's log)
+	// adding up to each gap.
+	for _, by := range []struct {
+		name  string
+		spare int
+	}{{"spare", 2}, {"supervisor", 0}} {
+		out := captureStdout(t, func() error {
+			return runRestart(context.Background(), []string{"--streams", "1", "--restarts", "2", "--settle", "400ms", "--restart-by", by.name, "--json"})
+		})
+		var rep restartReport
+		if err := json.Unmarshal(out, &rep); err != nil || len(rep.Cases) != 1 {
+			t.Fatalf("--restart-by %s, the report: %v\n%s", by.name, err, out)
+		}
+		c := rep.Cases[0]
+		if rep.RestartBy != by.name || c.FromSpare != by.spare || len(c.Steps) != 2 {
+			t.Fatalf("--restart-by %s: %q, %d restarts from a spare, %d split\n%s", by.name, rep.RestartBy, c.FromSpare, len(c.Steps), out)
+		}
+		for i, s := range c.Steps {
+			sum := s.Exit + s.Start + s.Warm + s.Load + s.Adopt + s.Rebuild + s.Books + s.Other + s.After
+			// The supervisor's and the agent's lines are timed to the ms.
+			if d := sum - c.GapsMs[i]; d > 0.01 || d < -0.01 || s.Exit < -1 || s.Start < -1 {
+				t.Errorf("--restart-by %s, restart %d: steps %+v add up to %.3f ms, the gap %.3f", by.name, i, s, sum, c.GapsMs[i])
+			}
+		}
+	}
 	// The gap timed by one call that rides out each restart.
 	if err := runRestart(context.Background(), []string{"--streams", "1", "--restarts", "2", "--settle", "10ms", "--wait", "client"}); err != nil {
 		t.Fatal(err)
 	}
 	for _, bad := range [][]string{{"--streams", "0"}, {"--chunks", "0"}, {"--chunks", "1", "--chunk-mib", "16"},
-		{"--sessions", "0"}, {"--sessions", "3", "--chunks", "2"}, {"--streams", "131073"}, {"--wait", "sometimes"}, {"--churn", "-1"}} {
+		{"--sessions", "0"}, {"--sessions", "3", "--chunks", "2"}, {"--streams", "131073"}, {"--wait", "sometimes"}, {"--churn", "-1"}, {"--restart-by", "kubelet"}} {
 		if err := runRestart(context.Background(), bad); err == nil {
 			t.Fatalf("%q accepted", bad)
 		}

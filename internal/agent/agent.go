@@ -379,7 +379,7 @@ func (a *agent) logServing(took time.Duration) {
 		"chunks", len(a.specs), bytesize.Attr("chunk", a.plan.ChunkBytes), "startup", took.Round(time.Millisecond),
 		// Whether the kernel lets the socket refuse files a pod would pass
 		// (SO_PASSRIGHTS, Linux 6.16): one line says where the node stands.
-		"socketRefusesFiles", wire.CanRefuseFiles()}
+		"socketRefusesFiles", wire.CanRefuseFiles(), "pid", os.Getpid()}
 	if a.obs.metricsAddr != nil {
 		attrs = append(attrs, "metrics", a.obs.metricsAddr.String())
 	}

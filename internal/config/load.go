@@ -47,6 +47,18 @@ func qty(p func(*Config) *Bytes) accessor {
 		}}
 }
 
+func boolean(p func(*Config) *bool) accessor {
+	return accessor{func(c *Config) string { return strconv.FormatBool(*p(c)) },
+		func(c *Config, s string) error {
+			v, err := strconv.ParseBool(strings.TrimSpace(s))
+			if err != nil {
+				return fmt.Errorf("%q is not true or false", s)
+			}
+			*p(c) = v
+			return nil
+		}}
+}
+
 func integer(p func(*Config) *int) accessor {
 	return accessor{func(c *Config) string { return strconv.Itoa(*p(c)) },
 		func(c *Config, s string) error {
@@ -97,6 +109,8 @@ var settings = func() []setting {
 	add("keeperSocket", "keeper-socket", "KVPOOL_KEEPER_SOCKET", "the keeper's socket, which keeps the pool across agent restarts (empty: none)", str(func(c *Config) *string { return &c.KeeperSocket }))
 	add("restartInPlace.max", "restart-in-place-max", "KVPOOL_RESTART_IN_PLACE_MAX", "restarts of a dead agent by its own supervisor within the window, before kubelet's (0: off)", integer(func(c *Config) *int { return &c.RestartInPlace.Max }))
 	add("restartInPlace.window", "restart-in-place-window", "KVPOOL_RESTART_IN_PLACE_WINDOW", "how far back restarts in place count", dur(func(c *Config) *Duration { return &c.RestartInPlace.Window }))
+	add("restartInPlace.spare", "restart-in-place-spare", "KVPOOL_RESTART_IN_PLACE_SPARE", "keep a spare agent process, already started, to take over at a restart in place (true or false)", boolean(func(c *Config) *bool { return &c.RestartInPlace.Spare }))
+	add("restartInPlace.spareAfter", "restart-in-place-spare-after", "KVPOOL_RESTART_IN_PLACE_SPARE_AFTER", "how long after a start or a restart in place the next spare starts", dur(func(c *Config) *Duration { return &c.RestartInPlace.SpareAfter }))
 	add("stateDir", "state-dir", "KVPOOL_STATE_DIR", "directory for the agent checkpoint", str(func(c *Config) *string { return &c.StateDir }))
 	add("dra.driverName", "dra-driver-name", "KVPOOL_DRA_DRIVER_NAME", "the DRA driver's name (mode dra)", str(func(c *Config) *string { return &c.DRA.DriverName }))
 	add("dra.cdiDir", "cdi-dir", "KVPOOL_CDI_DIR", "the container runtime's CDI spec directory (mode dra)", str(func(c *Config) *string { return &c.DRA.CDIDir }))

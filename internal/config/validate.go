@@ -114,6 +114,9 @@ func (c *Config) validateTop() field.ErrorList {
 	if n := c.RestartInPlace.Max; n < 0 || n > supervise.MaxRestarts {
 		errs = append(errs, field.Invalid(p("restartInPlace", "max"), n, fmt.Sprintf("must be between 0 (off) and %d", supervise.MaxRestarts)))
 	}
+	if d := c.RestartInPlace.SpareAfter.Duration; d < 0 || d > time.Hour {
+		errs = append(errs, field.Invalid(p("restartInPlace", "spareAfter"), c.RestartInPlace.SpareAfter.String(), "must be between 0s and 1h"))
+	}
 	if d := c.RestartInPlace.Window.Duration; d <= 0 {
 		errs = append(errs, field.Invalid(p("restartInPlace", "window"), c.RestartInPlace.Window.String(), "must be a positive duration such as 10m"))
 	}

@@ -12,9 +12,10 @@
 // the child's status, so that a crash loop still reaches kubelet (its
 // back-off, the pod's restart count, CrashLoopBackOff).
 //
-// The supervisor does nothing else: it reads no configuration beyond its
-// own two fields, opens no socket and holds no memory of the pool (the
-// keeper does). Termination signals are passed on to the child, and a
+// The supervisor does nothing else: it opens no socket and holds no
+// memory of the pool (the keeper does); `agent serve` checks the whole
+// configuration before it supervises, so a bad value fails once rather
+// than in a loop. Termination signals are passed on to the child, and a
 // child that ends after one is not restarted. The child gets SIGKILL if
 // the supervisor dies: the chart's pod shares the host's PID namespace, so
 // no namespace teardown would end it. As a PID namespace's init the
@@ -24,11 +25,12 @@ package supervise
 import (
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"os"
 	"runtime"
 	"strconv"
-	"sync"
+	"strings"
 	"syscall"
 	"time"
 )
@@ -40,6 +42,9 @@ const (
 	EnvChild    = "KVPOOL_SUPERVISED"
 	EnvRestarts = "KVPOOL_RESTARTS_IN_PLACE"
 	EnvLastExit = "KVPOOL_LAST_EXIT"
+	// EnvSpare marks a spare: a child started ahead of its turn, which
+	// waits for it on fd 3 (AwaitTurn).
+	EnvSpare = "KVPOOL_SPARE"
 )
 
 // MaxRestarts bounds Options.Max: past a few restarts a minute kubelet's
@@ -63,6 +68,13 @@ type Options struct {
 	// Signals are passed on to the child; after one, the child's end is
 	// final. Nil: none.
 	Signals <-chan os.Signal
+	// Spare keeps a spare child: one that has gone through the program's
+	// start (for the agent, the 30-40 ms of Go's initialisation of its
+	// packages, docs/benchmarks.md) and waits to take over, so that a
+	// restart in place starts from there. Started SpareAfter after the
+	// first child and after each restart in place (0: at once).
+	Spare      bool
+	SpareAfter time.Duration
 	// Log receives a line for each restart and for the supervisor's end;
 	// default slog.Default().
 	Log *slog.Logger
@@ -80,6 +92,8 @@ func (o *Options) Check() error {
 		return fmt.Errorf("supervise: %d restarts in place: want 1 to %d", o.Max, MaxRestarts)
 	case o.Window <= 0:
 		return fmt.Errorf("supervise: window %v: want a positive duration", o.Window)
+	case o.SpareAfter < 0:
+		return fmt.Errorf("supervise: spare after %v: want 0 or more", o.SpareAfter)
 	}
 	return nil
 }
@@ -121,77 +135,59 @@ func Run(o Options) (Exit, error) {
 	if o.now == nil {
 		o.now = time.Now
 	}
-	// The child's parent-death signal fires when the thread that started
-	// it exits: keep this goroutine, and every start, on one thread.
+	// A child's parent-death signal fires when the thread that started it
+	// exits: every start is made from this goroutine, kept on one thread.
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
-
+	s := &supervisor{o: o, ended: make(chan ended, 2)}
+	defer s.dropSpare()
+	serving, err := s.start(0, Exit{})
+	if err != nil {
+		return Exit{}, fmt.Errorf("supervise: start %s: %w", o.Path, err)
+	}
+	// The spare waits a little too, so as not to slow the first start.
+	var spareAt <-chan time.Time
+	if o.Spare {
+		spareAt = time.After(o.SpareAfter)
+	}
 	var (
-		mu       sync.Mutex
-		pid      int  // the running child, 0 between children
-		stopping bool // a signal was passed on: the next end is final
+		restarts []time.Time // within the window, oldest first
+		last     Exit
+		stopping bool
 	)
-	done := make(chan struct{})
-	defer close(done)
-	go func() {
-		for {
-			select {
-			case <-done:
-				return
-			case sig, ok := <-o.Signals:
-				if !ok {
-					return
-				}
-				mu.Lock()
-				stopping = true
-				if pid > 0 {
-					if s, ok := sig.(syscall.Signal); ok {
-						_ = syscall.Kill(pid, s)
-					}
-				}
-				mu.Unlock()
+	for n := 1; ; {
+		select {
+		case sig, ok := <-o.Signals:
+			if !ok {
+				o.Signals = nil
+				continue
 			}
+			stopping = true
+			if s, ok := sig.(syscall.Signal); ok {
+				_ = syscall.Kill(serving.pid, s)
+			}
+			continue
+		case <-spareAt:
+			spareAt = nil
+			if !stopping {
+				s.startSpare()
+			}
+			continue
+		case e := <-s.ended:
+			if e.pid != serving.pid {
+				s.spareEnded(e)
+				continue
+			}
+			if e.err != nil {
+				return last, fmt.Errorf("supervise: wait for pid %d: %w", e.pid, e.err)
+			}
+			last = exitOf(e.ws)
 		}
-	}()
-
-	var restarts []time.Time // within the window, oldest first
-	var last Exit
-	for n := 0; ; n++ {
-		env := childEnv(o.Env, n, last)
-		mu.Lock()
-		if stopping {
-			mu.Unlock()
-			return last, nil
-		}
-		p, err := os.StartProcess(o.Path, o.Args, &os.ProcAttr{
-			Env:   env,
-			Files: []*os.File{os.Stdin, os.Stdout, os.Stderr},
-			// Its own process group: a terminal's signals reach the
-			// supervisor alone, which passes them on once.
-			Sys: &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL, Setpgid: true},
-		})
-		if err != nil {
-			mu.Unlock()
-			return last, fmt.Errorf("supervise: start %s: %w", o.Path, err)
-		}
-		pid = p.Pid
-		started := o.now()
-		mu.Unlock()
-
-		ws, err := wait(p.Pid)
-		mu.Lock()
-		pid = 0
-		stop := stopping
-		mu.Unlock()
-		if err != nil {
-			return last, fmt.Errorf("supervise: wait for pid %d: %w", p.Pid, err)
-		}
-		last = exitOf(ws)
-		up := o.now().Sub(started)
+		up := o.now().Sub(serving.started)
 		switch {
 		case last.Code == 0:
 			return last, nil
-		case stop:
+		case stopping:
 			o.Log.Info("agent ended after a signal passed on to it; not restarting", "exit", last.String(), "up", up.Round(time.Millisecond))
 			return last, nil
 		}
@@ -206,30 +202,180 @@ func Run(o Options) (Exit, error) {
 		}
 		restarts = append(restarts, now)
 		o.Log.Warn("agent ended abnormally; restarting it in place", "exit", last.String(), "up", up.Round(time.Millisecond),
-			"restart", n+1, "restartsInWindow", len(restarts), "max", o.Max, "window", o.Window)
+			"restart", n, "restartsInWindow", len(restarts), "max", o.Max, "window", o.Window, "spare", s.spare != nil)
+		if serving = s.wakeSpare(n, last); serving == nil {
+			if serving, err = s.start(n, last); err != nil {
+				return last, fmt.Errorf("supervise: start %s: %w", o.Path, err)
+			}
+		}
+		n++
+		if o.Spare && spareAt == nil && s.spare == nil {
+			// Not at once: its start would take CPU from the restore
+			// of the agent it stands behind.
+			spareAt = time.After(o.SpareAfter)
+		}
 	}
 }
 
-// wait waits for the child pid to end. As a PID namespace's init the
-// supervisor also reaps whatever else ends (orphans reparented to it).
+// supervisor is Run's children: the serving one's start and end, and the
+// spare.
+type supervisor struct {
+	o     Options
+	ended chan ended
+	spare *child
+}
+
+type child struct {
+	pid     int
+	started time.Time
+	turn    *os.File // a spare's end of its pipe; nil once it serves
+}
+
+type ended struct {
+	pid int
+	ws  syscall.WaitStatus
+	err error
+}
+
+// start starts a serving child, the n-th restart after an end last.
+func (s *supervisor) start(n int, last Exit) (*child, error) {
+	return s.spawn(childEnv(s.o.Env, n, last), nil)
+}
+
+// spawn starts the program with env (and r as its fd 3), and a waiter
+// that reports its end on s.ended.
+func (s *supervisor) spawn(env []string, r *os.File) (*child, error) {
+	files := []*os.File{os.Stdin, os.Stdout, os.Stderr}
+	if r != nil {
+		files = append(files, r)
+	}
+	p, err := os.StartProcess(s.o.Path, s.o.Args, &os.ProcAttr{
+		Env:   env,
+		Files: files,
+		// Its own process group: a terminal's signals reach the
+		// supervisor alone, which passes them on once.
+		Sys: &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL, Setpgid: true},
+	})
+	if err != nil {
+		return nil, err
+	}
+	c := &child{pid: p.Pid, started: s.o.now()}
+	_ = p.Release() // waited for by pid below
+	go func() {
+		ws, err := wait(c.pid)
+		s.ended <- ended{c.pid, ws, err}
+	}()
+	return c, nil
+}
+
+// startSpare starts a spare: a child that runs the program's start (Go's
+// initialisation of its packages) and then waits on its fd 3 for its turn
+// (AwaitTurn). A spare that cannot start is logged and left out.
+func (s *supervisor) startSpare() {
+	r, w, err := os.Pipe()
+	if err != nil {
+		s.o.Log.Warn("no spare agent: a pipe", "err", err)
+		return
+	}
+	env := append(childEnv(s.o.Env, 0, Exit{}), EnvSpare+"=1")
+	c, err := s.spawn(env, r)
+	r.Close()
+	if err != nil {
+		w.Close()
+		s.o.Log.Warn("no spare agent", "err", err)
+		return
+	}
+	c.turn, s.spare = w, c
+}
+
+// wakeSpare hands the spare its turn as the n-th restart after an end
+// last and returns it, or nil where there is no spare or it is gone.
+func (s *supervisor) wakeSpare(n int, last Exit) *child {
+	c := s.spare
+	if c == nil {
+		return nil
+	}
+	s.spare = nil
+	_, err := fmt.Fprintf(c.turn, "%d %s\n", n, last)
+	c.turn.Close()
+	c.turn = nil
+	if err != nil { // it ended: its waiter reports that, to spareEnded
+		s.o.Log.Warn("the spare agent could not take its turn", "err", err)
+		return nil
+	}
+	c.started = s.o.now()
+	return c
+}
+
+// spareEnded takes the end of a child that is not the serving one: the
+// spare, dead before its turn (no other is started until the next
+// restart), or one dropped.
+func (s *supervisor) spareEnded(e ended) {
+	if s.spare != nil && e.pid == s.spare.pid {
+		s.o.Log.Warn("the spare agent ended before its turn", "exit", exitOf(e.ws).String())
+		s.spare.turn.Close()
+		s.spare = nil
+	}
+}
+
+// dropSpare ends the spare, if any, and waits for it.
+func (s *supervisor) dropSpare() {
+	c := s.spare
+	if c == nil {
+		return
+	}
+	s.spare = nil
+	c.turn.Close()
+	_ = syscall.Kill(c.pid, syscall.SIGKILL)
+	for e := range s.ended {
+		if e.pid == c.pid {
+			return
+		}
+	}
+}
+
+// wait waits for the child pid to end.
 func wait(pid int) (syscall.WaitStatus, error) {
-	reapAll := os.Getpid() == 1
 	for {
 		var ws syscall.WaitStatus
-		w := pid
-		if reapAll {
-			w = -1
-		}
-		got, err := syscall.Wait4(w, &ws, 0, nil)
+		_, err := syscall.Wait4(pid, &ws, 0, nil)
 		switch {
 		case errors.Is(err, syscall.EINTR):
 			continue
 		case err != nil:
 			return 0, err
-		case got == pid && (ws.Exited() || ws.Signaled()):
+		case ws.Exited() || ws.Signaled():
 			return ws, nil
 		}
 	}
+}
+
+// AwaitTurn is a spare's wait (EnvSpare set): it blocks until its
+// supervisor hands it the turn, then sets EnvRestarts and EnvLastExit as
+// the supervisor would have for a fresh start, unsets EnvSpare and returns
+// true. It returns false when the supervisor ended without handing it
+// over (the spare then exits).
+func AwaitTurn() (bool, error) {
+	f := os.NewFile(3, "kvpool-spare-turn")
+	if f == nil {
+		return false, errors.New("supervise: a spare without its turn's pipe (fd 3)")
+	}
+	defer f.Close()
+	b, err := io.ReadAll(io.LimitReader(f, 1024))
+	if err != nil {
+		return false, fmt.Errorf("supervise: a spare's turn: %w", err)
+	}
+	if len(b) == 0 {
+		return false, nil
+	}
+	ns, last, ok := strings.Cut(strings.TrimSuffix(string(b), "\n"), " ")
+	if n, err := strconv.Atoi(ns); !ok || err != nil || n < 1 {
+		return false, fmt.Errorf("supervise: a spare's turn %q: want the restart and the last end", b)
+	}
+	os.Setenv(EnvRestarts, ns)
+	os.Setenv(EnvLastExit, last)
+	os.Unsetenv(EnvSpare)
+	return true, nil
 }
 
 // childEnv is env with the child's three variables set for the n-th
@@ -237,7 +383,7 @@ func wait(pid int) (syscall.WaitStatus, error) {
 func childEnv(env []string, n int, last Exit) []string {
 	out := make([]string, 0, len(env)+3)
 	for _, kv := range env {
-		if hasKey(kv, EnvChild) || hasKey(kv, EnvRestarts) || hasKey(kv, EnvLastExit) {
+		if hasKey(kv, EnvChild) || hasKey(kv, EnvRestarts) || hasKey(kv, EnvLastExit) || hasKey(kv, EnvSpare) {
 			continue
 		}
 		out = append(out, kv)

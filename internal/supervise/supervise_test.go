@@ -18,9 +18,13 @@ import (
 // writes a line to testRecord (what its supervisor told it) and then does
 // the plan's step for its start (the n-th, by EnvRestarts):
 //
-//	exit:N     exit with status N
-//	kill       SIGKILL itself
-//	term:N     say "ready", wait for SIGTERM, exit with status N
+//	exit:N       exit with status N
+//	exitafter:N  exit with status 0 after N ms
+//	kill         SIGKILL itself
+//	killafter:N  SIGKILL itself after N ms
+//	term:N       say "ready", wait for SIGTERM, exit with status N
+//
+// A spare (EnvSpare) says so first and waits for its turn.
 //
 // With testSupervisor set it is a supervisor of such children instead
 // (Max 5), so that a test can kill one.
@@ -42,18 +46,28 @@ func TestMain(m *testing.M) {
 		os.Exit(end.Code)
 	}
 	if plan := os.Getenv(testPlan); plan != "" {
-		os.Exit(child(strings.Split(plan, ",")))
+		os.Exit(childMain(strings.Split(plan, ",")))
 	}
 	os.Exit(m.Run())
 }
 
-func child(plan []string) int {
-	n, _ := strconv.Atoi(os.Getenv(EnvRestarts))
+func childMain(plan []string) int {
 	f, err := os.OpenFile(os.Getenv(testRecord), os.O_APPEND|os.O_WRONLY, 0)
 	if err != nil {
 		return 98
 	}
-	fmt.Fprintf(f, "child=%s n=%d last=%q pid=%d\n", os.Getenv(EnvChild), n, os.Getenv(EnvLastExit), os.Getpid())
+	woke := false
+	if os.Getenv(EnvSpare) != "" {
+		fmt.Fprintf(f, "spare pid=%d\n", os.Getpid())
+		turn, err := AwaitTurn()
+		if !turn {
+			fmt.Fprintf(f, "spare dropped pid=%d err=%v\n", os.Getpid(), err)
+			return 0
+		}
+		woke = true
+	}
+	n, _ := strconv.Atoi(os.Getenv(EnvRestarts))
+	fmt.Fprintf(f, "child=%s n=%d last=%q pid=%d woke=%v spare=%q\n", os.Getenv(EnvChild), n, os.Getenv(EnvLastExit), os.Getpid(), woke, os.Getenv(EnvSpare))
 	if n >= len(plan) {
 		return 97
 	}
@@ -63,6 +77,13 @@ func child(plan []string) int {
 	case "exit":
 		return code
 	case "kill":
+		syscall.Kill(os.Getpid(), syscall.SIGKILL)
+		select {}
+	case "exitafter": // arg ms, then status 0
+		time.Sleep(time.Duration(code) * time.Millisecond)
+		return 0
+	case "killafter": // arg ms
+		time.Sleep(time.Duration(code) * time.Millisecond)
 		syscall.Kill(os.Getpid(), syscall.SIGKILL)
 		select {}
 	case "term":
@@ -164,6 +185,74 @@ func TestWindow(t *testing.T) {
 	}
 }
 
+// A spare, started SpareAfter after the first child, takes over at its
+// death: it is woken (not started then) with the restart's count and the
+// end before it. The spare started after that restart is ended with the
+// supervisor.
+func TestSpareTakesOver(t *testing.T) {
+	end, lines, err := run(t, "killafter:300,exitafter:300", Options{Max: 3, Window: time.Hour, Spare: true, SpareAfter: 10 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if end != (Exit{}) {
+		t.Fatalf("end %v, want exit status 0", end)
+	}
+	want := []string{`child=1 n=0 last=""`, `child=1 n=1 last="signal: killed"`}
+	if got := started(lines); strings.Join(got, "\n") != strings.Join(want, "\n") {
+		t.Fatalf("starts:\n%s\nwant:\n%s", strings.Join(got, "\n"), strings.Join(want, "\n"))
+	}
+	var spares []int
+	for _, l := range lines {
+		if p, ok := strings.CutPrefix(l, "spare pid="); ok {
+			pid, _ := strconv.Atoi(p)
+			spares = append(spares, pid)
+		}
+	}
+	second := lines[len(lines)-1]
+	for _, l := range lines {
+		if strings.Contains(l, "n=1 ") {
+			second = l
+		}
+	}
+	if len(spares) != 2 || !strings.Contains(second, fmt.Sprintf("pid=%d woke=true spare=\"\"", spares[0])) {
+		t.Fatalf("the restart was not the first spare woken (spares %v):\n%s", spares, strings.Join(lines, "\n"))
+	}
+	for _, pid := range spares {
+		if alive(pid) {
+			t.Errorf("spare %d outlived its supervisor", pid)
+		}
+	}
+}
+
+// A spare that dies before its turn leaves the next restart to a fresh
+// start.
+func TestSpareDiesFirst(t *testing.T) {
+	exe, _ := os.Executable()
+	rec := filepath.Join(t.TempDir(), "record")
+	os.WriteFile(rec, nil, 0o600)
+	go func() {
+		for end := time.Now().Add(10 * time.Second); time.Now().Before(end); time.Sleep(2 * time.Millisecond) {
+			b, _ := os.ReadFile(rec)
+			if _, p, ok := strings.Cut(string(b), "spare pid="); ok {
+				pid, _ := strconv.Atoi(strings.Fields(p)[0])
+				syscall.Kill(pid, syscall.SIGKILL)
+				return
+			}
+		}
+	}()
+	var log bytes.Buffer
+	end, err := Run(Options{Path: exe, Args: []string{exe}, Env: append(os.Environ(), testPlan+"=killafter:1000,exit:0", testRecord+"="+rec),
+		Max: 3, Window: time.Hour, Spare: true, SpareAfter: 10 * time.Millisecond, Log: slog.New(slog.NewTextHandler(&log, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := os.ReadFile(rec)
+	if end != (Exit{}) || !strings.Contains(string(b), `n=1 last="signal: killed"`) || strings.Contains(string(b), "woke=true") ||
+		!strings.Contains(log.String(), "the spare agent ended before its turn") {
+		t.Fatalf("end %v; record:\n%s\nlog:\n%s", end, b, log.String())
+	}
+}
+
 // A signal passed on ends the child for good, whatever its status.
 func TestSignalPassedOn(t *testing.T) {
 	for _, code := range []int{0, 5} {
@@ -212,6 +301,7 @@ func TestOptionsRefused(t *testing.T) {
 		{"max past the bound", Options{Path: exe, Args: []string{exe}, Env: env, Max: 101, Window: time.Second}, "want 1 to 100"},
 		{"no window", Options{Path: exe, Args: []string{exe}, Env: env, Max: 1}, "window 0s"},
 		{"negative window", Options{Path: exe, Args: []string{exe}, Env: env, Max: 1, Window: -time.Second}, "window -1s"},
+		{"negative spare delay", Options{Path: exe, Args: []string{exe}, Env: env, Max: 1, Window: time.Second, Spare: true, SpareAfter: -time.Second}, "spare after -1s"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := Run(tc.o)
