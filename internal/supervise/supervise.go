@@ -18,8 +18,8 @@
 // than in a loop. Termination signals are passed on to the child, and a
 // child that ends after one is not restarted. The child gets SIGKILL if
 // the supervisor dies: the chart's pod shares the host's PID namespace, so
-// no namespace teardown would end it. As a PID namespace's init the
-// supervisor also reaps any orphan.
+// no namespace teardown would end it. (The agent starts no process, so
+// the supervisor waits for its own children only and reaps no orphans.)
 package supervise
 
 import (
@@ -57,8 +57,9 @@ type Options struct {
 	// its name).
 	Path string
 	Args []string
-	// Env is the child's environment; Run adds EnvChild, EnvRestarts and
-	// EnvLastExit (replacing any already there).
+	// Env is the child's environment; Run adds EnvChild, EnvRestarts,
+	// EnvLastExit and, for a spare, EnvSpare (replacing any already
+	// there).
 	Env []string
 	// Max is how many restarts in place Window may hold (1 to
 	// MaxRestarts); the next abnormal end is the supervisor's own.
@@ -139,7 +140,9 @@ func Run(o Options) (Exit, error) {
 	// exits: every start is made from this goroutine, kept on one thread.
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
-	s := &supervisor{o: o, ended: make(chan ended, 2)}
+	// Room for every waiter's report (the serving child, the spare, one
+	// that failed its turn), so that none is left blocked at the end.
+	s := &supervisor{o: o, ended: make(chan ended, 4)}
 	defer s.dropSpare()
 	serving, err := s.start(0, Exit{})
 	if err != nil {
@@ -163,8 +166,8 @@ func Run(o Options) (Exit, error) {
 				continue
 			}
 			stopping = true
-			if s, ok := sig.(syscall.Signal); ok {
-				_ = syscall.Kill(serving.pid, s)
+			if sn, ok := sig.(syscall.Signal); ok {
+				_ = syscall.Kill(serving.pid, sn)
 			}
 			continue
 		case <-spareAt:

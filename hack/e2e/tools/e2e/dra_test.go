@@ -596,7 +596,7 @@ echo "gpu $NVIDIA_VISIBLE_DEVICES index $KVCLIENT_GPU"`
 		for _, r := range results(cl, draDriver) {
 			ids = append(ids, strings.Split(r, "=")[1])
 		}
-		_, pid := agentPIDs(t, c.agentPodOf(t, e).UID)
+		_, pid := agentPIDs(t, c.agentPodOf(t, e))
 		before := chunkFiles(t, pid, ids)
 		if len(before) != len(ids) {
 			t.Fatalf("the agent's memfds of %v: %v", ids, before)
@@ -694,7 +694,7 @@ echo "gpu $NVIDIA_VISIBLE_DEVICES index $KVCLIENT_GPU"`
 			restarts += st.RestartCount
 		}
 		at := len(runs())
-		first, _ := agentPIDs(t, ap.UID)
+		first, _ := agentPIDs(t, ap)
 		if err := syscall.Kill(first, syscall.SIGKILL); err != nil {
 			t.Fatal(err)
 		}

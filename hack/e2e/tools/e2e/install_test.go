@@ -8,6 +8,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -539,7 +540,7 @@ func TestChartInstall(t *testing.T) {
 		})
 		ap := c.agentPod(t)
 		restarts := restartsOf(ap)
-		first, pid := agentPIDs(t, ap.UID)
+		first, pid := agentPIDs(t, ap)
 		if first == pid {
 			t.Fatalf("the agent's container has no supervisor (pid %d serves): restartInPlace is on in the chart", pid)
 		}
@@ -556,6 +557,11 @@ func TestChartInstall(t *testing.T) {
 		})
 		r := gaps[len(gaps)-1]
 		t.Logf("agent restarted in place: serving again %s after the SIGKILL (its own gap, from the killed agent's last sign of life: %v)", r.since(killed), r.gap)
+		// The chart keeps a spare (restartInPlace.spare), started 2 s after
+		// the agent: the restart woke it rather than starting a process.
+		if l := containerLog(ap, "agent", 8<<20); !regexp.MustCompile(`"msg":"agent ended abnormally; restarting it in place".*"spare":true`).MatchString(l) {
+			t.Errorf("the restart in place did not wake a spare:\n%s", logTailString(l, 3000))
+		}
 		eventually(t, 60*time.Second, "the agent pod Ready", func() (bool, string, error) {
 			p, err := c.cs.CoreV1().Pods(releaseNS).Get(ctx(t), ap.Name, metav1.GetOptions{})
 			if err != nil {
@@ -568,7 +574,7 @@ func TestChartInstall(t *testing.T) {
 		} else if restartsOf(p) != restarts {
 			t.Errorf("kubelet restarted the agent's container (restarts %d -> %d); its supervisor should have restarted the agent", restarts, restartsOf(p))
 		}
-		if now, _ := agentPIDs(t, ap.UID); now != first {
+		if now, _ := agentPIDs(t, ap); now != first {
 			t.Errorf("the container's first process changed (%d -> %d)", first, now)
 		}
 		eventually(t, 60*time.Second, "three client runs since the kill", func() (bool, string, error) {
@@ -672,13 +678,14 @@ func TestChartInstall(t *testing.T) {
 
 // agentPIDs are the host PIDs of the agent pod's processes: first, its
 // container's first process (the supervisor where restartInPlace is on),
-// and serving, the agent that serves (first itself where it is off). The
-// pod shares the host's PID namespace (hostPID: token binding reads every
+// and serving, the agent that serves (first itself where it is off; with
+// a spare, the child the last "kvpool agent serving" line names). The pod
+// shares the host's PID namespace (hostPID: token binding reads every
 // process), so the first process is the one whose parent is not another
 // kvpool-agent of the pod.
-func agentPIDs(t *testing.T, uid types.UID) (first, serving int) {
+func agentPIDs(t *testing.T, p *corev1.Pod) (first, serving int) {
 	t.Helper()
-	dash, under := string(uid), strings.ReplaceAll(string(uid), "-", "_")
+	dash, under := string(p.UID), strings.ReplaceAll(string(p.UID), "-", "_")
 	procs, _ := filepath.Glob("/proc/[0-9]*")
 	parent := map[int]int{}
 	for _, d := range procs {
@@ -699,20 +706,37 @@ func agentPIDs(t *testing.T, uid types.UID) (first, serving int) {
 			parent[pid], _ = strconv.Atoi(strings.Fields(pp)[0])
 		}
 	}
+	var kids []int
 	for pid, pp := range parent {
 		if _, ok := parent[pp]; ok {
-			serving = pid
+			kids = append(kids, pid)
 		} else {
 			first = pid
 		}
 	}
 	switch {
-	case len(parent) == 1 && first != 0:
+	case first == 0:
+	case len(kids) == 0:
 		return first, first
-	case len(parent) == 2 && first != 0 && serving != 0:
-		return first, serving
+	case len(kids) == 1:
+		return first, kids[0]
+	default: // a spare beside the serving agent
+		var pid float64
+		for _, line := range strings.Split(containerLog(p, "agent", 8<<20), "\n") {
+			if i := strings.IndexByte(line, '{'); i >= 0 && strings.Contains(line, `"kvpool agent serving"`) {
+				var m struct {
+					PID float64 `json:"pid"`
+				}
+				if json.Unmarshal([]byte(line[i:]), &m) == nil {
+					pid = m.PID
+				}
+			}
+		}
+		if slices.Contains(kids, int(pid)) {
+			return first, int(pid)
+		}
 	}
-	t.Fatalf("kvpool-agent processes in pod %s (pid: parent) %v: want the container's first and, where it supervises, its child", uid, parent)
+	t.Fatalf("kvpool-agent processes in pod %s (pid: parent) %v: want the container's first and, where it supervises, its children", p.UID, parent)
 	return 0, 0
 }
 

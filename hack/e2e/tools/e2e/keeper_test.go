@@ -196,7 +196,7 @@ func (c *cluster) keeperDeletedUnderWorkload(t *testing.T) {
 	// new keeper holds the whole pool.
 	ap = c.agentPod(t)
 	restarts := restartsOf(ap)
-	pid, _ := agentPIDs(t, ap.UID)
+	pid, _ := agentPIDs(t, ap)
 	killed := time.Now()
 	if err := syscall.Kill(pid, syscall.SIGKILL); err != nil {
 		t.Fatalf("kill the agent (pid %d): %v", pid, err)
