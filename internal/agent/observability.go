@@ -59,6 +59,7 @@ func (a *agent) newObservability(context.Context) error {
 	a.obs.Metrics.RestartsInPlace(a.opts.RestartsInPlace)
 	if n := a.opts.RestartsInPlace; n > 0 {
 		a.log.Warn("restarted in place: the agent before this one in this container died", "lastExit", a.opts.LastExit, "restartsInPlace", n)
+		a.events.RestartedInPlace(a.opts.LastExit, n)
 	}
 	a.obs.Report.Restart = a.restartStatus
 	a.obs.Metrics.Restart(a.restartStatus)

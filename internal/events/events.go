@@ -1,7 +1,8 @@
 // Package events posts Kubernetes Events on the agent's Node for what an
 // operator must notice: the pool becoming ready, huge pages falling back to
-// small pages, chunks going unhealthy and recovering, and chunks
-// reclaimed from pods that are gone.
+// small pages, chunks going unhealthy and recovering, chunks reclaimed
+// from pods that are gone, the keeper lost and back, the pool lost, and
+// an agent restarted in place.
 package events
 
 import (
@@ -27,6 +28,7 @@ const (
 	ReasonKeeperLost        = "KVPoolKeeperLost"
 	ReasonKeeperReconnected = "KVPoolKeeperReconnected"
 	ReasonPoolLost          = "KVPoolLost"
+	ReasonRestartedInPlace  = "KVPoolAgentRestartedInPlace"
 )
 
 // Component is the event source the agent reports as.
@@ -54,6 +56,10 @@ type Events interface {
 	// PoolLost: at start the keeper held none of the pool an earlier agent
 	// had kept in it: its sessions and streams are gone.
 	PoolLost(chunks, sessions int)
+	// RestartedInPlace: the agent before this one died (lastExit) and the
+	// supervisor in its container started this one, the restarts-th such
+	// restart there: the pod's restart count does not show it.
+	RestartedInPlace(lastExit string, restarts int)
 }
 
 // Nop posts nothing; for standalone mode and tests.
@@ -69,6 +75,7 @@ func (nop) ChunksReclaimed(string, []string)     {}
 func (nop) KeeperLost(string)                    {}
 func (nop) KeeperReconnected(int, time.Duration) {}
 func (nop) PoolLost(int, int)                    {}
+func (nop) RestartedInPlace(string, int)         {}
 
 // NodeRef is the reference events about node name are attached to. Kubelet
 // uses the node name as the UID of its node events; pass the Node's real UID
@@ -138,6 +145,11 @@ func (r *recorder) KeeperReconnected(chunks int, after time.Duration) {
 func (r *recorder) PoolLost(chunks, sessions int) {
 	r.rec.Eventf(r.ref, corev1.EventTypeWarning, ReasonPoolLost,
 		"the keeper lost the pool an earlier agent had kept in it (%d chunks, about %d sessions): those sessions and streams are gone; the pool is allocated fresh", chunks, sessions)
+}
+
+func (r *recorder) RestartedInPlace(lastExit string, restarts int) {
+	r.rec.Eventf(r.ref, corev1.EventTypeWarning, ReasonRestartedInPlace,
+		"the agent died (%s) and its container's supervisor started it again at once (restart in place %d in this container; the pod's restart count does not show it)", lastExit, restarts)
 }
 
 // listIDs joins at most n IDs, noting how many more there are, so a message

@@ -34,6 +34,8 @@ func TestMessages(t *testing.T) {
 			"Warning KVPoolChunkUnhealthy chunk gpu1-numa0-3 unhealthy: mlock lost"},
 		{"chunk well", func(e Events) { e.ChunkRecovered("gpu1-numa0-3") },
 			"Normal KVPoolChunkRecovered chunk gpu1-numa0-3 healthy again"},
+		{"restarted in place", func(e Events) { e.RestartedInPlace("signal: killed", 2) },
+			"Warning KVPoolAgentRestartedInPlace the agent died (signal: killed) and its container's supervisor started it again at once (restart in place 2 in this container; the pod's restart count does not show it)"},
 		{"reclaim few", func(e Events) { e.ChunksReclaimed("ns/pod-a", ids[:2]) },
 			"Normal KVPoolChunksReclaimed reclaimed 2 chunks of pod ns/pod-a, which is gone: gpu0-numa0-0, gpu0-numa0-1"},
 		{"reclaim many", func(e Events) { e.ChunksReclaimed("ns/pod-b", ids) },

@@ -557,6 +557,20 @@ func TestChartInstall(t *testing.T) {
 		})
 		r := gaps[len(gaps)-1]
 		t.Logf("agent restarted in place: serving again %s after the SIGKILL (its own gap, from the killed agent's last sign of life: %v)", r.since(killed), r.gap)
+		// The pod's restart count does not show it; a Node event does.
+		eventually(t, 30*time.Second, "KVPoolAgentRestartedInPlace event on the Node", func() (bool, string, error) {
+			evs, err := c.cs.CoreV1().Events(metav1.NamespaceAll).List(ctx(t), metav1.ListOptions{
+				FieldSelector: "involvedObject.kind=Node,involvedObject.name=" + c.Node + ",reason=KVPoolAgentRestartedInPlace"})
+			if err != nil {
+				return false, "", err
+			}
+			for _, e := range evs.Items {
+				if strings.Contains(e.Message, "signal: killed") {
+					return true, e.Message, nil
+				}
+			}
+			return false, fmt.Sprintf("%d events, none for the kill", len(evs.Items)), nil
+		})
 		// The chart keeps a spare (restartInPlace.spare), started 2 s after
 		// the agent: the restart woke it rather than starting a process.
 		if l := containerLog(ap, "agent", 8<<20); !regexp.MustCompile(`"msg":"agent ended abnormally; restarting it in place".*"spare":true`).MatchString(l) {
