@@ -371,14 +371,26 @@ func AwaitTurn() (bool, error) {
 	if len(b) == 0 {
 		return false, nil
 	}
-	ns, last, ok := strings.Cut(strings.TrimSuffix(string(b), "\n"), " ")
-	if n, err := strconv.Atoi(ns); !ok || err != nil || n < 1 {
-		return false, fmt.Errorf("supervise: a spare's turn %q: want the restart and the last end", b)
+	n, last, err := parseTurn(b)
+	if err != nil {
+		return false, err
 	}
-	os.Setenv(EnvRestarts, ns)
+	os.Setenv(EnvRestarts, strconv.Itoa(n))
 	os.Setenv(EnvLastExit, last)
 	os.Unsetenv(EnvSpare)
 	return true, nil
+}
+
+// parseTurn reads the turn wakeSpare writes: the restart's count (1 or
+// more) and how the last child ended, one line.
+func parseTurn(b []byte) (n int, last string, err error) {
+	line, ok := strings.CutSuffix(string(b), "\n")
+	ns, last, ok2 := strings.Cut(line, " ")
+	n, err = strconv.Atoi(ns)
+	if !ok || !ok2 || err != nil || n < 1 || n > 1<<30 || strconv.Itoa(n) != ns || last == "" || strings.ContainsAny(last, "\n\x00") {
+		return 0, "", fmt.Errorf("supervise: a spare's turn %q: want the restart and the last end on one line", b)
+	}
+	return n, last, nil
 }
 
 // childEnv is env with the child's three variables set for the n-th

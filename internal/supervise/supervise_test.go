@@ -284,6 +284,55 @@ func TestSignalPassedOn(t *testing.T) {
 	}
 }
 
+// A spare's turn is one line: the restart and the last end; anything else
+// is refused (and the spare then exits instead of serving).
+func TestParseTurn(t *testing.T) {
+	for _, tc := range []struct {
+		in   string
+		n    int
+		last string
+	}{
+		{"1 signal: killed\n", 1, "signal: killed"},
+		{"12 exit status 2\n", 12, "exit status 2"},
+		{"", 0, ""},
+		{"1 signal: killed", 0, ""}, // no end of line
+		{"0 signal: killed\n", 0, ""},
+		{"-1 signal: killed\n", 0, ""},
+		{"x signal: killed\n", 0, ""},
+		{"1\n", 0, ""},
+		{"1 \n", 0, ""},
+		{"1 a\nb\n", 0, ""},
+		{"1 a\x00\n", 0, ""},
+		{"99999999999 signal: killed\n", 0, ""},
+		{"01 signal: killed\n", 0, ""},
+		{"+1 signal: killed\n", 0, ""},
+	} {
+		n, last, err := parseTurn([]byte(tc.in))
+		if n != tc.n || last != tc.last || (err == nil) != (tc.n > 0) {
+			t.Errorf("parseTurn(%q) = %d, %q, %v; want %d, %q", tc.in, n, last, err, tc.n, tc.last)
+		}
+	}
+}
+
+func FuzzParseTurn(f *testing.F) {
+	f.Add([]byte("1 signal: killed\n"))
+	f.Add([]byte("3 exit status 2\n"))
+	f.Add([]byte(""))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		n, last, err := parseTurn(b)
+		if err != nil {
+			if n != 0 || last != "" {
+				t.Fatalf("refused %q but gave %d, %q", b, n, last)
+			}
+			return
+		}
+		// What is accepted is what wakeSpare would have written.
+		if n < 1 || last == "" || fmt.Sprintf("%d %s\n", n, last) != string(b) {
+			t.Fatalf("accepted %q as %d, %q", b, n, last)
+		}
+	})
+}
+
 // Bad options are refused before anything starts.
 func TestOptionsRefused(t *testing.T) {
 	rec := filepath.Join(t.TempDir(), "record")
