@@ -253,7 +253,8 @@ func TestSpareDiesFirst(t *testing.T) {
 	}
 }
 
-// A signal passed on ends the child for good, whatever its status.
+// A signal passed on ends the child for good, whatever its status, and
+// the spare with the supervisor.
 func TestSignalPassedOn(t *testing.T) {
 	for _, code := range []int{0, 5} {
 		t.Run(strconv.Itoa(code), func(t *testing.T) {
@@ -262,9 +263,9 @@ func TestSignalPassedOn(t *testing.T) {
 			rec := filepath.Join(t.TempDir(), "record")
 			os.WriteFile(rec, nil, 0o600)
 			go func() {
-				// Once the child waits for it.
+				// Once the child waits for it, and the spare is up.
 				for {
-					if b, _ := os.ReadFile(rec); bytes.Contains(b, []byte("ready")) {
+					if b, _ := os.ReadFile(rec); bytes.Contains(b, []byte("ready")) && bytes.Contains(b, []byte("spare pid=")) {
 						sigs <- syscall.SIGTERM
 						return
 					}
@@ -272,13 +273,21 @@ func TestSignalPassedOn(t *testing.T) {
 				}
 			}()
 			end, err := Run(Options{Path: exe, Args: []string{exe}, Env: append(os.Environ(), testPlan+"=term:"+strconv.Itoa(code)+",exit:0", testRecord+"="+rec),
-				Max: 3, Window: time.Hour, Signals: sigs})
+				Max: 3, Window: time.Hour, Signals: sigs, Spare: true})
 			if err != nil {
 				t.Fatal(err)
 			}
 			b, _ := os.ReadFile(rec)
-			if end.Code != code || len(started(strings.Split(string(b), "\n"))) != 1 {
+			lines := strings.Split(string(b), "\n")
+			if end.Code != code || len(started(lines)) != 1 {
 				t.Errorf("end %v, record:\n%s\nwant exit status %d after one start", end, b, code)
+			}
+			for _, l := range lines {
+				if p, ok := strings.CutPrefix(l, "spare pid="); ok {
+					if pid, _ := strconv.Atoi(p); alive(pid) {
+						t.Errorf("the spare %d outlived its supervisor", pid)
+					}
+				}
 			}
 		})
 	}
