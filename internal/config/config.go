@@ -161,7 +161,7 @@ type RestartInPlace struct {
 	// Default "10m". Positive.
 	Window Duration `json:"window"`
 	// Spare keeps a second agent process waiting, past its own start (Go's
-	// initialisation, 30-40 ms on a small VM), to take over at a restart
+	// initialisation, 30-45 ms on a small VM), to take over at a restart
 	// in place. It costs the node one idle process (about 5 MiB of its
 	// own memory). Default false; the chart sets true.
 	Spare bool `json:"spare"`

@@ -4,8 +4,8 @@
 // kubelet notices a dead container at its next relist, creates and starts
 // a new one, and after the first crash waits a back-off (10 s, doubling)
 // before each restart: on the e2e node a SIGKILLed agent served again
-// seconds later, while the agent itself is back in tens of milliseconds
-// (docs/benchmarks.md, "Restart in place"). So the container's first
+// 0.75-3.9 s later, restarted in place 27-45 ms later (docs/benchmarks.md,
+// "Restart in place"). So the container's first
 // process supervises: it runs the agent as its child, and when the child
 // dies abnormally (a signal, or a non-zero exit not asked for) starts it
 // again at once, up to Max times within Window. Past that it exits with
@@ -70,7 +70,7 @@ type Options struct {
 	// final. Nil: none.
 	Signals <-chan os.Signal
 	// Spare keeps a spare child: one that has gone through the program's
-	// start (for the agent, the 30-40 ms of Go's initialisation of its
+	// start (for the agent, the 30-45 ms of Go's initialisation of its
 	// packages, docs/benchmarks.md) and waits to take over, so that a
 	// restart in place starts from there. Started SpareAfter after the
 	// first child and after each restart in place (0: at once).
