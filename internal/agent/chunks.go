@@ -125,7 +125,17 @@ func (a *agent) sizedPlan(standalone bool) planner {
 		if standalone {
 			policy = sizing.Standalone(a.cfg, len(a.devs))
 		}
-		in := sizing.Input{Node: a.info, Allocatable: a.allocatable}
+		info := a.info
+		if kept := a.keptMemory(); len(kept) > 0 {
+			// The kept chunks are resident and locked: out of MemAvailable
+			// (or the free huge pages) and yet the pool's own. Planned
+			// without them, a restart would plan a smaller pool and drop
+			// what it is about to adopt.
+			info = info.WithKept(kept)
+			a.log.Info("planning with the memory the keeper holds for the pool counted as available",
+				"chunks", len(kept), bytesize.Attr("kept", node.KeptBytes(kept)))
+		}
+		in := sizing.Input{Node: info, Allocatable: a.allocatable}
 		for _, d := range a.devs {
 			in.GPUs = append(in.GPUs, sizing.GPU{Index: d.Index, UUID: d.UUID, NUMA: d.NUMA, Memory: d.Memory})
 		}

@@ -60,8 +60,14 @@ func keptAgentLogging(t *testing.T, dir, keeperSock string, tokens []string, log
 	cfg.Metrics.Address, cfg.Health.Address = "", ""
 	cfg.KeeperSocket = keeperSock
 	cfg.Standalone.Tokens = tokens
+	return bootAgent(t, Options{Config: &cfg, Standalone: true, ChunksPerGPU: 2, ChunkBytes: 2 << 20, Logger: log})
+}
+
+// bootAgent boots an agent and runs it; stop ends it (as a SIGTERM does).
+func bootAgent(t *testing.T, o Options) (a *Agent, stop func()) {
+	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
-	a, err := Boot(ctx, Options{Config: &cfg, Standalone: true, ChunksPerGPU: 2, ChunkBytes: 2 << 20, Logger: log})
+	a, err := Boot(ctx, o)
 	if err != nil {
 		cancel()
 		t.Fatal(err)
@@ -687,5 +693,55 @@ func TestBooksCompactedWhileQuiet(t *testing.T) {
 	}
 	if r := a2.a.restartStatus(); r.Streams != streams {
 		t.Fatalf("restored %d streams, want %d: %+v", r.Streams, streams, r)
+	}
+}
+
+// A restart plans the pool it is about to adopt. The kept chunks are
+// resident and locked, so MemAvailable no longer counts them; a plan made
+// from the node's figures alone (sizing.fraction of MemAvailable, the
+// default) came out half the size at every restart, and the kept chunks
+// past it were dropped with whatever they held. The node here is a fake
+// /proc whose MemAvailable falls by the pool between the two starts, as
+// the kernel's does.
+func TestRestartPlansWithTheKeptMemory(t *testing.T) {
+	dir := t.TempDir()
+	ks, _ := startKeeper(t)
+	root := filepath.Join(dir, "root")
+	if err := os.MkdirAll(filepath.Join(root, "proc"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	meminfo := func(availMiB int) {
+		t.Helper()
+		data := fmt.Sprintf("MemTotal: %d kB\nMemAvailable: %d kB\n", 64<<20, availMiB<<10)
+		if err := os.WriteFile(filepath.Join(root, "proc/meminfo"), []byte(data), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	boot := func() (*Agent, func()) {
+		t.Helper()
+		cfg := config.Default()
+		cfg.SocketDir, cfg.StateDir = filepath.Join(dir, "sock"), filepath.Join(dir, "state")
+		cfg.KubeletDir = filepath.Join(dir, "kubelet")
+		cfg.Metrics.Address, cfg.Health.Address = "", ""
+		cfg.KeeperSocket = ks
+		// Half of MemAvailable in 2 MiB chunks of 4 KiB pages.
+		cfg.Sizing.ChunkBytes, cfg.Sizing.ReserveBytes = 2<<20, 0
+		cfg.Sizing.HugePages = config.HugePagesNever
+		return bootAgent(t, Options{Config: &cfg, SimulateGPUs: 1, Root: root, Logger: quietLog})
+	}
+	meminfo(16)
+	a, stop := boot()
+	waitUntil(t, "the first agent's 4 chunks", func() bool { return len(chunksOf(a)) == 4 })
+	first := slices.Sorted(maps.Keys(chunksOf(a)))
+	stop()
+
+	meminfo(16 - 8) // the kept 8 MiB are no longer available
+	a, stop = boot()
+	defer stop()
+	if got := len(a.a.specs); got != 4 {
+		t.Errorf("the restarted agent planned %d chunks, want the 4 it holds", got)
+	}
+	if got := slices.Sorted(maps.Keys(a.a.restart.adopted)); !slices.Equal(got, first) {
+		t.Errorf("adopted %v, want every kept chunk %v", got, first)
 	}
 }

@@ -17,8 +17,10 @@ import (
 	"github.com/kvpool/kvpool/internal/config"
 	"github.com/kvpool/kvpool/internal/hostmem"
 	"github.com/kvpool/kvpool/internal/keeper"
+	"github.com/kvpool/kvpool/internal/node"
 	"github.com/kvpool/kvpool/internal/report"
 	"github.com/kvpool/kvpool/internal/server"
+	"github.com/kvpool/kvpool/pkg/contract"
 	"github.com/kvpool/kvpool/pkg/pool"
 )
 
@@ -28,8 +30,11 @@ const keeperWait = 30 * time.Second
 
 // restart is what the agent took over from the keeper at start.
 type restart struct {
-	kmu      sync.Mutex
-	keeper   *keeper.Client // kmu: replaced when the agent connects to a new keeper (keeperwatch.go)
+	kmu    sync.Mutex
+	keeper *keeper.Client // kmu: replaced when the agent connects to a new keeper (keeperwatch.go)
+	// held: what the keeper handed over at connect, until the restore
+	// takes it (nil after).
+	held     *keeper.State
 	books    *books.Books
 	genMu    sync.Mutex
 	gens     map[string]uint64 // memfd generation of each chunk the agent holds; genMu
@@ -57,13 +62,12 @@ type restart struct {
 	keeperCounters
 }
 
-// restore is the step "keeper": it connects to the keeper, replays the
-// books, adopts every kept chunk whose identity matches them and rebuilds
-// the pool, so that no chunk is pinned twice and every committed session
-// and stream is back. Whatever cannot be adopted is dropped and said so;
-// books of another format version are refused, the keeper's state
-// released, and the agent starts fresh.
-func (a *agent) restore() (err error) {
+// connectKeeper is the step "keeper": it connects to the keeper and takes
+// what it holds, before the plan, so that the plan counts the memory the
+// keeper holds for the pool as the pool's own (keptMemory). Its stop
+// closes the keeper connection; the keeper keeps the memory and the books
+// for the next agent.
+func (a *agent) connectKeeper() error {
 	path := a.cfg.KeeperSocket
 	// The configuration checked socketDir; the socket the agent serves
 	// may be elsewhere (--socket).
@@ -74,6 +78,41 @@ func (a *agent) restore() (err error) {
 	if err != nil {
 		return fmt.Errorf("keeper: %w (is `agent keeper --socket %s` running?)", err, path)
 	}
+	r := &restart{keeper: kc, held: held, gens: map[string]uint64{}, adopted: map[string]bool{}, lockq: newLockQueue()}
+	r.locks.Store(held.Locks)
+	a.restart = r
+	return nil
+}
+
+// keptMemory is the memory of the chunks the keeper holds, by NUMA node
+// (from the chunk's ID) and page size (from its memfd): the plan counts it
+// as available (node.Info.WithKept). Nothing without a keeper.
+func (a *agent) keptMemory() []node.Kept {
+	if a.restart == nil || a.restart.held == nil {
+		return nil
+	}
+	var kept []node.Kept
+	for _, h := range a.restart.held.Chunks {
+		numa := -1
+		if _, n, _, err := contract.ParseChunkID(h.ID); err == nil {
+			numa = n
+		}
+		kept = append(kept, node.Kept{NUMA: numa, PageSize: hostmem.FilePageSize(h.File), Bytes: h.Size})
+	}
+	return kept
+}
+
+// restore is the step "restore": it replays the books the keeper holds,
+// adopts every kept chunk whose identity matches them and the plan, and
+// rebuilds the pool, so that no chunk is pinned twice and every committed
+// session and stream is back. Whatever cannot be adopted is dropped and
+// said so; books of another format version are refused, the keeper's
+// state released, and the agent starts fresh. Its stop (stopRestore)
+// closes the books.
+func (a *agent) restore() (err error) {
+	r := a.restart
+	held := r.held
+	r.held = nil
 	// The restore allocates what it keeps and little else, nearly all of
 	// it before the socket opens: collecting meanwhile only delays the
 	// socket (131,072 streams: 223-230 ms to serving with the collector
@@ -87,20 +126,17 @@ func (a *agent) restore() (err error) {
 	// mark. Should the start stop earlier, undoing this step (or the
 	// failed restore itself) turns it back on.
 	gcPercent := debug.SetGCPercent(-1)
-	r := &restart{keeper: kc, gens: map[string]uint64{}, adopted: map[string]bool{}, lockq: newLockQueue()}
-	r.locks.Store(held.Locks)
 	r.gcOn = sync.OnceFunc(func() { debug.SetGCPercent(gcPercent) })
 	defer func() {
 		if err != nil {
 			r.gcOn()
 		}
 	}()
-	a.restart = r
 	if m := a.readMarker(); held.Books == nil && m.BooksGen > 0 {
 		r.poolLost = &poolLoss{marker: m}
 		a.log.Error("the keeper lost the pool: it holds no books, though it held generation "+fmt.Sprint(m.BooksGen)+
 			" for the previous agent; that pool's sessions and streams are gone, and the pool is allocated fresh",
-			"keeper", path, "chunksThen", m.Chunks, "sessionsThen", m.Sessions, "markedAt", m.Written)
+			"keeper", a.cfg.KeeperSocket, "chunksThen", m.Chunks, "sessionsThen", m.Sessions, "markedAt", m.Written)
 		a.events.PoolLost(m.Chunks, m.Sessions)
 	}
 	t0 := time.Now()
@@ -117,7 +153,7 @@ func (a *agent) restore() (err error) {
 	// The books start while the pool is rebuilt (both only read st):
 	// mostly they go on in the kept memfd, which costs little, but a log
 	// past its room is copied and one far past it compacted.
-	startBooks := startAside(func() (*books.Books, error) { return books.Start(st, info.Gen, kc, a.booksFailed) })
+	startBooks := startAside(func() (*books.Books, error) { return books.Start(st, info.Gen, r.client(), a.booksFailed) })
 	img := st.Image()
 	if breakImage != nil {
 		breakImage(&img)
@@ -132,13 +168,13 @@ func (a *agent) restore() (err error) {
 			c.Close()
 			delete(a.hmem, id)
 		}
-		if err := kc.Reset(); err != nil {
+		if err := r.client().Reset(); err != nil {
 			return fmt.Errorf("keeper: %w", err)
 		}
 		clear(r.adopted)
 		clear(r.gens)
 		st, sessions = books.NewState(), nil
-		startBooks = func() (*books.Books, error) { return books.Start(st, info.Gen, kc, a.booksFailed) }
+		startBooks = func() (*books.Books, error) { return books.Start(st, info.Gen, r.client(), a.booksFailed) }
 	}
 	r.sessions = st.Restored(sessions)
 	r.streams = 0
@@ -241,23 +277,35 @@ func (a *agent) adoptAll(st *books.State, held *keeper.State) error {
 	return nil
 }
 
-// closeKeeper undoes the step "keeper": the books and the keeper
-// connection are closed. The keeper keeps the memory and the books for the
-// next agent.
-func (a *agent) closeKeeper() error {
+// stopRestore undoes the step "restore": the collector back on, the
+// marker written and the books closed, while the pool still holds its
+// chunks (the plan's stop, next, frees them).
+func (a *agent) stopRestore() error {
 	r := a.restart
-	if r == nil {
-		return nil
+	if r.gcOn != nil {
+		r.gcOn()
 	}
-	r.gcOn()
 	if r.books != nil {
 		// A stop with nothing to lose leaves no marker; with something, the
 		// marker says what a later agent will not find if the keeper is
 		// lost (while it is lost, what this stop loses).
 		a.writeMarker()
-	}
-	if r.books != nil {
 		r.books.Close()
+	}
+	return nil
+}
+
+// closeKeeper undoes the step "keeper": the keeper connection is closed
+// (and whatever it handed over that the restore did not take). The keeper
+// keeps the memory and the books for the next agent.
+func (a *agent) closeKeeper() error {
+	r := a.restart
+	if r == nil {
+		return nil
+	}
+	if r.held != nil {
+		r.held.Close()
+		r.held = nil
 	}
 	if err := r.client().Close(); err != nil && !errors.Is(err, net.ErrClosed) {
 		return fmt.Errorf("keeper: %w", err)

@@ -44,15 +44,21 @@ func AdoptKept(f *os.File, size int64, node int) *Chunk {
 
 // kept is a kept chunk's description from its file: page size and seals.
 func kept(f *os.File, size int64, node int) *Chunk {
-	c := &Chunk{File: f, Size: size, PageSize: int64(os.Getpagesize()), Node: node}
+	c := &Chunk{File: f, Size: size, PageSize: FilePageSize(f), Node: node}
 	if seals, err := unix.FcntlInt(f.Fd(), unix.F_GET_SEALS, 0); err == nil {
 		c.Sealed = seals&Seals == Seals
 	}
+	return c
+}
+
+// FilePageSize is the page size of a chunk's memfd: a hugetlb memfd's huge
+// page size, else the OS page size.
+func FilePageSize(f *os.File) int64 {
 	var st unix.Stat_t
 	if unix.Fstat(int(f.Fd()), &st) == nil && st.Blksize > 0 {
-		c.PageSize = int64(st.Blksize) // a hugetlb memfd's page size
+		return int64(st.Blksize)
 	}
-	return c
+	return int64(os.Getpagesize())
 }
 
 // FaultInStep is the most FaultIn should be given at once, so that a
