@@ -273,12 +273,7 @@ func (a *agent) writeMarker() {
 		}
 	} else {
 		data, _ := json.Marshal(m)
-		if err = os.MkdirAll(filepath.Dir(a.markerPath()), 0o700); err == nil {
-			tmp := a.markerPath() + ".tmp"
-			if err = os.WriteFile(tmp, data, 0o600); err == nil {
-				err = os.Rename(tmp, a.markerPath())
-			}
-		}
+		err = writeFileAtomic(a.markerPath(), data)
 	}
 	if err != nil {
 		a.log.Warn("keeper marker not written", "path", a.markerPath(), "err", err)

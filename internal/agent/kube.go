@@ -2,9 +2,12 @@ package agent
 
 import (
 	"context"
+	"encoding/json"
+	"errors"
 	"fmt"
 	"log/slog"
 	"os"
+	"path/filepath"
 	"sync"
 	"time"
 
@@ -42,6 +45,10 @@ type kubeParts struct {
 	stopEvents  func()
 	writer      *nodestatus.Writer
 	log         *slog.Logger
+	// read is the Node as connectKube read it; planned, instead, what the
+	// previous agent read, when the Node is read beside serving (wg).
+	read, planned *nodeFacts
+	wg            sync.WaitGroup
 }
 
 // restConfig finds the API server: --kubeconfig, else $KUBECONFIG, else the
@@ -70,8 +77,12 @@ func restConfig(kubeconfig string, getenv func(string) string) (*rest.Config, st
 
 // connectKube connects to the API server and reads the Node. Without a
 // kubeconfig outside a pod it returns nil: the agent then sizes without
-// the Node's allocatable memory and writes no status or events.
-func connectKube(ctx context.Context, kubeconfig string, log *slog.Logger) (*kubeParts, error) {
+// the Node's allocatable memory and writes no status or events. With
+// planned (a restart that adopts the pool: what the previous agent read of
+// this node) it does not wait for the Node: it takes the UID and the
+// allocatable memory from planned, and readLater reads the Node beside
+// serving.
+func connectKube(ctx context.Context, kubeconfig string, planned *nodeFacts, log *slog.Logger) (*kubeParts, error) {
 	rc, from, err := restConfig(kubeconfig, os.Getenv)
 	if err != nil {
 		return nil, err
@@ -90,23 +101,15 @@ func connectKube(ctx context.Context, kubeconfig string, log *slog.Logger) (*kub
 		return nil, err
 	}
 	k := &kubeParts{node: name, cs: cs, log: log}
-	var uid types.UID
-	gctx, cancel := context.WithTimeout(ctx, 15*time.Second)
-	n, err := cs.CoreV1().Nodes().Get(gctx, name, metav1.GetOptions{})
-	cancel()
-	if err != nil {
+	if planned != nil && planned.Node == name {
+		k.nodeUID, k.allocatable, k.planned = planned.UID, planned.Allocatable, planned
+	} else if f, err := k.readNode(ctx); err != nil {
 		log.Warn("reading the Node failed; sizing without its allocatable memory", "node", name, "err", err)
 	} else {
-		uid = n.UID
-		k.nodeUID = uid
-		m, err := kubenode.FromNode(n)
-		if err != nil {
-			log.Warn("the Node's allocatable memory is unusable; sizing without it", "node", name, "err", err)
-		} else {
-			k.allocatable = m.Allocatable
-		}
+		k.nodeUID, k.allocatable = f.UID, f.Allocatable
+		k.read = f
 	}
-	k.events, k.stopEvents = events.NewBroadcaster(&typedcorev1.EventSinkImpl{Interface: cs.CoreV1().Events("")}, events.NodeRef(name, uid))
+	k.events, k.stopEvents = events.NewBroadcaster(&typedcorev1.EventSinkImpl{Interface: cs.CoreV1().Events("")}, events.NodeRef(name, k.nodeUID))
 
 	c, err := nodestatus.NewClient(rc, cs)
 	if err != nil {
@@ -114,28 +117,149 @@ func connectKube(ctx context.Context, kubeconfig string, log *slog.Logger) (*kub
 		return nil, fmt.Errorf("API client: %w", err)
 	}
 	k.writer = nodestatus.NewWriter(c, name, nodestatus.Options{Log: log})
-	log.Info("connected to the API server", "via", from, "node", name, "allocatable", k.allocatable)
+	if k.planned != nil {
+		log.Info("connected to the API server; the Node is read beside serving, the plan uses what the previous agent read of it",
+			"via", from, "node", name, "allocatable", k.allocatable, "readThen", k.planned.Read)
+	} else {
+		log.Info("connected to the API server", "via", from, "node", name, "allocatable", k.allocatable)
+	}
 	return k, nil
+}
+
+// nodeReadTimeout bounds a read of the Node.
+const nodeReadTimeout = 15 * time.Second
+
+// readNode reads the agent's Node: its UID and allocatable memory (0, with
+// a warning, when that is unusable).
+func (k *kubeParts) readNode(ctx context.Context) (*nodeFacts, error) {
+	gctx, cancel := context.WithTimeout(ctx, nodeReadTimeout)
+	n, err := k.cs.CoreV1().Nodes().Get(gctx, k.node, metav1.GetOptions{})
+	cancel()
+	if err != nil {
+		return nil, err
+	}
+	f := &nodeFacts{Node: k.node, UID: n.UID, Read: time.Now().UTC()}
+	if m, err := kubenode.FromNode(n); err != nil {
+		k.log.Warn("the Node's allocatable memory is unusable; sizing without it", "node", k.node, "err", err)
+	} else {
+		f.Allocatable = m.Allocatable
+	}
+	return f, nil
+}
+
+// readLater reads the Node beside serving, after a start that planned with
+// what the previous agent read (connectKube's planned), and says what
+// changed since: the pool keeps its plan, and the next start plans with
+// the new figures (they are kept for it).
+func (k *kubeParts) readLater(ctx context.Context, save func(*nodeFacts)) {
+	f, err := k.readNode(ctx)
+	if err != nil {
+		if ctx.Err() == nil {
+			k.log.Warn("reading the Node beside serving failed; the pool is planned with what the previous agent read of it",
+				"node", k.node, "readThen", k.planned.Read, "err", err)
+		}
+		return
+	}
+	if f.Allocatable != k.planned.Allocatable {
+		k.log.Warn("the Node's allocatable memory changed since the previous agent read it; the pool keeps its plan until the agent's next start",
+			"node", k.node, "planned", k.planned.Allocatable, "now", f.Allocatable, "readThen", k.planned.Read)
+	}
+	if f.UID != k.planned.UID {
+		k.log.Warn("the Node was recreated since the previous agent read it; this agent's events name the old one",
+			"node", k.node, "uid", f.UID, "uidThen", k.planned.UID)
+	}
+	save(f)
 }
 
 // startKube is the step "kube" (cluster mode): the API server, when
 // there is one, names the node and gives its allocatable memory and the
-// Node events. closeKube stops the events.
+// Node events. At a restart that adopts the pool, the Node is read beside
+// serving (connectKube). closeKube stops the events.
 func (a *agent) startKube(ctx context.Context) error {
-	k, err := connectKube(ctx, a.opts.Kubeconfig, a.log)
+	k, err := connectKube(ctx, a.opts.Kubeconfig, a.plannedNode(), a.log)
 	if err != nil || k == nil {
 		return err
 	}
 	a.kube = k
 	a.node, a.allocatable, a.events = k.node, k.allocatable, k.events
+	switch {
+	case k.read != nil:
+		a.saveNodeFacts(k.read)
+	case k.planned != nil:
+		k.wg.Go(func() { k.readLater(ctx, a.saveNodeFacts) })
+	}
 	return nil
 }
 
 func (a *agent) closeKube() error {
 	if k := a.kube; k != nil {
+		k.wg.Wait()
 		k.close()
 	}
 	return nil
+}
+
+// nodeFacts are what an agent read of its Node, kept in the state
+// directory (nodeFactsFile) for a restart.
+type nodeFacts struct {
+	Node        string    `json:"node"`
+	UID         types.UID `json:"uid"`
+	Allocatable int64     `json:"allocatable"`
+	Read        time.Time `json:"read"`
+}
+
+// nodeFactsFile is the name of the kept nodeFacts in the state directory.
+const nodeFactsFile = "node.json"
+
+// plannedNode is what the previous agent read of the Node, when this
+// start is a restart that adopts the pool (the keeper holds chunks) and
+// the state directory has it; nil otherwise. Such a restart plans with it
+// rather than wait for the API server: the pool it adopts was planned with
+// it, and a slow or unreachable API server delays no restart.
+func (a *agent) plannedNode() *nodeFacts {
+	if r := a.restart; r == nil || r.held == nil || len(r.held.Chunks) == 0 {
+		return nil
+	}
+	path := filepath.Join(a.cfg.StateDir, nodeFactsFile)
+	data, err := os.ReadFile(path)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	var f nodeFacts
+	if err == nil {
+		err = json.Unmarshal(data, &f)
+	}
+	if err == nil && (f.Node == "" || f.Allocatable < 0) {
+		err = errors.New("no node or a negative allocatable memory")
+	}
+	if err != nil {
+		a.log.Warn("the kept Node facts are unreadable; reading the Node", "path", path, "err", err)
+		return nil
+	}
+	return &f
+}
+
+// saveNodeFacts keeps f for the next start. A failure is logged: the next
+// start then reads the Node before it plans.
+func (a *agent) saveNodeFacts(f *nodeFacts) {
+	data, _ := json.Marshal(f)
+	path := filepath.Join(a.cfg.StateDir, nodeFactsFile)
+	if err := writeFileAtomic(path, data); err != nil {
+		a.log.Warn("the Node facts were not kept for the next start", "path", path, "err", err)
+	}
+}
+
+// writeFileAtomic writes data to path through a temporary file renamed
+// over it, making path's directory (0700) first.
+func writeFileAtomic(path string, data []byte) error {
+	if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
+		return err
+	}
+	tmp := path + ".tmp"
+	if err := os.WriteFile(tmp, data, 0o600); err != nil {
+		return err
+	}
+	return os.Rename(tmp, path)
 }
 
 // statusStep is the step "status" (cluster mode): the node's KVPoolNode

@@ -88,11 +88,11 @@ func (a *agent) steps(m mode) []step {
 		}
 	}
 	add(true, step{name: "node", start: a.readNode})
+	// The keeper first: the plan counts what it holds as the pool's own,
+	// and a restart that adopts a pool reads the Node beside serving.
+	add(m.keeper, step{name: "keeper", start: do(a.connectKeeper), stop: a.closeKeeper})
 	add(!m.standalone, step{name: "kube", start: a.startKube, stop: a.closeKube})
 	add(true, a.gpusStep(m))
-	// The keeper before the plan: the plan counts what it holds as the
-	// pool's own.
-	add(m.keeper, step{name: "keeper", start: do(a.connectKeeper), stop: a.closeKeeper})
 	add(true, a.planStep(m))
 	add(m.keeper, step{name: "restore", start: do(a.restore), stop: a.stopRestore})
 	add(m.static(), step{name: "tokens", start: do(a.prepareTokens)})
