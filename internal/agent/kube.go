@@ -183,6 +183,8 @@ func (a *agent) startKube(ctx context.Context) error {
 	a.kube = k
 	a.node, a.allocatable, a.events = k.node, k.allocatable, k.events
 	switch {
+	case a.restart == nil:
+		// Without a keeper a restart adopts nothing: nothing to keep.
 	case k.read != nil:
 		a.saveNodeFacts(k.read)
 	case k.planned != nil:
@@ -191,16 +193,29 @@ func (a *agent) startKube(ctx context.Context) error {
 	return nil
 }
 
+// closeKube stops the events. A stop also removes the kept Node facts:
+// they serve a restart after a crash, which runs no stop; after a stop
+// (an upgrade, an uninstall) the next agent reads the Node, and an
+// uninstall leaves nothing on the node.
 func (a *agent) closeKube() error {
-	if k := a.kube; k != nil {
-		k.wg.Wait()
-		k.close()
+	k := a.kube
+	if k == nil {
+		return nil
+	}
+	k.wg.Wait()
+	k.close()
+	if a.restart != nil {
+		path := filepath.Join(a.cfg.StateDir, nodeFactsFile)
+		if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+			a.log.Warn("the kept Node facts were not removed", "path", path, "err", err)
+		}
 	}
 	return nil
 }
 
 // nodeFacts are what an agent read of its Node, kept in the state
-// directory (nodeFactsFile) for a restart.
+// directory (nodeFactsFile) for a restart after a crash (with a keeper:
+// without one a restart adopts nothing).
 type nodeFacts struct {
 	Node        string    `json:"node"`
 	UID         types.UID `json:"uid"`

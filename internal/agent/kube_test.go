@@ -148,3 +148,22 @@ func TestPlannedNode(t *testing.T) {
 		})
 	}
 }
+
+// A stop removes the kept Node facts (they serve a restart after a crash):
+// an uninstall leaves nothing on the node.
+func TestStopRemovesNodeFacts(t *testing.T) {
+	cfg := config.Default()
+	cfg.StateDir = t.TempDir()
+	a := &agent{cfg: &cfg, log: quietLog, restart: &restart{}, kube: &kubeParts{}}
+	a.saveNodeFacts(&nodeFacts{Node: "n1", Allocatable: 1 << 30})
+	path := filepath.Join(cfg.StateDir, nodeFactsFile)
+	if _, err := os.Stat(path); err != nil {
+		t.Fatalf("facts not kept: %v", err)
+	}
+	if err := a.closeKube(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(path); !os.IsNotExist(err) {
+		t.Errorf("facts left after the stop: %v", err)
+	}
+}

@@ -566,7 +566,13 @@ func TestChartInstall(t *testing.T) {
 			})
 			r := gaps[len(gaps)-1]
 			t.Logf("kill %d: agent restarted in place, serving again %s after the SIGKILL (its own gap, from the killed agent's last sign of life: %v)", kill, r.since(killed), r.gap)
-			logSlowSteps(t, containerLog(ap, "agent", 8<<20), "agent ended abnormally; restarting it in place")
+			log := containerLog(ap, "agent", 8<<20)
+			logRestartSteps(t, log, "agent ended abnormally; restarting it in place")
+			// A restart that adopts the pool does not wait for the API
+			// server: it plans with the Node as its predecessor read it.
+			if l := strings.Join(linesSince(log, "agent ended abnormally; restarting it in place"), "\n"); !strings.Contains(l, "the Node is read beside serving") {
+				t.Errorf("kill %d: the restarted agent read the Node before serving", kill)
+			}
 		}
 		// The pod's restart count does not show it; a Node event does.
 		eventually(t, 30*time.Second, "KVPoolAgentRestartedInPlace event on the Node", func() (bool, string, error) {
@@ -764,11 +770,39 @@ func agentPIDs(t *testing.T, p *corev1.Pod) (first, serving int) {
 	return 0, 0
 }
 
-// logSlowSteps logs, from the lines of log after the last that contains
-// after, the start-up steps that took 20 ms or more and every warning or
-// error: where an outlier of a restart's gap went.
-func logSlowSteps(t *testing.T, log, after string) {
+// logRestartSteps logs, from the lines of log after the last that contains
+// after, the start-up steps on one line (ms each; the agent logs them at
+// debug level, which the chart values here set), the API server's line
+// (the Node read before serving or beside it), the serving line (the whole
+// start-up) and every warning or error: where a restart's gap went.
+func logRestartSteps(t *testing.T, log, after string) {
 	t.Helper()
+	var steps []string
+	for _, l := range linesSince(log, after) {
+		i := strings.IndexByte(l, '{')
+		if i < 0 {
+			continue
+		}
+		var m struct {
+			Level, Msg, Step string
+			Took             float64
+		}
+		if json.Unmarshal([]byte(l[i:]), &m) != nil {
+			continue
+		}
+		switch {
+		case m.Msg == "start-up step":
+			steps = append(steps, fmt.Sprintf("%s %.1f", m.Step, m.Took/1e6))
+		case m.Level == "WARN" || m.Level == "ERROR" || m.Msg == "kvpool agent serving" || strings.HasPrefix(m.Msg, "connected to the API server"):
+			t.Logf("  %s", l[i:])
+		}
+	}
+	t.Logf("  start-up steps (ms): %s", strings.Join(steps, ", "))
+}
+
+// linesSince is log's lines from the last one that contains after (all
+// of them when none does).
+func linesSince(log, after string) []string {
 	lines := strings.Split(log, "\n")
 	from := 0
 	for i, l := range lines {
@@ -776,22 +810,7 @@ func logSlowSteps(t *testing.T, log, after string) {
 			from = i
 		}
 	}
-	for _, l := range lines[from:] {
-		i := strings.IndexByte(l, '{')
-		if i < 0 {
-			continue
-		}
-		var m struct {
-			Level, Msg string
-			Took       float64
-		}
-		if json.Unmarshal([]byte(l[i:]), &m) != nil {
-			continue
-		}
-		if (m.Msg == "start-up step" && m.Took >= float64(20*time.Millisecond)) || m.Level == "WARN" || m.Level == "ERROR" {
-			t.Logf("  %s", l[i:])
-		}
-	}
+	return lines[from:]
 }
 
 // restart is one "serving again after a restart" line of an agent's log:

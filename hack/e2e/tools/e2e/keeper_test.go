@@ -213,7 +213,7 @@ func (c *cluster) keeperDeletedUnderWorkload(t *testing.T) {
 	if gaps := restartGaps(l); len(gaps) > 0 {
 		r := gaps[len(gaps)-1]
 		t.Logf("the agent restarted by kubelet: serving again %s after the SIGKILL (its own gap, from the killed agent's last sign of life: %v)", r.since(killed), r.gap)
-		logSlowSteps(t, l, "configuration")
+		logRestartSteps(t, l, "configuration")
 	}
 	if !regexp.MustCompile(fmt.Sprintf(`pool adopted from the keeper\W+chunks\W+%d\b`, poolChunks)).MatchString(l) {
 		t.Errorf("the agent after the crash did not adopt all %d chunks from the new keeper:\n%s", poolChunks, logTailString(l, 3000))
