@@ -145,12 +145,13 @@ type agent struct {
 	socket string
 	life   lifecycle
 
-	info        *node.Info    // step node
-	allocatable int64         // step kube: the Node's allocatable memory, 0 when unknown
-	devs        []gpu.Device  // step gpus
-	gpuSource   string        // where the GPUs came from, for the plan's log line
-	gpuNames    *gpu.Resolver // what clients and kubelet name the GPUs by
-	plan        *sizing.Plan  // step plan
+	info        *node.Info     // step node
+	allocatable int64          // step kube: the Node's allocatable memory, 0 when unknown
+	devs        []gpu.Device   // step gpus
+	gpuSource   string         // where the GPUs came from, for the plan's log line
+	gpuNames    *gpu.Resolver  // what clients and kubelet name the GPUs by
+	plan        *sizing.Plan   // step plan
+	policy      *config.Sizing // step plan: the sizing policy of a sized plan (nil for a fixed layout)
 	specs       []hostmem.Spec
 
 	pool *pool.Pool

@@ -143,6 +143,10 @@ func (a *agent) sizedPlan(standalone bool) planner {
 		if err != nil {
 			return nil, "", fmt.Errorf("sizing the pool: %w", err)
 		}
+		if a.restart != nil && a.restart.held != nil {
+			a.keepKeptPool(p, policy)
+		}
+		a.policy = &policy
 		return p, policy.HugePages, nil
 	}
 }

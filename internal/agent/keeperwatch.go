@@ -11,6 +11,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvpool/kvpool/internal/config"
 	"github.com/kvpool/kvpool/internal/keeper"
 )
 
@@ -226,6 +227,10 @@ type marker struct {
 	Allocations int       `json:"allocations"`
 	Sessions    int       `json:"sessions"`
 	Written     time.Time `json:"written"`
+	// Sizing is the policy the pool was planned with (absent for a fixed
+	// layout, and from agents before it): a restart under the same policy
+	// keeps the pool it adopts (keepKeptPool).
+	Sizing *config.Sizing `json:"sizing,omitempty"`
 }
 
 // poolLoss is what the agent found at start: the keeper had lost the pool
@@ -260,7 +265,7 @@ func (a *agent) readMarker() marker {
 // later agent says.
 func (a *agent) writeMarker() {
 	r := a.restart
-	m := marker{BooksGen: r.books.Stats().Gen, Chunks: len(a.srvChunks()), Allocations: a.allocations(), Written: time.Now().UTC()}
+	m := marker{BooksGen: r.books.Stats().Gen, Chunks: len(a.srvChunks()), Allocations: a.allocations(), Written: time.Now().UTC(), Sizing: a.policy}
 	if a.srv != nil {
 		m.Sessions = len(a.srv.Sessions())
 	}

@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"log/slog"
@@ -22,6 +23,7 @@ import (
 	"github.com/kvpool/kvpool/internal/hostmem"
 	"github.com/kvpool/kvpool/internal/keeper"
 	"github.com/kvpool/kvpool/internal/logging"
+	"github.com/kvpool/kvpool/internal/sizing"
 	"github.com/kvpool/kvpool/pkg/cudart"
 	"github.com/kvpool/kvpool/pkg/pool"
 	"github.com/kvpool/kvpool/pkg/wire"
@@ -717,31 +719,104 @@ func TestRestartPlansWithTheKeptMemory(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	cfg := config.Default()
+	cfg.SocketDir, cfg.StateDir = filepath.Join(dir, "sock"), filepath.Join(dir, "state")
+	cfg.KubeletDir = filepath.Join(dir, "kubelet")
+	cfg.Metrics.Address, cfg.Health.Address = "", ""
+	cfg.KeeperSocket = ks
+	// Half of MemAvailable in 2 MiB chunks of 4 KiB pages.
+	cfg.Sizing.ChunkBytes, cfg.Sizing.ReserveBytes = 2<<20, 0
+	cfg.Sizing.HugePages = config.HugePagesNever
 	boot := func() (*Agent, func()) {
 		t.Helper()
-		cfg := config.Default()
-		cfg.SocketDir, cfg.StateDir = filepath.Join(dir, "sock"), filepath.Join(dir, "state")
-		cfg.KubeletDir = filepath.Join(dir, "kubelet")
-		cfg.Metrics.Address, cfg.Health.Address = "", ""
-		cfg.KeeperSocket = ks
-		// Half of MemAvailable in 2 MiB chunks of 4 KiB pages.
-		cfg.Sizing.ChunkBytes, cfg.Sizing.ReserveBytes = 2<<20, 0
-		cfg.Sizing.HugePages = config.HugePagesNever
-		return bootAgent(t, Options{Config: &cfg, SimulateGPUs: 1, Root: root, Logger: quietLog})
+		c := cfg
+		return bootAgent(t, Options{Config: &c, SimulateGPUs: 1, Root: root, Logger: quietLog})
+	}
+	restart := func(what string, wantPlanned, wantAdopted int) {
+		t.Helper()
+		a, stop := boot()
+		defer stop()
+		if got := len(a.a.specs); got != wantPlanned {
+			t.Errorf("%s: the restarted agent planned %d chunks, want %d", what, got, wantPlanned)
+		}
+		if got := len(a.a.restart.adopted); got != wantAdopted {
+			t.Errorf("%s: adopted %d kept chunks, want %d", what, got, wantAdopted)
+		}
 	}
 	meminfo(16)
 	a, stop := boot()
 	waitUntil(t, "the first agent's 4 chunks", func() bool { return len(chunksOf(a)) == 4 })
-	first := slices.Sorted(maps.Keys(chunksOf(a)))
 	stop()
 
 	meminfo(16 - 8) // the kept 8 MiB are no longer available
-	a, stop = boot()
-	defer stop()
-	if got := len(a.a.specs); got != 4 {
-		t.Errorf("the restarted agent planned %d chunks, want the 4 it holds", got)
+	restart("the node as before", 4, 4)
+
+	// Others took 4 MiB meanwhile: the node's figures plan 3 chunks. With
+	// something to lose (the marker, as an agent serving an allocation
+	// writes it) under the same policy, the pool keeps its 4.
+	meminfo(16 - 8 - 4)
+	data, _ := json.Marshal(marker{BooksGen: 1, Allocations: 1, Sizing: &cfg.Sizing})
+	if err := writeFileAtomic(filepath.Join(cfg.StateDir, markerFile), data); err != nil {
+		t.Fatal(err)
 	}
-	if got := slices.Sorted(maps.Keys(a.a.restart.adopted)); !slices.Equal(got, first) {
-		t.Errorf("adopted %v, want every kept chunk %v", got, first)
+	restart("less free memory, the same policy, an allocation", 4, 4)
+	// Nothing to lose (that stop removed the marker): the plan stands and
+	// the kept chunk past it is dropped.
+	restart("less free memory, nothing to lose", 3, 3)
+}
+
+// A restart under the sizing policy its pool was planned with keeps the
+// chunks it holds even where the node's free memory now plans fewer (the
+// marker, there while the pool holds an allocation or a session, names the
+// policy); a changed policy, no marker or a kept chunk the plan would not
+// name plans as the node says.
+func TestRestartKeepsTheKeptPoolUnderTheSamePolicy(t *testing.T) {
+	policy := config.Default().Sizing
+	policy.ChunkBytes = 2 << 20
+	smaller := policy
+	smaller.Fraction = 0.25
+	held := func(ids ...string) []keeper.Held {
+		var hs []keeper.Held
+		for _, id := range ids {
+			hs = append(hs, keeper.Held{Item: keeper.Item{ID: id, Size: 2 << 20}})
+		}
+		return hs
+	}
+	four := held("gpu0-numa0-0", "gpu0-numa0-1", "gpu0-numa0-2", "gpu0-numa0-3")
+	for _, c := range []struct {
+		name   string
+		marker *config.Sizing // nil: no marker
+		held   []keeper.Held
+		want   int
+	}{
+		{"the same policy", &policy, four, 4},
+		{"a changed policy", &smaller, four, 2},
+		{"no marker: nothing to lose", nil, four, 2},
+		{"a marker from before the policy was kept", &config.Sizing{}, four, 2},
+		{"chunks of another NUMA node or size", &policy, append(held("gpu0-numa1-5", "gpu9-numa0-7"),
+			keeper.Held{Item: keeper.Item{ID: "gpu0-numa0-6", Size: 4 << 20}}), 2},
+		{"a gap in the kept indexes", &policy, held("gpu0-numa0-0", "gpu0-numa0-4"), 5},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			cfg := config.Default()
+			cfg.StateDir = t.TempDir()
+			a := &agent{cfg: &cfg, log: quietLog, restart: &restart{held: &keeper.State{Chunks: c.held}}}
+			if c.marker != nil {
+				m := marker{BooksGen: 3, Allocations: 1}
+				if *c.marker != (config.Sizing{}) {
+					m.Sizing = c.marker
+				}
+				data, _ := json.Marshal(m)
+				if err := writeFileAtomic(a.markerPath(), data); err != nil {
+					t.Fatal(err)
+				}
+			}
+			p := &sizing.Plan{ChunkBytes: 2 << 20, Total: 4 << 20, Bound: sizing.BoundFraction,
+				GPUs: []sizing.GPUPlan{{GPU: 0, NUMA: 0, Chunks: 2, Bytes: 4 << 20, Bound: sizing.BoundFraction}}}
+			a.keepKeptPool(p, policy)
+			if got := p.GPUs[0].Chunks; got != c.want {
+				t.Errorf("planned %d chunks, want %d", got, c.want)
+			}
+		})
 	}
 }

@@ -20,6 +20,7 @@ import (
 	"github.com/kvpool/kvpool/internal/node"
 	"github.com/kvpool/kvpool/internal/report"
 	"github.com/kvpool/kvpool/internal/server"
+	"github.com/kvpool/kvpool/internal/sizing"
 	"github.com/kvpool/kvpool/pkg/contract"
 	"github.com/kvpool/kvpool/pkg/pool"
 )
@@ -100,6 +101,45 @@ func (a *agent) keptMemory() []node.Kept {
 		kept = append(kept, node.Kept{NUMA: numa, PageSize: hostmem.FilePageSize(h.File), Bytes: h.Size})
 	}
 	return kept
+}
+
+// keepKeptPool raises the plan to the chunks the keeper holds when the
+// marker says the pool was planned under this very sizing policy: the node
+// having less free memory than when the pool was planned (others took it)
+// then does not make a restart drop chunks it already holds, and their
+// sessions with them. A changed policy (an upgrade that shrinks the pool)
+// plans as it says. The marker is there only while the pool holds an
+// allocation or a session: with nothing to lose, the plan stands.
+func (a *agent) keepKeptPool(p *sizing.Plan, policy config.Sizing) {
+	m := a.readMarker()
+	if m.Sizing == nil || *m.Sizing != policy {
+		return
+	}
+	planned := p.Total
+	if p.KeepAtLeast(keptChunks(a.restart.held.Chunks, p)) {
+		a.log.Warn("the node's free memory plans a smaller pool than the one kept across the restart; "+
+			"the sizing policy is unchanged, so the pool keeps the chunks it holds",
+			bytesize.Attr("planned", planned), bytesize.Attr("kept", p.Total))
+	}
+}
+
+// keptChunks is, for each GPU of p, the chunks the keeper holds that the
+// plan would name for it (its NUMA node, the plan's chunk size): one past
+// the highest index held.
+func keptChunks(held []keeper.Held, p *sizing.Plan) map[int]int {
+	numa := make(map[int]int, len(p.GPUs))
+	for _, g := range p.GPUs {
+		numa[g.GPU] = g.NUMA
+	}
+	need := map[int]int{}
+	for _, h := range held {
+		gpu, n, i, err := contract.ParseChunkID(h.ID)
+		if want, ok := numa[gpu]; err != nil || !ok || n != want || h.Size != p.ChunkBytes {
+			continue
+		}
+		need[gpu] = max(need[gpu], i+1)
+	}
+	return need
 }
 
 // restore is the step "restore": it replays the books the keeper holds,
