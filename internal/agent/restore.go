@@ -64,10 +64,11 @@ type restart struct {
 }
 
 // connectKeeper is the step "keeper": it connects to the keeper and takes
-// what it holds, before the plan, so that the plan counts the memory the
-// keeper holds for the pool as the pool's own (keptMemory). Its stop
-// closes the keeper connection; the keeper keeps the memory and the books
-// for the next agent.
+// what it holds, first, so that the plan counts the memory the keeper holds
+// for the pool as the pool's own (keptMemory) and a restart that adopts a
+// pool does not wait for the API server (plannedNode). Its stop closes the
+// keeper connection; the keeper keeps the memory and the books for the
+// next agent.
 func (a *agent) connectKeeper() error {
 	path := a.cfg.KeeperSocket
 	// The configuration checked socketDir; the socket the agent serves
