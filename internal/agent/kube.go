@@ -240,18 +240,28 @@ func (a *agent) plannedNode() *nodeFacts {
 	if errors.Is(err, os.ErrNotExist) {
 		return nil
 	}
-	var f nodeFacts
+	var f *nodeFacts
 	if err == nil {
-		err = json.Unmarshal(data, &f)
-	}
-	if err == nil && (f.Node == "" || f.Allocatable < 0) {
-		err = errors.New("no node or a negative allocatable memory")
+		f, err = parseNodeFacts(data)
 	}
 	if err != nil {
 		a.log.Warn("the kept Node facts are unreadable; reading the Node", "path", path, "err", err)
 		return nil
 	}
-	return &f
+	return f
+}
+
+// parseNodeFacts decodes kept nodeFacts; facts without a node or with a
+// negative allocatable memory are refused.
+func parseNodeFacts(data []byte) (*nodeFacts, error) {
+	var f nodeFacts
+	if err := json.Unmarshal(data, &f); err != nil {
+		return nil, err
+	}
+	if f.Node == "" || f.Allocatable < 0 {
+		return nil, fmt.Errorf("node %q, allocatable memory %d: want a node and a figure of 0 or more", f.Node, f.Allocatable)
+	}
+	return &f, nil
 }
 
 // saveNodeFacts keeps f for the next start. A failure is logged: the next

@@ -167,3 +167,26 @@ func TestStopRemovesNodeFacts(t *testing.T) {
 		t.Errorf("facts left after the stop: %v", err)
 	}
 }
+
+// parseNodeFacts accepts only whole facts, and what it accepts reads back
+// the same after it is written again.
+func FuzzParseNodeFacts(f *testing.F) {
+	good, _ := json.Marshal(nodeFacts{Node: "n1", UID: "u", Allocatable: 1 << 30, Read: time.Unix(1700000000, 5).UTC()})
+	for _, seed := range [][]byte{good, []byte("{"), []byte(`{"allocatable":1}`), []byte(`{"node":"n","allocatable":-1}`), []byte("null"), nil} {
+		f.Add(seed)
+	}
+	f.Fuzz(func(t *testing.T, data []byte) {
+		got, err := parseNodeFacts(data)
+		if err != nil {
+			return
+		}
+		if got.Node == "" || got.Allocatable < 0 {
+			t.Fatalf("accepted %q as %+v", data, got)
+		}
+		again, _ := json.Marshal(got)
+		back, err := parseNodeFacts(again)
+		if err != nil || back.Node != got.Node || back.UID != got.UID || back.Allocatable != got.Allocatable || !back.Read.Equal(got.Read) {
+			t.Fatalf("%q -> %+v -> %s -> %+v, %v", data, got, again, back, err)
+		}
+	})
+}
