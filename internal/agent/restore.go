@@ -34,8 +34,10 @@ type restart struct {
 	kmu    sync.Mutex
 	keeper *keeper.Client // kmu: replaced when the agent connects to a new keeper (keeperwatch.go)
 	// held: what the keeper handed over at connect, until the restore
-	// takes it (nil after).
+	// takes it (nil after); marker: the keeper marker as the previous
+	// agent left it, read at connect.
 	held     *keeper.State
+	marker   marker
 	books    *books.Books
 	genMu    sync.Mutex
 	gens     map[string]uint64 // memfd generation of each chunk the agent holds; genMu
@@ -80,7 +82,7 @@ func (a *agent) connectKeeper() error {
 	if err != nil {
 		return fmt.Errorf("keeper: %w (is `agent keeper --socket %s` running?)", err, path)
 	}
-	r := &restart{keeper: kc, held: held, gens: map[string]uint64{}, adopted: map[string]bool{}, lockq: newLockQueue()}
+	r := &restart{keeper: kc, held: held, marker: a.readMarker(), gens: map[string]uint64{}, adopted: map[string]bool{}, lockq: newLockQueue()}
 	r.locks.Store(held.Locks)
 	a.restart = r
 	return nil
@@ -112,7 +114,7 @@ func (a *agent) keptMemory() []node.Kept {
 // plans as it says. The marker is there only while the pool holds an
 // allocation or a session: with nothing to lose, the plan stands.
 func (a *agent) keepKeptPool(p *sizing.Plan, policy config.Sizing) {
-	m := a.readMarker()
+	m := a.restart.marker
 	if m.Sizing == nil || *m.Sizing != policy {
 		return
 	}
@@ -124,21 +126,28 @@ func (a *agent) keepKeptPool(p *sizing.Plan, policy config.Sizing) {
 	}
 }
 
-// keptChunks is, for each GPU of p, the chunks the keeper holds that the
-// plan would name for it (its NUMA node, the plan's chunk size): one past
-// the highest index held.
+// keptChunks is, for each GPU of p, how many of its first chunks (indexes
+// 0, 1, ...) the keeper holds as the plan would name them (its NUMA node,
+// the plan's chunk size): a plan raised to it holds only kept chunks, so
+// keeping the pool allocates nothing. A kept chunk past a gap is left to
+// the plan (dropped where it is past it).
 func keptChunks(held []keeper.Held, p *sizing.Plan) map[int]int {
 	numa := make(map[int]int, len(p.GPUs))
 	for _, g := range p.GPUs {
 		numa[g.GPU] = g.NUMA
 	}
-	need := map[int]int{}
+	have := map[[2]int]bool{} // (GPU, index)
 	for _, h := range held {
 		gpu, n, i, err := contract.ParseChunkID(h.ID)
-		if want, ok := numa[gpu]; err != nil || !ok || n != want || h.Size != p.ChunkBytes {
-			continue
+		if want, ok := numa[gpu]; err == nil && ok && n == want && h.Size == p.ChunkBytes {
+			have[[2]int{gpu, i}] = true
 		}
-		need[gpu] = max(need[gpu], i+1)
+	}
+	need := map[int]int{}
+	for gpu := range numa {
+		for have[[2]int{gpu, need[gpu]}] {
+			need[gpu]++
+		}
 	}
 	return need
 }
@@ -173,7 +182,7 @@ func (a *agent) restore() (err error) {
 			r.gcOn()
 		}
 	}()
-	if m := a.readMarker(); held.Books == nil && m.BooksGen > 0 {
+	if m := r.marker; held.Books == nil && m.BooksGen > 0 {
 		r.poolLost = &poolLoss{marker: m}
 		a.log.Error("the keeper lost the pool: it holds no books, though it held generation "+fmt.Sprint(m.BooksGen)+
 			" for the previous agent; that pool's sessions and streams are gone, and the pool is allocated fresh",
