@@ -181,10 +181,20 @@ func (s *serveSetup) standaloneDefaults() error {
 
 // runServe is `agent [serve]`.
 func runServe(ctx context.Context, args []string) error {
+	var ahead *agent.ReadAhead
 	if os.Getenv(supervise.EnvSpare) != "" {
 		// A spare: started ahead by the supervisor, it waits here, past
-		// Go's initialisation, and reads the configuration when it serves.
-		if turn, err := supervise.AwaitTurn(); !turn {
+		// Go's initialisation, and reads the configuration when it
+		// serves. Meanwhile it reads ahead the books the keeper holds
+		// (agent.ReadAhead).
+		if s, err := resolveServe(args, os.Getenv); err == nil && s.cfg.KeeperSocket != "" && s.cfg.RestartInPlace.ReadAhead {
+			ahead = agent.StartReadAhead(s.cfg.KeeperSocket, agent.ReadAheadEvery)
+		}
+		turn, err := supervise.AwaitTurn()
+		if ahead != nil {
+			ahead.Stop()
+		}
+		if !turn {
 			return err
 		}
 	}
@@ -205,7 +215,12 @@ func runServe(ctx context.Context, args []string) error {
 	}
 	o := s.options(log)
 	o.RestartsInPlace, o.LastExit = restartedInPlace(os.Getenv)
-	return agent.Run(ctx, o)
+	o.ReadAhead = ahead
+	err = agent.Run(ctx, o)
+	if ahead != nil {
+		ahead.Close() // what a start that ended before its restore left
+	}
+	return err
 }
 
 // superviseServe runs `agent serve` again as its own child, restarting it

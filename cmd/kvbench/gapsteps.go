@@ -28,6 +28,9 @@ type gapSteps struct {
 	Books   float64 `json:"books_ms"`
 	Other   float64 `json:"other_ms"`
 	After   float64 `json:"after_serving_ms"`
+	// ReadAhead: the restarted agent was a spare that had read the
+	// books ahead, and replayed only what was committed since.
+	ReadAhead bool `json:"read_ahead,omitempty"`
 }
 
 // restartTimes are one restart's instants as the probe saw them.
@@ -74,6 +77,7 @@ func splitGaps(log string, times []restartTimes) []gapSteps {
 			}
 			*st.v = ms(d)
 		}
+		s.ReadAhead = adopted[i]["readAhead"] == "true"
 		s.Exit = ms(tm.exec.Sub(tm.kill))
 		s.Start = ms(first.Sub(tm.exec))
 		s.Other = ms(served.Sub(first)) - s.Warm - s.Load - s.Adopt - s.Rebuild - s.Books

@@ -203,7 +203,12 @@ func printRestart(w io.Writer, rep *restartReport) {
 	tw.Flush()
 	if rep.RestartBy != "kvbench" {
 		for _, c := range rep.Cases {
-			fmt.Fprintf(w, "%d streams: restarted by the agent's supervisor (--restart-by %s), %d of %d restarts by waking a spare\n", c.Streams, rep.RestartBy, c.FromSpare, len(c.GapsMs))
+			ahead := 0
+			for _, s := range c.Steps {
+				ahead += btoi(s.ReadAhead)
+			}
+			fmt.Fprintf(w, "%d streams: restarted by the agent's supervisor (--restart-by %s), %d of %d restarts by waking a spare, %d of them with the books read ahead\n",
+				c.Streams, rep.RestartBy, c.FromSpare, len(c.GapsMs), ahead)
 		}
 	}
 	printSteps(w, rep)
@@ -638,4 +643,11 @@ func procRSS(pid int) (rss, anon, peak int64) {
 		}
 	}
 	return rss, anon, peak
+}
+
+func btoi(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
 }

@@ -110,6 +110,11 @@ func TestRestartProbe(t *testing.T) {
 		if rep.RestartBy != by.name || c.FromSpare != by.spare || len(c.Steps) != 2 {
 			t.Fatalf("--restart-by %s: %q, %d restarts from a spare, %d split\n%s", by.name, rep.RestartBy, c.FromSpare, len(c.Steps), out)
 		}
+		// The first spare had the fill and the settle to read the books
+		// ahead (a later one may be woken before its first read).
+		if ahead := c.Steps[0].ReadAhead; ahead != (by.spare > 0) {
+			t.Fatalf("--restart-by %s: the first restart's books read ahead: %v\n%s", by.name, ahead, out)
+		}
 		for i, s := range c.Steps {
 			sum := s.Exit + s.Start + s.Warm + s.Load + s.Adopt + s.Rebuild + s.Books + s.Other + s.After
 			// The supervisor's and the agent's lines are timed to the ms.

@@ -87,6 +87,12 @@ type Options struct {
 	// last of them ended ("signal: killed").
 	RestartsInPlace int
 	LastExit        string
+	// ReadAhead, from a spare (StartReadAhead, then Stop), is what it did
+	// ahead of its turn: the restore finishes the books it read when the
+	// keeper hands over the very memfd they were read from (and replays
+	// the books whole otherwise), and starts from its warm heap. The agent
+	// takes it (and closes it).
+	ReadAhead *ReadAhead
 }
 
 // Agent is a running node agent.

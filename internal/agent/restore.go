@@ -44,8 +44,11 @@ type restart struct {
 	adopted  map[string]bool
 	sessions []server.RestoredSession
 	streams  int
-	warmed   int64 // heap made resident for the restore (warmHeap)
-	warmHuge bool  // and asked for in huge pages
+	// readAhead: the restore finished the books a spare read ahead
+	// (loadKept).
+	readAhead bool
+	warmed    int64 // heap made resident for the restore (warmHeap)
+	warmHuge  bool  // and asked for in huge pages
 	// lastAlive is the previous agent's last sign of life; the gap runs
 	// from it until this agent serves.
 	lastAlive time.Time
@@ -163,6 +166,21 @@ func (a *agent) restore() (err error) {
 	r := a.restart
 	held := r.held
 	r.held = nil
+	var ahead *books.Follower
+	var warmHuge bool
+	if ra := a.opts.ReadAhead; ra != nil {
+		a.opts.ReadAhead = nil
+		t := ra.take()
+		ahead, warmHuge = t.fl, t.huge
+		if ahead == nil {
+			a.log.Info("the spare did not read the books ahead; the restore replays them whole", "err", t.err)
+		}
+		defer func() { // books read ahead that the restore did not take
+			if ahead != nil {
+				ahead.Close()
+			}
+		}()
+	}
 	// The restore allocates what it keeps and little else, nearly all of
 	// it before the socket opens: collecting meanwhile only delays the
 	// socket (131,072 streams: 223-230 ms to serving with the collector
@@ -190,10 +208,16 @@ func (a *agent) restore() (err error) {
 		a.events.PoolLost(m.Chunks, m.Sessions)
 	}
 	t0 := time.Now()
-	snap, recs := books.Sizes(held.Books)
-	r.warmed, r.warmHuge = warmHeap(warmSize(snap, recs, memoryLimit()))
+	if ahead != nil && ahead.Follows(held.Books) {
+		// The spare warmed the heap for the rest of the restore of the
+		// books it read ahead: what is free and resident of it.
+		r.warmed, r.warmHuge = heapFree(), warmHuge
+	} else {
+		snap, recs := books.Sizes(held.Books)
+		r.warmed, r.warmHuge = warmHeap(warmSize(snap, recs, memoryLimit()))
+	}
 	tWarm := time.Now()
-	st, info, held := a.loadBooks(held)
+	st, info, held := a.loadBooks(held, &ahead)
 	r.lastAlive = info.LastAlive
 	tLoad := time.Now()
 	if err := a.adoptAll(st, held); err != nil {
@@ -242,9 +266,11 @@ func (a *agent) restore() (err error) {
 	a.pool.SetJournal(b)
 	if len(held.Chunks) > 0 || len(r.adopted) > 0 {
 		r.steps = &report.RestoreSteps{WarmSeconds: tWarm.Sub(t0).Seconds(), WarmBytes: r.warmed, LoadSeconds: tLoad.Sub(tWarm).Seconds(),
-			AdoptSeconds: tAdopt.Sub(tLoad).Seconds(), RebuildSeconds: tPool.Sub(tAdopt).Seconds(), BooksSeconds: tBooks.Sub(tPool).Seconds()}
+			AdoptSeconds: tAdopt.Sub(tLoad).Seconds(), RebuildSeconds: tPool.Sub(tAdopt).Seconds(), BooksSeconds: tBooks.Sub(tPool).Seconds(),
+			ReadAhead: r.readAhead, ReplayedBytes: int64(info.Replayed)}
 		a.log.Info("pool adopted from the keeper", "chunks", len(r.adopted), "sessions", len(r.sessions),
-			"streams", r.streams, "booksGen", info.Gen, bytesize.Attr("warmHeap", r.warmed), "warmHuge", r.warmHuge, "warm", tWarm.Sub(t0).Round(time.Microsecond),
+			"streams", r.streams, "booksGen", info.Gen, "readAhead", r.readAhead, bytesize.Attr("replayed", int64(info.Replayed)),
+			bytesize.Attr("warmHeap", r.warmed), "warmHuge", r.warmHuge, "warm", tWarm.Sub(t0).Round(time.Microsecond),
 			"load", tLoad.Sub(tWarm).Round(time.Microsecond),
 			"adopt", tAdopt.Sub(tLoad).Round(time.Microsecond), "rebuild", tPool.Sub(tAdopt).Round(time.Microsecond),
 			"books", tBooks.Sub(tPool).Round(time.Microsecond))
@@ -274,10 +300,11 @@ func startAside[T any](start func() (T, error)) func() (T, error) {
 // loadBooks replays the books the keeper holds. Books that cannot be
 // adopted, or chunks without books, make the keeper release everything:
 // the agent then starts from fresh books and holds nothing.
-func (a *agent) loadBooks(held *keeper.State) (*books.State, books.Info, *keeper.State) {
+func (a *agent) loadBooks(held *keeper.State, ahead **books.Follower) (*books.State, books.Info, *keeper.State) {
 	switch {
 	case held.Books != nil:
-		st, info, err := books.Load(held.Books)
+		st, info, err := a.loadKept(held.Books, *ahead)
+		*ahead = nil
 		held.Books.Close()
 		if err == nil {
 			return st, info, held
@@ -292,6 +319,23 @@ func (a *agent) loadBooks(held *keeper.State) (*books.State, books.Info, *keeper
 		return books.NewState(), books.Info{}, held
 	}
 	return books.NewState(), books.Info{}, &keeper.State{}
+}
+
+// loadKept replays the kept books f: only the records committed since a
+// spare last read them, where fl read these very books ahead
+// (Options.ReadAhead), the whole books otherwise. It takes fl.
+func (a *agent) loadKept(f *os.File, fl *books.Follower) (*books.State, books.Info, error) {
+	if fl == nil {
+		return books.Load(f)
+	}
+	st, info, err := fl.Load(f)
+	if err == nil {
+		a.restart.readAhead = true
+		return st, info, nil
+	}
+	// Books that compacted since the spare's last read, most often.
+	a.log.Info("the spare's read ahead does not finish the kept books; replaying them whole", "err", err)
+	return books.Load(f)
 }
 
 // adoptAll maps every kept chunk the books and the plan agree on, drops

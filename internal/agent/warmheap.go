@@ -64,16 +64,25 @@ func warmSize(snapshot, records, limit int64) int64 {
 // faults its pages in itself, as it did) and whether it asked for them in
 // huge pages (hugeWarmOK).
 func warmHeap(n int64) (warmed int64, huge bool) {
+	held, huge := warmPieces(n, runtime.GOMAXPROCS(0), nil)
+	return letGo(held), huge
+}
+
+// warmPieces allocates about n bytes of heap in pieces and makes them
+// resident, on up to lanes CPUs, until stop is closed (nil: never); it
+// returns the pieces made resident (the caller holds them until letGo)
+// and whether it asked for huge pages.
+func warmPieces(n int64, lanes int, stop <-chan struct{}) (held [][]byte, huge bool) {
 	if n <= 0 {
-		return 0, false
+		return nil, false
 	}
 	// The first piece tells whether the kernel populates at all, before
 	// the rest of the heap is allocated for nothing.
 	first := make([]byte, warmPiece)
 	if unix.Madvise(first, unix.MADV_POPULATE_WRITE) != nil {
-		return 0, false
+		return nil, false
 	}
-	held := make([][]byte, 1, n/warmPiece+1)
+	held = make([][]byte, 1, n/warmPiece+1)
 	held[0] = first
 	for int64(len(held))*warmPiece < n {
 		held = append(held, make([]byte, warmPiece))
@@ -82,12 +91,17 @@ func warmHeap(n int64) (warmed int64, huge bool) {
 	if huge = hugeWarmOK(n); huge {
 		adviseHuge(rest, unix.MADV_HUGEPAGE)
 	}
-	lanes := min(runtime.GOMAXPROCS(0), len(rest))
+	lanes = max(1, min(lanes, len(rest)))
 	ok := make([]bool, len(rest))
 	var wg sync.WaitGroup
 	for l := range lanes {
 		wg.Go(func() {
 			for i := l; i < len(rest); i += lanes {
+				select {
+				case <-stop:
+					return
+				default:
+				}
 				ok[i] = unix.Madvise(rest[i], unix.MADV_POPULATE_WRITE) == nil
 			}
 		})
@@ -100,20 +114,28 @@ func warmHeap(n int64) (warmed int64, huge bool) {
 		// MADV_NOHUGEPAGE are alike.
 		adviseHuge(rest, unix.MADV_NOHUGEPAGE)
 	}
-	done := int64(warmPiece)
-	for i, b := range rest {
-		if !ok[i] {
-			break
-		}
-		done += int64(len(b))
+	done := 1
+	for done < len(held) && ok[done-1] {
+		done++
+	}
+	return held[:done], huge
+}
+
+// letGo hands the warm pieces back to the heap, resident, and returns
+// their bytes.
+func letGo(held [][]byte) int64 {
+	if len(held) == 0 {
+		return 0
 	}
 	if onWarm != nil {
-		onWarm(held[:done/warmPiece])
+		onWarm(held)
 	}
+	n := int64(len(held)) * warmPiece
+	clear(held)
 	// The collector is off during the restore; this one collection frees
 	// the pieces, and their pages go back to the heap, resident.
 	runtime.GC()
-	return done, huge
+	return n
 }
 
 // onWarm, set by tests, sees the pieces warmHeap made resident before it

@@ -88,6 +88,9 @@ type Store interface {
 type Info struct {
 	Gen       uint64
 	LastAlive time.Time // the last sign of life of the agent that wrote them
+	// Replayed is the bytes of books this call replayed: all of them
+	// (Load), or those committed since a Follower's last read.
+	Replayed uint64
 }
 
 // Load replays the books in f and returns the state, the generation and
@@ -120,18 +123,30 @@ func Load(f *os.File) (*State, Info, error) {
 	if err != nil {
 		return nil, info, err
 	}
-	if binary.LittleEndian.Uint32(mem[8:]) == FormatVersion {
-		// Start copies what was committed instead of writing the state
-		// again (State.src).
-		if fd, err := unix.FcntlInt(f.Fd(), unix.F_DUPFD_CLOEXEC, 0); err == nil {
-			state.src, state.srcEnd = os.NewFile(uintptr(fd), "kvpool-books-kept"), end
-		}
-	}
-	info.Gen = gen
-	if ns := int64(binary.LittleEndian.Uint64(mem[32:])); ns > 0 {
-		info.LastAlive = time.Unix(0, ns)
-	}
+	state.keepSource(f, mem, end)
+	info.Gen, info.Replayed = gen, end-headerSize
+	info.LastAlive = lastAlive(mem)
 	return state, info, nil
+}
+
+// keepSource makes Start copy the records of f (mapped at mem) up to end,
+// which st was replayed from, instead of writing the state again
+// (State.src): books of this format only.
+func (st *State) keepSource(f *os.File, mem []byte, end uint64) {
+	if binary.LittleEndian.Uint32(mem[8:]) != FormatVersion {
+		return
+	}
+	if fd, err := unix.FcntlInt(f.Fd(), unix.F_DUPFD_CLOEXEC, 0); err == nil {
+		st.src, st.srcEnd = os.NewFile(uintptr(fd), "kvpool-books-kept"), end
+	}
+}
+
+// lastAlive is the last sign of life of the books' writer (zero: none).
+func lastAlive(mem []byte) time.Time {
+	if ns := atomic.LoadInt64((*int64)(unsafe.Pointer(&mem[32]))); ns > 0 {
+		return time.Unix(0, ns)
+	}
+	return time.Time{}
 }
 
 // offloadHints counts each session's offload records among the books'
@@ -179,34 +194,72 @@ func replay(mem []byte) (*State, uint64, uint64, error) {
 // replayOn is replay on up to procs goroutines at a time (sessions side
 // by side, and their records decoded ahead).
 func replayOn(mem []byte, procs int) (*State, uint64, uint64, error) {
+	gen, end, err := checkHeader(mem)
+	if err != nil {
+		return nil, 0, 0, err
+	}
+	rp := replayer{r: router{procs: procs}, off: headerSize}
+	rp.hints = offloadHints(mem, rp.off, end)
+	if err := rp.read(mem, end, false); err != nil {
+		return nil, 0, 0, err
+	}
+	st, err := rp.finish()
+	if err != nil {
+		return nil, 0, 0, err
+	}
+	return st, gen, rp.off, nil
+}
+
+// checkHeader checks the books header of mem and returns their generation
+// and where their log ends (its capacity, or mem's end before it).
+func checkHeader(mem []byte) (gen, end uint64, err error) {
 	if len(mem) < headerSize || string(mem[:8]) != magic {
-		return nil, 0, 0, fmt.Errorf("%w: no books header", ErrCorrupt)
+		return 0, 0, fmt.Errorf("%w: no books header", ErrCorrupt)
 	}
 	if v := binary.LittleEndian.Uint32(mem[8:]); v < minFormatVersion || v > FormatVersion {
-		return nil, 0, 0, fmt.Errorf("%w: the books are format version %d, this agent reads versions %d to %d", ErrIncompatible, v, minFormatVersion, FormatVersion)
+		return 0, 0, fmt.Errorf("%w: the books are format version %d, this agent reads versions %d to %d", ErrIncompatible, v, minFormatVersion, FormatVersion)
 	}
-	gen := binary.LittleEndian.Uint64(mem[16:])
-	capacity := binary.LittleEndian.Uint64(mem[24:])
-	end := uint64(len(mem))
+	gen = binary.LittleEndian.Uint64(mem[16:])
+	capacity := atomic.LoadUint64((*uint64)(unsafe.Pointer(&mem[24])))
+	end = uint64(len(mem))
 	if capacity < end-headerSize {
 		end = headerSize + capacity
 	}
-	var st *State
-	var parts [][]byte  // of a snapshot in parts, until its last
-	var sessionAt []int // the parts that begin a session (partSession)
-	r := router{procs: procs}
-	off := uint64(headerSize)
-	hints := offloadHints(mem, off, end)
-	// fail is replay's error at the record at at: the first failure in
+	return gen, end, nil
+}
+
+// replayer is one replay of books: the state so far and where its next
+// record begins. A replay reads all the books at once (replayOn); a
+// Follower reads them a piece at a time, as their writer appends.
+type replayer struct {
+	st        *State
+	parts     [][]byte // of a snapshot in parts, until its last
+	sessionAt []int    // the parts that begin a session (partSession)
+	r         router
+	off       uint64
+	hints     map[uint64]int
+}
+
+// read replays the committed records of mem from rp.off up to end, and
+// stops at the first record without its commit word (rp.off is then
+// where it begins). live: another process may be appending to mem
+// meanwhile; each record's length is read again once its commit word is
+// seen, so that a record that was rewritten in between (a new writer
+// clearing a torn one) is read next time rather than from two writers'
+// bytes.
+func (rp *replayer) read(mem []byte, end uint64, live bool) error {
+	// fail is read's error at the record at at: the first failure in
 	// the books, a queued record's (router.apply) when one comes first.
-	fail := func(at uint64, err error) (*State, uint64, uint64, error) {
-		if st != nil {
-			if qoff, qerr := r.apply(st); qerr != nil && qoff < at {
-				return nil, 0, 0, fmt.Errorf("record at %d: %w", qoff, qerr)
+	fail := func(at uint64, err error) error {
+		if rp.st != nil {
+			if qoff, qerr := rp.r.apply(rp.st); qerr != nil && qoff < at {
+				return fmt.Errorf("record at %d: %w", qoff, qerr)
 			}
 		}
-		return nil, 0, 0, err
+		return err
 	}
+	off := rp.off
+	defer func() { rp.off = off }()
 	for off+8 <= end {
 		n := uint64(binary.LittleEndian.Uint32(mem[off:]))
 		if n == 0 {
@@ -219,63 +272,85 @@ func replayOn(mem []byte, procs int) (*State, uint64, uint64, error) {
 		if atomic.LoadUint32((*uint32)(unsafe.Pointer(&mem[off+8+pad]))) != commitWord {
 			break
 		}
+		if live && uint64(atomic.LoadUint32((*uint32)(unsafe.Pointer(&mem[off])))) != n {
+			break
+		}
 		payload := mem[off+8 : off+8+n]
 		if crc32.Checksum(payload, castagnoli) != binary.LittleEndian.Uint32(mem[off+4:]) {
 			return fail(off, fmt.Errorf("%w: checksum of the committed record at %d", ErrCorrupt, off))
 		}
 		var err error
-		switch {
+		switch st := rp.st; {
 		case st == nil && len(payload) >= 2 && payload[0] == recSnapshotPart && payload[1]&partLast == 0:
 			if payload[1]&partSession != 0 {
-				sessionAt = append(sessionAt, len(parts))
+				rp.sessionAt = append(rp.sessionAt, len(rp.parts))
 			}
-			parts = append(parts, payload[2:])
-		case st == nil && len(parts) > 0:
+			rp.parts = append(rp.parts, payload[2:])
+		case st == nil && len(rp.parts) > 0:
 			if len(payload) < 2 || payload[0] != recSnapshotPart {
-				return nil, 0, 0, fmt.Errorf("%w: record at %d interrupts the snapshot's %d parts", ErrCorrupt, off, len(parts))
+				return fmt.Errorf("%w: record at %d interrupts the snapshot's %d parts", ErrCorrupt, off, len(rp.parts))
 			}
 			if payload[1]&partSession != 0 {
-				sessionAt = append(sessionAt, len(parts))
+				rp.sessionAt = append(rp.sessionAt, len(rp.parts))
 			}
-			if st, err = decodeSnapshot(append(parts, payload[2:]), sessionAt, hints, procs); err != nil {
-				return nil, 0, 0, fmt.Errorf("snapshot ending at %d: %w", off, err)
+			if rp.st, err = decodeSnapshot(append(rp.parts, payload[2:]), rp.sessionAt, rp.hints, rp.r.procs); err != nil {
+				return fmt.Errorf("snapshot ending at %d: %w", off, err)
 			}
-			parts = nil
-			st.snapEnd = off + 8 + pad + 4
-		case st != nil && sideBySide && r.route(st, mem, off, payload):
-			st.aliasReplies = true // ownReplies below, before mem goes
+			rp.parts, rp.sessionAt = nil, nil
+			rp.st.snapEnd = off + 8 + pad + 4
+		case st != nil && sideBySide && rp.r.route(st, mem, off, payload):
+			st.aliasReplies = true // ownReplies, before mem goes
 		default:
 			if st != nil {
 				st.aliasReplies = true
 			}
-			r.inOrder()
-			if st, err = decodeRecord(st, payload); err != nil {
+			rp.r.inOrder()
+			if rp.st, err = decodeRecord(st, payload); err != nil {
 				return fail(off, fmt.Errorf("record at %d: %w", off, err))
 			}
 		}
-		if st != nil && st.snapEnd == 0 {
-			st.snapEnd = off + 8 + pad + 4 // a snapshot in one record
+		if rp.st != nil && rp.st.snapEnd == 0 {
+			rp.st.snapEnd = off + 8 + pad + 4 // a snapshot in one record
 		}
-		if st != nil && hints != nil {
-			st.sizeFor(hints)
-			hints = nil
+		if rp.st != nil && rp.hints != nil {
+			rp.st.sizeFor(rp.hints)
+			rp.hints = nil
 		}
 		off += 8 + pad + 4
 	}
-	if st == nil {
-		return nil, 0, 0, fmt.Errorf("%w: no committed snapshot", ErrCorrupt)
+	return nil
+}
+
+// settle applies the records read so far that wait in the router's
+// queues and copies what the state kept of the books' bytes: after it,
+// the state holds nothing of mem.
+func (rp *replayer) settle() error {
+	if rp.st == nil {
+		return nil
 	}
-	if qoff, err := r.apply(st); err != nil {
-		return nil, 0, 0, fmt.Errorf("record at %d: %w", qoff, err)
+	if qoff, err := rp.r.apply(rp.st); err != nil {
+		return fmt.Errorf("record at %d: %w", qoff, err)
 	}
-	st.ownReplies()
+	rp.st.ownReplies()
+	return nil
+}
+
+// finish settles the replay and returns its state, which must be there.
+func (rp *replayer) finish() (*State, error) {
+	if rp.st == nil {
+		return nil, fmt.Errorf("%w: no committed snapshot", ErrCorrupt)
+	}
+	if err := rp.settle(); err != nil {
+		return nil, err
+	}
+	st := rp.st
 	st.ridHints = nil
 	// No list keeps a hole past the replay: what reads the state after
 	// (the image, the fresh books' snapshot) may do so side by side.
 	for _, s := range st.sessions {
 		s.closeUpAll()
 	}
-	return st, gen, off, nil
+	return st, nil
 }
 
 // Books appends to the books memfd. It implements pool.Journal and

@@ -8,6 +8,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"reflect"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -162,6 +163,29 @@ func (r *rig) step(i int) {
 		op.Reply = nil
 	}
 	must(r.t, r.b.Session(op))
+}
+
+// closeAndReopen closes the rig's second session and opens another on
+// its allocation's chunks.
+func (r *rig) closeAndReopen() {
+	ps := r.ss[1]
+	r.p.Close(ps)
+	must(r.t, r.b.Session(server.SessionOp{Session: ps.ID(), Op: wire.OpClose}))
+	r.ss = slices.Delete(r.ss, 1, 2)
+	r.open("a", 1, 0)
+}
+
+// revokeB revokes allocation b, which closes its session.
+func (r *rig) revokeB() {
+	_, err := r.p.Revoke("b")
+	must(r.t, err)
+	must(r.t, r.p.Scrubbed("c4"))
+	for j, ps := range r.ss {
+		if ps.Closed() {
+			r.ss = slices.Delete(r.ss, j, j+1)
+			break
+		}
+	}
 }
 
 // grantedBooks is a pool journaled into fresh books, with one chunk of

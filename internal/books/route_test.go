@@ -70,22 +70,10 @@ func TestRoutedReplayMatchesInOrder(t *testing.T) {
 		for i := range 1500 {
 			r.step(i)
 			switch i {
-			case 400: // a session closed, another opened on its chunks
-				ps := r.ss[1]
-				r.p.Close(ps)
-				must(t, r.b.Session(server.SessionOp{Session: ps.ID(), Op: wire.OpClose}))
-				r.ss = slices.Delete(r.ss, 1, 2)
-				r.open("a", 1, 0)
-			case 900: // a revoke closes b's session
-				_, err := r.p.Revoke("b")
-				must(t, err)
-				must(t, r.p.Scrubbed("c4"))
-				for j, ps := range r.ss {
-					if ps.Closed() {
-						r.ss = slices.Delete(r.ss, j, j+1)
-						break
-					}
-				}
+			case 400:
+				r.closeAndReopen()
+			case 900:
+				r.revokeB()
 			}
 			if i%100 == 99 {
 				mem := snapshotMem(t, r.store.f)

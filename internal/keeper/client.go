@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"strings"
 	"sync"
 	"time"
 
@@ -373,6 +374,44 @@ func Query(path string) (Stat, error) {
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
+}
+
+// ErrNoFollow: the keeper is older than the follow request.
+var ErrNoFollow = errors.New("keeper: the keeper answers no follow (it is older than this agent)")
+
+// Follow asks the keeper at path for the books it holds, without claiming
+// the agent's connection: a read-only file of the books memfd and its
+// generation, or nil where it holds none. A keeper older than the follow
+// request answers an error.
+func Follow(path string) (*os.File, uint64, error) {
+	uc, err := net.DialUnix(unixsock.Network, nil, &net.UnixAddr{Name: path, Net: unixsock.Network})
+	if err != nil {
+		return nil, 0, fmt.Errorf("keeper: dial %s: %w", path, err)
+	}
+	defer uc.Close()
+	// The answer is one small message (a spare asks every 100 ms).
+	c := &Client{uc: uc, buf: make([]byte, 1024), oob: make([]byte, unix.CmsgSpace(16))}
+	if err := uc.SetDeadline(time.Now().Add(CallTimeout)); err != nil {
+		return nil, 0, err
+	}
+	if err := send(uc, message{Op: "follow"}, nil); err != nil {
+		return nil, 0, fmt.Errorf("keeper: follow: %w", err)
+	}
+	m, files, err := c.recv()
+	if err != nil {
+		return nil, 0, err
+	}
+	if m.Op != "follow" || len(files) != btoi(m.Books) {
+		closeAll(files)
+		if m.Op == "error" && strings.Contains(m.Error, `unknown op "follow"`) {
+			return nil, 0, ErrNoFollow
+		}
+		return nil, 0, fmt.Errorf("keeper: follow answered %s with %d fds: %s", m.Op, len(files), m.Error)
+	}
+	if !m.Books {
+		return nil, 0, nil
+	}
+	return files[0], m.Gen, nil
 }
 
 func query(path string, deadline time.Time) (Stat, error) {

@@ -18,6 +18,9 @@
 //	books {gen} + 1 fd                  ok     (replaces the books)
 //	reset                               ok     (drops everything)
 //	stat                                stat {stat}   (any connection)
+//	follow                              follow {books, gen} [+ books fd, read-only]
+//	                                    (any connection: a spare agent reads
+//	                                    the books ahead of its turn)
 //	anything wrong                      error {error}
 //
 // The keeper also holds the pool's lock, when the agent asks (lock, one
@@ -153,7 +156,7 @@ func parseRequest(pkt []byte, nfds int) (message, error) {
 		}
 	case "books":
 		want = 1
-	case "reset", "stat":
+	case "reset", "stat", "follow":
 	default:
 		return m, fmt.Errorf("unknown op %q", m.Op)
 	}
@@ -435,6 +438,12 @@ func (k *Keeper) serveConn(c *conn) {
 			}
 			continue
 		}
+		if m.Op == "follow" {
+			if k.sendBooks(uc) != nil {
+				return
+			}
+			continue
+		}
 		if !isAgent {
 			if m.Op != "hello" {
 				closeAll(files)
@@ -597,6 +606,28 @@ func (k *Keeper) sendState(uc *net.UnixConn) error {
 		ids = ids[n:]
 	}
 	return send(uc, message{Op: "end"}, nil)
+}
+
+// sendBooks answers a follow: the books the keeper holds, opened again
+// read-only (a follower reads them; only the agent writes them), and
+// their generation.
+func (k *Keeper) sendBooks(uc *net.UnixConn) error {
+	k.mu.Lock()
+	books, gen := k.books, k.booksGen
+	var ro *os.File
+	var err error
+	if books != nil {
+		ro, err = os.OpenFile(fmt.Sprintf("/proc/self/fd/%d", books.Fd()), os.O_RDONLY|unix.O_CLOEXEC, 0)
+	}
+	k.mu.Unlock()
+	if err != nil {
+		return send(uc, message{Op: "error", Error: fmt.Sprintf("follow: open the books read-only: %v", err)}, nil)
+	}
+	if ro == nil {
+		return send(uc, message{Op: "follow"}, nil)
+	}
+	defer ro.Close()
+	return send(uc, message{Op: "follow", Books: true, Gen: gen}, []int{int(ro.Fd())})
 }
 
 // checkFile verifies that f is a memory file of the item's size and seals.

@@ -14,6 +14,8 @@ import (
 	"unsafe"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/kvpool/kvpool/pkg/unixsock"
 )
 
 func start(t *testing.T) (*Keeper, string) {
@@ -229,7 +231,7 @@ func TestKeeperRefusesMisuse(t *testing.T) {
 
 func FuzzParseRequest(f *testing.F) {
 	for _, s := range []string{`{"op":"hello","v":1}`, `{"op":"put","items":[{"id":"a","size":4096}]}`,
-		`{"op":"drop","items":[{"id":"a"}]}`, `{"op":"books","gen":3}`, `{"op":"reset"}`, `{"op":"stat"}`, `[]`, `{"op":1}`,
+		`{"op":"drop","items":[{"id":"a"}]}`, `{"op":"books","gen":3}`, `{"op":"reset"}`, `{"op":"stat"}`, `{"op":"follow"}`, `[]`, `{"op":1}`,
 		`{"op":"lock","items":[{"id":"a","gen":1}],"off":0,"len":4096}`, `{"op":"lock","items":[{"id":"a"}],"off":9223372036854775807,"len":1}`} {
 		f.Add([]byte(s), 0)
 		f.Add([]byte(s), 1)
@@ -252,7 +254,7 @@ func FuzzParseRequest(f *testing.F) {
 			if len(m.Items) != 1 || m.Items[0].ID == "" || m.Len <= 0 || m.Len > MaxLockStep || m.Off < 0 || m.Off+m.Len < 0 || nfds != 0 {
 				t.Fatalf("accepted bad lock %+v with %d fds", m, nfds)
 			}
-		case "hello", "drop", "reset", "stat":
+		case "hello", "drop", "reset", "stat", "follow":
 			if nfds != 0 {
 				t.Fatalf("%s with %d fds", m.Op, nfds)
 			}
@@ -627,5 +629,82 @@ func TestKeeperLockRefused(t *testing.T) {
 	}
 	if s := k.Stat(); s.Chunks != 1 || s.Locked != 0 || k.mapping("c0") != nil {
 		t.Fatalf("a refused lock changed the keeper: %+v", s)
+	}
+}
+
+// A follower (a spare agent) gets the books the keeper holds, read-only and
+// the same memory, on a connection of its own while the agent is connected,
+// and nothing where the keeper holds no books.
+func TestKeeperHandsBooksToAFollower(t *testing.T) {
+	_, path := start(t)
+	c, _, err := Connect(path, time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if f, gen, err := Follow(path); f != nil || gen != 0 || err != nil {
+		t.Fatalf("no books: %v, gen %d, %v", f, gen, err)
+	}
+	books := memfd(t, 8192, 0xbb)
+	if err := c.PutBooks(9, books); err != nil {
+		t.Fatal(err)
+	}
+	f, gen, err := Follow(path)
+	if err != nil || f == nil || gen != 9 {
+		t.Fatalf("follow: %v, gen %d, %v", f, gen, err)
+	}
+	defer f.Close()
+	if _, err := f.WriteAt([]byte{1}, 0); err == nil {
+		t.Fatal("the follower's books are writable")
+	}
+	var a, b unix.Stat_t
+	if unix.Fstat(int(f.Fd()), &a) != nil || unix.Fstat(int(books.Fd()), &b) != nil || a.Ino != b.Ino || a.Dev != b.Dev {
+		t.Fatalf("the follower's books are another file: %d/%d against %d/%d", a.Dev, a.Ino, b.Dev, b.Ino)
+	}
+	if _, err := books.WriteAt([]byte{0xcc}, 0); err != nil {
+		t.Fatal(err)
+	}
+	if first(t, f) != 0xcc {
+		t.Fatal("the follower does not see the agent's writes")
+	}
+	// The agent is still the agent: a follow claims nothing.
+	if s, err := c.Ping(); err != nil || !s.Agent {
+		t.Fatalf("agent after a follow: %+v %v", s, err)
+	}
+}
+
+// A keeper older than the follow request answers it as an unknown op:
+// Follow says so with ErrNoFollow (a spare then stops asking), and other
+// answers are errors of their own.
+func TestFollowOfAnOlderKeeper(t *testing.T) {
+	for _, tc := range []struct {
+		answer string
+		old    bool
+	}{
+		{`{"op":"error","error":"unknown op \"follow\""}`, true},
+		{`{"op":"error","error":"something else"}`, false},
+		{`{"op":"stat"}`, false},
+	} {
+		path := filepath.Join(t.TempDir(), "old.sock")
+		l, err := net.ListenUnix(unixsock.Network, &net.UnixAddr{Name: path, Net: unixsock.Network})
+		if err != nil {
+			t.Fatal(err)
+		}
+		go func() {
+			uc, err := l.AcceptUnix()
+			if err != nil {
+				return
+			}
+			defer uc.Close()
+			buf := make([]byte, 1024)
+			if _, err := uc.Read(buf); err == nil {
+				uc.Write([]byte(tc.answer))
+			}
+		}()
+		f, _, err := Follow(path)
+		l.Close()
+		if f != nil || err == nil || errors.Is(err, ErrNoFollow) != tc.old {
+			t.Fatalf("answer %s: %v, %v (want ErrNoFollow: %v)", tc.answer, f, err, tc.old)
+		}
 	}
 }

@@ -56,4 +56,9 @@ type RestoreSteps struct {
 	AdoptSeconds   float64 `json:"adoptSeconds"`
 	RebuildSeconds float64 `json:"rebuildSeconds"`
 	BooksSeconds   float64 `json:"booksSeconds"`
+	// ReadAhead: a spare had read the books ahead of its turn, and the
+	// restore replayed only ReplayedBytes of them (the records committed
+	// since its last read); otherwise it replayed them whole.
+	ReadAhead     bool  `json:"readAhead,omitempty"`
+	ReplayedBytes int64 `json:"replayedBytes"`
 }

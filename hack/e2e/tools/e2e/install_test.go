@@ -570,8 +570,15 @@ func TestChartInstall(t *testing.T) {
 			logRestartSteps(t, log, "agent ended abnormally; restarting it in place")
 			// A restart that adopts the pool does not wait for the API
 			// server: it plans with the Node as its predecessor read it.
-			if l := strings.Join(linesSince(log, "agent ended abnormally; restarting it in place"), "\n"); !strings.Contains(l, "the Node is read beside serving") {
+			l := strings.Join(linesSince(log, "agent ended abnormally; restarting it in place"), "\n")
+			if !strings.Contains(l, "the Node is read beside serving") {
 				t.Errorf("kill %d: the restarted agent read the Node before serving", kill)
+			}
+			// The spare it woke (started 2 s after the agent before it,
+			// which served a few seconds) had read the books ahead: the
+			// restore replays only their last records.
+			if !strings.Contains(l, `"readAhead":true`) {
+				t.Errorf("kill %d: the restarted agent replayed the books whole; the spare did not read them ahead", kill)
 			}
 		}
 		// The pod's restart count does not show it; a Node event does.
@@ -793,7 +800,8 @@ func logRestartSteps(t *testing.T, log, after string) {
 		switch {
 		case m.Msg == "start-up step":
 			steps = append(steps, fmt.Sprintf("%s %.1f", m.Step, m.Took/1e6))
-		case m.Level == "WARN" || m.Level == "ERROR" || m.Msg == "kvpool agent serving" || strings.HasPrefix(m.Msg, "connected to the API server"):
+		case m.Level == "WARN" || m.Level == "ERROR" || m.Msg == "kvpool agent serving" || strings.HasPrefix(m.Msg, "connected to the API server") ||
+			m.Msg == "pool adopted from the keeper" || strings.HasPrefix(m.Msg, "the spare did not read"):
 			t.Logf("  %s", l[i:])
 		}
 	}

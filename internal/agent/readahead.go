@@ -1,0 +1,236 @@
+package agent
+
+import (
+	"errors"
+	"fmt"
+	"runtime"
+	"runtime/debug"
+	"runtime/metrics"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvpool/kvpool/internal/books"
+	"github.com/kvpool/kvpool/internal/keeper"
+)
+
+// ReadAheadEvery is how often a spare reads the books further: the records
+// a restart then replays are at most those of this long (a few thousand
+// at a busy agent's rate, a few ms), and each read costs a keeper request
+// and the records read.
+const ReadAheadEvery = 100 * time.Millisecond
+
+// ReadAhead is a spare agent's work ahead of its turn, so that a restart
+// in place does little more than rebuild the pool's tables:
+//
+//   - it asks the keeper for the books it holds and replays them as the
+//     serving agent appends (books.Follower): the restore then replays only
+//     the records committed since the last read, not the whole books (the
+//     replay was most of a restart's gap at the agent's bound:
+//     docs/benchmarks.md, "A spare reads the books ahead"); books that
+//     compact into a fresh memfd are followed anew;
+//   - it makes resident the heap the rest of the restore will take (the
+//     warm heap, warmSize, less the replayed state's own) and lets it go,
+//     so that the restore allocates in it instead of faulting it in.
+//
+// A keeper that does not answer a follow (older than it), or books that
+// cannot be followed, leave the restore to do it all, as without a spare.
+// What the spare holds is about the memory a restore takes at its peak.
+type ReadAhead struct {
+	stop      chan struct{}
+	out       chan readAhead // the loop's last word
+	gcPercent int            // before the loop turned the collector off
+	// The loop's own.
+	fl   *books.Follower
+	huge bool
+	err  error
+	// reads: reads that left books followed (tests wait for them).
+	reads atomic.Int64
+	// lastTop is when the warm heap was last topped up.
+	lastTop time.Time
+	// The agent's, after Stop.
+	taken readAhead
+}
+
+// readAhead is what the loop hands over when it ends.
+type readAhead struct {
+	fl   *books.Follower
+	huge bool  // the warm heap was asked for in huge pages
+	err  error // why the last read failed, if it did
+}
+
+// stopWait bounds how long the turn waits for a read in progress: a read
+// of the records of ReadAheadEvery takes a few ms, a piece of warm heap
+// less; the first read of books (after a compaction, about 0.3 s of a CPU
+// at the agent's bound) is not waited for, and the restore replays them.
+const stopWait = 20 * time.Millisecond
+
+// StartReadAhead starts reading ahead the books the keeper at socket holds,
+// every `every`.
+func StartReadAhead(socket string, every time.Duration) *ReadAhead {
+	ra := &ReadAhead{stop: make(chan struct{}), out: make(chan readAhead, 1)}
+	// The collector runs when the loop says (collect): left to itself,
+	// with the followed state live, the runtime hands the free heap the
+	// loop warmed back to the system within seconds (8 s after a warm of
+	// 81 MiB, 33 MiB were left: docs/benchmarks.md).
+	ra.gcPercent = debug.SetGCPercent(-1)
+	go ra.loop(socket, every)
+	return ra
+}
+
+// garbageMost is the garbage the loop lets build up before it collects:
+// each read leaves a little (a keeper request, the records' decoding), a
+// memfd followed anew the state of the last one.
+const garbageMost = 8 << 20
+
+// collect runs the collector where the loop's garbage calls for it (or
+// force), and reports whether it ran.
+func (ra *ReadAhead) collect(force bool) bool {
+	if !force && heapMetric("/memory/classes/heap/objects:bytes")-heapMetric("/gc/heap/live:bytes") < garbageMost {
+		return false
+	}
+	runtime.GC()
+	return true
+}
+
+func (ra *ReadAhead) loop(socket string, every time.Duration) {
+	defer func() {
+		ra.out <- readAhead{ra.fl, ra.huge, ra.err}
+		ra.fl = nil // handed over: the follower holds the replayed state
+	}()
+	t := time.NewTicker(every)
+	defer t.Stop()
+	for {
+		if !ra.read(socket) {
+			return
+		}
+		select {
+		case <-ra.stop:
+			return
+		case <-t.C:
+		}
+	}
+}
+
+// read reads the books further once and tops the warm heap up; false:
+// the keeper cannot hand the books to a follower, and reading ahead ends.
+func (ra *ReadAhead) read(socket string) bool {
+	f, _, err := keeper.Follow(socket)
+	switch {
+	case errors.Is(err, keeper.ErrNoFollow):
+		ra.err = err
+		return false
+	case err != nil: // not up yet, or gone: asked again next time
+		ra.err = err
+		return true
+	case f == nil:
+		ra.drop()
+		return true
+	case ra.fl != nil && ra.fl.Follows(f):
+		f.Close()
+		if ra.err = ra.fl.Advance(); ra.err != nil {
+			ra.drop()
+		}
+	default:
+		ra.drop()
+		ra.collect(true) // the last state, before the next is read
+		ra.fl, ra.err = books.Follow(f)
+	}
+	ra.collect(false)
+	if ra.fl != nil {
+		ra.reads.Add(1)
+		if time.Since(ra.lastTop) >= topUpEvery {
+			ra.topUp()
+			ra.lastTop = time.Now()
+		}
+	}
+	return true
+}
+
+// topUpEvery bounds how often the warm heap is topped up: while the
+// books grow fast (an agent filling), each top-up allocates and collects.
+const topUpEvery = time.Second
+
+// topUp makes the heap hold, resident and free, what the rest of a
+// restore of the books read so far would take: the whole restore's
+// (warmSize) less the heap the replayed state already holds, and at
+// least as much as the state (the pool's tables the rebuild makes take
+// about as much). The pieces are made resident and let go here, so that
+// the restore finds them free without a collection of its own (which, the
+// state being live, took 17 ms at the agent's bound); with the collector
+// off, the runtime keeps free heap resident (short of a memory limit).
+func (ra *ReadAhead) topUp() {
+	snap, recs := ra.fl.Sizes()
+	free := heapFree()
+	live := heapMetric("/gc/heap/live:bytes")
+	want := max(warmSize(snap, recs, memoryLimit())-live, min(live, warmMost))
+	if want-free < warmPiece {
+		return
+	}
+	// The allocator takes the free heap first: pieces of want bytes
+	// leave want free.
+	more, huge := warmPieces(want, 1, ra.stop)
+	select {
+	case <-ra.stop: // the turn came: no collection for pieces it does not wait for
+		clear(more)
+	default:
+		letGo(more)
+		ra.huge = ra.huge || huge
+	}
+}
+
+// heapFree is the heap that is free and resident.
+func heapFree() int64 { return heapMetric("/memory/classes/heap/free:bytes") }
+
+func heapMetric(name string) int64 {
+	s := []metrics.Sample{{Name: name}}
+	metrics.Read(s)
+	if s[0].Value.Kind() != metrics.KindUint64 {
+		return 0
+	}
+	return int64(s[0].Value.Uint64())
+}
+
+func (ra *ReadAhead) drop() {
+	if ra.fl != nil {
+		ra.fl.Close()
+		ra.fl = nil
+	}
+	ra.huge = false
+}
+
+// Stop ends the reading ahead: the agent then takes what was read (and
+// Closes it). A read in progress is waited for at most stopWait; past it,
+// what it reads is dropped when it ends.
+func (ra *ReadAhead) Stop() {
+	defer debug.SetGCPercent(ra.gcPercent)
+	close(ra.stop)
+	t := time.NewTimer(stopWait)
+	defer t.Stop()
+	select {
+	case ra.taken = <-ra.out:
+	case <-t.C:
+		ra.taken.err = fmt.Errorf("a read was in progress at the turn (more than %v)", stopWait)
+		go func() {
+			if late := <-ra.out; late.fl != nil {
+				late.fl.Close()
+			}
+		}()
+	}
+}
+
+// take hands the agent what was read ahead, once: the follower (nil:
+// none, and err may say why) and whether the heap was warmed in huge
+// pages.
+func (ra *ReadAhead) take() readAhead {
+	t := ra.taken
+	ra.taken.fl = nil
+	return t
+}
+
+// Close drops what was read ahead and not taken.
+func (ra *ReadAhead) Close() {
+	if ra.taken.fl != nil {
+		ra.taken.fl.Close()
+		ra.taken.fl = nil
+	}
+}

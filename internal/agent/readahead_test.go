@@ -1,0 +1,100 @@
+package agent
+
+import (
+	"fmt"
+	"reflect"
+	"testing"
+	"time"
+
+	"github.com/kvpool/kvpool/pkg/wire"
+)
+
+// A spare's read ahead: the books it followed while the first agent served
+// are finished at the next start, which replays only the records committed
+// after the spare's last read, and restores the same pool as a replay of
+// the whole books.
+func TestRestoreFinishesTheBooksReadAhead(t *testing.T) {
+	dir := t.TempDir()
+	ksock, _ := startKeeper(t)
+	a1, stop1 := keptAgent(t, dir, ksock, []string{"tenant-a"})
+	w := dialAgent(t, a1.Socket())
+	w.open("tenant-a", "instance-a")
+	offload := func(rid string) {
+		t.Helper()
+		if st, msg := w.do(wire.OpOffload, &wire.Offload{Rid: rid, Label: "kv", GpuPages: []int32{1, 2}}, &wire.OffloadReply{}); st != 0 {
+			t.Fatalf("offload %s: %s %s", rid, st, msg)
+		}
+	}
+	for i := range 200 {
+		offload(fmt.Sprintf("early-%03d", i))
+	}
+	ra := StartReadAhead(ksock, 5*time.Millisecond)
+	waitUntil(t, "the spare following the books", func() bool { return ra.reads.Load() > 0 })
+	ra.Stop()
+	// Committed after the spare's last read: the restore replays these.
+	for i := range 50 {
+		offload(fmt.Sprintf("late-%03d", i))
+	}
+	want := a1.Pool().Export()
+	stop1()
+
+	a2, stop2 := bootAgent(t, Options{Config: a1.a.cfg, Standalone: true, ChunksPerGPU: 2, ChunkBytes: 2 << 20, Logger: quietLog, ReadAhead: ra})
+	steps := a2.a.restart.steps
+	// Nothing the spare read stays reachable from what the process keeps
+	// (cmd/agent holds the ReadAhead until the agent ends): the replayed
+	// state is the restore's garbage, handed back once the agent serves.
+	if ra.fl != nil || ra.taken.fl != nil {
+		stop2()
+		t.Fatal("the ReadAhead still holds the follower, and with it the replayed state")
+	}
+	if steps == nil || !steps.ReadAhead {
+		stop2()
+		t.Fatalf("the restore did not finish the books read ahead: %+v", steps)
+	}
+	if got := a2.Pool().Export(); !reflect.DeepEqual(got, want) {
+		stop2()
+		t.Fatalf("the pool restored from the books read ahead differs:\n%+v\n%+v", got, want)
+	}
+	// The whole books, replayed by the next start (no spare), restore
+	// the same pool; the spare's restore replayed only part of them.
+	stop2()
+	a3, stop3 := keptAgent(t, dir, ksock, []string{"tenant-a"})
+	defer stop3()
+	whole := a3.a.restart.steps
+	if whole == nil || whole.ReadAhead {
+		t.Fatalf("a start without a spare: %+v", whole)
+	}
+	if got := a3.Pool().Export(); !reflect.DeepEqual(got, want) {
+		t.Fatalf("the pool restored from the whole books differs:\n%+v\n%+v", got, want)
+	}
+	if steps.ReplayedBytes <= 0 || steps.ReplayedBytes >= whole.ReplayedBytes {
+		t.Fatalf("replayed %d bytes after the read ahead, %d whole: want some, fewer", steps.ReplayedBytes, whole.ReplayedBytes)
+	}
+	t.Logf("replayed %d bytes after the read ahead, %d whole", steps.ReplayedBytes, whole.ReplayedBytes)
+}
+
+// Books the spare did not follow (it never read any: the keeper held none
+// yet) leave the restore to replay the kept books whole.
+func TestRestoreWithoutBooksReadAhead(t *testing.T) {
+	dir := t.TempDir()
+	ksock, _ := startKeeper(t)
+	ra := StartReadAhead(ksock, 5*time.Millisecond)
+	time.Sleep(20 * time.Millisecond) // a few reads of nothing
+	ra.Stop()
+	a1, stop1 := keptAgent(t, dir, ksock, []string{"tenant-a"})
+	w := dialAgent(t, a1.Socket())
+	w.open("tenant-a", "instance-a")
+	if st, msg := w.do(wire.OpOffload, &wire.Offload{Rid: "r", Label: "kv", GpuPages: []int32{1}}, &wire.OffloadReply{}); st != 0 {
+		t.Fatalf("offload: %s %s", st, msg)
+	}
+	want := a1.Pool().Export()
+	stop1()
+	a2, stop2 := bootAgent(t, Options{Config: a1.a.cfg, Standalone: true, ChunksPerGPU: 2, ChunkBytes: 2 << 20, Logger: quietLog, ReadAhead: ra})
+	defer stop2()
+	if s := a2.a.restart.steps; s == nil || s.ReadAhead || s.ReplayedBytes == 0 {
+		t.Fatalf("a restore without books read ahead: %+v", s)
+	}
+	if got := a2.Pool().Export(); !reflect.DeepEqual(got, want) {
+		t.Fatalf("restored pool differs:\n%+v\n%+v", got, want)
+	}
+}
