@@ -143,8 +143,12 @@ func printAgent(tw io.Writer, r report.Report) {
 			if s.WarmBytes > 0 {
 				warm = fmt.Sprintf("heap warmed %s (%s)", ms(s.WarmSeconds), bytesize.Exact(s.WarmBytes))
 			}
-			fmt.Fprintf(tw, "Restore:\t%s, books replayed %s, chunks adopted %s, pool rebuilt %s, fresh books waited for %s\n",
-				warm, ms(s.LoadSeconds), ms(s.AdoptSeconds), ms(s.RebuildSeconds), ms(s.BooksSeconds))
+			load := fmt.Sprintf("books replayed %s", ms(s.LoadSeconds))
+			if s.ReadAhead {
+				load = fmt.Sprintf("books read ahead by the spare, their last %s replayed %s", bytesize.Exact(s.ReplayedBytes), ms(s.LoadSeconds))
+			}
+			fmt.Fprintf(tw, "Restore:\t%s, %s, chunks adopted %s, pool rebuilt %s, fresh books waited for %s\n",
+				warm, load, ms(s.AdoptSeconds), ms(s.RebuildSeconds), ms(s.BooksSeconds))
 		}
 	}
 }

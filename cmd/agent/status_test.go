@@ -158,11 +158,12 @@ func TestStatusClaims(t *testing.T) {
 // With a keeper the report says what the agent took over at start: chunks
 // adopted, fresh and locked by the keeper, sessions, streams and the gap.
 func TestStatusRestart(t *testing.T) {
+	steps := &report.RestoreSteps{WarmSeconds: 0.0131, WarmBytes: 136 << 20, LoadSeconds: 0.08436, AdoptSeconds: 0.000127, RebuildSeconds: 0.04077, BooksSeconds: 0.000002}
 	rep := &report.Reporter{Pool: pool.New(), Node: "node-a", Mode: "cluster", Started: time.Now(),
 		Restart: func() *report.Restart {
 			return &report.Restart{Keeper: "/k.sock", AdoptedChunks: 6, FreshChunks: 2, KeeperLockedChunks: 7, Sessions: 3, Streams: 1000,
 				LastGapSeconds: 0.0654, KeeperConnected: true,
-				Restore: &report.RestoreSteps{WarmSeconds: 0.0131, WarmBytes: 136 << 20, LoadSeconds: 0.08436, AdoptSeconds: 0.000127, RebuildSeconds: 0.04077, BooksSeconds: 0.000002}}
+				Restore: steps}
 		}}
 	srv := httptest.NewServer(rep)
 	defer srv.Close()
@@ -175,6 +176,16 @@ func TestStatusRestart(t *testing.T) {
 		t.Errorf("restart line %q, want %q\n%s", got, want, out.String())
 	}
 	want = "Restore: heap warmed 13.1ms (136Mi), books replayed 84.4ms, chunks adopted 100µs, pool rebuilt 40.8ms, fresh books waited for 0s"
+	if got := strings.Join(strings.Fields(grepLines(out.String(), "Restore:")), " "); got != want {
+		t.Errorf("restore line %q, want %q\n%s", got, want, out.String())
+	}
+	// A spare's read ahead: the bytes the restore still replayed.
+	steps.ReadAhead, steps.ReplayedBytes, steps.WarmBytes, steps.LoadSeconds = true, 12<<10, 0, 0.0012
+	out.Reset()
+	if err := statusCmd(context.Background(), []string{"--addr", strings.TrimPrefix(srv.URL, "http://")}, &out); err != nil {
+		t.Fatal(err)
+	}
+	want = "Restore: heap not warmed, books read ahead by the spare, their last 12Ki replayed 1.2ms, chunks adopted 100µs, pool rebuilt 40.8ms, fresh books waited for 0s"
 	if got := strings.Join(strings.Fields(grepLines(out.String(), "Restore:")), " "); got != want {
 		t.Errorf("restore line %q, want %q\n%s", got, want, out.String())
 	}
