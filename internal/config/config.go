@@ -174,7 +174,7 @@ type RestartInPlace struct {
 	// keeper holds as the agent appends to them and keep warm the heap
 	// the rest of a restore takes, so that a restart in place replays
 	// only the last records (at the agent's bound of 524,288 streams:
-	// serving again 40-70 ms after a SIGKILL against 105-340 without).
+	// serving again 40-70 ms after a SIGKILL against 105-375 without).
 	// It costs the spare about the memory a restore takes (about 150 MiB
 	// at that bound, a few MiB with few streams) and a CPU's fraction
 	// while the books grow. Default true; off: the spare waits idle.
