@@ -83,13 +83,11 @@ func StartReadAhead(socket string, every time.Duration) *ReadAhead {
 const garbageMost = 8 << 20
 
 // collect runs the collector where the loop's garbage calls for it (or
-// force), and reports whether it ran.
-func (ra *ReadAhead) collect(force bool) bool {
-	if !force && heapMetric("/memory/classes/heap/objects:bytes")-heapMetric("/gc/heap/live:bytes") < garbageMost {
-		return false
+// force).
+func (ra *ReadAhead) collect(force bool) {
+	if force || heapMetric("/memory/classes/heap/objects:bytes")-heapMetric("/gc/heap/live:bytes") >= garbageMost {
+		runtime.GC()
 	}
-	runtime.GC()
-	return true
 }
 
 func (ra *ReadAhead) loop(socket string, every time.Duration) {

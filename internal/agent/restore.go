@@ -175,11 +175,9 @@ func (a *agent) restore() (err error) {
 		if ahead == nil {
 			a.log.Info("the spare did not read the books ahead; the restore replays them whole", "err", t.err)
 		}
-		defer func() { // books read ahead that the restore did not take
-			if ahead != nil {
-				ahead.Close()
-			}
-		}()
+		// Books read ahead that the restore did not finish (Close
+		// after the Follower's own Load is harmless).
+		defer ahead.Close()
 	}
 	// The restore allocates what it keeps and little else, nearly all of
 	// it before the socket opens: collecting meanwhile only delays the
@@ -217,7 +215,7 @@ func (a *agent) restore() (err error) {
 		r.warmed, r.warmHuge = warmHeap(warmSize(snap, recs, memoryLimit()))
 	}
 	tWarm := time.Now()
-	st, info, held := a.loadBooks(held, &ahead)
+	st, info, held := a.loadBooks(held, ahead)
 	r.lastAlive = info.LastAlive
 	tLoad := time.Now()
 	if err := a.adoptAll(st, held); err != nil {
@@ -300,11 +298,10 @@ func startAside[T any](start func() (T, error)) func() (T, error) {
 // loadBooks replays the books the keeper holds. Books that cannot be
 // adopted, or chunks without books, make the keeper release everything:
 // the agent then starts from fresh books and holds nothing.
-func (a *agent) loadBooks(held *keeper.State, ahead **books.Follower) (*books.State, books.Info, *keeper.State) {
+func (a *agent) loadBooks(held *keeper.State, ahead *books.Follower) (*books.State, books.Info, *keeper.State) {
 	switch {
 	case held.Books != nil:
-		st, info, err := a.loadKept(held.Books, *ahead)
-		*ahead = nil
+		st, info, err := a.loadKept(held.Books, ahead)
 		held.Books.Close()
 		if err == nil {
 			return st, info, held
@@ -323,7 +320,7 @@ func (a *agent) loadBooks(held *keeper.State, ahead **books.Follower) (*books.St
 
 // loadKept replays the kept books f: only the records committed since a
 // spare last read them, where fl read these very books ahead
-// (Options.ReadAhead), the whole books otherwise. It takes fl.
+// (Options.ReadAhead), the whole books otherwise.
 func (a *agent) loadKept(f *os.File, fl *books.Follower) (*books.State, books.Info, error) {
 	if fl == nil {
 		return books.Load(f)

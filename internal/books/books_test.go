@@ -454,6 +454,38 @@ func FuzzDecodeRecord(f *testing.F) {
 	})
 }
 
+// fuzzImages are the books fuzzers' seed books, each the used part of a
+// memfd (header and records): a rig's first records, and then the same
+// books compacted into a snapshot of the three sessions in small parts,
+// each session beginning one (decoded apart), with records after it.
+func fuzzImages(f *testing.F) (plain, compacted []byte) {
+	oldLog, oldPart := minLog, snapPart
+	minLog = 4 << 10
+	defer func() { minLog, snapPart = oldLog, oldPart }()
+	r := newRig(f, 8)
+	defer r.b.Close()
+	for i := range 6 {
+		r.step(i)
+	}
+	plain = snapshotMem(f, r.store.f)[:r.b.Stats().LogBytes+8]
+	snapPart = 64
+	must(f, r.b.Rehand(r.store))
+	snapPart = oldPart
+	for i := range 4 {
+		r.step(6 + i)
+	}
+	return plain, snapshotMem(f, r.store.f)[:r.b.Stats().LogBytes+8]
+}
+
+// fuzzMem lays a fuzzer's header fields and records out as the books
+// file has them (the header's bytes past hdr zero).
+func fuzzMem(hdr, records []byte) []byte {
+	mem := make([]byte, headerSize+len(records))
+	copy(mem, hdr[:min(len(hdr), headerSize)])
+	copy(mem[headerSize:], records)
+	return mem
+}
+
 // FuzzReplay feeds replay whole books images: it must refuse or replay,
 // never panic or read out of bounds, and replay as it does in order. An image is its header fields and its
 // records, laid out as the file has them; the fuzzer sees only those
@@ -461,39 +493,15 @@ func FuzzDecodeRecord(f *testing.F) {
 // and minimizing a new input stays cheap (with the whole image as its
 // input the fuzzer spent the fuzz time minimizing after a few inputs).
 func FuzzReplay(f *testing.F) {
-	old := minLog
-	minLog = 4 << 10
-	r := newRig(f, 8)
-	for i := range 6 {
-		r.step(i)
-	}
-	img := snapshotMem(f, r.store.f)
-	img = img[:r.b.Stats().LogBytes+8] // the used part: header and records
+	img, compacted := fuzzImages(f)
 	f.Add(img[:40], img[headerSize:])
 	f.Add(img[:40], img[headerSize:headerSize+64])
 	f.Add(img[:8], []byte{})
-	// Compacted: a snapshot of the three sessions in small parts, each
-	// session beginning one (decoded apart), and records after it.
-	oldPart := snapPart
-	snapPart = 64
-	must(f, r.b.Rehand(r.store))
-	snapPart = oldPart
-	for i := range 4 {
-		r.step(6 + i)
-	}
-	img = snapshotMem(f, r.store.f)
-	img = img[:r.b.Stats().LogBytes+8]
-	f.Add(img[:40], img[headerSize:])
-	minLog = old
+	f.Add(compacted[:40], compacted[headerSize:])
 	f.Fuzz(func(t *testing.T, hdr, records []byte) {
-		if len(hdr) > headerSize {
-			hdr = hdr[:headerSize]
-		}
-		mem := make([]byte, headerSize+len(records))
-		copy(mem, hdr)
-		copy(mem[headerSize:], records)
+		mem := fuzzMem(hdr, records)
 		if len(records) == 0 {
-			mem = mem[:len(hdr)] // shorter than a header, too
+			mem = mem[:min(len(hdr), headerSize)] // shorter than a header, too
 		}
 		st, _, _, err := replay(mem)
 		if err == nil && st == nil {

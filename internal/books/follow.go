@@ -156,8 +156,12 @@ func (fl *Follower) Load(f *os.File) (*State, Info, error) {
 }
 
 // Close unmaps the books and closes the Follower's file; the Follower
-// keeps nothing of the state it replayed.
+// keeps nothing of the state it replayed. Closing again, or a nil
+// Follower, does nothing.
 func (fl *Follower) Close() {
+	if fl == nil {
+		return
+	}
 	fl.rp = replayer{}
 	if fl.mem != nil {
 		_ = unix.Munmap(fl.mem)

@@ -223,6 +223,8 @@ func TestFollowerRefuses(t *testing.T) {
 	if _, _, err := fl.Load(of); !errors.Is(err, ErrNotFollowed) {
 		t.Fatalf("another memfd: %v", err)
 	}
+	fl.Close() // again, after Load's own: nothing happens
+	(*Follower)(nil).Close()
 	must(t, of.Truncate(8192))
 	if _, err := Follow(readOnly(t, of)); !errors.Is(err, ErrCorrupt) {
 		t.Fatalf("a memfd of zeros: %v", err)
@@ -243,35 +245,12 @@ func TestFollowerRefuses(t *testing.T) {
 // failure there is the whole books' failure too, or the piece's bytes were
 // cut inside a record that only the second piece completes).
 func FuzzFollow(f *testing.F) {
-	old := minLog
-	minLog = 4 << 10
-	r := newRig(f, 8)
-	for i := range 6 {
-		r.step(i)
-	}
-	img := snapshotMem(f, r.store.f)
-	img = img[:r.b.Stats().LogBytes+8]
+	img, compacted := fuzzImages(f)
 	f.Add(img[:40], img[headerSize:], uint16(100))
 	f.Add(img[:40], img[headerSize:], uint16(0))
-	oldPart := snapPart
-	snapPart = 64
-	must(f, r.b.Rehand(r.store))
-	snapPart = oldPart
-	for i := range 4 {
-		r.step(6 + i)
-	}
-	img = snapshotMem(f, r.store.f)
-	img = img[:r.b.Stats().LogBytes+8]
-	f.Add(img[:40], img[headerSize:], uint16(300))
-	r.b.Close()
-	minLog = old
+	f.Add(compacted[:40], compacted[headerSize:], uint16(300))
 	f.Fuzz(func(t *testing.T, hdr, records []byte, cut uint16) {
-		if len(hdr) > headerSize {
-			hdr = hdr[:headerSize]
-		}
-		mem := make([]byte, headerSize+len(records))
-		copy(mem, hdr)
-		copy(mem[headerSize:], records)
+		mem := fuzzMem(hdr, records)
 		at := headerSize + min(int(cut), len(records))
 		fd, err := unix.MemfdCreate("fuzz-books", unix.MFD_CLOEXEC)
 		must(t, err)
