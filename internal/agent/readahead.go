@@ -3,6 +3,7 @@ package agent
 import (
 	"errors"
 	"fmt"
+	"os"
 	"runtime"
 	"runtime/debug"
 	"runtime/metrics"
@@ -27,7 +28,9 @@ const ReadAheadEvery = 100 * time.Millisecond
 //     the records committed since the last read, not the whole books (the
 //     replay was most of a restart's gap at the agent's bound:
 //     docs/benchmarks.md, "A spare reads the books ahead"); books that
-//     compact into a fresh memfd are followed anew;
+//     compact into a fresh memfd are followed on from where the last read
+//     stood in the old one (the snapshot is not read again), other
+//     memfds anew;
 //   - it makes resident the heap the rest of the restore will take (the
 //     warm heap, warmSize, less the replayed state's own) and lets it go,
 //     so that the restore allocates in it instead of faulting it in.
@@ -37,14 +40,17 @@ const ReadAheadEvery = 100 * time.Millisecond
 // What the spare holds is about the memory a restore takes at its peak.
 type ReadAhead struct {
 	stop      chan struct{}
+	halt      atomic.Bool    // set at the turn: a read in progress stops at the next record
+	doing     atomic.Int32   // what the loop does now (a phase), for the turn's word on a late read
 	out       chan readAhead // the loop's last word
 	gcPercent int            // before the loop turned the collector off
 	// The loop's own.
 	fl   *books.Follower
 	huge bool
 	err  error
-	// reads: reads that left books followed (tests wait for them).
-	reads atomic.Int64
+	// reads: reads that left books followed; nexts: compactions gone on
+	// into (tests wait for them).
+	reads, nexts atomic.Int64
 	// lastTop is when the warm heap was last topped up.
 	lastTop time.Time
 	// The agent's, after Stop.
@@ -58,10 +64,23 @@ type readAhead struct {
 	err  error // why the last read failed, if it did
 }
 
-// stopWait bounds how long the turn waits for a read in progress: a read
-// of the records of ReadAheadEvery takes a few ms, a piece of warm heap
-// less; the first read of books (after a compaction, about 0.3 s of a CPU
-// at the agent's bound) is not waited for, and the restore replays them.
+// What the loop does (ReadAhead.doing).
+const (
+	phaseAsk int32 = iota
+	phaseRead
+	phaseCollect
+	phaseWarm
+	phaseLetGo
+)
+
+var phases = [...]string{phaseAsk: "asking the keeper", phaseRead: "reading the books", phaseCollect: "collecting garbage",
+	phaseWarm: "warming the heap", phaseLetGo: "letting the warm heap go"}
+
+// stopWait bounds how long the turn waits for a read in progress, which
+// the turn halts: it stops at the next record (or batch of a snapshot's
+// requests, a few hundred µs), and the restore goes on from there; a
+// piece of warm heap takes less. Past stopWait (the loop not scheduled,
+// say) what it read is dropped and the restore replays the books whole.
 const stopWait = 20 * time.Millisecond
 
 // StartReadAhead starts reading ahead the books the keeper at socket holds,
@@ -112,6 +131,7 @@ func (ra *ReadAhead) loop(socket string, every time.Duration) {
 // read reads the books further once and tops the warm heap up; false:
 // the keeper cannot hand the books to a follower, and reading ahead ends.
 func (ra *ReadAhead) read(socket string) bool {
+	ra.doing.Store(phaseAsk)
 	f, _, err := keeper.Follow(socket)
 	switch {
 	case errors.Is(err, keeper.ErrNoFollow):
@@ -125,21 +145,56 @@ func (ra *ReadAhead) read(socket string) bool {
 		return true
 	case ra.fl != nil && ra.fl.Follows(f):
 		f.Close()
+		ra.doing.Store(phaseRead)
 		if ra.err = ra.fl.Advance(); ra.err != nil {
 			ra.drop()
 		}
+	case ra.fl != nil && ra.next(f):
 	default:
 		ra.drop()
+		if ra.halt.Load() {
+			f.Close()
+			return false
+		}
+		ra.doing.Store(phaseCollect)
 		ra.collect(true) // the last state, before the next is read
-		ra.fl, ra.err = books.Follow(f)
+		ra.doing.Store(phaseRead)
+		ra.fl, ra.err = books.Follow(f, &ra.halt)
 	}
+	if ra.halt.Load() {
+		return false // the turn came: hand over what was read
+	}
+	ra.doing.Store(phaseCollect)
 	ra.collect(false)
 	if ra.fl != nil {
 		ra.reads.Add(1)
 		if time.Since(ra.lastTop) >= topUpEvery {
+			ra.doing.Store(phaseWarm)
 			ra.topUp()
 			ra.lastTop = time.Now()
 		}
+	}
+	return true
+}
+
+// next goes on to f where it is the compaction of the followed books
+// (books.Follower.Next): true where it did, or where reading the old
+// memfd to its end failed (f closed; followed anew next time).
+func (ra *ReadAhead) next(f *os.File) bool {
+	ra.doing.Store(phaseRead)
+	err := ra.fl.Next(f)
+	switch {
+	case err == nil:
+		ra.nexts.Add(1)
+		ra.err = ra.fl.Advance()
+	case errors.Is(err, books.ErrNotNext):
+		return false
+	default:
+		ra.err = err
+		f.Close()
+	}
+	if ra.err != nil {
+		ra.drop()
 	}
 	return true
 }
@@ -157,11 +212,8 @@ const topUpEvery = time.Second
 // state being live, took 17 ms at the agent's bound); with the collector
 // off, the runtime keeps free heap resident (short of a memory limit).
 func (ra *ReadAhead) topUp() {
-	snap, recs := ra.fl.Sizes()
-	free := heapFree()
-	live := heapMetric("/gc/heap/live:bytes")
-	want := max(warmSize(snap, recs, memoryLimit())-live, min(live, warmMost))
-	if want-free < warmPiece {
+	want := warmWant(ra.fl.Sizes())
+	if want-heapFree() < warmPiece {
 		return
 	}
 	// The allocator takes the free heap first: pieces of want bytes
@@ -171,9 +223,20 @@ func (ra *ReadAhead) topUp() {
 	case <-ra.stop: // the turn came: no collection for pieces it does not wait for
 		clear(more)
 	default:
+		ra.doing.Store(phaseLetGo)
 		letGo(more)
 		ra.huge = ra.huge || huge
 	}
+}
+
+// warmWant is the free heap a restore of books of snapshot and records
+// bytes wants resident where a follower holds what it read of them: the
+// whole restore's (warmSize) less the heap already live, and at least the
+// live heap again (the pool's tables the rebuild makes take about as much
+// as the replayed state).
+func warmWant(snapshot, records int64) int64 {
+	live := heapMetric("/gc/heap/live:bytes")
+	return max(warmSize(snapshot, records, memoryLimit())-live, min(live, warmMost))
 }
 
 // heapFree is the heap that is free and resident.
@@ -197,17 +260,18 @@ func (ra *ReadAhead) drop() {
 }
 
 // Stop ends the reading ahead: the agent then takes what was read (and
-// Closes it). A read in progress is waited for at most stopWait; past it,
-// what it reads is dropped when it ends.
+// Closes it). A read in progress is halted at its next record and waited
+// for at most stopWait; past it, what it read is dropped when it ends.
 func (ra *ReadAhead) Stop() {
 	defer debug.SetGCPercent(ra.gcPercent)
+	ra.halt.Store(true)
 	close(ra.stop)
 	t := time.NewTimer(stopWait)
 	defer t.Stop()
 	select {
 	case ra.taken = <-ra.out:
 	case <-t.C:
-		ra.taken.err = fmt.Errorf("a read was in progress at the turn (more than %v)", stopWait)
+		ra.taken.err = fmt.Errorf("a read was in progress at the turn (more than %v): %s", stopWait, phases[ra.doing.Load()])
 		go func() {
 			if late := <-ra.out; late.fl != nil {
 				late.fl.Close()

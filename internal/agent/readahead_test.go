@@ -15,16 +15,7 @@ import (
 // the whole books.
 func TestRestoreFinishesTheBooksReadAhead(t *testing.T) {
 	dir := t.TempDir()
-	ksock, _ := startKeeper(t)
-	a1, stop1 := keptAgent(t, dir, ksock, []string{"tenant-a"})
-	w := dialAgent(t, a1.Socket())
-	w.open("tenant-a", "instance-a")
-	offload := func(rid string) {
-		t.Helper()
-		if st, msg := w.do(wire.OpOffload, &wire.Offload{Rid: rid, Label: "kv", GpuPages: []int32{1, 2}}, &wire.OffloadReply{}); st != 0 {
-			t.Fatalf("offload %s: %s %s", rid, st, msg)
-		}
-	}
+	ksock, a1, stop1, offload := offloadingAgent(t, dir)
 	for i := range 200 {
 		offload(fmt.Sprintf("early-%03d", i))
 	}
@@ -73,6 +64,23 @@ func TestRestoreFinishesTheBooksReadAhead(t *testing.T) {
 	t.Logf("replayed %d bytes after the read ahead, %d whole", steps.ReplayedBytes, whole.ReplayedBytes)
 }
 
+// offloadingAgent starts a keeper and an agent kept by it (state in dir)
+// with a session of tenant-a open, and returns the keeper's socket, the
+// agent, what stops it, and what offloads a stream of two pages to it.
+func offloadingAgent(t *testing.T, dir string) (string, *Agent, func(), func(rid string)) {
+	t.Helper()
+	ksock, _ := startKeeper(t)
+	a, stop := keptAgent(t, dir, ksock, []string{"tenant-a"})
+	w := dialAgent(t, a.Socket())
+	w.open("tenant-a", "instance-a")
+	return ksock, a, stop, func(rid string) {
+		t.Helper()
+		if st, msg := w.do(wire.OpOffload, &wire.Offload{Rid: rid, Label: "kv", GpuPages: []int32{1, 2}}, &wire.OffloadReply{}); st != 0 {
+			t.Fatalf("offload %s: %s %s", rid, st, msg)
+		}
+	}
+}
+
 // Books the spare did not follow (it never read any: the keeper held none
 // yet) leave the restore to replay the kept books whole.
 func TestRestoreWithoutBooksReadAhead(t *testing.T) {
@@ -96,5 +104,37 @@ func TestRestoreWithoutBooksReadAhead(t *testing.T) {
 	}
 	if got := a2.Pool().Export(); !reflect.DeepEqual(got, want) {
 		t.Fatalf("restored pool differs:\n%+v\n%+v", got, want)
+	}
+}
+
+// Books that compact while the spare follows them (quietly, here) are
+// gone on into from where the spare stood, not read again, and the
+// restore still finishes them: the same pool.
+func TestReadAheadGoesOnThroughACompaction(t *testing.T) {
+	oldAfter, oldFrom := quietCompactAfter, quietCompactFrom
+	quietCompactAfter, quietCompactFrom = 50*time.Millisecond, 1
+	defer func() { quietCompactAfter, quietCompactFrom = oldAfter, oldFrom }()
+	ksock, a1, stop1, offload := offloadingAgent(t, t.TempDir())
+	for i := range 200 {
+		offload(fmt.Sprintf("early-%03d", i))
+	}
+	ra := StartReadAhead(ksock, 5*time.Millisecond)
+	waitUntil(t, "the spare going on into the books' quiet compaction", func() bool { return ra.nexts.Load() > 0 })
+	compactions := a1.a.restart.books.Stats().Compactions
+	for i := range 30 {
+		offload(fmt.Sprintf("late-%03d", i))
+	}
+	reads := ra.reads.Load()
+	waitUntil(t, "the spare reading the late offloads", func() bool { return ra.reads.Load() > reads+2 })
+	ra.Stop()
+	want := a1.Pool().Export()
+	stop1()
+	a2, stop2 := bootAgent(t, Options{Config: a1.a.cfg, Standalone: true, ChunksPerGPU: 2, ChunkBytes: 2 << 20, Logger: quietLog, ReadAhead: ra})
+	defer stop2()
+	if s := a2.a.restart.steps; s == nil || !s.ReadAhead {
+		t.Fatalf("the restore did not finish the books read ahead through %d compactions: %+v", compactions, s)
+	}
+	if got := a2.Pool().Export(); !reflect.DeepEqual(got, want) {
+		t.Fatalf("the pool restored from books followed through a compaction differs:\n%+v\n%+v", got, want)
 	}
 }

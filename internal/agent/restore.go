@@ -206,10 +206,18 @@ func (a *agent) restore() (err error) {
 		a.events.PoolLost(m.Chunks, m.Sessions)
 	}
 	t0 := time.Now()
-	if ahead != nil && ahead.Follows(held.Books) {
+	if ahead != nil && held.Books != nil {
 		// The spare warmed the heap for the rest of the restore of the
-		// books it read ahead: what is free and resident of it.
-		r.warmed, r.warmHuge = heapFree(), warmHuge
+		// books it read ahead (these, or those they compacted from): what
+		// is free and resident of it. A read the turn halted, or a spare
+		// that had not topped it up since it read, leaves the rest to
+		// warm here.
+		r.warmHuge = warmHuge
+		if short := warmWant(books.Sizes(held.Books)) - heapFree(); short >= warmPiece {
+			_, huge := warmHeap(short)
+			r.warmHuge = r.warmHuge || huge
+		}
+		r.warmed = heapFree()
 	} else {
 		snap, recs := books.Sizes(held.Books)
 		r.warmed, r.warmHuge = warmHeap(warmSize(snap, recs, memoryLimit()))

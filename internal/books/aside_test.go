@@ -24,7 +24,7 @@ type heldAside struct {
 	fail    atomic.Pointer[error]
 }
 
-func holdAside(t *testing.T) *heldAside {
+func holdAside(t testing.TB) *heldAside {
 	h := &heldAside{stopped: make(chan struct{}, 1), release: make(chan struct{})}
 	asideHook = func() error {
 		h.stopped <- struct{}{}
@@ -51,7 +51,7 @@ func (b *Books) settle() {
 // asideRig is a rig whose log is 4 KiB (a compaction every few changes),
 // stepped until a compaction aside has written its snapshot and stopped
 // there (holdAside).
-func asideRig(t *testing.T, seed uint64) (*rig, *heldAside) {
+func asideRig(t testing.TB, seed uint64) (*rig, *heldAside) {
 	old := minLog
 	minLog = 4 << 10
 	t.Cleanup(func() { minLog = old })

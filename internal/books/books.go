@@ -14,6 +14,14 @@
 //	16    8  generation: each compaction writes a new memfd of the next
 //	24    8  capacity of the log in bytes
 //	32    8  last sign of life of the writer (Unix nanoseconds)
+//	40   36  a compaction's origin, or zeros (written by agents since
+//	         2026-12, ignored by older ones): the inode of the memfd
+//	         whose log the snapshot stands for, the offset in that log up
+//	         to which it does, where the snapshot ends in this file, and
+//	         the records the replay up to there skipped (u64 each), then
+//	         their CRC-32C; the records after the snapshot are that log's
+//	         from the offset on, so a Follower of it goes on here without
+//	         reading the snapshot (Follower.Next)
 //	4096 ... records, each 4-byte aligned:
 //	         u32 payload length, u32 CRC-32C of the payload, payload,
 //	         zero padding to 4 bytes, u32 commit word (written last)
@@ -238,6 +246,33 @@ type replayer struct {
 	r         router
 	off       uint64
 	hints     map[uint64]int
+	// halt, when set and true, stops a read at the next record (or batch
+	// of a snapshot's requests), which halted then says. batch, when set,
+	// stops a read after that many records, which cut then says (the
+	// records a read routes are applied when it settles, which no halt
+	// stops).
+	halt   *atomic.Bool
+	halted bool
+	batch  int
+	cut    bool
+}
+
+// haltEvery is how many records a read replays between looks at its halt
+// (a few hundred µs of records).
+const haltEvery = 256
+
+// haltHook, when set (tests), is called at every look at a halt.
+var haltHook func(halt *atomic.Bool)
+
+// haltNow reports whether halt (nil: none) says to stop.
+func haltNow(halt *atomic.Bool) bool {
+	if halt == nil {
+		return false
+	}
+	if haltHook != nil {
+		haltHook(halt)
+	}
+	return halt.Load()
 }
 
 // read replays the committed records of mem from rp.off up to end, and
@@ -260,7 +295,16 @@ func (rp *replayer) read(mem []byte, end uint64, live bool) error {
 	}
 	off := rp.off
 	defer func() { rp.off = off }()
-	for off+8 <= end {
+	rp.halted, rp.cut = false, false
+	for i := 0; off+8 <= end; i++ {
+		if i%haltEvery == 0 && haltNow(rp.halt) {
+			rp.halted = true
+			return nil
+		}
+		if rp.batch > 0 && i == rp.batch {
+			rp.cut = true
+			return nil
+		}
 		n := uint64(binary.LittleEndian.Uint32(mem[off:]))
 		if n == 0 {
 			break
@@ -290,10 +334,16 @@ func (rp *replayer) read(mem []byte, end uint64, live bool) error {
 			if len(payload) < 2 || payload[0] != recSnapshotPart {
 				return fmt.Errorf("%w: record at %d interrupts the snapshot's %d parts", ErrCorrupt, off, len(rp.parts))
 			}
+			sessions := len(rp.sessionAt)
 			if payload[1]&partSession != 0 {
 				rp.sessionAt = append(rp.sessionAt, len(rp.parts))
 			}
-			if rp.st, err = decodeSnapshot(append(rp.parts, payload[2:]), rp.sessionAt, rp.hints, rp.r.procs); err != nil {
+			if rp.st, err = decodeSnapshot(append(rp.parts, payload[2:]), rp.sessionAt, rp.hints, rp.r.procs, rp.halt); err != nil {
+				if errors.Is(err, errHalted) {
+					// Read again from its last part next time.
+					rp.sessionAt, rp.halted = rp.sessionAt[:sessions], true
+					return nil
+				}
 				return fmt.Errorf("snapshot ending at %d: %w", off, err)
 			}
 			rp.parts, rp.sessionAt = nil, nil
@@ -631,7 +681,7 @@ func (b *Books) resumeLocked(f *os.File, st *State, room uint64) error {
 // (the keeper is lost) does not stop the books: they go on in it, unkept
 // (OnUnkept), so that nothing recorded is lost while this process lives.
 func (b *Books) compactLocked(st *State, extra int) error {
-	lf, snap, err := writeCompaction(st, b.gen+1, b.lastSnap, extra, &b.buf)
+	lf, snap, err := writeCompaction(st, b.gen+1, b.lastSnap, extra, &b.buf, origin{inode(b.f), b.off})
 	if err != nil {
 		return err
 	}
@@ -644,7 +694,9 @@ func (b *Books) compactLocked(st *State, extra int) error {
 // gen, sized for the room rule with extra more bytes of records (lastSnap:
 // the last snapshot's bytes, a guess at this one's), and returns it and
 // the snapshot's bytes. buf lends the encoder its buffer (kept when small).
-func writeCompaction(st *State, gen, lastSnap uint64, extra int, buf *enc) (*logFile, uint64, error) {
+// from is the log st was replayed from, written in the header for a
+// Follower of it (Follower.Next).
+func writeCompaction(st *State, gen, lastSnap uint64, extra int, buf *enc, from origin) (*logFile, uint64, error) {
 	lf, err := newLogFile(gen, roundPage(max(uint64(minLog), 2*lastSnap+uint64(extra)+64)))
 	if err != nil {
 		return nil, 0, err
@@ -656,6 +708,7 @@ func writeCompaction(st *State, gen, lastSnap uint64, extra int, buf *enc) (*log
 	}
 	snap := lf.off - headerSize
 	if err == nil {
+		from.write(lf.mem, lf.off, st.Skipped)
 		err = lf.fit(snap, extra)
 	}
 	if err != nil {
@@ -775,7 +828,7 @@ func writeAside(c *compaction, f *os.File, lastSnap uint64) (*logFile, uint64, i
 		return nil, 0, 0, err
 	}
 	var buf enc
-	lf, snap, err := writeCompaction(st, c.gen+1, lastSnap, 0, &buf)
+	lf, snap, err := writeCompaction(st, c.gen+1, lastSnap, 0, &buf, origin{inode(f), c.from})
 	return lf, snap, st.Skipped, err
 }
 

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math"
 	"slices"
+	"sync/atomic"
 	"unsafe"
 
 	"golang.org/x/sync/errgroup"
@@ -86,7 +87,13 @@ type dec struct {
 	// ar, when set, holds the request IDs and page lists of the streams
 	// read (arena): a replay's state is dropped once the pool is rebuilt.
 	ar *arena
+	// halt, when set and true, stops a snapshot's decoding between
+	// batches of requests with errHalted (a Follower cut at its turn).
+	halt *atomic.Bool
 }
+
+// errHalted is a decoding stopped by its halt.
+var errHalted = errors.New("books: halted")
 
 // arena holds many short strings and page lists in a few blocks, for a
 // replay: a stream of the books then costs no allocation of its own
@@ -740,6 +747,9 @@ func (d *dec) session() *Session {
 			*list = append(*list, streams[from:ends[j]]...)
 			from = ends[j]
 		}
+		if d.err == nil && haltNow(d.halt) {
+			d.err = errHalted
+		}
 	}
 	for range d.n() {
 		s.pending = append(s.pending, pool.PendingImage{Ticket: d.u(), Pages: d.pages()})
@@ -753,14 +763,17 @@ func (d *dec) session() *Session {
 // sessions are decoded side by side (sessionsApart); else, or when that
 // fails, the parts are read as one (as an agent that ignores the flag
 // does).
-func decodeSnapshot(parts [][]byte, sessionAt []int, more map[uint64]int, procs int) (*State, error) {
+func decodeSnapshot(parts [][]byte, sessionAt []int, more map[uint64]int, procs int, halt *atomic.Bool) (*State, error) {
 	if len(sessionAt) > 0 && sideBySide {
-		if st := sessionsApart(parts, sessionAt, more, procs); st != nil {
+		if st := sessionsApart(parts, sessionAt, more, procs, halt); st != nil {
 			return st, nil
 		}
 	}
+	if haltNow(halt) {
+		return nil, errHalted
+	}
 	d := newDec(parts...)
-	d.more = more
+	d.more, d.halt = more, halt
 	st := d.snapshot()
 	if d.err != nil {
 		return nil, d.err
@@ -830,7 +843,7 @@ func decodeRecord(st *State, payload []byte) (*State, error) {
 // procs at a time. It returns nil unless the head ends where the first session
 // begins, each session's parts hold exactly one session and there are as
 // many as the head counts.
-func sessionsApart(parts [][]byte, sessionAt []int, more map[uint64]int, procs int) *State {
+func sessionsApart(parts [][]byte, sessionAt []int, more map[uint64]int, procs int, halt *atomic.Bool) *State {
 	if sessionAt[0] < 1 {
 		return nil
 	}
@@ -851,7 +864,7 @@ func sessionsApart(parts [][]byte, sessionAt []int, more map[uint64]int, procs i
 		}
 		g.Go(func() error {
 			d := newDec(parts[at:end]...)
-			d.more = more
+			d.more, d.halt = more, halt
 			if s := d.session(); d.err == nil && d.left() == 0 {
 				sessions[i] = s
 			}

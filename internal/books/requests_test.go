@@ -317,7 +317,7 @@ func TestReplayLargeRequests(t *testing.T) {
 		wg.Go(func() { _ = st.Image() })
 		wg.Go(func() {
 			var buf enc
-			lf, _, err := writeCompaction(st, 99, 0, 0, &buf)
+			lf, _, err := writeCompaction(st, 99, 0, 0, &buf, origin{})
 			must(t, err)
 			lf.close()
 		})

@@ -29,6 +29,7 @@ type sessionQueue struct {
 	s    *Session
 	mem  []byte // the books the records are in
 	recs []queuedRecord
+	ar   *arena // where its streams go (nil: a fresh one)
 	// After apply: the records that named something already gone, and
 	// the first record that did not decode (at errOff).
 	skipped int
@@ -53,6 +54,12 @@ type router struct {
 	by     map[*Session]*sessionQueue
 	last   *sessionQueue
 	procs  int // goroutines at a time that apply and decode the queues
+	// batch, when set, is the most records queued before they are
+	// applied (replayer.batch): no queue is made room for more, and each
+	// session's streams go on in the arena of its last batch (ars), not
+	// in fresh small blocks each batch.
+	batch int
+	ars   map[*Session]*arena
 }
 
 // route queues the record at off in mem, whose payload is payload, when
@@ -77,7 +84,20 @@ func (r *router) route(st *State, mem []byte, off uint64, payload []byte) bool {
 		if q = r.by[s]; q == nil {
 			// Room for the session's offloads still to come (the
 			// replay's hints), at least.
-			q = &sessionQueue{s: s, mem: mem, recs: make([]queuedRecord, 0, min(st.ridHints[id], maxRidHint))}
+			room := min(st.ridHints[id], maxRidHint)
+			if r.batch > 0 {
+				room = min(room, r.batch)
+			}
+			q = &sessionQueue{s: s, mem: mem, recs: make([]queuedRecord, 0, room)}
+			if r.batch > 0 {
+				if r.ars == nil {
+					r.ars = map[*Session]*arena{}
+				}
+				if q.ar = r.ars[s]; q.ar == nil {
+					q.ar = &arena{}
+					r.ars[s] = q.ar
+				}
+			}
 			r.by[s] = q
 			r.queues = append(r.queues, q)
 		}
@@ -234,7 +254,10 @@ type decoded struct {
 func (q *sessionQueue) applyHere(labels map[string]string) {
 	var batch [prefetchBatch]decoded
 	hs := make([]uint64, 0, prefetchBatch)
-	ar := &arena{}
+	ar := q.ar
+	if ar == nil {
+		ar = &arena{}
+	}
 	for lo := 0; lo < len(q.recs); lo += prefetchBatch {
 		b := batch[:0]
 		hs = hs[:0]

@@ -164,11 +164,11 @@ func TestSnapshotSessionsDecodeApart(t *testing.T) {
 	if len(sessionAt) != st.Sessions() || len(sessionAt) < 3 || len(parts) < 2*len(sessionAt) {
 		t.Fatalf("%d parts, %v begin sessions; the state has %d sessions", len(parts), sessionAt, st.Sessions())
 	}
-	apart := sessionsApart(parts, sessionAt, nil, 2)
+	apart := sessionsApart(parts, sessionAt, nil, 2, nil)
 	if apart == nil {
 		t.Fatal("the sessions did not decode apart")
 	}
-	inOrder, err := decodeSnapshot(parts, nil, nil, 2)
+	inOrder, err := decodeSnapshot(parts, nil, nil, 2, nil)
 	must(t, err)
 	must(t, apart.Check(inOrder.Image()))
 	must(t, apart.Check(r.p.Export()))
@@ -180,10 +180,10 @@ func TestSnapshotSessionsDecodeApart(t *testing.T) {
 		"a session short": sessionAt[:len(sessionAt)-1],
 		"the head's part": append([]int{0}, sessionAt[1:]...),
 	} {
-		if sessionsApart(parts, at, nil, 2) != nil {
+		if sessionsApart(parts, at, nil, 2, nil) != nil {
 			t.Fatalf("%s: decoded apart", name)
 		}
-		got, err := decodeSnapshot(parts, at, nil, 2)
+		got, err := decodeSnapshot(parts, at, nil, 2, nil)
 		must(t, err)
 		must(t, got.Check(inOrder.Image()))
 	}
