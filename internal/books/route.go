@@ -56,10 +56,9 @@ type router struct {
 	procs  int // goroutines at a time that apply and decode the queues
 	// batch, when set, is the most records queued before they are
 	// applied (replayer.batch): no queue is made room for more, and each
-	// session's streams go on in the arena of its last batch (ars), not
-	// in fresh small blocks each batch.
+	// session's streams go on in an arena of its own (Session.ar), not in
+	// fresh small blocks each batch.
 	batch int
-	ars   map[*Session]*arena
 }
 
 // route queues the record at off in mem, whose payload is payload, when
@@ -90,13 +89,10 @@ func (r *router) route(st *State, mem []byte, off uint64, payload []byte) bool {
 			}
 			q = &sessionQueue{s: s, mem: mem, recs: make([]queuedRecord, 0, room)}
 			if r.batch > 0 {
-				if r.ars == nil {
-					r.ars = map[*Session]*arena{}
+				if s.ar == nil {
+					s.ar = &arena{}
 				}
-				if q.ar = r.ars[s]; q.ar == nil {
-					q.ar = &arena{}
-					r.ars[s] = q.ar
-				}
+				q.ar = s.ar
 			}
 			r.by[s] = q
 			r.queues = append(r.queues, q)

@@ -95,6 +95,10 @@ type Session struct {
 	// bigs: the label index of each request of more than indexFrom
 	// streams a replay has looked in (labels.go).
 	bigs map[string]*bigRequest
+	// ar: where a Follower's batches of its records put its streams
+	// (router.batch), so that they fill blocks rather than start small
+	// ones each batch; it goes with the session.
+	ar *arena
 }
 
 // stream is one stream of a request: the pool's own type (request).
