@@ -13,7 +13,10 @@
 //
 // TestKeeperLossChaos (keeperloss_test.go) takes the keeper away instead:
 // KVPOOL_CHAOS_KEEPER_ROUNDS rounds (default 6) of SIGKILL, SIGTERM and
-// SIGSTOP of the keeper under the same clients.
+// SIGSTOP of the keeper under the same clients. TestSpareRestartChaos
+// (spare_test.go) runs the agent as the chart does, under its own
+// supervisor with a spare that reads the books ahead, and SIGKILLs the
+// serving child KVPOOL_CHAOS_SPARE_KILLS times (default 40).
 package chaos
 
 import (
@@ -71,6 +74,41 @@ func build(t *testing.T, dir, pkg string) string {
 	return out
 }
 
+// setup builds the agent and the chaos client, and returns them, where
+// the keeper's and the agent's sockets go (the agent's directory is what
+// pods mount; the state directory, with the tokens, is not inside it),
+// and the standalone agent's arguments.
+func setup(t *testing.T) (agentBin, clientBin, keeperSock, agentSock string, args []string) {
+	t.Helper()
+	bin := t.TempDir()
+	agentBin = build(t, bin, "github.com/kvpool/kvpool/cmd/agent")
+	clientBin = build(t, bin, "github.com/kvpool/kvpool/test/chaos/chaosclient")
+	dir := t.TempDir()
+	keeperSock = filepath.Join(dir, "keeper", "keeper.sock")
+	agentSock = filepath.Join(dir, "sock", "kv.sock")
+	if err := os.Mkdir(filepath.Dir(agentSock), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	args = []string{"--standalone", "--socket", agentSock, "--keeper-socket", keeperSock,
+		"--standalone-gpus", strconv.Itoa(gpus), "--chunks-per-gpu", strconv.Itoa(chunksPerGPU), "--chunk-mib", strconv.Itoa(chunkMiB),
+		"--state-dir", filepath.Join(dir, "state"), "--log-level", "info", "--standalone-tokens", strings.Join(tokens, ",")}
+	return agentBin, clientBin, keeperSock, agentSock, args
+}
+
+// startKeeperProc starts a keeper process on keeperSock and waits until
+// it answers; it returns the process and its log.
+func startKeeperProc(t *testing.T, agentBin, keeperSock string) (*exec.Cmd, *logging.SyncBuffer) {
+	t.Helper()
+	kp := exec.Command(agentBin, "keeper", "--socket", keeperSock, "--log-level", "warn")
+	log := &logging.SyncBuffer{}
+	kp.Stderr = log
+	if err := kp.Start(); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, func() bool { _, err := keeper.Query(keeperSock); return err == nil })
+	return kp, log
+}
+
 type agentProc struct {
 	cmd *exec.Cmd
 	log *logging.SyncBuffer
@@ -92,24 +130,8 @@ func TestAgentRestartChaos(t *testing.T) {
 	kills := envInt(t, "KVPOOL_CHAOS_KILLS", 100)
 	terms := envInt(t, "KVPOOL_CHAOS_TERMS", 20)
 	maxUp := time.Duration(envInt(t, "KVPOOL_CHAOS_MAX_UP_MS", 400)) * time.Millisecond
-	bin := t.TempDir()
-	agentBin := build(t, bin, "github.com/kvpool/kvpool/cmd/agent")
-	clientBin := build(t, bin, "github.com/kvpool/kvpool/test/chaos/chaosclient")
-	dir := t.TempDir()
-	keeperSock := filepath.Join(dir, "keeper.sock")
-	// The socket's directory is what pods mount; the state directory
-	// (tokens) must not be inside it.
-	agentSock := filepath.Join(dir, "sock", "kv.sock")
-	if err := os.Mkdir(filepath.Dir(agentSock), 0o755); err != nil {
-		t.Fatal(err)
-	}
-
-	kp := exec.Command(agentBin, "keeper", "--socket", keeperSock, "--log-level", "warn")
-	keeperLog := &logging.SyncBuffer{}
-	kp.Stderr = keeperLog
-	if err := kp.Start(); err != nil {
-		t.Fatal(err)
-	}
+	agentBin, clientBin, keeperSock, agentSock, args := setup(t)
+	kp, keeperLog := startKeeperProc(t, agentBin, keeperSock)
 	defer func() {
 		kp.Process.Signal(syscall.SIGTERM)
 		kp.Wait()
@@ -117,11 +139,7 @@ func TestAgentRestartChaos(t *testing.T) {
 			t.Error("the keeper left its socket behind")
 		}
 	}()
-	waitFor(t, func() bool { _, err := keeper.Query(keeperSock); return err == nil })
 
-	args := []string{"--standalone", "--socket", agentSock, "--keeper-socket", keeperSock,
-		"--standalone-gpus", strconv.Itoa(gpus), "--chunks-per-gpu", strconv.Itoa(chunksPerGPU), "--chunk-mib", strconv.Itoa(chunkMiB),
-		"--state-dir", filepath.Join(dir, "state"), "--log-level", "info", "--standalone-tokens", strings.Join(tokens, ",")}
 	start := func() *agentProc {
 		a := &agentProc{cmd: exec.Command(agentBin, args...), log: &logging.SyncBuffer{}}
 		a.cmd.Stderr = a.log

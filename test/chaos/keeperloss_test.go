@@ -1,9 +1,7 @@
 package chaos
 
 import (
-	"os"
 	"os/exec"
-	"path/filepath"
 	"regexp"
 	"strconv"
 	"strings"
@@ -33,29 +31,13 @@ func TestKeeperLossChaos(t *testing.T) {
 		t.Skip("chaos test: skipped with -short")
 	}
 	rounds := envInt(t, "KVPOOL_CHAOS_KEEPER_ROUNDS", 6)
-	bin := t.TempDir()
-	agentBin := build(t, bin, "github.com/kvpool/kvpool/cmd/agent")
-	clientBin := build(t, bin, "github.com/kvpool/kvpool/test/chaos/chaosclient")
-	dir := t.TempDir()
-	keeperSock := filepath.Join(dir, "keeper", "keeper.sock")
-	agentSock := filepath.Join(dir, "sock", "kv.sock")
-	if err := os.Mkdir(filepath.Dir(agentSock), 0o755); err != nil {
-		t.Fatal(err)
-	}
+	agentBin, clientBin, keeperSock, agentSock, args := setup(t)
 	startKeeper := func() *exec.Cmd {
-		kp := exec.Command(agentBin, "keeper", "--socket", keeperSock, "--log-level", "warn")
-		kp.Stderr = &logging.SyncBuffer{}
-		if err := kp.Start(); err != nil {
-			t.Fatal(err)
-		}
-		waitFor(t, func() bool { _, err := keeper.Query(keeperSock); return err == nil })
+		kp, _ := startKeeperProc(t, agentBin, keeperSock)
 		return kp
 	}
 	kp := startKeeper()
 	defer func() { kp.Process.Signal(syscall.SIGCONT); kp.Process.Signal(syscall.SIGTERM); kp.Wait() }()
-	args := []string{"--standalone", "--socket", agentSock, "--keeper-socket", keeperSock,
-		"--standalone-gpus", strconv.Itoa(gpus), "--chunks-per-gpu", strconv.Itoa(chunksPerGPU), "--chunk-mib", strconv.Itoa(chunkMiB),
-		"--state-dir", filepath.Join(dir, "state"), "--log-level", "info", "--standalone-tokens", strings.Join(tokens, ",")}
 	startAgent := func() *agentProc {
 		a := &agentProc{cmd: exec.Command(agentBin, args...), log: &logging.SyncBuffer{}}
 		a.cmd.Stderr = a.log
