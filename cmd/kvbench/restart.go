@@ -101,6 +101,7 @@ func runRestart(ctx context.Context, args []string) error {
 	sessions := fs.Int("sessions", 1, "sessions the streams are spread over, each its own standalone token and allocation (chunks/sessions chunks each)")
 	churn := fs.Int("churn", 0, "before the first restart, this many discards of a stream of the first session, each followed by its offload again, every call timed (the books fill, and compact, as the calls go on)")
 	fs.StringVar(&restartBy, "restart-by", "kvbench", `who starts the agent again after each SIGKILL: "kvbench" (at once: the agent's own gap), "supervisor" (the agent's restartInPlace supervisor, as the chart runs it) or "spare" (the supervisor, waking a spare agent process that has already started)`)
+	fs.DurationVar(&spareAfter, "spare-after", 250*time.Millisecond, "with --restart-by spare: the agent's restartInPlace.spareAfter, how long after a restart the next spare starts (250ms, so that one stands behind the agent by the next kill)")
 	wait := fs.String("wait", "poll", `how the gap is timed: "poll" (a call without retries every ms: when the agent serves again) or "client" (one call in flight from the killed agent's exit, riding out the restart with the client's default retries: what an engine waits)`)
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -110,6 +111,9 @@ func runRestart(ctx context.Context, args []string) error {
 	}
 	if restartBy != "kvbench" && restartBy != "supervisor" && restartBy != "spare" {
 		return fmt.Errorf("--restart-by: %q is not kvbench, supervisor or spare", restartBy)
+	}
+	if spareAfter < 0 || spareAfter > time.Hour {
+		return fmt.Errorf("--spare-after: %v is not 0s to 1h", spareAfter)
 	}
 	if *sessions < 1 || *sessions > maxProbeSessions {
 		return fmt.Errorf("--sessions: %d is not 1 to %d", *sessions, maxProbeSessions)
@@ -225,8 +229,12 @@ func printRestart(w io.Writer, rep *restartReport) {
 var agentLogLevel = ""
 
 // restartBy is who starts the agent again (--restart-by): kvbench, or the
-// agent's own supervisor (restartInPlace), with a spare or without.
-var restartBy = "kvbench"
+// agent's own supervisor (restartInPlace), with a spare or without;
+// spareAfter is when the spare starts (--spare-after).
+var (
+	restartBy  = "kvbench"
+	spareAfter = 250 * time.Millisecond
+)
 
 // poolShape is the probe agent's pool: chunks of chunkMiB, 128-byte pages,
 // shared by sessions tokens.
@@ -396,10 +404,7 @@ func startProbe(bin string, pool poolShape) (*probe, error) {
 		pr.args = append(pr.args, "--restart-in-place-max", "100", "--restart-in-place-window", "1h")
 	}
 	if restartBy == "spare" {
-		// The spare starts soon after each restart, so that one stands
-		// behind the agent by the next kill (--settle, at least 300ms,
-		// after the call), and late enough to leave the restore alone.
-		pr.args = append(pr.args, "--restart-in-place-spare=true", "--restart-in-place-spare-after", "250ms")
+		pr.args = append(pr.args, "--restart-in-place-spare=true", "--restart-in-place-spare-after", spareAfter.String())
 	}
 	if err := pr.startAgent(); err != nil {
 		pr.stop(0)

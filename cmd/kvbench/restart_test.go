@@ -128,7 +128,7 @@ func TestRestartProbe(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, bad := range [][]string{{"--streams", "0"}, {"--chunks", "0"}, {"--chunks", "1", "--chunk-mib", "16"},
-		{"--sessions", "0"}, {"--sessions", "3", "--chunks", "2"}, {"--streams", "131073"}, {"--wait", "sometimes"}, {"--churn", "-1"}, {"--restart-by", "kubelet"}} {
+		{"--sessions", "0"}, {"--sessions", "3", "--chunks", "2"}, {"--streams", "131073"}, {"--wait", "sometimes"}, {"--churn", "-1"}, {"--restart-by", "kubelet"}, {"--spare-after", "-1s"}} {
 		if err := runRestart(context.Background(), bad); err == nil {
 			t.Fatalf("%q accepted", bad)
 		}

@@ -166,9 +166,11 @@ type RestartInPlace struct {
 	// memory, more with ReadAhead). Default false; the chart sets true.
 	Spare bool `json:"spare"`
 	// SpareAfter is how long after a start or a restart in place the next
-	// spare is started: not at once, so that its own start takes no CPU
-	// from the restore of the agent it stands behind. Default "2s", at
-	// most "1h"; "0s": at once.
+	// spare is started: not at once, so that its own start and first read
+	// of the books take no CPU from the restore of the agent it stands
+	// behind (at most about 300 ms at the agent's bound), and soon, since
+	// a crash before the spare has read the books replays them whole.
+	// Default "500ms", at most "1h"; "0s": at once.
 	SpareAfter Duration `json:"spareAfter"`
 	// ReadAhead makes the spare, while it waits, replay the books the
 	// keeper holds as the agent appends to them and keep warm the heap
@@ -368,7 +370,7 @@ func Default() Config {
 		TokenBinding:   TokenBindingPod,
 		PodLogsDir:     "/var/log/pods",
 		DRA:            DRA{DriverName: DefaultDRADriverName, CDIDir: "/var/run/cdi"},
-		RestartInPlace: RestartInPlace{Window: Duration{10 * time.Minute}, SpareAfter: Duration{2 * time.Second}, ReadAhead: true},
+		RestartInPlace: RestartInPlace{Window: Duration{10 * time.Minute}, SpareAfter: Duration{500 * time.Millisecond}, ReadAhead: true},
 		GPUResources:   []string{"nvidia.com/gpu", "nvidia.com/gpu.shared", "nvidia.com/mig-*"},
 		Sizing: Sizing{
 			Fraction:            0.5,

@@ -547,7 +547,7 @@ func TestChartInstall(t *testing.T) {
 		runsAtKill := len(clientRuns(wl()))
 		// Two crashes: kubelet would restart the second only after its
 		// back-off (10 s); in place both are served again at once, each by
-		// a spare (restartInPlace.spare starts one 2 s after a restart).
+		// a spare (restartInPlace.spare starts one 500 ms after a restart).
 		var killed time.Time
 		for kill := 1; kill <= 2; kill++ {
 			if kill > 1 {
@@ -574,7 +574,7 @@ func TestChartInstall(t *testing.T) {
 			if !strings.Contains(l, "the Node is read beside serving") {
 				t.Errorf("kill %d: the restarted agent read the Node before serving", kill)
 			}
-			// The spare it woke (started 2 s after the agent before it,
+			// The spare it woke (started 500 ms after the agent before it,
 			// which served a few seconds) had read the books ahead: the
 			// restore replays only their last records.
 			if !strings.Contains(l, `"readAhead":true`) {
