@@ -85,6 +85,13 @@ func warmPieces(n int64, lanes int, stop <-chan struct{}) (held [][]byte, huge b
 	held = make([][]byte, 1, n/warmPiece+1)
 	held[0] = first
 	for int64(len(held))*warmPiece < n {
+		// An allocation may clear a piece of heap the runtime had
+		// handed back, a fault a page: stopped between pieces too.
+		select {
+		case <-stop:
+			return held[:1], false
+		default:
+		}
 		held = append(held, make([]byte, warmPiece))
 	}
 	rest := held[1:]

@@ -183,3 +183,15 @@ func FuzzFreeHugeBlocks(f *testing.F) {
 		}
 	})
 }
+
+// A warm the turn stops (a spare's top-up) ends at once: one piece made
+// resident, nothing more allocated or populated.
+func TestWarmPiecesStopped(t *testing.T) {
+	stop := make(chan struct{})
+	close(stop)
+	held, huge := warmPieces(64<<20, 1, stop)
+	if len(held) > 1 || huge {
+		t.Fatalf("a stopped warm held %d pieces (huge %v), want at most the first", len(held), huge)
+	}
+	letGo(held)
+}

@@ -587,7 +587,13 @@ func (b *Books) startLocked(st *State) error {
 	// twice the room is compacted here, so that neither the memfd nor the
 	// next replay grows from restart to restart.
 	if kept+64 > 2*room {
-		return b.compactLocked(st, 0)
+		// The snapshot then stands for the kept log up to its end,
+		// unless Forget changed st since.
+		var from origin
+		if len(st.forgot) == 0 {
+			from = origin{inode(src), st.srcEnd}
+		}
+		return b.compactFrom(st, 0, from)
 	}
 	lf, err := newLogFile(b.gen+1, roundPage(max(room, kept+64)))
 	if err != nil {
@@ -601,6 +607,9 @@ func (b *Books) startLocked(st *State) error {
 		return fmt.Errorf("books: write the kept records: %w", err)
 	}
 	lf.off = st.srcEnd
+	// The copy's snapshot is the kept log's, its records the kept log's
+	// after it: a Follower of the kept log goes on in the copy.
+	origin{inode(src), st.snapEnd}.write(lf.mem, st.snapEnd, 0)
 	for _, id := range st.forgot {
 		b.buf = appendEvent(b.buf[:0], pool.Event{Kind: pool.EventRemoveChunk, Chunk: pool.Chunk{ID: id}})
 		if err = lf.append(b.buf); err != nil {
@@ -681,7 +690,12 @@ func (b *Books) resumeLocked(f *os.File, st *State, room uint64) error {
 // (the keeper is lost) does not stop the books: they go on in it, unkept
 // (OnUnkept), so that nothing recorded is lost while this process lives.
 func (b *Books) compactLocked(st *State, extra int) error {
-	lf, snap, err := writeCompaction(st, b.gen+1, b.lastSnap, extra, &b.buf, origin{inode(b.f), b.off})
+	return b.compactFrom(st, extra, origin{inode(b.f), b.off})
+}
+
+// compactFrom is compactLocked of st, replayed from the log from says.
+func (b *Books) compactFrom(st *State, extra int, from origin) error {
+	lf, snap, err := writeCompaction(st, b.gen+1, b.lastSnap, extra, &b.buf, from)
 	if err != nil {
 		return err
 	}

@@ -643,3 +643,54 @@ func TestFollowerHaltedGoesOnInLoad(t *testing.T) {
 		f.Close()
 	}
 }
+
+// TestFollowerGoesOnIntoTheNextWritersBooks: a follower of books whose
+// writer died goes on into the memfd the next writer starts them in, where
+// that is not the kept one: a copy of the kept log (past the room its
+// snapshot leaves), or a compaction of it (far past it).
+func TestFollowerGoesOnIntoTheNextWritersBooks(t *testing.T) {
+	for _, far := range []bool{false, true} {
+		var r *rig
+		if far {
+			// A compaction aside held while the log grows far past its
+			// room, then the writer gone.
+			var h *heldAside
+			r, h = asideRig(t, 61)
+			for i := range 400 {
+				r.step(i)
+			}
+			held := errors.New("held, then failed")
+			h.fail.Store(&held)
+			close(h.release)
+			r.b.settle()
+			asideHook = nil
+			r.b.Close()
+		} else {
+			old := noResume
+			noResume = true
+			defer func() { noResume = old }()
+			r = newRig(t, 62)
+			for i := range 300 {
+				r.step(i)
+			}
+			r.b.Close()
+		}
+		fl, err := Follow(readOnly(t, r.store.f), nil)
+		must(t, err)
+		st, info, err := Load(r.store.f)
+		must(t, err)
+		b, err := Start(st, info.Gen, r.store, func(err error) { t.Errorf("fatal: %v", err) })
+		must(t, err)
+		if fl.Follows(r.store.f) {
+			t.Fatalf("far %v: the next writer went on in the kept memfd", far)
+		}
+		// A copy's snapshot is the kept log's own; a compaction's stands
+		// for the whole kept log.
+		o, snapEnd, _, ok := readOrigin(fileBytes(t, r.store.f))
+		if !ok || o.ino != fl.ino || (o.off > snapEnd) != far {
+			t.Fatalf("far %v: the next writer's books name origin %+v (%v), snapshot end %d", far, o, ok, snapEnd)
+		}
+		finishedAsLoaded(t, fl, r)
+		b.Close()
+	}
+}
