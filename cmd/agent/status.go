@@ -145,7 +145,8 @@ func printAgent(tw io.Writer, r report.Report) {
 			}
 			load := fmt.Sprintf("books replayed %s", ms(s.LoadSeconds))
 			if s.ReadAhead {
-				load = fmt.Sprintf("books read ahead by the spare, their last %s replayed %s", bytesize.Exact(s.ReplayedBytes), ms(s.LoadSeconds))
+				load = fmt.Sprintf("books read ahead by the spare (handed over %s into the restore), their last %s replayed %s",
+					ms(s.SpareSeconds), bytesize.Exact(s.ReplayedBytes), ms(s.LoadSeconds))
 			}
 			fmt.Fprintf(tw, "Restore:\t%s, %s, chunks adopted %s, pool rebuilt %s, fresh books waited for %s\n",
 				warm, load, ms(s.AdoptSeconds), ms(s.RebuildSeconds), ms(s.BooksSeconds))

@@ -12,7 +12,8 @@ import (
 // the killed agent was reaped and the new one started (Exit); the new
 // process until its first log line (Start: exec, Go's initialisation of
 // the binary's packages, flags and configuration); the restore's steps as
-// the agent logged them (Warm, Load, Adopt, Rebuild, Books); the rest of
+// the agent logged them (Spare, the wait for a spare's hand-over, zero in
+// the logs of agents older than it; Warm, Load, Adopt, Rebuild, Books); the rest of
 // its start-up until it logged that it serves again (Other: the node
 // step, the keeper's connection, the observability and socket steps); and
 // from then until the probe's call succeeded (After: the poll's last ms,
@@ -21,6 +22,7 @@ import (
 type gapSteps struct {
 	Exit    float64 `json:"exit_ms"`
 	Start   float64 `json:"process_start_ms"`
+	Spare   float64 `json:"spare_ms,omitempty"`
 	Warm    float64 `json:"warm_ms"`
 	Load    float64 `json:"load_ms"`
 	Adopt   float64 `json:"adopt_ms"`
@@ -77,10 +79,17 @@ func splitGaps(log string, times []restartTimes) []gapSteps {
 			}
 			*st.v = ms(d)
 		}
+		if v, ok := adopted[i]["spare"]; ok {
+			d, err := time.ParseDuration(v)
+			if err != nil {
+				return nil
+			}
+			s.Spare = ms(d)
+		}
 		s.ReadAhead = adopted[i]["readAhead"] == "true"
 		s.Exit = ms(tm.exec.Sub(tm.kill))
 		s.Start = ms(first.Sub(tm.exec))
-		s.Other = ms(served.Sub(first)) - s.Warm - s.Load - s.Adopt - s.Rebuild - s.Books
+		s.Other = ms(served.Sub(first)) - s.Spare - s.Warm - s.Load - s.Adopt - s.Rebuild - s.Books
 		s.After = ms(tm.ok.Sub(served))
 	}
 	return out
@@ -139,7 +148,7 @@ func printSteps(w io.Writer, rep *restartReport) {
 	fmt.Fprintln(w, "where the gaps went, ms (each step's median over the restarts): the killed agent's exit, the new process until its first log line,")
 	fmt.Fprintln(w, "the restore's steps as the agent logged them, the rest of its start-up until it served, and then until the probe's call succeeded")
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "streams\tgap p50\texit\tprocess\twarm\tload\tadopt\trebuild\tbooks\tother\tafter")
+	fmt.Fprintln(tw, "streams\tgap p50\texit\tprocess\tspare\twarm\tload\tadopt\trebuild\tbooks\tother\tafter")
 	for _, c := range rows {
 		step := func(f func(gapSteps) float64) float64 {
 			v := make([]float64, len(c.Steps))
@@ -148,8 +157,9 @@ func printSteps(w io.Writer, rep *restartReport) {
 			}
 			return median(v)
 		}
-		fmt.Fprintf(tw, "%d\t%.1f\t%.1f\t%.1f\t%.1f\t%.1f\t%.1f\t%.1f\t%.1f\t%.1f\t%.1f\n", c.Streams, c.GapP50Ms,
+		fmt.Fprintf(tw, "%d\t%.1f\t%.1f\t%.1f\t%.1f\t%.1f\t%.1f\t%.1f\t%.1f\t%.1f\t%.1f\t%.1f\n", c.Streams, c.GapP50Ms,
 			step(func(s gapSteps) float64 { return s.Exit }), step(func(s gapSteps) float64 { return s.Start }),
+			step(func(s gapSteps) float64 { return s.Spare }),
 			step(func(s gapSteps) float64 { return s.Warm }), step(func(s gapSteps) float64 { return s.Load }),
 			step(func(s gapSteps) float64 { return s.Adopt }), step(func(s gapSteps) float64 { return s.Rebuild }),
 			step(func(s gapSteps) float64 { return s.Books }), step(func(s gapSteps) float64 { return s.Other }),

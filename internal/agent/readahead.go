@@ -7,6 +7,7 @@ import (
 	"runtime"
 	"runtime/debug"
 	"runtime/metrics"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -40,6 +41,7 @@ const ReadAheadEvery = 100 * time.Millisecond
 // What the spare holds is about the memory a restore takes at its peak.
 type ReadAhead struct {
 	stop      chan struct{}
+	stopOnce  sync.Once
 	halt      atomic.Bool    // set at the turn: a read in progress stops at the next record
 	doing     atomic.Int32   // what the loop does now (a phase), for the turn's word on a late read
 	out       chan readAhead // the loop's last word
@@ -53,7 +55,11 @@ type ReadAhead struct {
 	reads, nexts atomic.Int64
 	// lastTop is when the warm heap was last topped up.
 	lastTop time.Time
-	// The agent's, after Stop.
+	// The agent's, after Stop: when the turn came, whether the loop's
+	// last word was taken (or left to a goroutine that closes it), and
+	// what was taken.
+	turn  time.Time
+	took  bool
 	taken readAhead
 }
 
@@ -76,12 +82,20 @@ const (
 var phases = [...]string{phaseAsk: "asking the keeper", phaseRead: "reading the books", phaseCollect: "collecting garbage",
 	phaseWarm: "warming the heap", phaseLetGo: "letting the warm heap go"}
 
-// stopWait bounds how long the turn waits for a read in progress, which
-// the turn halts: it stops at the next record (or batch of a snapshot's
-// requests, a few hundred µs), and the restore goes on from there; a
-// piece of warm heap takes less. Past stopWait (the loop not scheduled,
-// say) what it read is dropped and the restore replays the books whole.
-const stopWait = 20 * time.Millisecond
+// takeWait bounds how long the restore waits, from the turn, for the read
+// in progress that the turn halted: it stops at the next record (or batch
+// of records or of a snapshot's requests, a few ms at most), and the
+// restore goes on from there; a piece of warm heap takes less. The
+// start-up's steps before the restore (the keeper's hand-over, the plan)
+// run meanwhile, so a loop that answers in time costs the restart
+// nothing. Past takeWait (a loop not scheduled for that long, or a keeper
+// that does not answer its follow) what it read is dropped and the
+// restore replays the books whole, which at the agent's bound takes about
+// as long (100-300 ms on a 2-vCPU VM): waiting longer could only lose.
+// The turn used to wait 20 ms itself, before the start-up's steps: under
+// four busy clients on two CPUs, 5-7 turns in 200 found the loop not yet
+// scheduled and replayed whole.
+var takeWait = 250 * time.Millisecond
 
 // StartReadAhead starts reading ahead the books the keeper at socket holds,
 // every `every`.
@@ -111,8 +125,12 @@ func (ra *ReadAhead) collect(force bool) {
 
 func (ra *ReadAhead) loop(socket string, every time.Duration) {
 	defer func() {
-		ra.out <- readAhead{ra.fl, ra.huge, ra.err}
+		last := readAhead{ra.fl, ra.huge, ra.err}
 		ra.fl = nil // handed over: the follower holds the replayed state
+		if handOverHook != nil {
+			handOverHook()
+		}
+		ra.out <- last
 	}()
 	t := time.NewTicker(every)
 	defer t.Stop()
@@ -259,38 +277,69 @@ func (ra *ReadAhead) drop() {
 	ra.huge = false
 }
 
-// Stop ends the reading ahead: the agent then takes what was read (and
-// Closes it). A read in progress is halted at its next record and waited
-// for at most stopWait; past it, what it read is dropped when it ends.
+// handOverHook, where a test sets it, runs in the loop before it hands
+// over what it read (a loop that is slow to answer the turn).
+var handOverHook func()
+
+// Stop is the turn: it ends the reading ahead without waiting for it (a
+// read in progress is halted at its next record), and the agent then
+// takes what was read (take, in the restore) and Closes it. Stop may be
+// called more than once.
 func (ra *ReadAhead) Stop() {
-	defer debug.SetGCPercent(ra.gcPercent)
-	ra.halt.Store(true)
-	close(ra.stop)
-	t := time.NewTimer(stopWait)
-	defer t.Stop()
-	select {
-	case ra.taken = <-ra.out:
-	case <-t.C:
-		ra.taken.err = fmt.Errorf("a read was in progress at the turn (more than %v): %s", stopWait, phases[ra.doing.Load()])
-		go func() {
-			if late := <-ra.out; late.fl != nil {
-				late.fl.Close()
-			}
-		}()
-	}
+	ra.stopOnce.Do(func() {
+		ra.turn = time.Now()
+		ra.halt.Store(true)
+		close(ra.stop)
+	})
 }
 
 // take hands the agent what was read ahead, once: the follower (nil:
 // none, and err may say why) and whether the heap was warmed in huge
-// pages.
+// pages. It waits for the loop's last word until takeWait after the turn;
+// past it, what the loop hands over later is closed. The collector, off
+// while the spare read, is turned back on here, just before the restore
+// turns it off for its own part (on at the turn, a cycle could start
+// beside the start-up with the followed state to mark).
 func (ra *ReadAhead) take() readAhead {
+	ra.Stop()
+	if !ra.took {
+		ra.took = true
+		defer debug.SetGCPercent(ra.gcPercent)
+		select {
+		case ra.taken = <-ra.out:
+		default:
+			t := time.NewTimer(time.Until(ra.turn.Add(takeWait)))
+			select {
+			case ra.taken = <-ra.out:
+			case <-t.C:
+				ra.taken.err = fmt.Errorf("the spare was still %s %v after the turn", phases[ra.doing.Load()], takeWait)
+				go ra.closeLate()
+			}
+			t.Stop()
+		}
+	}
 	t := ra.taken
 	ra.taken.fl = nil
 	return t
 }
 
-// Close drops what was read ahead and not taken.
+// closeLate closes what the loop hands over once it is no longer waited for.
+func (ra *ReadAhead) closeLate() {
+	if late := <-ra.out; late.fl != nil {
+		late.fl.Close()
+	}
+}
+
+// Close drops what was read ahead and not taken (a start that ended before
+// its restore leaves the loop's last word to a goroutine that closes it).
 func (ra *ReadAhead) Close() {
+	ra.Stop()
+	if !ra.took {
+		ra.took = true
+		debug.SetGCPercent(ra.gcPercent)
+		go ra.closeLate()
+		return
+	}
 	if ra.taken.fl != nil {
 		ra.taken.fl.Close()
 		ra.taken.fl = nil

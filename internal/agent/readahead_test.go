@@ -22,6 +22,7 @@ func TestRestoreFinishesTheBooksReadAhead(t *testing.T) {
 	ra := StartReadAhead(ksock, 5*time.Millisecond)
 	waitUntil(t, "the spare following the books", func() bool { return ra.reads.Load() > 0 })
 	ra.Stop()
+	waitUntil(t, "the spare's hand-over", func() bool { return len(ra.out) == 1 })
 	// Committed after the spare's last read: the restore replays these.
 	for i := range 50 {
 		offload(fmt.Sprintf("late-%03d", i))
@@ -62,6 +63,61 @@ func TestRestoreFinishesTheBooksReadAhead(t *testing.T) {
 		t.Fatalf("replayed %d bytes after the read ahead, %d whole: want some, fewer", steps.ReplayedBytes, whole.ReplayedBytes)
 	}
 	t.Logf("replayed %d bytes after the read ahead, %d whole", steps.ReplayedBytes, whole.ReplayedBytes)
+}
+
+// A spare slow to answer its turn (its loop not scheduled for a while on
+// a busy node) is waited for by the restore, up to takeWait from the
+// turn, while the start-up's steps before it run: its books are finished,
+// not replayed whole. One slower than that is dropped, and the restore
+// replays the books whole: the same pool either way.
+func TestRestoreWaitsForASlowSpare(t *testing.T) {
+	defer func(w time.Duration) { takeWait, handOverHook = w, nil }(takeWait)
+	for _, c := range []struct {
+		name      string
+		wait      time.Duration
+		late      time.Duration // how long the loop takes to answer the turn
+		readAhead bool
+	}{
+		// Past the 20 ms the turn once waited for, before the steps.
+		{"answers within takeWait", 2 * time.Second, 60 * time.Millisecond, true},
+		{"answers past takeWait", 30 * time.Millisecond, 300 * time.Millisecond, false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			takeWait = c.wait
+			answered := make(chan struct{})
+			handOverHook = func() { time.Sleep(c.late); close(answered) }
+			dir := t.TempDir()
+			ksock, a1, stop1, offload := offloadingAgent(t, dir)
+			for i := range 100 {
+				offload(fmt.Sprintf("early-%03d", i))
+			}
+			ra := StartReadAhead(ksock, 5*time.Millisecond)
+			waitUntil(t, "the spare following the books", func() bool { return ra.reads.Load() > 0 })
+			want := a1.Pool().Export()
+			stop1()
+			turn := time.Now()
+			ra.Stop()
+			a2, stop2 := bootAgent(t, Options{Config: a1.a.cfg, Standalone: true, ChunksPerGPU: 2, ChunkBytes: 2 << 20, Logger: quietLog, ReadAhead: ra})
+			defer stop2()
+			s := a2.a.restart.steps
+			if s == nil || s.ReadAhead != c.readAhead {
+				t.Fatalf("a spare answering its turn after %v, waited for %v: restore %+v, want readAhead %v", c.late, c.wait, s, c.readAhead)
+			}
+			if c.readAhead && s.SpareSeconds <= 0 {
+				t.Fatalf("the restore waited %vs for a spare that answered its turn after %v", s.SpareSeconds, c.late)
+			}
+			if c.readAhead && time.Since(turn) < c.late {
+				t.Fatalf("the restore finished the books read ahead %v after the turn, before the spare answered (%v)", time.Since(turn), c.late)
+			}
+			if got := a2.Pool().Export(); !reflect.DeepEqual(got, want) {
+				t.Fatalf("restored pool differs:\n%+v\n%+v", got, want)
+			}
+			// What the loop hands over after the restore stopped waiting
+			// is taken and closed, not left.
+			<-answered
+			waitUntil(t, "the hand-over taken", func() bool { return len(ra.out) == 0 })
+		})
+	}
 }
 
 // offloadingAgent starts a keeper and an agent kept by it (state in dir)

@@ -168,9 +168,12 @@ func (a *agent) restore() (err error) {
 	r.held = nil
 	var ahead *books.Follower
 	var warmHuge bool
+	var spareWait time.Duration
 	if ra := a.opts.ReadAhead; ra != nil {
 		a.opts.ReadAhead = nil
+		t0 := time.Now()
 		t := ra.take()
+		spareWait = time.Since(t0)
 		ahead, warmHuge = t.fl, t.huge
 		if ahead == nil {
 			a.log.Info("the spare did not read the books ahead; the restore replays them whole", "err", t.err)
@@ -271,12 +274,12 @@ func (a *agent) restore() (err error) {
 	r.books = b
 	a.pool.SetJournal(b)
 	if len(held.Chunks) > 0 || len(r.adopted) > 0 {
-		r.steps = &report.RestoreSteps{WarmSeconds: tWarm.Sub(t0).Seconds(), WarmBytes: r.warmed, LoadSeconds: tLoad.Sub(tWarm).Seconds(),
+		r.steps = &report.RestoreSteps{SpareSeconds: spareWait.Seconds(), WarmSeconds: tWarm.Sub(t0).Seconds(), WarmBytes: r.warmed, LoadSeconds: tLoad.Sub(tWarm).Seconds(),
 			AdoptSeconds: tAdopt.Sub(tLoad).Seconds(), RebuildSeconds: tPool.Sub(tAdopt).Seconds(), BooksSeconds: tBooks.Sub(tPool).Seconds(),
 			ReadAhead: r.readAhead, ReplayedBytes: int64(info.Replayed)}
 		a.log.Info("pool adopted from the keeper", "chunks", len(r.adopted), "sessions", len(r.sessions),
 			"streams", r.streams, "booksGen", info.Gen, "readAhead", r.readAhead, bytesize.Attr("replayed", int64(info.Replayed)),
-			bytesize.Attr("warmHeap", r.warmed), "warmHuge", r.warmHuge, "warm", tWarm.Sub(t0).Round(time.Microsecond),
+			bytesize.Attr("warmHeap", r.warmed), "warmHuge", r.warmHuge, "spare", spareWait.Round(time.Microsecond), "warm", tWarm.Sub(t0).Round(time.Microsecond),
 			"load", tLoad.Sub(tWarm).Round(time.Microsecond),
 			"adopt", tAdopt.Sub(tLoad).Round(time.Microsecond), "rebuild", tPool.Sub(tAdopt).Round(time.Microsecond),
 			"books", tBooks.Sub(tPool).Round(time.Microsecond))

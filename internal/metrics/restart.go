@@ -96,7 +96,7 @@ func (c *restoreSteps) Collect(ch chan<- prometheus.Metric) {
 	for _, step := range []struct {
 		name string
 		v    float64
-	}{{"warm", s.WarmSeconds}, {"load", s.LoadSeconds}, {"adopt", s.AdoptSeconds}, {"rebuild", s.RebuildSeconds}, {"books", s.BooksSeconds}} {
+	}{{"spare", s.SpareSeconds}, {"warm", s.WarmSeconds}, {"load", s.LoadSeconds}, {"adopt", s.AdoptSeconds}, {"rebuild", s.RebuildSeconds}, {"books", s.BooksSeconds}} {
 		ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, step.v, step.name)
 	}
 }

@@ -45,11 +45,14 @@ type Restart struct {
 }
 
 // RestoreSteps are the steps of a restore from the keeper, in the order
-// they ran, all before the agent served: the heap made resident for it
-// (Warm), the books replayed (Load), the kept chunks adopted (Adopt), the
+// they ran, all before the agent served: the wait for what a spare read
+// ahead (Spare: from the restore's start until the spare's reading,
+// halted at the turn, handed it over; zero without a spare), the heap
+// made resident for it (Warm), the books replayed (Load), the kept chunks adopted (Adopt), the
 // pool's tables rebuilt (Rebuild, while the fresh books memfd is written
 // beside it), and the wait for that memfd after the rebuild (Books).
 type RestoreSteps struct {
+	SpareSeconds   float64 `json:"spareSeconds,omitempty"`
 	WarmSeconds    float64 `json:"warmSeconds"`
 	WarmBytes      int64   `json:"warmBytes"`
 	LoadSeconds    float64 `json:"loadSeconds"`

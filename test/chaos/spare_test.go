@@ -104,6 +104,9 @@ func TestSpareRestartChaos(t *testing.T) {
 	wokeRE := regexp.MustCompile(`msg="agent ended abnormally; restarting it in place".* spare=true`)
 	woke := len(wokeRE.FindAll(sup.log.Bytes(), -1))
 	t.Logf("%d restarts: %d woke a spare, %d restores finished the books the spare read ahead", len(adopted), woke, ahead)
+	if whole := wholeReplays(sup.log.Bytes()); len(whole) > 0 {
+		t.Logf("restores that replayed the books whole, by why: %v", whole)
+	}
 	if len(adopted) != kills {
 		t.Errorf("%d restores logged for %d kills", len(adopted), kills)
 	}
@@ -115,4 +118,17 @@ func TestSpareRestartChaos(t *testing.T) {
 			t.Errorf("an error was logged:\n%s", log)
 		}
 	}
+}
+
+// wholeReplays counts the restores of an agent log that replayed the books
+// whole, by the reason logged (its figures blanked, so that alike reasons
+// count together).
+func wholeReplays(log []byte) map[string]int {
+	re := regexp.MustCompile(`msg="(the spare did not read the books ahead|the spare's read ahead does not finish)[^"]*" err="?([^"\n]*)`)
+	digits := regexp.MustCompile(`[0-9][0-9.]*(ms|µs|s)?`)
+	n := map[string]int{}
+	for _, m := range re.FindAllSubmatch(log, -1) {
+		n[digits.ReplaceAllString(string(m[2]), "N")]++
+	}
+	return n
 }
