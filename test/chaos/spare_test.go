@@ -1,11 +1,14 @@
 package chaos
 
 import (
+	"bytes"
+	"fmt"
 	"math/rand/v2"
 	"os/exec"
 	"regexp"
 	"slices"
 	"strconv"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -107,6 +110,7 @@ func TestSpareRestartChaos(t *testing.T) {
 	if whole := wholeReplays(sup.log.Bytes()); len(whole) > 0 {
 		t.Logf("restores that replayed the books whole, by why: %v", whole)
 	}
+	t.Log(restoreMedians(sup.log.Bytes()))
 	if len(adopted) != kills {
 		t.Errorf("%d restores logged for %d kills", len(adopted), kills)
 	}
@@ -131,4 +135,54 @@ func wholeReplays(log []byte) map[string]int {
 		n[digits.ReplaceAllString(string(m[2]), "N")]++
 	}
 	return n
+}
+
+// restoreMedians says where the restores of an agent log spent their time:
+// each logged step's median, for the restores that finished books read
+// ahead and for those that replayed them whole.
+func restoreMedians(log []byte) string {
+	steps := []string{"spare", "warm", "load", "adopt", "rebuild", "books"}
+	byAhead := map[string]map[string][]time.Duration{}
+	for _, line := range regexp.MustCompile(`msg="pool adopted from the keeper".*`).FindAll(log, -1) {
+		ahead := "read ahead"
+		if !bytes.Contains(line, []byte("readAhead=true")) {
+			ahead = "replayed whole"
+		}
+		if byAhead[ahead] == nil {
+			byAhead[ahead] = map[string][]time.Duration{}
+		}
+		for _, st := range steps {
+			if m := regexp.MustCompile(` ` + st + `=(\S+)`).FindSubmatch(line); m != nil {
+				if d, err := time.ParseDuration(string(m[1])); err == nil {
+					byAhead[ahead][st] = append(byAhead[ahead][st], d)
+				}
+			}
+		}
+	}
+	var gaps []time.Duration
+	for _, m := range regexp.MustCompile(`msg="serving again after a restart" gap=(\S+)`).FindAllSubmatch(log, -1) {
+		if d, err := time.ParseDuration(string(m[1])); err == nil {
+			gaps = append(gaps, d)
+		}
+	}
+	var b strings.Builder
+	if len(gaps) > 0 {
+		slices.Sort(gaps)
+		fmt.Fprintf(&b, "the agents' own gap (last sign of life to serving) p50 %v over %d; ", pct(gaps, 50), len(gaps))
+	}
+	b.WriteString("restore steps, median:")
+	for _, ahead := range []string{"read ahead", "replayed whole"} {
+		if byAhead[ahead] == nil {
+			continue
+		}
+		fmt.Fprintf(&b, " %s (%d):", ahead, len(byAhead[ahead]["load"]))
+		for _, st := range steps {
+			if d := byAhead[ahead][st]; len(d) > 0 {
+				slices.Sort(d)
+				fmt.Fprintf(&b, " %s %v", st, pct(d, 50).Round(10*time.Microsecond))
+			}
+		}
+		b.WriteString(";")
+	}
+	return b.String()
 }
