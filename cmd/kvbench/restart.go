@@ -102,6 +102,7 @@ func runRestart(ctx context.Context, args []string) error {
 	churn := fs.Int("churn", 0, "before the first restart, this many discards of a stream of the first session, each followed by its offload again, every call timed (the books fill, and compact, as the calls go on)")
 	fs.StringVar(&restartBy, "restart-by", "kvbench", `who starts the agent again after each SIGKILL: "kvbench" (at once: the agent's own gap), "supervisor" (the agent's restartInPlace supervisor, as the chart runs it) or "spare" (the supervisor, waking a spare agent process that has already started)`)
 	fs.DurationVar(&spareAfter, "spare-after", 250*time.Millisecond, "with --restart-by spare: the agent's restartInPlace.spareAfter, how long after a restart the next spare starts (250ms, so that one stands behind the agent by the next kill)")
+	fs.IntVar(&ridBytes, "rid-bytes", 11, "bytes of each request ID (11 to 1024): the streams' names, which the agent's heap, the books and a restore carry")
 	wait := fs.String("wait", "poll", `how the gap is timed: "poll" (a call without retries every ms: when the agent serves again) or "client" (one call in flight from the killed agent's exit, riding out the restart with the client's default retries: what an engine waits)`)
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -114,6 +115,9 @@ func runRestart(ctx context.Context, args []string) error {
 	}
 	if spareAfter < 0 || spareAfter > time.Hour {
 		return fmt.Errorf("--spare-after: %v is not 0s to 1h", spareAfter)
+	}
+	if ridBytes < 11 || ridBytes > 1024 {
+		return fmt.Errorf("--rid-bytes: %d is not 11 to 1024", ridBytes)
 	}
 	if *sessions < 1 || *sessions > maxProbeSessions {
 		return fmt.Errorf("--sessions: %d is not 1 to %d", *sessions, maxProbeSessions)
@@ -332,7 +336,18 @@ func probeRestart(ctx context.Context, bin string, pool poolShape, n, restarts, 
 	return row, nil
 }
 
-func probeRid(i int) string { return fmt.Sprintf("req-%07d", i) }
+// ridBytes is the length of the request IDs probeRid makes (--rid-bytes).
+var ridBytes int
+
+// probeRid is the i-th request ID: "req-" and i in 7 digits, padded to
+// ridBytes (an engine's IDs are often 40-60 bytes: a prefix and a UUID).
+func probeRid(i int) string {
+	r := fmt.Sprintf("req-%07d", i)
+	if len(r) < ridBytes {
+		r += strings.Repeat("x", ridBytes-len(r))
+	}
+	return r
+}
 
 // churnCalls discards the streams of p's session in turn, m of them, and
 // offloads each again (one page, as the fill did), calls times in all,

@@ -123,12 +123,14 @@ func TestRestartProbe(t *testing.T) {
 			}
 		}
 	}
-	// The gap timed by one call that rides out each restart.
-	if err := runRestart(context.Background(), []string{"--streams", "1", "--restarts", "2", "--settle", "10ms", "--wait", "client"}); err != nil {
+	// The gap timed by one call that rides out each restart, with request
+	// IDs of an engine's length.
+	if err := runRestart(context.Background(), []string{"--streams", "1", "--restarts", "2", "--settle", "10ms", "--wait", "client", "--rid-bytes", "48"}); err != nil {
 		t.Fatal(err)
 	}
 	for _, bad := range [][]string{{"--streams", "0"}, {"--chunks", "0"}, {"--chunks", "1", "--chunk-mib", "16"},
-		{"--sessions", "0"}, {"--sessions", "3", "--chunks", "2"}, {"--streams", "131073"}, {"--wait", "sometimes"}, {"--churn", "-1"}, {"--restart-by", "kubelet"}, {"--spare-after", "-1s"}} {
+		{"--sessions", "0"}, {"--sessions", "3", "--chunks", "2"}, {"--streams", "131073"}, {"--wait", "sometimes"}, {"--churn", "-1"}, {"--restart-by", "kubelet"}, {"--spare-after", "-1s"},
+		{"--rid-bytes", "10"}, {"--rid-bytes", "1025"}} {
 		if err := runRestart(context.Background(), bad); err == nil {
 			t.Fatalf("%q accepted", bad)
 		}

@@ -25,6 +25,7 @@ type valueSet struct {
 	values string // YAML, as a user would pass with -f
 
 	pool, headroom string // what memory (and huge pages) must add up to
+	noSpare        bool   // no spare reads the books ahead: no memory for it
 	hugePages      string // "" or the page size
 	resourceName   string
 	socketDir      string
@@ -483,7 +484,9 @@ func checkResources(t *testing.T, vs valueSet, ds *appsv1.DaemonSet) {
 	pool := resource.MustParse(vs.pool)
 	headroom := resource.MustParse(vs.headroom)
 	pt := *resource.NewQuantity(pageTables(vs), resource.BinarySI)
+	spare := *resource.NewQuantity(spareBytes(vs), resource.BinarySI)
 	wantMemory := headroom.DeepCopy()
+	wantMemory.Add(spare)
 	if vs.hugePages == "" {
 		wantMemory.Add(pool)
 		wantMemory.Add(pt)
@@ -494,8 +497,8 @@ func checkResources(t *testing.T, vs valueSet, ds *appsv1.DaemonSet) {
 	}{{"requests", res.Requests}, {"limits", res.Limits}} {
 		mem, ok := side.list[corev1.ResourceMemory]
 		if !ok || mem.Cmp(wantMemory) != 0 {
-			t.Errorf("memory %s = %s, want %s (pool %s + its page tables %s + headroom %s, huge pages %q)",
-				side.name, mem.String(), wantMemory.String(), vs.pool, pt.String(), vs.headroom, vs.hugePages)
+			t.Errorf("memory %s = %s, want %s (pool %s + its page tables %s + headroom %s + the spare's %s, huge pages %q)",
+				side.name, mem.String(), wantMemory.String(), vs.pool, pt.String(), vs.headroom, spare.String(), vs.hugePages)
 		}
 		for name, q := range side.list {
 			if !strings.HasPrefix(string(name), corev1.ResourceHugePagesPrefix) {
@@ -512,7 +515,7 @@ func checkResources(t *testing.T, vs valueSet, ds *appsv1.DaemonSet) {
 		}
 	}
 	// Everything the pod reserves adds up to pool plus headroom (and the
-	// page tables of a pool of 4 KiB pages), once.
+	// page tables of a pool of 4 KiB pages, and the spare's), once.
 	total := resource.Quantity{}
 	for name, q := range res.Limits {
 		if name == corev1.ResourceMemory || strings.HasPrefix(string(name), corev1.ResourceHugePagesPrefix) {
@@ -522,8 +525,46 @@ func checkResources(t *testing.T, vs valueSet, ds *appsv1.DaemonSet) {
 	want := pool.DeepCopy()
 	want.Add(headroom)
 	want.Add(pt)
+	want.Add(spare)
 	if total.Cmp(want) != 0 {
-		t.Errorf("memory plus huge pages = %s, want pool + page tables + headroom = %s", total.String(), want.String())
+		t.Errorf("memory plus huge pages = %s, want pool + page tables + headroom + the spare's = %s", total.String(), want.String())
+	}
+}
+
+// spareBytes is what the chart adds to the agent's memory for a spare
+// that reads the books ahead: half the headroom (rounded down).
+func spareBytes(vs valueSet) int64 {
+	if vs.noSpare {
+		return 0
+	}
+	h := resource.MustParse(vs.headroom)
+	return h.Value() / 2
+}
+
+// The spare's memory is reserved exactly where a spare reads the books
+// ahead: restarts in place on, a spare kept, reading ahead. It is the
+// agent's own (kept out of the pool's plan), with 4 KiB pages or huge.
+func TestSpareMemory(t *testing.T) {
+	for _, c := range []struct {
+		name, values string
+		spare        bool
+	}{
+		{"defaults", "", true},
+		{"huge pages", "pool: {bytes: 32Gi, hugePages: 2Mi}", true},
+		{"no read ahead", "restartInPlace: {readAhead: false}", false},
+		{"no spare", "restartInPlace: {spare: false}", false},
+		{"no restarts in place", "restartInPlace: {max: 0}", false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			vs := defaults()
+			vs.values, vs.noSpare = c.values, !c.spare
+			if strings.Contains(c.values, "hugePages") {
+				vs.pool, vs.hugePages = "32Gi", "2Mi"
+			}
+			r := renderSet(t, vs)
+			checkResources(t, vs, r.ds)
+			checkConfig(t, vs, r.cm) // sizing.cgroupHeadroomBytes: the headroom and the spare's
+		})
 	}
 }
 
@@ -688,7 +729,7 @@ func checkConfig(t *testing.T, vs valueSet, cm *corev1.ConfigMap) {
 		KubeletDir:   strings.TrimSuffix(vs.kubeletDir, "/"),
 		StateDir:     vs.stateDir,
 		PoolBytes:    mustBytes(t, vs.pool),
-		Headroom:     mustBytes(t, vs.headroom),
+		Headroom:     mustBytes(t, vs.headroom) + spareBytes(vs),
 		HugePages:    hp,
 		MetricsAddr:  ":9464",
 		HealthAddr:   ":8081",

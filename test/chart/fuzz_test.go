@@ -61,6 +61,7 @@ func FuzzPoolBytes(f *testing.F) {
 		}
 		want.Add(headroom)
 		want.Add(*resource.NewQuantity((want.Value()-headroom.Value()+511)/512, resource.BinarySI)) // the page tables
+		want.Add(*resource.NewQuantity(headroom.Value()/2, resource.BinarySI))                      // the spare's
 		var ds *appsv1.DaemonSet
 		for _, o := range decodeAll(t, files) {
 			if d, ok := o.typed.(*appsv1.DaemonSet); ok && !strings.HasSuffix(d.Name, "-keeper") {

@@ -96,6 +96,18 @@ they are 512 times fewer, left to the headroom: 0 here. */ -}}
 {{- include "kvpool.bytes" (dict "name" "pool.headroom" "value" .Values.pool.headroom) -}}
 {{- end -}}
 
+{{/* The spare's memory: a spare that reads the books ahead holds about what a
+restore takes (the followed state and the heap warmed for the rest), which
+grows with the streams and names pool.headroom bounds: half the headroom
+(at the bounds the headroom sets, agent and spare together peaked 227 MiB
+above the agent alone: docs/sizing.md, "Agent memory"). None without one. */}}
+{{- define "kvpool.spareBytes" -}}
+{{- $r := .Values.restartInPlace -}}
+{{- if and (gt (int $r.max) 0) $r.spare $r.readAhead -}}
+{{- div (include "kvpool.headroomBytes" . | int64) 2 -}}
+{{- else -}}0{{- end -}}
+{{- end -}}
+
 {{/* Socket, device-plugin and pod-resources paths on the host. */}}
 {{- define "kvpool.devicePluginDir" -}}
 {{- printf "%s/device-plugins" (trimSuffix "/" .Values.paths.kubeletDir) -}}
