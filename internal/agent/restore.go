@@ -171,9 +171,9 @@ func (a *agent) restore() (err error) {
 	var spareWait time.Duration
 	if ra := a.opts.ReadAhead; ra != nil {
 		a.opts.ReadAhead = nil
-		t0 := time.Now()
+		asked := time.Now()
 		t := ra.take()
-		spareWait = time.Since(t0)
+		spareWait = time.Since(asked)
 		ahead, warmHuge = t.fl, t.huge
 		if ahead == nil {
 			a.log.Info("the spare did not read the books ahead; the restore replays them whole", "err", t.err)
