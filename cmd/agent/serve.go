@@ -188,7 +188,7 @@ func runServe(ctx context.Context, args []string) error {
 		// serves. Meanwhile it reads ahead the books the keeper holds
 		// (agent.ReadAhead).
 		if s, err := resolveServe(args, os.Getenv); err == nil && s.cfg.KeeperSocket != "" && s.cfg.RestartInPlace.ReadAhead {
-			ahead = agent.StartReadAhead(s.cfg.KeeperSocket, agent.ReadAheadEvery)
+			ahead = agent.StartReadAhead(s.cfg.KeeperSocket, agent.ReadAheadEvery, int64(s.cfg.RestartInPlace.SpareMemory))
 		}
 		turn, err := supervise.AwaitTurn()
 		if ahead != nil {

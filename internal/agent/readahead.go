@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/kvpool/kvpool/internal/books"
+	"github.com/kvpool/kvpool/internal/bytesize"
 	"github.com/kvpool/kvpool/internal/keeper"
 )
 
@@ -46,6 +47,7 @@ type ReadAhead struct {
 	doing     atomic.Int32   // what the loop does now (a phase), for the turn's word on a late read
 	out       chan readAhead // the loop's last word
 	gcPercent int            // before the loop turned the collector off
+	budget    int64          // the most memory the loop may hold (0: no bound)
 	// The loop's own.
 	fl   *books.Follower
 	huge bool
@@ -53,6 +55,8 @@ type ReadAhead struct {
 	// reads: reads that left books followed; nexts: compactions gone on
 	// into (tests wait for them).
 	reads, nexts atomic.Int64
+	// overs: reading ahead ended for the budget (tests).
+	overs atomic.Int64
 	// lastTop is when the warm heap was last topped up.
 	lastTop time.Time
 	// The agent's, after Stop: when the turn came, whether the loop's
@@ -98,9 +102,10 @@ var phases = [...]string{phaseAsk: "asking the keeper", phaseRead: "reading the 
 var takeWait = 250 * time.Millisecond
 
 // StartReadAhead starts reading ahead the books the keeper at socket holds,
-// every `every`.
-func StartReadAhead(socket string, every time.Duration) *ReadAhead {
-	ra := &ReadAhead{stop: make(chan struct{}), out: make(chan readAhead, 1)}
+// every `every`, holding at most budget bytes (0: no bound;
+// restartInPlace.spareMemory).
+func StartReadAhead(socket string, every time.Duration, budget int64) *ReadAhead {
+	ra := &ReadAhead{stop: make(chan struct{}), out: make(chan readAhead, 1), budget: budget}
 	// The collector runs when the loop says (collect): left to itself,
 	// with the followed state live, the runtime hands the free heap the
 	// loop warmed back to the system within seconds (8 s after a warm of
@@ -184,6 +189,10 @@ func (ra *ReadAhead) read(socket string) bool {
 	}
 	ra.doing.Store(phaseCollect)
 	ra.collect(false)
+	if ra.fl != nil && ra.budget > 0 && held() > ra.budget {
+		ra.overBudget()
+		return false
+	}
 	if ra.fl != nil {
 		ra.reads.Add(1)
 		if time.Since(ra.lastTop) >= topUpEvery {
@@ -231,6 +240,11 @@ const topUpEvery = time.Second
 // off, the runtime keeps free heap resident (short of a memory limit).
 func (ra *ReadAhead) topUp() {
 	want := warmWant(ra.fl.Sizes())
+	if ra.budget > 0 {
+		// Held after the top-up: what is held now and the free heap it
+		// adds.
+		want = min(want, ra.budget-held()+heapFree())
+	}
 	if want-heapFree() < warmPiece {
 		return
 	}
@@ -259,6 +273,25 @@ func warmWant(snapshot, records int64) int64 {
 
 // heapFree is the heap that is free and resident.
 func heapFree() int64 { return heapMetric("/memory/classes/heap/free:bytes") }
+
+// held is the memory the process holds from the system, less what it
+// handed back: what its memory cgroup is charged for it, about.
+func held() int64 {
+	return heapMetric("/memory/classes/total:bytes") - heapMetric("/memory/classes/heap/released:bytes")
+}
+
+// overBudget drops what was read, hands the heap back to the system and
+// ends the reading ahead: the state alone takes more than the budget (the
+// books grew past what the spare was given), and the next restart
+// replays the books whole.
+func (ra *ReadAhead) overBudget() {
+	h := held()
+	ra.drop()
+	ra.err = fmt.Errorf("the spare's read ahead held %s, more than restartInPlace.spareMemory %s: it stopped", bytesize.Exact(h), bytesize.Exact(ra.budget))
+	ra.overs.Add(1)
+	runtime.GC()
+	debug.FreeOSMemory()
+}
 
 func heapMetric(name string) int64 {
 	s := []metrics.Sample{{Name: name}}

@@ -19,7 +19,7 @@ func TestRestoreFinishesTheBooksReadAhead(t *testing.T) {
 	for i := range 200 {
 		offload(fmt.Sprintf("early-%03d", i))
 	}
-	ra := StartReadAhead(ksock, 5*time.Millisecond)
+	ra := StartReadAhead(ksock, 5*time.Millisecond, 0)
 	waitUntil(t, "the spare following the books", func() bool { return ra.reads.Load() > 0 })
 	ra.Stop()
 	waitUntil(t, "the spare's hand-over", func() bool { return len(ra.out) == 1 })
@@ -91,7 +91,7 @@ func TestRestoreWaitsForASlowSpare(t *testing.T) {
 			for i := range 100 {
 				offload(fmt.Sprintf("early-%03d", i))
 			}
-			ra := StartReadAhead(ksock, 5*time.Millisecond)
+			ra := StartReadAhead(ksock, 5*time.Millisecond, 0)
 			waitUntil(t, "the spare following the books", func() bool { return ra.reads.Load() > 0 })
 			want := a1.Pool().Export()
 			stop1()
@@ -120,6 +120,49 @@ func TestRestoreWaitsForASlowSpare(t *testing.T) {
 	}
 }
 
+// A spare keeps to its budget (restartInPlace.spareMemory): one whose
+// read ahead holds more drops it, hands its heap back and reads no more,
+// and the restore replays the books whole; one within it reads ahead as
+// without a bound. The same pool either way.
+func TestReadAheadKeepsToItsBudget(t *testing.T) {
+	for _, c := range []struct {
+		name      string
+		budget    int64
+		readAhead bool
+	}{
+		{"within", 1 << 30, true},
+		{"over", 1 << 20, false}, // less than the runtime's own
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			dir := t.TempDir()
+			ksock, a1, stop1, offload := offloadingAgent(t, dir)
+			for i := range 100 {
+				offload(fmt.Sprintf("early-%03d", i))
+			}
+			ra := StartReadAhead(ksock, 5*time.Millisecond, c.budget)
+			if c.readAhead {
+				waitUntil(t, "the spare following the books", func() bool { return ra.reads.Load() > 0 })
+			} else {
+				waitUntil(t, "the spare stopping for its budget", func() bool { return ra.overs.Load() > 0 })
+			}
+			want := a1.Pool().Export()
+			stop1()
+			ra.Stop()
+			a2, stop2 := bootAgent(t, Options{Config: a1.a.cfg, Standalone: true, ChunksPerGPU: 2, ChunkBytes: 2 << 20, Logger: quietLog, ReadAhead: ra})
+			defer stop2()
+			if s := a2.a.restart.steps; s == nil || s.ReadAhead != c.readAhead {
+				t.Fatalf("a spare with a budget of %d bytes: restore %+v, want readAhead %v", c.budget, s, c.readAhead)
+			}
+			if got := a2.Pool().Export(); !reflect.DeepEqual(got, want) {
+				t.Fatalf("restored pool differs:\n%+v\n%+v", got, want)
+			}
+			if !c.readAhead && (ra.reads.Load() != 0 || ra.overs.Load() != 1) {
+				t.Fatalf("a spare over its budget: %d reads, %d stops, want none and one", ra.reads.Load(), ra.overs.Load())
+			}
+		})
+	}
+}
+
 // offloadingAgent starts a keeper and an agent kept by it (state in dir)
 // with a session of tenant-a open, and returns the keeper's socket, the
 // agent, what stops it, and what offloads a stream of two pages to it.
@@ -142,7 +185,7 @@ func offloadingAgent(t *testing.T, dir string) (string, *Agent, func(), func(rid
 func TestRestoreWithoutBooksReadAhead(t *testing.T) {
 	dir := t.TempDir()
 	ksock, _ := startKeeper(t)
-	ra := StartReadAhead(ksock, 5*time.Millisecond)
+	ra := StartReadAhead(ksock, 5*time.Millisecond, 0)
 	time.Sleep(20 * time.Millisecond) // a few reads of nothing
 	ra.Stop()
 	a1, stop1 := keptAgent(t, dir, ksock, []string{"tenant-a"})
@@ -174,7 +217,7 @@ func TestReadAheadGoesOnThroughACompaction(t *testing.T) {
 	for i := range 200 {
 		offload(fmt.Sprintf("early-%03d", i))
 	}
-	ra := StartReadAhead(ksock, 5*time.Millisecond)
+	ra := StartReadAhead(ksock, 5*time.Millisecond, 0)
 	waitUntil(t, "the spare going on into the books' quiet compaction", func() bool { return ra.nexts.Load() > 0 })
 	compactions := a1.a.restart.books.Stats().Compactions
 	for i := range 30 {

@@ -181,6 +181,14 @@ type RestartInPlace struct {
 	// at that bound, a few MiB with few streams) and a CPU's fraction
 	// while the books grow. Default true; off: the spare waits idle.
 	ReadAhead bool `json:"readAhead"`
+	// SpareMemory bounds what the spare's read ahead holds (the state it
+	// followed and the heap it keeps warm): it warms no more than fits,
+	// and where the state alone does not fit it drops it and stops reading
+	// ahead (the next restart then replays the books whole), so that the
+	// spare never takes memory the container's limit leaves the agent.
+	// Default 0: no bound. The chart sets what it reserves for the spare,
+	// half of pool.headroom.
+	SpareMemory Bytes `json:"spareMemory"`
 }
 
 // DRA configures the DRA driver. Its sockets go where kubelet looks for

@@ -215,6 +215,8 @@ func TestParseErrors(t *testing.T) {
 		{"too many restarts in place", head + "restartInPlace:\n  max: 101\n", `restartInPlace.max: Invalid value: 101`},
 		{"spare not a bool", head + "restartInPlace:\n  spare: maybe\n", `spare`},
 		{"readAhead not a bool", head + "restartInPlace:\n  readAhead: 1\n", `readAhead`},
+		{"negative spareMemory", head + "restartInPlace:\n  spareMemory: -1Mi\n", `quantity "-1Mi": want a non-negative number`},
+		{"spareMemory not a size", head + "restartInPlace:\n  spareMemory: lots\n", `quantity "lots"`},
 		{"long spareAfter", head + "restartInPlace:\n  spareAfter: 2h\n", `restartInPlace.spareAfter: Invalid value: "2h0m0s": must be between 0s and 1h`},
 		{"zero restart window", head + "restartInPlace:\n  window: 0s\n", `restartInPlace.window: Invalid value: "0s": must be a positive duration`},
 		{"restart window not a duration", head + "restartInPlace:\n  window: ten\n", `duration "ten": want a value such as 2m`},

@@ -111,6 +111,7 @@ var settings = func() []setting {
 	add("restartInPlace.window", "restart-in-place-window", "KVPOOL_RESTART_IN_PLACE_WINDOW", "how far back restarts in place count", dur(func(c *Config) *Duration { return &c.RestartInPlace.Window }))
 	add("restartInPlace.spare", "restart-in-place-spare", "KVPOOL_RESTART_IN_PLACE_SPARE", "keep a spare agent process, already started, to take over at a restart in place (true or false)", boolean(func(c *Config) *bool { return &c.RestartInPlace.Spare }))
 	add("restartInPlace.readAhead", "restart-in-place-read-ahead", "KVPOOL_RESTART_IN_PLACE_READ_AHEAD", "the spare replays the kept books ahead of its turn and keeps the restore's heap warm (true or false)", boolean(func(c *Config) *bool { return &c.RestartInPlace.ReadAhead }))
+	add("restartInPlace.spareMemory", "restart-in-place-spare-memory", "KVPOOL_RESTART_IN_PLACE_SPARE_MEMORY", "the most memory the spare's read ahead may hold (0: no bound)", qty(func(c *Config) *Bytes { return &c.RestartInPlace.SpareMemory }))
 	add("restartInPlace.spareAfter", "restart-in-place-spare-after", "KVPOOL_RESTART_IN_PLACE_SPARE_AFTER", "how long after a start or a restart in place the next spare starts", dur(func(c *Config) *Duration { return &c.RestartInPlace.SpareAfter }))
 	add("stateDir", "state-dir", "KVPOOL_STATE_DIR", "directory for the agent checkpoint", str(func(c *Config) *string { return &c.StateDir }))
 	add("dra.driverName", "dra-driver-name", "KVPOOL_DRA_DRIVER_NAME", "the DRA driver's name (mode dra)", str(func(c *Config) *string { return &c.DRA.DriverName }))

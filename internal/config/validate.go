@@ -114,6 +114,9 @@ func (c *Config) validateTop() field.ErrorList {
 	if n := c.RestartInPlace.Max; n < 0 || n > supervise.MaxRestarts {
 		errs = append(errs, field.Invalid(p("restartInPlace", "max"), n, fmt.Sprintf("must be between 0 (off) and %d", supervise.MaxRestarts)))
 	}
+	if c.RestartInPlace.SpareMemory < 0 {
+		errs = append(errs, field.Invalid(p("restartInPlace", "spareMemory"), c.RestartInPlace.SpareMemory.String(), "must not be negative"))
+	}
 	if d := c.RestartInPlace.SpareAfter.Duration; d < 0 || d > time.Hour {
 		errs = append(errs, field.Invalid(p("restartInPlace", "spareAfter"), c.RestartInPlace.SpareAfter.String(), "must be between 0s and 1h"))
 	}

@@ -9,7 +9,7 @@ import (
 // renderedConfig is what the chart tests compare in the agent config.
 type renderedConfig struct {
 	ResourceName, SocketDir, KubeletDir, StateDir string
-	PoolBytes, Headroom                           int64
+	PoolBytes, Headroom, SpareMemory              int64
 	HugePages                                     string
 	MetricsAddr, HealthAddr                       string
 	Mode, DRADriver, CDIDir                       string
@@ -36,6 +36,7 @@ func loadAgentConfig(t *testing.T, data []byte) renderedConfig {
 		StateDir:     c.StateDir,
 		PoolBytes:    int64(c.Sizing.PoolBytes),
 		Headroom:     int64(c.Sizing.CgroupHeadroomBytes),
+		SpareMemory:  int64(c.RestartInPlace.SpareMemory),
 		HugePages:    c.Sizing.HugePages,
 		MetricsAddr:  c.Metrics.Address,
 		HealthAddr:   c.Health.Address,

@@ -563,7 +563,9 @@ func TestSpareMemory(t *testing.T) {
 			}
 			r := renderSet(t, vs)
 			checkResources(t, vs, r.ds)
-			checkConfig(t, vs, r.cm) // sizing.cgroupHeadroomBytes: the headroom and the spare's
+			// sizing.cgroupHeadroomBytes: the headroom and the spare's;
+			// restartInPlace.spareMemory: the spare's, which it keeps to.
+			checkConfig(t, vs, r.cm)
 		})
 	}
 }
@@ -730,6 +732,7 @@ func checkConfig(t *testing.T, vs valueSet, cm *corev1.ConfigMap) {
 		StateDir:     vs.stateDir,
 		PoolBytes:    mustBytes(t, vs.pool),
 		Headroom:     mustBytes(t, vs.headroom) + spareBytes(vs),
+		SpareMemory:  spareBytes(vs),
 		HugePages:    hp,
 		MetricsAddr:  ":9464",
 		HealthAddr:   ":8081",
