@@ -188,7 +188,9 @@ func runServe(ctx context.Context, args []string) error {
 		// serves. Meanwhile it reads ahead the books the keeper holds
 		// (agent.ReadAhead).
 		if s, err := resolveServe(args, os.Getenv); err == nil && s.cfg.KeeperSocket != "" && s.cfg.RestartInPlace.ReadAhead {
-			ahead = agent.StartReadAhead(s.cfg.KeeperSocket, agent.ReadAheadEvery, int64(s.cfg.RestartInPlace.SpareMemory))
+			// Its logger is the agent's (it was configured already).
+			log, _, _ := logging.New(logging.Options{Level: s.cfg.Log.Level, Format: s.cfg.Log.Format})
+			ahead = agent.StartReadAhead(s.cfg.KeeperSocket, agent.ReadAheadEvery, int64(s.cfg.RestartInPlace.SpareMemory), log)
 		}
 		turn, err := supervise.AwaitTurn()
 		if ahead != nil {

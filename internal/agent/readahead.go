@@ -3,6 +3,7 @@ package agent
 import (
 	"errors"
 	"fmt"
+	"log/slog"
 	"os"
 	"runtime"
 	"runtime/debug"
@@ -39,7 +40,8 @@ const ReadAheadEvery = 100 * time.Millisecond
 //
 // A keeper that does not answer a follow (older than it), or books that
 // cannot be followed, leave the restore to do it all, as without a spare.
-// What the spare holds is about the memory a restore takes at its peak.
+// What the spare holds is about the memory a restore takes at its peak,
+// and at most its budget (restartInPlace.spareMemory): past it, it stops.
 type ReadAhead struct {
 	stop      chan struct{}
 	stopOnce  sync.Once
@@ -48,6 +50,7 @@ type ReadAhead struct {
 	out       chan readAhead // the loop's last word
 	gcPercent int            // before the loop turned the collector off
 	budget    int64          // the most memory the loop may hold (0: no bound)
+	log       *slog.Logger   // where the loop says it stopped for its budget (nil: nowhere)
 	// The loop's own.
 	fl   *books.Follower
 	huge bool
@@ -103,9 +106,10 @@ var takeWait = 250 * time.Millisecond
 
 // StartReadAhead starts reading ahead the books the keeper at socket holds,
 // every `every`, holding at most budget bytes (0: no bound;
-// restartInPlace.spareMemory).
-func StartReadAhead(socket string, every time.Duration, budget int64) *ReadAhead {
-	ra := &ReadAhead{stop: make(chan struct{}), out: make(chan readAhead, 1), budget: budget}
+// restartInPlace.spareMemory); log, if not nil, hears when it stops for
+// that.
+func StartReadAhead(socket string, every time.Duration, budget int64, log *slog.Logger) *ReadAhead {
+	ra := &ReadAhead{stop: make(chan struct{}), out: make(chan readAhead, 1), budget: budget, log: log}
 	// The collector runs when the loop says (collect): left to itself,
 	// with the followed state live, the runtime hands the free heap the
 	// loop warmed back to the system within seconds (8 s after a warm of
@@ -287,10 +291,14 @@ func held() int64 {
 func (ra *ReadAhead) overBudget() {
 	h := held()
 	ra.drop()
-	ra.err = fmt.Errorf("the spare's read ahead held %s, more than restartInPlace.spareMemory %s: it stopped", bytesize.Exact(h), bytesize.Exact(ra.budget))
+	ra.err = fmt.Errorf("the spare's read ahead held %s, more than restartInPlace.spareMemory %s: it stopped", bytesize.Approx(h), bytesize.Exact(ra.budget))
 	ra.overs.Add(1)
 	runtime.GC()
 	debug.FreeOSMemory()
+	if ra.log != nil {
+		ra.log.Warn("the spare stopped reading the books ahead: they take more memory than restartInPlace.spareMemory; "+
+			"the next restart in place replays them whole", bytesize.Attr("held", h), "spareMemory", bytesize.Exact(ra.budget))
+	}
 }
 
 func heapMetric(name string) int64 {

@@ -2,10 +2,13 @@ package agent
 
 import (
 	"fmt"
+	"log/slog"
 	"reflect"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/kvpool/kvpool/internal/logging"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
 
@@ -19,7 +22,7 @@ func TestRestoreFinishesTheBooksReadAhead(t *testing.T) {
 	for i := range 200 {
 		offload(fmt.Sprintf("early-%03d", i))
 	}
-	ra := StartReadAhead(ksock, 5*time.Millisecond, 0)
+	ra := StartReadAhead(ksock, 5*time.Millisecond, 0, nil)
 	waitUntil(t, "the spare following the books", func() bool { return ra.reads.Load() > 0 })
 	ra.Stop()
 	waitUntil(t, "the spare's hand-over", func() bool { return len(ra.out) == 1 })
@@ -91,7 +94,7 @@ func TestRestoreWaitsForASlowSpare(t *testing.T) {
 			for i := range 100 {
 				offload(fmt.Sprintf("early-%03d", i))
 			}
-			ra := StartReadAhead(ksock, 5*time.Millisecond, 0)
+			ra := StartReadAhead(ksock, 5*time.Millisecond, 0, nil)
 			waitUntil(t, "the spare following the books", func() bool { return ra.reads.Load() > 0 })
 			want := a1.Pool().Export()
 			stop1()
@@ -139,7 +142,9 @@ func TestReadAheadKeepsToItsBudget(t *testing.T) {
 			for i := range 100 {
 				offload(fmt.Sprintf("early-%03d", i))
 			}
-			ra := StartReadAhead(ksock, 5*time.Millisecond, c.budget)
+			var logged logging.SyncBuffer
+			log := slog.New(slog.NewTextHandler(&logged, nil))
+			ra := StartReadAhead(ksock, 5*time.Millisecond, c.budget, log)
 			if c.readAhead {
 				waitUntil(t, "the spare following the books", func() bool { return ra.reads.Load() > 0 })
 			} else {
@@ -158,6 +163,10 @@ func TestReadAheadKeepsToItsBudget(t *testing.T) {
 			}
 			if !c.readAhead && (ra.reads.Load() != 0 || ra.overs.Load() != 1) {
 				t.Fatalf("a spare over its budget: %d reads, %d stops, want none and one", ra.reads.Load(), ra.overs.Load())
+			}
+			// The spare says so when it stops, not only at its turn.
+			if warned := strings.Contains(logged.String(), "the spare stopped reading the books ahead"); warned == c.readAhead {
+				t.Fatalf("a spare with a budget of %d bytes, read ahead %v: warned %v\n%s", c.budget, c.readAhead, warned, logged.String())
 			}
 		})
 	}
@@ -185,7 +194,7 @@ func offloadingAgent(t *testing.T, dir string) (string, *Agent, func(), func(rid
 func TestRestoreWithoutBooksReadAhead(t *testing.T) {
 	dir := t.TempDir()
 	ksock, _ := startKeeper(t)
-	ra := StartReadAhead(ksock, 5*time.Millisecond, 0)
+	ra := StartReadAhead(ksock, 5*time.Millisecond, 0, nil)
 	time.Sleep(20 * time.Millisecond) // a few reads of nothing
 	ra.Stop()
 	a1, stop1 := keptAgent(t, dir, ksock, []string{"tenant-a"})
@@ -217,7 +226,7 @@ func TestReadAheadGoesOnThroughACompaction(t *testing.T) {
 	for i := range 200 {
 		offload(fmt.Sprintf("early-%03d", i))
 	}
-	ra := StartReadAhead(ksock, 5*time.Millisecond, 0)
+	ra := StartReadAhead(ksock, 5*time.Millisecond, 0, nil)
 	waitUntil(t, "the spare going on into the books' quiet compaction", func() bool { return ra.nexts.Load() > 0 })
 	compactions := a1.a.restart.books.Stats().Compactions
 	for i := range 30 {

@@ -184,8 +184,9 @@ type RestartInPlace struct {
 	// SpareMemory bounds what the spare's read ahead holds (the state it
 	// followed and the heap it keeps warm): it warms no more than fits,
 	// and where the state alone does not fit it drops it and stops reading
-	// ahead (the next restart then replays the books whole), so that the
-	// spare never takes memory the container's limit leaves the agent.
+	// ahead, with a warning (the next restart then replays the books
+	// whole), so that the spare never takes memory the container's limit
+	// leaves the agent.
 	// Default 0: no bound. The chart sets what it reserves for the spare,
 	// half of pool.headroom.
 	SpareMemory Bytes `json:"spareMemory"`
