@@ -58,8 +58,9 @@ type ReadAhead struct {
 	// reads: reads that left books followed; nexts: compactions gone on
 	// into (tests wait for them).
 	reads, nexts atomic.Int64
-	// overs: reading ahead ended for the budget (tests).
-	overs atomic.Int64
+	// overs: reading ahead ended for the budget; lates: hand-overs the
+	// restore no longer waited for, closed when they came (tests).
+	overs, lates atomic.Int64
 	// lastTop is when the warm heap was last topped up.
 	lastTop time.Time
 	// The agent's, after Stop: when the turn came, whether the loop's
@@ -366,9 +367,11 @@ func (ra *ReadAhead) take() readAhead {
 
 // closeLate closes what the loop hands over once it is no longer waited for.
 func (ra *ReadAhead) closeLate() {
-	if late := <-ra.out; late.fl != nil {
+	late := <-ra.out
+	if late.fl != nil {
 		late.fl.Close()
 	}
+	ra.lates.Add(1)
 }
 
 // Close drops what was read ahead and not taken (a start that ended before

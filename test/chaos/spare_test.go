@@ -142,6 +142,7 @@ func wholeReplays(log []byte) map[string]int {
 // ahead and for those that replayed them whole.
 func restoreMedians(log []byte) string {
 	steps := []string{"spare", "warm", "load", "adopt", "rebuild", "books"}
+	stepRE := regexp.MustCompile(` (` + strings.Join(steps, "|") + `)=(\S+)`)
 	byAhead := map[string]map[string][]time.Duration{}
 	for _, line := range regexp.MustCompile(`msg="pool adopted from the keeper".*`).FindAll(log, -1) {
 		ahead := "read ahead"
@@ -151,11 +152,9 @@ func restoreMedians(log []byte) string {
 		if byAhead[ahead] == nil {
 			byAhead[ahead] = map[string][]time.Duration{}
 		}
-		for _, st := range steps {
-			if m := regexp.MustCompile(` ` + st + `=(\S+)`).FindSubmatch(line); m != nil {
-				if d, err := time.ParseDuration(string(m[1])); err == nil {
-					byAhead[ahead][st] = append(byAhead[ahead][st], d)
-				}
+		for _, m := range stepRE.FindAllSubmatch(line, -1) {
+			if d, err := time.ParseDuration(string(m[2])); err == nil {
+				byAhead[ahead][string(m[1])] = append(byAhead[ahead][string(m[1])], d)
 			}
 		}
 	}
