@@ -35,6 +35,11 @@ type gapSteps struct {
 	ReadAhead bool `json:"read_ahead,omitempty"`
 }
 
+// total is the steps' sum, the gap they split.
+func (s gapSteps) total() float64 {
+	return s.Exit + s.Start + s.Spare + s.Warm + s.Load + s.Adopt + s.Rebuild + s.Books + s.Other + s.After
+}
+
 // restartTimes are one restart's instants as the probe saw them.
 type restartTimes struct {
 	kill, exec, ok time.Time

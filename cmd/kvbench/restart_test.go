@@ -85,7 +85,7 @@ func TestRestartProbe(t *testing.T) {
 			t.Fatalf("%d streams: %d gaps split of %d\n%s", c.Streams, len(c.Steps), len(c.GapsMs), out)
 		}
 		for i, s := range c.Steps {
-			sum := s.Exit + s.Start + s.Warm + s.Load + s.Adopt + s.Rebuild + s.Books + s.Other + s.After
+			sum := s.total()
 			if d := sum - c.GapsMs[i]; d > 0.01 || d < -0.01 || s.Load <= 0 || s.Rebuild <= 0 || s.Start <= 0 || s.Exit < c.ExitsMs[i] || s.After < 0 {
 				t.Errorf("%d streams, restart %d: steps %+v add up to %.3f ms, the gap %.3f (exit %.3f)", c.Streams, i, s, sum, c.GapsMs[i], c.ExitsMs[i])
 			}
@@ -116,7 +116,7 @@ func TestRestartProbe(t *testing.T) {
 			t.Fatalf("--restart-by %s: the first restart's books read ahead: %v\n%s", by.name, ahead, out)
 		}
 		for i, s := range c.Steps {
-			sum := s.Exit + s.Start + s.Warm + s.Load + s.Adopt + s.Rebuild + s.Books + s.Other + s.After
+			sum := s.total()
 			// The supervisor's and the agent's lines are timed to the ms.
 			if d := sum - c.GapsMs[i]; d > 0.01 || d < -0.01 || s.Exit < -1 || s.Start < -1 {
 				t.Errorf("--restart-by %s, restart %d: steps %+v add up to %.3f ms, the gap %.3f", by.name, i, s, sum, c.GapsMs[i])
