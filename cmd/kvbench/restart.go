@@ -245,7 +245,7 @@ var (
 type poolShape struct{ chunks, chunkMiB, sessions int }
 
 // maxProbeSessions bounds --sessions.
-const maxProbeSessions = 16
+const maxProbeSessions = 64
 
 // probeToken is the standalone token of the probe's session i.
 func probeToken(i int) string { return fmt.Sprintf("bench-token-%d", i) }

@@ -302,14 +302,14 @@ func (p *Pool) restoreSession(si SessionImage) (*Session, error) {
 // free list from its image. It touches the session alone (and the pool's
 // atomic counts); spare: a CPU is free for it besides the caller's.
 func (s *Session) restoreTables(si SessionImage, spare bool) error {
-	used := make([]bool, si.Capacity)
-	if err := s.restoreStreams(si.Requests, used, spare); err != nil {
+	var used pageSet
+	if err := s.restoreStreams(si.Requests, &used, spare); err != nil {
 		return err
 	}
-	if err := s.restorePending(si, used); err != nil {
+	if err := s.restorePending(si, &used); err != nil {
 		return err
 	}
-	s.restoreFree(used)
+	s.restoreFree(&used)
 	// The pool's counts once a session, not once a stream: sessions
 	// restore side by side.
 	s.pool.streams.Add(int64(s.nstreams))
@@ -343,18 +343,39 @@ func (p *Pool) restoreChunks(a *allocation, si SessionImage) ([]*chunk, error) {
 	return chunks, nil
 }
 
+// pageSet marks the pages a restore has linked, in bits, growing with
+// the highest (the pages above it are the untouched ones).
+type pageSet []uint64
+
+// add marks page p and says whether it was unmarked.
+func (u *pageSet) add(p int32) bool {
+	w, bit := int(p>>6), uint64(1)<<(p&63)
+	if w >= len(*u) {
+		*u = append(*u, make([]uint64, w+1-len(*u))...)
+	}
+	if (*u)[w]&bit != 0 {
+		return false
+	}
+	(*u)[w] |= bit
+	return true
+}
+
+func (u pageSet) has(p int32) bool {
+	w := int(p >> 6)
+	return w < len(u) && u[w]&(1<<(p&63)) != 0
+}
+
 // linkPages chains pages into a list, marking them used; a page outside
 // the capacity or already used is an error.
-func (s *Session) linkPages(pages []int32, used []bool) (head, tail int32, err error) {
+func (s *Session) linkPages(pages []int32, used *pageSet) (head, tail int32, err error) {
 	head, tail = nilPage, nilPage
 	for _, pg := range pages {
-		if pg < 0 || int(pg) >= len(used) {
-			return 0, 0, fmt.Errorf("%w: host page %d outside [0, %d)", poolerr.ErrOutOfRange, pg, len(used))
+		if pg < 0 || int(pg) >= s.capacity {
+			return 0, 0, fmt.Errorf("%w: host page %d outside [0, %d)", poolerr.ErrOutOfRange, pg, s.capacity)
 		}
-		if used[pg] {
+		if !used.add(pg) {
 			return 0, 0, fmt.Errorf("%w: host page %d held twice", poolerr.ErrDuplicateIndex, pg)
 		}
-		used[pg] = true
 		s.fresh = max(s.fresh, pg+1)
 		if tail == nilPage {
 			head = pg
@@ -377,7 +398,7 @@ func (s *Session) linkPages(pages []int32, used []bool) (head, tail int32, err e
 // of its own while this one builds the request index: on a fresh session
 // the slots are handed out in order, so the requests name their slots
 // before they are made. The index was half of a large session's rebuild.
-func (s *Session) restoreStreams(reqs []RequestImage, used []bool, spare bool) error {
+func (s *Session) restoreStreams(reqs []RequestImage, used *pageSet, spare bool) error {
 	requests, streams := 0, 0
 	for i := range reqs {
 		if n := len(reqs[i].Streams); n > 0 {
@@ -423,7 +444,7 @@ var errListedTwice = errors.New("listed twice (an image lists each request once,
 // fillRequests rebuilds the streams of each request, in order, each in
 // the slot after the last (a fresh session's slots come so); the index is
 // indexRequests'.
-func (s *Session) fillRequests(reqs []RequestImage, used []bool) error {
+func (s *Session) fillRequests(reqs []RequestImage, used *pageSet) error {
 	k := int32(0)
 	place := -1 // the request's place in the index: indexAll gives them in this order
 	// The label index made for the streams it will hold, so that it does
@@ -478,7 +499,7 @@ func (s *Session) fillRequests(reqs []RequestImage, used []bool) error {
 
 // restorePending rebuilds the reloads waiting for their fence, oldest
 // first.
-func (s *Session) restorePending(si SessionImage, used []bool) error {
+func (s *Session) restorePending(si SessionImage, used *pageSet) error {
 	var last uint64
 	for _, r := range si.Pending {
 		if r.Ticket <= last || r.Ticket > si.Ticket || len(r.Pages) == 0 {
@@ -498,19 +519,19 @@ func (s *Session) restorePending(si SessionImage, used []bool) error {
 // restoreFree makes every page not used the free list, ascending, up to
 // the last page used (linkPages moved fresh past it); the pages above it
 // stay untouched, free from fresh up.
-func (s *Session) restoreFree(used []bool) {
+func (s *Session) restoreFree(used *pageSet) {
 	s.freeHead, s.nfree = nilPage, s.capacity-int(s.fresh)
 	prev := int32(nilPage)
-	for pg := range used[:s.fresh] {
-		if used[pg] {
+	for pg := range s.fresh {
+		if used.has(pg) {
 			continue
 		}
 		if prev == nilPage {
-			s.freeHead = int32(pg)
+			s.freeHead = pg
 		} else {
-			s.next[prev] = int32(pg)
+			s.next[prev] = pg
 		}
-		prev = int32(pg)
+		prev = pg
 		s.nfree++
 	}
 	if prev != nilPage {

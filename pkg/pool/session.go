@@ -59,11 +59,12 @@ type Session struct {
 	// next threads every page below fresh onto exactly one list: the
 	// free list, a stream's page chain, or a pending release. nilPage
 	// ends a list. The pages from fresh up have never been handed out:
-	// they are free, on no list, and their entries of next unwritten (a
-	// session of a million pages opens without writing 4 MiB of links,
-	// which a restarted agent faulted in page by page before it served).
-	// nfree counts both kinds of free page.
+	// they are free, on no list, and their entries of next unwritten: a
+	// large session's table is a mapping of its own, whose pages are
+	// made when first written (links.go). nfree counts both kinds of
+	// free page.
 	next     []int32
+	links    *links // next's mapping, where it has one (links.go)
 	freeHead int32
 	fresh    int32
 	nfree    int
@@ -172,7 +173,6 @@ type slabBlock [1 << slabShift]stream
 func newSession(p *Pool, a *allocation, spec Spec, chunks []*chunk, ppc, capacity int) *Session {
 	s := &Session{
 		pool: p, alloc: a, spec: spec, chunks: chunks, ppc: ppc, capacity: capacity, near: Near{NUMA: -1},
-		next:      make([]int32, capacity),
 		freeHead:  nilPage,
 		nfree:     capacity,
 		reqs:      newReqIndex(0),
@@ -181,6 +181,7 @@ func newSession(p *Pool, a *allocation, spec Spec, chunks []*chunk, ppc, capacit
 		labelIdx:  make(map[string]int32),
 		ownLabels: make(map[int32]string),
 	}
+	s.makeLinks()
 	return s
 }
 
@@ -696,6 +697,7 @@ func (s *Session) dropAll() {
 	s.pending, s.phead = nil, 0
 	s.used, s.nstreams, s.npending, s.nfree, s.names = 0, 0, 0, 0, 0
 	s.seen = nil
-	s.next, s.freeHead, s.fresh = nil, nilPage, int32(s.capacity)
+	s.releaseLinks()
+	s.freeHead, s.fresh = nilPage, int32(s.capacity)
 	s.labels, s.labelIdx, s.ownLabels = nil, nil, nil
 }

@@ -1,0 +1,132 @@
+package pool
+
+import (
+	"bufio"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"reflect"
+	"runtime"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+	"unsafe"
+)
+
+// mapped says whether the process has a mapping that starts at addr
+// (/proc/self/maps).
+func mapped(t *testing.T, addr uintptr) bool {
+	t.Helper()
+	f, err := os.Open("/proc/self/maps")
+	if err != nil {
+		t.Skipf("no /proc/self/maps: %v", err)
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		start, _, _ := strings.Cut(sc.Text(), "-")
+		if a, err := strconv.ParseUint(start, 16, 64); err == nil && uintptr(a) == addr {
+			return true
+		}
+	}
+	must(t, sc.Err())
+	return false
+}
+
+// linksAddr is where a session's mapped link table starts.
+func linksAddr(s *Session) uintptr { return uintptr(unsafe.Pointer(unsafe.SliceData(s.links.mem))) }
+
+// TestMappedLinks: a large session's page links take memory for the pages
+// it handed out, not for its capacity; the session behaves as its model
+// says through offloads, reloads, fences and removals, exports and
+// restores the same, and its mapping goes with a close, or with the
+// collection of a session that was never closed.
+func TestMappedLinks(t *testing.T) {
+	const pages = 1 << 16 // 256 KiB of links in a table of the capacity
+	p := New()
+	must(t, p.AddChunk(Chunk{ID: "big", Size: pages * 64}))
+	must(t, p.Grant("a", []string{"big"}))
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	s, err := p.Open("a", Spec{PageSize: 64, DevicePages: 40})
+	must(t, err)
+	runtime.ReadMemStats(&after)
+	if s.links == nil || s.Capacity() != pages {
+		t.Fatalf("a session of %d pages has no mapped links", s.Capacity())
+	}
+	if grew := int64(after.HeapAlloc) - int64(before.HeapAlloc); grew >= pages || s.linkBytes() != 0 {
+		t.Fatalf("opening a session of %d pages took %d bytes of heap and %d of links", pages, grew, s.linkBytes())
+	}
+	addr := linksAddr(s)
+	if !mapped(t, addr) {
+		t.Fatalf("no mapping at %#x", addr)
+	}
+
+	d := &driver{t: t, rng: rand.New(rand.NewPCG(7, 8)), s: s, m: newModel(s.Capacity()), name: "mapped", dev: 40}
+	for range 3000 {
+		d.step()
+		d.verify()
+	}
+	must(t, s.Check())
+	if s.fresh == 0 || s.linkBytes() >= pages {
+		t.Fatalf("%d pages handed out, %d bytes of links", s.fresh, s.linkBytes())
+	}
+	img := p.Export()
+	q := New()
+	ss, err := q.Restore(img)
+	must(t, err)
+	must(t, ss[0].Check())
+	if ss[0].links == nil || !reflect.DeepEqual(q.Export(), img) {
+		t.Fatal("the restored session exports differently, or has no mapped links")
+	}
+	d.s = ss[0] // the restored session goes on as the model says
+	for range 1000 {
+		d.step()
+		d.verify()
+	}
+	must(t, ss[0].Check())
+
+	p.Close(s)
+	if s.links != nil || s.next != nil || mapped(t, addr) {
+		t.Fatalf("the closed session's links are still mapped at %#x", addr)
+	}
+	p.Close(s) // twice: a no-op
+
+	// The restored pool is dropped without a close: the collector unmaps.
+	addr = linksAddr(ss[0])
+	d.s = nil // the last hold on it: ss and q are not used again
+	for i := 0; mapped(t, addr); i++ {
+		if i == 100 {
+			t.Fatalf("the links of a session no one holds are still mapped at %#x", addr)
+		}
+		runtime.GC()
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// TestLinksOfSmallSessions: a session under mapLinksFrom pages keeps its
+// links in the heap, and one at it maps them.
+func TestLinksOfSmallSessions(t *testing.T) {
+	for _, c := range []struct {
+		pages  int
+		mapped bool
+	}{{mapLinksFrom - 1, false}, {mapLinksFrom, true}} {
+		p := New()
+		must(t, p.AddChunk(Chunk{ID: "c", Size: int64(c.pages) * 64}))
+		must(t, p.Grant("a", []string{"c"}))
+		s, err := p.Open("a", Spec{PageSize: 64, DevicePages: 4})
+		must(t, err)
+		if got := s.links != nil; got != c.mapped || len(s.next) != c.pages {
+			t.Fatalf("%d pages: mapped %v, %d links", c.pages, got, len(s.next))
+		}
+		pages, err := s.Offload("r", "k", []int32{0, 1, 2, 3}, Meta{}, nil)
+		must(t, err)
+		if fmt.Sprint(pages) != "[0 1 2 3]" {
+			t.Fatalf("%d pages: handed out %v", c.pages, pages)
+		}
+		must(t, s.Check())
+		p.Close(s)
+	}
+}
