@@ -26,8 +26,8 @@ import (
 const mapLinksFrom = 1 << 14
 
 // links is a session's mapped link table, unmapped when the session is
-// closed (release) or, for one dropped open (a restore that failed), when
-// the session is collected.
+// closed (releaseLinks) or, for one dropped open (a restore that failed),
+// when the session is collected.
 type links struct {
 	mem     []byte
 	cleanup runtime.Cleanup
@@ -52,15 +52,16 @@ func (s *Session) makeLinks() {
 	s.links.cleanup = runtime.AddCleanup(s, func(mem []byte) { _ = unix.Munmap(mem) }, mem)
 }
 
-// releaseLinks unmaps a closed session's link table; s.mu is held, and
+// releaseLinks drops a closed session's link table; s.mu is held, and
 // every use of next is under it and after a check that the session is
-// open.
+// open. A mapped table is unmapped beside the caller, off the session's
+// and the pool's locks (64 MiB of written links took 3.4 ms to unmap).
 func (s *Session) releaseLinks() {
 	s.next = nil
 	if l := s.links; l != nil {
 		s.links = nil
 		l.cleanup.Stop() // s is reachable here: the cleanup has not been queued
-		_ = unix.Munmap(l.mem)
+		go func() { _ = unix.Munmap(l.mem) }()
 	}
 }
 
