@@ -502,7 +502,7 @@ func (c *conn) handleMore(body []byte) reply {
 	if err := wire.DecodeBody(body, m); err != nil {
 		return fail(wire.StatusBadRequest, err)
 	}
-	return c.e.nextPart(m.Offset)
+	return c.e.nextPart(c.s, m.Offset)
 }
 
 func (c *conn) handleDiscard(body []byte) reply {
@@ -670,7 +670,7 @@ func (e *entry) setMore(m moreReply) {
 
 // nextPart answers OpMore: the part of the session's last long reply from
 // offset on.
-func (e *entry) nextPart(offset uint32) reply {
+func (e *entry) nextPart(s *Server, offset uint32) reply {
 	e.moreMu.Lock()
 	m := e.more
 	e.moreMu.Unlock()
@@ -684,6 +684,15 @@ func (e *entry) nextPart(offset uint32) reply {
 		}
 		rest := m.labels[off:]
 		return reply{body: &wire.MoreReply{Labels: rest[:labelsFitting(rest)]}}
+	case wire.OpOpen:
+		if off >= len(m.chunks) {
+			return fail(wire.StatusBadRequest, fmt.Errorf("more: offset %d past the %d chunks of the open", off, len(m.chunks)))
+		}
+		fds, err := s.chunkFDs(m.chunks[off:min(len(m.chunks), off+wire.MaxFDs)])
+		if err != nil {
+			return fail(wire.StatusInternal, fmt.Errorf("more: %w", err))
+		}
+		return reply{body: &wire.MoreReply{}, fds: fds}
 	}
 	if off > len(m.pages) {
 		return fail(wire.StatusBadRequest, fmt.Errorf("more: offset %d past the %d host pages of the %s", off, len(m.pages), m.op))
@@ -768,21 +777,39 @@ func (c *conn) handleOpen(body []byte) reply {
 		PagesPerChunk: uint32(e.ps.PagesPerChunk()), Capacity: uint32(e.ps.Capacity()),
 		GpuNuma: proto.Int32(int32(near.NUMA)), Ranks: uint32(max(loc.Ranks, 0)),
 	}
-	fds := make([]int, 0, len(chunks))
-	for _, ch := range chunks {
-		hc, ok := c.s.o.Chunks(ch.ID)
-		if !ok || hc.File == nil {
-			c.s.detach(c, e)
-			return fail(wire.StatusInternal, fmt.Errorf("open: chunk %s has no memory", ch.ID))
-		}
+	ids := make([]string, len(chunks))
+	for i, ch := range chunks {
 		rep.Chunks = append(rep.Chunks, &wire.ChunkGrant{Id: ch.ID, Size: uint64(ch.Size), Numa: proto.Int32(int32(max(ch.NUMA, -1)))})
-		fds = append(fds, int(hc.File.Fd()))
+		ids[i] = ch.ID
+	}
+	// One packet passes at most wire.MaxFDs descriptors; the client asks
+	// for the rest with OpMore.
+	fds, err := c.s.chunkFDs(ids[:min(len(ids), wire.MaxFDs)])
+	if err != nil {
+		c.s.detach(c, e)
+		return fail(wire.StatusInternal, fmt.Errorf("open: %w", err))
+	}
+	if len(ids) > wire.MaxFDs {
+		e.setMore(moreReply{op: wire.OpOpen, chunks: ids})
 	}
 	c.s.mu.Lock()
 	info := e.infoLocked()
 	c.s.mu.Unlock()
 	c.s.hookSession(ev, info)
 	return reply{body: rep, fds: fds}
+}
+
+// chunkFDs are the memfds of the chunks named, in order.
+func (s *Server) chunkFDs(ids []string) ([]int, error) {
+	fds := make([]int, len(ids))
+	for i, id := range ids {
+		hc, ok := s.o.Chunks(id)
+		if !ok || hc.File == nil {
+			return nil, fmt.Errorf("chunk %s has no memory", id)
+		}
+		fds[i] = int(hc.File.Fd())
+	}
+	return fds, nil
 }
 
 // near is where an Open's GPU sits and who shares its allocation: the

@@ -2,10 +2,16 @@ package server_test
 
 import (
 	"context"
+	"os"
 	"path/filepath"
 	"slices"
 	"testing"
+	"time"
 
+	"golang.org/x/sys/unix"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/kvpool/kvpool/internal/server"
 	"github.com/kvpool/kvpool/pkg/cudart"
 	"github.com/kvpool/kvpool/pkg/standalone"
 	"github.com/kvpool/kvpool/pkg/wire"
@@ -112,5 +118,80 @@ func TestLongReplyResumes(t *testing.T) {
 	back = append(back, more.HostPages...)
 	if !slices.Equal(back, host) {
 		t.Fatal("reload returned other host pages than the offload")
+	}
+}
+
+// TestOpenPassesEveryChunk: one packet passes at most wire.MaxFDs
+// descriptors (the kernel's bound on one sendmsg), so an open granting
+// more chunks passes the first in its reply and the rest in the replies
+// to more, each descriptor the memfd of the chunk the reply names at its
+// place. A more past the chunks is refused; one from 0 hands them again;
+// the next request of another kind ends the open's long reply.
+func TestOpenPassesEveryChunk(t *testing.T) {
+	const perGPU = 2*wire.MaxFDs + 4 // a session on GPU 0 binds that GPU's
+	a := startServerOf(t, perGPU, 4<<10, func(o *server.Options) { o.SweepInterval = time.Hour })
+	r := dial(t, a)
+	r.hello()
+	// call sends op and returns the reply's status, body and files.
+	call := func(op wire.Op, m, rep proto.Message) (wire.Status, []*os.File) {
+		t.Helper()
+		r.seq++
+		pkt, err := wire.AppendPacket(nil, wire.Header{Op: op, Seq: r.seq}, m)
+		if err != nil {
+			t.Fatal(err)
+		}
+		r.sendPacket(pkt, nil)
+		h, body, files, ok := r.recv()
+		if !ok {
+			t.Fatalf("%s: connection closed", op)
+		}
+		for _, f := range files {
+			t.Cleanup(func() { f.Close() })
+		}
+		if h.Status == wire.StatusOK {
+			if err := wire.DecodeBody(body, rep); err != nil {
+				t.Fatal(err)
+			}
+		}
+		return h.Status, files
+	}
+	// sameFile: f is the memfd of chunk id.
+	sameFile := func(f *os.File, id string) bool {
+		var got, want unix.Stat_t
+		hc := a.chunks[id]
+		return hc != nil && unix.Fstat(int(f.Fd()), &got) == nil && unix.Fstat(int(hc.File.Fd()), &want) == nil &&
+			got.Ino == want.Ino && got.Dev == want.Dev
+	}
+	var rep wire.OpenReply
+	st, files := call(wire.OpOpen, openMsg("tok-a", 0, "instance-many"), &rep)
+	if st != 0 || len(rep.Chunks) != perGPU || len(files) != wire.MaxFDs {
+		t.Fatalf("open: status %s, %d chunks, %d fds; want %d chunks, %d fds", st, len(rep.Chunks), len(files), perGPU, wire.MaxFDs)
+	}
+	for off := len(files); off < len(rep.Chunks); {
+		var mr wire.MoreReply
+		st, more := call(wire.OpMore, &wire.More{Offset: uint32(off)}, &mr)
+		if want := min(wire.MaxFDs, len(rep.Chunks)-off); st != 0 || len(more) != want {
+			t.Fatalf("more from %d: status %s, %d fds, want %d", off, st, len(more), want)
+		}
+		files = append(files, more...)
+		off += len(more)
+	}
+	for i, f := range files {
+		if !sameFile(f, rep.Chunks[i].Id) {
+			t.Fatalf("fd %d is not the memfd of chunk %s", i, rep.Chunks[i].Id)
+		}
+	}
+	var mr wire.MoreReply
+	if st, more := call(wire.OpMore, &wire.More{Offset: uint32(len(rep.Chunks))}, &mr); st != wire.StatusBadRequest || len(more) != 0 {
+		t.Fatalf("more past the chunks: status %s, %d fds", st, len(more))
+	}
+	if st, more := call(wire.OpMore, &wire.More{Offset: 0}, &mr); st != 0 || len(more) != wire.MaxFDs || !sameFile(more[0], rep.Chunks[0].Id) {
+		t.Fatalf("more from 0 again: status %s, %d fds", st, len(more))
+	}
+	if st, _ := call(wire.OpUsage, nil, &wire.UsageReply{}); st != 0 {
+		t.Fatalf("usage: %s", st)
+	}
+	if st, more := call(wire.OpMore, &wire.More{Offset: wire.MaxFDs}, &mr); st != wire.StatusBadRequest || len(more) != 0 {
+		t.Fatalf("more after another request: status %s, %d fds", st, len(more))
 	}
 }

@@ -305,12 +305,14 @@ type entry struct {
 	hasMore atomic.Bool
 }
 
-// moreReply is a long reply being fetched: every host page (or label) of
-// it, the first part included; a client asks for them from an offset.
+// moreReply is a long reply being fetched: every host page (or label, or
+// chunk whose memfd an open passes) of it, the first part included; a
+// client asks for them from an offset.
 type moreReply struct {
 	op     wire.Op
 	pages  []int32
 	labels []string
+	chunks []string // OpOpen: the chunks granted, in the reply's order
 }
 
 // SessionInfo describes a session for listings and hooks.

@@ -67,17 +67,24 @@ func startServer(t testing.TB) *agent {
 // startServerWith is startServer with the options edited by edit.
 func startServerWith(t testing.TB, edit func(*server.Options)) *agent {
 	t.Helper()
+	return startServerOf(t, 2, 256<<10, edit)
+}
+
+// startServerOf is startServerWith with perGPU chunks of size bytes on
+// each GPU, named gpuG-numaX-I.
+func startServerOf(t testing.TB, perGPU int, size int64, edit func(*server.Options)) *agent {
+	t.Helper()
 	a := &agent{pool: pool.New(), chunks: map[string]*hostmem.Chunk{}}
 	var ids []string
 	for g := 0; g < 2; g++ {
-		for i := 0; i < 2; i++ {
-			id := "gpu" + string(rune('0'+g)) + "-numaX-" + string(rune('0'+i))
-			hc, err := hostmem.Alloc(hostmem.Options{Size: 256 << 10})
+		for i := 0; i < perGPU; i++ {
+			id := fmt.Sprintf("gpu%d-numaX-%d", g, i)
+			hc, err := hostmem.Alloc(hostmem.Options{Size: size})
 			if err != nil {
 				t.Fatal(err)
 			}
 			a.chunks[id] = hc
-			if err := a.pool.AddChunk(pool.Chunk{ID: id, GPU: g, NUMA: -1, Size: 256 << 10}); err != nil {
+			if err := a.pool.AddChunk(pool.Chunk{ID: id, GPU: g, NUMA: -1, Size: size}); err != nil {
 				t.Fatal(err)
 			}
 			ids = append(ids, id)

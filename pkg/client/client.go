@@ -182,6 +182,7 @@ type CPUPagePool struct {
 	seq     uint32
 	in, out []byte
 	closed  bool
+	opening bool // an open's replies may carry fds (its own, and OpMore's for the rest)
 
 	session  uint64
 	pageSize uint64
@@ -510,7 +511,12 @@ func (p *CPUPagePool) connect(ctx context.Context) error {
 		req.Regions = append(req.Regions, &wire.Region{BytesPerPage: r.PageBytes, PageCount: uint32(r.Pages)})
 	}
 	var rep wire.OpenReply
+	p.opening = true
 	files, err := p.roundTrip(wire.OpOpen, 0, req, &rep)
+	if err == nil {
+		files, err = p.moreFiles(len(rep.Chunks), files)
+	}
+	p.opening = false
 	defer closeFiles(files)
 	if err != nil {
 		p.dropConn()
@@ -526,6 +532,22 @@ func (p *CPUPagePool) connect(ctx context.Context) error {
 	p.log.Debug("kvpool session", "session", rep.Session, "resumed", rep.Resumed, "capacity", rep.Capacity,
 		"page_size", rep.PageSize, "chunks", len(rep.Chunks), "gpu_numa", p.locality.GPUNUMA, "ranks", p.locality.Ranks)
 	return nil
+}
+
+// moreFiles fetches the memfds of an open's chunks that its reply could
+// not pass (one packet passes at most wire.MaxFDs) with OpMore, after
+// those it did. It stops at a reply short of a packet's worth, and adopt
+// then reports the count that does not add up.
+func (p *CPUPagePool) moreFiles(chunks int, files []*os.File) ([]*os.File, error) {
+	var mr wire.MoreReply
+	for len(files) > 0 && len(files) < chunks && len(files)%wire.MaxFDs == 0 {
+		more, err := p.roundTrip(wire.OpMore, 0, &wire.More{Offset: uint32(len(files))}, &mr)
+		files = append(files, more...)
+		if err != nil || len(more) == 0 {
+			return files, err
+		}
+	}
+	return files, nil
 }
 
 func closeFiles(fs []*os.File) {
@@ -667,7 +689,7 @@ func (p *CPUPagePool) exchange(op wire.Op, seq uint32, fence uint64, req, rep pr
 	if err == nil {
 		err = wire.DecodeBody(body, rep)
 	}
-	if err == nil && len(files) > 0 && op != wire.OpOpen {
+	if err == nil && len(files) > 0 && !p.opening {
 		err = fmt.Errorf("%s reply carried %d fds", op, len(files))
 	}
 	if err != nil {

@@ -957,6 +957,65 @@ func TestOpenReplyChecked(t *testing.T) {
 	}
 }
 
+// TestOpenMoreFilesChecked: where an open's chunks need more descriptors
+// than its reply passes, the client fetches the rest with more; an agent
+// that passes fewer, or more, than the chunks named is a protocol error.
+func TestOpenMoreFilesChecked(t *testing.T) {
+	fd := chunkFD(t)
+	chunks := make([]*wire.ChunkGrant, wire.MaxFDs+1)
+	first := make([]int, wire.MaxFDs)
+	for i := range chunks {
+		chunks[i] = &wire.ChunkGrant{Id: fmt.Sprint("c", i), Size: 1 << 20}
+	}
+	for i := range first {
+		first[i] = fd
+	}
+	rep := &wire.OpenReply{Session: 1, PageSize: 4096, PagesPerChunk: 256, Capacity: 256, Chunks: chunks}
+	for _, tc := range []struct {
+		name string
+		more []int
+		want string
+	}{
+		{"none passed", nil, fmt.Sprintf("carries %d fds", wire.MaxFDs)},
+		{"one too many", []int{fd, fd}, fmt.Sprintf("carries %d fds", wire.MaxFDs+2)},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			asked := make(chan uint32, 1)
+			path := fakeAgentThen(t, rep, first, func(c *wire.Conn, buf []byte) {
+				pkt, _, err := c.Recv(buf)
+				if err != nil {
+					return
+				}
+				h, body, _ := wire.ParseHeader(pkt)
+				var m wire.More
+				if h.Op != wire.OpMore || wire.DecodeBody(body, &m) != nil {
+					return
+				}
+				asked <- m.Offset
+				out, _ := wire.AppendPacket(nil, wire.Header{Op: h.Op, Seq: h.Seq}, &wire.MoreReply{})
+				if c.Send(out, tc.more) == nil {
+					c.Recv(buf)
+				}
+			})
+			sim := cudart.NewSim(cudart.SimOptions{Devices: 1})
+			dev, _ := sim.Open(0)
+			_, err := client.Open(context.Background(), client.Options{Socket: path, Token: "t", Device: dev,
+				Logger: quiet, Regions: []cudart.Region{{Base: 0x1000, Stride: 4096, PageBytes: 4096, Pages: 8}}})
+			if !errors.Is(err, client.ErrProtocol) || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("got %v, want ErrProtocol mentioning %q", err, tc.want)
+			}
+			select {
+			case off := <-asked:
+				if off != wire.MaxFDs {
+					t.Fatalf("more from %d, want %d", off, wire.MaxFDs)
+				}
+			default:
+				t.Fatal("the client did not ask for the rest")
+			}
+		})
+	}
+}
+
 // hookDevice runs before and after, when set, around EventSynchronize: what
 // other threads of the engine do while a call of the pool waits for a copy.
 type hookDevice struct {

@@ -336,7 +336,8 @@ func (x *ChunkGrant) GetNuma() int32 {
 	return 0
 }
 
-// OpenReply travels with one SCM_RIGHTS fd per chunk, in the order of chunks.
+// OpenReply travels with one SCM_RIGHTS fd per chunk, in the order of chunks,
+// for the first MaxFDs (253) chunks; More fetches the rest.
 type OpenReply struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Session       uint64                 `protobuf:"varint,1,opt,name=session,proto3" json:"session,omitempty"`
@@ -772,7 +773,8 @@ func (x *Pages) GetGpuPages() []int32 {
 }
 
 // More asks for the continuation of the last long reply of the session,
-// from position offset of its host_pages (or labels).
+// from position offset of its host_pages (or labels, or an open's chunks,
+// whose fds the MoreReply then carries).
 type More struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Offset        uint32                 `protobuf:"varint,1,opt,name=offset,proto3" json:"offset,omitempty"`

@@ -27,8 +27,10 @@ const (
 	// MaxMessage is the largest packet, header included, either side sends or
 	// accepts. A larger packet closes the connection.
 	MaxMessage = 128 << 10
-	// MaxFDs is the most file descriptors one packet may carry.
-	MaxFDs = 1024
+	// MaxFDs is the most file descriptors one packet may carry: Linux's
+	// SCM_MAX_FD, the most one sendmsg passes. An open granting more
+	// chunks sends the rest in the replies to OpMore.
+	MaxFDs = 253
 	// MaxPagesPerPacket is the most page indices one packet carries. At
 	// the widest (5 bytes a page, 1 KiB names, every other field) such a
 	// packet stays under MaxMessage; longer lists go in several packets
