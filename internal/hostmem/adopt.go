@@ -17,12 +17,12 @@ import (
 // them) while the agent serves. A lock refused is an error unless
 // lockFallback, where the chunk stays unlocked with a warning, as at Alloc.
 // node is the NUMA node the pages were bound to (-1: unbound).
-func Adopt(f *os.File, size int64, node int, lock, lockFallback bool) (*Chunk, error) {
-	mem, err := Map(f, size)
+func Adopt(f *os.File, info FileInfo, node int, lock, lockFallback bool) (*Chunk, error) {
+	mem, err := Map(f, info.Size)
 	if err != nil {
 		return nil, err
 	}
-	c := kept(f, size, node)
+	c := kept(f, info, node)
 	c.Mem = mem
 	if lock {
 		if err := c.lock(Options{LockFallback: lockFallback}, true); err != nil {
@@ -36,29 +36,42 @@ func Adopt(f *os.File, size int64, node int, lock, lockFallback bool) (*Chunk, e
 // AdoptKept takes over a chunk whose pages the keeper holds locked in its
 // own mapping (keeper.Item.Locked): the agent maps nothing, which takes no
 // time at all and leaves nothing for its death to unmap.
-func AdoptKept(f *os.File, size int64, node int) *Chunk {
-	c := kept(f, size, node)
+func AdoptKept(f *os.File, info FileInfo, node int) *Chunk {
+	c := kept(f, info, node)
 	c.Locked, c.Kept = true, true
 	return c
 }
 
-// kept is a kept chunk's description from its file: page size and seals.
-func kept(f *os.File, size int64, node int) *Chunk {
-	c := &Chunk{File: f, Size: size, PageSize: FilePageSize(f), Node: node}
-	if seals, err := unix.FcntlInt(f.Fd(), unix.F_GET_SEALS, 0); err == nil {
-		c.Sealed = seals&Seals == Seals
-	}
-	return c
+// kept is a kept chunk's description from what its file says.
+func kept(f *os.File, info FileInfo, node int) *Chunk {
+	return &Chunk{File: f, Size: info.Size, PageSize: info.PageSize, Node: node, Sealed: info.Seals&Seals == Seals}
 }
 
-// FilePageSize is the page size of a chunk's memfd: a hugetlb memfd's huge
-// page size, else the OS page size.
-func FilePageSize(f *os.File) int64 {
+// FileInfo is what a kept chunk's memfd says of itself.
+type FileInfo struct {
+	Size     int64 // bytes
+	PageSize int64 // a hugetlb memfd's huge page size, else the OS page size
+	Seals    int   // F_GET_SEALS
+}
+
+// Inspect reads a chunk memfd's size, page size and seals: one fstat and
+// one fcntl, each a few microseconds, which a restart pays for every kept
+// chunk (thousands on a large node).
+func Inspect(f *os.File) (FileInfo, error) {
 	var st unix.Stat_t
-	if unix.Fstat(int(f.Fd()), &st) == nil && st.Blksize > 0 {
-		return int64(st.Blksize)
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		return FileInfo{}, fmt.Errorf("fstat: %w", err)
 	}
-	return int64(os.Getpagesize())
+	info := FileInfo{Size: st.Size, PageSize: int64(os.Getpagesize())}
+	if st.Blksize > 0 {
+		info.PageSize = int64(st.Blksize)
+	}
+	seals, err := unix.FcntlInt(f.Fd(), unix.F_GET_SEALS, 0)
+	if err != nil {
+		return info, fmt.Errorf("F_GET_SEALS: %w", err)
+	}
+	info.Seals = seals
+	return info, nil
 }
 
 // FaultInStep is the most FaultIn should be given at once, so that a

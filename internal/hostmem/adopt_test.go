@@ -35,7 +35,11 @@ func TestAdoptThenFaultIn(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	c, err := Adopt(kept, size, -1, true, false)
+	info, err := Inspect(kept)
+	if err != nil || info != (FileInfo{Size: size, PageSize: int64(os.Getpagesize()), Seals: Seals}) {
+		t.Fatalf("the kept memfd: %+v, %v; want %d bytes of %d-byte pages, seals %#x", info, err, size, os.Getpagesize(), Seals)
+	}
+	c, err := Adopt(kept, info, -1, true, false)
 	if errors.Is(err, ErrMemlock) {
 		t.Skipf("cannot lock here: %v", err)
 	}
@@ -72,7 +76,10 @@ func TestAdoptRefuses(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer f.Close()
-	if c, err := Adopt(f, 1<<20, -1, false, false); err == nil {
+	if _, err := Inspect(f); err == nil || !strings.Contains(err.Error(), "F_GET_SEALS") {
+		t.Fatalf("inspecting /dev/null as a memfd: %v, want its seals refused", err)
+	}
+	if c, err := Adopt(f, FileInfo{Size: 1 << 20}, -1, false, false); err == nil {
 		c.Close()
 		t.Fatal("adopted /dev/null")
 	}
@@ -81,7 +88,7 @@ func TestAdoptRefuses(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer c.Close()
-	if a, err := Adopt(c.File, 0, -1, false, false); err == nil {
+	if a, err := Adopt(c.File, FileInfo{}, -1, false, false); err == nil {
 		a.Close()
 		t.Fatal("adopted a chunk of 0 bytes")
 	}
@@ -108,7 +115,7 @@ func TestHandOffUnmapMapAgain(t *testing.T) {
 	if err := f.Truncate(size); err != nil {
 		t.Fatal(err)
 	}
-	c, err := Adopt(f, size, -1, false, false)
+	c, err := Adopt(f, FileInfo{Size: size, PageSize: 4096}, -1, false, false)
 	if err != nil {
 		t.Fatal(err)
 	}
