@@ -782,14 +782,16 @@ func (c *conn) handleOpen(body []byte) reply {
 		rep.Chunks = append(rep.Chunks, &wire.ChunkGrant{Id: ch.ID, Size: uint64(ch.Size), Numa: proto.Int32(int32(max(ch.NUMA, -1)))})
 		ids[i] = ch.ID
 	}
-	// One packet passes at most wire.MaxFDs descriptors; the client asks
-	// for the rest with OpMore.
-	fds, err := c.s.chunkFDs(ids[:min(len(ids), wire.MaxFDs)])
+	// Every chunk's memory is checked now; one packet passes at most
+	// wire.MaxFDs descriptors, and the client asks for the rest with
+	// OpMore.
+	fds, err := c.s.chunkFDs(ids)
 	if err != nil {
 		c.s.detach(c, e)
 		return fail(wire.StatusInternal, fmt.Errorf("open: %w", err))
 	}
-	if len(ids) > wire.MaxFDs {
+	if len(fds) > wire.MaxFDs {
+		fds = fds[:wire.MaxFDs]
 		e.setMore(moreReply{op: wire.OpOpen, chunks: ids})
 	}
 	c.s.mu.Lock()
