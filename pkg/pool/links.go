@@ -14,7 +14,7 @@ import (
 // made resident in full: 16 MiB for a session of 4 Mi pages, taken out of
 // the heap the restore had warmed for its tables, which then faulted
 // their own pages in (a restart at the agent's stream bound in a pool of
-// 16 Mi pages rebuilt in 107-111 ms where one of 1 Mi pages took 35).
+// 16 Mi pages rebuilt in 76-111 ms where one of 1 Mi pages took 32-35).
 // A large session's links therefore live in an anonymous mapping of their
 // own, whose pages the kernel zeroes when first touched: the links take
 // memory for the pages the session has handed out, not for its capacity,
@@ -63,15 +63,4 @@ func (s *Session) releaseLinks() {
 		l.cleanup.Stop() // s is reachable here: the cleanup has not been queued
 		go func() { _ = unix.Munmap(l.mem) }()
 	}
-}
-
-// linkBytes is the memory the session's page links hold outside the Go
-// heap: the mapped table's pages below fresh, which are all it has
-// touched (0 where the table is in the heap).
-func (s *Session) linkBytes() int64 {
-	if s.links == nil {
-		return 0
-	}
-	pg := int64(unix.Getpagesize())
-	return (int64(s.fresh)*4 + pg - 1) / pg * pg
 }

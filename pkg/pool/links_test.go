@@ -34,6 +34,17 @@ func mapped(t *testing.T, addr uintptr) bool {
 	return false
 }
 
+// linkBytes is the memory the session's page links hold outside the Go
+// heap: the mapped table's pages below fresh, which are all it has
+// touched (0 where the table is in the heap).
+func (s *Session) linkBytes() int64 {
+	if s.links == nil {
+		return 0
+	}
+	pg := int64(os.Getpagesize())
+	return (int64(s.fresh)*4 + pg - 1) / pg * pg
+}
+
 // linksAddr is where a session's mapped link table starts.
 func linksAddr(s *Session) uintptr { return uintptr(unsafe.Pointer(unsafe.SliceData(s.links.mem))) }
 
