@@ -74,7 +74,8 @@ func TestPlanDGXJSON(t *testing.T) {
 		t.Fatalf("%v\n%s", err, out.String())
 	}
 	// The tree's pod cgroup allows 300Gi: 299.5Gi less the page tables of
-	// its mapping (598Mi) over 8 GPUs is 37 1Gi chunks each.
+	// its mapping (597Mi) and the sessions' page links (299Mi) over 8 GPUs
+	// is 37 1Gi chunks each.
 	if r.Mode != "node" || r.GPUs != "NVML" || r.Plan.Bound != sizing.BoundCgroup || len(r.Plan.GPUs) != 8 {
 		t.Fatalf("report %+v", r)
 	}

@@ -24,6 +24,7 @@ import (
 	"github.com/kvpool/kvpool/internal/logging"
 	"github.com/kvpool/kvpool/pkg/client"
 	"github.com/kvpool/kvpool/pkg/cudart"
+	poolpkg "github.com/kvpool/kvpool/pkg/pool"
 )
 
 // restartReport is what `kvbench restart` prints: per stream count, the
@@ -240,9 +241,13 @@ var (
 	spareAfter = 250 * time.Millisecond
 )
 
-// poolShape is the probe agent's pool: chunks of chunkMiB, 128-byte pages,
-// shared by sessions tokens.
+// poolShape is the probe agent's pool: chunks of chunkMiB, 256-byte host
+// pages, shared by sessions tokens.
 type poolShape struct{ chunks, chunkMiB, sessions int }
+
+// probePageBytes is the probe's host page: its two 64-byte regions,
+// rounded up to the agent's host page alignment.
+const probePageBytes = 256
 
 // maxProbeSessions bounds --sessions.
 const maxProbeSessions = 64
@@ -406,7 +411,8 @@ func startProbe(bin string, pool poolShape) (*probe, error) {
 		pr.stop(0)
 		return nil, err
 	}
-	// By default two chunks of 16 MiB of 128-byte host pages: 262,144
+	// By default two chunks of 16 MiB of 256-byte host pages (the probe's
+	// two 64-byte regions, rounded up to the host page alignment): 131,072
 	// pages, room for one session at its stream bound.
 	tokens := make([]string, pool.sessions)
 	for i := range tokens {
@@ -415,6 +421,13 @@ func startProbe(bin string, pool poolShape) (*probe, error) {
 	pr.args = []string{"--standalone", "--socket", pr.sock, "--keeper-socket", keeperSock, "--standalone-gpus", "1",
 		"--chunks-per-gpu", strconv.Itoa(pool.chunks), "--chunk-mib", strconv.Itoa(pool.chunkMiB), "--state-dir", filepath.Join(dir, "state"),
 		"--log-level", cmp.Or(agentLogLevel, "info"), "--standalone-tokens", strings.Join(tokens, ",")}
+	// The probe's pages are smaller than the agent's default bound on the
+	// sessions' pages assumes (4 KiB): past it, the bound is raised to
+	// every page of the pool (an agent older than the bound never sees
+	// the flag).
+	if pages := int64(pool.chunks*pool.chunkMiB) << 20 / probePageBytes; pages > poolpkg.DefaultMaxPages(int64(pool.chunks*pool.chunkMiB)<<20) {
+		pr.args = append(pr.args, "--max-pages", strconv.FormatInt(pages, 10))
+	}
 	if restartBy != "kvbench" {
 		pr.args = append(pr.args, "--restart-in-place-max", "100", "--restart-in-place-window", "1h")
 	}

@@ -216,6 +216,7 @@ func Boot(parent context.Context, o Options) (*Agent, error) {
 	if o.Standalone {
 		a.mode = "standalone"
 	}
+	a.pool.SetMaxPages(int64(o.Config.Limits.MaxPages))
 	a.node = os.Getenv("NODE_NAME")
 	if a.node == "" {
 		a.node, _ = os.Hostname()
@@ -387,6 +388,9 @@ func (a *agent) logServing(took time.Duration) {
 		// Whether the kernel lets the socket refuse files a pod would pass
 		// (SO_PASSRIGHTS, Linux 6.16): one line says where the node stands.
 		"socketRefusesFiles", wire.CanRefuseFiles(), "pid", os.Getpid()}
+	// The sessions' pages together (limits.maxPages, or the pool's default).
+	_, maxPages := a.pool.Pages()
+	attrs = append(attrs, "maxPages", maxPages)
 	if a.obs.metricsAddr != nil {
 		attrs = append(attrs, "metrics", a.obs.metricsAddr.String())
 	}

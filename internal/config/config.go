@@ -297,6 +297,13 @@ type Limits struct {
 	// record in the books holds up to 5 bytes per page. 1 to 134217728.
 	// Default 16777216 (a 2 MiB bitmap).
 	MaxDevicePages int `json:"maxDevicePages"`
+	// MaxPages bounds the host pages of every open session together (a
+	// session's pages: its chunks' bytes over its page size, or the pages
+	// it asked for): each costs the agent 4 bytes of memory once used, and
+	// the page size is the tenant's choice. 0 (the default): the pool's
+	// bytes / 4Ki, at least 4194304, which the chart's memory limit and
+	// the sizing's cgroup bound reserve (docs/sizing.md, "Agent memory").
+	MaxPages int `json:"maxPages"`
 	// MaxClientName bounds the client name of a hello, in bytes. 16 to
 	// 2048. Default 256.
 	MaxClientName int `json:"maxClientName"`
@@ -428,7 +435,8 @@ func limitsOf(l server.Limits) Limits {
 	}
 }
 
-// Server is the socket server's limits as configured.
+// Server is the socket server's limits as configured. MaxPages is not one
+// of them: the agent sets it on the pool (pool.Pool.SetMaxPages).
 func (l Limits) Server() server.Limits {
 	return server.Limits{
 		MaxConns: l.MaxConns, MaxConnsPerUID: l.MaxConnsPerUID, MaxConnsPerPID: l.MaxConnsPerPID,

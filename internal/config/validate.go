@@ -32,6 +32,9 @@ const maxDRADriverName = 63
 // within what the books replay (1 GiB).
 const MaxDevicePages = 1 << 27
 
+// MaxPages is the most limits.maxPages may be (256 GiB of page links).
+const MaxPages = 1 << 36
+
 // Validate checks every field and reports every problem at once: nil when
 // the configuration is usable, else a utilerrors.Aggregate of
 // *field.Error (k8s.io/apimachinery), each naming its field by YAML path
@@ -259,6 +262,9 @@ func (lim *Limits) validate(lp *field.Path) field.ErrorList {
 	}
 	if lim.MaxDevicePages <= 0 || lim.MaxDevicePages > MaxDevicePages {
 		errs = append(errs, field.Invalid(lp.Child("maxDevicePages"), lim.MaxDevicePages, fmt.Sprintf("must be 1 to %d", MaxDevicePages)))
+	}
+	if lim.MaxPages < 0 || lim.MaxPages > MaxPages {
+		errs = append(errs, field.Invalid(lp.Child("maxPages"), lim.MaxPages, fmt.Sprintf("must be 0 (the pool's bytes / 4Ki) to %d", MaxPages)))
 	}
 	if lim.MaxClientName < 16 || lim.MaxClientName > 2048 {
 		errs = append(errs, field.Invalid(lp.Child("maxClientName"), lim.MaxClientName, "must be 16 to 2048"))

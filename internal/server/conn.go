@@ -898,6 +898,10 @@ func (s *Server) attach(c *conn, k key, gpu int, uuid, inst string, spec pool.Sp
 	if err != nil {
 		r := errReply(err)
 		r.err = fmt.Errorf("open: %w", err)
+		if pb := (*pool.PageBoundError)(nil); errors.As(err, &pb) {
+			s.refused(RefusedPages, c.peer, "open refused: the sessions' host pages would pass the agent's bound", "pages", pb.Pages, "page_size", pb.PageSize, "bound", pb.Bound)
+			r = fail(wire.StatusLimit, fmt.Errorf("%w (limits.maxPages)", err))
+		}
 		return nil, "", s.failedOpenLocked(replaced, r)
 	}
 	if replaced != nil {

@@ -126,6 +126,7 @@ const (
 	RefusedStreamsTotal    = "streams_total"
 	RefusedNameBytesTotal  = "name_bytes_total"
 	RefusedDevicePages     = "device_pages"
+	RefusedPages           = "pages"
 	RefusedClientName      = "client_name"
 	RefusedUnauthorized    = "unauthorized"
 	RefusedNotOwner        = "not_owner"
@@ -139,7 +140,7 @@ const (
 // RefusalReasons lists every reason, for metrics that start at zero.
 var RefusalReasons = []string{RefusedConns, RefusedConnsPerUID, RefusedConnsPerPID, RefusedProbeConns,
 	RefusedHelloTimeout, RefusedOpenTimeout, RefusedSessions, RefusedAllocSessions, RefusedStreams,
-	RefusedNameBytes, RefusedStreamsTotal, RefusedNameBytesTotal, RefusedDevicePages, RefusedClientName, RefusedUnauthorized, RefusedNotOwner,
+	RefusedNameBytes, RefusedStreamsTotal, RefusedNameBytesTotal, RefusedDevicePages, RefusedPages, RefusedClientName, RefusedUnauthorized, RefusedNotOwner,
 	RefusedAcceptTemporary, RefusedEvicted}
 
 // refused counts a refusal and logs it, rate-limited per reason.

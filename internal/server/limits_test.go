@@ -415,3 +415,45 @@ func TestIdleConnectionsMakeRoom(t *testing.T) {
 		t.Fatal("a refusal older than the window still reported")
 	}
 }
+
+// TestOpenPastPageBound: an open whose host pages would take the open
+// sessions' past the pool's bound (limits.maxPages) is refused with status
+// limit, a message naming the bound and how many pages still fit, and a
+// counted reason, and leaves no session; within the bound it opens, and a
+// close makes room again.
+func TestOpenPastPageBound(t *testing.T) {
+	a, ref := limitedServer(t, server.Limits{})
+	a.pool.SetMaxPages(100)
+	// The layout's host pages are 4 KiB: 64 in each 256 KiB chunk, and
+	// a session's fair share of the allocation is two chunks.
+	r := dial(t, a)
+	r.hello()
+	st, msg := r.do(wire.OpOpen, 0, openMsg("tok-a", 0, "instance-big"), &wire.OpenReply{})
+	wantLimit(t, st, msg, "128 pages of 4096 bytes would bring the open sessions' host pages to 128, over the agent's bound of 100")
+	wantLimit(t, st, msg, "100 more fit")
+	wantLimit(t, st, msg, "(limits.maxPages)")
+	if len(a.srv.Sessions()) != 0 || ref.count(server.RefusedPages) != 1 {
+		t.Fatalf("the refused open left %d sessions, counted %d times", len(a.srv.Sessions()), ref.count(server.RefusedPages))
+	}
+	m := openMsg("tok-a", 0, "instance-big")
+	m.MaxPages = 100
+	var rep wire.OpenReply
+	if st, msg := r.do(wire.OpOpen, 0, m, &rep); st != 0 || rep.Capacity != 100 {
+		t.Fatalf("an open of as many pages as the bound: %s %s, capacity %d", st, msg, rep.Capacity)
+	}
+	r2 := dial(t, a)
+	r2.hello()
+	m2 := openMsg("tok-a", 1, "instance-small")
+	m2.MaxPages = 1
+	st, msg = r2.do(wire.OpOpen, 0, m2, &wire.OpenReply{})
+	wantLimit(t, st, msg, "0 more fit")
+	if st, msg := r.do(wire.OpClose, 0, nil, nil); st != 0 {
+		t.Fatalf("close: %s %s", st, msg)
+	}
+	if st, msg := r2.do(wire.OpOpen, 0, m2, &wire.OpenReply{}); st != 0 {
+		t.Fatalf("an open after a close made room: %s %s", st, msg)
+	}
+	if ref.count(server.RefusedPages) != 2 {
+		t.Fatalf("refusals counted %d times, want 2", ref.count(server.RefusedPages))
+	}
+}

@@ -15,6 +15,7 @@ import (
 	"github.com/kvpool/kvpool/internal/config"
 	"github.com/kvpool/kvpool/internal/node"
 	"github.com/kvpool/kvpool/pkg/contract"
+	"github.com/kvpool/kvpool/pkg/pool"
 )
 
 // GPU is one GPU as the plan needs it.
@@ -41,7 +42,7 @@ const (
 	BoundPoolBytes   = "sizing.poolBytes"
 	BoundFraction    = "sizing.fraction"
 	BoundAvailable   = "MemAvailable - sizing.reserveBytes"
-	BoundCgroup      = "cgroup limit - sizing.cgroupHeadroomBytes - page tables"
+	BoundCgroup      = "cgroup limit - sizing.cgroupHeadroomBytes - page tables - page links"
 	BoundAllocatable = "node allocatable memory"
 	BoundMaxPerGPU   = "sizing.maxPerGPU"
 )
@@ -88,8 +89,9 @@ var hugeSizes = []int64{1 << 30, 2 << 20}
 
 // Make plans the pool. The sizing policy must be valid (config.Validate).
 // The total never exceeds MemAvailable less ReserveBytes, the cgroup limit
-// less CgroupHeadroomBytes and the page tables of the agent's mapping of
-// the pool (PageTableBytes), or the Node's allocatable memory. It fails,
+// less CgroupHeadroomBytes, the page tables of the agent's mapping of the
+// pool (PageTableBytes) and the sessions' page links (LinkBytes), or the
+// Node's allocatable memory. It fails,
 // naming the bound, when a GPU would get less than one chunk or less than
 // MinPerGPU, or when huge pages are required and too few are free; the
 // plan returned with such an error holds the limits and bound found so far,
@@ -203,9 +205,14 @@ func hardBounds(s config.Sizing, in Input, huge int64) (hard []Limit, regular Li
 		fmt.Sprintf("%s - %s", bytesize.Approx(n.MemAvailable), bytesize.Approx(int64(s.ReserveBytes)))}}
 	if n.Cgroup.Limit != node.Unlimited {
 		room := n.Cgroup.Limit - int64(s.CgroupHeadroomBytes)
-		pt := max(0, ceilDiv(room, ptShare+1))
-		hard = append(hard, Limit{BoundCgroup, room - pt,
-			fmt.Sprintf("%s - %s - %s", bytesize.Approx(n.Cgroup.Limit), bytesize.Approx(int64(s.CgroupHeadroomBytes)), bytesize.Approx(pt))})
+		x, pt, links := room, int64(0), int64(0)
+		if room > 0 {
+			x = fitCgroup(room, huge)
+			pt, links = PageTableBytes(x), LinkBytes(x+huge)
+		}
+		hard = append(hard, Limit{BoundCgroup, x,
+			fmt.Sprintf("%s - %s - %s - %s", bytesize.Approx(n.Cgroup.Limit), bytesize.Approx(int64(s.CgroupHeadroomBytes)),
+				bytesize.Approx(pt), bytesize.Approx(links))})
 	}
 	if in.Allocatable > 0 {
 		hard = append(hard, Limit{BoundAllocatable, in.Allocatable, bytesize.Approx(in.Allocatable)})
@@ -229,10 +236,29 @@ const ptShare = 512
 // maps them: the agent, while it maps a chunk to fault it in and lock it
 // (a keeper that takes the lock over holds them after; the chart counts
 // them in both containers' memory). 2 GiB for 1 TiB: past the default
-// headroom from a 256 GiB pool on. The cgroup bound keeps room for them:
-// the largest pool x with x + PageTableBytes(x) within the cgroup limit
-// less the headroom. Huge pages take 512 times fewer, left to the headroom.
+// headroom from a 256 GiB pool on. The cgroup bound keeps room for them
+// and the page links: the largest pool x with x + PageTableBytes(x) +
+// LinkBytes(x) within the cgroup limit less the headroom. Huge pages take
+// 512 times fewer page tables, left to the headroom.
 func PageTableBytes(b int64) int64 { return ceilDiv(b, ptShare) }
+
+// LinkBytes is the most memory the sessions' page links take in a pool of
+// b bytes (of any page size) under the default bound on their pages
+// (limits.maxPages 0: pool.DefaultMaxPages, pages of 4 KiB or more over
+// the whole pool, at least 4 Mi pages): b/1024, at least 16 MiB. The page
+// size is the clients' choice, so the agent's memory must hold them
+// whatever it is; the chart counts them in the agent's memory limit, and
+// the cgroup bound keeps room for them. A larger limits.maxPages needs
+// its difference in the headroom.
+func LinkBytes(b int64) int64 { return pool.LinkBytes * pool.DefaultMaxPages(b) }
+
+// fitCgroup is the largest pool x of ordinary pages with x, the page
+// tables of its mapping and the links of x and the huge pages together
+// within room (positive); -1 where not even the links fit.
+func fitCgroup(room, huge int64) int64 {
+	over := func(x int64) bool { return x+PageTableBytes(x)+LinkBytes(x+huge) > room }
+	return int64(sort.Search(int(room)+1, func(i int) bool { return over(int64(i)) })) - 1
+}
 
 func ceilDiv(a, b int64) int64 { return (a + b - 1) / b }
 

@@ -62,7 +62,7 @@ func TestMakeBinds(t *testing.T) {
 		}, want{bound: BoundFraction, perGPU: []int64{25 * gib, 25 * gib}}},
 		{"fraction of the cgroup bound", func(s *config.Sizing, in *Input) {
 			s.Fraction = 0.25
-			in.Node.Cgroup.Limit = 64*gib + 128*mib + 512*mib // usable 64Gi (and its page tables), a quarter is 16Gi
+			in.Node.Cgroup.Limit = 64*gib + 128*mib + 64*mib + 512*mib // usable 64Gi (and its page tables and links), a quarter is 16Gi
 		}, want{bound: BoundFraction, perGPU: []int64{8 * gib, 8 * gib}}},
 		{"MemAvailable less reserve", func(s *config.Sizing, in *Input) {
 			s.PoolBytes = config.Bytes(512 * gib)
@@ -285,7 +285,7 @@ func TestMakeErrors(t *testing.T) {
 		{"cgroup limit below headroom", func(s *config.Sizing, in *Input) {
 			s.PoolBytes = config.Bytes(8 * gib)
 			in.Node.Cgroup.Limit = 256 * mib
-		}, BoundCgroup + " is 256Mi - 512Mi - 0 = -256Mi"},
+		}, BoundCgroup + " is 256Mi - 512Mi - 0 - 0 = -256Mi"},
 		{"less than a chunk per GPU", func(s *config.Sizing, in *Input) {
 			s.PoolBytes = config.Bytes(40 * gib)
 			in.Allocatable = 1536 * mib
@@ -439,10 +439,11 @@ func TestPlanAllocates(t *testing.T) {
 }
 
 // TestPageTablesInTheCgroupBound: a cgroup limit of pool + PageTableBytes
-// (pool) + headroom, what the chart gives the agent, plans exactly the pool
-// it asks for, whatever its size; without the page tables a pool of 4 KiB
-// pages is cut to what leaves room for them (they would otherwise come out
-// of the headroom: all of the default 512Mi for a 256Gi pool).
+// (pool) + LinkBytes(pool) + headroom, what the chart gives the agent,
+// plans exactly the pool it asks for, whatever its size; without the page
+// tables and links a pool is cut to what leaves room for them (they would
+// otherwise come out of the headroom: all of the default 512Mi for a
+// 256Gi pool of 4 KiB pages, and as much again for 2 KiB engine pages).
 func TestPageTablesInTheCgroupBound(t *testing.T) {
 	for _, c := range []struct{ pool, chunk int64 }{
 		{16 * gib, gib}, {256 * gib, gib}, {1024 * gib, gib}, {7 * 1024 * gib, 2 * gib},
@@ -453,7 +454,7 @@ func TestPageTablesInTheCgroupBound(t *testing.T) {
 		s.ChunkBytes = config.Bytes(c.chunk)
 		in := Input{Node: host(), GPUs: twoGPUs()[:1], PageSize: 4096}
 		in.Node.MemAvailable = 16 * 1024 * gib
-		in.Node.Cgroup.Limit = c.pool + PageTableBytes(c.pool) + int64(s.CgroupHeadroomBytes)
+		in.Node.Cgroup.Limit = c.pool + PageTableBytes(c.pool) + LinkBytes(c.pool) + int64(s.CgroupHeadroomBytes)
 		p, err := Make(s, in)
 		want := c.pool / c.chunk * c.chunk
 		if err != nil || p.Total != want || p.Bound != BoundPoolBytes {
@@ -467,5 +468,8 @@ func TestPageTablesInTheCgroupBound(t *testing.T) {
 	}
 	if PageTableBytes(1024*gib) != 2*gib || PageTableBytes(1) != 1 || PageTableBytes(0) != 0 {
 		t.Errorf("PageTableBytes: 1Ti %d, 1 byte %d, none %d", PageTableBytes(1024*gib), PageTableBytes(1), PageTableBytes(0))
+	}
+	if LinkBytes(1024*gib) != gib || LinkBytes(gib) != 16*mib || LinkBytes(0) != 16*mib {
+		t.Errorf("LinkBytes: 1Ti %d, 1Gi %d, none %d; want 1Gi, and 16Mi at least", LinkBytes(1024*gib), LinkBytes(gib), LinkBytes(0))
 	}
 }

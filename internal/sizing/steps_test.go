@@ -64,15 +64,17 @@ func TestHardBounds(t *testing.T) {
 	n.Cgroup.Limit = 50 * gib
 	hard, regular := hardBounds(s, Input{Node: n, Allocatable: 60 * gib}, 0)
 	// The cgroup bound leaves room for the page tables of the agent's
-	// mapping: the largest pool that fits with them in 49.5Gi.
+	// mapping and the sessions' page links: the largest pool that fits
+	// with them in 49.5Gi.
 	room := 50*gib - 512*mib
 	cg := hard[1].Bytes
-	if cg+PageTableBytes(cg) > room || cg+1+PageTableBytes(cg+1) <= room {
-		t.Errorf("cgroup bound %d: with its page tables %d, room %d", cg, cg+PageTableBytes(cg), room)
+	with := func(x, huge int64) int64 { return x + PageTableBytes(x) + LinkBytes(x+huge) }
+	if with(cg, 0) > room || with(cg+1, 0) <= room {
+		t.Errorf("cgroup bound %d: with its page tables and links %d, room %d", cg, with(cg, 0), room)
 	}
 	want := []Limit{
 		{BoundAvailable, 92 * gib, "100Gi - 8Gi"},
-		{BoundCgroup, cg, "50Gi - 512Mi - 98.8Mi"},
+		{BoundCgroup, cg, "50Gi - 512Mi - 98.7Mi - 49.4Mi"},
 		{BoundAllocatable, 60 * gib, "60Gi"},
 	}
 	if len(hard) != len(want) {
@@ -87,13 +89,14 @@ func TestHardBounds(t *testing.T) {
 		t.Errorf("regular %+v, want the cgroup bound", regular)
 	}
 
-	// Free huge pages widen every bound, but not the budget for ordinary pages.
+	// Free huge pages widen every bound, but not the budget for ordinary
+	// pages, which keeps room for the huge pages' links too.
 	hard, regular = hardBounds(s, Input{Node: n, Allocatable: 60 * gib}, 4*gib)
 	if hard[0].Bytes != 96*gib || hard[0].How != "100Gi - 8Gi + 4Gi free huge pages" || hard[2].Bytes != 64*gib {
 		t.Errorf("widened bounds %+v", hard)
 	}
-	if regular != want[1] {
-		t.Errorf("regular %+v, want the cgroup bound without huge pages", regular)
+	if cg := regular.Bytes; regular.Name != BoundCgroup || with(cg, 4*gib) > room || with(cg+1, 4*gib) <= room || hard[1].Bytes != cg+4*gib {
+		t.Errorf("regular %+v, want the cgroup bound with the huge pages' links, widened by them to %d", regular, hard[1].Bytes)
 	}
 
 	// No cgroup limit and no cluster: MemAvailable alone.

@@ -1,6 +1,7 @@
 package pool
 
 import (
+	"fmt"
 	"runtime"
 	"unsafe"
 
@@ -14,7 +15,7 @@ import (
 // made resident in full: 16 MiB for a session of 4 Mi pages, taken out of
 // the heap the restore had warmed for its tables, which then faulted
 // their own pages in (a restart at the agent's stream bound in a pool of
-// 16 Mi pages rebuilt in 76-111 ms where one of 1 Mi pages took 32-35).
+// 8 Mi pages rebuilt in 76-111 ms where one of 512 Ki pages took 32-35).
 // A large session's links therefore live in an anonymous mapping of their
 // own, whose pages the kernel zeroes when first touched: the links take
 // memory for the pages the session has handed out, not for its capacity,
@@ -63,4 +64,84 @@ func (s *Session) releaseLinks() {
 		l.cleanup.Stop() // s is reachable here: the cleanup has not been queued
 		go func() { _ = unix.Munmap(l.mem) }()
 	}
+}
+
+// The page links are the one part of the agent's memory that grows with
+// the pages of the sessions rather than with their streams, and a session's
+// page size is the tenant's choice: the socket server's smallest host page
+// (256 bytes) makes them a 64th of the pool, 4 GiB for 256 GiB, and 4 KiB
+// pages 1 GiB a TiB. A pool therefore bounds the pages of its open
+// sessions together (their capacities), so that the agent's memory
+// (docs/sizing.md, "Agent memory") holds their links whatever the tenants
+// choose.
+
+// LinkBytes is the most one page of a session's capacity costs the agent.
+const LinkBytes = 4
+
+// DefaultPageBytes and MinDefaultPages make the default bound on the
+// sessions' pages (DefaultMaxPages): pages of 4 KiB or more over the whole
+// pool, and at least 4 Mi pages (16 MiB of links) in a small pool.
+const (
+	DefaultPageBytes = 4 << 10
+	MinDefaultPages  = 1 << 22
+)
+
+// DefaultMaxPages is the bound on the open sessions' pages of a pool of
+// poolBytes, unless SetMaxPages sets another.
+func DefaultMaxPages(poolBytes int64) int64 {
+	return max(poolBytes/DefaultPageBytes, MinDefaultPages)
+}
+
+// PageBoundError is an open refused because the session's pages, with the
+// open sessions', would pass the pool's bound (SetMaxPages). It changed
+// nothing.
+type PageBoundError struct {
+	Allocation string
+	GPU        int
+	Pages      int64 // the pages the session would have held
+	PageSize   int64
+	Held       int64 // the open sessions' pages
+	Bound      int64
+}
+
+func (e *PageBoundError) Error() string {
+	room := max(e.Bound-e.Held, 0)
+	return fmt.Sprintf("open on %s for GPU %d: %d pages of %d bytes would bring the open sessions' host pages to %d, over the agent's bound of %d "+
+		"(each costs it %d bytes of memory); %d more fit: ask for at most that many pages, or larger ones",
+		e.Allocation, e.GPU, e.Pages, e.PageSize, e.Held+e.Pages, e.Bound, LinkBytes, room)
+}
+
+// SetMaxPages bounds the host pages of every open session together (each
+// session's capacity); n 0 restores the default, DefaultMaxPages of the
+// bytes of the pool's chunks. An open past it fails with a
+// *PageBoundError. Sessions a restore brings back are never refused, and
+// a lower bound closes none: it refuses opens until they fit again.
+func (p *Pool) SetMaxPages(n int64) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.maxPages = max(n, 0)
+}
+
+// Pages is the host pages of every open session together, and the bound
+// on them (SetMaxPages).
+func (p *Pool) Pages() (held, bound int64) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.pagesLocked()
+}
+
+func (p *Pool) pagesLocked() (held, bound int64) {
+	for _, a := range p.allocs {
+		for s := range a.sessions {
+			held += int64(s.capacity)
+		}
+	}
+	if bound = p.maxPages; bound == 0 {
+		var b int64
+		for _, ch := range p.order {
+			b += ch.Size
+		}
+		bound = DefaultMaxPages(b)
+	}
+	return held, bound
 }

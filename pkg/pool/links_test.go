@@ -2,6 +2,7 @@ package pool
 
 import (
 	"bufio"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"os"
@@ -147,5 +148,105 @@ func TestLinksOfSmallSessions(t *testing.T) {
 		}
 		must(t, s.Check())
 		p.Close(s)
+	}
+}
+
+// TestPageBound: the open sessions' pages together stay within the pool's
+// bound (SetMaxPages, by default DefaultMaxPages of the pool's bytes); an
+// open past it is refused with a *PageBoundError and changes nothing, a
+// close makes room, and a restore brings back every session whatever the
+// bound. The chunks are bookkeeping only here (no memory behind them), and
+// a session's links are mapped without reserve, so the large capacities
+// cost nothing.
+func TestPageBound(t *testing.T) {
+	const gib = int64(1) << 30
+	p := New()
+	for i := range 2 {
+		must(t, p.AddChunk(Chunk{ID: fmt.Sprint("c", i), Size: 16 * gib}))
+	}
+	must(t, p.Grant("a", []string{"c0", "c1"}))
+	if held, bound := p.Pages(); held != 0 || bound != 32*gib/DefaultPageBytes {
+		t.Fatalf("pages %d of %d, want 0 of %d (a 32 GiB pool at 4 KiB pages)", held, bound, 32*gib/DefaultPageBytes)
+	}
+	var open []*Session
+	for _, c := range []struct {
+		name     string
+		maxPages int64 // SetMaxPages before the open; -1: leave as it is
+		spec     Spec
+		near     Near
+		refused  *PageBoundError
+		closeAll bool // close every open session after the step
+	}{
+		{name: "1 KiB pages over the whole pool", maxPages: -1, spec: Spec{PageSize: 1 << 10, DevicePages: 8}, near: Near{Ranks: 1},
+			refused: &PageBoundError{Allocation: "a", Pages: 32 << 20, PageSize: 1 << 10, Held: 0, Bound: 8 << 20}},
+		{name: "1 KiB pages, as many as the bound", maxPages: -1, spec: Spec{PageSize: 1 << 10, DevicePages: 8, MaxPages: 8 << 20}, near: Near{Ranks: 1}, closeAll: true},
+		{name: "4 KiB pages over half the pool", maxPages: -1, spec: Spec{PageSize: 4 << 10, DevicePages: 8}, near: Near{Ranks: 2}},
+		{name: "1 KiB pages over the other half", maxPages: -1, spec: Spec{GPU: 1, PageSize: 1 << 10, DevicePages: 8}, near: Near{Ranks: 2},
+			refused: &PageBoundError{Allocation: "a", GPU: 1, Pages: 16 << 20, PageSize: 1 << 10, Held: 4 << 20, Bound: 8 << 20}},
+		{name: "4 KiB pages over the other half", maxPages: -1, spec: Spec{GPU: 1, PageSize: 4 << 10, DevicePages: 8}, near: Near{Ranks: 2}, closeAll: true},
+		{name: "a bound set lower", maxPages: 1 << 20, spec: Spec{PageSize: 4 << 10, DevicePages: 8}, near: Near{Ranks: 1},
+			refused: &PageBoundError{Allocation: "a", Pages: 8 << 20, PageSize: 4 << 10, Held: 0, Bound: 1 << 20}},
+		{name: "within the lower bound", maxPages: -1, spec: Spec{PageSize: 4 << 10, DevicePages: 8, MaxPages: 1 << 20}, near: Near{Ranks: 1}, closeAll: true},
+		{name: "the default again", maxPages: 0, spec: Spec{PageSize: 4 << 10, DevicePages: 8}, near: Near{Ranks: 1}},
+	} {
+		if c.maxPages >= 0 {
+			p.SetMaxPages(c.maxPages)
+		}
+		before := p.Export()
+		s, err := p.OpenNear("a", c.spec, c.near)
+		if c.refused != nil {
+			var pb *PageBoundError
+			if !errors.As(err, &pb) || *pb != *c.refused {
+				t.Fatalf("%s: got %v, want %+v", c.name, err, *c.refused)
+			}
+			if !reflect.DeepEqual(p.Export(), before) {
+				t.Fatalf("%s: the refused open changed the pool", c.name)
+			}
+			continue
+		}
+		must(t, err)
+		open = append(open, s)
+		if held, bound := p.Pages(); held > bound {
+			t.Fatalf("%s: %d pages open over the bound of %d", c.name, held, bound)
+		}
+		if c.closeAll {
+			for _, s := range open {
+				p.Close(s)
+			}
+			open = nil
+			if held, _ := p.Pages(); held != 0 {
+				t.Fatalf("%s: %d pages held with every session closed", c.name, held)
+			}
+		}
+	}
+
+	// A restore brings back a session past a lower bound, which then
+	// refuses the next open until a close makes room.
+	img := p.Export()
+	q := New()
+	q.SetMaxPages(1 << 20)
+	ss, err := q.Restore(img)
+	must(t, err)
+	if held, bound := q.Pages(); len(ss) != 1 || held != 8<<20 || bound != 1<<20 {
+		t.Fatalf("restored %d sessions holding %d pages of a bound of %d, want one of %d pages over a bound of %d", len(ss), held, bound, 8<<20, 1<<20)
+	}
+	q.Close(ss[0])
+	if _, err := q.OpenNear("a", Spec{PageSize: 4 << 10, DevicePages: 8, MaxPages: 1 << 20}, Near{Ranks: 1}); err != nil {
+		t.Fatalf("an open within the bound after the close: %v", err)
+	}
+
+	// A small pool still takes small pages: the bound is at least
+	// MinDefaultPages.
+	for _, c := range []struct {
+		pageSize int64
+		ok       bool
+	}{{16, true}, {8, false}} {
+		r := New()
+		must(t, r.AddChunk(Chunk{ID: "small", Size: 64 << 20}))
+		must(t, r.Grant("b", []string{"small"}))
+		_, err := r.Open("b", Spec{PageSize: c.pageSize, DevicePages: 8})
+		if c.ok != (err == nil) || !c.ok && !strings.Contains(err.Error(), "4194304 more fit") {
+			t.Fatalf("pages of %d bytes in a 64 MiB pool: %v", c.pageSize, err)
+		}
 	}
 }

@@ -73,6 +73,9 @@ type Pool struct {
 	allocs  map[string]*allocation
 	lastID  uint64  // the last session ID handed out; New starts it at sessionEpoch
 	journal Journal // nil: no books
+	// maxPages bounds the open sessions' pages together; 0: the default
+	// (SetMaxPages).
+	maxPages int64
 
 	// streams and names total the sessions' stream tables: streams, and
 	// bytes of request IDs and labels (StreamTotals).
@@ -273,7 +276,9 @@ func (p *Pool) Open(alloc string, spec Spec) (*Session, error) {
 // session yet, this one included, rounded up. An explicit MaxPages binds
 // the chunks that many pages need, as long as every other rank without a
 // session is left its equal part (rounded down); else, and when every
-// chunk is bound, poolerr.ErrNoCapacity.
+// chunk is bound, poolerr.ErrNoCapacity. A session whose pages would pass
+// the bound on the open sessions' pages (SetMaxPages) is refused with a
+// *PageBoundError.
 func (p *Pool) OpenNear(alloc string, spec Spec, near Near) (*Session, error) {
 	switch {
 	case spec.PageSize <= 0:
@@ -301,6 +306,9 @@ func (p *Pool) OpenNear(alloc string, spec Spec, near Near) (*Session, error) {
 	capacity := len(chosen) * ppc
 	if spec.MaxPages > 0 {
 		capacity = spec.MaxPages
+	}
+	if held, bound := p.pagesLocked(); held+int64(capacity) > bound {
+		return nil, &PageBoundError{Allocation: alloc, GPU: spec.GPU, Pages: int64(capacity), PageSize: spec.PageSize, Held: held, Bound: bound}
 	}
 	near.Ranks, near.Peers = sh.ranks, nil
 	s := newSession(p, a, spec, chosen, ppc, capacity)

@@ -485,8 +485,10 @@ func checkResources(t *testing.T, vs valueSet, ds *appsv1.DaemonSet) {
 	headroom := resource.MustParse(vs.headroom)
 	pt := *resource.NewQuantity(pageTables(vs), resource.BinarySI)
 	spare := *resource.NewQuantity(spareBytes(vs), resource.BinarySI)
+	links := *resource.NewQuantity(linkBytes(pool.Value()), resource.BinarySI)
 	wantMemory := headroom.DeepCopy()
 	wantMemory.Add(spare)
+	wantMemory.Add(links)
 	if vs.hugePages == "" {
 		wantMemory.Add(pool)
 		wantMemory.Add(pt)
@@ -497,8 +499,8 @@ func checkResources(t *testing.T, vs valueSet, ds *appsv1.DaemonSet) {
 	}{{"requests", res.Requests}, {"limits", res.Limits}} {
 		mem, ok := side.list[corev1.ResourceMemory]
 		if !ok || mem.Cmp(wantMemory) != 0 {
-			t.Errorf("memory %s = %s, want %s (pool %s + its page tables %s + headroom %s + the spare's %s, huge pages %q)",
-				side.name, mem.String(), wantMemory.String(), vs.pool, pt.String(), vs.headroom, spare.String(), vs.hugePages)
+			t.Errorf("memory %s = %s, want %s (pool %s + its page tables %s + page links %s + headroom %s + the spare's %s, huge pages %q)",
+				side.name, mem.String(), wantMemory.String(), vs.pool, pt.String(), links.String(), vs.headroom, spare.String(), vs.hugePages)
 		}
 		for name, q := range side.list {
 			if !strings.HasPrefix(string(name), corev1.ResourceHugePagesPrefix) {
@@ -515,7 +517,8 @@ func checkResources(t *testing.T, vs valueSet, ds *appsv1.DaemonSet) {
 		}
 	}
 	// Everything the pod reserves adds up to pool plus headroom (and the
-	// page tables of a pool of 4 KiB pages, and the spare's), once.
+	// page tables of a pool of 4 KiB pages, the page links and the
+	// spare's), once.
 	total := resource.Quantity{}
 	for name, q := range res.Limits {
 		if name == corev1.ResourceMemory || strings.HasPrefix(string(name), corev1.ResourceHugePagesPrefix) {
@@ -525,9 +528,10 @@ func checkResources(t *testing.T, vs valueSet, ds *appsv1.DaemonSet) {
 	want := pool.DeepCopy()
 	want.Add(headroom)
 	want.Add(pt)
+	want.Add(links)
 	want.Add(spare)
 	if total.Cmp(want) != 0 {
-		t.Errorf("memory plus huge pages = %s, want pool + page tables + headroom + the spare's = %s", total.String(), want.String())
+		t.Errorf("memory plus huge pages = %s, want pool + page tables + page links + headroom + the spare's = %s", total.String(), want.String())
 	}
 }
 
@@ -580,6 +584,12 @@ func pageTables(vs valueSet) int64 {
 	pool := resource.MustParse(vs.pool)
 	return (pool.Value() + 511) / 512
 }
+
+// linkBytes is what the chart adds to the agent's memory for the sessions'
+// page links in a pool of b bytes: b/1024 rounded up, at least 16 MiB (the
+// agent's default limits.maxPages: pages of 4 KiB over the pool, at least
+// 4 Mi of them, 4 bytes each).
+func linkBytes(b int64) int64 { return max((b+1023)/1024, 16<<20) }
 
 // clusterRules is every cluster-wide (group, resource, verb) the agent calls:
 // its Node, and its KVPoolNode through a client without a cache. The

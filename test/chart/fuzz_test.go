@@ -60,8 +60,10 @@ func FuzzPoolBytes(f *testing.F) {
 			t.Fatalf("pool.bytes=%q rendered, but it is not a Kubernetes quantity: %v", s, perr)
 		}
 		want.Add(headroom)
-		want.Add(*resource.NewQuantity((want.Value()-headroom.Value()+511)/512, resource.BinarySI)) // the page tables
-		want.Add(*resource.NewQuantity(headroom.Value()/2, resource.BinarySI))                      // the spare's
+		pool := want.Value() - headroom.Value()
+		want.Add(*resource.NewQuantity((pool+511)/512, resource.BinarySI))     // the page tables
+		want.Add(*resource.NewQuantity(linkBytes(pool), resource.BinarySI))    // the page links
+		want.Add(*resource.NewQuantity(headroom.Value()/2, resource.BinarySI)) // the spare's
 		var ds *appsv1.DaemonSet
 		for _, o := range decodeAll(t, files) {
 			if d, ok := o.typed.(*appsv1.DaemonSet); ok && !strings.HasSuffix(d.Name, "-keeper") {

@@ -92,6 +92,15 @@ they are 512 times fewer, left to the headroom: 0 here. */ -}}
 {{- if .Values.pool.hugePages -}}0{{- else -}}{{- div (add (include "kvpool.poolBytes" . | int64) 511) 512 -}}{{- end -}}
 {{- end -}}
 
+{{- /* The sessions' page links: 4 bytes a host page the sessions hold, whose
+size the clients choose; the agent bounds their pages to the pool's bytes /
+4 KiB, at least 4 Mi pages (limits.maxPages 0), so they take at most
+pool.bytes / 1024, at least 16 MiB, rounded up (the agent's
+sizing.LinkBytes), huge pages or not. */ -}}
+{{- define "kvpool.pageLinkBytes" -}}
+{{- max (div (add (include "kvpool.poolBytes" . | int64) 1023) 1024) 16777216 -}}
+{{- end -}}
+
 {{- define "kvpool.headroomBytes" -}}
 {{- include "kvpool.bytes" (dict "name" "pool.headroom" "value" .Values.pool.headroom) -}}
 {{- end -}}
