@@ -69,9 +69,18 @@ func TestTenantBoundary(t *testing.T) {
 		// At most limConnsPerPID are served at once: every other dial is
 		// refused, except that a served one closed for a missed hello
 		// while the dials went on (a slow machine) frees its slot for one
-		// more.
-		freed := a.rejects("hello_timeout") - helloBefore
-		if got := a.rejects("conns_per_pid") - before; got < 600-limConnsPerPID-freed {
+		// more. The dials complete in the kernel's backlog: the agent's
+		// accept loop refuses them as it gets to them, so a loaded machine
+		// is given a few seconds to count the last.
+		var got, freed float64
+		for wait := time.Now().Add(5 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+			freed = a.rejects("hello_timeout") - helloBefore
+			got = a.rejects("conns_per_pid") - before
+			if got >= 600-limConnsPerPID-freed || time.Now().After(wait) {
+				break
+			}
+		}
+		if got < 600-limConnsPerPID-freed {
 			t.Errorf("kvpool_limit_rejects_total{reason=conns_per_pid} rose by %v, want at least %v (600 dials, %d served at once, %v freed by hello timeouts meanwhile)",
 				got, 600-limConnsPerPID-freed, limConnsPerPID, freed)
 		}
