@@ -688,11 +688,16 @@ func (e *entry) nextPart(s *Server, offset uint32) reply {
 		if off >= len(m.chunks) {
 			return fail(wire.StatusBadRequest, fmt.Errorf("more: offset %d past the %d chunks of the open", off, len(m.chunks)))
 		}
-		fds, err := s.chunkFDs(m.chunks[off:min(len(m.chunks), off+wire.MaxFDs)])
+		end := min(len(m.chunks), off+wire.MaxFDs)
+		fds, err := s.chunkFDs(m.chunks[off:end])
 		if err != nil {
 			return fail(wire.StatusInternal, fmt.Errorf("more: %w", err))
 		}
-		return reply{body: &wire.MoreReply{}, fds: fds}
+		mr := &wire.MoreReply{}
+		if m.grants != nil {
+			mr.Chunks = m.grants[off:end]
+		}
+		return reply{body: mr, fds: fds}
 	}
 	if off > len(m.pages) {
 		return fail(wire.StatusBadRequest, fmt.Errorf("more: offset %d past the %d host pages of the %s", off, len(m.pages), m.op))
@@ -792,7 +797,15 @@ func (c *conn) handleOpen(body []byte) reply {
 	}
 	if len(fds) > wire.MaxFDs {
 		fds = fds[:wire.MaxFDs]
-		e.setMore(moreReply{op: wire.OpOpen, chunks: ids})
+		m := moreReply{op: wire.OpOpen, chunks: ids}
+		if wire.HeaderSize+proto.Size(rep) > wire.MaxMessage {
+			// Too many chunks to name in one packet (some 4,800 of 1 GiB
+			// with the agent's chunk names): the reply names those whose
+			// fds it passes, and each More the next.
+			m.grants = rep.Chunks
+			rep.Chunks, rep.ChunkCount = rep.Chunks[:wire.MaxFDs], uint32(len(m.grants))
+		}
+		e.setMore(m)
 	}
 	c.s.mu.Lock()
 	info := e.infoLocked()

@@ -2,9 +2,11 @@ package server_test
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -124,12 +126,32 @@ func TestLongReplyResumes(t *testing.T) {
 // TestOpenPassesEveryChunk: one packet passes at most wire.MaxFDs
 // descriptors (the kernel's bound on one sendmsg), so an open granting
 // more chunks passes the first in its reply and the rest in the replies
-// to more, each descriptor the memfd of the chunk the reply names at its
-// place. A more past the chunks is refused; one from 0 hands them again;
-// the next request of another kind ends the open's long reply.
+// to more, each descriptor the memfd of the chunk named at its place. A
+// session of more chunks than one packet can name (here long names make
+// 600 of them past wire.MaxMessage) is named the same way: the reply
+// names the chunks whose fds it passes and says how many there are
+// (chunk_count), and each more names the next. A more past the chunks is
+// refused; one from 0 hands them again; the next request of another kind
+// ends the open's long reply.
 func TestOpenPassesEveryChunk(t *testing.T) {
-	const perGPU = 2*wire.MaxFDs + 4 // a session on GPU 0 binds that GPU's
-	a := startServerOf(t, perGPU, 4<<10, func(o *server.Options) { o.SweepInterval = time.Hour })
+	for _, c := range []struct {
+		name   string
+		perGPU int // a session on GPU 0 binds that GPU's chunks
+		suffix string
+		named  bool // the reply names only the chunks whose fds it passes
+	}{
+		{"short names", 2*wire.MaxFDs + 4, "", false},
+		{"names past a packet", 600, "-" + strings.Repeat("n", 200), true},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			name := func(g, i int) string { return fmt.Sprintf("gpu%d-numaX-%d%s", g, i, c.suffix) }
+			a := startServerNamed(t, c.perGPU, 4<<10, name, func(o *server.Options) { o.SweepInterval = time.Hour })
+			openPassesEveryChunk(t, a, c.perGPU, c.named)
+		})
+	}
+}
+
+func openPassesEveryChunk(t *testing.T, a *agent, chunks int, named bool) {
 	r := dial(t, a)
 	r.hello()
 	// call sends op and returns the reply's status, body and files.
@@ -164,28 +186,41 @@ func TestOpenPassesEveryChunk(t *testing.T) {
 	}
 	var rep wire.OpenReply
 	st, files := call(wire.OpOpen, openMsg("tok-a", 0, "instance-many"), &rep)
-	if st != 0 || len(rep.Chunks) != perGPU || len(files) != wire.MaxFDs {
-		t.Fatalf("open: status %s, %d chunks, %d fds; want %d chunks, %d fds", st, len(rep.Chunks), len(files), perGPU, wire.MaxFDs)
+	wantNamed, wantCount := chunks, uint32(0)
+	if named {
+		wantNamed, wantCount = wire.MaxFDs, uint32(chunks)
 	}
-	for off := len(files); off < len(rep.Chunks); {
+	if st != 0 || len(rep.Chunks) != wantNamed || rep.ChunkCount != wantCount || len(files) != wire.MaxFDs {
+		t.Fatalf("open: status %s, %d chunks named, chunk count %d, %d fds; want %d named, count %d, %d fds",
+			st, len(rep.Chunks), rep.ChunkCount, len(files), wantNamed, wantCount, wire.MaxFDs)
+	}
+	grants := rep.Chunks
+	for off := len(files); off < chunks; {
 		var mr wire.MoreReply
 		st, more := call(wire.OpMore, &wire.More{Offset: uint32(off)}, &mr)
-		if want := min(wire.MaxFDs, len(rep.Chunks)-off); st != 0 || len(more) != want {
-			t.Fatalf("more from %d: status %s, %d fds, want %d", off, st, len(more), want)
+		want, wantGrants := min(wire.MaxFDs, chunks-off), 0
+		if named {
+			wantGrants = want
 		}
+		if st != 0 || len(more) != want || len(mr.Chunks) != wantGrants {
+			t.Fatalf("more from %d: status %s, %d fds, %d chunks named; want %d fds, %d named", off, st, len(more), len(mr.Chunks), want, wantGrants)
+		}
+		grants = append(grants, mr.Chunks...)
 		files = append(files, more...)
 		off += len(more)
 	}
+	seen := map[string]bool{}
 	for i, f := range files {
-		if !sameFile(f, rep.Chunks[i].Id) {
-			t.Fatalf("fd %d is not the memfd of chunk %s", i, rep.Chunks[i].Id)
+		if id := grants[i].Id; !sameFile(f, id) || seen[id] {
+			t.Fatalf("fd %d is not the memfd of chunk %s, or the chunk was named twice", i, id)
 		}
+		seen[grants[i].Id] = true
 	}
 	var mr wire.MoreReply
-	if st, more := call(wire.OpMore, &wire.More{Offset: uint32(len(rep.Chunks))}, &mr); st != wire.StatusBadRequest || len(more) != 0 {
+	if st, more := call(wire.OpMore, &wire.More{Offset: uint32(chunks)}, &mr); st != wire.StatusBadRequest || len(more) != 0 {
 		t.Fatalf("more past the chunks: status %s, %d fds", st, len(more))
 	}
-	if st, more := call(wire.OpMore, &wire.More{Offset: 0}, &mr); st != 0 || len(more) != wire.MaxFDs || !sameFile(more[0], rep.Chunks[0].Id) {
+	if st, more := call(wire.OpMore, &wire.More{Offset: 0}, &mr); st != 0 || len(more) != wire.MaxFDs || !sameFile(more[0], grants[0].Id) {
 		t.Fatalf("more from 0 again: status %s, %d fds", st, len(more))
 	}
 	if st, _ := call(wire.OpUsage, nil, &wire.UsageReply{}); st != 0 {

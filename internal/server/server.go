@@ -313,6 +313,10 @@ type moreReply struct {
 	pages  []int32
 	labels []string
 	chunks []string // OpOpen: the chunks granted, in the reply's order
+	// grants are an open's chunks as its reply names them, kept where the
+	// reply named only the first (OpenReply.chunk_count): More names the
+	// rest beside their fds.
+	grants []*wire.ChunkGrant
 }
 
 // SessionInfo describes a session for listings and hooks.

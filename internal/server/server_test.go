@@ -74,11 +74,17 @@ func startServerWith(t testing.TB, edit func(*server.Options)) *agent {
 // each GPU, named gpuG-numaX-I.
 func startServerOf(t testing.TB, perGPU int, size int64, edit func(*server.Options)) *agent {
 	t.Helper()
+	return startServerNamed(t, perGPU, size, func(g, i int) string { return fmt.Sprintf("gpu%d-numaX-%d", g, i) }, edit)
+}
+
+// startServerNamed is startServerOf with the chunks named by name.
+func startServerNamed(t testing.TB, perGPU int, size int64, name func(gpu, i int) string, edit func(*server.Options)) *agent {
+	t.Helper()
 	a := &agent{pool: pool.New(), chunks: map[string]*hostmem.Chunk{}}
 	var ids []string
 	for g := 0; g < 2; g++ {
 		for i := 0; i < perGPU; i++ {
-			id := fmt.Sprintf("gpu%d-numaX-%d", g, i)
+			id := name(g, i)
 			hc, err := hostmem.Alloc(hostmem.Options{Size: size})
 			if err != nil {
 				t.Fatal(err)

@@ -514,7 +514,7 @@ func (p *CPUPagePool) connect(ctx context.Context) error {
 	p.opening = true
 	files, err := p.roundTrip(wire.OpOpen, 0, req, &rep)
 	if err == nil {
-		files, err = p.moreFiles(len(rep.Chunks), files)
+		files, err = p.moreFiles(&rep, files)
 	}
 	p.opening = false
 	defer closeFiles(files)
@@ -536,15 +536,31 @@ func (p *CPUPagePool) connect(ctx context.Context) error {
 
 // moreFiles fetches the memfds of an open's chunks that its reply could
 // not pass (one packet passes at most wire.MaxFDs) with OpMore, after
-// those it did. It stops at a reply short of a packet's worth, and adopt
-// then reports the count that does not add up.
-func (p *CPUPagePool) moreFiles(chunks int, files []*os.File) ([]*os.File, error) {
+// those it did; where the reply named only the first chunks (chunk_count
+// set: more than a packet can name), each More names the chunks whose fds
+// it carries, and they are added to rep. It stops at a reply short of a
+// packet's worth, and adopt then reports the count that does not add up.
+func (p *CPUPagePool) moreFiles(rep *wire.OpenReply, files []*os.File) ([]*os.File, error) {
+	chunks, named := len(rep.Chunks), rep.ChunkCount > uint32(len(rep.Chunks))
+	if named {
+		// A session binds the chunks its pages need and no more.
+		if ppc := uint64(rep.PagesPerChunk); ppc == 0 || uint64(rep.ChunkCount) > (uint64(rep.Capacity)+ppc-1)/ppc {
+			return files, fmt.Errorf("%w: open reply says %d chunks for %d pages of %d a chunk", ErrProtocol, rep.ChunkCount, rep.Capacity, rep.PagesPerChunk)
+		}
+		chunks = int(rep.ChunkCount)
+	}
 	var mr wire.MoreReply
 	for len(files) > 0 && len(files) < chunks && len(files)%wire.MaxFDs == 0 {
 		more, err := p.roundTrip(wire.OpMore, 0, &wire.More{Offset: uint32(len(files))}, &mr)
 		files = append(files, more...)
+		if err == nil && named && len(mr.Chunks) != len(more) {
+			err = fmt.Errorf("%w: more names %d chunks but carries %d fds", ErrProtocol, len(mr.Chunks), len(more))
+		}
 		if err != nil || len(more) == 0 {
 			return files, err
+		}
+		if named {
+			rep.Chunks = append(rep.Chunks, mr.Chunks...)
 		}
 	}
 	return files, nil
@@ -561,6 +577,9 @@ func closeFiles(fs []*os.File) {
 func (p *CPUPagePool) adopt(rep *wire.OpenReply, files []*os.File) error {
 	if len(files) != len(rep.Chunks) {
 		return fmt.Errorf("%w: open reply names %d chunks but carries %d fds", ErrProtocol, len(rep.Chunks), len(files))
+	}
+	if rep.ChunkCount != 0 && int(rep.ChunkCount) != len(rep.Chunks) {
+		return fmt.Errorf("%w: open reply says %d chunks but names %d", ErrProtocol, rep.ChunkCount, len(rep.Chunks))
 	}
 	if rep.PageSize == 0 || rep.PagesPerChunk == 0 || uint64(rep.Capacity) > uint64(rep.PagesPerChunk)*uint64(len(rep.Chunks)) {
 		return fmt.Errorf("%w: open reply geometry: page size %d, %d pages per chunk, capacity %d, %d chunks",

@@ -2,6 +2,7 @@ package client_test
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -825,6 +826,16 @@ func fakeAgent(t *testing.T, rep *wire.OpenReply, fds []int) string {
 // fakeAgentThen is fakeAgent, which then hands the connection to then.
 func fakeAgentThen(t *testing.T, rep *wire.OpenReply, fds []int, then func(c *wire.Conn, buf []byte)) string {
 	t.Helper()
+	body, err := proto.Marshal(rep)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return fakeAgentBody(t, body, fds, then)
+}
+
+// fakeAgentBody is fakeAgentThen with the open's reply body as bytes.
+func fakeAgentBody(t *testing.T, openBody []byte, fds []int, then func(c *wire.Conn, buf []byte)) string {
+	t.Helper()
 	path := filepath.Join(t.TempDir(), "fake.sock")
 	l, err := net.ListenUnix(wire.Network, &net.UnixAddr{Name: path, Net: wire.Network})
 	if err != nil {
@@ -845,13 +856,12 @@ func fakeAgentThen(t *testing.T, rep *wire.OpenReply, fds []int, then func(c *wi
 				return
 			}
 			h, _, _ := wire.ParseHeader(pkt)
-			var body proto.Message = &wire.HelloReply{Version: wire.Version}
+			out, _ := wire.AppendPacket(nil, wire.Header{Op: h.Op, Seq: h.Seq}, &wire.HelloReply{Version: wire.Version})
 			var pass []int
 			if op == wire.OpOpen {
-				body, pass = rep, fds
+				out, pass = append(wire.AppendHeader(nil, wire.Header{Op: h.Op, Seq: h.Seq}), openBody...), fds
 			}
-			out, _ := wire.AppendPacket(nil, wire.Header{Op: h.Op, Seq: h.Seq}, body)
-			if c.Send(out, pass) != nil {
+			if len(out) > wire.MaxMessage || c.Send(out, pass) != nil {
 				return
 			}
 		}
@@ -960,6 +970,9 @@ func TestOpenReplyChecked(t *testing.T) {
 // TestOpenMoreFilesChecked: where an open's chunks need more descriptors
 // than its reply passes, the client fetches the rest with more; an agent
 // that passes fewer, or more, than the chunks named is a protocol error.
+// Where the reply names only the first chunks (chunk_count), each more must
+// name as many chunks as it passes fds, and all of them add up to the
+// count, which is no more than the session's pages need.
 func TestOpenMoreFilesChecked(t *testing.T) {
 	fd := chunkFD(t)
 	chunks := make([]*wire.ChunkGrant, wire.MaxFDs+1)
@@ -970,16 +983,30 @@ func TestOpenMoreFilesChecked(t *testing.T) {
 	for i := range first {
 		first[i] = fd
 	}
-	rep := &wire.OpenReply{Session: 1, PageSize: 4096, PagesPerChunk: 256, Capacity: 256, Chunks: chunks}
+	const ppc = 256 // pages of 4 KiB a 1 MiB chunk
 	for _, tc := range []struct {
-		name string
-		more []int
-		want string
+		name  string
+		count uint32 // the reply's chunk_count: 0 names every chunk in the reply
+		pages uint32 // the session's capacity; 0: ppc for each chunk
+		more  []int
+		named int // chunks the more names
+		want  string
 	}{
-		{"none passed", nil, fmt.Sprintf("carries %d fds", wire.MaxFDs)},
-		{"one too many", []int{fd, fd}, fmt.Sprintf("carries %d fds", wire.MaxFDs+2)},
+		{"none passed", 0, 0, nil, 0, fmt.Sprintf("carries %d fds", wire.MaxFDs)},
+		{"one too many", 0, 0, []int{fd, fd}, 0, fmt.Sprintf("carries %d fds", wire.MaxFDs+2)},
+		{"named: a more that names none", wire.MaxFDs + 1, 0, []int{fd}, 0, "more names 0 chunks but carries 1 fds"},
+		{"named: a more that names two for one fd", wire.MaxFDs + 1, 0, []int{fd}, 2, "more names 2 chunks but carries 1 fds"},
+		{"named: fewer than the count", wire.MaxFDs + 2, 0, []int{fd}, 1, fmt.Sprintf("says %d chunks but names %d", wire.MaxFDs+2, wire.MaxFDs+1)},
+		{"named: more than the pages need", wire.MaxFDs + 2, ppc * (wire.MaxFDs + 1), nil, 0,
+			fmt.Sprintf("says %d chunks for %d pages of %d a chunk", wire.MaxFDs+2, ppc*(wire.MaxFDs+1), ppc)},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
+			rep := &wire.OpenReply{Session: 1, PageSize: 4096, PagesPerChunk: ppc, Capacity: ppc, Chunks: chunks}
+			if tc.count != 0 {
+				rep.Chunks, rep.ChunkCount, rep.Capacity = chunks[:wire.MaxFDs], tc.count, cmp.Or(tc.pages, ppc*tc.count)
+			}
+			// A count more than the pages need is refused before any more.
+			asks := tc.pages == 0
 			asked := make(chan uint32, 1)
 			path := fakeAgentThen(t, rep, first, func(c *wire.Conn, buf []byte) {
 				pkt, _, err := c.Recv(buf)
@@ -992,7 +1019,11 @@ func TestOpenMoreFilesChecked(t *testing.T) {
 					return
 				}
 				asked <- m.Offset
-				out, _ := wire.AppendPacket(nil, wire.Header{Op: h.Op, Seq: h.Seq}, &wire.MoreReply{})
+				mr := &wire.MoreReply{}
+				for i := range tc.named {
+					mr.Chunks = append(mr.Chunks, &wire.ChunkGrant{Id: fmt.Sprint("m", i), Size: 1 << 20})
+				}
+				out, _ := wire.AppendPacket(nil, wire.Header{Op: h.Op, Seq: h.Seq}, mr)
 				if c.Send(out, tc.more) == nil {
 					c.Recv(buf)
 				}
@@ -1006,11 +1037,13 @@ func TestOpenMoreFilesChecked(t *testing.T) {
 			}
 			select {
 			case off := <-asked:
-				if off != wire.MaxFDs {
-					t.Fatalf("more from %d, want %d", off, wire.MaxFDs)
+				if !asks || off != wire.MaxFDs {
+					t.Fatalf("more from %d, want %d (or none where the count is refused)", off, wire.MaxFDs)
 				}
 			default:
-				t.Fatal("the client did not ask for the rest")
+				if asks {
+					t.Fatal("the client did not ask for the rest")
+				}
 			}
 		})
 	}

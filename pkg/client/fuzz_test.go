@@ -3,9 +3,11 @@ package client_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net"
 	"path/filepath"
 	stdsync "sync"
+	"sync/atomic"
 	"testing"
 
 	"google.golang.org/protobuf/proto"
@@ -126,5 +128,91 @@ func FuzzClientReply(f *testing.F) {
 		_, err = p.ReloadStream("r", "l", []int32{4, 5})
 		check(err)
 		check(p.Synchronize())
+	})
+}
+
+// FuzzClientOpen has a fake agent answer an open, and every more after it,
+// with arbitrary bodies (under a valid header), each passing n descriptors
+// of a real 64 KiB chunk. Whatever the agent says, the client opens a
+// session whose pages all lie in chunks it mapped (an offload to its last
+// page copies inside them), or returns an error; it never panics, and
+// never asks for more after a short packet.
+func FuzzClientOpen(f *testing.F) {
+	enc := func(m proto.Message) []byte { b, _ := proto.Marshal(m); return b }
+	grants := func(n int) []*wire.ChunkGrant {
+		g := make([]*wire.ChunkGrant, n)
+		for i := range g {
+			g[i] = &wire.ChunkGrant{Id: fmt.Sprint("c", i), Size: 64 << 10}
+		}
+		return g
+	}
+	f.Add(enc(&wire.OpenReply{Session: 1, PageSize: 4096, PagesPerChunk: 16, Capacity: 16, Chunks: grants(1)}), []byte{}, uint8(1))
+	f.Add(enc(&wire.OpenReply{Session: 1, PageSize: 4096, PagesPerChunk: 16, Capacity: 16, Chunks: grants(wire.MaxFDs), ChunkCount: wire.MaxFDs + 1}),
+		enc(&wire.MoreReply{Chunks: grants(1)}), uint8(wire.MaxFDs))
+	f.Add(enc(&wire.OpenReply{Session: 1, PageSize: 4096, PagesPerChunk: 16, Capacity: 1 << 20, Chunks: grants(wire.MaxFDs), ChunkCount: 1 << 31}),
+		enc(&wire.MoreReply{Chunks: grants(wire.MaxFDs)}), uint8(wire.MaxFDs))
+	f.Add(enc(&wire.OpenReply{Session: 1, PageSize: 4096, PagesPerChunk: 16, Capacity: 16, Chunks: grants(2)}), enc(&wire.MoreReply{}), uint8(1))
+
+	hc, err := hostmem.Alloc(hostmem.Options{Size: 64 << 10})
+	if err != nil {
+		f.Fatal(err)
+	}
+	defer hc.Close()
+	f.Fuzz(func(t *testing.T, openBody, moreBody []byte, n uint8) {
+		fds := make([]int, min(int(n), wire.MaxFDs))
+		for i := range fds {
+			fds[i] = int(hc.File.Fd())
+		}
+		var mores atomic.Int32
+		path := fakeAgentBody(t, openBody, fds, func(c *wire.Conn, buf []byte) {
+			for {
+				pkt, _, err := c.Recv(buf)
+				if err != nil {
+					return
+				}
+				h, _, _ := wire.ParseHeader(pkt)
+				out, pass := wire.AppendHeader(nil, wire.Header{Op: h.Op, Seq: h.Seq}), []int(nil)
+				switch h.Op {
+				case wire.OpMore:
+					mores.Add(1)
+					out, pass = append(out, moreBody...), fds
+				case wire.OpOffload:
+					// The last page the session may hold.
+					var or wire.OpenReply
+					if proto.Unmarshal(openBody, &or) == nil && or.Capacity > 0 {
+						out, _ = wire.AppendPacket(nil, wire.Header{Op: h.Op, Seq: h.Seq}, &wire.OffloadReply{Ok: true, HostPages: []int32{int32(or.Capacity - 1)}})
+					}
+				}
+				if len(out) > wire.MaxMessage || c.Send(out, pass) != nil {
+					return
+				}
+			}
+		})
+		sim := cudart.NewSim(cudart.SimOptions{Devices: 1})
+		dev, _ := sim.Open(0)
+		defer dev.Close()
+		base, _ := dev.MemAlloc(8 * 4096)
+		p, err := client.Open(context.Background(), client.Options{Socket: path, Token: "t", Device: dev, Logger: quiet, RetryFor: -1,
+			InstanceID: []byte("fuzz-instance"), Regions: []cudart.Region{{Base: base, Stride: 4096, PageBytes: 4096, Pages: 8}}})
+		if err == nil {
+			// Every page the session may hold lies in a mapped chunk: a
+			// copy to the last of them (the fake agent's answer to an
+			// offload) outside them fails in the simulator.
+			_, capacity, _ := p.Session()
+			if capacity > 0 {
+				if _, err := p.OffloadStream("r", "l", []int32{0}, 0, 0, 0); err != nil {
+					var ce *cudart.Error
+					if errors.As(err, &ce) {
+						t.Fatalf("a bad open reply reached the device: %v", err)
+					}
+				}
+			}
+			p.Close()
+		}
+		// The client waits for each more's reply: every one it sent is
+		// counted by now.
+		if len(fds) < wire.MaxFDs && mores.Load() > 0 {
+			t.Fatalf("the client asked for more after a packet of %d fds", len(fds))
+		}
 	})
 }

@@ -2,11 +2,13 @@ package client_test
 
 import (
 	"bytes"
+	"context"
 	"fmt"
 	"math/rand/v2"
 	"testing"
 	"time"
 
+	"github.com/kvpool/kvpool/pkg/client"
 	"github.com/kvpool/kvpool/pkg/cudart"
 	"github.com/kvpool/kvpool/pkg/standalone"
 	"github.com/kvpool/kvpool/pkg/wire"
@@ -15,14 +17,36 @@ import (
 // TestOpenManyChunks: a session of more chunks than one packet passes
 // descriptors for (wire.MaxFDs) opens, its client fetching the rest, and a
 // stream whose host pages lie in the last chunks makes the round trip
-// byte for byte; a reconnect that resumes the session does the same.
+// byte for byte; a reconnect that resumes the session does the same. So
+// does a session of more chunks than one packet can name (5,402, one
+// rank binding two GPUs' chunks), whose reply names the first and each
+// more the next.
 func TestOpenManyChunks(t *testing.T) {
-	const chunks = 2*wire.MaxFDs + 4
-	a := serveAgent(t, standalone.Config{GPUs: 1, ChunksPerGPU: chunks, ChunkBytes: 64 << 10, Tokens: []string{"tok"}})
+	for _, c := range []struct {
+		name          string
+		gpus, perGPU  int
+		ranks, chunks int
+	}{
+		{"past a packet's fds", 1, 2*wire.MaxFDs + 4, 0, 2*wire.MaxFDs + 4},
+		{"past a packet's names", 2, 2701, 1, 5402},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			a := serveAgent(t, standalone.Config{GPUs: c.gpus, ChunksPerGPU: c.perGPU, ChunkBytes: 64 << 10, Tokens: []string{"tok"}})
+			openManyChunks(t, a, c.ranks, c.chunks)
+		})
+	}
+}
+
+func openManyChunks(t *testing.T, a *standalone.Agent, ranks, chunks int) {
 	sim := cudart.NewSim(cudart.SimOptions{Devices: 1, CopyDelay: time.Millisecond})
 	dev, _ := sim.Open(0)
 	c := newKV(t, dev, 64, 4096) // host pages of 8 KiB, 8 a chunk
-	p := openPool(t, a, dev, c, []byte("instance-many-chunks"), 0)
+	p, err := client.Open(context.Background(), client.Options{Socket: a.Socket, Token: "tok", Device: dev,
+		Regions: c.regions, InstanceID: []byte("instance-many-chunks"), Ranks: ranks, Logger: quiet, RetryFor: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { p.Close() })
 	_, capacity, pageSize := p.Session()
 	if pageSize != 8192 || capacity != chunks*8 {
 		t.Fatalf("page size %d, capacity %d; want 8192, %d", pageSize, capacity, chunks*8)
@@ -57,8 +81,8 @@ func TestOpenManyChunks(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if last := st.CPUPageIndices[len(st.CPUPageIndices)-1]; int(last) < 2*wire.MaxFDs*8 {
-			t.Fatalf("%s: host pages up to %d, none in the chunks past the second packet's", rid, last)
+		if last := st.CPUPageIndices[len(st.CPUPageIndices)-1]; int(last) < (chunks-2)*8 {
+			t.Fatalf("%s: host pages up to %d, none in the last two chunks", rid, last)
 		}
 		sync(t, p, dev)
 		for i, pg := range dst {

@@ -337,17 +337,21 @@ func (x *ChunkGrant) GetNuma() int32 {
 }
 
 // OpenReply travels with one SCM_RIGHTS fd per chunk, in the order of chunks,
-// for the first MaxFDs (253) chunks; More fetches the rest.
+// for the first MaxFDs (253) chunks; More fetches the rest. A session of more
+// chunks than one packet can name (some 4,800 of 1 GiB) gets only the first MaxFDs
+// named here and chunk_count set; each More then names the chunks whose fds
+// it carries.
 type OpenReply struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Session       uint64                 `protobuf:"varint,1,opt,name=session,proto3" json:"session,omitempty"`
 	Resumed       bool                   `protobuf:"varint,2,opt,name=resumed,proto3" json:"resumed,omitempty"`                   // an existing session of this instance was resumed
 	PageSize      uint64                 `protobuf:"varint,3,opt,name=page_size,json=pageSize,proto3" json:"page_size,omitempty"` // host bytes per page
 	PagesPerChunk uint32                 `protobuf:"varint,4,opt,name=pages_per_chunk,json=pagesPerChunk,proto3" json:"pages_per_chunk,omitempty"`
-	Capacity      uint32                 `protobuf:"varint,5,opt,name=capacity,proto3" json:"capacity,omitempty"`                    // host pages of the session
-	Chunks        []*ChunkGrant          `protobuf:"bytes,6,rep,name=chunks,proto3" json:"chunks,omitempty"`                         // page p lives in chunks[p / pages_per_chunk]
-	GpuNuma       *int32                 `protobuf:"varint,7,opt,name=gpu_numa,json=gpuNuma,proto3,oneof" json:"gpu_numa,omitempty"` // NUMA node of the session's GPU, -1 unknown; absent from agents before it was added
-	Ranks         uint32                 `protobuf:"varint,8,opt,name=ranks,proto3" json:"ranks,omitempty"`                          // the ranks the allocation is shared among, this session included
+	Capacity      uint32                 `protobuf:"varint,5,opt,name=capacity,proto3" json:"capacity,omitempty"`                       // host pages of the session
+	Chunks        []*ChunkGrant          `protobuf:"bytes,6,rep,name=chunks,proto3" json:"chunks,omitempty"`                            // page p lives in chunks[p / pages_per_chunk]
+	GpuNuma       *int32                 `protobuf:"varint,7,opt,name=gpu_numa,json=gpuNuma,proto3,oneof" json:"gpu_numa,omitempty"`    // NUMA node of the session's GPU, -1 unknown; absent from agents before it was added
+	Ranks         uint32                 `protobuf:"varint,8,opt,name=ranks,proto3" json:"ranks,omitempty"`                             // the ranks the allocation is shared among, this session included
+	ChunkCount    uint32                 `protobuf:"varint,9,opt,name=chunk_count,json=chunkCount,proto3" json:"chunk_count,omitempty"` // set when chunks names only the first of the session's chunks: all of them; More names the rest
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -434,6 +438,13 @@ func (x *OpenReply) GetGpuNuma() int32 {
 func (x *OpenReply) GetRanks() uint32 {
 	if x != nil {
 		return x.Ranks
+	}
+	return 0
+}
+
+func (x *OpenReply) GetChunkCount() uint32 {
+	if x != nil {
+		return x.ChunkCount
 	}
 	return 0
 }
@@ -823,6 +834,7 @@ type MoreReply struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	HostPages     []int32                `protobuf:"varint,1,rep,packed,name=host_pages,json=hostPages,proto3" json:"host_pages,omitempty"`
 	Labels        []string               `protobuf:"bytes,2,rep,name=labels,proto3" json:"labels,omitempty"`
+	Chunks        []*ChunkGrant          `protobuf:"bytes,3,rep,name=chunks,proto3" json:"chunks,omitempty"` // an open's chunks past those its reply named (chunk_count set): the ones whose fds this packet carries
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -867,6 +879,13 @@ func (x *MoreReply) GetHostPages() []int32 {
 func (x *MoreReply) GetLabels() []string {
 	if x != nil {
 		return x.Labels
+	}
+	return nil
+}
+
+func (x *MoreReply) GetChunks() []*ChunkGrant {
+	if x != nil {
+		return x.Chunks
 	}
 	return nil
 }
@@ -1321,7 +1340,7 @@ const file_kvpool_proto_rawDesc = "" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x12\n" +
 	"\x04size\x18\x02 \x01(\x04R\x04size\x12\x17\n" +
 	"\x04numa\x18\x03 \x01(\x05H\x00R\x04numa\x88\x01\x01B\a\n" +
-	"\x05_numa\"\x97\x02\n" +
+	"\x05_numa\"\xb8\x02\n" +
 	"\tOpenReply\x12\x18\n" +
 	"\asession\x18\x01 \x01(\x04R\asession\x12\x18\n" +
 	"\aresumed\x18\x02 \x01(\bR\aresumed\x12\x1b\n" +
@@ -1330,7 +1349,9 @@ const file_kvpool_proto_rawDesc = "" +
 	"\bcapacity\x18\x05 \x01(\rR\bcapacity\x122\n" +
 	"\x06chunks\x18\x06 \x03(\v2\x1a.kvpool.wire.v1.ChunkGrantR\x06chunks\x12\x1e\n" +
 	"\bgpu_numa\x18\a \x01(\x05H\x00R\agpuNuma\x88\x01\x01\x12\x14\n" +
-	"\x05ranks\x18\b \x01(\rR\x05ranksB\v\n" +
+	"\x05ranks\x18\b \x01(\rR\x05ranks\x12\x1f\n" +
+	"\vchunk_count\x18\t \x01(\rR\n" +
+	"chunkCountB\v\n" +
 	"\t_gpu_numa\"\xa5\x01\n" +
 	"\aOffload\x12\x10\n" +
 	"\x03rid\x18\x01 \x01(\tR\x03rid\x12\x14\n" +
@@ -1361,11 +1382,12 @@ const file_kvpool_proto_rawDesc = "" +
 	"\x05Pages\x12\x1b\n" +
 	"\tgpu_pages\x18\x01 \x03(\x05R\bgpuPages\"\x1e\n" +
 	"\x04More\x12\x16\n" +
-	"\x06offset\x18\x01 \x01(\rR\x06offset\"B\n" +
+	"\x06offset\x18\x01 \x01(\rR\x06offset\"v\n" +
 	"\tMoreReply\x12\x1d\n" +
 	"\n" +
 	"host_pages\x18\x01 \x03(\x05R\thostPages\x12\x16\n" +
-	"\x06labels\x18\x02 \x03(\tR\x06labels\"0\n" +
+	"\x06labels\x18\x02 \x03(\tR\x06labels\x122\n" +
+	"\x06chunks\x18\x03 \x03(\v2\x1a.kvpool.wire.v1.ChunkGrantR\x06chunks\"0\n" +
 	"\x06Stream\x12\x10\n" +
 	"\x03rid\x18\x01 \x01(\tR\x03rid\x12\x14\n" +
 	"\x05label\x18\x02 \x01(\tR\x05label\"\x1b\n" +
@@ -1431,11 +1453,12 @@ var file_kvpool_proto_goTypes = []any{
 var file_kvpool_proto_depIdxs = []int32{
 	2, // 0: kvpool.wire.v1.Open.regions:type_name -> kvpool.wire.v1.Region
 	4, // 1: kvpool.wire.v1.OpenReply.chunks:type_name -> kvpool.wire.v1.ChunkGrant
-	2, // [2:2] is the sub-list for method output_type
-	2, // [2:2] is the sub-list for method input_type
-	2, // [2:2] is the sub-list for extension type_name
-	2, // [2:2] is the sub-list for extension extendee
-	0, // [0:2] is the sub-list for field type_name
+	4, // 2: kvpool.wire.v1.MoreReply.chunks:type_name -> kvpool.wire.v1.ChunkGrant
+	3, // [3:3] is the sub-list for method output_type
+	3, // [3:3] is the sub-list for method input_type
+	3, // [3:3] is the sub-list for extension type_name
+	3, // [3:3] is the sub-list for extension extendee
+	0, // [0:3] is the sub-list for field type_name
 }
 
 func init() { file_kvpool_proto_init() }
