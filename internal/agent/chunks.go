@@ -140,10 +140,17 @@ func (a *agent) sizedPlan(standalone bool) planner {
 			in.GPUs = append(in.GPUs, sizing.GPU{Index: d.Index, UUID: d.UUID, NUMA: d.NUMA, Memory: d.Memory})
 		}
 		p, err := sizing.Make(policy, in)
+		kept := a.restart != nil && a.restart.held != nil
+		if errors.Is(err, sizing.ErrTooManyChunks) && kept {
+			// A pool an earlier agent planned before the bound: the
+			// keeper holds it and its sessions; this agent goes on with it.
+			a.log.Warn("the pool the keeper holds has more chunks than a new plan may cut; keeping it", "err", err)
+			err = nil
+		}
 		if err != nil {
 			return nil, "", fmt.Errorf("sizing the pool: %w", err)
 		}
-		if a.restart != nil && a.restart.held != nil {
+		if kept {
 			a.keepKeptPool(p, policy)
 		}
 		a.policy = &policy
@@ -161,7 +168,7 @@ func (a *agent) fixedPlan() (*sizing.Plan, string, error) {
 			Bytes: cb * int64(n), Chunks: n, PageSize: int64(os.Getpagesize()), Bound: "fixed layout"})
 		p.Total += cb * int64(n)
 	}
-	return p, config.HugePagesNever, nil
+	return p, config.HugePagesNever, sizing.CheckChunks(p, "the fixed layout's chunk size")
 }
 
 // freeChunks unmaps and closes every chunk the agent holds (with a keeper,

@@ -20,9 +20,11 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/kvpool/kvpool/internal/config"
+	"github.com/kvpool/kvpool/internal/gpu"
 	"github.com/kvpool/kvpool/internal/hostmem"
 	"github.com/kvpool/kvpool/internal/keeper"
 	"github.com/kvpool/kvpool/internal/logging"
+	"github.com/kvpool/kvpool/internal/node"
 	"github.com/kvpool/kvpool/internal/sizing"
 	"github.com/kvpool/kvpool/pkg/cudart"
 	"github.com/kvpool/kvpool/pkg/pool"
@@ -819,6 +821,38 @@ func TestRestartKeepsTheKeptPoolUnderTheSamePolicy(t *testing.T) {
 			a.keepKeptPool(p, policy)
 			if got := p.GPUs[0].Chunks; got != c.want {
 				t.Errorf("planned %d chunks, want %d", got, c.want)
+			}
+		})
+	}
+}
+
+// A plan of more chunks than sizing.MaxChunks fails a fresh start, naming
+// the chunk size that fits; a restart that adopts what the keeper holds (a
+// pool an agent before the bound planned) goes on with the plan instead of
+// failing, and so dropping the pool and its sessions.
+func TestTooManyChunksRefusedButAKeptPoolKept(t *testing.T) {
+	cfg := config.Default()
+	cfg.StateDir = t.TempDir()
+	cfg.Sizing.PoolBytes, cfg.Sizing.ChunkBytes = 64<<30, 2<<20 // 32,768 chunks
+	cfg.Sizing.HugePages = config.HugePagesNever
+	info := &node.Info{MemTotal: 512 << 30, MemAvailable: 500 << 30, Cgroup: node.Cgroup{Limit: node.Unlimited, Usage: -1}}
+	for _, c := range []struct {
+		name    string
+		restart *restart
+		want    string // "" plans
+	}{
+		{"a fresh start", nil, "sizing: too many chunks: 64Gi in 32768 chunks of 2Mi"},
+		{"a restart adopting a kept pool", &restart{held: &keeper.State{}}, ""},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			a := &agent{cfg: &cfg, log: quietLog, info: info, restart: c.restart,
+				devs: []gpu.Device{{Index: 0, UUID: "GPU-0", NUMA: -1, Memory: 80 << 30}}}
+			p, _, err := a.sizedPlan(false)()
+			switch {
+			case c.want != "" && (err == nil || !strings.Contains(err.Error(), c.want) || !strings.Contains(err.Error(), "set sizing.chunkBytes to 4Mi or more")):
+				t.Fatalf("plan: %v, want an error naming %q and the chunk size that fits", err, c.want)
+			case c.want == "" && (err != nil || p.GPUs[0].Chunks != 32768):
+				t.Fatalf("plan: %v, want the plan of 32768 chunks", err)
 			}
 		})
 	}

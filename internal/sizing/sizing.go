@@ -149,7 +149,36 @@ func Make(s config.Sizing, in Input) (*Plan, error) {
 		p.Total += gp.Bytes
 		p.GPUs = append(p.GPUs, gp)
 	}
-	return p, nil
+	return p, CheckChunks(p, "sizing.chunkBytes")
+}
+
+// MaxChunks is the most chunks a plan cuts the pool into: 16 TiB at the
+// default 1 GiB chunk. What holds an entry a chunk grows with them:
+// kubelet's device list (a device a chunk, all in one ListAndWatch
+// message), the memfds the agent and the keeper hold, the mappings of the
+// keeper and of a client (against vm.max_map_count, 65,530 by default),
+// and the restart's checks of the kept chunks.
+const MaxChunks = 16384
+
+// ErrTooManyChunks is CheckChunks' refusal, which Make returns with the
+// whole plan.
+var ErrTooManyChunks = errors.New("too many chunks")
+
+// CheckChunks refuses a plan of more than MaxChunks chunks, naming the
+// chunk size that would cut the same pool into few enough, and the setting
+// that sets it (knob).
+func CheckChunks(p *Plan, knob string) error {
+	n := 0
+	for _, g := range p.GPUs {
+		n += g.Chunks
+	}
+	if n <= MaxChunks {
+		return nil
+	}
+	const step = 2 << 20 // a chunk is a whole number of 2 MiB huge pages
+	least := ceilDiv(ceilDiv(p.Total, MaxChunks), step) * step
+	return fmt.Errorf("sizing: %w: %s in %d chunks of %s, more than the %d an agent serves (kubelet's device list, the chunks' memfds and their mappings grow with them): "+
+		"set %s to %s or more", ErrTooManyChunks, bytesize.Approx(p.Total), n, bytesize.Approx(p.ChunkBytes), MaxChunks, knob, bytesize.Approx(least))
 }
 
 // checkInput refuses what no plan can be made from: no node, no GPUs, a GPU

@@ -278,6 +278,14 @@ func TestMakeErrors(t *testing.T) {
 		{"reserve above MemAvailable", func(s *config.Sizing, in *Input) {
 			in.Node.MemAvailable = 6 * gib
 		}, "no room for even one chunk (1Gi): MemAvailable - sizing.reserveBytes is 6Gi - 8Gi = -2Gi"},
+		{"a chunk too small for the pool", func(s *config.Sizing, in *Input) {
+			s.PoolBytes = config.Bytes(1024 * gib)
+			s.ChunkBytes = config.Bytes(2 * mib)
+		}, "sizing: too many chunks: 1Ti in 524288 chunks of 2Mi, more than the 16384 an agent serves (kubelet's device list, the chunks' memfds and their mappings grow with them): set sizing.chunkBytes to 64Mi or more"},
+		{"two chunks past the most", func(s *config.Sizing, in *Input) {
+			s.PoolBytes = config.Bytes(32*gib + 4*mib)
+			s.ChunkBytes = config.Bytes(2 * mib)
+		}, "in 16386 chunks of 2Mi, more than the 16384 an agent serves (kubelet's device list, the chunks' memfds and their mappings grow with them): set sizing.chunkBytes to 4Mi or more"},
 		{"reserve above MemAvailable with poolBytes", func(s *config.Sizing, in *Input) {
 			s.PoolBytes = config.Bytes(8 * gib)
 			in.Node.MemAvailable = 6 * gib
@@ -447,7 +455,7 @@ func TestPlanAllocates(t *testing.T) {
 func TestPageTablesInTheCgroupBound(t *testing.T) {
 	for _, c := range []struct{ pool, chunk int64 }{
 		{16 * gib, gib}, {256 * gib, gib}, {1024 * gib, gib}, {7 * 1024 * gib, 2 * gib},
-		{100_000_000_000, 2 * mib}, {2 * mib, 2 * mib}, {3*gib + 6*mib, 2 * mib},
+		{100_000_000_000, 8 * mib}, {2 * mib, 2 * mib}, {3*gib + 6*mib, 2 * mib},
 	} {
 		s := policy()
 		s.PoolBytes = config.Bytes(c.pool)

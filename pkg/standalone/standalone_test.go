@@ -85,6 +85,8 @@ func TestStartRefuses(t *testing.T) {
 		{"too many tokens", Config{GPUs: 1, ChunksPerGPU: 1, ChunkBytes: 2 << 20, Tokens: []string{"a", "b"}, Socket: filepath.Join(dir, "b", "kvpool.sock")}, "2 standalone tokens need at least as many chunks per GPU"},
 		{"GPU UUIDs not one a GPU", Config{GPUs: 2, GPUUUIDs: []string{"GPU-a"}, ChunksPerGPU: 1, ChunkBytes: 2 << 20, Socket: filepath.Join(dir, "d", "kvpool.sock")}, "1 GPU UUIDs for 2 standalone GPUs"},
 		{"token with a comma", Config{GPUs: 1, ChunksPerGPU: 1, ChunkBytes: 2 << 20, Tokens: []string{"a,b"}, Socket: filepath.Join(dir, "c", "kvpool.sock")}, "without spaces or commas"},
+		// Refused by the plan, before any chunk is allocated.
+		{"too many chunks in all", Config{GPUs: 5, ChunksPerGPU: 4096, ChunkBytes: 64 << 10, Socket: filepath.Join(dir, "e", "kvpool.sock")}, "1.2Gi in 20480 chunks of 64Ki, more than the 16384 an agent serves (kubelet's device list, the chunks' memfds and their mappings grow with them): set the fixed layout's chunk size to 2Mi or more"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			c.cfg.Logger = quiet()
