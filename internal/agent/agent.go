@@ -388,9 +388,13 @@ func (a *agent) logServing(took time.Duration) {
 		// Whether the kernel lets the socket refuse files a pod would pass
 		// (SO_PASSRIGHTS, Linux 6.16): one line says where the node stands.
 		"socketRefusesFiles", wire.CanRefuseFiles(), "pid", os.Getpid()}
-	// The sessions' pages together (limits.maxPages, or the pool's default).
-	_, maxPages := a.pool.Pages()
-	attrs = append(attrs, "maxPages", maxPages)
+	// The sessions' pages together: limits.maxPages, or the pool's default,
+	// which grows as chunks are allocated in the background.
+	if n := a.cfg.Limits.MaxPages; n > 0 {
+		attrs = append(attrs, "maxPages", n)
+	} else {
+		attrs = append(attrs, "maxPages", "the pool's bytes / 4Ki, at least 4Mi")
+	}
 	if a.obs.metricsAddr != nil {
 		attrs = append(attrs, "metrics", a.obs.metricsAddr.String())
 	}

@@ -297,6 +297,10 @@ type Limits struct {
 	// record in the books holds up to 5 bytes per page. 1 to 134217728.
 	// Default 16777216 (a 2 MiB bitmap).
 	MaxDevicePages int `json:"maxDevicePages"`
+	// MaxDevicePagesTotal bounds the device pages of every session's
+	// layout together: a bit each in the agent's heap. At least
+	// MaxDevicePages. Default 536870912 (64 MiB of bitmaps).
+	MaxDevicePagesTotal int `json:"maxDevicePagesTotal"`
 	// MaxPages bounds the host pages of every open session together (a
 	// session's pages: its chunks' bytes over its page size, or the pages
 	// it asked for): each costs the agent 4 bytes of memory once used, and
@@ -431,7 +435,7 @@ func limitsOf(l server.Limits) Limits {
 		MaxSessions: l.MaxSessions, MaxSessionsPerAllocation: l.MaxSessionsPerAllocation,
 		MaxStreamsPerSession: l.MaxStreamsPerSession, MaxNameBytesPerSession: Bytes(l.MaxNameBytesPerSession),
 		MaxStreams: l.MaxStreams, MaxNameBytes: Bytes(l.MaxNameBytes),
-		MaxDevicePages: l.MaxDevicePages, MaxClientName: l.MaxClientName,
+		MaxDevicePages: l.MaxDevicePages, MaxDevicePagesTotal: l.MaxDevicePagesTotal, MaxClientName: l.MaxClientName,
 	}
 }
 
@@ -444,7 +448,7 @@ func (l Limits) Server() server.Limits {
 		MaxSessions: l.MaxSessions, MaxSessionsPerAllocation: l.MaxSessionsPerAllocation,
 		MaxStreamsPerSession: l.MaxStreamsPerSession, MaxNameBytesPerSession: int64(l.MaxNameBytesPerSession),
 		MaxStreams: l.MaxStreams, MaxNameBytes: int64(l.MaxNameBytes),
-		MaxDevicePages: l.MaxDevicePages, MaxClientName: l.MaxClientName,
+		MaxDevicePages: l.MaxDevicePages, MaxDevicePagesTotal: l.MaxDevicePagesTotal, MaxClientName: l.MaxClientName,
 	}
 }
 

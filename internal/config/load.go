@@ -149,6 +149,7 @@ var settings = func() []setting {
 	add("limits.maxStreams", "max-streams", "KVPOOL_MAX_STREAMS", "streams every session together may hold", integer(func(c *Config) *int { return &lim(c).MaxStreams }))
 	add("limits.maxNameBytes", "max-name-bytes", "KVPOOL_MAX_NAME_BYTES", "bytes of request IDs and labels every session together may hold", qty(func(c *Config) *Bytes { return &lim(c).MaxNameBytes }))
 	add("limits.maxDevicePages", "max-device-pages", "KVPOOL_MAX_DEVICE_PAGES", "device pages a session's layout may name", integer(func(c *Config) *int { return &lim(c).MaxDevicePages }))
+	add("limits.maxDevicePagesTotal", "max-device-pages-total", "KVPOOL_MAX_DEVICE_PAGES_TOTAL", "device pages the layouts of every session together may name", integer(func(c *Config) *int { return &lim(c).MaxDevicePagesTotal }))
 	add("limits.maxPages", "max-pages", "KVPOOL_MAX_PAGES", "host pages of every open session together (0: the pool's bytes / 4Ki, at least 4Mi pages)", integer(func(c *Config) *int { return &lim(c).MaxPages }))
 	add("limits.maxClientName", "max-client-name", "KVPOOL_MAX_CLIENT_NAME", "bytes of a client's name in its hello", integer(func(c *Config) *int { return &lim(c).MaxClientName }))
 	add("metrics.address", "metrics-address", "KVPOOL_METRICS_ADDRESS", "host:port for /metrics (empty: off)", str(func(c *Config) *string { return &c.Metrics.Address }))

@@ -263,6 +263,9 @@ func (lim *Limits) validate(lp *field.Path) field.ErrorList {
 	if lim.MaxDevicePages <= 0 || lim.MaxDevicePages > MaxDevicePages {
 		errs = append(errs, field.Invalid(lp.Child("maxDevicePages"), lim.MaxDevicePages, fmt.Sprintf("must be 1 to %d", MaxDevicePages)))
 	}
+	if lim.MaxDevicePagesTotal < lim.MaxDevicePages {
+		errs = append(errs, field.Invalid(lp.Child("maxDevicePagesTotal"), lim.MaxDevicePagesTotal, fmt.Sprintf("must not be less than limits.maxDevicePages %d", lim.MaxDevicePages)))
+	}
 	if lim.MaxPages < 0 || lim.MaxPages > MaxPages {
 		errs = append(errs, field.Invalid(lp.Child("maxPages"), lim.MaxPages, fmt.Sprintf("must be 0 (the pool's bytes / 4Ki) to %d", MaxPages)))
 	}

@@ -907,6 +907,9 @@ func (s *Server) attach(c *conn, k key, gpu int, uuid, inst string, spec pool.Sp
 	if r, ok := s.checkSessionsLocked(c, k); !ok {
 		return nil, "", s.failedOpenLocked(replaced, r)
 	}
+	if r, ok := s.checkDevicePagesLocked(c, spec.DevicePages); !ok {
+		return nil, "", s.failedOpenLocked(replaced, r)
+	}
 	ps, err := s.o.Pool.OpenNear(k.alloc, spec, near)
 	if err != nil {
 		r := errReply(err)

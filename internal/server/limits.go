@@ -56,6 +56,10 @@ type Limits struct {
 	// page count): the pool keeps a duplicate-check bitmap of one bit per
 	// device page for each session.
 	MaxDevicePages int
+	// MaxDevicePagesTotal bounds the same over every session together:
+	// their bitmaps are the agent's heap, and a layout is the tenant's
+	// choice (1 << 29: 64 MiB of bitmaps).
+	MaxDevicePagesTotal int
 	// MaxClientName bounds the client name a hello carries, in bytes.
 	MaxClientName int
 }
@@ -75,6 +79,7 @@ var DefaultLimits = Limits{
 	MaxStreams:               1 << 19,
 	MaxNameBytes:             32 << 20,
 	MaxDevicePages:           1 << 24,
+	MaxDevicePagesTotal:      1 << 29,
 	MaxClientName:            256,
 }
 
@@ -94,6 +99,7 @@ func (l Limits) withDefaults() Limits {
 	set(&l.MaxStreamsPerSession, d.MaxStreamsPerSession)
 	set(&l.MaxStreams, d.MaxStreams)
 	set(&l.MaxDevicePages, d.MaxDevicePages)
+	set(&l.MaxDevicePagesTotal, d.MaxDevicePagesTotal)
 	set(&l.MaxClientName, d.MaxClientName)
 	if l.HelloTimeout <= 0 {
 		l.HelloTimeout = d.HelloTimeout
@@ -126,6 +132,7 @@ const (
 	RefusedStreamsTotal    = "streams_total"
 	RefusedNameBytesTotal  = "name_bytes_total"
 	RefusedDevicePages     = "device_pages"
+	RefusedDevicePagesAll  = "device_pages_total"
 	RefusedPages           = "pages"
 	RefusedClientName      = "client_name"
 	RefusedUnauthorized    = "unauthorized"
@@ -140,7 +147,7 @@ const (
 // RefusalReasons lists every reason, for metrics that start at zero.
 var RefusalReasons = []string{RefusedConns, RefusedConnsPerUID, RefusedConnsPerPID, RefusedProbeConns,
 	RefusedHelloTimeout, RefusedOpenTimeout, RefusedSessions, RefusedAllocSessions, RefusedStreams,
-	RefusedNameBytes, RefusedStreamsTotal, RefusedNameBytesTotal, RefusedDevicePages, RefusedPages, RefusedClientName, RefusedUnauthorized, RefusedNotOwner,
+	RefusedNameBytes, RefusedStreamsTotal, RefusedNameBytesTotal, RefusedDevicePages, RefusedDevicePagesAll, RefusedPages, RefusedClientName, RefusedUnauthorized, RefusedNotOwner,
 	RefusedAcceptTemporary, RefusedEvicted}
 
 // refused counts a refusal and logs it, rate-limited per reason.
@@ -411,6 +418,22 @@ func (s *Server) checkSessionsLocked(c *conn, k key) (reply, bool) {
 	if n >= l.MaxSessionsPerAllocation {
 		s.refused(RefusedAllocSessions, c.peer, "open refused: too many sessions of one allocation", "allocation", k.alloc)
 		return fail(wire.StatusLimit, fmt.Errorf("open: the allocation holds %d sessions, the limit (limits.maxSessionsPerAllocation)", n)), false
+	}
+	return reply{}, true
+}
+
+// checkDevicePagesLocked bounds the device pages of every session's
+// layout together (each session keeps a bit a device page) before attach
+// opens one of devicePages.
+func (s *Server) checkDevicePagesLocked(c *conn, devicePages int) (reply, bool) {
+	held := 0
+	for _, e := range s.sessions {
+		held += e.ps.Spec().DevicePages
+	}
+	if limit := s.lim.MaxDevicePagesTotal; held+devicePages > limit {
+		s.refused(RefusedDevicePagesAll, c.peer, "open refused: the sessions' layouts would name too many device pages", "pages", devicePages, "held", held)
+		return fail(wire.StatusLimit, fmt.Errorf("open: a layout of %d device pages would bring the sessions' to %d, more than the agent's %d (limits.maxDevicePagesTotal); %d more fit",
+			devicePages, held+devicePages, limit, max(limit-held, 0))), false
 	}
 	return reply{}, true
 }

@@ -457,3 +457,26 @@ func TestOpenPastPageBound(t *testing.T) {
 		t.Fatalf("refusals counted %d times, want 2", ref.count(server.RefusedPages))
 	}
 }
+
+// TestDevicePagesAcrossSessions: the device pages of every session's
+// layout together (a bit each in the agent's heap) stay within
+// limits.maxDevicePagesTotal: an open past it is refused with status limit,
+// counted, and leaves no session; a close makes room.
+func TestDevicePagesAcrossSessions(t *testing.T) {
+	a, ref := limitedServer(t, server.Limits{MaxDevicePages: 50, MaxDevicePagesTotal: 60})
+	r0 := dial(t, a)
+	r0.open(0, "instance-gpu0") // 32 device pages (openMsg's smallest region)
+	r1 := dial(t, a)
+	r1.hello()
+	st, msg := r1.do(wire.OpOpen, 0, openMsg("tok-a", 1, "instance-gpu1"), &wire.OpenReply{})
+	wantLimit(t, st, msg, "a layout of 32 device pages would bring the sessions' to 64, more than the agent's 60 (limits.maxDevicePagesTotal); 28 more fit")
+	if len(a.srv.Sessions()) != 1 || ref.count(server.RefusedDevicePagesAll) != 1 {
+		t.Fatalf("%d sessions, the refusal counted %d times; want 1 and 1", len(a.srv.Sessions()), ref.count(server.RefusedDevicePagesAll))
+	}
+	if st, msg := r0.do(wire.OpClose, 0, nil, nil); st != 0 {
+		t.Fatalf("close: %s %s", st, msg)
+	}
+	if st, msg := r1.do(wire.OpOpen, 0, openMsg("tok-a", 1, "instance-gpu1"), &wire.OpenReply{}); st != 0 {
+		t.Fatalf("an open after a close made room: %s %s", st, msg)
+	}
+}

@@ -111,6 +111,10 @@ func checkStreamBounds(t *testing.T, vs valueSet, c *config.Config) {
 	if want := max(h/16, 2048); int64(l.MaxNameBytes) != want {
 		t.Errorf("limits.maxNameBytes %d, want pool.headroom / 16 = %d", l.MaxNameBytes, want)
 	}
+	if want := max(h, 1<<24); int64(l.MaxDevicePagesTotal) != want || l.MaxDevicePagesTotal < l.MaxDevicePages {
+		t.Errorf("limits.maxDevicePagesTotal %d, want pool.headroom device pages (a bit each: an eighth of it) = %d, and at least maxDevicePages %d",
+			l.MaxDevicePagesTotal, want, l.MaxDevicePages)
+	}
 	if l.MaxStreamsPerSession > l.MaxStreams || l.MaxNameBytesPerSession > l.MaxNameBytes {
 		t.Errorf("one session's bounds %d streams, %d name bytes exceed every session's %d, %d",
 			l.MaxStreamsPerSession, l.MaxNameBytesPerSession, l.MaxStreams, l.MaxNameBytes)
