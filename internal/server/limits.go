@@ -119,25 +119,25 @@ func (l Limits) withDefaults() Limits {
 // Refusal reasons, as Hooks.Refused and the kvpool_limit_rejects_total
 // metric name them.
 const (
-	RefusedConns           = "conns"
-	RefusedConnsPerUID     = "conns_per_uid"
-	RefusedConnsPerPID     = "conns_per_pid"
-	RefusedProbeConns      = "probe_conns"
-	RefusedHelloTimeout    = "hello_timeout"
-	RefusedOpenTimeout     = "open_timeout"
-	RefusedSessions        = "sessions"
-	RefusedAllocSessions   = "sessions_per_allocation"
-	RefusedStreams         = "streams"
-	RefusedNameBytes       = "name_bytes"
-	RefusedStreamsTotal    = "streams_total"
-	RefusedNameBytesTotal  = "name_bytes_total"
-	RefusedDevicePages     = "device_pages"
-	RefusedDevicePagesAll  = "device_pages_total"
-	RefusedPages           = "pages"
-	RefusedClientName      = "client_name"
-	RefusedUnauthorized    = "unauthorized"
-	RefusedNotOwner        = "not_owner"
-	RefusedAcceptTemporary = "accept_temporary"
+	RefusedConns            = "conns"
+	RefusedConnsPerUID      = "conns_per_uid"
+	RefusedConnsPerPID      = "conns_per_pid"
+	RefusedProbeConns       = "probe_conns"
+	RefusedHelloTimeout     = "hello_timeout"
+	RefusedOpenTimeout      = "open_timeout"
+	RefusedSessions         = "sessions"
+	RefusedAllocSessions    = "sessions_per_allocation"
+	RefusedStreams          = "streams"
+	RefusedNameBytes        = "name_bytes"
+	RefusedStreamsTotal     = "streams_total"
+	RefusedNameBytesTotal   = "name_bytes_total"
+	RefusedDevicePages      = "device_pages"
+	RefusedDevicePagesTotal = "device_pages_total"
+	RefusedPages            = "pages"
+	RefusedClientName       = "client_name"
+	RefusedUnauthorized     = "unauthorized"
+	RefusedNotOwner         = "not_owner"
+	RefusedAcceptTemporary  = "accept_temporary"
 	// RefusedEvicted counts connections without a session closed to make
 	// room for a new one at a connection bound (not a refusal of the new
 	// one, which is served).
@@ -147,7 +147,7 @@ const (
 // RefusalReasons lists every reason, for metrics that start at zero.
 var RefusalReasons = []string{RefusedConns, RefusedConnsPerUID, RefusedConnsPerPID, RefusedProbeConns,
 	RefusedHelloTimeout, RefusedOpenTimeout, RefusedSessions, RefusedAllocSessions, RefusedStreams,
-	RefusedNameBytes, RefusedStreamsTotal, RefusedNameBytesTotal, RefusedDevicePages, RefusedDevicePagesAll, RefusedPages, RefusedClientName, RefusedUnauthorized, RefusedNotOwner,
+	RefusedNameBytes, RefusedStreamsTotal, RefusedNameBytesTotal, RefusedDevicePages, RefusedDevicePagesTotal, RefusedPages, RefusedClientName, RefusedUnauthorized, RefusedNotOwner,
 	RefusedAcceptTemporary, RefusedEvicted}
 
 // refused counts a refusal and logs it, rate-limited per reason.
@@ -431,7 +431,7 @@ func (s *Server) checkDevicePagesLocked(c *conn, devicePages int) (reply, bool) 
 		held += e.ps.Spec().DevicePages
 	}
 	if limit := s.lim.MaxDevicePagesTotal; held+devicePages > limit {
-		s.refused(RefusedDevicePagesAll, c.peer, "open refused: the sessions' layouts would name too many device pages", "pages", devicePages, "held", held)
+		s.refused(RefusedDevicePagesTotal, c.peer, "open refused: the sessions' layouts would name too many device pages", "pages", devicePages, "held", held)
 		return fail(wire.StatusLimit, fmt.Errorf("open: a layout of %d device pages would bring the sessions' to %d, more than the agent's %d (limits.maxDevicePagesTotal); %d more fit",
 			devicePages, held+devicePages, limit, max(limit-held, 0))), false
 	}

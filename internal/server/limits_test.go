@@ -470,8 +470,8 @@ func TestDevicePagesAcrossSessions(t *testing.T) {
 	r1.hello()
 	st, msg := r1.do(wire.OpOpen, 0, openMsg("tok-a", 1, "instance-gpu1"), &wire.OpenReply{})
 	wantLimit(t, st, msg, "a layout of 32 device pages would bring the sessions' to 64, more than the agent's 60 (limits.maxDevicePagesTotal); 28 more fit")
-	if len(a.srv.Sessions()) != 1 || ref.count(server.RefusedDevicePagesAll) != 1 {
-		t.Fatalf("%d sessions, the refusal counted %d times; want 1 and 1", len(a.srv.Sessions()), ref.count(server.RefusedDevicePagesAll))
+	if len(a.srv.Sessions()) != 1 || ref.count(server.RefusedDevicePagesTotal) != 1 {
+		t.Fatalf("%d sessions, the refusal counted %d times; want 1 and 1", len(a.srv.Sessions()), ref.count(server.RefusedDevicePagesTotal))
 	}
 	if st, msg := r0.do(wire.OpClose, 0, nil, nil); st != 0 {
 		t.Fatalf("close: %s %s", st, msg)
