@@ -904,10 +904,7 @@ func (s *Server) attach(c *conn, k key, gpu int, uuid, inst string, spec pool.Sp
 	} else if r, ok := s.durable(wire.OpOpen); !ok {
 		return nil, "", r
 	}
-	if r, ok := s.checkSessionsLocked(c, k); !ok {
-		return nil, "", s.failedOpenLocked(replaced, r)
-	}
-	if r, ok := s.checkDevicePagesLocked(c, spec.DevicePages); !ok {
+	if r, ok := s.checkSessionsLocked(c, k, spec.DevicePages); !ok {
 		return nil, "", s.failedOpenLocked(replaced, r)
 	}
 	ps, err := s.o.Pool.OpenNear(k.alloc, spec, near)

@@ -402,35 +402,28 @@ func (c *conn) checkStreams(ps *pool.Session, rid, label string) (reply, bool) {
 	return reply{}, true
 }
 
-// checkSessionsLocked bounds the sessions before attach opens one for k.
-func (s *Server) checkSessionsLocked(c *conn, k key) (reply, bool) {
+// checkSessionsLocked bounds the sessions before attach opens one for k
+// whose layout names devicePages: the agent's sessions, the allocation's,
+// and the device pages of every session's layout together (each session
+// keeps a bit a device page).
+func (s *Server) checkSessionsLocked(c *conn, k key, devicePages int) (reply, bool) {
 	l := &s.lim
 	if len(s.sessions) >= l.MaxSessions {
 		s.refused(RefusedSessions, c.peer, "open refused: too many sessions")
 		return fail(wire.StatusLimit, fmt.Errorf("open: the agent holds %d sessions, the limit", len(s.sessions))), false
 	}
-	n := 0
-	for sk := range s.sessions {
+	n, held := 0, 0
+	for sk, e := range s.sessions {
 		if sk.alloc == k.alloc {
 			n++
 		}
+		held += e.ps.Spec().DevicePages
 	}
 	if n >= l.MaxSessionsPerAllocation {
 		s.refused(RefusedAllocSessions, c.peer, "open refused: too many sessions of one allocation", "allocation", k.alloc)
 		return fail(wire.StatusLimit, fmt.Errorf("open: the allocation holds %d sessions, the limit (limits.maxSessionsPerAllocation)", n)), false
 	}
-	return reply{}, true
-}
-
-// checkDevicePagesLocked bounds the device pages of every session's
-// layout together (each session keeps a bit a device page) before attach
-// opens one of devicePages.
-func (s *Server) checkDevicePagesLocked(c *conn, devicePages int) (reply, bool) {
-	held := 0
-	for _, e := range s.sessions {
-		held += e.ps.Spec().DevicePages
-	}
-	if limit := s.lim.MaxDevicePagesTotal; held+devicePages > limit {
+	if limit := l.MaxDevicePagesTotal; held+devicePages > limit {
 		s.refused(RefusedDevicePagesTotal, c.peer, "open refused: the sessions' layouts would name too many device pages", "pages", devicePages, "held", held)
 		return fail(wire.StatusLimit, fmt.Errorf("open: a layout of %d device pages would bring the sessions' to %d, more than the agent's %d (limits.maxDevicePagesTotal); %d more fit",
 			devicePages, held+devicePages, limit, max(limit-held, 0))), false

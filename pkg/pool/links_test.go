@@ -43,7 +43,7 @@ func (s *Session) linkBytes() int64 {
 		return 0
 	}
 	pg := int64(os.Getpagesize())
-	return (int64(s.fresh)*4 + pg - 1) / pg * pg
+	return (int64(s.fresh)*LinkBytes + pg - 1) / pg * pg
 }
 
 // linksAddr is where a session's mapped link table starts.
