@@ -97,7 +97,8 @@ func runRestart(ctx context.Context, args []string) error {
 	settle := fs.Duration("settle", time.Second, "how long after a fill and after a restart before the RSS is read")
 	asJSON := fs.Bool("json", false, "print the results as JSON")
 	fs.StringVar(&agentLogLevel, "agent-log-level", "", "the agents' --log-level; when set, their logs go to stderr at the end of each count (default: info, shown only when an agent logs an error; the gap's steps are read from it)")
-	chunks := fs.Int("chunks", 2, "the agent's pool chunks (one simulated GPU)")
+	chunks := fs.Int("chunks", 2, "the agent's pool chunks, spread over --gpus simulated GPUs")
+	gpus := fs.Int("gpus", 1, "simulated GPUs, each holding chunks/gpus chunks (an agent serves at most 4,096 chunks a GPU)")
 	chunkMiB := fs.Int("chunk-mib", 16, "MiB per chunk: the pool is chunks x chunk-mib, pinned at the first start and adopted at every restart")
 	sessions := fs.Int("sessions", 1, "sessions the streams are spread over, each its own standalone token and allocation (chunks/sessions chunks each)")
 	churn := fs.Int("churn", 0, "before the first restart, this many discards of a stream of the first session, each followed by its offload again, every call timed (the books fill, and compact, as the calls go on)")
@@ -126,7 +127,10 @@ func runRestart(ctx context.Context, args []string) error {
 	if *chunks < *sessions || *chunkMiB < 1 || (*chunks / *sessions)**chunkMiB < 32 {
 		return errors.New("--chunks and --chunk-mib: at least one chunk and 32 MiB a session (room for a session at its stream bound)")
 	}
-	pool := poolShape{chunks: *chunks, chunkMiB: *chunkMiB, sessions: *sessions}
+	if *gpus < 1 || *chunks%*gpus != 0 {
+		return errors.New("--gpus: at least one, and a divisor of --chunks")
+	}
+	pool := poolShape{chunks: *chunks, chunkMiB: *chunkMiB, sessions: *sessions, gpus: *gpus}
 	most := min(*sessions<<17, 1<<19) // the agent's bounds: 2^17 streams a session, 2^19 in all
 	var ns []int
 	for _, f := range strings.Split(*counts, ",") {
@@ -242,8 +246,8 @@ var (
 )
 
 // poolShape is the probe agent's pool: chunks of chunkMiB, 256-byte host
-// pages, shared by sessions tokens.
-type poolShape struct{ chunks, chunkMiB, sessions int }
+// pages, on gpus simulated GPUs, shared by sessions tokens.
+type poolShape struct{ chunks, chunkMiB, sessions, gpus int }
 
 // probePageBytes is the probe's host page: its two 64-byte regions,
 // rounded up to the agent's host page alignment.
@@ -387,6 +391,9 @@ type probe struct {
 	keeper    *exec.Cmd
 	agent     *exec.Cmd
 	log       logging.SyncBuffer // every agent's stderr
+	// firstWait bounds the first start: 10 s and 3 ms a MiB of the pool
+	// (pinned at about 1 GiB/s on the dev VM).
+	firstWait time.Duration
 }
 
 // startProbe starts a keeper and an agent on it in a fresh directory.
@@ -395,7 +402,8 @@ func startProbe(bin string, pool poolShape) (*probe, error) {
 	if err != nil {
 		return nil, err
 	}
-	pr := &probe{dir: dir, bin: bin, sock: filepath.Join(dir, "sock", "kv.sock")}
+	pr := &probe{dir: dir, bin: bin, sock: filepath.Join(dir, "sock", "kv.sock"),
+		firstWait: 10*time.Second + time.Duration(pool.chunks*pool.chunkMiB)*3*time.Millisecond}
 	keeperSock := filepath.Join(dir, "keeper.sock")
 	pr.keeper = exec.Command(bin, "keeper", "--socket", keeperSock, "--log-level", "warn")
 	pr.keeper.Stderr = os.Stderr
@@ -418,8 +426,8 @@ func startProbe(bin string, pool poolShape) (*probe, error) {
 	for i := range tokens {
 		tokens[i] = probeToken(i)
 	}
-	pr.args = []string{"--standalone", "--socket", pr.sock, "--keeper-socket", keeperSock, "--standalone-gpus", "1",
-		"--chunks-per-gpu", strconv.Itoa(pool.chunks), "--chunk-mib", strconv.Itoa(pool.chunkMiB), "--state-dir", filepath.Join(dir, "state"),
+	pr.args = []string{"--standalone", "--socket", pr.sock, "--keeper-socket", keeperSock, "--standalone-gpus", strconv.Itoa(pool.gpus),
+		"--chunks-per-gpu", strconv.Itoa(pool.chunks / pool.gpus), "--chunk-mib", strconv.Itoa(pool.chunkMiB), "--state-dir", filepath.Join(dir, "state"),
 		"--log-level", cmp.Or(agentLogLevel, "info"), "--standalone-tokens", strings.Join(tokens, ",")}
 	// The probe's pages are smaller than the agent's default bound on the
 	// sessions' pages assumes (4 KiB): past it, the bound is raised to
@@ -515,7 +523,7 @@ func (pr *probe) fill(ctx context.Context, dev cudart.Device, regions []cudart.R
 		if j == 0 {
 			m += n % sessions
 		}
-		fill, err := openProbe(ctx, pr.sock, j, dev, regions, 10*time.Second)
+		fill, err := openProbe(ctx, pr.sock, j, dev, regions, pr.firstWait)
 		if err != nil {
 			return nil, nil, err
 		}

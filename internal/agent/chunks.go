@@ -295,7 +295,7 @@ type filling struct {
 // allocate allocates the planned chunks one by one, adding each to the
 // pool (and so to the device plugin's device list) as soon as it is ready.
 func (a *agent) allocate(ctx context.Context) {
-	f := &filling{start: time.Now(), gpuOf: map[string]int{}, wantPage: map[string]int64{}, left: map[int]int{},
+	f := &filling{start: time.Now(), gpuOf: make(map[string]int, len(a.specs)), wantPage: make(map[string]int64, len(a.specs)), left: map[int]int{},
 		first: map[int]bool{}, laneBytes: map[int]int64{}}
 	for _, g := range a.plan.GPUs {
 		f.left[g.GPU] = g.Chunks

@@ -244,7 +244,8 @@ const topUpEvery = time.Second
 // state being live, took 17 ms at the agent's bound); with the collector
 // off, the runtime keeps free heap resident (short of a memory limit).
 func (ra *ReadAhead) topUp() {
-	want := warmWant(ra.fl.Sizes())
+	snap, recs := ra.fl.Sizes()
+	want := warmWant(snap, recs, ra.fl.Chunks())
 	if ra.budget > 0 {
 		// Held after the top-up: what is held now and the free heap it
 		// adds.
@@ -267,13 +268,13 @@ func (ra *ReadAhead) topUp() {
 }
 
 // warmWant is the free heap a restore of books of snapshot and records
-// bytes wants resident where a follower holds what it read of them: the
-// whole restore's (warmSize) less the heap already live, and at least the
-// live heap again (the pool's tables the rebuild makes take about as much
-// as the replayed state).
-func warmWant(snapshot, records int64) int64 {
+// bytes naming chunks chunks wants resident where a follower holds what it
+// read of them: the whole restore's (warmSize) less the heap already live,
+// and at least the live heap again (the pool's tables the rebuild makes
+// take about as much as the replayed state).
+func warmWant(snapshot, records int64, chunks int) int64 {
 	live := heapMetric("/gc/heap/live:bytes")
-	return max(warmSize(snapshot, records, memoryLimit())-live, min(live, warmMost))
+	return max(warmSize(snapshot, records, chunks, memoryLimit())-live, min(live, warmMost))
 }
 
 // heapFree is the heap that is free and resident.

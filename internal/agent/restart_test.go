@@ -17,6 +17,7 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/kvpool/kvpool/internal/config"
@@ -855,5 +856,53 @@ func TestTooManyChunksRefusedButAKeptPoolKept(t *testing.T) {
 				t.Fatalf("plan: %v, want the plan of 32768 chunks", err)
 			}
 		})
+	}
+}
+
+// TestInspectKeptTakesTheKeepersWordForSealedChunks: what the keeper read
+// of a sealed chunk's memfd at its put (its size, seals and page size) is
+// taken as it says, with no system call (such a Held has no file here:
+// asking it would fail); an unsealed chunk, and every chunk of a keeper
+// that sends no page size, is asked itself, each at its own place
+// whichever lane asks it.
+func TestInspectKeptTakesTheKeepersWordForSealedChunks(t *testing.T) {
+	newMemfd := func(size int64, seal bool) *os.File {
+		fd, err := unix.MemfdCreate("kept", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
+		if err != nil {
+			t.Fatal(err)
+		}
+		f := os.NewFile(uintptr(fd), "kept")
+		t.Cleanup(func() { f.Close() })
+		if err := f.Truncate(size); err != nil {
+			t.Fatal(err)
+		}
+		if seal {
+			if _, err := unix.FcntlInt(f.Fd(), unix.F_ADD_SEALS, hostmem.Seals); err != nil {
+				t.Fatal(err)
+			}
+		}
+		return f
+	}
+	page := int64(os.Getpagesize())
+	var held []keeper.Held
+	var want []hostmem.FileInfo
+	for i := range 300 {
+		size := int64(i+1) * page
+		switch i % 3 {
+		case 0: // sealed, the keeper's word: no file to ask
+			held = append(held, keeper.Held{Item: keeper.Item{ID: fmt.Sprint(i), Size: size, Seals: hostmem.Seals, PageSize: 2 << 20}})
+			want = append(want, hostmem.FileInfo{Size: size, PageSize: 2 << 20, Seals: hostmem.Seals})
+		case 1: // unsealed: asked, whatever the item says
+			held = append(held, keeper.Held{Item: keeper.Item{ID: fmt.Sprint(i), Size: 1, PageSize: 2 << 20}, File: newMemfd(size, false)})
+			want = append(want, hostmem.FileInfo{Size: size, PageSize: page})
+		default: // sealed, from a keeper that sends no page size: asked
+			held = append(held, keeper.Held{Item: keeper.Item{ID: fmt.Sprint(i), Size: 1, Seals: hostmem.Seals}, File: newMemfd(size, true)})
+			want = append(want, hostmem.FileInfo{Size: size, PageSize: page, Seals: hostmem.Seals})
+		}
+	}
+	for i, k := range inspectKept(held) {
+		if k.err != nil || k.info != want[i] {
+			t.Fatalf("chunk %d: %+v (%v), want %+v", i, k.info, k.err, want[i])
+		}
 	}
 }

@@ -107,19 +107,15 @@ func (a *agent) grantStatic() {
 	if a.static == nil {
 		return
 	}
-	a.mu.RLock()
-	have := map[string]bool{}
-	for id := range a.hmem {
-		have[id] = true
-	}
-	a.mu.RUnlock()
 	for tok, alloc := range a.static {
-		var ids []string
+		ids := make([]string, 0, len(a.tokenChunks[tok]))
+		a.mu.RLock()
 		for _, id := range a.tokenChunks[tok] {
-			if have[id] {
+			if a.hmem[id] != nil {
 				ids = append(ids, id)
 			}
 		}
+		a.mu.RUnlock()
 		a.tokenChunks[tok] = ids
 		if len(ids) == 0 {
 			a.log.Error("standalone token has no ready chunk", "allocation", alloc)

@@ -19,22 +19,27 @@ func TestWarmSize(t *testing.T) {
 	for _, c := range []struct {
 		name            string
 		snap, recs, lim int64
+		chunks          int
 		want            int64
 	}{
-		{"no books", 0, 0, none, 0},
-		{"books too small to be worth it", 0, warmFrom/warmPerRecordByte - 1, none, 0},
-		{"the smallest warmed", (warmFrom + warmPerSnapshotByte - 1) / warmPerSnapshotByte, 0, none,
+		{"no books", 0, 0, none, 0, 0},
+		{"books too small to be worth it", 0, warmFrom/warmPerRecordByte - 1, none, 0, 0},
+		{"the smallest warmed", (warmFrom + warmPerSnapshotByte - 1) / warmPerSnapshotByte, 0, none, 0,
 			(warmFrom + warmPerSnapshotByte - 1) / warmPerSnapshotByte * warmPerSnapshotByte},
-		{"just below it", (warmFrom+warmPerSnapshotByte-1)/warmPerSnapshotByte - 1, 0, none, 0},
-		{"records only (7 MiB)", 0, 7 * mi, none, 7 * mi * warmPerRecordByte},
-		{"a snapshot only (7 MiB)", 7 * mi, 0, none, 7 * mi * warmPerSnapshotByte},
-		{"both: each at its rate", 14 * mi, 6 * mi, none, 14*mi*warmPerSnapshotByte + 6*mi*warmPerRecordByte},
-		{"bounded", 1 << 30, 0, none, warmMost},
-		{"a quarter of GOMEMLIMIT", 7 * mi, 7 * mi, 100 * mi, 25 * mi},
-		{"GOMEMLIMIT too small to warm anything", 7 * mi, 0, 8 * mi, 0},
+		{"just below it", (warmFrom+warmPerSnapshotByte-1)/warmPerSnapshotByte - 1, 0, none, 0, 0},
+		{"records only (7 MiB)", 0, 7 * mi, none, 0, 7 * mi * warmPerRecordByte},
+		{"a snapshot only (7 MiB)", 7 * mi, 0, none, 0, 7 * mi * warmPerSnapshotByte},
+		{"both: each at its rate", 14 * mi, 6 * mi, none, 0, 14*mi*warmPerSnapshotByte + 6*mi*warmPerRecordByte},
+		{"bounded", 1 << 30, 0, none, 0, warmMost},
+		{"a quarter of GOMEMLIMIT", 7 * mi, 7 * mi, 100 * mi, 0, 25 * mi},
+		{"GOMEMLIMIT too small to warm anything", 7 * mi, 0, 8 * mi, 0, 0},
+		{"chunks too few to be worth it", 0, 0, none, warmFrom/warmPerChunk - 1, 0},
+		{"chunks alone", 0, 0, none, 4096, 4096 * warmPerChunk},
+		{"chunks beside the books", 7 * mi, 0, none, 2048, 7*mi*warmPerSnapshotByte + 2048*warmPerChunk},
+		{"chunks bounded", 0, 0, none, 1 << 20, warmMost},
 	} {
-		if got := warmSize(c.snap, c.recs, c.lim); got != c.want {
-			t.Errorf("%s: warmSize(%d, %d, %d) = %d, want %d", c.name, c.snap, c.recs, c.lim, got, c.want)
+		if got := warmSize(c.snap, c.recs, c.chunks, c.lim); got != c.want {
+			t.Errorf("%s: warmSize(%d, %d, %d, %d) = %d, want %d", c.name, c.snap, c.recs, c.chunks, c.lim, got, c.want)
 		}
 	}
 }

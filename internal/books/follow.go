@@ -83,6 +83,14 @@ func (fl *Follower) Sizes() (snapshot, records int64) {
 	return int64(end - headerSize), int64(fl.rp.off - min(end, fl.rp.off))
 }
 
+// Chunks is how many chunks the books read so far name.
+func (fl *Follower) Chunks() int {
+	if fl.rp.st == nil {
+		return 0
+	}
+	return len(fl.rp.st.chunks)
+}
+
 // Follows reports whether f is the memfd the Follower reads.
 func (fl *Follower) Follows(f *os.File) bool {
 	var s unix.Stat_t

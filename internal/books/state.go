@@ -161,7 +161,7 @@ func (st *State) Streams() int {
 // lists and page lists are the state's own: neither may change them while
 // the other is in use.
 func (st *State) Image() pool.Image {
-	img := pool.Image{LastSession: st.lastSession}
+	img := pool.Image{LastSession: st.lastSession, Chunks: make([]pool.ChunkImage, 0, len(st.chunks))}
 	for _, c := range st.chunks {
 		img.Chunks = append(img.Chunks, c.ChunkImage)
 	}

@@ -55,12 +55,16 @@ type FileInfo struct {
 }
 
 // Inspect reads a chunk memfd's size, page size and seals: one fstat and
-// one fcntl, each a few microseconds, which a restart pays for every kept
-// chunk (thousands on a large node).
+// one fcntl, each a few microseconds. A restart takes them from the keeper
+// for sealed chunks (keeper.Item.PageSize) rather than pay them for each of
+// thousands.
 func Inspect(f *os.File) (FileInfo, error) {
 	var st unix.Stat_t
 	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
 		return FileInfo{}, fmt.Errorf("fstat: %w", err)
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFREG {
+		return FileInfo{}, errors.New("the fd is not a regular (memory) file")
 	}
 	info := FileInfo{Size: st.Size, PageSize: int64(os.Getpagesize())}
 	if st.Blksize > 0 {

@@ -76,8 +76,18 @@ func TestAdoptRefuses(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer f.Close()
-	if _, err := Inspect(f); err == nil || !strings.Contains(err.Error(), "F_GET_SEALS") {
-		t.Fatalf("inspecting /dev/null as a memfd: %v, want its seals refused", err)
+	if _, err := Inspect(f); err == nil || !strings.Contains(err.Error(), "not a regular (memory) file") {
+		t.Fatalf("inspecting /dev/null as a memfd: %v, want it refused as no regular file", err)
+	}
+	// A regular file that no memory file system holds (a file of tmpfs
+	// has seals, F_SEAL_SEAL, as a memfd does).
+	plain, err := os.Open("/proc/self/status")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer plain.Close()
+	if _, err := Inspect(plain); err == nil || !strings.Contains(err.Error(), "F_GET_SEALS") {
+		t.Fatalf("inspecting a file that is no memfd: %v, want its seals refused", err)
 	}
 	if c, err := Adopt(f, FileInfo{Size: 1 << 20}, -1, false, false); err == nil {
 		c.Close()

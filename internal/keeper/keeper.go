@@ -10,7 +10,8 @@
 //
 //	agent -> keeper                     keeper -> agent
 //	hello {v}                           state {v, chunks, books, locks} [+ books fd]
-//	                                    chunks {items} + fds   (batches; item.locked)
+//	                                    chunks {items} + fds   (batches; item.locked,
+//	                                    item.pageSize)
 //	                                    end
 //	put {items:[item]} + 1 fd           ok     (replaces an item of the same ID)
 //	lock {items:[{id,gen}], off, len}   ok {items:[item]}  (item.locked: every page)
@@ -93,6 +94,12 @@ type Item struct {
 	Gen   uint64 `json:"gen"`   // the agent's generation of the chunk: a fresh memfd per grant gets the next
 	Size  int64  `json:"size"`  // bytes
 	Seals int    `json:"seals"` // F_GET_SEALS when it was put
+	// PageSize (from the keeper only) is the memfd's page size as the
+	// keeper read it at the put (hostmem.Inspect): with Size and Seals,
+	// what the memfd says of itself, which a sealed memfd (hostmem.Seals)
+	// can no longer change, so that an agent adopting thousands of chunks
+	// need not ask each memfd again. A keeper before it sends none.
+	PageSize int64 `json:"pageSize,omitempty"`
 	// Locked (from the keeper only): the keeper's mapping of the chunk
 	// holds every page locked (lock).
 	Locked bool `json:"locked,omitempty"`
@@ -487,10 +494,12 @@ func (k *Keeper) apply(m message, files []*os.File) message {
 		return message{Op: "error", Error: "hello sent twice"}
 	case "put":
 		it, f := m.Items[0], files[0]
-		if err := checkFile(f, it); err != nil {
+		pageSize, err := checkFile(f, it)
+		if err != nil {
 			f.Close()
 			return message{Op: "error", Error: err.Error()}
 		}
+		it.PageSize = pageSize
 		old, had := k.chunks[it.ID]
 		if !had && len(k.chunks) >= MaxItems {
 			f.Close()
@@ -630,23 +639,20 @@ func (k *Keeper) sendBooks(uc *net.UnixConn) error {
 	return send(uc, message{Op: "follow", Books: true, Gen: gen}, []int{int(ro.Fd())})
 }
 
-// checkFile verifies that f is a memory file of the item's size and seals.
-func checkFile(f *os.File, it Item) error {
-	size, err := fileSize(f)
+// checkFile verifies that f is a memory file of the item's size and seals,
+// and returns its page size (hostmem.Inspect).
+func checkFile(f *os.File, it Item) (pageSize int64, err error) {
+	info, err := hostmem.Inspect(f)
 	if err != nil {
-		return err
+		return 0, fmt.Errorf("chunk %s: %w", it.ID, err)
 	}
-	if size != it.Size {
-		return fmt.Errorf("chunk %s: the fd is %d bytes, the item says %d", it.ID, size, it.Size)
+	if info.Size != it.Size {
+		return 0, fmt.Errorf("chunk %s: the fd is %d bytes, the item says %d", it.ID, info.Size, it.Size)
 	}
-	seals, err := unix.FcntlInt(f.Fd(), unix.F_GET_SEALS, 0)
-	if err != nil {
-		return fmt.Errorf("chunk %s: not a memfd (F_GET_SEALS: %v)", it.ID, err)
+	if info.Seals != it.Seals {
+		return 0, fmt.Errorf("chunk %s: seals %#x, the item says %#x", it.ID, info.Seals, it.Seals)
 	}
-	if seals != it.Seals {
-		return fmt.Errorf("chunk %s: seals %#x, the item says %#x", it.ID, seals, it.Seals)
-	}
-	return nil
+	return info.PageSize, nil
 }
 
 func fileSize(f *os.File) (int64, error) {

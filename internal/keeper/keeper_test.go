@@ -15,10 +15,11 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/kvpool/kvpool/internal/hostmem"
 	"github.com/kvpool/kvpool/pkg/unixsock"
 )
 
-func start(t *testing.T) (*Keeper, string) {
+func start(t testing.TB) (*Keeper, string) {
 	t.Helper()
 	path := filepath.Join(t.TempDir(), "keeper.sock")
 	l, err := Listen(path)
@@ -43,7 +44,7 @@ func start(t *testing.T) (*Keeper, string) {
 	return k, path
 }
 
-func memfd(t *testing.T, size int64, fill byte) *os.File {
+func memfd(t testing.TB, size int64, fill byte) *os.File {
 	t.Helper()
 	fd, err := unix.MemfdCreate("test", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
 	if err != nil {
@@ -120,6 +121,10 @@ func TestKeeperHoldsAcrossAgents(t *testing.T) {
 	for i, h := range st2.Chunks {
 		if h.ID != fmt.Sprintf("c%03d", i) || first(t, h.File) != byte(i) || h.Gen != 1 {
 			t.Fatalf("chunk %d: %+v first byte %d", i, h.Item, first(t, h.File))
+		}
+		// What the keeper read of the memfd at the put comes with it.
+		if h.PageSize != int64(os.Getpagesize()) || h.Size != 4096 {
+			t.Fatalf("chunk %d: page size %d and size %d, want %d and 4096 as the memfd said", i, h.PageSize, h.Size, os.Getpagesize())
 		}
 	}
 	if _, err := st2.Chunks[5].File.WriteAt([]byte{0xee}, 0); err != nil {
@@ -706,5 +711,159 @@ func TestFollowOfAnOlderKeeper(t *testing.T) {
 		if f != nil || err == nil || errors.Is(err, ErrNoFollow) != tc.old {
 			t.Fatalf("answer %s: %v, %v (want ErrNoFollow: %v)", tc.answer, f, err, tc.old)
 		}
+	}
+}
+
+// BenchmarkHandOver is a restarted agent's connection to a keeper that
+// holds 4,096 sealed chunks (a node of 4 TiB in 1 GiB chunks): the state
+// and every chunk's memfd, received and made files. The keeper serves in
+// this process, as its own goroutines.
+func BenchmarkHandOver(b *testing.B) {
+	const n = 4096
+	k, path := start(b)
+	c, _, err := Connect(path, time.Second)
+	if err != nil {
+		b.Fatal(err)
+	}
+	for i := range n {
+		f := memfd(b, 4096, 0)
+		if _, err := unix.FcntlInt(f.Fd(), unix.F_ADD_SEALS, hostmem.Seals); err != nil {
+			b.Fatal(err)
+		}
+		if err := c.Put(Item{ID: fmt.Sprintf("gpu0-numa0-%d", i), Gen: 1, Size: 4096, Seals: hostmem.Seals}, f); err != nil {
+			b.Fatal(err)
+		}
+		f.Close() // the keeper holds its own
+	}
+	c.Close()
+	for b.Loop() {
+		c, st, err := Connect(path, time.Second)
+		if err != nil {
+			b.Fatal(err)
+		}
+		if len(st.Chunks) != n {
+			b.Fatalf("%d chunks handed over, want %d", len(st.Chunks), n)
+		}
+		b.StopTimer() // a restart keeps them: their closing is not its
+		st.Close()
+		c.Close()
+		for k.Stat().Agent { // the connection's end, seen
+			time.Sleep(100 * time.Microsecond)
+		}
+		b.StartTimer()
+	}
+	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*n), "ns/chunk")
+}
+
+// openFDs counts the process's open fds.
+func openFDs(t *testing.T) int {
+	t.Helper()
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return len(ents)
+}
+
+// TestHelloChecksTheState: a keeper's state whose chunk batches do not add
+// up is refused, whichever batch is wrong, and every fd received is
+// closed; one that adds up comes in the keeper's order, whichever lane
+// decoded each batch.
+func TestHelloChecksTheState(t *testing.T) {
+	mem := memfd(t, 4096, 7)
+	items := func(from, n int) []Item {
+		var out []Item
+		for i := range n {
+			out = append(out, Item{ID: fmt.Sprintf("c%04d", from+i), Gen: 1, Size: 4096, PageSize: 4096})
+		}
+		return out
+	}
+	fds := func(n int) []int { return slices.Repeat([]int{int(mem.Fd())}, n) }
+	type pkt struct {
+		m   message
+		fds []int
+	}
+	state := func(n int) pkt { return pkt{m: message{V: Version, Op: "state", N: n}} }
+	chunks := func(from, n, nfds int) pkt {
+		return pkt{m: message{Op: "chunks", Items: items(from, n)}, fds: fds(nfds)}
+	}
+	end := pkt{m: message{Op: "end"}}
+	for _, tc := range []struct {
+		name string
+		pkts []pkt
+		want string // "" for a state of n chunks
+		n    int    // -1: the keeper hangs up after its packets
+	}{
+		{"nine batches", []pkt{state(9 * batch), chunks(0, batch, batch), chunks(batch, batch, batch), chunks(2*batch, batch, batch),
+			chunks(3*batch, batch, batch), chunks(4*batch, batch, batch), chunks(5*batch, batch, batch), chunks(6*batch, batch, batch),
+			chunks(7*batch, batch, batch), chunks(8*batch, batch, batch), end}, "", 9 * batch},
+		{"no chunks", []pkt{state(0), end}, "", 0},
+		{"a batch short of fds", []pkt{state(3), chunks(0, 2, 2), chunks(2, 1, 0), end}, "with no fds", 0},
+		{"a batch with an fd too many", []pkt{state(4), chunks(0, 2, 2), chunks(2, 2, 3), end}, "2 items with 3 fds", 0},
+		{"the last batch wrong", []pkt{state(6), chunks(0, 2, 2), chunks(2, 2, 2), chunks(4, 2, 1), end}, "2 items with 1 fds", 0},
+		{"not a batch", []pkt{state(2), {m: message{Op: "ok"}, fds: fds(2)}, end}, "bad chunk batch: ok", 0},
+		{"fewer than announced", []pkt{state(5), chunks(0, 2, 2), end}, "announced 5 chunks, sent 2", 0},
+		{"more than announced", []pkt{state(1), chunks(0, 2, 2), end}, "announced 1 chunks, sent 2", 0},
+		{"an error instead of the end", []pkt{state(2), chunks(0, 2, 2), {m: message{Op: "error", Error: "boom"}}}, "bad chunk batch: error", 0},
+		{"the keeper gone mid-state", []pkt{state(4), chunks(0, 2, 2)}, "EOF", -1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			path := filepath.Join(t.TempDir(), "k.sock")
+			l, err := Listen(path)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer l.Close()
+			served := make(chan error, 1)
+			go func() {
+				uc, err := l.AcceptUnix()
+				if err != nil {
+					served <- err
+					return
+				}
+				defer uc.Close()
+				buf := make([]byte, maxPacket)
+				if _, _, _, _, err := uc.ReadMsgUnix(buf, nil); err != nil { // the hello
+					served <- err
+					return
+				}
+				for _, p := range tc.pkts {
+					if err := send(uc, p.m, p.fds); err != nil {
+						served <- err
+						return
+					}
+				}
+				if tc.want != "" && tc.n >= 0 {
+					// Let the client read everything before the close.
+					_, _, _, _, _ = uc.ReadMsgUnix(buf, nil)
+				}
+				served <- nil
+			}()
+			before := openFDs(t)
+			c, st, err := connect(path)
+			switch {
+			case tc.want == "" && err != nil:
+				t.Fatalf("connect: %v", err)
+			case tc.want == "":
+				if len(st.Chunks) != tc.n {
+					t.Fatalf("%d chunks, want %d", len(st.Chunks), tc.n)
+				}
+				for i, h := range st.Chunks {
+					if h.ID != fmt.Sprintf("c%04d", i) || first(t, h.File) != 7 {
+						t.Fatalf("chunk %d is %s (first byte %d)", i, h.ID, first(t, h.File))
+					}
+				}
+				st.Close()
+				c.Close()
+			case err == nil || !strings.Contains(err.Error(), tc.want):
+				t.Fatalf("connect: %v, want an error saying %q", err, tc.want)
+			}
+			if err := <-served; err != nil {
+				t.Fatal(err)
+			}
+			if after := openFDs(t); after != before {
+				t.Fatalf("%d fds open before the hello, %d after: the state's fds are not all closed", before, after)
+			}
+		})
 	}
 }

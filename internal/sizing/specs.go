@@ -44,19 +44,25 @@ func NodeWorkers(info *node.Info) Workers {
 // "prefer" huge page policy a chunk falls back to ordinary pages if its
 // huge pages are gone by the time it is allocated.
 func (p *Plan) Specs(hugePages string, workers Workers) []hostmem.Spec {
-	var specs []hostmem.Spec
 	ids := make([][]string, len(p.GPUs))
-	most := 0
+	type lane struct {
+		n    int
+		cpus []int
+	}
+	lanes := make([]lane, len(p.GPUs)) // each GPU's workers, asked once (not a chunk)
+	most, total := 0, 0
 	for i, g := range p.GPUs {
 		ids[i] = g.ChunkIDs()
-		most = max(most, len(ids[i]))
+		most, total = max(most, len(ids[i])), total+len(ids[i])
+		lanes[i].n, lanes[i].cpus = workers(g.NUMA)
 	}
+	specs := make([]hostmem.Spec, 0, total)
 	for k := range most {
 		for i, g := range p.GPUs {
 			if k >= len(ids[i]) {
 				continue
 			}
-			n, cpus := workers(g.NUMA)
+			n, cpus := lanes[i].n, lanes[i].cpus
 			specs = append(specs, hostmem.Spec{ID: ids[i][k], Options: hostmem.Options{
 				Size:         p.ChunkBytes,
 				Name:         "kvpool-" + ids[i][k],

@@ -197,6 +197,12 @@ func (p *Pool) Restore(img Image) ([]*Session, error) {
 }
 
 func (p *Pool) restoreLocked(img Image) ([]*Session, error) {
+	if len(p.chunks) == 0 {
+		// Sized once, not grown chunk by chunk: a large node restores
+		// thousands (each table's growth is heap the restart faults in).
+		p.chunks = make(map[string]*chunk, len(img.Chunks))
+	}
+	p.order = slices.Grow(p.order, len(img.Chunks))
 	for _, c := range img.Chunks {
 		if c.ID == "" || c.Size <= 0 {
 			return nil, fmt.Errorf("%w: chunk %q of %d bytes", poolerr.ErrBadSize, c.ID, c.Size)
@@ -218,7 +224,7 @@ func (p *Pool) restoreLocked(img Image) ([]*Session, error) {
 		if _, ok := p.allocs[ai.ID]; ok {
 			return nil, fmt.Errorf("allocation %s: %w", ai.ID, poolerr.ErrAllocationExists)
 		}
-		a := &allocation{id: ai.ID, sessions: make(map[*Session]struct{})}
+		a := &allocation{id: ai.ID, sessions: make(map[*Session]struct{}), chunks: make([]*chunk, 0, len(ai.Chunks))}
 		for _, id := range ai.Chunks {
 			ch, ok := p.chunks[id]
 			if !ok {
