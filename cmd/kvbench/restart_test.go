@@ -128,9 +128,14 @@ func TestRestartProbe(t *testing.T) {
 	if err := runRestart(context.Background(), []string{"--streams", "1", "--restarts", "2", "--settle", "10ms", "--wait", "client", "--rid-bytes", "48"}); err != nil {
 		t.Fatal(err)
 	}
+	// Chunks over several simulated GPUs, a session's allocation taking
+	// some of each.
+	if err := runRestart(context.Background(), []string{"--streams", "1", "--restarts", "1", "--settle", "10ms", "--gpus", "2", "--chunks", "4"}); err != nil {
+		t.Fatal(err)
+	}
 	for _, bad := range [][]string{{"--streams", "0"}, {"--chunks", "0"}, {"--chunks", "1", "--chunk-mib", "16"},
 		{"--sessions", "0"}, {"--sessions", "3", "--chunks", "2"}, {"--streams", "131073"}, {"--wait", "sometimes"}, {"--churn", "-1"}, {"--restart-by", "kubelet"}, {"--spare-after", "-1s"},
-		{"--rid-bytes", "10"}, {"--rid-bytes", "1025"}} {
+		{"--rid-bytes", "10"}, {"--rid-bytes", "1025"}, {"--gpus", "0"}, {"--gpus", "3", "--chunks", "4"}} {
 		if err := runRestart(context.Background(), bad); err == nil {
 			t.Fatalf("%q accepted", bad)
 		}
