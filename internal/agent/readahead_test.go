@@ -3,11 +3,15 @@ package agent
 import (
 	"fmt"
 	"log/slog"
+	"os"
 	"reflect"
 	"strings"
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
+	"github.com/kvpool/kvpool/internal/keeper"
 	"github.com/kvpool/kvpool/internal/logging"
 	"github.com/kvpool/kvpool/pkg/wire"
 )
@@ -252,4 +256,97 @@ func TestReadAheadGoesOnThroughACompaction(t *testing.T) {
 	if got := a2.Pool().Export(); !reflect.DeepEqual(got, want) {
 		t.Fatalf("the pool restored from books followed through a compaction differs:\n%+v\n%+v", got, want)
 	}
+}
+
+// A spare takes the chunks ahead once they have stayed as they are, closes
+// them as soon as the keeper's chunks change (a chunk replaced or dropped
+// is not held in memory by the spare), takes them anew once settled, and
+// at its turn the keeper hands over none of them: the restore adopts the
+// ones it took, into the same pool.
+func TestSpareTakesTheChunksAhead(t *testing.T) {
+	defer func(s time.Duration) { aheadSettle = s }(aheadSettle)
+	aheadSettle = 30 * time.Millisecond
+	dir := t.TempDir()
+	ksock, a1, stop1, offload := offloadingAgent(t, dir)
+	for i := range 20 {
+		offload(fmt.Sprintf("rid-%03d", i))
+	}
+	ra := StartReadAhead(ksock, 5*time.Millisecond, 0, nil)
+	// What the spare holds now: the take's generation and files (none: 0).
+	// The loop closes a take only once it is no longer ra.ahead.
+	taken := func() (uint64, map[*os.File]bool) {
+		ra.aheadMu.Lock()
+		defer ra.aheadMu.Unlock()
+		if ra.ahead == nil {
+			return 0, nil
+		}
+		files := map[*os.File]bool{}
+		for _, h := range ra.ahead.Chunks {
+			files[h.File] = true
+		}
+		return ra.ahead.Gen, files
+	}
+	gen := func() uint64 {
+		st, err := keeper.Query(ksock)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return st.ChunkGen
+	}
+	waitUntil(t, "the spare taking the chunks", func() bool { g, _ := taken(); return g != 0 && g == gen() })
+	firstGen, firstFiles := taken()
+	if st, err := keeper.Query(ksock); err != nil || len(firstFiles) != st.Chunks || st.Chunks == 0 {
+		t.Fatalf("the spare took %d chunks, the keeper holds %d (%v)", len(firstFiles), st.Chunks, err)
+	}
+	// A change to the keeper's chunks (an extra one, then dropped again).
+	kc := a1.a.restart.client()
+	extra := memfdFile(t, 4096)
+	if err := kc.Put(keeper.Item{ID: "extra", Gen: 1, Size: 4096}, extra); err != nil {
+		t.Fatal(err)
+	}
+	waitUntil(t, "the spare letting go of the chunks it took before the change", func() bool { g, _ := taken(); return g != firstGen })
+	if err := kc.Drop("extra"); err != nil {
+		t.Fatal(err)
+	}
+	waitUntil(t, "the spare taking the changed chunks", func() bool { g, _ := taken(); return g != 0 && g == gen() })
+	_, files := taken()
+	for f := range files {
+		if firstFiles[f] {
+			t.Fatal("the spare took the chunks anew, yet holds a file of its take before the change")
+		}
+	}
+	want := a1.Pool().Export()
+	ra.Stop()
+	stop1()
+
+	a2, stop2 := bootAgent(t, Options{Config: a1.a.cfg, Standalone: true, ChunksPerGPU: 2, ChunkBytes: 2 << 20, Logger: quietLog, ReadAhead: ra})
+	defer stop2()
+	if !a2.a.restart.chunksAhead {
+		t.Fatal("the keeper handed the chunks over at the hello, though the spare held them")
+	}
+	a2.a.mu.RLock()
+	for id, c := range a2.a.hmem {
+		if !files[c.File] {
+			t.Errorf("chunk %s: not the file the spare took ahead", id)
+		}
+	}
+	a2.a.mu.RUnlock()
+	if got := a2.Pool().Export(); !reflect.DeepEqual(got, want) {
+		t.Fatalf("the pool restored from the chunks taken ahead differs:\n%+v\n%+v", got, want)
+	}
+}
+
+// memfdFile is a sealable memfd of size bytes, closed at the test's end.
+func memfdFile(t *testing.T, size int64) *os.File {
+	t.Helper()
+	fd, err := unix.MemfdCreate("extra", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := os.NewFile(uintptr(fd), "extra")
+	t.Cleanup(func() { f.Close() })
+	if err := f.Truncate(size); err != nil {
+		t.Fatal(err)
+	}
+	return f
 }

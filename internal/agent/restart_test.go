@@ -867,15 +867,7 @@ func TestTooManyChunksRefusedButAKeptPoolKept(t *testing.T) {
 // whichever lane asks it.
 func TestInspectKeptTakesTheKeepersWordForSealedChunks(t *testing.T) {
 	newMemfd := func(size int64, seal bool) *os.File {
-		fd, err := unix.MemfdCreate("kept", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
-		if err != nil {
-			t.Fatal(err)
-		}
-		f := os.NewFile(uintptr(fd), "kept")
-		t.Cleanup(func() { f.Close() })
-		if err := f.Truncate(size); err != nil {
-			t.Fatal(err)
-		}
+		f := memfdFile(t, size)
 		if seal {
 			if _, err := unix.FcntlInt(f.Fd(), unix.F_ADD_SEALS, hostmem.Seals); err != nil {
 				t.Fatal(err)

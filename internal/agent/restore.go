@@ -46,6 +46,9 @@ type restart struct {
 	adopted  map[string]bool
 	sessions []server.RestoredSession
 	streams  int
+	// chunksAhead: the keeper handed over no chunk at the hello, a spare
+	// having taken them ahead (ReadAhead.takeAhead).
+	chunksAhead bool
 	// readAhead: the restore finished the books a spare read ahead
 	// (loadKept).
 	readAhead bool
@@ -83,11 +86,15 @@ func (a *agent) connectKeeper() error {
 	if err := config.CheckKeeperSocket(filepath.Dir(a.socket), path); err != nil {
 		return err
 	}
-	kc, held, err := keeper.Connect(path, keeperWait)
+	var ahead *keeper.Ahead // the chunks a spare took ahead of its turn
+	if ra := a.opts.ReadAhead; ra != nil {
+		ahead = ra.takeChunks()
+	}
+	kc, held, err := keeper.ConnectWith(path, keeperWait, ahead)
 	if err != nil {
 		return fmt.Errorf("keeper: %w (is `agent keeper --socket %s` running?)", err, path)
 	}
-	r := &restart{keeper: kc, held: held, kept: inspectKept(held.Chunks), marker: a.readMarker(), gens: make(map[string]uint64, len(held.Chunks)), adopted: make(map[string]bool, len(held.Chunks)), lockq: newLockQueue()}
+	r := &restart{keeper: kc, held: held, chunksAhead: held.Ahead, kept: inspectKept(held.Chunks), marker: a.readMarker(), gens: make(map[string]uint64, len(held.Chunks)), adopted: make(map[string]bool, len(held.Chunks)), lockq: newLockQueue()}
 	r.locks.Store(held.Locks)
 	a.restart = r
 	return nil
@@ -324,7 +331,7 @@ func (a *agent) restore() (err error) {
 			AdoptSeconds: tAdopt.Sub(tLoad).Seconds(), RebuildSeconds: tPool.Sub(tAdopt).Seconds(), BooksSeconds: tBooks.Sub(tPool).Seconds(),
 			ReadAhead: r.readAhead, ReplayedBytes: int64(info.Replayed)}
 		a.log.Info("pool adopted from the keeper", "chunks", len(r.adopted), "sessions", len(r.sessions),
-			"streams", r.streams, "booksGen", info.Gen, "readAhead", r.readAhead, bytesize.Attr("replayed", int64(info.Replayed)),
+			"streams", r.streams, "booksGen", info.Gen, "readAhead", r.readAhead, "chunksAhead", r.chunksAhead, bytesize.Attr("replayed", int64(info.Replayed)),
 			bytesize.Attr("warmHeap", r.warmed), "warmHuge", r.warmHuge, "spare", spareWait.Round(time.Microsecond), "warm", tWarm.Sub(t0).Round(time.Microsecond),
 			"load", tLoad.Sub(tWarm).Round(time.Microsecond),
 			"adopt", tAdopt.Sub(tLoad).Round(time.Microsecond), "rebuild", tPool.Sub(tAdopt).Round(time.Microsecond),

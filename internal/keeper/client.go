@@ -67,6 +67,9 @@ type State struct {
 	// Locks: the keeper takes lock requests (Client.Lock); a keeper
 	// before them does not, and the agent then keeps the lock itself.
 	Locks bool
+	// Ahead: the chunks are those the agent took ahead (ConnectWith),
+	// none handed over at the hello.
+	Ahead bool
 }
 
 // Close closes every file of s.
@@ -86,14 +89,87 @@ func (s *State) Close() {
 // its connection bound it closes the idlest that is not the agent's, and
 // an agent whose hello is not through is not known to be one yet).
 func Connect(path string, wait time.Duration) (*Client, *State, error) {
+	return ConnectWith(path, wait, nil)
+}
+
+// ConnectWith is Connect for an agent that took the chunks ahead (TakeHeld,
+// nil: none): where the keeper still holds those very chunks (their
+// generation), it hands over none and the state's chunks are ahead's;
+// otherwise they come as with Connect and ahead's are closed. It takes
+// ahead.
+func ConnectWith(path string, wait time.Duration, ahead *Ahead) (*Client, *State, error) {
+	defer ahead.Close() // what the state did not take
 	deadline := time.Now().Add(wait)
 	for {
-		c, st, err := connect(path)
+		c, st, err := connect(path, ahead)
 		if err == nil || time.Now().After(deadline) || !retryable(err) {
 			return c, st, err
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
+}
+
+// Ahead is every chunk a keeper held, taken ahead of a hello (TakeHeld),
+// and their generation.
+type Ahead struct {
+	Gen    uint64
+	Chunks []Held
+}
+
+// Close closes the chunks' files (a nil Ahead has none).
+func (a *Ahead) Close() {
+	if a == nil {
+		return
+	}
+	for _, h := range a.Chunks {
+		h.File.Close()
+	}
+	a.Chunks = nil
+}
+
+// ErrNoHeld: the keeper is older than the held request.
+var ErrNoHeld = errors.New("keeper: the keeper answers no held request (it is older than this agent)")
+
+// TakeHeld asks the keeper at path for every chunk it holds, without
+// claiming the agent's connection: a spare agent takes them while it
+// waits, so that its hello at the turn hands over none of them where they
+// did not change since (ConnectWith). The files hold the chunks' memory
+// until they are closed: a taker closes them once the keeper's generation
+// (Stat.ChunkGen) is no longer theirs.
+func TakeHeld(path string) (*Ahead, error) {
+	uc, err := net.DialUnix(unixsock.Network, nil, &net.UnixAddr{Name: path, Net: unixsock.Network})
+	if err != nil {
+		return nil, fmt.Errorf("keeper: dial %s: %w", path, err)
+	}
+	defer uc.Close()
+	c := &Client{uc: uc, buf: make([]byte, maxPacket), oob: make([]byte, unix.CmsgSpace(4*batch+4))}
+	if err := uc.SetDeadline(time.Now().Add(4 * CallTimeout)); err != nil {
+		return nil, err
+	}
+	if err := send(uc, message{Op: "held"}, nil); err != nil {
+		return nil, fmt.Errorf("keeper: held: %w", err)
+	}
+	m, files, err := c.recv()
+	if err != nil {
+		return nil, err
+	}
+	closeAll(files)
+	if m.Op != "held" || len(files) != 0 {
+		if m.Op == "error" && strings.Contains(m.Error, `unknown op "held"`) {
+			return nil, ErrNoHeld
+		}
+		return nil, fmt.Errorf("keeper: held answered %s with %d fds: %s", m.Op, len(files), m.Error)
+	}
+	held, err := c.receiveChunks(make([]Held, 0, min(max(m.N, 0), MaxItems)))
+	if err != nil {
+		return nil, err
+	}
+	a := &Ahead{Gen: m.ChunkGen, Chunks: held}
+	if len(held) != m.N || m.ChunkGen == 0 {
+		a.Close()
+		return nil, fmt.Errorf("keeper: held announced %d chunks of generation %d, sent %d", m.N, m.ChunkGen, len(held))
+	}
+	return a, nil
 }
 
 func retryable(err error) bool {
@@ -105,7 +181,7 @@ func retryable(err error) bool {
 	return false
 }
 
-func connect(path string) (*Client, *State, error) {
+func connect(path string, ahead *Ahead) (*Client, *State, error) {
 	uc, err := net.DialUnix(unixsock.Network, nil, &net.UnixAddr{Name: path, Net: unixsock.Network})
 	if err != nil {
 		return nil, nil, fmt.Errorf("keeper: dial %s: %w", path, err)
@@ -118,7 +194,7 @@ func connect(path string) (*Client, *State, error) {
 		uc.Close()
 		return nil, nil, fmt.Errorf("keeper: %w", err)
 	}
-	st, err := c.hello()
+	st, err := c.hello(ahead)
 	if err == nil {
 		err = uc.SetDeadline(time.Time{})
 	}
@@ -174,8 +250,12 @@ func (c *Client) Err() error {
 	}
 }
 
-func (c *Client) hello() (*State, error) {
-	if err := send(c.uc, message{V: Version, Op: "hello"}, nil); err != nil {
+func (c *Client) hello(ahead *Ahead) (*State, error) {
+	hi := message{V: Version, Op: "hello"}
+	if ahead != nil {
+		hi.Have = ahead.Gen
+	}
+	if err := send(c.uc, hi, nil); err != nil {
 		return nil, fmt.Errorf("keeper: hello: %w", err)
 	}
 	m, files, err := c.recv()
@@ -196,6 +276,24 @@ func (c *Client) hello() (*State, error) {
 	}
 	if m.Books {
 		st.Books = files[0]
+	}
+	if m.Same {
+		// The chunks taken ahead, as they are: only the end follows.
+		if ahead == nil || m.ChunkGen != ahead.Gen || len(ahead.Chunks) != m.N {
+			st.Close()
+			return nil, fmt.Errorf("keeper: the state says the %d chunks of generation %d are the agent's already, which holds none of them", m.N, m.ChunkGen)
+		}
+		extra, err := c.receiveChunks(nil)
+		if err == nil && len(extra) > 0 {
+			(&Ahead{Chunks: extra}).Close()
+			err = fmt.Errorf("keeper: the state says the chunks are the agent's already, and sends %d", len(extra))
+		}
+		if err != nil {
+			st.Close()
+			return nil, err
+		}
+		st.Chunks, ahead.Chunks, st.Ahead = ahead.Chunks, nil, true
+		return st, nil
 	}
 	held, err := c.receiveChunks(st.Chunks)
 	if err != nil {

@@ -9,16 +9,21 @@
 // JSON message per packet, file descriptors by SCM_RIGHTS.
 //
 //	agent -> keeper                     keeper -> agent
-//	hello {v}                           state {v, chunks, books, locks} [+ books fd]
+//	hello {v, have}                     state {v, chunks, books, locks, chunkGen, same} [+ books fd]
 //	                                    chunks {items} + fds   (batches; item.locked,
 //	                                    item.pageSize)
-//	                                    end
+//	                                    end  (no batches when same: the chunks
+//	                                    are those of chunkGen have, which the
+//	                                    agent took ahead with held)
 //	put {items:[item]} + 1 fd           ok     (replaces an item of the same ID)
 //	lock {items:[{id,gen}], off, len}   ok {items:[item]}  (item.locked: every page)
 //	drop {items:[{id}]}                 ok
 //	books {gen} + 1 fd                  ok     (replaces the books)
 //	reset                               ok     (drops everything)
 //	stat                                stat {stat}   (any connection)
+//	held                                held {chunks, chunkGen} + chunks... + end
+//	                                    (any connection: a spare agent takes
+//	                                    the chunks' fds ahead of its turn)
 //	follow                              follow {books, gen} [+ books fd, read-only]
 //	                                    (any connection: a spare agent reads
 //	                                    the books ahead of its turn)
@@ -46,6 +51,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math"
+	"math/rand/v2"
 	"net"
 	"os"
 	"sort"
@@ -112,8 +118,9 @@ type Stat struct {
 	Books      bool   `json:"books"`
 	BooksBytes int64  `json:"booksBytes"`
 	BooksGen   uint64 `json:"booksGen"`
-	Agent      bool   `json:"agent"`  // an agent is connected
-	Locked     int64  `json:"locked"` // bytes of chunks the keeper holds locked (lock)
+	Agent      bool   `json:"agent"`              // an agent is connected
+	Locked     int64  `json:"locked"`             // bytes of chunks the keeper holds locked (lock)
+	ChunkGen   uint64 `json:"chunkGen,omitempty"` // the generation of the chunks held (held)
 }
 
 type message struct {
@@ -124,10 +131,17 @@ type message struct {
 	N     int    `json:"n,omitempty"`
 	Books bool   `json:"books,omitempty"`
 	Locks bool   `json:"locks,omitempty"` // state: the keeper takes lock requests
-	Off   int64  `json:"off,omitempty"`   // lock: the step's first byte
-	Len   int64  `json:"len,omitempty"`   // lock: the step's bytes
-	Stat  *Stat  `json:"stat,omitempty"`
-	Error string `json:"error,omitempty"`
+	// ChunkGen (state, held): the keeper's generation of what it holds of
+	// the chunks; Have (hello): the generation of the chunks the agent
+	// took ahead (held); Same (state): they are still those, and none
+	// follow.
+	ChunkGen uint64 `json:"chunkGen,omitempty"`
+	Have     uint64 `json:"have,omitempty"`
+	Same     bool   `json:"same,omitempty"`
+	Off      int64  `json:"off,omitempty"` // lock: the step's first byte
+	Len      int64  `json:"len,omitempty"` // lock: the step's bytes
+	Stat     *Stat  `json:"stat,omitempty"`
+	Error    string `json:"error,omitempty"`
 }
 
 // parseRequest decodes and checks one request and its fd count.
@@ -163,7 +177,7 @@ func parseRequest(pkt []byte, nfds int) (message, error) {
 		}
 	case "books":
 		want = 1
-	case "reset", "stat", "follow":
+	case "reset", "stat", "follow", "held":
 	default:
 		return m, fmt.Errorf("unknown op %q", m.Op)
 	}
@@ -207,6 +221,10 @@ type Keeper struct {
 	books    *os.File
 	booksGen uint64
 	agent    *net.UnixConn // the connected agent, nil when none
+	// chunkGen changes with every change of the chunks held (one added,
+	// replaced or dropped, or its lock completed): a random start, so that
+	// no other keeper's generation is ever this one's.
+	chunkGen uint64
 
 	idle time.Duration // IdleTimeout, from idleTimeout when made
 	// noLock: the keeper takes no lock requests (SetLock).
@@ -223,7 +241,7 @@ func New(log *slog.Logger) *Keeper {
 	if log == nil {
 		log = slog.Default()
 	}
-	return &Keeper{log: log, chunks: map[string]held{}, idle: idleTimeout}
+	return &Keeper{log: log, chunks: map[string]held{}, idle: idleTimeout, chunkGen: rand.Uint64() | 1}
 }
 
 // SetLock says whether the keeper takes lock requests (the default) or
@@ -362,6 +380,7 @@ func (k *Keeper) Close() {
 }
 
 func (k *Keeper) resetLocked() {
+	k.chunkGen++
 	for id, h := range k.chunks {
 		h.release()
 		delete(k.chunks, id)
@@ -380,7 +399,7 @@ func (k *Keeper) Stat() Stat {
 }
 
 func (k *Keeper) statLocked() Stat {
-	st := Stat{Chunks: len(k.chunks), Books: k.books != nil, BooksGen: k.booksGen, Agent: k.agent != nil}
+	st := Stat{Chunks: len(k.chunks), Books: k.books != nil, BooksGen: k.booksGen, Agent: k.agent != nil, ChunkGen: k.chunkGen}
 	for _, h := range k.chunks {
 		st.Bytes += h.Size
 		st.Locked += h.lockedTo
@@ -451,6 +470,12 @@ func (k *Keeper) serveConn(c *conn) {
 			}
 			continue
 		}
+		if m.Op == "held" {
+			if k.sendHeld(uc) != nil {
+				return
+			}
+			continue
+		}
 		if !isAgent {
 			if m.Op != "hello" {
 				closeAll(files)
@@ -471,7 +496,7 @@ func (k *Keeper) serveConn(c *conn) {
 				}
 				return
 			}
-			if err := k.sendState(uc); err != nil {
+			if err := k.sendState(uc, m.Have); err != nil {
 				k.log.Warn("keeper: sending state", "err", err)
 				return
 			}
@@ -510,6 +535,7 @@ func (k *Keeper) apply(m message, files []*os.File) message {
 		}
 		it.Locked = false
 		k.chunks[it.ID] = held{Item: it, f: f}
+		k.chunkGen++
 	case "lock":
 		if k.noLock {
 			return message{Op: "error", Error: "lock: this keeper leaves the pool's lock with the agent (agent keeper --lock=false)"}
@@ -519,6 +545,7 @@ func (k *Keeper) apply(m message, files []*os.File) message {
 		if h, ok := k.chunks[m.Items[0].ID]; ok {
 			h.release()
 			delete(k.chunks, m.Items[0].ID)
+			k.chunkGen++
 		}
 	case "books":
 		f := files[0]
@@ -567,8 +594,12 @@ func (k *Keeper) lockLocked(m message) message {
 		k.chunks[want.ID] = h
 		return message{Op: "error", Error: fmt.Sprintf("lock: chunk %s at %d: %v", want.ID, m.Off, err)}
 	}
+	was := h.locked()
 	h.lockedTo = max(h.lockedTo, m.Off+m.Len)
 	k.chunks[want.ID] = h
+	if h.locked() != was {
+		k.chunkGen++ // an agent adopts a locked chunk as the keeper's
+	}
 	it := h.Item
 	it.Locked = h.locked()
 	return message{Op: "ok", Items: []Item{it}}
@@ -581,11 +612,15 @@ func (h held) locked() bool { return h.mem != nil && h.lockedTo == h.Size }
 // refused).
 var lockOnFault = hostmem.LockOnFault
 
-// sendState sends the books and every held chunk to a new agent.
-func (k *Keeper) sendState(uc *net.UnixConn) error {
+// sendState sends the books and every held chunk to a new agent; none
+// where have, the generation of the chunks it took ahead (held), is still
+// the keeper's (same).
+func (k *Keeper) sendState(uc *net.UnixConn, have uint64) error {
 	k.mu.Lock()
 	defer k.mu.Unlock()
-	st := message{V: Version, Op: "state", N: len(k.chunks), Books: k.books != nil, Gen: k.booksGen, Locks: !k.noLock}
+	same := have != 0 && have == k.chunkGen
+	st := message{V: Version, Op: "state", N: len(k.chunks), Books: k.books != nil, Gen: k.booksGen, Locks: !k.noLock,
+		ChunkGen: k.chunkGen, Same: same}
 	var fds []int
 	if k.books != nil {
 		fds = []int{int(k.books.Fd())}
@@ -593,11 +628,30 @@ func (k *Keeper) sendState(uc *net.UnixConn) error {
 	if err := send(uc, st, fds); err != nil {
 		return err
 	}
+	if same {
+		return send(uc, message{Op: "end"}, nil)
+	}
+	return k.sendChunksLocked(uc)
+}
+
+// sendHeld answers a held request: every chunk held, and their generation.
+func (k *Keeper) sendHeld(uc *net.UnixConn) error {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if err := send(uc, message{Op: "held", N: len(k.chunks), ChunkGen: k.chunkGen}, nil); err != nil {
+		return err
+	}
+	return k.sendChunksLocked(uc)
+}
+
+// sendChunksLocked sends every held chunk in batches, then the end.
+func (k *Keeper) sendChunksLocked(uc *net.UnixConn) error {
 	ids := make([]string, 0, len(k.chunks))
 	for id := range k.chunks {
 		ids = append(ids, id)
 	}
 	sort.Strings(ids)
+	var fds []int
 	for len(ids) > 0 {
 		n := min(batch, len(ids))
 		m := message{Op: "chunks"}

@@ -565,8 +565,12 @@ func TestKeeperLocksChunks(t *testing.T) {
 		t.Fatalf("refused lock requests changed the keeper: %+v", s)
 	}
 	half := int64(size / 2)
+	gen := k.Stat().ChunkGen
 	if locked, err := c.Lock("c0", 3, 0, half); err != nil || locked {
 		t.Fatalf("first half: %v %v", locked, err)
+	}
+	if k.Stat().ChunkGen != gen {
+		t.Fatal("a lock step short of the whole chunk changed the chunks' generation")
 	}
 	addr := uintptr(unsafe.Pointer(&k.mapping("c0")[0]))
 	// (A read fault may map a few pages past the step: fault-around.)
@@ -582,8 +586,8 @@ func TestKeeperLocksChunks(t *testing.T) {
 	if rss, locked, _ := mappedLocked(t, addr); rss != size || locked != size {
 		t.Fatalf("the keeper's mapping has %d bytes resident, %d locked; want %d", rss, locked, size)
 	}
-	if s := k.Stat(); s.Locked != size {
-		t.Fatalf("stat says %d bytes locked", s.Locked)
+	if s := k.Stat(); s.Locked != size || s.ChunkGen == gen {
+		t.Fatalf("stat says %d bytes locked, generation %d (before the lock %d): a chunk locked whole is a new generation", s.Locked, s.ChunkGen, gen)
 	}
 	if first(t, f) != 0 {
 		t.Fatal("locking changed the chunk")
@@ -755,14 +759,36 @@ func BenchmarkHandOver(b *testing.B) {
 	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*n), "ns/chunk")
 }
 
-// openFDs counts the process's open fds.
-func openFDs(t *testing.T) int {
+// openFDs counts the process's open fds of the memfds named name (other
+// tests' files may still be closing, by their finalizers).
+func openFDs(t *testing.T, name string) int {
 	t.Helper()
 	ents, err := os.ReadDir("/proc/self/fd")
 	if err != nil {
 		t.Fatal(err)
 	}
-	return len(ents)
+	n := 0
+	for _, e := range ents {
+		if target, err := os.Readlink(filepath.Join("/proc/self/fd", e.Name())); err == nil && strings.HasPrefix(target, "/memfd:"+name+" ") {
+			n++
+		}
+	}
+	return n
+}
+
+// namedMemfd is a memfd of size bytes named name, closed at the test's end.
+func namedMemfd(t *testing.T, name string, size int64) *os.File {
+	t.Helper()
+	fd, err := unix.MemfdCreate(name, unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := os.NewFile(uintptr(fd), name)
+	t.Cleanup(func() { f.Close() })
+	if err := f.Truncate(size); err != nil {
+		t.Fatal(err)
+	}
+	return f
 }
 
 // TestHelloChecksTheState: a keeper's state whose chunk batches do not add
@@ -770,7 +796,10 @@ func openFDs(t *testing.T) int {
 // closed; one that adds up comes in the keeper's order, whichever lane
 // decoded each batch.
 func TestHelloChecksTheState(t *testing.T) {
-	mem := memfd(t, 4096, 7)
+	mem := namedMemfd(t, "hello-state", 4096)
+	if _, err := mem.WriteAt([]byte{7}, 0); err != nil {
+		t.Fatal(err)
+	}
 	items := func(from, n int) []Item {
 		var out []Item
 		for i := range n {
@@ -805,6 +834,8 @@ func TestHelloChecksTheState(t *testing.T) {
 		{"fewer than announced", []pkt{state(5), chunks(0, 2, 2), end}, "announced 5 chunks, sent 2", 0},
 		{"more than announced", []pkt{state(1), chunks(0, 2, 2), end}, "announced 1 chunks, sent 2", 0},
 		{"an error instead of the end", []pkt{state(2), chunks(0, 2, 2), {m: message{Op: "error", Error: "boom"}}}, "bad chunk batch: error", 0},
+		{"chunks said the agent's, none taken ahead", []pkt{{m: message{V: Version, Op: "state", N: 2, Same: true, ChunkGen: 5}}, end},
+			"which holds none of them", 0},
 		{"the keeper gone mid-state", []pkt{state(4), chunks(0, 2, 2)}, "EOF", -1},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -821,26 +852,29 @@ func TestHelloChecksTheState(t *testing.T) {
 					served <- err
 					return
 				}
-				defer uc.Close()
-				buf := make([]byte, maxPacket)
-				if _, _, _, _, err := uc.ReadMsgUnix(buf, nil); err != nil { // the hello
-					served <- err
-					return
-				}
-				for _, p := range tc.pkts {
-					if err := send(uc, p.m, p.fds); err != nil {
-						served <- err
-						return
+				served <- func() error {
+					defer uc.Close() // before the test counts its fds
+					buf := make([]byte, maxPacket)
+					if _, _, _, _, err := uc.ReadMsgUnix(buf, nil); err != nil { // the hello
+						return err
 					}
-				}
-				if tc.want != "" && tc.n >= 0 {
-					// Let the client read everything before the close.
-					_, _, _, _, _ = uc.ReadMsgUnix(buf, nil)
-				}
-				served <- nil
+					for _, p := range tc.pkts {
+						if err := send(uc, p.m, p.fds); err != nil {
+							if tc.want != "" {
+								return nil // the client refused the state, and hung up
+							}
+							return err
+						}
+					}
+					if tc.want != "" && tc.n >= 0 {
+						// Let the client read everything before the close.
+						_, _, _, _, _ = uc.ReadMsgUnix(buf, nil)
+					}
+					return nil
+				}()
 			}()
-			before := openFDs(t)
-			c, st, err := connect(path)
+			before := openFDs(t, "hello-state")
+			c, st, err := connect(path, nil)
 			switch {
 			case tc.want == "" && err != nil:
 				t.Fatalf("connect: %v", err)
@@ -861,9 +895,141 @@ func TestHelloChecksTheState(t *testing.T) {
 			if err := <-served; err != nil {
 				t.Fatal(err)
 			}
-			if after := openFDs(t); after != before {
+			if after := openFDs(t, "hello-state"); after != before {
 				t.Fatalf("%d fds open before the hello, %d after: the state's fds are not all closed", before, after)
 			}
 		})
+	}
+}
+
+// TestChunksTakenAhead: a spare takes every chunk ahead (held, on a
+// connection of its own beside the agent's); at its hello it is handed
+// none of them where the keeper holds those very chunks still, and all of
+// them anew (the ones taken ahead closed) where any changed since. Every
+// change to the chunks is a new generation, and two keepers never share
+// one.
+func TestChunksTakenAhead(t *testing.T) {
+	k, path := start(t)
+	c, _, err := Connect(path, time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const n = batch + 5
+	for i := range n {
+		f := namedMemfd(t, "taken-ahead", 4096)
+		if _, err := f.WriteAt([]byte{byte(i)}, 0); err != nil {
+			t.Fatal(err)
+		}
+		if err := c.Put(Item{ID: fmt.Sprintf("c%03d", i), Gen: 1, Size: 4096}, f); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ahead, err := TakeHeld(path) // beside the agent's connection
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(ahead.Chunks) != n || ahead.Gen != k.Stat().ChunkGen {
+		t.Fatalf("taken ahead: %d chunks of generation %d, want %d of %d", len(ahead.Chunks), ahead.Gen, n, k.Stat().ChunkGen)
+	}
+	files := make([]*os.File, n)
+	for i, h := range ahead.Chunks {
+		files[i] = h.File
+		if h.ID != fmt.Sprintf("c%03d", i) || first(t, h.File) != byte(i) {
+			t.Fatalf("chunk %d taken ahead: %+v", i, h.Item)
+		}
+	}
+	c.Close()
+	before := openFDs(t, "taken-ahead")
+	c2, st, err := ConnectWith(path, 2*time.Second, ahead)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st.Close()
+	if len(st.Chunks) != n || ahead.Chunks != nil || openFDs(t, "taken-ahead") != before {
+		t.Fatalf("the hello after a take: %d chunks, %d left with the take, %d fds of the chunks open (%d before): want the %d taken, no chunk's fd again",
+			len(st.Chunks), len(ahead.Chunks), openFDs(t, "taken-ahead"), before, n)
+	}
+	for i, h := range st.Chunks {
+		if h.File != files[i] || h.ID != fmt.Sprintf("c%03d", i) {
+			t.Fatalf("chunk %d of the state is not the one taken ahead", i)
+		}
+	}
+	// A change after the take: the hello hands everything over anew.
+	ahead2, err := TakeHeld(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	gen := k.Stat().ChunkGen
+	if err := c2.Drop("c000"); err != nil {
+		t.Fatal(err)
+	}
+	if k.Stat().ChunkGen == gen {
+		t.Fatal("a drop left the chunks' generation as it was")
+	}
+	old := ahead2.Chunks[1].File
+	c2.Close()
+	c3, st3, err := ConnectWith(path, 2*time.Second, ahead2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c3.Close()
+	defer st3.Close()
+	if len(st3.Chunks) != n-1 || st3.Chunks[0].ID != "c001" || st3.Chunks[0].File == old || ahead2.Chunks != nil {
+		t.Fatalf("the hello after a change: %d chunks, the first %s", len(st3.Chunks), st3.Chunks[0].ID)
+	}
+	if old.Fd() != ^uintptr(0) {
+		t.Fatal("the chunks taken ahead of a change were not closed")
+	}
+	if first(t, st3.Chunks[0].File) != 1 {
+		t.Fatal("the chunk handed anew is not the keeper's")
+	}
+	// Puts and resets are new generations too; another keeper's is its own.
+	for _, step := range []func() error{
+		func() error { return c3.Put(Item{ID: "new", Gen: 1, Size: 4096}, memfd(t, 4096, 0)) },
+		func() error { return c3.Put(Item{ID: "new", Gen: 2, Size: 4096}, memfd(t, 4096, 0)) },
+		c3.Reset,
+	} {
+		gen := k.Stat().ChunkGen
+		if err := step(); err != nil {
+			t.Fatal(err)
+		}
+		if k.Stat().ChunkGen == gen {
+			t.Fatal("a change to the chunks left their generation as it was")
+		}
+	}
+	if k1, k2 := New(nil), New(nil); k1.Stat().ChunkGen == k2.Stat().ChunkGen {
+		t.Fatal("two keepers start at the same generation")
+	}
+}
+
+// TestTakeHeldFromAnOlderKeeper: a keeper before the held request refuses
+// it as an unknown op, which TakeHeld says as ErrNoHeld (the spare then
+// takes nothing ahead).
+func TestTakeHeldFromAnOlderKeeper(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "k.sock")
+	l, err := Listen(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	go func() {
+		uc, err := l.AcceptUnix()
+		if err != nil {
+			return
+		}
+		defer uc.Close()
+		buf := make([]byte, maxPacket)
+		n, _, _, _, err := uc.ReadMsgUnix(buf, nil)
+		if err != nil {
+			return
+		}
+		_, perr := parseRequest(buf[:n], 0)
+		if perr == nil {
+			perr = errors.New(`unknown op "held"`) // as the keeper before it parsed it
+		}
+		_ = send(uc, message{Op: "error", Error: perr.Error()}, nil)
+	}()
+	if _, err := TakeHeld(path); !errors.Is(err, ErrNoHeld) {
+		t.Fatalf("TakeHeld from a keeper before it: %v, want ErrNoHeld", err)
 	}
 }
