@@ -293,9 +293,11 @@ func (ra *ReadAhead) takeAhead(socket string) {
 	// (16,384 chunks: 158 ms against 116).
 	ra.doing.Store(phaseCollect)
 	ra.collect(true)
-	ra.doing.Store(phaseWarm)
-	ra.topUp()
-	ra.lastTop = time.Now()
+	if ra.fl != nil { // the books followed: the warm heap is sized by them
+		ra.doing.Store(phaseWarm)
+		ra.topUp()
+		ra.lastTop = time.Now()
+	}
 }
 
 // takeChunks hands the agent the chunks taken ahead (nil: none), once;

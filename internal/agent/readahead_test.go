@@ -350,3 +350,33 @@ func memfdFile(t *testing.T, size int64) *os.File {
 	}
 	return f
 }
+
+// A spare whose keeper holds chunks and no books it can follow (none yet)
+// takes the chunks all the same, and warms nothing for books it does not
+// hold.
+func TestSpareTakesTheChunksWithoutBooks(t *testing.T) {
+	defer func(s time.Duration) { aheadSettle = s }(aheadSettle)
+	aheadSettle = 0
+	ksock, _ := startKeeper(t)
+	kc, _, err := keeper.Connect(ksock, time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer kc.Close()
+	if err := kc.Put(keeper.Item{ID: "c0", Gen: 1, Size: 4096}, memfdFile(t, 4096)); err != nil {
+		t.Fatal(err)
+	}
+	ra := StartReadAhead(ksock, 5*time.Millisecond, 0, nil)
+	defer ra.Close()
+	waitUntil(t, "the spare taking the chunk", func() bool {
+		ra.aheadMu.Lock()
+		defer ra.aheadMu.Unlock()
+		return ra.ahead != nil && len(ra.ahead.Chunks) == 1
+	})
+	// The loop goes on past the take, ten more reads (a panic there ends
+	// the test binary).
+	time.Sleep(50 * time.Millisecond)
+	if ra.halt.Load() {
+		t.Fatal("the read ahead ended")
+	}
+}
