@@ -94,6 +94,9 @@ const (
 	IdleTimeout = 10 * time.Second
 )
 
+// heldWriteWait bounds a held answer's writing: a third of CallTimeout.
+var heldWriteWait = time.Second
+
 // Item names one held memfd.
 type Item struct {
 	ID    string `json:"id"`
@@ -471,7 +474,10 @@ func (k *Keeper) serveConn(c *conn) {
 			continue
 		}
 		if m.Op == "held" {
-			if k.sendHeld(uc) != nil {
+			// The chunks go out under the keeper's lock, a packet at a time
+			// as the reader takes them: one that stops reading must not
+			// hold the agent's requests up to their CallTimeout.
+			if uc.SetWriteDeadline(time.Now().Add(heldWriteWait)) != nil || k.sendHeld(uc) != nil || uc.SetWriteDeadline(time.Time{}) != nil {
 				return
 			}
 			continue

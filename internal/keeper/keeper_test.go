@@ -1033,3 +1033,37 @@ func TestTakeHeldFromAnOlderKeeper(t *testing.T) {
 		t.Fatalf("TakeHeld from a keeper before it: %v, want ErrNoHeld", err)
 	}
 }
+
+// TestHeldReaderThatStops: a connection that asks for the chunks and then
+// reads none of them holds the keeper's lock only as long as one packet
+// may wait (heldWriteWait), not the agent's requests up to their timeout.
+func TestHeldReaderThatStops(t *testing.T) {
+	defer func(w time.Duration) { heldWriteWait = w }(heldWriteWait)
+	heldWriteWait = 200 * time.Millisecond
+	_, path := start(t)
+	c, _, err := Connect(path, time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	const n = 64 * batch // more packets than a socket buffers unread
+	for i := range n {
+		f := namedMemfd(t, "stalled", 4096)
+		if err := c.Put(Item{ID: fmt.Sprintf("c%04d", i), Gen: 1, Size: 4096}, f); err != nil {
+			t.Fatal(err)
+		}
+		f.Close()
+	}
+	uc, err := net.DialUnix(unixsock.Network, nil, &net.UnixAddr{Name: path, Net: unixsock.Network})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer uc.Close()
+	if err := send(uc, message{Op: "held"}, nil); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(50 * time.Millisecond) // the keeper writing, the reader not reading
+	if err := c.Put(Item{ID: "after", Gen: 1, Size: 4096}, namedMemfd(t, "stalled", 4096)); err != nil {
+		t.Fatalf("the agent's put while a held reader stalls: %v", err)
+	}
+}
