@@ -331,11 +331,11 @@ func (a *agent) restore() (err error) {
 			AdoptSeconds: tAdopt.Sub(tLoad).Seconds(), RebuildSeconds: tPool.Sub(tAdopt).Seconds(), BooksSeconds: tBooks.Sub(tPool).Seconds(),
 			ReadAhead: r.readAhead, ReplayedBytes: int64(info.Replayed)}
 		a.log.Info("pool adopted from the keeper", "chunks", len(r.adopted), "sessions", len(r.sessions),
-			"streams", r.streams, "booksGen", info.Gen, "readAhead", r.readAhead, "chunksAhead", r.chunksAhead, bytesize.Attr("replayed", int64(info.Replayed)),
+			"streams", r.streams, "booksGen", info.Gen, "readAhead", r.readAhead, bytesize.Attr("replayed", int64(info.Replayed)),
 			bytesize.Attr("warmHeap", r.warmed), "warmHuge", r.warmHuge, "spare", spareWait.Round(time.Microsecond), "warm", tWarm.Sub(t0).Round(time.Microsecond),
 			"load", tLoad.Sub(tWarm).Round(time.Microsecond),
 			"adopt", tAdopt.Sub(tLoad).Round(time.Microsecond), "rebuild", tPool.Sub(tAdopt).Round(time.Microsecond),
-			"books", tBooks.Sub(tPool).Round(time.Microsecond))
+			"books", tBooks.Sub(tPool).Round(time.Microsecond), "chunksAhead", r.chunksAhead)
 	}
 	return nil
 }
