@@ -79,6 +79,7 @@ type ReadAhead struct {
 	genSeen    uint64
 	genSince   time.Time
 	noHeld     bool
+	settle     time.Duration // aheadSettle when the loop started
 	// The agent's, after Stop: when the turn came, whether the loop's
 	// last word was taken (or left to a goroutine that closes it), and
 	// what was taken.
@@ -126,7 +127,7 @@ var takeWait = 250 * time.Millisecond
 // restartInPlace.spareMemory); log, if not nil, hears when it stops for
 // that.
 func StartReadAhead(socket string, every time.Duration, budget int64, log *slog.Logger) *ReadAhead {
-	ra := &ReadAhead{stop: make(chan struct{}), out: make(chan readAhead, 1), budget: budget, log: log}
+	ra := &ReadAhead{stop: make(chan struct{}), out: make(chan readAhead, 1), budget: budget, log: log, settle: aheadSettle}
 	// The collector runs when the loop says (collect): left to itself,
 	// with the followed state live, the runtime hands the free heap the
 	// loop warmed back to the system within seconds (8 s after a warm of
@@ -270,7 +271,7 @@ func (ra *ReadAhead) takeAhead(socket string) {
 	case st.ChunkGen != ra.genSeen:
 		ra.genSeen, ra.genSince = st.ChunkGen, time.Now()
 		return
-	case st.Chunks == 0 || time.Since(ra.genSince) < aheadSettle:
+	case st.Chunks == 0 || time.Since(ra.genSince) < ra.settle:
 		return
 	}
 	a, err := keeper.TakeHeld(socket)
