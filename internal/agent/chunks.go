@@ -295,22 +295,23 @@ type filling struct {
 // allocate allocates the planned chunks one by one, adding each to the
 // pool (and so to the device plugin's device list) as soon as it is ready.
 func (a *agent) allocate(ctx context.Context) {
-	f := &filling{start: time.Now(), gpuOf: make(map[string]int, len(a.specs)), wantPage: make(map[string]int64, len(a.specs)), left: map[int]int{},
-		first: map[int]bool{}, laneBytes: map[int]int64{}}
+	f := &filling{start: time.Now(), left: map[int]int{}, first: map[int]bool{}, laneBytes: map[int]int64{}}
 	for _, g := range a.plan.GPUs {
 		f.left[g.GPU] = g.Chunks
-		for _, id := range g.ChunkIDs() {
-			f.gpuOf[id] = g.GPU
-		}
 	}
 	var specs []hostmem.Spec
 	for _, s := range a.specs {
-		f.wantPage[s.ID] = s.PageSize
 		if a.restart != nil && a.restart.adopted[s.ID] {
-			f.left[f.gpuOf[s.ID]]-- // adopted from the keeper: already in the pool
+			f.left[s.GPU]-- // adopted from the keeper: already in the pool
 			continue
 		}
 		specs = append(specs, s)
+	}
+	// The tables of the chunks to allocate only: a restart that adopted
+	// them all builds none.
+	f.gpuOf, f.wantPage = make(map[string]int, len(specs)), make(map[string]int64, len(specs))
+	for _, s := range specs {
+		f.gpuOf[s.ID], f.wantPage[s.ID] = s.GPU, s.PageSize
 	}
 	f.ready, f.total = len(a.specs)-len(specs), len(a.specs)
 	for r := range hostmem.AllocateAll(ctx, specs, a.log) {

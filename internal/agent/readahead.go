@@ -146,7 +146,7 @@ const garbageMost = 8 << 20
 // force).
 func (ra *ReadAhead) collect(force bool) {
 	if force || heapMetric("/memory/classes/heap/objects:bytes")-heapMetric("/gc/heap/live:bytes") >= garbageMost {
-		runtime.GC()
+		collectKeeping(holdFree()) // the warm heap stays resident
 	}
 }
 
@@ -344,8 +344,8 @@ const topUpEvery = time.Second
 // least as much as the state (the pool's tables the rebuild makes take
 // about as much). The pieces are made resident and let go here, so that
 // the restore finds them free without a collection of its own (which, the
-// state being live, took 17 ms at the agent's bound); with the collector
-// off, the runtime keeps free heap resident (short of a memory limit).
+// state being live, took 17 ms at the agent's bound); the loop's
+// collections keep it resident (collectKeeping), short of a memory limit.
 func (ra *ReadAhead) topUp() {
 	snap, recs := ra.fl.Sizes()
 	want := warmWant(snap, recs, ra.fl.Chunks())

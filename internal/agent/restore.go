@@ -428,6 +428,11 @@ func (a *agent) adoptAll(st *books.State, held *keeper.State) error {
 		r.gens[h.ID] = h.Gen
 		r.adopted[h.ID] = true
 	}
+	if len(r.adopted) == st.NumChunks() {
+		// Every chunk adopted is in the books (adopt checks): none of
+		// the books' is missing, and none is looked up again.
+		return nil
+	}
 	for _, c := range st.Chunks() {
 		if !r.adopted[c.ID] {
 			a.log.Warn("a chunk of the books is not in the keeper; its allocation is revoked", "chunk", c.ID)
@@ -705,27 +710,24 @@ func (a *agent) settleRestored() error {
 	} else if a.static == nil {
 		return nil
 	}
-	seen := map[string]bool{}
-	for _, c := range a.pool.Chunks() {
-		if c.Allocation == "" || known[c.Allocation] || seen[c.Allocation] {
+	// The pool's allocations and dirty chunks asked for, not a copy of
+	// every chunk (a large node's restart holds thousands).
+	for _, alloc := range a.pool.Allocations() {
+		if known[alloc] {
 			continue
 		}
-		seen[c.Allocation] = true
-		a.log.Warn("revoking a restored allocation no token names", "allocation", c.Allocation)
-		if _, err := a.pool.Revoke(c.Allocation); err != nil {
-			a.log.Error("revoke", "allocation", c.Allocation, "err", err)
+		a.log.Warn("revoking a restored allocation no token names", "allocation", alloc)
+		if _, err := a.pool.Revoke(alloc); err != nil {
+			a.log.Error("revoke", "allocation", alloc, "err", err)
 		}
 	}
-	for _, c := range a.pool.Chunks() {
-		if c.State != pool.ChunkDirty {
+	for _, id := range a.pool.Dirty() {
+		if err := a.renew(id); err != nil {
+			a.log.Error("scrub a restored dirty chunk", "chunk", id, "err", err)
 			continue
 		}
-		if err := a.renew(c.ID); err != nil {
-			a.log.Error("scrub a restored dirty chunk", "chunk", c.ID, "err", err)
-			continue
-		}
-		if err := a.pool.Scrubbed(c.ID); err != nil {
-			a.log.Error("scrub a restored dirty chunk", "chunk", c.ID, "err", err)
+		if err := a.pool.Scrubbed(id); err != nil {
+			a.log.Error("scrub a restored dirty chunk", "chunk", id, "err", err)
 		}
 	}
 	return nil

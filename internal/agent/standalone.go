@@ -85,7 +85,6 @@ func Allocations(tokens []string, gpus [][]string, kept map[string][]string) (al
 	}
 	alloc = make(map[string]string, len(tokens))
 	var fresh []string // tokens without a kept allocation
-	taken := map[string]bool{}
 	chunks = make(map[string][]string, len(tokens))
 	for _, t := range tokens {
 		if err := contract.CheckStaticToken(t); err != nil {
@@ -97,16 +96,19 @@ func Allocations(tokens []string, gpus [][]string, kept map[string][]string) (al
 		alloc[t] = AllocationName(t)
 		if ids, ok := kept[alloc[t]]; ok {
 			chunks[t] = slices.Clone(ids)
-			for _, id := range ids {
-				taken[id] = true
-			}
 			continue
 		}
 		fresh = append(fresh, t)
 	}
-	slices.SortFunc(fresh, func(a, b string) int { return strings.Compare(alloc[a], alloc[b]) })
 	if len(fresh) == 0 {
 		return alloc, chunks, nil
+	}
+	slices.SortFunc(fresh, func(a, b string) int { return strings.Compare(alloc[a], alloc[b]) })
+	taken := map[string]bool{}
+	for _, ids := range chunks {
+		for _, id := range ids {
+			taken[id] = true
+		}
 	}
 	for g, all := range gpus {
 		ids := slices.DeleteFunc(slices.Clone(all), func(id string) bool { return taken[id] })

@@ -22,18 +22,20 @@ func (a *agent) prepareTokens() error {
 	if a.opts.RandomToken {
 		toks = []string{contract.NewToken()}
 	}
-	gpus := make([][]string, len(a.plan.GPUs))
-	for i, g := range a.plan.GPUs {
-		gpus[i] = g.ChunkIDs()
-	}
+	// The tokens' allocations restored from the keeper, their chunks in
+	// grant order; the plan's chunk IDs only when a token has none.
 	kept := map[string][]string{}
-	for _, c := range a.pool.Chunks() {
-		if c.Allocation != "" {
-			kept[c.Allocation] = append(kept[c.Allocation], c.ID)
+	var gpus [][]string
+	for _, t := range toks {
+		name := AllocationName(t)
+		if ids, err := a.pool.Allocation(name); err == nil {
+			kept[name] = ids
+		} else if gpus == nil {
+			gpus = make([][]string, len(a.plan.GPUs))
+			for i, g := range a.plan.GPUs {
+				gpus[i] = g.ChunkIDs()
+			}
 		}
-	}
-	for id := range kept {
-		kept[id], _ = a.pool.Allocation(id) // in grant order
 	}
 	static, chunks, err := Allocations(toks, gpus, kept)
 	if err != nil {

@@ -147,12 +147,48 @@ func letGo(held [][]byte) int64 {
 	if onWarm != nil {
 		onWarm(held)
 	}
-	n := int64(len(held)) * warmPiece
-	clear(held)
-	// The collector is off during the restore; this one collection frees
+	// The collector is off during the restore; this collection frees
 	// the pieces, and their pages go back to the heap, resident.
-	runtime.GC()
+	n := int64(len(held)) * warmPiece
+	collectKeeping(held)
 	return n
+}
+
+// collectKeeping runs a collection, as runtime.GC, that frees held (the
+// caller's last references to them) and hands none of the free heap back
+// to the system until the next collection, where the collector is off.
+//
+// After each collection the runtime's scavenger hands back, in the
+// background, the free heap above 110% of the heap then in use, scaled by
+// how much the heap goal grew since the collection before. With the
+// collector off both goals are unbounded and the scale is one: the
+// scavenger handed a spare's warm heap back in the seconds before its
+// turn (at 16,384 chunks, half the turns found 5 MiB of it free of 67,
+// and faulted 2,300-2,500 pages in: 28-30 ms). So a first collection runs
+// with a bounded goal while held is still referenced (none of it free to
+// hand back: the caller holds the free heap, holdFree, or the warm pieces
+// it made), and the one that frees it with the collector off again: the
+// goal grew without bound since the one before, and so does what the
+// scavenger keeps (held across the first, the pages are also in use
+// during its cycle, which the scavenger passes over). The process's
+// memory limit, where set, still holds.
+func collectKeeping(held [][]byte) {
+	prev := debug.SetGCPercent(100)
+	runtime.GC()
+	debug.SetGCPercent(prev)
+	clear(held)
+	runtime.GC()
+}
+
+// holdFree allocates the free heap in pieces, resident pages the
+// allocator takes first, for collectKeeping to hold over its first
+// collection.
+func holdFree() [][]byte {
+	held := make([][]byte, heapFree()/warmPiece)
+	for i := range held {
+		held[i] = make([]byte, warmPiece)
+	}
+	return held
 }
 
 // onWarm, set by tests, sees the pieces warmHeap made resident before it

@@ -5,9 +5,11 @@ import (
 	"math"
 	"os"
 	"os/exec"
+	"runtime"
 	"runtime/debug"
 	"strings"
 	"testing"
+	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -55,16 +57,11 @@ func TestWarmHeapIsWhatTheRestoreGets(t *testing.T) {
 		warmHeapChild(t)
 		return
 	}
-	cmd := exec.Command(os.Args[0], "-test.run=^TestWarmHeapIsWhatTheRestoreGets$", "-test.v")
-	cmd.Env = append(os.Environ(), "KVPOOL_WARMHEAP_CHILD=1")
-	out, err := cmd.CombinedOutput()
-	if err != nil {
-		t.Fatalf("child: %v\n%s", err, out)
-	}
+	out := childOutput(t, "TestWarmHeapIsWhatTheRestoreGets", "KVPOOL_WARMHEAP_CHILD")
 	var warmedBytes, resident, pages, objects, inside, hugeKiB int64
 	var huge bool
 	found := false
-	for _, l := range strings.Split(string(out), "\n") {
+	for _, l := range strings.Split(out, "\n") {
 		if i := strings.Index(l, "warmheap:"); i >= 0 {
 			_, err := fmt.Sscan(l[i+len("warmheap:"):], &warmedBytes, &resident, &pages, &objects, &inside, &huge, &hugeKiB)
 			found = err == nil
@@ -96,6 +93,19 @@ func TestWarmHeapIsWhatTheRestoreGets(t *testing.T) {
 }
 
 const childAlloc = 32 << 20
+
+// childOutput runs test alone in a child process with env set, and returns
+// what it printed (the heap's metrics are a process's).
+func childOutput(t *testing.T, test, env string) string {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^"+test+"$", "-test.v")
+	cmd.Env = append(os.Environ(), env+"=1")
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("child: %v\n%s", err, out)
+	}
+	return string(out)
+}
 
 func warmHeapChild(t *testing.T) {
 	debug.SetGCPercent(-1)
@@ -199,4 +209,74 @@ func TestWarmPiecesStopped(t *testing.T) {
 		t.Fatalf("a stopped warm held %d pieces (huge %v), want at most the first", len(held), huge)
 	}
 	letGo(held)
+}
+
+// TestWarmHeapStaysResident: a warm heap made with the collector off (a
+// spare's, the restore's) stays free and resident until the next
+// collection, rather than going back to the system in the background
+// (the runtime's scavenger handed half the spares' warm heaps back before
+// their turn). In a child process: the heap's metrics are the process's.
+func TestWarmHeapStaysResident(t *testing.T) {
+	if os.Getenv("KVPOOL_WARMHEAP_KEEP_CHILD") != "" {
+		warmHeapKeepChild(t)
+		return
+	}
+	out := childOutput(t, "TestWarmHeapStaysResident", "KVPOOL_WARMHEAP_KEEP_CHILD")
+	var warmed, free0, free1, released0, released1 int64
+	found := false
+	for _, l := range strings.Split(out, "\n") {
+		if i := strings.Index(l, "warmkeep:"); i >= 0 {
+			_, err := fmt.Sscan(l[i+len("warmkeep:"):], &warmed, &free0, &free1, &released0, &released1)
+			found = err == nil
+		}
+	}
+	if !found {
+		t.Fatalf("the child said nothing:\n%s", out)
+	}
+	if warmed == 0 {
+		t.Skip("the kernel cannot populate a range (MADV_POPULATE_WRITE needs Linux 5.14): warmHeap does nothing here")
+	}
+	t.Logf("warmed %d MiB: free %d MiB, then %d after %v; released %d MiB, then %d",
+		warmed>>20, free0>>20, free1>>20, keepWatch, released0>>20, released1>>20)
+	if free0 < warmed*3/4 {
+		t.Fatalf("%d MiB of the %d MiB warmed free at once", free0>>20, warmed>>20)
+	}
+	if free1 < free0-warmPiece || released1 > released0+warmPiece {
+		t.Fatalf("the warm heap went back to the system: free %d -> %d MiB, released %d -> %d MiB in %v",
+			free0>>20, free1>>20, released0>>20, released1>>20, keepWatch)
+	}
+}
+
+// keepWatch is how long the child watches its warm heap: the scavenger
+// handed 60 MiB back within a second or two where it was let.
+const keepWatch = 4 * time.Second
+
+func warmHeapKeepChild(t *testing.T) {
+	// As a spare: the collector off, collections where it says, some of
+	// the heap live.
+	debug.SetGCPercent(-1)
+	live := make([][]byte, 16)
+	for i := range live {
+		live[i] = make([]byte, 1<<20)
+	}
+	runtime.GC()
+	runtime.GC()
+	warmed, _ := warmHeap(64 << 20)
+	// The spare's reads collect their garbage now and then: the runtime
+	// hands back only pages free for a collection or two.
+	for range 3 {
+		garbage := make([][]byte, 64)
+		for i := range garbage {
+			garbage[i] = make([]byte, 64<<10)
+		}
+		runtime.KeepAlive(garbage)
+		collectKeeping(holdFree())
+	}
+	free0, released0 := heapFree(), heapMetric("/memory/classes/heap/released:bytes")
+	free1, released1 := free0, released0
+	for end := time.Now().Add(keepWatch); time.Now().Before(end); time.Sleep(50 * time.Millisecond) {
+		free1, released1 = min(free1, heapFree()), max(released1, heapMetric("/memory/classes/heap/released:bytes"))
+	}
+	runtime.KeepAlive(live)
+	t.Logf("warmkeep: %d %d %d %d %d", warmed, free0, free1, released0, released1)
 }

@@ -584,9 +584,8 @@ func writeSnapshot(w *snapWriter, st *State) error {
 	w.e = w.e.u(st.lastSession)
 	w.e = w.e.u(uint64(len(st.chunks)))
 	for _, c := range st.chunks {
-		g := st.gens[c.ID]
 		w.e = w.e.str(c.ID).i(int64(c.GPU)).i(int64(c.NUMA)).i(c.Size)
-		w.e = append(w.e, byte(c.State)).u(g.gen).i(int64(g.seals))
+		w.e = append(w.e, byte(c.State)).u(c.Gen).i(int64(c.Seals))
 		w.cut()
 	}
 	ids := sortedKeys(st.allocs)
@@ -677,11 +676,11 @@ func (d *dec) snapshotHead() *State {
 		c := &Chunk{}
 		c.Chunk = pool.Chunk{ID: d.str(), GPU: d.int(), NUMA: d.int(), Size: d.i()}
 		c.State = pool.ChunkState(d.byte())
-		g := gen{gen: d.u(), seals: d.int()}
+		c.Gen, c.Seals = d.u(), d.int()
 		if d.err != nil {
 			return nil
 		}
-		st.gens[c.ID] = g
+		st.gens[c.ID] = gen{gen: c.Gen, seals: c.Seals}
 		if _, dup := st.byID[c.ID]; dup {
 			d.fail("chunk listed twice")
 			return nil

@@ -88,7 +88,7 @@ func (fl *Follower) Chunks() int {
 	if fl.rp.st == nil {
 		return 0
 	}
-	return len(fl.rp.st.chunks)
+	return fl.rp.st.NumChunks()
 }
 
 // Follows reports whether f is the memfd the Follower reads.

@@ -27,6 +27,8 @@ type State struct {
 	lastSession uint64
 	// gens: the memfd generation and seals of each chunk, recorded before
 	// the chunk joins the pool (so a chunk the pool never saw has one too).
+	// A chunk of byID carries its own copy (Chunk.Gen and Seals), so that
+	// a restart's adoption of thousands looks each up once.
 	gens map[string]gen
 	// Skipped counts records that named something already gone (a session
 	// op recorded after a revoke that closed the session, say).
@@ -126,15 +128,13 @@ func (st *State) ownReplies() {
 func (st *State) Chunks() []Chunk {
 	out := make([]Chunk, len(st.chunks))
 	for i, c := range st.chunks {
-		out[i] = st.chunk(c)
+		out[i] = *c
 	}
 	return out
 }
 
-func (st *State) chunk(c *Chunk) Chunk {
-	g := st.gens[c.ID]
-	return Chunk{ChunkImage: c.ChunkImage, Gen: g.gen, Seals: g.seals}
-}
+// NumChunks is how many chunks the books name.
+func (st *State) NumChunks() int { return len(st.chunks) }
 
 // Chunk returns the chunk id.
 func (st *State) Chunk(id string) (Chunk, bool) {
@@ -142,7 +142,7 @@ func (st *State) Chunk(id string) (Chunk, bool) {
 	if !ok {
 		return Chunk{}, false
 	}
-	return st.chunk(c), true
+	return *c, true
 }
 
 // Sessions is the number of open sessions.
@@ -238,6 +238,9 @@ func (st *State) Forget(id string) {
 func (st *State) SetGen(id string, g uint64, seals int) {
 	st.dirty = st.dirty || st.src != nil
 	st.gens[id] = gen{gen: g, seals: seals}
+	if c, ok := st.byID[id]; ok {
+		c.Gen, c.Seals = g, seals
+	}
 }
 
 func (st *State) revoke(alloc string) {
@@ -262,7 +265,8 @@ func (st *State) applyEvent(ev pool.Event) {
 			st.Skipped++
 			return
 		}
-		c := &Chunk{ChunkImage: pool.ChunkImage{Chunk: ev.Chunk, State: pool.ChunkFree}}
+		g := st.gens[ev.Chunk.ID]
+		c := &Chunk{ChunkImage: pool.ChunkImage{Chunk: ev.Chunk, State: pool.ChunkFree}, Gen: g.gen, Seals: g.seals}
 		st.chunks = append(st.chunks, c)
 		st.byID[c.ID] = c
 	case pool.EventRemoveChunk:

@@ -11,7 +11,8 @@ import (
 
 // Spec is one chunk to allocate in the background.
 type Spec struct {
-	ID string
+	ID  string
+	GPU int // whose share of the pool the chunk is (the caller's; hostmem does not use it)
 	Options
 }
 

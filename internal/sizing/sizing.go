@@ -14,7 +14,6 @@ import (
 	"github.com/kvpool/kvpool/internal/bytesize"
 	"github.com/kvpool/kvpool/internal/config"
 	"github.com/kvpool/kvpool/internal/node"
-	"github.com/kvpool/kvpool/pkg/contract"
 	"github.com/kvpool/kvpool/pkg/pool"
 )
 
@@ -76,13 +75,7 @@ type GPUPlan struct {
 }
 
 // ChunkIDs lists the GPU's chunk IDs in order (contract.ChunkID).
-func (g GPUPlan) ChunkIDs() []string {
-	ids := make([]string, g.Chunks)
-	for i := range ids {
-		ids[i] = contract.ChunkID(g.GPU, g.NUMA, i)
-	}
-	return ids
-}
+func (g GPUPlan) ChunkIDs() []string { return chunkIDs(g, "") }
 
 // hugeSizes are the huge page sizes tried, largest first.
 var hugeSizes = []int64{1 << 30, 2 << 20}

@@ -6,6 +6,7 @@ import (
 	"github.com/kvpool/kvpool/internal/config"
 	"github.com/kvpool/kvpool/internal/hostmem"
 	"github.com/kvpool/kvpool/internal/node"
+	"github.com/kvpool/kvpool/pkg/contract"
 	"github.com/kvpool/kvpool/pkg/cpulist"
 )
 
@@ -35,6 +36,9 @@ func NodeWorkers(info *node.Info) Workers {
 	}
 }
 
+// namePrefix begins each chunk's memfd name, its ID after it.
+const namePrefix = "kvpool-"
+
 // Specs turns the plan into chunk allocations for hostmem.AllocateAll:
 // each chunk named by contract.ChunkID, bound to its GPU's NUMA node when
 // known, pre-faulted by workers' threads and locked. The order takes the
@@ -44,7 +48,7 @@ func NodeWorkers(info *node.Info) Workers {
 // "prefer" huge page policy a chunk falls back to ordinary pages if its
 // huge pages are gone by the time it is allocated.
 func (p *Plan) Specs(hugePages string, workers Workers) []hostmem.Spec {
-	ids := make([][]string, len(p.GPUs))
+	names := make([][]string, len(p.GPUs)) // "kvpool-" and each chunk's ID: one string, the ID its tail
 	type lane struct {
 		n    int
 		cpus []int
@@ -52,20 +56,21 @@ func (p *Plan) Specs(hugePages string, workers Workers) []hostmem.Spec {
 	lanes := make([]lane, len(p.GPUs)) // each GPU's workers, asked once (not a chunk)
 	most, total := 0, 0
 	for i, g := range p.GPUs {
-		ids[i] = g.ChunkIDs()
-		most, total = max(most, len(ids[i])), total+len(ids[i])
+		names[i] = chunkIDs(g, namePrefix)
+		most, total = max(most, g.Chunks), total+g.Chunks
 		lanes[i].n, lanes[i].cpus = workers(g.NUMA)
 	}
 	specs := make([]hostmem.Spec, 0, total)
 	for k := range most {
 		for i, g := range p.GPUs {
-			if k >= len(ids[i]) {
+			if k >= len(names[i]) {
 				continue
 			}
 			n, cpus := lanes[i].n, lanes[i].cpus
-			specs = append(specs, hostmem.Spec{ID: ids[i][k], Options: hostmem.Options{
+			name := names[i][k]
+			specs = append(specs, hostmem.Spec{ID: name[len(namePrefix):], GPU: g.GPU, Options: hostmem.Options{
 				Size:         p.ChunkBytes,
-				Name:         "kvpool-" + ids[i][k],
+				Name:         name,
 				PageSize:     g.PageSize,
 				HugeFallback: hugePages != config.HugePagesRequire,
 				Bind:         g.NUMA >= 0,
@@ -78,4 +83,23 @@ func (p *Plan) Specs(hugePages string, workers Workers) []hostmem.Spec {
 		}
 	}
 	return specs
+}
+
+// chunkIDs is prefix and the ID of each of g's chunks, the strings cut
+// from one (a node's thousands of chunks are two allocations a GPU, not
+// one a chunk).
+func chunkIDs(g GPUPlan, prefix string) []string {
+	b := make([]byte, 0, g.Chunks*(len(prefix)+24))
+	ends := make([]int, g.Chunks)
+	for k := range ends {
+		b = contract.AppendChunkID(append(b, prefix...), g.GPU, g.NUMA, k)
+		ends[k] = len(b)
+	}
+	all := string(b)
+	ids := make([]string, g.Chunks)
+	from := 0
+	for k, end := range ends {
+		ids[k], from = all[from:end], end
+	}
+	return ids
 }

@@ -5,7 +5,9 @@ import (
 	"slices"
 	"testing"
 
+	"github.com/kvpool/kvpool/internal/config"
 	"github.com/kvpool/kvpool/internal/node"
+	"github.com/kvpool/kvpool/pkg/contract"
 )
 
 func TestNodeWorkers(t *testing.T) {
@@ -42,4 +44,45 @@ func seq(lo, hi int) []int {
 		s = append(s, i)
 	}
 	return s
+}
+
+// TestSpecsNameEachChunk: every spec of a plan carries its GPU, the chunk
+// ID contract.ChunkID gives (an unknown NUMA node, large indexes), and
+// that ID in its memfd's name; ChunkIDs lists the same IDs.
+func TestSpecsNameEachChunk(t *testing.T) {
+	p := &Plan{ChunkBytes: 1 << 20, GPUs: []GPUPlan{
+		{GPU: 0, NUMA: 1, Chunks: 3, PageSize: 4096},
+		{GPU: 7, NUMA: -1, Chunks: 12, PageSize: 2 << 20},
+		{GPU: 12, NUMA: 0, Chunks: 0},
+	}}
+	specs := p.Specs(config.HugePagesPrefer, func(int) (int, []int) { return 1, nil })
+	if len(specs) != 15 {
+		t.Fatalf("%d specs, want 15", len(specs))
+	}
+	seen := map[string]bool{}
+	for _, s := range specs {
+		gpu, numa, index, err := contract.ParseChunkID(s.ID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		g := p.GPUs[slices.IndexFunc(p.GPUs, func(g GPUPlan) bool { return g.GPU == gpu })]
+		if s.GPU != gpu || numa != g.NUMA || index >= g.Chunks || s.ID != contract.ChunkID(gpu, numa, index) || seen[s.ID] {
+			t.Fatalf("spec %+v: GPU %d, NUMA %d, index %d (the plan: GPU %d on NUMA %d, %d chunks)", s, gpu, numa, index, g.GPU, g.NUMA, g.Chunks)
+		}
+		seen[s.ID] = true
+		if s.Name != "kvpool-"+s.ID || s.PageSize != g.PageSize || s.Size != p.ChunkBytes {
+			t.Fatalf("spec %s: name %q, page size %d, size %d", s.ID, s.Name, s.PageSize, s.Size)
+		}
+	}
+	for _, g := range p.GPUs {
+		ids := g.ChunkIDs()
+		if len(ids) != g.Chunks {
+			t.Fatalf("GPU %d: %d IDs, want %d", g.GPU, len(ids), g.Chunks)
+		}
+		for i, id := range ids {
+			if want := contract.ChunkID(g.GPU, g.NUMA, i); id != want {
+				t.Fatalf("GPU %d chunk %d: ID %q, want %q", g.GPU, i, id, want)
+			}
+		}
+	}
 }

@@ -79,11 +79,20 @@ func CheckStaticToken(t string) error {
 // numaX when the NUMA node is unknown (negative). The ID is the device ID
 // kubelet sees and the name the socket server uses.
 func ChunkID(gpu, numa, index int) string {
-	n := "X"
+	var b [48]byte
+	return string(AppendChunkID(b[:0], gpu, numa, index))
+}
+
+// AppendChunkID appends ChunkID(gpu, numa, index) to b.
+func AppendChunkID(b []byte, gpu, numa, index int) []byte {
+	b = strconv.AppendInt(append(b, "gpu"...), int64(gpu), 10)
+	b = append(b, "-numa"...)
 	if numa >= 0 {
-		n = strconv.Itoa(numa)
+		b = strconv.AppendInt(b, int64(numa), 10)
+	} else {
+		b = append(b, 'X')
 	}
-	return "gpu" + strconv.Itoa(gpu) + "-numa" + n + "-" + strconv.Itoa(index)
+	return strconv.AppendInt(append(b, '-'), int64(index), 10)
 }
 
 // ParseChunkID is the inverse of ChunkID; numa is -1 for numaX. It accepts

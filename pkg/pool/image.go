@@ -207,14 +207,15 @@ func (p *Pool) restoreLocked(img Image) ([]*Session, error) {
 		if c.ID == "" || c.Size <= 0 {
 			return nil, fmt.Errorf("%w: chunk %q of %d bytes", poolerr.ErrBadSize, c.ID, c.Size)
 		}
-		if _, ok := p.chunks[c.ID]; ok {
-			return nil, fmt.Errorf("chunk %s: %w", c.ID, poolerr.ErrDuplicateChunk)
-		}
 		if c.State > ChunkDirty {
 			return nil, fmt.Errorf("chunk %s: bad state %d", c.ID, c.State)
 		}
-		ch := &chunk{Chunk: c.Chunk, state: c.State}
-		p.chunks[c.ID] = ch
+		// A chunk listed twice leaves the table one short (one lookup a
+		// chunk, not two; on an error the pool is emptied).
+		ch, n := &chunk{Chunk: c.Chunk, state: c.State}, len(p.chunks)
+		if p.chunks[c.ID] = ch; len(p.chunks) == n {
+			return nil, fmt.Errorf("chunk %s: %w", c.ID, poolerr.ErrDuplicateChunk)
+		}
 		p.order = append(p.order, ch)
 	}
 	for _, ai := range img.Allocations {
@@ -332,22 +333,39 @@ func (p *Pool) restoreChunks(a *allocation, si SessionImage) ([]*chunk, error) {
 		return nil, fmt.Errorf("%w: page size %d, %d device pages, %d pages per chunk, capacity %d over %d chunks",
 			poolerr.ErrBadSize, spec.PageSize, spec.DevicePages, si.PPC, si.Capacity, len(si.Chunks))
 	}
-	chunks := make([]*chunk, len(si.Chunks))
-	for i, id := range si.Chunks {
+	chunks := make([]*chunk, 0, len(si.Chunks))
+	// A chunk listed twice is found by the mark its first listing left
+	// (not by searching the list: a session of 16,384 chunks would take
+	// 10^8 comparisons); the caller binds them all, or a failure here
+	// takes the marks back.
+	unmark := func() {
+		for _, ch := range chunks {
+			ch.session = nil
+		}
+	}
+	for _, id := range si.Chunks {
 		ch, ok := p.chunks[id]
 		if !ok || ch.alloc != a {
+			unmark()
 			return nil, fmt.Errorf("chunk %s is not in allocation %s", id, a.id)
 		}
-		if ch.session != nil || slices.Contains(chunks[:i], ch) {
+		if ch.session != nil {
+			unmark()
 			return nil, fmt.Errorf("chunk %s is bound twice", id)
 		}
 		if int64(si.PPC)*spec.PageSize > ch.Size {
+			unmark()
 			return nil, fmt.Errorf("%w: chunk %s of %d bytes cannot hold %d pages of %d", poolerr.ErrBadSize, id, ch.Size, si.PPC, spec.PageSize)
 		}
-		chunks[i] = ch
+		ch.session = restoring
+		chunks = append(chunks, ch)
 	}
 	return chunks, nil
 }
+
+// restoring marks the chunks restoreChunks has taken for a session until
+// restoreSession binds them to it.
+var restoring = new(Session)
 
 // pageSet marks the pages a restore has linked, in bits, growing with
 // the highest (the pages above it are the untouched ones).

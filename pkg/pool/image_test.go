@@ -135,6 +135,9 @@ func TestRestoreRefusesBrokenImages(t *testing.T) {
 		{"session on unknown allocation", func(m *Image) { m.Sessions[0].Allocation = "zz" }},
 		{"session ID above last", func(m *Image) { m.LastSession = 1 }},
 		{"chunk bound twice", func(m *Image) { m.Sessions[1].Chunks = m.Sessions[0].Chunks }},
+		{"chunk listed twice by its session", func(m *Image) {
+			m.Sessions[0].Chunks = append(m.Sessions[0].Chunks, m.Sessions[0].Chunks[0])
+		}},
 		{"capacity over chunks", func(m *Image) { m.Sessions[0].Capacity = 1 << 20 }},
 		{"page out of range", func(m *Image) {
 			s := &m.Sessions[withStreams]

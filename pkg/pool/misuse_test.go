@@ -452,3 +452,44 @@ func TestNamesPackedToFit(t *testing.T) {
 	}
 	must(t, s.Check())
 }
+
+// TestRegrantAndListings: a grant repeated in its order, or in another
+// order of the same chunks, changes nothing and is no error (a restart's
+// standalone tokens grant their restored allocations again); the pool
+// lists its allocations sorted and its dirty chunks in its order.
+func TestRegrantAndListings(t *testing.T) {
+	p := testPool(t)
+	must(t, p.Grant("B", []string{"gpu0-c2", "gpu1-c1"}))
+	must(t, p.Grant("A", []string{"gpu0-c0", "gpu0-c1"}))
+	must(t, p.Grant("C", []string{"gpu1-c0", "gpu1-c2"}))
+	if _, err := p.Revoke("C"); err != nil {
+		t.Fatal(err)
+	}
+	before := p.Chunks()
+	for _, ids := range [][]string{{"gpu0-c0", "gpu0-c1"}, {"gpu0-c1", "gpu0-c0"}} {
+		if err := p.Grant("A", ids); err != nil {
+			t.Fatalf("grant A %v again: %v", ids, err)
+		}
+	}
+	for _, ids := range [][]string{{"gpu0-c0"}, {"gpu0-c0", "gpu0-c3"}, {"gpu0-c0", "gpu0-c1", "gpu0-c3"}} {
+		if err := p.Grant("A", ids); !errors.Is(err, poolerr.ErrAllocationExists) {
+			t.Fatalf("grant A %v: %v, want %v", ids, err, poolerr.ErrAllocationExists)
+		}
+	}
+	if !reflect.DeepEqual(p.Chunks(), before) {
+		t.Fatalf("grants again changed the chunks:\n%+v\nwant\n%+v", p.Chunks(), before)
+	}
+	if got, want := p.Allocations(), []string{"A", "B"}; !reflect.DeepEqual(got, want) {
+		t.Fatalf("allocations %v, want %v", got, want)
+	}
+	if got, want := p.Dirty(), []string{"gpu1-c0", "gpu1-c2"}; !reflect.DeepEqual(got, want) {
+		t.Fatalf("dirty %v, want %v", got, want)
+	}
+	must(t, p.Scrubbed("gpu1-c0"))
+	if got, want := p.Dirty(), []string{"gpu1-c2"}; !reflect.DeepEqual(got, want) {
+		t.Fatalf("dirty after a scrub %v, want %v", got, want)
+	}
+	if got := New().Allocations(); len(got) != 0 {
+		t.Fatalf("an empty pool lists allocations %v", got)
+	}
+}

@@ -21,6 +21,7 @@ package pool
 
 import (
 	"fmt"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -180,6 +181,12 @@ func (p *Pool) Grant(alloc string, ids []string) error {
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	if a, ok := p.allocs[alloc]; ok && sameOrder(a.chunks, ids) {
+		// Granted already, in this order: a restart's standalone tokens
+		// grant every restored allocation again (no table built for
+		// thousands of chunks).
+		return nil
+	}
 	chunks := make([]*chunk, len(ids))
 	seen := make(map[string]bool, len(ids))
 	for i, id := range ids {
@@ -215,6 +222,19 @@ func (p *Pool) Grant(alloc string, ids []string) error {
 	p.allocs[alloc] = a
 	p.record(Event{Kind: EventGrant, Allocation: alloc, Chunks: append([]string(nil), ids...)})
 	return nil
+}
+
+// sameOrder says whether chunks are the chunks ids names, in that order.
+func sameOrder(chunks []*chunk, ids []string) bool {
+	if len(chunks) != len(ids) {
+		return false
+	}
+	for i, ch := range chunks {
+		if ch.ID != ids[i] {
+			return false
+		}
+	}
+	return true
 }
 
 func sameChunks(a, b []*chunk) bool {
@@ -371,6 +391,31 @@ func (p *Pool) Chunks() []ChunkInfo {
 		}
 	}
 	return out
+}
+
+// Allocations lists the pool's allocations, sorted.
+func (p *Pool) Allocations() []string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	ids := make([]string, 0, len(p.allocs))
+	for id := range p.allocs {
+		ids = append(ids, id)
+	}
+	slices.Sort(ids)
+	return ids
+}
+
+// Dirty lists the dirty chunks, in the pool's order.
+func (p *Pool) Dirty() []string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var ids []string
+	for _, ch := range p.order {
+		if ch.state == ChunkDirty {
+			ids = append(ids, ch.ID)
+		}
+	}
+	return ids
 }
 
 // Allocation returns the IDs of the chunks granted to alloc.
