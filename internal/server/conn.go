@@ -795,6 +795,16 @@ func (c *conn) handleOpen(body []byte) reply {
 		c.s.detach(c, e)
 		return fail(wire.StatusInternal, fmt.Errorf("open: %w", err))
 	}
+	if rep.Resumed && m.MappedSession == e.id && wire.HeaderSize+proto.Size(rep) <= wire.MaxMessage {
+		// The client maps this session's chunks still: a session's chunks
+		// are its own for its life, the same memory across restarts (an
+		// adopted chunk is the memfd the keeper held; one that is not
+		// revokes the allocation, and the session with it). Named, not
+		// passed: a session of thousands of chunks resumes without
+		// thousands of descriptors to pass, receive and close.
+		rep.ChunksMapped = true
+		fds = nil
+	}
 	if len(fds) > wire.MaxFDs {
 		fds = fds[:wire.MaxFDs]
 		m := moreReply{op: wire.OpOpen, chunks: ids}

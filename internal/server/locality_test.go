@@ -1,7 +1,10 @@
 package server_test
 
 import (
+	"fmt"
 	"log/slog"
+	"os"
+	"reflect"
 	"strings"
 	"sync"
 	"testing"
@@ -207,4 +210,127 @@ func TestOpenMIGInstances(t *testing.T) {
 	if _, st, _ := r4.openWith(openOn("tok-b", "MIG-ffffffff-0000-0000-0000-000000000009", "x-instance", 0)); st != wire.StatusUnknownGPU {
 		t.Fatalf("unknown MIG instance: %s", st)
 	}
+}
+
+// TestResumeOfMappedChunks: an open that resumes the very session the
+// client says it maps names every chunk and passes none of their fds (nor
+// leaves any for More); an open of a new session, or naming another
+// session, or none, passes them all as before.
+func TestResumeOfMappedChunks(t *testing.T) {
+	a := startServerOf(t, 300, 64<<10, func(o *server.Options) {})
+	// open sends m on a new connection and returns the reply and how many
+	// fds came with it and with the More requests after it.
+	opens := 0
+	open := func(m *wire.Open) (*wire.OpenReply, int) {
+		t.Helper()
+		r := dial(t, a)
+		r.hello()
+		r.seq++
+		pkt, err := wire.AppendPacket(nil, wire.Header{Op: wire.OpOpen, Seq: r.seq}, m)
+		if err != nil {
+			t.Fatal(err)
+		}
+		r.sendPacket(pkt, nil)
+		h, body, files, ok := r.recv()
+		if !ok || h.Status != wire.StatusOK {
+			t.Fatalf("open: connection closed %v, status %s", !ok, h.Status)
+		}
+		var rep wire.OpenReply
+		if err := wire.DecodeBody(body, &rep); err != nil {
+			t.Fatal(err)
+		}
+		fds := len(files)
+		closeAll(files)
+		for fds < len(rep.Chunks) && len(files) == wire.MaxFDs {
+			var mr wire.MoreReply
+			r.seq++
+			pkt, err := wire.AppendPacket(nil, wire.Header{Op: wire.OpMore, Seq: r.seq}, &wire.More{Offset: uint32(fds)})
+			if err != nil {
+				t.Fatal(err)
+			}
+			r.sendPacket(pkt, nil)
+			h, body, files, ok = r.recv()
+			if !ok || h.Status != wire.StatusOK || wire.DecodeBody(body, &mr) != nil {
+				t.Fatalf("more: connection closed %v, status %s", !ok, h.Status)
+			}
+			fds += len(files)
+			closeAll(files)
+		}
+		// The session serves whichever way it opened.
+		var off wire.OffloadReply
+		opens++
+		if st, msg := r.do(wire.OpOffload, 0, &wire.Offload{Rid: fmt.Sprint("r", opens), Label: "l", GpuPages: []int32{0}}, &off); st != 0 || !off.Ok {
+			t.Fatalf("offload after the open: %s %s", st, msg)
+		}
+		r.c.Close()
+		return &rep, fds
+	}
+	first, fds := open(openOn("tok-a", gpuUUID(0), "instance-a", 0))
+	if first.ChunksMapped || first.Resumed || len(first.Chunks) <= wire.MaxFDs || fds != len(first.Chunks) {
+		t.Fatalf("a new session: resumed %t, chunks mapped %t, %d chunks, %d fds", first.Resumed, first.ChunksMapped, len(first.Chunks), fds)
+	}
+	waitConnected(t, a, 0)
+	for _, c := range []struct {
+		name   string
+		mapped uint64
+		inst   string
+		keep   bool
+	}{
+		{"the session the client maps", first.Session, "instance-a", true},
+		{"no session named", 0, "instance-a", false},
+		{"another session named", first.Session + 1, "instance-a", false},
+		{"the session the client maps, again", first.Session, "instance-a", true},
+	} {
+		m := openOn("tok-a", gpuUUID(0), c.inst, 0)
+		m.MappedSession = c.mapped
+		rep, fds := open(m)
+		wantFDs := len(rep.Chunks)
+		if c.keep {
+			wantFDs = 0
+		}
+		if !rep.Resumed || rep.Session != first.Session || rep.ChunksMapped != c.keep || fds != wantFDs || !reflect.DeepEqual(ids(rep), ids(first)) {
+			t.Fatalf("%s: session %d resumed %t, chunks mapped %t, %d chunks named (%d at first), %d fds (want %d)",
+				c.name, rep.Session, rep.Resumed, rep.ChunksMapped, len(rep.Chunks), len(first.Chunks), fds, wantFDs)
+		}
+		waitConnected(t, a, 0)
+	}
+	// A new instance gets a new session, whatever it names.
+	m := openOn("tok-a", gpuUUID(0), "instance-b", 0)
+	m.MappedSession = first.Session
+	if rep, fds := open(m); rep.Resumed || rep.ChunksMapped || rep.Session == first.Session || fds != len(rep.Chunks) {
+		t.Fatalf("a new instance naming the old session: session %d resumed %t, chunks mapped %t, %d fds for %d chunks",
+			rep.Session, rep.Resumed, rep.ChunksMapped, fds, len(rep.Chunks))
+	}
+}
+
+func closeAll(fs []*os.File) {
+	for _, f := range fs {
+		f.Close()
+	}
+}
+
+func ids(rep *wire.OpenReply) []string {
+	var out []string
+	for _, c := range rep.Chunks {
+		out = append(out, c.Id)
+	}
+	return out
+}
+
+// waitConnected waits until n sessions or fewer have a connection.
+func waitConnected(t *testing.T, a *agent, n int) {
+	t.Helper()
+	for range 400 {
+		connected := 0
+		for _, s := range a.srv.Sessions() {
+			if s.Connected {
+				connected++
+			}
+		}
+		if connected <= n {
+			return
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	t.Fatalf("the server still counts more than %d connected sessions", n)
 }

@@ -507,6 +507,10 @@ func (p *CPUPagePool) connect(ctx context.Context) error {
 		return fmt.Errorf("kvpool: the agent speaks protocol version %d, this client needs version %d: upgrade the agent", hr.Version, wire.Version)
 	}
 	req := &wire.Open{Token: p.o.Token, GpuUuid: p.dev.UUID(), InstanceId: p.o.InstanceID, MaxPages: uint32(p.o.MaxPages), Ranks: uint32(p.o.Ranks)}
+	if len(p.chunks) > 0 {
+		// Its chunks mapped still: resuming it, the agent passes none.
+		req.MappedSession = p.session
+	}
 	for _, r := range p.layout.Regions {
 		req.Regions = append(req.Regions, &wire.Region{BytesPerPage: r.PageBytes, PageCount: uint32(r.Pages)})
 	}
@@ -529,7 +533,7 @@ func (p *CPUPagePool) connect(ctx context.Context) error {
 	// The open's reply is the only one that carries files: from here on
 	// the socket refuses them, and each reply is read the cheaper way.
 	wc.RefuseFiles()
-	p.log.Debug("kvpool session", "session", rep.Session, "resumed", rep.Resumed, "capacity", rep.Capacity,
+	p.log.Debug("kvpool session", "session", rep.Session, "resumed", rep.Resumed, "chunksMapped", rep.ChunksMapped, "capacity", rep.Capacity,
 		"page_size", rep.PageSize, "chunks", len(rep.Chunks), "gpu_numa", p.locality.GPUNUMA, "ranks", p.locality.Ranks)
 	return nil
 }
@@ -575,7 +579,14 @@ func closeFiles(fs []*os.File) {
 // adopt maps the chunks of an OpenReply, reusing existing mappings when the
 // session was resumed with the same chunks.
 func (p *CPUPagePool) adopt(rep *wire.OpenReply, files []*os.File) error {
-	if len(files) != len(rep.Chunks) {
+	if rep.ChunksMapped && (len(files) != 0 || !rep.Resumed || len(p.chunks) == 0 || rep.Session != p.session) {
+		// What the client has mapped is let go (once no copy reads it):
+		// its next open asks for every chunk.
+		p.dropMappings()
+		return fmt.Errorf("%w: open reply says session %d's chunks are mapped already (resumed %t, %d fds); this client maps %d chunks of session %d",
+			ErrProtocol, rep.Session, rep.Resumed, len(files), len(p.chunks), p.session)
+	}
+	if !rep.ChunksMapped && len(files) != len(rep.Chunks) {
 		return fmt.Errorf("%w: open reply names %d chunks but carries %d fds", ErrProtocol, len(rep.Chunks), len(files))
 	}
 	if rep.ChunkCount != 0 && int(rep.ChunkCount) != len(rep.Chunks) {
@@ -595,6 +606,10 @@ func (p *CPUPagePool) adopt(rep *wire.OpenReply, files []*os.File) error {
 	same := rep.Resumed && rep.Session == p.session && rep.PageSize == p.pageSize && int(rep.PagesPerChunk) == p.ppc && len(rep.Chunks) == len(p.chunks)
 	for i := 0; same && i < len(rep.Chunks); i++ {
 		same = rep.Chunks[i].Id == p.chunks[i].id && rep.Chunks[i].Size == p.chunks[i].size
+	}
+	if rep.ChunksMapped && !same {
+		p.dropMappings()
+		return fmt.Errorf("%w: open reply says session %d's chunks are mapped already, but they are not the chunks this client maps", ErrProtocol, rep.Session)
 	}
 	if !rep.Resumed || !same {
 		// A fresh session: nothing of the old one's pages or tickets holds.
@@ -636,6 +651,14 @@ func register(dev cudart.Device, mem []byte) error {
 		}
 	}
 	return nil
+}
+
+// dropMappings lets go of the session's chunks once no copy reads them,
+// and of the reloads pending on them.
+func (p *CPUPagePool) dropMappings() {
+	_ = p.mover.Wait()
+	p.pending, p.fenceDone, p.fenceSent = p.pending[:0], 0, 0
+	p.unmapChunks()
 }
 
 func (p *CPUPagePool) unmapChunks() {

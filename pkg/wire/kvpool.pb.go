@@ -197,9 +197,10 @@ type Open struct {
 	Token         string                 `protobuf:"bytes,1,opt,name=token,proto3" json:"token,omitempty"`                             // allocation token (KVPOOL_TOKEN)
 	InstanceId    []byte                 `protobuf:"bytes,3,opt,name=instance_id,json=instanceId,proto3" json:"instance_id,omitempty"` // 16 random bytes, fixed for the client process
 	Regions       []*Region              `protobuf:"bytes,4,rep,name=regions,proto3" json:"regions,omitempty"`
-	MaxPages      uint32                 `protobuf:"varint,5,opt,name=max_pages,json=maxPages,proto3" json:"max_pages,omitempty"` // host pages wanted; 0 = the session's fair share of the allocation
-	GpuUuid       string                 `protobuf:"bytes,6,opt,name=gpu_uuid,json=gpuUuid,proto3" json:"gpu_uuid,omitempty"`     // the GPU the session serves, as its driver names it ("GPU-...", "MIG-...")
-	Ranks         uint32                 `protobuf:"varint,7,opt,name=ranks,proto3" json:"ranks,omitempty"`                       // sessions (tensor-parallel ranks) that share the allocation, as the client knows it; 0 = the agent decides
+	MaxPages      uint32                 `protobuf:"varint,5,opt,name=max_pages,json=maxPages,proto3" json:"max_pages,omitempty"`                // host pages wanted; 0 = the session's fair share of the allocation
+	GpuUuid       string                 `protobuf:"bytes,6,opt,name=gpu_uuid,json=gpuUuid,proto3" json:"gpu_uuid,omitempty"`                    // the GPU the session serves, as its driver names it ("GPU-...", "MIG-...")
+	Ranks         uint32                 `protobuf:"varint,7,opt,name=ranks,proto3" json:"ranks,omitempty"`                                      // sessions (tensor-parallel ranks) that share the allocation, as the client knows it; 0 = the agent decides
+	MappedSession uint64                 `protobuf:"varint,8,opt,name=mapped_session,json=mappedSession,proto3" json:"mapped_session,omitempty"` // the session whose chunks this client maps still (0: none); an open that resumes it passes no fds (OpenReply.chunks_mapped)
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -276,6 +277,13 @@ func (x *Open) GetRanks() uint32 {
 	return 0
 }
 
+func (x *Open) GetMappedSession() uint64 {
+	if x != nil {
+		return x.MappedSession
+	}
+	return 0
+}
+
 type ChunkGrant struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Id            string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
@@ -340,18 +348,22 @@ func (x *ChunkGrant) GetNuma() int32 {
 // for the first MaxFDs (253) chunks; More fetches the rest. A session of more
 // chunks than one packet can name (some 4,800 of 1 GiB) gets only the first MaxFDs
 // named here and chunk_count set; each More then names the chunks whose fds
-// it carries.
+// it carries. An open that resumes the session the client still maps
+// (Open.mapped_session) passes none where the reply can name every chunk
+// (chunks_mapped): a session's chunks are its own for its life, the same
+// memory across the agent's restarts, so the client keeps its mappings.
 type OpenReply struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Session       uint64                 `protobuf:"varint,1,opt,name=session,proto3" json:"session,omitempty"`
 	Resumed       bool                   `protobuf:"varint,2,opt,name=resumed,proto3" json:"resumed,omitempty"`                   // an existing session of this instance was resumed
 	PageSize      uint64                 `protobuf:"varint,3,opt,name=page_size,json=pageSize,proto3" json:"page_size,omitempty"` // host bytes per page
 	PagesPerChunk uint32                 `protobuf:"varint,4,opt,name=pages_per_chunk,json=pagesPerChunk,proto3" json:"pages_per_chunk,omitempty"`
-	Capacity      uint32                 `protobuf:"varint,5,opt,name=capacity,proto3" json:"capacity,omitempty"`                       // host pages of the session
-	Chunks        []*ChunkGrant          `protobuf:"bytes,6,rep,name=chunks,proto3" json:"chunks,omitempty"`                            // page p lives in chunks[p / pages_per_chunk]
-	GpuNuma       *int32                 `protobuf:"varint,7,opt,name=gpu_numa,json=gpuNuma,proto3,oneof" json:"gpu_numa,omitempty"`    // NUMA node of the session's GPU, -1 unknown; absent from agents before it was added
-	Ranks         uint32                 `protobuf:"varint,8,opt,name=ranks,proto3" json:"ranks,omitempty"`                             // the ranks the allocation is shared among, this session included
-	ChunkCount    uint32                 `protobuf:"varint,9,opt,name=chunk_count,json=chunkCount,proto3" json:"chunk_count,omitempty"` // set when chunks names only the first of the session's chunks: all of them; More names the rest
+	Capacity      uint32                 `protobuf:"varint,5,opt,name=capacity,proto3" json:"capacity,omitempty"`                              // host pages of the session
+	Chunks        []*ChunkGrant          `protobuf:"bytes,6,rep,name=chunks,proto3" json:"chunks,omitempty"`                                   // page p lives in chunks[p / pages_per_chunk]
+	GpuNuma       *int32                 `protobuf:"varint,7,opt,name=gpu_numa,json=gpuNuma,proto3,oneof" json:"gpu_numa,omitempty"`           // NUMA node of the session's GPU, -1 unknown; absent from agents before it was added
+	Ranks         uint32                 `protobuf:"varint,8,opt,name=ranks,proto3" json:"ranks,omitempty"`                                    // the ranks the allocation is shared among, this session included
+	ChunkCount    uint32                 `protobuf:"varint,9,opt,name=chunk_count,json=chunkCount,proto3" json:"chunk_count,omitempty"`        // set when chunks names only the first of the session's chunks: all of them; More names the rest
+	ChunksMapped  bool                   `protobuf:"varint,10,opt,name=chunks_mapped,json=chunksMapped,proto3" json:"chunks_mapped,omitempty"` // no fd travels, nor any More: this open resumed Open.mapped_session, whose chunks (all named here) the client maps already
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -447,6 +459,13 @@ func (x *OpenReply) GetChunkCount() uint32 {
 		return x.ChunkCount
 	}
 	return 0
+}
+
+func (x *OpenReply) GetChunksMapped() bool {
+	if x != nil {
+		return x.ChunksMapped
+	}
+	return false
 }
 
 type Offload struct {
@@ -1326,7 +1345,7 @@ const file_kvpool_proto_rawDesc = "" +
 	"\x06Region\x12$\n" +
 	"\x0ebytes_per_page\x18\x01 \x01(\x04R\fbytesPerPage\x12\x1d\n" +
 	"\n" +
-	"page_count\x18\x02 \x01(\rR\tpageCount\"\xc3\x01\n" +
+	"page_count\x18\x02 \x01(\rR\tpageCount\"\xea\x01\n" +
 	"\x04Open\x12\x14\n" +
 	"\x05token\x18\x01 \x01(\tR\x05token\x12\x1f\n" +
 	"\vinstance_id\x18\x03 \x01(\fR\n" +
@@ -1334,13 +1353,14 @@ const file_kvpool_proto_rawDesc = "" +
 	"\aregions\x18\x04 \x03(\v2\x16.kvpool.wire.v1.RegionR\aregions\x12\x1b\n" +
 	"\tmax_pages\x18\x05 \x01(\rR\bmaxPages\x12\x19\n" +
 	"\bgpu_uuid\x18\x06 \x01(\tR\agpuUuid\x12\x14\n" +
-	"\x05ranks\x18\a \x01(\rR\x05ranksJ\x04\b\x02\x10\x03\"R\n" +
+	"\x05ranks\x18\a \x01(\rR\x05ranks\x12%\n" +
+	"\x0emapped_session\x18\b \x01(\x04R\rmappedSessionJ\x04\b\x02\x10\x03\"R\n" +
 	"\n" +
 	"ChunkGrant\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x12\n" +
 	"\x04size\x18\x02 \x01(\x04R\x04size\x12\x17\n" +
 	"\x04numa\x18\x03 \x01(\x05H\x00R\x04numa\x88\x01\x01B\a\n" +
-	"\x05_numa\"\xb8\x02\n" +
+	"\x05_numa\"\xdd\x02\n" +
 	"\tOpenReply\x12\x18\n" +
 	"\asession\x18\x01 \x01(\x04R\asession\x12\x18\n" +
 	"\aresumed\x18\x02 \x01(\bR\aresumed\x12\x1b\n" +
@@ -1351,7 +1371,9 @@ const file_kvpool_proto_rawDesc = "" +
 	"\bgpu_numa\x18\a \x01(\x05H\x00R\agpuNuma\x88\x01\x01\x12\x14\n" +
 	"\x05ranks\x18\b \x01(\rR\x05ranks\x12\x1f\n" +
 	"\vchunk_count\x18\t \x01(\rR\n" +
-	"chunkCountB\v\n" +
+	"chunkCount\x12#\n" +
+	"\rchunks_mapped\x18\n" +
+	" \x01(\bR\fchunksMappedB\v\n" +
 	"\t_gpu_numa\"\xa5\x01\n" +
 	"\aOffload\x12\x10\n" +
 	"\x03rid\x18\x01 \x01(\tR\x03rid\x12\x14\n" +
