@@ -163,8 +163,9 @@ func letGo(held [][]byte) int64 {
 // how much the heap goal grew since the collection before. With the
 // collector off both goals are unbounded and the scale is one: the
 // scavenger handed a spare's warm heap back in the seconds before its
-// turn (at 16,384 chunks, half the turns found 5 MiB of it free of 67,
-// and faulted 2,300-2,500 pages in: 28-30 ms). So a first collection runs
+// turn (at 16,384 chunks, half the turns found 3-5 MiB of it free where
+// the others found 61-70, and faulted 2,250-2,760 pages in: 27-33 ms on a
+// VM where a fault costs 12 µs). So a first collection runs
 // with a bounded goal while held is still referenced (none of it free to
 // hand back: the caller holds the free heap, holdFree, or the warm pieces
 // it made), and the one that frees it with the collector off again: the
