@@ -116,7 +116,8 @@ type Ahead struct {
 	Chunks []Held
 }
 
-// Close closes the chunks' files (a nil Ahead has none).
+// Close closes the chunks' files (a nil Ahead has none); a closed Ahead
+// holds no generation.
 func (a *Ahead) Close() {
 	if a == nil {
 		return
@@ -124,7 +125,7 @@ func (a *Ahead) Close() {
 	for _, h := range a.Chunks {
 		h.File.Close()
 	}
-	a.Chunks = nil
+	a.Chunks, a.Gen = nil, 0
 }
 
 // ErrNoHeld: the keeper is older than the held request.
@@ -295,6 +296,10 @@ func (c *Client) hello(ahead *Ahead) (*State, error) {
 		st.Chunks, ahead.Chunks, st.Ahead = ahead.Chunks, nil, true
 		return st, nil
 	}
+	// The chunks taken ahead are stale: closed before the keeper's come,
+	// so that the turn holds the pool's fds once, not twice (a pool of
+	// 16,384 chunks and a limit of 20,000 fds: the hand-over truncated).
+	ahead.Close()
 	held, err := c.receiveChunks(st.Chunks)
 	if err != nil {
 		st.Close()
@@ -436,7 +441,7 @@ func (c *Client) recvRaw() ([]byte, []int, error) {
 	}
 	switch {
 	case flags&unix.MSG_CTRUNC != 0:
-		err = errors.New("keeper: file descriptors truncated")
+		err = errTruncated()
 	case n == 0:
 		err = errors.New("keeper: connection closed")
 	}
@@ -445,6 +450,17 @@ func (c *Client) recvRaw() ([]byte, []int, error) {
 		return nil, nil, err
 	}
 	return bytes.Clone(c.buf[:n]), fds, nil
+}
+
+// errTruncated explains a packet whose fds did not all arrive: the buffer
+// is sized for a batch, so it is the process's limit on open files, which
+// the pool's chunks take one each.
+func errTruncated() error {
+	var lim unix.Rlimit
+	if unix.Getrlimit(unix.RLIMIT_NOFILE, &lim) != nil {
+		return errors.New("keeper: file descriptors truncated")
+	}
+	return fmt.Errorf("keeper: file descriptors truncated at this process's limit of %d open files (RLIMIT_NOFILE): the agent holds one a chunk of the pool; raise the limit", lim.Cur)
 }
 
 // call sends m and waits for the keeper's answer, at most CallTimeout; a

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -1065,5 +1066,85 @@ func TestHeldReaderThatStops(t *testing.T) {
 	time.Sleep(50 * time.Millisecond) // the keeper writing, the reader not reading
 	if err := c.Put(Item{ID: "after", Gen: 1, Size: 4096}, namedMemfd(t, "stalled", 4096)); err != nil {
 		t.Fatalf("the agent's put while a held reader stalls: %v", err)
+	}
+}
+
+// TestStaleTakeClosedFirst: where the chunks changed since a spare took
+// them ahead, its hello closes the ones taken before the keeper's come, so
+// that the turn holds the pool's fds once: under a limit on open files
+// that the pool fits twice but not three times (the keeper's, the take's,
+// the hand-over's: the keeper runs in this process), the hand-over
+// succeeds. A child process, as the limit is the process's.
+func TestStaleTakeClosedFirst(t *testing.T) {
+	if os.Getenv("KEEPER_FD_LIMIT_CHILD") == "" {
+		cmd := exec.Command(os.Args[0], "-test.run=^TestStaleTakeClosedFirst$", "-test.v")
+		cmd.Env = append(os.Environ(), "KEEPER_FD_LIMIT_CHILD=1")
+		if out, err := cmd.CombinedOutput(); err != nil {
+			t.Fatalf("child: %v\n%s", err, out)
+		}
+		return
+	}
+	k, path := start(t)
+	c, _, err := Connect(path, time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const n = 4 * batch
+	for i := range n {
+		f := memfd(t, 4096, byte(i))
+		if err := c.Put(Item{ID: fmt.Sprintf("c%03d", i), Gen: 1, Size: 4096}, f); err != nil {
+			t.Fatal(err)
+		}
+		f.Close()
+	}
+	ahead, err := TakeHeld(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Drop("c000"); err != nil {
+		t.Fatal(err)
+	}
+	c.Close()
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var lim unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &lim); err != nil {
+		t.Fatal(err)
+	}
+	lim.Cur = uint64(len(ents) + n/2)
+	if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &lim); err != nil {
+		t.Fatal(err)
+	}
+	c2, st, err := ConnectWith(path, 2*time.Second, ahead)
+	if err != nil {
+		t.Fatalf("the hello after a change, %d fds open of a limit of %d: %v", len(ents), lim.Cur, err)
+	}
+	defer c2.Close()
+	defer st.Close()
+	if len(st.Chunks) != n-1 || st.Ahead || ahead.Chunks != nil || k.Stat().Chunks != n-1 {
+		t.Fatalf("the hello after a change: %d chunks (ahead %v), %d left with the take, want %d handed anew", len(st.Chunks), st.Ahead, len(ahead.Chunks), n-1)
+	}
+	for i, h := range st.Chunks {
+		if h.ID != fmt.Sprintf("c%03d", i+1) || first(t, h.File) != byte(i+1) {
+			t.Fatalf("chunk %d handed over: %+v", i, h.Item)
+		}
+	}
+	// A limit the pool does not fit once: the hello fails, and says why.
+	c2.Close()
+	if ents, err = os.ReadDir("/proc/self/fd"); err != nil {
+		t.Fatal(err)
+	}
+	lim.Cur = uint64(len(ents) + batch/2)
+	if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &lim); err != nil {
+		t.Fatal(err)
+	}
+	if c3, st3, err := ConnectWith(path, 2*time.Second, nil); err == nil || !strings.Contains(err.Error(), "RLIMIT_NOFILE") {
+		if err == nil {
+			c3.Close()
+			st3.Close()
+		}
+		t.Fatalf("a hello whose chunks pass the limit on open files: %v, want an error that names the limit", err)
 	}
 }
