@@ -257,13 +257,31 @@ func (a *agent) renew(id string) error {
 		return err
 	}
 	took := time.Since(start)
-	a.mu.Lock()
-	a.hmem[id] = c
-	a.mu.Unlock()
+	a.install(id, c)
 	a.obs.Metrics.ChunkRenewed(g, took)
 	a.log.Info("chunk renewed", "chunk", id, "took", took.Round(time.Microsecond), bytesize.Attr("pageSize", int64(c.PageSize)), "node", c.Node, "locked", c.Locked)
 	return nil
 }
+
+// install makes c the agent's chunk id, once the keeper holds it (keep),
+// and only then queues its lock for the keeper (settleLocks): the lock
+// loop drops an ID it finds no chunk for, and a chunk queued before it
+// was the agent's stayed in the agent's mapping (a restart then waits for
+// the kernel to unmap it).
+func (a *agent) install(id string, c *hostmem.Chunk) {
+	if beforeInstall != nil {
+		beforeInstall(id)
+	}
+	a.mu.Lock()
+	a.hmem[id] = c
+	a.mu.Unlock()
+	if r := a.restart; r != nil && r.locks.Load() && c.Locked {
+		r.lockq.push(id)
+	}
+}
+
+// beforeInstall, when set (tests), runs as install begins.
+var beforeInstall func(id string)
 
 // allocateNow is the step "allocate" (standalone tokens): every chunk
 // allocated and granted before the socket appears.
@@ -358,9 +376,7 @@ func (a *agent) place(f *filling, r hostmem.Result) bool {
 		a.log.Error("pool allocation stopped: the keeper does not take the chunk", "chunk", r.ID, "err", err)
 		return false
 	}
-	a.mu.Lock()
-	a.hmem[r.ID] = c
-	a.mu.Unlock()
+	a.install(r.ID, c)
 	if err := a.pool.AddChunk(pc); err != nil {
 		a.log.Error("adding chunk to the pool", "chunk", r.ID, "err", err)
 		observe.Report(a.obs.Observer, "pool", "add_chunk", err)

@@ -71,45 +71,84 @@ func (q *lockQueue) pop() (string, bool) {
 	return id, true
 }
 
-// settleLocks runs until ctx ends: the adopted chunks ids first (faulted
-// in by the agent where the keeper does not lock: faultInAdopted), then
-// every chunk queued since (fresh ones, renewed ones, and all of them
-// after a new keeper took the pool).
-func (a *agent) settleLocks(ctx context.Context, adopted []string) {
-	r := a.restart
-	if !r.locks.Load() {
-		a.faultInAdopted(ctx, adopted)
-	} else {
-		r.lockq.push(adopted...)
+// startLocks is the step "locks": from the restore on, the chunks
+// queued (fresh ones as the pool fills, renewed ones, all of them after a
+// new keeper took the pool, and the adopted ones once the agent serves:
+// settleAdopted) have their lock handed to the keeper, or kept by the
+// agent where the keeper cannot take it. A pool filled before the agent
+// serves (standalone tokens) is so the keeper's to lock as it fills: it
+// was handed over only once the agent served, and a restart in the
+// seconds that took waited for the kernel to unmap the killed agent's
+// locked mapping (docs/benchmarks.md).
+func (a *agent) startLocks(ctx context.Context, wg *sync.WaitGroup) error {
+	wg.Go(func() { a.settleLocks(ctx) })
+	return nil
+}
+
+// settleAdopted settles the lock of the adopted chunks ids that the
+// keeper does not hold locked: queued for the keeper (settleLocks), or
+// faulted in by the agent where the keeper does not lock (faultInAdopted).
+func (a *agent) settleAdopted(ctx context.Context, wg *sync.WaitGroup, ids []string) {
+	if len(ids) == 0 {
+		return
 	}
+	if a.restart.locks.Load() {
+		a.restart.lockq.push(ids...)
+		return
+	}
+	wg.Go(func() { a.faultInAdopted(ctx, ids) })
+}
+
+// settleLocks runs until ctx ends, settling the lock of every chunk
+// queued. What the keeper took is logged once the queue has stayed empty
+// for lockSummaryAfter: a pool that fills hands each chunk over as it
+// comes, and is summed up once, not a line a chunk.
+func (a *agent) settleLocks(ctx context.Context) {
+	r := a.restart
 	var chunks int
 	var bytes int64
-	start := time.Now()
+	var first, last time.Time
 	for {
 		id, ok := r.lockq.pop()
 		if !ok {
+			var timer *time.Timer
+			var quiet <-chan time.Time
 			if chunks > 0 {
-				msg := "the keeper holds the pool's lock; the agent maps none of it"
-				if mapped := a.mappedChunks(); mapped > 0 {
-					msg = fmt.Sprintf("the keeper holds the lock of these chunks; the agent still maps %d others", mapped)
-				}
-				a.log.Info(msg, "chunks", chunks, bytesize.Attr("bytes", bytes), "took", time.Since(start).Round(time.Millisecond))
-				chunks, bytes = 0, 0
+				timer = time.NewTimer(lockSummaryAfter)
+				quiet = timer.C
 			}
 			select {
 			case <-ctx.Done():
 				return
 			case <-r.lockq.wake:
-				start = time.Now()
-				continue
+				if timer != nil {
+					timer.Stop()
+				}
+			case <-quiet:
+				msg := "the keeper holds the pool's lock; the agent maps none of it"
+				if mapped := a.mappedChunks(); mapped > 0 {
+					msg = fmt.Sprintf("the keeper holds the lock of these chunks; the agent still maps %d others", mapped)
+				}
+				a.log.Info(msg, "chunks", chunks, bytesize.Attr("bytes", bytes), "took", last.Sub(first).Round(time.Millisecond))
+				chunks, bytes = 0, 0
 			}
+			continue
 		}
+		t := time.Now()
 		if n := a.settleLock(ctx, id); n > 0 {
+			if chunks == 0 {
+				first = t
+			}
 			chunks++
 			bytes += n
+			last = time.Now()
 		}
 	}
 }
+
+// lockSummaryAfter is how long the lock queue stays empty before
+// settleLocks logs what the keeper took.
+const lockSummaryAfter = 500 * time.Millisecond
 
 // settleLock hands chunk id's lock to the keeper, and returns its size
 // when the keeper took it. Where the keeper cannot take it, the agent

@@ -14,6 +14,7 @@ import (
 	"runtime/metrics"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -261,6 +262,49 @@ func TestAdoptedChunksLockedWhileServing(t *testing.T) {
 				t.Fatalf("the restarted agent mapped chunks the keeper held locked, and handed their lock over again:\n%s", log.String())
 			}
 		})
+	}
+}
+
+// TestFreshChunksLockedByTheKeeper: the chunks a standalone agent
+// allocates before it serves, and a chunk renewed while it serves, have
+// their lock handed to the keeper, and the agent maps none of them. A
+// chunk is queued for the lock loop only once it is the agent's
+// (install): queued at the keeper's put, the loop, which runs from the
+// restore on, could take it first, find no chunk and drop it, and the
+// chunk stayed in the agent's mapping (here the agent is made to wait
+// between the two).
+func TestFreshChunksLockedByTheKeeper(t *testing.T) {
+	ksock, k := startKeeper(t)
+	var lockedWhileFilling atomic.Int64 // the most the keeper held locked at an install
+	beforeInstall = func(string) {
+		lockedWhileFilling.Store(max(lockedWhileFilling.Load(), k.Stat().Locked))
+		time.Sleep(20 * time.Millisecond)
+	}
+	t.Cleanup(func() { beforeInstall = nil })
+	a, stop := keptAgent(t, t.TempDir(), ksock, []string{"tenant-a"})
+	defer stop()
+	chunks := chunksOf(a)
+	// The locks are handed over as the pool fills, before the agent
+	// serves: not from the heartbeat on.
+	if lockedWhileFilling.Load() == 0 {
+		t.Fatal("the keeper held no chunk's lock while the pool filled")
+	}
+	var id string
+	for id = range chunks {
+		if !chunks[id].Locked {
+			t.Skipf("chunk %s not locked here (no CAP_IPC_LOCK?): %v", id, chunks[id].Warnings)
+		}
+	}
+	waitUntil(t, "the keeper holds every fresh chunk's lock", func() bool { return kept(a) == len(chunks) })
+	if err := a.a.renew(id); err != nil {
+		t.Fatal(err)
+	}
+	if chunksOf(a)[id] == chunks[id] {
+		t.Fatalf("chunk %s not renewed", id)
+	}
+	waitUntil(t, "the keeper holds the renewed chunk's lock", func() bool { return kept(a) == len(chunks) })
+	if st := k.Stat(); st.Locked != poolBytes(a) {
+		t.Fatalf("the keeper holds %d bytes locked of a pool of %d", st.Locked, poolBytes(a))
 	}
 }
 

@@ -13,6 +13,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/kvpool/kvpool/internal/books"
 	"github.com/kvpool/kvpool/internal/bytesize"
 	"github.com/kvpool/kvpool/internal/config"
@@ -91,8 +93,11 @@ func (a *agent) connectKeeper() error {
 		ahead = ra.takeChunks()
 	}
 	kc, held, err := keeper.ConnectWith(path, keeperWait, ahead)
-	if err != nil {
+	if errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ECONNREFUSED) {
 		return fmt.Errorf("keeper: %w (is `agent keeper --socket %s` running?)", err, path)
+	}
+	if err != nil {
+		return err
 	}
 	r := &restart{keeper: kc, held: held, chunksAhead: held.Ahead, kept: inspectKept(held.Chunks), marker: a.readMarker(), gens: make(map[string]uint64, len(held.Chunks)), adopted: make(map[string]bool, len(held.Chunks)), lockq: newLockQueue()}
 	r.locks.Store(held.Locks)
@@ -520,7 +525,7 @@ func (a *agent) startHeartbeat(ctx context.Context, wg *sync.WaitGroup) error {
 		}
 	}
 	a.mu.RUnlock()
-	wg.Go(func() { a.settleLocks(ctx, ids) })
+	a.settleAdopted(ctx, wg, ids)
 	return nil
 }
 
@@ -654,7 +659,8 @@ func (a *agent) adopt(st *books.State, h keeper.Held, f keptFile, planned map[st
 // keep hands a new chunk's memfd to the keeper and records its generation
 // in the books before the chunk is used: a freshly allocated chunk, or a
 // fresh memfd that replaces a chunk at reclaim (the keeper then drops the
-// old one). Without a keeper it does nothing. Safe for concurrent use.
+// old one); install then makes it the agent's. Without a keeper it does
+// nothing. Safe for concurrent use.
 func (a *agent) keep(id string, c *hostmem.Chunk) error {
 	r := a.restart
 	if r == nil {
@@ -680,9 +686,6 @@ func (a *agent) keep(id string, c *hostmem.Chunk) error {
 		return err
 	}
 	r.gens[id] = gen
-	if r.locks.Load() && c.Locked {
-		r.lockq.push(id)
-	}
 	return nil
 }
 

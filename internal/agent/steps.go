@@ -95,6 +95,7 @@ func (a *agent) steps(m mode) []step {
 	add(true, a.gpusStep(m))
 	add(true, a.planStep(m))
 	add(m.keeper, step{name: "restore", start: do(a.restore), stop: a.stopRestore})
+	add(m.keeper, background("locks", a.startLocks))
 	add(m.static(), step{name: "tokens", start: do(a.prepareTokens)})
 	add(true, step{name: "observability", start: a.newObservability})
 	add(m.plugin, step{name: "plugin", start: a.pluginStep(m), stop: a.closePlugin})
