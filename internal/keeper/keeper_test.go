@@ -622,7 +622,7 @@ func TestKeeperLocksChunks(t *testing.T) {
 func TestKeeperLockRefused(t *testing.T) {
 	old := lockOnFault
 	lockOnFault = func([]byte) error { return unix.EPERM }
-	defer func() { lockOnFault = old }()
+	t.Cleanup(func() { lockOnFault = old }) // after the keeper's stop (start's cleanup)
 	k, path := start(t)
 	c, _, err := Connect(path, time.Second)
 	if err != nil {
@@ -1039,7 +1039,10 @@ func TestTakeHeldFromAnOlderKeeper(t *testing.T) {
 // reads none of them holds the keeper's lock only as long as one packet
 // may wait (heldWriteWait), not the agent's requests up to their timeout.
 func TestHeldReaderThatStops(t *testing.T) {
-	defer func(w time.Duration) { heldWriteWait = w }(heldWriteWait)
+	// Put back once the keeper has stopped (start's cleanup runs first),
+	// not before: its connection to the stalled reader reads it.
+	w := heldWriteWait
+	t.Cleanup(func() { heldWriteWait = w })
 	heldWriteWait = 200 * time.Millisecond
 	_, path := start(t)
 	c, _, err := Connect(path, time.Second)
