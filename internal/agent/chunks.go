@@ -10,6 +10,8 @@ import (
 	"sync"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/kvpool/kvpool/internal/bytesize"
 	"github.com/kvpool/kvpool/internal/config"
 	"github.com/kvpool/kvpool/internal/gpu"
@@ -100,6 +102,16 @@ func (a *agent) planStep(m mode) step {
 		if err != nil {
 			return err
 		}
+		var lim unix.Rlimit
+		if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &lim); err == nil {
+			warning, err := checkOpenFiles(p, a.cfg.Limits.MaxConns, lim.Cur)
+			if err != nil {
+				return err
+			}
+			if warning != "" {
+				a.log.Warn(warning)
+			}
+		}
 		a.plan = p
 		a.specs = p.Specs(hugePages, sizing.NodeWorkers(a.info))
 		if lockFallback {
@@ -115,6 +127,36 @@ func (a *agent) planStep(m mode) step {
 		}
 		return nil
 	}}
+}
+
+// fileHeadroom is the files the agent opens beside its chunks and its
+// tenants' connections: the books, the keeper's and the spare's sockets,
+// the listeners, the metrics and health servers' connections, kubelet's
+// gRPC.
+const fileHeadroom = 256
+
+// checkOpenFiles weighs a plan against limit, the process's RLIMIT_NOFILE:
+// a plan whose chunks (a memfd each) need more files than that is refused
+// (found at the plan, not as a fill that stops at "too many open files"
+// part of the way), and one that leaves less than maxConns tenant
+// connections (a socket each) room is warned of, as the connections past
+// the limit would be refused.
+func checkOpenFiles(p *sizing.Plan, maxConns int, limit uint64) (warning string, err error) {
+	chunks := 0
+	for _, g := range p.GPUs {
+		chunks += g.Chunks
+	}
+	need := uint64(chunks) + fileHeadroom
+	switch {
+	case limit == unix.RLIM_INFINITY:
+	case need > limit:
+		return "", fmt.Errorf("the plan's %d chunks need a memfd each, about %d open files, and this process may open %d (RLIMIT_NOFILE): "+
+			"raise the container's limit on open files, or cut the pool into fewer, larger chunks", chunks, need, limit)
+	case need+uint64(max(maxConns, 0)) > limit:
+		return fmt.Sprintf("the plan's %d chunks and limits.maxConns %d connections need about %d open files, and this process may open %d (RLIMIT_NOFILE): "+
+			"connections past the limit will be refused; raise the container's limit on open files", chunks, maxConns, need+uint64(maxConns), limit), nil
+	}
+	return "", nil
 }
 
 // sizedPlan sizes the pool over the node (the configured sizing; in
