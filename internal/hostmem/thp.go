@@ -5,6 +5,8 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
+	"time"
 )
 
 // thpDir is where the kernel says how it gives transparent huge pages.
@@ -46,11 +48,37 @@ func anonTHP(dir string) string {
 // shmemTHP reports whether shared-memory transparent huge pages may back
 // a chunk that asks for them (MADV_HUGEPAGE): the global setting, or that
 // of any size, is other than never or deny; false where the kernel has no
-// such setting. Read for every chunk (a few small files; the administrator
-// may change the setting while the agent runs).
+// such setting. The settings are read again at most every shmemTHPEvery:
+// the administrator may change them while the agent runs, and a fill
+// reads them for every chunk (read each time, a pool of 16,384 chunks
+// globbed sysfs and read a dozen files for each: about 60 KB of garbage a
+// chunk, 1.2 GB of heap for a standalone fill, which runs with the
+// collector off).
 func shmemTHP() bool {
-	paths, _ := filepath.Glob(thpDir + "/hugepages-*kB/shmem_enabled")
-	for _, p := range append([]string{thpDir + "/shmem_enabled"}, paths...) {
+	c := &shmemTHPCache
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.at.IsZero() || time.Since(c.at) >= shmemTHPEvery {
+		c.on, c.at = readShmemTHP(thpDir), time.Now()
+	}
+	return c.on
+}
+
+// shmemTHPEvery is how long shmemTHP answers from what it last read.
+const shmemTHPEvery = time.Second
+
+// shmemTHPCache is what shmemTHP last read, and when.
+var shmemTHPCache struct {
+	mu sync.Mutex
+	at time.Time
+	on bool
+}
+
+// readShmemTHP reads shmemTHP's answer from the settings under dir (a
+// variable for tests).
+var readShmemTHP = func(dir string) bool {
+	paths, _ := filepath.Glob(dir + "/hugepages-*kB/shmem_enabled")
+	for _, p := range append([]string{dir + "/shmem_enabled"}, paths...) {
 		switch thpSetting(p) {
 		case "always", "within_size", "advise", "force":
 			return true

@@ -4,6 +4,7 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
+	"time"
 )
 
 func TestAnonTHP(t *testing.T) {
@@ -62,5 +63,51 @@ func TestTHPSetting(t *testing.T) {
 	}
 	if got := thpSetting(filepath.Join(dir, "missing")); got != "" {
 		t.Errorf("a missing file: thpSetting = %q, want none", got)
+	}
+}
+
+// The shared-memory THP settings: on where the global setting or any
+// size's allows them; read again only every shmemTHPEvery, not for each
+// chunk of a fill.
+func TestShmemTHP(t *testing.T) {
+	dir := t.TempDir()
+	write := func(rel, s string) {
+		p := filepath.Join(dir, rel)
+		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(p, []byte(s+"\n"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	read := readShmemTHP
+	if read(dir) {
+		t.Fatal("no settings: shared-memory THP on")
+	}
+	write("shmem_enabled", "always within_size advise [never] deny force")
+	write("hugepages-64kB/shmem_enabled", "always inherit within_size advise [never]")
+	if read(dir) {
+		t.Fatal("every setting never: shared-memory THP on")
+	}
+	write("hugepages-2048kB/shmem_enabled", "always inherit within_size [advise] never")
+	if !read(dir) {
+		t.Fatal("a size's setting advise: shared-memory THP off")
+	}
+
+	reads := 0
+	readShmemTHP = func(string) bool { reads++; return reads%2 == 1 }
+	shmemTHPCache.at = time.Time{}
+	t.Cleanup(func() { readShmemTHP, shmemTHPCache.at = read, time.Time{} })
+	for range 16384 {
+		if !shmemTHP() {
+			t.Fatal("shmemTHP changed its answer without a new read")
+		}
+	}
+	if reads != 1 {
+		t.Fatalf("16,384 chunks read the settings %d times, want once", reads)
+	}
+	shmemTHPCache.at = time.Now().Add(-shmemTHPEvery)
+	if shmemTHP() || reads != 2 {
+		t.Fatalf("after %v: %d reads, want the settings read again", shmemTHPEvery, reads)
 	}
 }
