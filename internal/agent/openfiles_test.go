@@ -76,7 +76,11 @@ func TestPlanPastTheOpenFileLimit(t *testing.T) {
 		}
 		return
 	}
-	lim := unix.Rlimit{Cur: 512, Max: 512}
+	var lim unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &lim); err != nil {
+		t.Fatal(err)
+	}
+	lim.Cur = min(lim.Max, 512)
 	if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &lim); err != nil {
 		t.Fatal(err)
 	}
@@ -86,7 +90,7 @@ func TestPlanPastTheOpenFileLimit(t *testing.T) {
 	cfg.Metrics.Address, cfg.Health.Address = "", ""
 	_, err := Boot(context.Background(), Options{Config: &cfg, Standalone: true, ChunksPerGPU: 300, ChunkBytes: 2 << 20, Logger: quietLog})
 	if err == nil || !strings.Contains(err.Error(), "RLIMIT_NOFILE") {
-		t.Fatalf("boot with %d chunks under a limit of 512 open files: %v, want the plan refused", 300*cfg.Standalone.GPUs, err)
+		t.Fatalf("boot with %d chunks under a limit of %d open files: %v, want the plan refused", 300*cfg.Standalone.GPUs, lim.Cur, err)
 	}
 	if ents, _ := os.ReadDir("/proc/self/fd"); len(ents) > 64 {
 		t.Fatalf("%d files open after the refused boot: the plan allocated", len(ents))
