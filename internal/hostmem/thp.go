@@ -51,9 +51,9 @@ func anonTHP(dir string) string {
 // such setting. The settings are read again at most every shmemTHPEvery:
 // the administrator may change them while the agent runs, and a fill
 // reads them for every chunk (read each time, a pool of 16,384 chunks
-// globbed sysfs and read a dozen files for each: about 60 KB of garbage a
-// chunk, 1.2 GB of heap for a standalone fill, which runs with the
-// collector off).
+// globbed sysfs and read ten files for each on Linux 6.18: about 60 KB
+// of garbage a chunk, 1.2 GB of heap for a standalone fill, which runs
+// with the collector off).
 func shmemTHP() bool {
 	c := &shmemTHPCache
 	c.mu.Lock()
