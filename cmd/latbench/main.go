@@ -71,8 +71,13 @@ func main() {
 func run(args []string) error {
 	fs := flag.NewFlagSet("latbench", flag.ContinueOnError)
 	n := fs.Int("n", 20000, "timed calls of each kind per placement")
-	warm := fs.Int("warmup", 2000, "untimed calls before each timed batch")
-	rounds := fs.Int("rounds", 4, "alternating floor/kvpool rounds the calls are split into")
+	warm := fs.Int("warmup", 500, "untimed calls before each timed batch")
+	// Many short rounds: a KVM guest's round trips came in phases of
+	// 0.1-1 s, 12-14 µs in some and 16-21 in others (the host's doing),
+	// and four rounds of 10,000 calls let a phase fall on one side: the
+	// Go echo's p50 ratio to the C echo went 1.05-1.36 from run to run
+	// with four rounds, 1.08-1.15 with forty.
+	rounds := fs.Int("rounds", 40, "alternating floor/kvpool rounds the calls are split into")
 	pages := fs.Int("pages", 64, "pages per offload and reload")
 	pageBytes := fs.Int("page-bytes", 128, "bytes per page in each of the K and V regions (the simulator copies them)")
 	cpus := fs.String("cpus", "", "two CPUs to place the processes on (default: the first two this process may use)")
