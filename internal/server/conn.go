@@ -907,17 +907,30 @@ func (s *Server) attach(c *conn, k key, gpu int, uuid, inst string, spec pool.Sp
 		if r, ok := s.durable(wire.OpOpen); !ok {
 			return nil, "", r
 		}
+		// The owner's session is replaced only if the open succeeds: it
+		// is set aside for the bounds and put back on a refusal, with
+		// its streams (the pool does the same with its chunks).
 		info := e.infoLocked()
 		replaced = &info
-		s.o.Pool.Close(e.ps)
 		delete(s.sessions, k)
 	} else if r, ok := s.durable(wire.OpOpen); !ok {
 		return nil, "", r
 	}
-	if r, ok := s.checkSessionsLocked(c, k, spec.DevicePages); !ok {
-		return nil, "", s.failedOpenLocked(replaced, r)
+	old := e
+	refuse := func(r reply) (*entry, SessionEvent, reply) {
+		if old != nil {
+			s.sessions[k] = old
+		}
+		return nil, "", r
 	}
-	ps, err := s.o.Pool.OpenNear(k.alloc, spec, near)
+	if r, ok := s.checkSessionsLocked(c, k, spec.DevicePages); !ok {
+		return refuse(r)
+	}
+	var oldPS *pool.Session
+	if old != nil {
+		oldPS = old.ps
+	}
+	ps, err := s.o.Pool.ReplaceNear(oldPS, k.alloc, spec, near)
 	if err != nil {
 		r := errReply(err)
 		r.err = fmt.Errorf("open: %w", err)
@@ -925,7 +938,7 @@ func (s *Server) attach(c *conn, k key, gpu int, uuid, inst string, spec pool.Sp
 			s.refused(RefusedPages, c.peer, "open refused: the sessions' host pages would pass the agent's bound", "pages", pb.Pages, "page_size", pb.PageSize, "bound", pb.Bound)
 			r = fail(wire.StatusLimit, fmt.Errorf("%w (limits.maxPages)", err))
 		}
-		return nil, "", s.failedOpenLocked(replaced, r)
+		return refuse(r)
 	}
 	if replaced != nil {
 		// Hooks run under s.mu here; they must not block (documented).
@@ -965,7 +978,8 @@ func (s *Server) durable(op wire.Op) (reply, bool) {
 }
 
 // failedOpenLocked ends an open that failed after it had replaced the
-// disconnected owner's session (replaced, nil when it had not): that
+// disconnected owner's session (replaced, nil when it had not), which
+// only the books' refusal to record the new session does: the replaced
 // session is closed in the pool, so the books record its close, or a
 // restart would bring it back over whatever later opens on its chunks. It
 // returns r, or StatusInternal when the close cannot be recorded.

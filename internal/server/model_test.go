@@ -7,8 +7,9 @@ package server_test
 // restart and every few steps. The operations are those a client, a
 // second process of the same pod and a restart can combine: opens
 // (resumes, replacements of a disconnected owner, opens refused for
-// capacity or by a limit after the replacement), offloads and reloads of
-// every length (long ones split into pages packets and fetched with more),
+// capacity or by a limit, which leave the owner's session as it was),
+// offloads and reloads of every length (long ones split into pages
+// packets and fetched with more),
 // cut in the middle (after some pages packets, after the request, during
 // the more fetch) and resent with the same sequence number as the Go
 // client does, limit refusals, discards, remove_request, close,
@@ -675,8 +676,9 @@ func (m *modelRun) openWith(c *mClient, maxPages int, mustResume bool) bool {
 
 // predictOpen is what the model expects of an open: "resume" or "new"
 // with status 0 and the new session's capacity, or the refusal's status.
-// A replacement drops the disconnected owner's session from the model at
-// once, as the server does whether or not the open then succeeds.
+// A replacement counts the disconnected owner's session as gone for the
+// bounds and the share; the session is gone only once the open succeeds
+// (openWith puts the new one in its place), a refusal leaves it as it was.
 func (m *modelRun) predictOpen(c *mClient, k mKey, inst string, maxPages int) (string, int, wire.Status) {
 	s := m.sessions[k]
 	if s != nil && s.inst == inst {
@@ -688,11 +690,11 @@ func (m *modelRun) predictOpen(c *mClient, k mKey, inst string, maxPages int) (s
 				return "", 0, wire.StatusBusy
 			}
 		}
-		delete(m.sessions, k) // replaced
 	}
+	replacing := s != nil
 	n := 0
 	for kk := range m.sessions {
-		if kk.alloc == k.alloc {
+		if kk.alloc == k.alloc && (kk != k || !replacing) {
 			n++
 		}
 	}
@@ -709,7 +711,7 @@ func (m *modelRun) predictOpen(c *mClient, k mKey, inst string, maxPages int) (s
 		}
 	}
 	for kk, o := range m.sessions {
-		if kk.alloc == k.alloc {
+		if kk.alloc == k.alloc && (kk != k || !replacing) {
 			bound += (o.capacity + mPPC - 1) / mPPC
 		}
 	}

@@ -286,11 +286,12 @@ func TestRestartReplaysLongReply(t *testing.T) {
 	}
 }
 
-// An open by another instance that replaces the disconnected owner's
-// session and then fails (no capacity, a limit) closes that session in the
-// pool, and the books record the close: after a restart the old owner
-// does not come back to a session whose chunks a later session wrote, and
-// the later session keeps its streams (issue 23, defect 1).
+// An open by another instance that would replace the disconnected owner's
+// session and is refused (no capacity) changes nothing: the owner resumes
+// its session with its stream, and the books agree with the pool. One that
+// succeeds replaces it, and the books record that: after a restart the old
+// owner does not come back to a session whose chunks a later session
+// wrote, and the later session keeps its streams (issue 23, defect 1).
 func TestFailedReplacementIsJournaled(t *testing.T) {
 	p, chunks, b, store := booksPool(t)
 	a1, _ := journaled(t, p, chunks, b, nil)
@@ -303,8 +304,8 @@ func TestFailedReplacementIsJournaled(t *testing.T) {
 	owner.c.Close()
 	waitDisconnected(t, a1.srv, first.Session)
 
-	// Another process opens for more pages than the allocation holds: the
-	// owner's session is replaced, then the open fails.
+	// Another process opens for more pages than the allocation holds: it
+	// is refused, and the owner's session stays.
 	other := dial(t, a1)
 	other.hello()
 	big := openMsg("tok-a", 0, "instance-new")
@@ -315,6 +316,7 @@ func TestFailedReplacementIsJournaled(t *testing.T) {
 	if err := b.Check(p.Export()); err != nil {
 		t.Fatalf("after the failed open: %v", err)
 	}
+	resumeWithStream(t, a1, "the owner after a refused replacement", "instance-old", first.Session, "old", 2)
 	// It opens again, within the allocation, and offloads.
 	var later wire.OpenReply
 	if st, msg := other.do(wire.OpOpen, 0, openMsg("tok-a", 0, "instance-new"), &later); st != 0 || later.Resumed {
@@ -329,22 +331,29 @@ func TestFailedReplacementIsJournaled(t *testing.T) {
 
 	a2 := restartFrom(t, store, chunks)
 	// The later session is the one kept, with its stream.
-	r := dial(t, a2)
-	res := r.open(0, "instance-new")
-	if !res.Resumed || res.Session != later.Session {
-		t.Fatalf("the later session after the restart: %+v, want session %d resumed", res, later.Session)
-	}
-	var n wire.NumPagesReply
-	if st, msg := r.do(wire.OpNumPages, 0, &wire.Stream{Rid: "new", Label: "l"}, &n); st != 0 || n.Pages != 1 {
-		t.Fatalf("the later session's stream after the restart: %s %s %d pages", st, msg, n.Pages)
-	}
-	r.c.Close()
-	waitDisconnected(t, a2.srv, later.Session)
+	resumeWithStream(t, a2, "the later session after the restart", "instance-new", later.Session, "new", 1)
 	// The old owner is a replaced instance: it gets a fresh session.
 	o := dial(t, a2)
 	if res := o.open(0, "instance-old"); res.Resumed || res.Session == first.Session {
 		t.Fatalf("the replaced owner came back: %+v", res)
 	}
+}
+
+// resumeWithStream resumes session id of instance inst on GPU 0 of a, as
+// what says, checks that its stream (rid, "l") holds pages pages, and
+// disconnects again.
+func resumeWithStream(t *testing.T, a *agent, what, inst string, id uint64, rid string, pages int) {
+	t.Helper()
+	r := dial(t, a)
+	if res := r.open(0, inst); !res.Resumed || res.Session != id {
+		t.Fatalf("%s: %+v, want session %d resumed", what, res, id)
+	}
+	var n wire.NumPagesReply
+	if st, msg := r.do(wire.OpNumPages, 0, &wire.Stream{Rid: rid, Label: "l"}, &n); st != 0 || int(n.Pages) != pages {
+		t.Fatalf("%s: stream %s: %s %s %d pages, want %d", what, rid, st, msg, n.Pages, pages)
+	}
+	r.c.Close()
+	waitDisconnected(t, a.srv, id)
 }
 
 // waitDisconnected waits until the server has seen session id's connection

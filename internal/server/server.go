@@ -53,7 +53,9 @@ type ChunkSource func(id string) (*hostmem.Chunk, bool)
 // locality: pool.Near) and closes them; everything else is the pool
 // session's.
 type Pool interface {
-	OpenNear(alloc string, spec pool.Spec, near pool.Near) (*pool.Session, error)
+	// ReplaceNear opens a session, in place of old (nil: none): a
+	// refusal leaves old as it was.
+	ReplaceNear(old *pool.Session, alloc string, spec pool.Spec, near pool.Near) (*pool.Session, error)
 	Close(s *pool.Session)
 	// StreamTotals is every session's streams and name bytes together,
 	// for Limits.MaxStreams and MaxNameBytes.

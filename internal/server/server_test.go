@@ -613,11 +613,11 @@ type countingPool struct {
 	opens, closes int
 }
 
-func (p *countingPool) OpenNear(alloc string, spec pool.Spec, near pool.Near) (*pool.Session, error) {
+func (p *countingPool) ReplaceNear(old *pool.Session, alloc string, spec pool.Spec, near pool.Near) (*pool.Session, error) {
 	p.mu.Lock()
 	p.opens++
 	p.mu.Unlock()
-	return p.Pool.OpenNear(alloc, spec, near)
+	return p.Pool.ReplaceNear(old, alloc, spec, near)
 }
 
 func (p *countingPool) Close(s *pool.Session) {
@@ -627,7 +627,7 @@ func (p *countingPool) Close(s *pool.Session) {
 	p.Pool.Close(s)
 }
 
-// The server reaches the pool through its Pool seam alone (OpenNear, Close),
+// The server reaches the pool through its Pool seam alone (ReplaceNear, Close),
 // and gives the one Authorizer the token with the peer's credentials.
 func TestPoolAndAuthorizeSeams(t *testing.T) {
 	var cp *countingPool

@@ -6,6 +6,7 @@ import (
 	"math/rand/v2"
 	"reflect"
 	"slices"
+	"strings"
 	"testing"
 
 	"github.com/kvpool/kvpool/pkg/poolerr"
@@ -413,5 +414,105 @@ func TestBindFragmentation(t *testing.T) {
 			}
 			must(t, n.p.Check())
 		})
+	}
+}
+
+// ReplaceNear counts the session it replaces as gone for the choice and
+// the page bound, and closes it only once the new session is open: every
+// refusal leaves it open with its streams and chunks.
+func TestReplaceNear(t *testing.T) {
+	cases := []struct {
+		name    string
+		open    func(n *node, old *Session) (*Session, error)
+		wantErr error  // nil (and no pageErr, no wantMsg): the replacement succeeds
+		pageErr bool   // a *PageBoundError
+		wantMsg string // an error saying this
+	}{
+		{name: "replaced", open: func(n *node, old *Session) (*Session, error) {
+			return n.p.ReplaceNear(old, "pod", spec(0), Near{NUMA: 0, Ranks: 1})
+		}},
+		{name: "no capacity", wantErr: poolerr.ErrNoCapacity, open: func(n *node, old *Session) (*Session, error) {
+			s := spec(0)
+			s.MaxPages = 1 << 20
+			return n.p.ReplaceNear(old, "pod", s, Near{NUMA: 0, Ranks: 1})
+		}},
+		{name: "page bound", pageErr: true, open: func(n *node, old *Session) (*Session, error) {
+			side(t, n)
+			n.p.SetMaxPages(16 + 15) // the side's 16 and the new session's 16 do not fit
+			return n.p.ReplaceNear(old, "pod", spec(0), Near{NUMA: 0, Ranks: 1})
+		}},
+		{name: "within the page bound without the owner's pages", open: func(n *node, old *Session) (*Session, error) {
+			side(t, n)
+			n.p.SetMaxPages(16 + 16) // fits only with the owner's 16 set aside
+			return n.p.ReplaceNear(old, "pod", spec(0), Near{NUMA: 0, Ranks: 1})
+		}},
+		{name: "bad size", wantErr: poolerr.ErrBadSize, open: func(n *node, old *Session) (*Session, error) {
+			s := spec(0)
+			s.PageSize = bindChunk * 2
+			return n.p.ReplaceNear(old, "pod", s, Near{NUMA: 0, Ranks: 1})
+		}},
+		{name: "unknown allocation", wantErr: poolerr.ErrUnknownAllocation, open: func(n *node, old *Session) (*Session, error) {
+			return n.p.ReplaceNear(old, "nobody", spec(0), Near{NUMA: 0, Ranks: 1})
+		}},
+		{name: "another allocation's session", wantMsg: "another allocation", open: func(n *node, old *Session) (*Session, error) {
+			must(t, n.p.Grant("other", n.free(-1)[:1]))
+			return n.p.ReplaceNear(old, "other", spec(1), Near{NUMA: 0, Ranks: 1})
+		}},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			n := newNode(t, 2, 1, 4)
+			must(t, n.p.Grant("pod", n.free(-1)[:4]))
+			old, err := n.p.OpenNear("pod", spec(0), Near{NUMA: 0, Ranks: 1})
+			must(t, err)
+			if _, err := old.Offload("r", "k", []int32{1, 2, 3}, Meta{}, nil); err != nil {
+				t.Fatal(err)
+			}
+			oldChunks := old.Chunks()
+			s, err := c.open(n, old)
+			if c.wantErr == nil && !c.pageErr && c.wantMsg == "" {
+				must(t, err)
+				if !old.Closed() || s.Closed() || s.ID() <= old.ID() {
+					t.Fatalf("after a replacement: old closed %v, new closed %v, IDs %d -> %d", old.Closed(), s.Closed(), old.ID(), s.ID())
+				}
+				if !slices.Equal(s.Chunks(), oldChunks) {
+					t.Fatalf("the new session bound %v, want the replaced one's %v", s.Chunks(), oldChunks)
+				}
+				return
+			}
+			var pb *PageBoundError
+			switch {
+			case s != nil:
+				t.Fatalf("refused replacement returned session %d", s.ID())
+			case c.pageErr && !errors.As(err, &pb):
+				t.Fatalf("want a page bound error, got %v", err)
+			case c.wantMsg != "" && (err == nil || !strings.Contains(err.Error(), c.wantMsg)):
+				t.Fatalf("want an error saying %q, got %v", c.wantMsg, err)
+			case c.wantErr != nil && !errors.Is(err, c.wantErr):
+				t.Fatalf("want %v, got %v", c.wantErr, err)
+			}
+			if old.Closed() || !old.IsOffloaded("r") || !slices.Equal(old.Chunks(), oldChunks) {
+				t.Fatalf("after a refused replacement (%v): closed %v, stream kept %v, chunks %v (were %v)", err, old.Closed(), old.IsOffloaded("r"), old.Chunks(), oldChunks)
+			}
+			// The owner's chunks are still its own: a second session of
+			// the allocation binds none of them.
+			if s2, err := n.p.OpenNear("pod", spec(1), Near{NUMA: 0, Ranks: 1}); err == nil {
+				for _, ch := range s2.Chunks() {
+					if slices.Contains(oldChunks, ch) {
+						t.Fatalf("a later session bound %s, the owner's chunk", ch.ID)
+					}
+				}
+			}
+		})
+	}
+}
+
+// side opens a session of 16 pages on another allocation of n, the rest
+// of its chunks.
+func side(t *testing.T, n *node) {
+	t.Helper()
+	must(t, n.p.Grant("side", n.free(-1)))
+	if _, err := n.p.OpenNear("side", spec(1), Near{NUMA: 0, Ranks: 1}); err != nil {
+		t.Fatal(err)
 	}
 }

@@ -300,6 +300,15 @@ func (p *Pool) Open(alloc string, spec Spec) (*Session, error) {
 // the bound on the open sessions' pages (SetMaxPages) is refused with a
 // *PageBoundError.
 func (p *Pool) OpenNear(alloc string, spec Spec, near Near) (*Session, error) {
+	return p.ReplaceNear(nil, alloc, spec, near)
+}
+
+// ReplaceNear opens a session as OpenNear does, in place of old, an open
+// session of the same allocation (nil or closed: none): old's chunks and
+// pages count as free for the new one, and old is closed only once the
+// new session is open. A refusal leaves old as it was, its streams and
+// chunks with it.
+func (p *Pool) ReplaceNear(old *Session, alloc string, spec Spec, near Near) (*Session, error) {
 	switch {
 	case spec.PageSize <= 0:
 		return nil, fmt.Errorf("open: %w: page size %d", poolerr.ErrBadSize, spec.PageSize)
@@ -319,16 +328,42 @@ func (p *Pool) OpenNear(alloc string, spec Spec, near Near) (*Session, error) {
 	if !ok {
 		return nil, fmt.Errorf("open on %s: %w", alloc, poolerr.ErrUnknownAllocation)
 	}
+	if old != nil && old.Closed() {
+		old = nil
+	}
+	if old != nil {
+		if old.alloc != a {
+			return nil, fmt.Errorf("open on %s: the session it would replace, %d, is of another allocation", alloc, old.id)
+		}
+		// Set old aside for the choice and the bound: under p.mu nobody
+		// sees it, and a refusal puts it back.
+		delete(a.sessions, old)
+		for _, ch := range old.chunks {
+			ch.session = nil
+		}
+	}
+	refuse := func(err error) (*Session, error) {
+		if old != nil {
+			a.sessions[old] = struct{}{}
+			for _, ch := range old.chunks {
+				ch.session = old
+			}
+		}
+		return nil, err
+	}
 	chosen, ppc, sh, err := choose(a, alloc, spec, near)
 	if err != nil {
-		return nil, err
+		return refuse(err)
 	}
 	capacity := len(chosen) * ppc
 	if spec.MaxPages > 0 {
 		capacity = spec.MaxPages
 	}
 	if held, bound := p.pagesLocked(); held+int64(capacity) > bound {
-		return nil, &PageBoundError{Allocation: alloc, GPU: spec.GPU, Pages: int64(capacity), PageSize: spec.PageSize, Held: held, Bound: bound}
+		return refuse(&PageBoundError{Allocation: alloc, GPU: spec.GPU, Pages: int64(capacity), PageSize: spec.PageSize, Held: held, Bound: bound})
+	}
+	if old != nil {
+		p.closeLocked(old)
 	}
 	near.Ranks, near.Peers = sh.ranks, nil
 	s := newSession(p, a, spec, chosen, ppc, capacity)
