@@ -416,7 +416,7 @@ standalone:
 	}
 	for _, tok := range []string{"file-a", "file-b"} {
 		l := a.log.find("allocation", map[string]any{"token": tok})
-		if l == nil || strings.Count(l["chunks"].(string), ",") != 3 {
+		if l == nil || strings.Count(l["chunks"].(string), ",") != 3 || l["count"] != float64(4) {
 			t.Errorf("token %s: %v (want 4 chunks)", tok, l)
 		}
 	}

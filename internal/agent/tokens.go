@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/kvpool/kvpool/internal/server"
@@ -103,6 +104,18 @@ func (a *agent) authorizePeer(ctx context.Context, token string, peer unixsock.P
 	return alloc, nil
 }
 
+// chunkList names a token's chunks for the log: every ID, comma-separated,
+// up to logChunkIDs of them; beyond, the first and the last (a standalone
+// pool at the chunk bound gives a token thousands).
+func chunkList(ids []string) string {
+	if len(ids) <= logChunkIDs {
+		return strings.Join(ids, ",")
+	}
+	return ids[0] + " ... " + ids[len(ids)-1]
+}
+
+const logChunkIDs = 64
+
 // grantStatic grants the standalone tokens their ready chunks.
 func (a *agent) grantStatic() {
 	if a.static == nil {
@@ -126,9 +139,7 @@ func (a *agent) grantStatic() {
 			a.log.Error("granting standalone chunks", "allocation", alloc, "err", err)
 			continue
 		}
-		// The count and the ends, not every ID: a standalone pool at the
-		// chunk bound gives a token thousands.
-		a.log.Info("allocation", "token", tok, "allocation", alloc, "chunks", len(ids), "first", ids[0], "last", ids[len(ids)-1])
+		a.log.Info("allocation", "token", tok, "allocation", alloc, "count", len(ids), "chunks", chunkList(ids))
 	}
 	a.granted.Store(true)
 	var first string

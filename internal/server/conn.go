@@ -979,15 +979,15 @@ func (s *Server) durable(op wire.Op) (reply, bool) {
 
 // failedOpenLocked ends an open that failed after it had replaced the
 // disconnected owner's session (replaced, nil when it had not), which
-// only the books' refusal to record the new session does: the replaced
-// session is closed in the pool, so the books record its close, or a
-// restart would bring it back over whatever later opens on its chunks. It
-// returns r, or StatusInternal when the close cannot be recorded.
+// only the books' refusal to record the new session does (the hook has
+// seen the replacement): the replaced session is closed in the pool, so
+// the books record its close, or a restart would bring it back over
+// whatever later opens on its chunks. It returns r, or StatusInternal
+// when the close cannot be recorded.
 func (s *Server) failedOpenLocked(replaced *SessionInfo, r reply) reply {
 	if replaced == nil {
 		return r
 	}
-	s.hookSessionLocked(SessionReplaced, *replaced)
 	if j := s.o.Journal; j != nil {
 		if err := j.Session(SessionOp{Session: replaced.ID, Op: wire.OpClose}); err != nil {
 			return fail(wire.StatusInternal, fmt.Errorf("%w; and the agent cannot record the close of the session it replaced: %w", r.err, err))

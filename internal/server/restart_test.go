@@ -8,6 +8,7 @@ import (
 	"reflect"
 	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -296,13 +297,7 @@ func TestFailedReplacementIsJournaled(t *testing.T) {
 	p, chunks, b, store := booksPool(t)
 	a1, _ := journaled(t, p, chunks, b, nil)
 
-	owner := dial(t, a1)
-	first := owner.open(0, "instance-old")
-	if st, msg := owner.do(wire.OpOffload, 0, &wire.Offload{Rid: "old", Label: "l", GpuPages: []int32{1, 2}}, &wire.OffloadReply{}); st != 0 {
-		t.Fatalf("offload: %s %s", st, msg)
-	}
-	owner.c.Close()
-	waitDisconnected(t, a1.srv, first.Session)
+	first := ownerGone(t, a1, "instance-old", "old")
 
 	// Another process opens for more pages than the allocation holds: it
 	// is refused, and the owner's session stays.
@@ -337,6 +332,21 @@ func TestFailedReplacementIsJournaled(t *testing.T) {
 	if res := o.open(0, "instance-old"); res.Resumed || res.Session == first.Session {
 		t.Fatalf("the replaced owner came back: %+v", res)
 	}
+}
+
+// ownerGone opens a session of instance inst on GPU 0 of a, offloads two
+// pages as stream (rid, "l"), and disconnects: a session for another
+// instance to replace.
+func ownerGone(t *testing.T, a *agent, inst, rid string) *wire.OpenReply {
+	t.Helper()
+	owner := dial(t, a)
+	first := owner.open(0, inst)
+	if st, msg := owner.do(wire.OpOffload, 0, &wire.Offload{Rid: rid, Label: "l", GpuPages: []int32{1, 2}}, &wire.OffloadReply{}); st != 0 {
+		t.Fatalf("offload: %s %s", st, msg)
+	}
+	owner.c.Close()
+	waitDisconnected(t, a.srv, first.Session)
+	return first
 }
 
 // resumeWithStream resumes session id of instance inst on GPU 0 of a, as
@@ -457,5 +467,62 @@ func TestChangesWaitForDurability(t *testing.T) {
 	}
 	if err := b.Check(p.Export()); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// An open by another instance that would replace the disconnected owner's
+// session and is refused, by the pool or by a limit, changes nothing: no
+// replacement is reported, and the owner resumes its session with its
+// stream. One that succeeds is reported once.
+func TestRefusedReplacementChangesNothing(t *testing.T) {
+	var mu sync.Mutex
+	replaced := 0
+	a := startServerWith(t, func(o *server.Options) {
+		o.Limits = server.Limits{MaxDevicePagesTotal: 1000}
+		o.EvictAfter = time.Hour
+		o.Hooks.Session = func(ev server.SessionEvent, _ server.SessionInfo) {
+			if ev == server.SessionReplaced {
+				mu.Lock()
+				replaced++
+				mu.Unlock()
+			}
+		}
+	})
+	first := ownerGone(t, a, "instance-owner", "kept")
+
+	tooMany := openMsg("tok-a", 0, "instance-other")
+	tooMany.MaxPages = 1 << 20
+	tooWide := openMsg("tok-a", 0, "instance-other")
+	tooWide.Regions = []*wire.Region{{BytesPerPage: 256, PageCount: 5000}}
+	for _, c := range []struct {
+		name string
+		open *wire.Open
+		want wire.Status
+	}{
+		{"no capacity", tooMany, wire.StatusNoCapacity},
+		{"the device-page limit", tooWide, wire.StatusLimit},
+	} {
+		other := dial(t, a)
+		other.hello()
+		if st, msg := other.do(wire.OpOpen, 0, c.open, &wire.OpenReply{}); st != c.want {
+			t.Fatalf("%s: open got %s %s, want %s", c.name, st, msg, c.want)
+		}
+		other.c.Close()
+		resumeWithStream(t, a, "the owner after a replacement refused for "+c.name, "instance-owner", first.Session, "kept", 2)
+	}
+	mu.Lock()
+	if replaced != 0 {
+		t.Fatalf("refused opens reported %d replacements", replaced)
+	}
+	mu.Unlock()
+
+	other := dial(t, a)
+	if res := other.open(0, "instance-other"); res.Resumed || res.Session == first.Session {
+		t.Fatalf("the replacement: %+v", res)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if replaced != 1 {
+		t.Fatalf("a replacement reported %d times", replaced)
 	}
 }
