@@ -75,8 +75,8 @@ func run(args []string) error {
 	// Many short rounds: a KVM guest's round trips came in phases of
 	// 0.1-1 s, 12-14 µs in some and 16-21 in others (the host's doing),
 	// and four rounds of 10,000 calls let a phase fall on one side: the
-	// Go echo's p50 ratio to the C echo went 1.05-1.36 from run to run
-	// with four rounds, 1.08-1.15 with forty.
+	// Go echo's p50 ratio to the C echo went 1.13-1.36 from run to run
+	// with four rounds, 1.08-1.19 over 21 runs of forty.
 	rounds := fs.Int("rounds", 40, "alternating floor/kvpool rounds the calls are split into")
 	pages := fs.Int("pages", 64, "pages per offload and reload")
 	pageBytes := fs.Int("page-bytes", 128, "bytes per page in each of the K and V regions (the simulator copies them)")
