@@ -423,38 +423,38 @@ func TestBindFragmentation(t *testing.T) {
 func TestReplaceNear(t *testing.T) {
 	cases := []struct {
 		name    string
-		open    func(n *node, old *Session) (*Session, error)
+		open    func(t *testing.T, n *node, old *Session) (*Session, error)
 		wantErr error  // nil (and no pageErr, no wantMsg): the replacement succeeds
 		pageErr bool   // a *PageBoundError
 		wantMsg string // an error saying this
 	}{
-		{name: "replaced", open: func(n *node, old *Session) (*Session, error) {
+		{name: "replaced", open: func(t *testing.T, n *node, old *Session) (*Session, error) {
 			return n.p.ReplaceNear(old, "pod", spec(0), Near{NUMA: 0, Ranks: 1})
 		}},
-		{name: "no capacity", wantErr: poolerr.ErrNoCapacity, open: func(n *node, old *Session) (*Session, error) {
+		{name: "no capacity", wantErr: poolerr.ErrNoCapacity, open: func(t *testing.T, n *node, old *Session) (*Session, error) {
 			s := spec(0)
 			s.MaxPages = 1 << 20
 			return n.p.ReplaceNear(old, "pod", s, Near{NUMA: 0, Ranks: 1})
 		}},
-		{name: "page bound", pageErr: true, open: func(n *node, old *Session) (*Session, error) {
+		{name: "page bound", pageErr: true, open: func(t *testing.T, n *node, old *Session) (*Session, error) {
 			side(t, n)
 			n.p.SetMaxPages(16 + 15) // the side's 16 and the new session's 16 do not fit
 			return n.p.ReplaceNear(old, "pod", spec(0), Near{NUMA: 0, Ranks: 1})
 		}},
-		{name: "within the page bound without the owner's pages", open: func(n *node, old *Session) (*Session, error) {
+		{name: "within the page bound without the owner's pages", open: func(t *testing.T, n *node, old *Session) (*Session, error) {
 			side(t, n)
 			n.p.SetMaxPages(16 + 16) // fits only with the owner's 16 set aside
 			return n.p.ReplaceNear(old, "pod", spec(0), Near{NUMA: 0, Ranks: 1})
 		}},
-		{name: "bad size", wantErr: poolerr.ErrBadSize, open: func(n *node, old *Session) (*Session, error) {
+		{name: "bad size", wantErr: poolerr.ErrBadSize, open: func(t *testing.T, n *node, old *Session) (*Session, error) {
 			s := spec(0)
 			s.PageSize = bindChunk * 2
 			return n.p.ReplaceNear(old, "pod", s, Near{NUMA: 0, Ranks: 1})
 		}},
-		{name: "unknown allocation", wantErr: poolerr.ErrUnknownAllocation, open: func(n *node, old *Session) (*Session, error) {
+		{name: "unknown allocation", wantErr: poolerr.ErrUnknownAllocation, open: func(t *testing.T, n *node, old *Session) (*Session, error) {
 			return n.p.ReplaceNear(old, "nobody", spec(0), Near{NUMA: 0, Ranks: 1})
 		}},
-		{name: "another allocation's session", wantMsg: "another allocation", open: func(n *node, old *Session) (*Session, error) {
+		{name: "another allocation's session", wantMsg: "another allocation", open: func(t *testing.T, n *node, old *Session) (*Session, error) {
 			must(t, n.p.Grant("other", n.free(-1)[:1]))
 			return n.p.ReplaceNear(old, "other", spec(1), Near{NUMA: 0, Ranks: 1})
 		}},
@@ -469,7 +469,7 @@ func TestReplaceNear(t *testing.T) {
 				t.Fatal(err)
 			}
 			oldChunks := old.Chunks()
-			s, err := c.open(n, old)
+			s, err := c.open(t, n, old)
 			if c.wantErr == nil && !c.pageErr && c.wantMsg == "" {
 				must(t, err)
 				if !old.Closed() || s.Closed() || s.ID() <= old.ID() {
@@ -495,7 +495,7 @@ func TestReplaceNear(t *testing.T) {
 				t.Fatalf("after a refused replacement (%v): closed %v, stream kept %v, chunks %v (were %v)", err, old.Closed(), old.IsOffloaded("r"), old.Chunks(), oldChunks)
 			}
 			// The owner's chunks are still its own: a second session of
-			// the allocation binds none of them.
+			// the allocation binds none of them (or finds none free).
 			if s2, err := n.p.OpenNear("pod", spec(1), Near{NUMA: 0, Ranks: 1}); err == nil {
 				for _, ch := range s2.Chunks() {
 					if slices.Contains(oldChunks, ch) {
