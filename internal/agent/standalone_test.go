@@ -1,7 +1,6 @@
 package agent
 
 import (
-	"fmt"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -113,32 +112,6 @@ func TestCheckSocketDir(t *testing.T) {
 	if chowned && os.Getuid() != 65534 {
 		if err := CheckSocketDir(other); err == nil || !strings.Contains(err.Error(), "is owned by uid 65534") {
 			t.Errorf("directory of another user: %v", err)
-		}
-	}
-}
-
-// The standalone allocation line names every chunk of a token up to
-// logChunkIDs of them, and the first and the last beyond.
-func TestChunkList(t *testing.T) {
-	ids := func(n int) []string {
-		out := make([]string, n)
-		for i := range out {
-			out[i] = fmt.Sprintf("gpu0-numa0-%d", i)
-		}
-		return out
-	}
-	for _, c := range []struct {
-		n    int
-		want string
-	}{
-		{1, "gpu0-numa0-0"},
-		{3, "gpu0-numa0-0,gpu0-numa0-1,gpu0-numa0-2"},
-		{logChunkIDs, strings.Join(ids(logChunkIDs), ",")},
-		{logChunkIDs + 1, fmt.Sprintf("gpu0-numa0-0 ... gpu0-numa0-%d", logChunkIDs)},
-		{4096, "gpu0-numa0-0 ... gpu0-numa0-4095"},
-	} {
-		if got := chunkList(ids(c.n)); got != c.want {
-			t.Errorf("%d chunks: %q, want %q", c.n, got, c.want)
 		}
 	}
 }

@@ -4,9 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strings"
 	"time"
 
+	"github.com/kvpool/kvpool/internal/logging"
 	"github.com/kvpool/kvpool/internal/server"
 	"github.com/kvpool/kvpool/pkg/contract"
 	"github.com/kvpool/kvpool/pkg/poolerr"
@@ -104,16 +104,8 @@ func (a *agent) authorizePeer(ctx context.Context, token string, peer unixsock.P
 	return alloc, nil
 }
 
-// chunkList names a token's chunks for the log: every ID, comma-separated,
-// up to logChunkIDs of them; beyond, the first and the last (a standalone
-// pool at the chunk bound gives a token thousands).
-func chunkList(ids []string) string {
-	if len(ids) <= logChunkIDs {
-		return strings.Join(ids, ",")
-	}
-	return ids[0] + " ... " + ids[len(ids)-1]
-}
-
+// logChunkIDs is how many of a token's chunks the standalone allocation
+// line names (a pool at the chunk bound gives a token thousands).
 const logChunkIDs = 64
 
 // grantStatic grants the standalone tokens their ready chunks.
@@ -139,7 +131,7 @@ func (a *agent) grantStatic() {
 			a.log.Error("granting standalone chunks", "allocation", alloc, "err", err)
 			continue
 		}
-		a.log.Info("allocation", "token", tok, "allocation", alloc, "count", len(ids), "chunks", chunkList(ids))
+		a.log.Info("allocation", "token", tok, "allocation", alloc, "count", len(ids), "chunks", logging.ListIDs(ids, logChunkIDs, ","))
 	}
 	a.granted.Store(true)
 	var first string

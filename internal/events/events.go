@@ -6,8 +6,6 @@
 package events
 
 import (
-	"fmt"
-	"strings"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -16,6 +14,7 @@ import (
 	"k8s.io/client-go/tools/record"
 
 	"github.com/kvpool/kvpool/internal/bytesize"
+	"github.com/kvpool/kvpool/internal/logging"
 )
 
 // Event reasons, stable for alerting and `kubectl get events --field-selector reason=...`.
@@ -129,7 +128,7 @@ func (r *recorder) ChunkRecovered(id string) {
 
 func (r *recorder) ChunksReclaimed(pod string, chunks []string) {
 	r.rec.Eventf(r.ref, corev1.EventTypeNormal, ReasonChunksReclaimed,
-		"reclaimed %d chunks of pod %s, which is gone: %s", len(chunks), pod, listIDs(chunks, 8))
+		"reclaimed %d chunks of pod %s, which is gone: %s", len(chunks), pod, logging.ListIDs(chunks, 8, ", "))
 }
 
 func (r *recorder) KeeperLost(reason string) {
@@ -150,13 +149,4 @@ func (r *recorder) PoolLost(chunks, sessions int) {
 func (r *recorder) RestartedInPlace(lastExit string, restarts int) {
 	r.rec.Eventf(r.ref, corev1.EventTypeWarning, ReasonRestartedInPlace,
 		"the agent died (%s) and its container's supervisor started it again at once (restart in place %d in this container; the pod's restart count does not show it)", lastExit, restarts)
-}
-
-// listIDs joins at most n IDs, noting how many more there are, so a message
-// stays short however big the allocation was.
-func listIDs(ids []string, n int) string {
-	if len(ids) <= n {
-		return strings.Join(ids, ", ")
-	}
-	return fmt.Sprintf("%s and %d more", strings.Join(ids[:n], ", "), len(ids)-n)
 }

@@ -88,3 +88,13 @@ func Setup(opts Options) (*slog.Logger, *slog.LevelVar, error) {
 	klog.SetSlogLogger(l)
 	return l, level, nil
 }
+
+// ListIDs joins at most n of ids with sep, noting how many more there
+// are, so that a log line or an event names a small set whole and stays
+// short however large the set is.
+func ListIDs(ids []string, n int, sep string) string {
+	if len(ids) <= n {
+		return strings.Join(ids, sep)
+	}
+	return fmt.Sprintf("%s and %d more", strings.Join(ids[:n], sep), len(ids)-n)
+}

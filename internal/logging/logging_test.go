@@ -3,6 +3,7 @@ package logging
 import (
 	"bytes"
 	"encoding/json"
+	"fmt"
 	"log/slog"
 	"strings"
 	"sync"
@@ -141,5 +142,34 @@ func TestSyncBufferReadWhileWritten(t *testing.T) {
 	b[0] = 'y'
 	if s.String()[0] != 'x' {
 		t.Fatal("Bytes returned the buffer itself, not a copy")
+	}
+}
+
+// ListIDs names every ID up to n of them, then the first n and how many
+// more, whatever the separator.
+func TestListIDs(t *testing.T) {
+	ids := func(n int) []string {
+		out := make([]string, n)
+		for i := range out {
+			out[i] = fmt.Sprintf("gpu0-numa0-%d", i)
+		}
+		return out
+	}
+	for _, c := range []struct {
+		n, max int
+		sep    string
+		want   string
+	}{
+		{0, 8, ",", ""},
+		{1, 8, ",", "gpu0-numa0-0"},
+		{3, 8, ",", "gpu0-numa0-0,gpu0-numa0-1,gpu0-numa0-2"},
+		{3, 3, ", ", "gpu0-numa0-0, gpu0-numa0-1, gpu0-numa0-2"},
+		{4, 3, ", ", "gpu0-numa0-0, gpu0-numa0-1, gpu0-numa0-2 and 1 more"},
+		{64, 64, ",", strings.Join(ids(64), ",")},
+		{4096, 2, ",", "gpu0-numa0-0,gpu0-numa0-1 and 4094 more"},
+	} {
+		if got := ListIDs(ids(c.n), c.max, c.sep); got != c.want {
+			t.Errorf("%d IDs, at most %d, %q: %q, want %q", c.n, c.max, c.sep, got, c.want)
+		}
 	}
 }
