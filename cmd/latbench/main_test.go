@@ -1,10 +1,12 @@
 package main
 
 import (
+	"bytes"
 	"encoding/json"
 	"os"
 	"os/exec"
 	"slices"
+	"strings"
 	"testing"
 )
 
@@ -90,6 +92,20 @@ func TestLatbenchSweep(t *testing.T) {
 		if c.Pairs < 1 || c.PairsPerSec <= 0 || c.P50 <= 0 || c.P99 < c.P50 || c.Procs*c.Sessions > 2 {
 			t.Errorf("%+v", c)
 		}
+		// The clients' spin counts: none with the spin off; under the
+		// rule before issue 25, a spin on every reply (two calls a pair);
+		// never a reply taken without a spin that took it.
+		switch {
+		case c.Spin == "off" && (c.Spins != 0 || c.Yields != 0 || c.Taken != 0),
+			c.Spin == "always" && c.Spins < 2,
+			c.Taken > c.Spins:
+			t.Errorf("spin %s: %.2f spins, %.2f yields, %.2f replies taken a pair", c.Spin, c.Spins, c.Yields, c.Taken)
+		}
+	}
+	var buf bytes.Buffer
+	printSweep(&buf, cells, []string{"off", "always", "rule"})
+	if !strings.Contains(buf.String(), "of 1)") || !strings.Contains(buf.String(), "spins / yields / replies taken a pair") {
+		t.Errorf("the summary of the sweep is missing:\n%s", buf.String())
 	}
 }
 
@@ -104,6 +120,34 @@ func TestSweepRejects(t *testing.T) {
 	} {
 		if err := run(args); err == nil {
 			t.Errorf("%v: no error", args)
+		}
+	}
+}
+
+func TestPairedRatios(t *testing.T) {
+	cells := func(vs ...float64) []sweepCell {
+		var cs []sweepCell
+		for _, v := range vs {
+			cs = append(cs, sweepCell{PairsPerSec: v})
+		}
+		return cs
+	}
+	tput := func(c sweepCell) float64 { return c.PairsPerSec }
+	for _, tc := range []struct {
+		name      string
+		mode, off []sweepCell
+		highBad   bool
+		want      string
+	}{
+		{"none", nil, cells(1), false, "-"},
+		{"odd", cells(2, 1, 3), cells(2, 2, 2), false, "1.00 (0.50-1.50, 1 of 3)"},
+		{"even", cells(1, 2, 3, 4), cells(2, 2, 2, 2), false, "1.25 (0.50-2.00, 1 of 4)"},
+		{"high is bad", cells(1, 2, 3, 4), cells(2, 2, 2, 2), true, "1.25 (0.50-2.00, 2 of 4)"},
+		{"repeats paired in order", cells(4, 1), cells(2, 1, 9), false, "1.50 (1.00-2.00, 0 of 2)"},
+		{"an empty floor skipped", cells(1, 1), cells(0, 1), false, "1.00 (1.00-1.00, 0 of 1)"},
+	} {
+		if got := pairedRatios(tc.mode, tc.off, tput, tc.highBad); got != tc.want {
+			t.Errorf("%s: %q, want %q", tc.name, got, tc.want)
 		}
 	}
 }

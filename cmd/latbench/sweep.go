@@ -51,6 +51,9 @@ type sweepCell struct {
 	PairsPerSec float64
 	P50, P99    float64 // µs, offload+reload
 	Load1       float64 // the 1-minute load average when the cell ended
+	// What the clients' spins did, per pair (wire.SpinStats): spins run,
+	// yields of the CPU between their polls, replies a spin took.
+	Spins, Yields, Taken float64
 }
 
 // sweepConfig is what the sweep flags ask for.
@@ -128,8 +131,8 @@ func runSweep(dir, name string, agentCPUs, clientCPUs []int, cfg sweepConfig) ([
 				}
 				c.Placement = name
 				cells = append(cells, c)
-				fmt.Fprintf(os.Stderr, "latbench: %s, %d x %d, spin %s: %.0f pairs/s, p50 %.1f µs, p99 %.1f µs, load %.2f\n",
-					name, c.Procs, c.Sessions, c.Spin, c.PairsPerSec, c.P50, c.P99, c.Load1)
+				fmt.Fprintf(os.Stderr, "latbench: %s, %d x %d, spin %s: %.0f pairs/s, p50 %.1f µs, p99 %.1f µs, %.2f spins and %.2f yields a pair, load %.2f\n",
+					name, c.Procs, c.Sessions, c.Spin, c.PairsPerSec, c.P50, c.P99, c.Spins, c.Yields, c.Load1)
 			}
 		}
 	}
@@ -179,21 +182,35 @@ func sweepOne(self, sock, tok string, cpus []int, procs, sessions int, spin stri
 			return cell, fmt.Errorf("client: %w", err)
 		}
 		f := strings.Fields(line)
-		if len(f) < 3 || f[0] != "done" {
-			return cell, fmt.Errorf("client: %q", strings.TrimSpace(line))
+		if len(f) < 6 || f[0] != "done" {
+			return cell, fmt.Errorf("client: %.80q", strings.TrimSpace(line))
 		}
 		count, err1 := strconv.Atoi(f[1])
 		elapsed, err2 := strconv.ParseInt(f[2], 10, 64)
-		l, err3 := parseLatencies(strings.Join(f[3:], " "))
-		if err := errors.Join(err1, err2, err3); err != nil || elapsed <= 0 || len(l) != count {
+		var st [3]int64
+		var errs []error
+		for i := range st {
+			var err error
+			st[i], err = strconv.ParseInt(f[3+i], 10, 64)
+			errs = append(errs, err)
+		}
+		l, err3 := parseLatencies(strings.Join(f[6:], " "))
+		if err := errors.Join(append(errs, err1, err2, err3)...); err != nil || elapsed <= 0 || len(l) != count {
 			return cell, fmt.Errorf("client: bad report %.80q: %v", line, err)
 		}
 		cell.Pairs += count
 		cell.PairsPerSec += float64(count) / (float64(elapsed) / 1e9)
+		cell.Spins += float64(st[0])
+		cell.Yields += float64(st[1])
+		cell.Taken += float64(st[2])
 		lat = append(lat, l...)
 	}
 	s := summarize(lat)
 	cell.P50, cell.P99 = s.P50, s.P99
+	if cell.Pairs > 0 {
+		n := float64(cell.Pairs)
+		cell.Spins, cell.Yields, cell.Taken = cell.Spins/n, cell.Yields/n, cell.Taken/n
+	}
 	cell.Load1 = load1()
 	return cell, nil
 }
@@ -214,7 +231,8 @@ func load1() float64 {
 
 // sweepMain is one client process of a sweep: sessions sessions on the
 // agent's GPUs base.., each called by its own goroutine for the time the
-// "go NS" line on stdin gives; it prints "done PAIRS ELAPSED_NS" and every
+// "go NS" line on stdin gives; it prints "done PAIRS ELAPSED_NS SPINS
+// YIELDS TAKEN" (what its spins did meanwhile, wire.SpinStats) and every
 // pair's offload+reload time in ns.
 func sweepMain(socket, token, mode string, base, sessions, pages, pageBytes int) error {
 	m, ok := spinModes[mode]
@@ -253,6 +271,7 @@ func sweepMain(socket, token, mode string, base, sessions, pages, pageBytes int)
 	}
 	lats := make([][]int64, sessions)
 	errs := make([]error, sessions)
+	before := wire.ReadSpinStats()
 	start := time.Now()
 	end := start.Add(time.Duration(ns))
 	var wg sync.WaitGroup
@@ -268,6 +287,7 @@ func sweepMain(socket, token, mode string, base, sessions, pages, pageBytes int)
 	}
 	wg.Wait()
 	elapsed := time.Since(start)
+	after := wire.ReadSpinStats()
 	if err := errors.Join(errs...); err != nil {
 		return err
 	}
@@ -276,7 +296,8 @@ func sweepMain(socket, token, mode string, base, sessions, pages, pageBytes int)
 	for _, l := range lats {
 		total += len(l)
 	}
-	fmt.Fprintf(out, "done %d %d", total, elapsed.Nanoseconds())
+	fmt.Fprintf(out, "done %d %d %d %d %d", total, elapsed.Nanoseconds(),
+		after.Spins-before.Spins, after.Yields-before.Yields, after.Taken-before.Taken)
 	for _, l := range lats {
 		for _, d := range l {
 			_ = out.WriteByte(' ') // bufio keeps the first error for Flush
@@ -395,4 +416,65 @@ func printSweep(w io.Writer, cells []sweepCell, spins []string) {
 		fmt.Fprintf(tw, "\t%s\t%s\n", strings.Join(ratios, " | "), strings.Join(loads, ","))
 	}
 	tw.Flush()
+
+	// Then each mode against spin off over the repeats: the median of the
+	// paired ratios, their range and how many fell below 1 (pairs/s) or
+	// above 1 (p99), and what the mode's spins did a pair.
+	fmt.Fprintln(w)
+	tw = tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	fmt.Fprint(tw, "placement\tprocs x sessions\tspin\tpairs/s vs off: median (range, below 1)\tp99 vs off: median (range, above 1)\tspins / yields / replies taken a pair\n")
+	for _, k := range keys {
+		off := by[k]["off"]
+		for _, sp := range spins {
+			cs := by[k][sp]
+			act := fmt.Sprintf("%.2f / %.2f / %.2f", mean(cs, func(c sweepCell) float64 { return c.Spins }),
+				mean(cs, func(c sweepCell) float64 { return c.Yields }), mean(cs, func(c sweepCell) float64 { return c.Taken }))
+			tput, tail := "-", "-"
+			if sp != "off" && len(off) > 0 {
+				tput = pairedRatios(cs, off, func(c sweepCell) float64 { return c.PairsPerSec }, false)
+				tail = pairedRatios(cs, off, func(c sweepCell) float64 { return c.P99 }, true)
+			}
+			fmt.Fprintf(tw, "%s\t%d x %d\t%s\t%s\t%s\t%s\n", k.pl, k.procs, k.sessions, sp, tput, tail, act)
+		}
+	}
+	tw.Flush()
+}
+
+// mean is the mean of f over cells (0 for none).
+func mean(cells []sweepCell, f func(sweepCell) float64) float64 {
+	if len(cells) == 0 {
+		return 0
+	}
+	var sum float64
+	for _, c := range cells {
+		sum += f(c)
+	}
+	return sum / float64(len(cells))
+}
+
+// pairedRatios sums up f(cells[i]) / f(off[i]) over the repeats both
+// have: the median, the range and how many ratios fell on the bad side of
+// 1 (below it, or above it where high is bad).
+func pairedRatios(cells, off []sweepCell, f func(sweepCell) float64, highIsBad bool) string {
+	var rs []float64
+	for i := range min(len(cells), len(off)) {
+		if d := f(off[i]); d > 0 {
+			rs = append(rs, f(cells[i])/d)
+		}
+	}
+	if len(rs) == 0 {
+		return "-"
+	}
+	slices.Sort(rs)
+	bad := 0
+	for _, r := range rs {
+		if (highIsBad && r > 1) || (!highIsBad && r < 1) {
+			bad++
+		}
+	}
+	med := rs[len(rs)/2]
+	if len(rs)%2 == 0 {
+		med = (rs[len(rs)/2-1] + rs[len(rs)/2]) / 2
+	}
+	return fmt.Sprintf("%.2f (%.2f-%.2f, %d of %d)", med, rs[0], rs[len(rs)-1], bad, len(rs))
 }

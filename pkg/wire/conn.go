@@ -95,7 +95,8 @@ const (
 	//     reply needs a P of this process, and the spin holds one (on one
 	//     CPU a call took 45-60 µs spinning, 10 without).
 	//
-	// docs/benchmarks.md has the sweep that chose it.
+	// docs/benchmarks.md has the sweep that chose it; ReadSpinStats
+	// tells how often it ran in a process.
 	SpinBudgeted SpinRule = iota
 	// SpinAlways spins every Recv for its whole window, whatever else
 	// wants the CPU: the rule before issue 25, for a process whose few
@@ -280,8 +281,26 @@ var blockLimit = func() int { return max(1, runtime.GOMAXPROCS(0)-1) }
 // parked counts Recvs that found nothing within the kernel wait and went
 // on waiting on the poller, spun the packets taken while
 // spinning, and watched the spins that went past their first poll to
-// yield and watch their thread's switches, for tests.
-var parked, spun, watched atomic.Int64
+// yield and watch their thread's switches, for tests; spinsRun and
+// yields count the spins that passed the rule's gate and the yields
+// between their polls (SpinStats).
+var parked, spun, watched, spinsRun, yields atomic.Int64
+
+// SpinStats is what the spins of the process's Conns have done since it
+// started: how often a Recv polled for its reply instead of sleeping at
+// once, and how much CPU that held. A caller that wants to know whether
+// the spin runs under its load (SpinBudgeted) compares two readings with
+// the calls made between them.
+type SpinStats struct {
+	Spins  int64 // Recvs whose spin ran (made its first poll)
+	Yields int64 // yields of the CPU between a spin's polls
+	Taken  int64 // packets a spin's poll took, so that the Recv slept not at all
+}
+
+// ReadSpinStats returns the process's SpinStats.
+func ReadSpinStats() SpinStats {
+	return SpinStats{Spins: spinsRun.Load(), Yields: yields.Load(), Taken: spun.Load()}
+}
 
 // NewConn wraps a connected unixpacket socket, polled: a server makes it
 // direct with TryDirect once it knows the connection is worth it.
@@ -680,6 +699,7 @@ func (c *Conn) spinFor(fd, flags uintptr) bool {
 			return false
 		}
 	}
+	spinsRun.Add(1)
 	start := time.Now()
 	// One poll before anything else: where the peer shares this CPU, the
 	// send that woke it has usually let it run and answer already, and
@@ -707,6 +727,7 @@ func (c *Conn) spinFor(fd, flags uintptr) bool {
 		}
 		// The peer may be runnable on this very CPU: let it run.
 		_, _, _ = syscall.RawSyscall(unix.SYS_SCHED_YIELD, 0, 0, 0)
+		yields.Add(1)
 		if rule == SpinBudgeted {
 			n := c.involuntarySwitches()
 			switched, switches = n < 0 || n != switches, n

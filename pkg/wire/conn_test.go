@@ -197,7 +197,7 @@ func TestConnSpin(t *testing.T) {
 		// kernel wait, no poller. The spin is longer than SetSpin allows,
 		// so that a slow machine cannot miss it.
 		s.spin = time.Minute
-		spins, parks := spun.Load(), parked.Load()
+		spins, parks, stats := spun.Load(), parked.Load(), ReadSpinStats()
 		go func() {
 			time.Sleep(time.Millisecond)
 			c.Send([]byte("soon"), nil)
@@ -207,6 +207,11 @@ func TestConnSpin(t *testing.T) {
 		}
 		if n, p := spun.Load()-spins, parked.Load()-parks; n != 1 || p != 0 {
 			t.Fatalf("%d packets taken by the spin, %d parks; want 1 and 0", n, p)
+		}
+		// The stats say so: one spin, which yielded while it waited a
+		// millisecond, and took its packet.
+		if d := ReadSpinStats(); d.Spins-stats.Spins != 1 || d.Yields == stats.Yields || d.Taken-stats.Taken != 1 {
+			t.Fatalf("spin stats went from %+v to %+v: want one spin, some yields, one packet taken", stats, d)
 		}
 
 		// One that comes after the spin is still received, the usual way.
@@ -347,7 +352,7 @@ func TestConnSpinBudget(t *testing.T) {
 	t.Cleanup(func() { spinBudget = old })
 	inMode(t, func(t *testing.T, c, s *Conn) {
 		s.spin = time.Minute
-		spins := spun.Load()
+		stats := ReadSpinStats()
 		go func() {
 			time.Sleep(time.Millisecond)
 			c.Send([]byte("soon"), nil)
@@ -355,8 +360,8 @@ func TestConnSpinBudget(t *testing.T) {
 		if pkt, _, err := s.Recv(buf); err != nil || string(pkt) != "soon" {
 			t.Fatalf("recv %q %v", pkt, err)
 		}
-		if n := spun.Load() - spins; n != 0 {
-			t.Fatalf("%d packets taken by a spin over the budget", n)
+		if d := ReadSpinStats(); d != stats {
+			t.Fatalf("a spin over the budget ran: spin stats went from %+v to %+v", stats, d)
 		}
 	})
 	// A backoff skips the spin for as many Recvs, whatever the budget.
