@@ -91,7 +91,7 @@ func run(args []string) error {
 	sweep := fs.Bool("sweep", false, "run the concurrency sweep instead: offload+reload pairs from many sessions at once, per spin mode")
 	sessions := fs.String("sessions", "1,4,16,64", "sweep: sessions (calling goroutines) in one client process")
 	procs := fs.String("procs", "1,4,16,64", "sweep: client processes of one session each")
-	spins := fs.String("spins", "off,always,rule", "sweep: the client spin modes compared (off, always: the spin before issue 25, rule: the default)")
+	spins := fs.String("spins", "off,always,rule", "sweep: the client spin modes compared (off, always: the spin before issue 25, rule: the default, control: spin off again, what two identical modes read apart)")
 	sweepTime := fs.Duration("sweep-time", time.Second, "sweep: how long each case calls")
 	repeat := fs.Int("repeat", 3, "sweep: repeats of every case")
 	gpus := fs.Int("gpus", 1, "internal: the agent's simulated GPUs")
@@ -165,7 +165,7 @@ func run(args []string) error {
 		}
 		for _, m := range cfg.spins {
 			if _, ok := spinModes[m]; !ok {
-				return fmt.Errorf("-spins: unknown mode %q (off, always, rule)", m)
+				return fmt.Errorf("-spins: unknown mode %q (off, always, rule, control)", m)
 			}
 		}
 		if cfg.dur <= 0 || cfg.repeat < 1 {

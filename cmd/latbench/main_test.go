@@ -83,27 +83,29 @@ func TestLatbenchRejects(t *testing.T) {
 
 func TestLatbenchSweep(t *testing.T) {
 	var cells []sweepCell
-	b := runJSON(t, &cells, "-sweep", "-sessions", "1,2", "-procs", "2", "-sweep-time", "100ms", "-repeat", "1", "-placements", "one", "-json")
-	// 1x1, 1x2 and 2x1, each under the three spin modes.
-	if len(cells) != 9 {
-		t.Fatalf("%d cells, want 9: %s", len(cells), b)
+	b := runJSON(t, &cells, "-sweep", "-sessions", "1,2", "-procs", "2", "-sweep-time", "100ms", "-repeat", "1", "-placements", "one",
+		"-spins", "off,always,rule,control", "-json")
+	// 1x1, 1x2 and 2x1, each under the four spin modes.
+	if len(cells) != 12 {
+		t.Fatalf("%d cells, want 12: %s", len(cells), b)
 	}
 	for _, c := range cells {
 		if c.Pairs < 1 || c.PairsPerSec <= 0 || c.P50 <= 0 || c.P99 < c.P50 || c.Procs*c.Sessions > 2 {
 			t.Errorf("%+v", c)
 		}
-		// The clients' spin counts: none with the spin off; under the
+		// The clients' spin counts: none with the spin off (and its
+		// control); under the
 		// rule before issue 25, a spin on every reply (two calls a pair);
 		// never a reply taken without a spin that took it.
 		switch {
-		case c.Spin == "off" && (c.Spins != 0 || c.Yields != 0 || c.Taken != 0),
+		case (c.Spin == "off" || c.Spin == "control") && (c.Spins != 0 || c.Yields != 0 || c.Taken != 0),
 			c.Spin == "always" && c.Spins < 2,
 			c.Taken > c.Spins:
 			t.Errorf("spin %s: %.2f spins, %.2f yields, %.2f replies taken a pair", c.Spin, c.Spins, c.Yields, c.Taken)
 		}
 	}
 	var buf bytes.Buffer
-	printSweep(&buf, cells, []string{"off", "always", "rule"})
+	printSweep(&buf, cells, []string{"off", "always", "rule", "control"})
 	if !strings.Contains(buf.String(), "of 1)") || !strings.Contains(buf.String(), "spins / yields / replies taken a pair") {
 		t.Errorf("the summary of the sweep is missing:\n%s", buf.String())
 	}

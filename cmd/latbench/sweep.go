@@ -39,6 +39,9 @@ var spinModes = map[string]struct {
 	"off":    {-1, wire.SpinBudgeted},
 	"always": {client.DefaultSpinWait, wire.SpinAlways},
 	"rule":   {client.DefaultSpinWait, wire.SpinBudgeted},
+	// Spin off under another name: against "off" it reads what two
+	// identical modes differ by in the same sitting, the sweep's noise.
+	"control": {-1, wire.SpinBudgeted},
 }
 
 // sweepCell is one measured case: callers×procs sessions under one spin mode.
@@ -237,7 +240,7 @@ func load1() float64 {
 func sweepMain(socket, token, mode string, base, sessions, pages, pageBytes int) error {
 	m, ok := spinModes[mode]
 	if !ok {
-		return fmt.Errorf("unknown spin mode %q (off, always, rule)", mode)
+		return fmt.Errorf("unknown spin mode %q (off, always, rule, control)", mode)
 	}
 	if err := wire.SetSpinRule(m.rule); err != nil {
 		return err
