@@ -93,10 +93,9 @@ func TestLatbenchSweep(t *testing.T) {
 		if c.Pairs < 1 || c.PairsPerSec <= 0 || c.P50 <= 0 || c.P99 < c.P50 || c.Procs*c.Sessions > 2 {
 			t.Errorf("%+v", c)
 		}
-		// The clients' spin counts: none with the spin off (and its
-		// control); under the
-		// rule before issue 25, a spin on every reply (two calls a pair);
-		// never a reply taken without a spin that took it.
+		// The clients' spin counts: none with the spin off and its
+		// control; under the rule before issue 25, a spin on every reply
+		// (two calls a pair); never a reply taken without a spin.
 		switch {
 		case (c.Spin == "off" || c.Spin == "control") && (c.Spins != 0 || c.Yields != 0 || c.Taken != 0),
 			c.Spin == "always" && c.Spins < 2,
