@@ -179,6 +179,7 @@ func sweepOne(self, sock, tok string, cpus []int, procs, sessions int, spin stri
 		fmt.Fprintf(k.in, "go %d\n", cfg.dur.Nanoseconds())
 	}
 	var lat []int64
+	var spins [3]int64 // the clients' spins, yields and replies taken
 	for _, k := range kids {
 		line, err := k.out.ReadString('\n')
 		if err != nil {
@@ -203,16 +204,15 @@ func sweepOne(self, sock, tok string, cpus []int, procs, sessions int, spin stri
 		}
 		cell.Pairs += count
 		cell.PairsPerSec += float64(count) / (float64(elapsed) / 1e9)
-		cell.Spins += float64(st[0])
-		cell.Yields += float64(st[1])
-		cell.Taken += float64(st[2])
+		for i := range st {
+			spins[i] += st[i]
+		}
 		lat = append(lat, l...)
 	}
 	s := summarize(lat)
 	cell.P50, cell.P99 = s.P50, s.P99
-	if cell.Pairs > 0 {
-		n := float64(cell.Pairs)
-		cell.Spins, cell.Yields, cell.Taken = cell.Spins/n, cell.Yields/n, cell.Taken/n
+	if n := float64(cell.Pairs); n > 0 {
+		cell.Spins, cell.Yields, cell.Taken = float64(spins[0])/n, float64(spins[1])/n, float64(spins[2])/n
 	}
 	cell.Load1 = load1()
 	return cell, nil
@@ -388,7 +388,7 @@ func printSweep(w io.Writer, cells []sweepCell, spins []string) {
 	for _, s := range spins {
 		fmt.Fprintf(tw, "\t%s: pairs/s, p50/p99 µs", s)
 	}
-	fmt.Fprint(tw, "\tvs off: pairs/s, p99 (per repeat)\tload\n")
+	fmt.Fprint(tw, "\tload\n")
 	for _, k := range keys {
 		fmt.Fprintf(tw, "%s\t%d x %d", k.pl, k.procs, k.sessions)
 		for _, s := range spins {
@@ -398,31 +398,18 @@ func printSweep(w io.Writer, cells []sweepCell, spins []string) {
 			}
 			fmt.Fprintf(tw, "\t%s", strings.Join(parts, "; "))
 		}
-		var ratios []string
 		var loads []string
-		for _, s := range spins {
-			if s == "off" {
-				continue
-			}
-			var rs []string
-			for i, c := range by[k][s] {
-				if i < len(by[k]["off"]) {
-					o := by[k]["off"][i]
-					rs = append(rs, fmt.Sprintf("%.2f %.2f", c.PairsPerSec/o.PairsPerSec, c.P99/o.P99))
-				}
-			}
-			ratios = append(ratios, s+" "+strings.Join(rs, "; "))
-		}
 		for _, c := range by[k][spins[0]] {
 			loads = append(loads, strconv.FormatFloat(c.Load1, 'f', 1, 64))
 		}
-		fmt.Fprintf(tw, "\t%s\t%s\n", strings.Join(ratios, " | "), strings.Join(loads, ","))
+		fmt.Fprintf(tw, "\t%s\n", strings.Join(loads, ","))
 	}
 	tw.Flush()
 
-	// Then each mode against spin off over the repeats: the median of the
-	// paired ratios, their range and how many fell below 1 (pairs/s) or
-	// above 1 (p99), and what the mode's spins did a pair.
+	// Then each mode against spin off over the repeats (repeat i of a mode
+	// beside repeat i of spin off, run back to back): the median of the
+	// ratios, their range and how many fell below 1 (pairs/s) or above 1
+	// (p99), and what the mode's spins did a pair.
 	fmt.Fprintln(w)
 	tw = tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	fmt.Fprint(tw, "placement\tprocs x sessions\tspin\tpairs/s vs off: median (range, below 1)\tp99 vs off: median (range, above 1)\tspins / yields / replies taken a pair\n")
