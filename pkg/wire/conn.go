@@ -79,7 +79,8 @@ const (
 	//   - when it starts, only while every runnable task of the machine
 	//     has a CPU (idleCPU: /proc/loadavg, read at most every 10 ms,
 	//     100 ms while busy), which is what other processes' spinners
-	//     and callers show;
+	//     and callers show; a Conn either of these refused does not ask
+	//     again for its next 16 Recvs (gateHold);
 	//   - while this thread's CPU is its own, so that it never takes CPU
 	//     time the agent or another process wants: a yield that ran
 	//     another thread, followed by a poll that found nothing, ends the
@@ -100,7 +101,9 @@ const (
 	SpinBudgeted SpinRule = iota
 	// SpinAlways spins every Recv for its whole window, whatever else
 	// wants the CPU: the rule before issue 25, for a process whose few
-	// callers each own a CPU that nothing else uses.
+	// callers each own a CPU that nothing else uses. (A Conn that was
+	// skipping spins under SpinBudgeted when the rule changed skips the
+	// rest of them, at most 64 Recvs.)
 	SpinAlways
 )
 
@@ -178,6 +181,20 @@ func keepSpinning(rule SpinRule, elapsed, window time.Duration, callers, budget 
 	}
 	return true
 }
+
+// gateHold is how many Recvs a Conn skips the spin for, without asking
+// again, after SpinBudgeted's gate refused it (the process over its spin
+// budget, or the machine busy). What the gate reads changes slowly (the
+// machine's reading is held 100 ms while busy), but reading it is not
+// free where the gate refuses: on a CPU shared by many processes every
+// Recv follows other processes' runs, so the gate's variables, the
+// runtime's lock and the clock's pages are cold in the caches and the TLB
+// (on a VM with page-table isolation and no PCID, after every system call
+// too). Asked at every Recv, it cost 4 and 16 client processes that never
+// spun about 1% of their pairs a second against spin off; asked once in
+// gateHold+1 Recvs, and skipped by a test of the Conn's own counter, they
+// read as spin off (docs/benchmarks.md, "The gate held").
+const gateHold = 16
 
 // maxSpinBackoff is the most Recvs a Conn skips the spin for after its
 // spins met a contended CPU.
@@ -262,7 +279,7 @@ type Conn struct {
 	spin        time.Duration // SetSpin; guarded by rmu
 	peerHere    bool          // the peer is this process (SetSpin); guarded by rmu
 	rusage      unix.Rusage   // the spin's scratch, for its context switches
-	skip        int           // Recvs left without a spin (spinBackoff)
+	skip        int           // Recvs left without a spin (spinBackoff, gateHold)
 	lastBackoff int           // the last spinBackoff
 	counts      atomic.Bool   // counted in spinConns
 	readF       func(fd uintptr) bool
@@ -609,7 +626,11 @@ func (c *Conn) recvStep(fd uintptr) bool {
 	flags := uintptr(unix.MSG_CMSG_CLOEXEC)
 	if c.rspin {
 		c.rspin = false
-		if c.spinFor(fd, flags) {
+		// A Conn in a backoff or in the gate's hold skips the spin
+		// touching nothing but itself (gateHold says why).
+		if c.skip > 0 {
+			c.skip--
+		} else if c.spinFor(fd, flags) {
 			return true
 		}
 	}
@@ -690,12 +711,9 @@ func (c *Conn) spinFor(fd, flags uintptr) bool {
 		if c.peerHere {
 			return false
 		}
-		if c.skip > 0 {
-			c.skip--
-			return false
-		}
 		budget = spinBudget()
 		if int(spinConns.Load()) > budget || !idleCPU() {
+			c.skip = gateHold
 			return false
 		}
 	}

@@ -364,6 +364,20 @@ func TestConnSpinBudget(t *testing.T) {
 			t.Fatalf("a spin over the budget ran: spin stats went from %+v to %+v", stats, d)
 		}
 	})
+	// A refused Conn does not ask the gate again for its next gateHold
+	// Recvs, and asks at the one after them.
+	asked := 0
+	spinBudget = func() int { asked++; return 0 }
+	s.skip = 0
+	for i := range 2*gateHold + 3 {
+		c.Send([]byte("x"), nil)
+		if _, _, err := s.Recv(buf); err != nil {
+			t.Fatal(err)
+		}
+		if want := i/(gateHold+1) + 1; asked != want {
+			t.Fatalf("recv %d: the gate asked %d times, want %d", i, asked, want)
+		}
+	}
 	// A backoff skips the spin for as many Recvs, whatever the budget.
 	spinBudget = func() int { return 1 << 20 }
 	s.skip = 2
