@@ -310,7 +310,7 @@ var parked, spun, watched, spinsRun, yields atomic.Int64
 // the calls made between them.
 type SpinStats struct {
 	Spins  int64 // Recvs whose spin ran (made its first poll)
-	Yields int64 // yields of the CPU between a spin's polls
+	Yields int64 // yields of the CPU between a spin's polls, counted when the spin ends
 	Taken  int64 // packets a spin's poll took, so that the Recv slept not at all
 }
 
@@ -737,21 +737,26 @@ func (c *Conn) spinFor(fd, flags uintptr) bool {
 		switches = c.involuntarySwitches()
 		watched.Add(1)
 	}
-	switched, cut := false, false
+	// The yields are counted here and added to the process's count once
+	// the spin ends: spinning Conns of one process would otherwise write
+	// one shared counter between every two polls.
+	switched, cut, yielded := false, false, int64(0)
 	for {
 		if !keepSpinning(rule, time.Since(start), c.spin, int(spinConns.Load()), budget, switched) {
+			yields.Add(yielded)
 			c.backoff(rule, cut)
 			return false
 		}
 		// The peer may be runnable on this very CPU: let it run.
 		_, _, _ = syscall.RawSyscall(unix.SYS_SCHED_YIELD, 0, 0, 0)
-		yields.Add(1)
+		yielded++
 		if rule == SpinBudgeted {
 			n := c.involuntarySwitches()
 			switched, switches = n < 0 || n != switches, n
 			cut = cut || switched
 		}
 		if done, got := c.poll(fd, flags); done {
+			yields.Add(yielded)
 			if got {
 				c.backoff(rule, cut)
 			}
