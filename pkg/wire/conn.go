@@ -87,10 +87,12 @@ const (
 	//     spin (after such a yield a peer on the same CPU has usually
 	//     replied, so that one poll is still made);
 	//   - and a Conn whose spin saw a yield run another thread, whether
-	//     the reply came then or not, does not spin for its next 1, 2, 4
-	//     ... 64 Recvs (spinBackoff): a contended CPU stays contended for
-	//     a while, and on a CPU shared with the peer the kernel wait
-	//     hands it the CPU as well as a yield does;
+	//     the reply came then or not, or whose first poll found the reply
+	//     waiting (it came while the thread was still in its send: the
+	//     peer runs on this CPU), does not spin for its next 1, 2, 4 ...
+	//     64 Recvs (spinBackoff): a contended CPU stays contended for a
+	//     while, and on a CPU shared with the peer the kernel wait hands
+	//     it the CPU as well as a yield does;
 	//   - never where the peer is this very process (an agent embedded
 	//     beside its client, pkg/standalone: SO_PEERCRED at SetSpin), whose
 	//     reply needs a P of this process, and the spin holds one (on one
@@ -718,17 +720,21 @@ func (c *Conn) spinFor(fd, flags uintptr) bool {
 		}
 	}
 	spinsRun.Add(1)
-	start := time.Now()
 	// One poll before anything else: where the peer shares this CPU, the
 	// send that woke it has usually let it run and answer already, and
 	// the spin's bookkeeping below (a thread lock and a getrusage, about
-	// a tenth of a one-CPU round trip) would be spent for nothing.
+	// a tenth of a one-CPU round trip) would be spent for nothing. A
+	// packet there already is taken as a cut spin (backoff): it came
+	// while this thread was still in its send, so the peer ran on this
+	// CPU (or this thread waited for one), and a spin saves no wake-up
+	// there; the gate and the clock are left alone for the Recvs after.
 	if done, got := c.poll(fd, flags); done {
 		if got {
-			c.backoff(rule, false)
+			c.backoff(rule, true)
 		}
 		return true
 	}
+	start := time.Now()
 	if rule == SpinBudgeted {
 		// The thread's involuntary context switches tell whether a
 		// yield ran another thread: keep to this thread meanwhile.

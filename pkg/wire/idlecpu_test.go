@@ -3,6 +3,7 @@ package wire
 import (
 	"errors"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -174,6 +175,9 @@ func TestSpinFirstPollSkipsTheBookkeeping(t *testing.T) {
 	if got, gw := spun.Load()-spins, watched.Load()-w; got != 1 || gw != 0 {
 		t.Errorf("a waiting reply: %d taken by the spin, %d spins watched; want 1 and 0", got, gw)
 	}
+	if s.skip != 1 {
+		t.Errorf("after a waiting reply the next %d Recvs skip the spin, want 1 (a backoff)", s.skip)
+	}
 
 	s.skip = 0
 	w = watched.Load()
@@ -186,6 +190,35 @@ func TestSpinFirstPollSkipsTheBookkeeping(t *testing.T) {
 	}
 	if gw := watched.Load() - w; gw != 1 {
 		t.Errorf("a reply still to come: %d spins watched, want 1", gw)
+	}
+}
+
+// A reply already waiting at the spin's first poll came while the Conn's
+// thread was still in its send: the peer runs on this CPU, where a spin
+// saves no wake-up. The Conn backs off as after a cut spin, skipping the
+// spin (and the gate) for 1, 2, 4 ... Recvs, while replies keep coming
+// that way.
+func TestSpinBacksOffFromAWaitingReply(t *testing.T) {
+	c, s, buf := spinningPair(t)
+	withSpinRule(t, SpinBudgeted)
+	withIdleMachine(t, true)
+	asked := 0
+	spinBudget = func() int { asked++; return 1 << 20 } // spinningPair restores it
+	s.skip, s.lastBackoff = 0, 0
+	var ran []int
+	for i := range 16 {
+		c.Send([]byte("x"), nil)
+		time.Sleep(time.Millisecond) // in the socket before Recv polls
+		before := asked
+		if _, _, err := s.Recv(buf); err != nil {
+			t.Fatal(err)
+		}
+		if asked != before {
+			ran = append(ran, i)
+		}
+	}
+	if want := []int{0, 2, 5, 10}; !slices.Equal(ran, want) {
+		t.Fatalf("the spin ran at Recvs %v, want %v (backoffs of 1, 2 and 4 Recvs)", ran, want)
 	}
 }
 
