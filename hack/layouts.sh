@@ -23,8 +23,9 @@ root=$(git rev-parse --show-toplevel)
 work=$(mktemp -d)
 trap 'for w in "$work"/src-*; do git -C "$root" worktree remove --force "$w" 2>/dev/null || true; done; rm -rf "$work"' EXIT
 
-# pad writes a function of $2 statements into pkg/wire of worktree $1; an
-# init that never calls it keeps it in the binary.
+# pad writes a function of $2 statements into pkg/wire of worktree $1, in a
+# file that sorts first, so that the code after it moves (the wire package's
+# own included); an init that never calls it keeps it in the binary.
 pad() {
 	{
 		printf 'package wire\n\nimport "os"\n\nvar layoutPadSink int\n\n'
@@ -32,7 +33,7 @@ pad() {
 		printf '//go:noinline\nfunc layoutPad(x int) {\n'
 		for ((i = 0; i < $2; i++)); do printf '\tlayoutPadSink = layoutPadSink*%d + x\n' $((i + 3)); done
 		printf '}\n'
-	} > "$1/pkg/wire/zz_layout_pad.go"
+	} > "$1/pkg/wire/aa_layout_pad.go"
 }
 
 # run is one latbench run of build $1; a failed one shows what it said.
