@@ -168,3 +168,36 @@ func threadCPU(b *testing.B, f func()) {
 	cpu := func(r *unix.Rusage) int64 { return r.Utime.Nano() + r.Stime.Nano() }
 	b.ReportMetric(float64(cpu(&after)-cpu(&before))/float64(b.N), "cpu-ns/op")
 }
+
+// What a Recv pays to know the direct Conns' limit, against asking the
+// runtime (runtime.GOMAXPROCS(0), which answers under the scheduler's
+// global lock) in the same run; "parallel" has every P asking at once, as
+// the direct Conns of a busy process do:
+//
+//	go test -run XXX -bench BlockLimit ./pkg/wire
+func BenchmarkBlockLimit(b *testing.B) {
+	for _, bc := range []struct {
+		name string
+		f    func() int
+	}{
+		{"cached", blockLimit},
+		{"runtime", func() int { return max(1, runtime.GOMAXPROCS(0)-1) }},
+	} {
+		b.Run(bc.name, func(b *testing.B) {
+			n := 0
+			for b.Loop() {
+				n += bc.f()
+			}
+			_ = n
+		})
+		b.Run(bc.name+"/parallel", func(b *testing.B) {
+			b.RunParallel(func(pb *testing.PB) {
+				n := 0
+				for pb.Next() {
+					n += bc.f()
+				}
+				_ = n
+			})
+		})
+	}
+}

@@ -152,7 +152,27 @@ var affinityCPUs = func() int {
 // spinBudget is the most spinning Conns with which a Conn still spins
 // under SpinBudgeted: the process's spare CPUs, at least one. A variable
 // for tests.
-var spinBudget = func() int { return spareCPUs(runtime.GOMAXPROCS(0), affinityCPUs) }
+var spinBudget = func() int { return spareCPUs(int(procs.Load()), affinityCPUs) }
+
+// procs is GOMAXPROCS as last read (readProcs). runtime.GOMAXPROCS(0)
+// answers under the scheduler's global lock, which every P's scheduling
+// takes too: a Recv, which needs the figure for blockLimit and the spin's
+// budget, reads this copy instead of taking that lock once a call on
+// every direct Conn of the process. It is read again whenever a direct
+// Conn takes its place, after every kernel-wait window that ended without
+// a packet, before a wait on the poller, and once in procsEvery Recvs of
+// a Conn, so that a change (runtime.GOMAXPROCS, or the runtime following
+// a new CPU limit of the container) shows within that many calls.
+var procs atomic.Int32
+
+func init() { readProcs() }
+
+// procsEvery is how many Recvs of a Conn read procs before it reads
+// GOMAXPROCS again.
+const procsEvery = 64
+
+// readProcs reads GOMAXPROCS into procs.
+func readProcs() { procs.Store(int32(runtime.GOMAXPROCS(0))) }
 
 // spareCPUs is the spin budget of a process with procs Ps that may run on
 // cpus CPUs (0: unknown): one CPU is left to everything else the process
@@ -284,6 +304,7 @@ type Conn struct {
 	skip        int           // Recvs left without a spin (spinBackoff, gateHold)
 	lastBackoff int           // the last spinBackoff
 	counts      atomic.Bool   // counted in spinConns
+	recvs       uint8         // Recvs since this Conn last read GOMAXPROCS (procsEvery)
 	readF       func(fd uintptr) bool
 
 	closed atomic.Bool
@@ -295,7 +316,7 @@ var open atomic.Int32
 // blockLimit is the most direct Conns a process has at once, and the most
 // open Conns with which a direct Conn still waits in the kernel; a
 // variable for tests.
-var blockLimit = func() int { return max(1, runtime.GOMAXPROCS(0)-1) }
+var blockLimit = func() int { return max(1, int(procs.Load())-1) }
 
 // parked counts Recvs that found nothing within the kernel wait and went
 // on waiting on the poller, spun the packets taken while
@@ -690,12 +711,14 @@ const kernelStay = 50 * time.Millisecond
 // docs/benchmarks.md went from 16,000 to 2,000 pairs a second).
 func (c *Conn) waitInKernel(fd, flags uintptr) bool {
 	start := time.Now()
+	readProcs() // here a window has ended: a slow path
 	for time.Since(start) < kernelStay && c.mayBlock() {
 		runtime.Gosched()
 		c.recv(fd, flags)
 		if c.rerrno != unix.EAGAIN && c.rerrno != unix.EINTR {
 			return true
 		}
+		readProcs()
 	}
 	parked.Add(1)
 	return false
@@ -828,6 +851,10 @@ func (c *Conn) Recv(buf []byte) ([]byte, []*os.File, error) {
 		m.SetIovlen(1)
 	}
 	m.Control = &c.oob[0]
+	if c.recvs++; c.recvs >= procsEvery {
+		c.recvs = 0
+		readProcs()
+	}
 	c.rn, c.rerrno, c.rblock, c.rspin = 0, 0, c.mayBlock(), c.spin > 0
 	err := c.rc.Read(c.readF)
 	n, errno := c.rn, c.rerrno

@@ -529,6 +529,48 @@ func TestConnDirectBudget(t *testing.T) {
 
 // A failed dial is a *net.OpError naming the path, in both kinds of Conn,
 // as net.DialUnix's (callers tell "nobody there" by it).
+// The direct Conns' limit and the spin's budget follow GOMAXPROCS without
+// a Recv asking the runtime (whose answer takes the scheduler's global
+// lock) every time: a Conn reads it again once in procsEvery Recvs, and a
+// Conn taking a direct place reads it at once.
+func TestProcsFollowGOMAXPROCS(t *testing.T) {
+	was := runtime.GOMAXPROCS(0)
+	t.Cleanup(func() { runtime.GOMAXPROCS(was); readProcs() })
+	c, s := pair(t)
+	if int(procs.Load()) != was {
+		t.Fatalf("procs %d, GOMAXPROCS %d", procs.Load(), was)
+	}
+	runtime.GOMAXPROCS(was + 1)
+	c.rmu.Lock()
+	c.recvs = 0
+	c.rmu.Unlock()
+	buf := make([]byte, MaxMessage+1)
+	for i := 1; i <= procsEvery; i++ {
+		if err := s.Send([]byte{byte(i)}, nil); err != nil {
+			t.Fatal(err)
+		}
+		if _, _, err := c.Recv(buf); err != nil {
+			t.Fatal(err)
+		}
+		want := was
+		if i == procsEvery {
+			want = was + 1
+		}
+		if got := int(procs.Load()); got != want {
+			t.Fatalf("after %d Recvs since GOMAXPROCS became %d: procs %d, want %d", i, was+1, got, want)
+		}
+	}
+	if got, want := blockLimit(), max(1, was); got != want {
+		t.Fatalf("blockLimit %d at GOMAXPROCS %d, want %d", got, was+1, want)
+	}
+	runtime.GOMAXPROCS(was + 2)
+	c2, s2 := pair(t) // Dial takes a direct place, or tries to
+	_, _ = c2, s2
+	if got := int(procs.Load()); got != was+2 {
+		t.Fatalf("a Dial after GOMAXPROCS became %d left procs at %d", was+2, got)
+	}
+}
+
 func TestDialErrors(t *testing.T) {
 	dir := t.TempDir()
 	notSocket := filepath.Join(dir, "file")
