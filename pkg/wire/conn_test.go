@@ -527,8 +527,6 @@ func TestConnDirectBudget(t *testing.T) {
 	}
 }
 
-// A failed dial is a *net.OpError naming the path, in both kinds of Conn,
-// as net.DialUnix's (callers tell "nobody there" by it).
 // The direct Conns' limit and the spin's budget follow GOMAXPROCS without
 // a Recv asking the runtime (whose answer takes the scheduler's global
 // lock) every time: a Conn reads it again once in procsEvery Recvs, and a
@@ -564,13 +562,14 @@ func TestProcsFollowGOMAXPROCS(t *testing.T) {
 		t.Fatalf("blockLimit %d at GOMAXPROCS %d, want %d", got, was+1, want)
 	}
 	runtime.GOMAXPROCS(was + 2)
-	c2, s2 := pair(t) // Dial takes a direct place, or tries to
-	_, _ = c2, s2
+	_, _ = pair(t) // its Dial takes a direct place, or tries to
 	if got := int(procs.Load()); got != was+2 {
 		t.Fatalf("a Dial after GOMAXPROCS became %d left procs at %d", was+2, got)
 	}
 }
 
+// A failed dial is a *net.OpError naming the path, in both kinds of Conn,
+// as net.DialUnix's (callers tell "nobody there" by it).
 func TestDialErrors(t *testing.T) {
 	dir := t.TempDir()
 	notSocket := filepath.Join(dir, "file")
