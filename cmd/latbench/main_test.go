@@ -56,8 +56,8 @@ func TestLatbenchRuns(t *testing.T) {
 	}
 	var reps []placementReport
 	b := runJSON(t, &reps, "-n", "200", "-rounds", "2", "-warmup", "20", "-placements", "one", "-json")
-	if len(reps) != 1 || reps[0].ClientMaxProcs != 1 || len(reps[0].Rows) != 3 {
-		t.Fatalf("want one placement on one CPU (GOMAXPROCS 1) with 3 rows: %s", b)
+	if len(reps) != 1 || reps[0].ClientMaxProcs != 1 || len(reps[0].Rows) != 4 {
+		t.Fatalf("want one placement on one CPU (GOMAXPROCS 1) with 4 rows: %s", b)
 	}
 	for _, r := range reps[0].Rows {
 		if r.Floor.N != 200 || r.KVPool.N != 200 || r.Floor.P50 <= 0 || r.KVPool.P50 <= 0 || r.KVPool.P99 < r.KVPool.P50 {
@@ -74,6 +74,10 @@ func TestLatbenchRejects(t *testing.T) {
 		{"-cpus", "0"},
 		{"-cpus", "a,b"},
 		{"-role", "nope"},
+		{"-role", "pipe-echo"},
+		{"-role", "pipe-echo", "0"},
+		{"-role", "pipe-echo-client", "10", "40"},
+		{"-role", "pipe-echo-client", "10", "40", "5000"},
 	} {
 		if err := run(args); err == nil {
 			t.Errorf("%v: no error", args)
