@@ -524,10 +524,9 @@ func runPlacement(dir, echo, name string, agentCPUs, clientCPUs []int, sz sizes,
 // placement as the other echo servers are, with the parent's ends of its
 // pipes, which each round's client inherits (exec.Cmd.ExtraFiles).
 type pipeEchoServer struct {
-	cmd           *exec.Cmd
-	toSrv, toCli  *os.File // the parent's ends: the server's input, written, and its output, read
-	replyBytes    int
-	requestsBytes int
+	cmd                *exec.Cmd
+	toSrv, toCli       *os.File // the parent's ends: the server's input, written, and its output, read
+	reqBytes, repBytes int
 }
 
 // startPipeEcho starts the pipe echo's server on cpus, answering every
@@ -554,7 +553,7 @@ func startPipeEcho(self string, req, rep int, cpus []int) (*pipeEchoServer, erro
 		toCliR.Close()
 		return nil, err
 	}
-	return &pipeEchoServer{cmd: cmd, toSrv: toSrvW, toCli: toCliR, replyBytes: rep, requestsBytes: req}, nil
+	return &pipeEchoServer{cmd: cmd, toSrv: toSrvW, toCli: toCliR, reqBytes: req, repBytes: rep}, nil
 }
 
 // blockingPipe is os.Pipe kept out of this process's network poller: a
@@ -572,7 +571,7 @@ func blockingPipe() (r, w *os.File, err error) {
 
 // client returns a pipe echo client that times count exchanges.
 func (p *pipeEchoServer) client(self string, count int) *exec.Cmd {
-	c := exec.Command(self, "-role", "pipe-echo-client", strconv.Itoa(count), strconv.Itoa(p.requestsBytes), strconv.Itoa(p.replyBytes))
+	c := exec.Command(self, "-role", "pipe-echo-client", strconv.Itoa(count), strconv.Itoa(p.reqBytes), strconv.Itoa(p.repBytes))
 	c.ExtraFiles = []*os.File{p.toSrv, p.toCli}
 	return c
 }

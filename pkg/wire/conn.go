@@ -158,11 +158,13 @@ var spinBudget = func() int { return spareCPUs(int(procs.Load()), affinityCPUs) 
 // answers under the scheduler's global lock, which every P's scheduling
 // takes too: a Recv, which needs the figure for blockLimit and the spin's
 // budget, reads this copy instead of taking that lock once a call on
-// every direct Conn of the process. It is read again whenever a direct
-// Conn takes its place, after every kernel-wait window that ended without
-// a packet, before a wait on the poller, and once in procsEvery Recvs of
-// a Conn, so that a change (runtime.GOMAXPROCS, or the runtime following
-// a new CPU limit of the container) shows within that many calls.
+// every direct Conn of the process (or at every wait on the poller, which
+// is every Recv of a direct Conn once the process has more Conns open). It
+// is read again whenever a direct Conn takes its place, after every
+// kernel-wait window that ended without a packet, and once in procsEvery
+// Recvs of a Conn, so that a change (runtime.GOMAXPROCS, or the runtime
+// following a new CPU limit of the container) shows within that many
+// calls.
 var procs atomic.Int32
 
 func init() { readProcs() }

@@ -198,7 +198,6 @@ func (d *directFD) waitOnPoller(f func(fd uintptr) bool, write bool, deadline in
 // the kept one or a fresh one (kept when the process has more Conns open
 // than blockLimit), and counts a wait on it in.
 func (d *directFD) pollFile() (*os.File, syscall.RawConn, error) {
-	readProcs()
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.kept != nil {
