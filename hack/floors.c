@@ -75,8 +75,10 @@ int main(int argc, char **argv) {
 		return 2;
 	}
 	int n = atoi(argv[2]), usePipe = !strcmp(argv[1], "pipe");
-	if (n < 1)
+	if (n < 1) {
+		fprintf(stderr, "floors: N must be a positive count, got %s\n", argv[2]);
 		return 2;
+	}
 	struct page *p = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
 	int toServer[2], toClient[2];
 	if (p == MAP_FAILED || pipe(toServer) || pipe(toClient)) {
@@ -93,7 +95,11 @@ int main(int argc, char **argv) {
 	}
 	close(toServer[0]);
 	close(toClient[1]);
-	long long *lat = malloc(sizeof *lat * n);
+	long long *lat = malloc(sizeof *lat * (size_t)n);
+	if (!lat) {
+		perror("malloc");
+		return 1;
+	}
 	char b[40] = {0};
 	for (int i = 1; i <= n; i++) {
 		long long t = now();

@@ -556,10 +556,11 @@ func startPipeEcho(self string, req, rep int, cpus []int) (*pipeEchoServer, erro
 	return &pipeEchoServer{cmd: cmd, toSrv: toSrvW, toCli: toCliR, reqBytes: req, repBytes: rep}, nil
 }
 
-// blockingPipe is os.Pipe kept out of this process's network poller: a
-// descriptor registered there wakes the poller's thread at every message
-// through the pipe, whoever reads and writes it (it read 1.5x the C echo
-// at p90 on one CPU, 3.7x at p50 shared, with os.Pipe's).
+// blockingPipe is os.Pipe kept out of this process's network poller: with
+// descriptors registered there, the pipe's traffic between the children
+// also woke this process (0.4 wake-ups and one context switch more a
+// call, counted with sched:sched_wakeup and sched:sched_switch), and the
+// row read 1.4-1.5x the C echo at p90 on one CPU instead of 0.73-0.75.
 func blockingPipe() (r, w *os.File, err error) {
 	var fds [2]int
 	if err := unix.Pipe2(fds[:], unix.O_CLOEXEC); err != nil {
