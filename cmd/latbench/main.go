@@ -91,6 +91,7 @@ func run(args []string) error {
 	cpus := fs.String("cpus", "", "two CPUs to place the processes on (default: the first two this process may use)")
 	only := fs.String("placements", "one,two,shared", "placements to run")
 	spin := fs.Duration("spin", 0, "the client's SpinWait: how long a call polls for the reply before sleeping (0: the client's default, negative: never)")
+	fs.BoolVar(&noLane, "no-lane", false, "the clients keep their calls on the socket (client.Options.NoLane): the transport before lanes, for comparison")
 	asJSON := fs.Bool("json", false, "print JSON")
 	role := fs.String("role", "", "internal: agent or client")
 	socket := fs.String("socket", "", "internal: agent socket")
@@ -412,7 +413,8 @@ func runPlacement(dir, echo, name string, agentCPUs, clientCPUs []int, sz sizes,
 	}
 
 	cl := exec.Command(self, "-role", "client", "-socket", sock, "-token", tok,
-		"-pages", strconv.Itoa(pages), "-page-bytes", strconv.Itoa(pageBytes), "-spin", spin.String(), "-profile-dir", profile)
+		"-pages", strconv.Itoa(pages), "-page-bytes", strconv.Itoa(pageBytes), "-spin", spin.String(), "-profile-dir", profile,
+		"-no-lane="+strconv.FormatBool(noLane))
 	cl.Stderr = os.Stderr
 	cin, _ := cl.StdinPipe()
 	cout, _ := cl.StdoutPipe()
@@ -737,6 +739,10 @@ func agentMain(socket string, gpus int) error {
 // stdin with one line of round-trip times in ns. It reads better whole
 // (over 80 lines): the session and the calls it times live for its command
 // loop.
+// noLane is -no-lane: the kvpool clients (roles client and sweep) keep
+// their calls on the socket.
+var noLane bool
+
 func clientMain(socket, token string, pages, pageBytes int, spin time.Duration) error {
 	devPages := 2 * pages
 	sim := cudart.NewSim(cudart.SimOptions{MemoryBytes: 2*uint64(devPages*pageBytes) + 1<<20})
@@ -760,7 +766,7 @@ func clientMain(socket, token string, pages, pageBytes int, spin time.Duration) 
 	inst := []byte(fmt.Sprintf("latbench-%d", os.Getpid()))
 	for try := 0; ; try++ {
 		p, err = client.Open(ctx, client.Options{Socket: socket, Token: token, Device: dev, InstanceID: inst, MaxPages: 4 * pages,
-			Name: "kvpool-latbench", SpinWait: spin, Regions: []cudart.Region{
+			Name: "kvpool-latbench", SpinWait: spin, NoLane: noLane, Regions: []cudart.Region{
 				{Base: k, Stride: uint64(pageBytes), PageBytes: uint64(pageBytes), Pages: devPages},
 				{Base: v, Stride: uint64(pageBytes), PageBytes: uint64(pageBytes), Pages: devPages},
 			}})

@@ -161,7 +161,7 @@ func sweepOne(self, sock, tok string, cpus []int, procs, sessions int, spin stri
 	for p := range procs {
 		cmd := exec.Command(self, "-role", "sweep", "-socket", sock, "-token", tok, "-spin-mode", spin,
 			"-gpu-base", strconv.Itoa(p*sessions), "-sessions", strconv.Itoa(sessions),
-			"-pages", strconv.Itoa(cfg.pages), "-page-bytes", strconv.Itoa(cfg.pageBytes))
+			"-pages", strconv.Itoa(cfg.pages), "-page-bytes", strconv.Itoa(cfg.pageBytes), "-no-lane="+strconv.FormatBool(noLane))
 		cmd.Stderr = os.Stderr
 		in, _ := cmd.StdinPipe()
 		out, _ := cmd.StdoutPipe()
@@ -333,7 +333,7 @@ func openCaller(sim *cudart.Sim, ordinal int, socket, token string, gpu, pages, 
 	// session its predecessor on that GPU left.
 	p, err := client.Open(ctx, client.Options{Socket: socket, Token: token, Device: dev,
 		InstanceID: []byte(fmt.Sprintf("latbench-sweep-%d", gpu)), MaxPages: 4 * pages,
-		Name: "kvpool-latbench-sweep", SpinWait: spin, Regions: []cudart.Region{
+		Name: "kvpool-latbench-sweep", SpinWait: spin, NoLane: noLane, Regions: []cudart.Region{
 			{Base: k, Stride: uint64(pageBytes), PageBytes: uint64(pageBytes), Pages: devPages},
 			{Base: v, Stride: uint64(pageBytes), PageBytes: uint64(pageBytes), Pages: devPages},
 		}})

@@ -135,11 +135,16 @@ func (a *agent) planStep(m mode) step {
 // gRPC.
 const fileHeadroom = 256
 
+// connFiles is how many descriptors a tenant connection holds in the
+// agent: its socket, and the two pipe ends of its lane once its session
+// is open (docs/protocol.md).
+const connFiles = 3
+
 // checkOpenFiles weighs a plan against limit, the process's RLIMIT_NOFILE:
 // a plan whose chunks (a memfd each) need more files than that is refused
 // (found at the plan, not as a fill that stops at "too many open files"
 // part of the way), and one that leaves less than maxConns tenant
-// connections (a socket each) room is warned of, as the connections past
+// connections (connFiles each) room is warned of, as the connections past
 // the limit would be refused.
 func checkOpenFiles(p *sizing.Plan, maxConns int, limit uint64) (warning string, err error) {
 	chunks := 0
@@ -152,9 +157,9 @@ func checkOpenFiles(p *sizing.Plan, maxConns int, limit uint64) (warning string,
 	case need > limit:
 		return "", fmt.Errorf("the plan's %d chunks need a memfd each, about %d open files, and this process may open %d (RLIMIT_NOFILE): "+
 			"raise the container's limit on open files, or cut the pool into fewer, larger chunks", chunks, need, limit)
-	case need+uint64(max(maxConns, 0)) > limit:
-		return fmt.Sprintf("the plan's %d chunks and limits.maxConns %d connections need about %d open files, and this process may open %d (RLIMIT_NOFILE): "+
-			"connections past the limit will be refused; raise the container's limit on open files", chunks, maxConns, need+uint64(maxConns), limit), nil
+	case need+connFiles*uint64(max(maxConns, 0)) > limit:
+		return fmt.Sprintf("the plan's %d chunks and limits.maxConns %d connections (%d descriptors each: the socket and a lane's two pipe ends) need about %d open files, and this process may open %d (RLIMIT_NOFILE): "+
+			"connections past the limit will be refused; raise the container's limit on open files", chunks, maxConns, connFiles, need+connFiles*uint64(maxConns), limit), nil
 	}
 	return "", nil
 }

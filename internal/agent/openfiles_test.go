@@ -35,8 +35,9 @@ func TestCheckOpenFiles(t *testing.T) {
 	}{
 		{"a few chunks", plan(4, 4), 1024, 4096, fine},
 		{"a few chunks under a limit of 1,024", plan(4, 4), 1024, 1024, warned},
-		{"just fits", plan(8000, 8000), 1024, 16000 + 1024 + fileHeadroom, fine},
-		{"one connection short", plan(8000, 8000), 1024, 16000 + 1024 + fileHeadroom - 1, warned},
+		{"a few chunks under a limit of 3,072", plan(4, 4), 1024, 3072, warned},
+		{"just fits", plan(8000, 8000), 1024, 16000 + connFiles*1024 + fileHeadroom, fine},
+		{"one connection's file short", plan(8000, 8000), 1024, 16000 + connFiles*1024 + fileHeadroom - 1, warned},
 		{"the chunks just fit", plan(8000, 8000), 1024, 16000 + fileHeadroom, warned},
 		{"one chunk's file short", plan(8000, 8000), 1024, 16000 + fileHeadroom - 1, refused},
 		{"the chunk bound under a limit of 20,000", plan(4096, 4096, 4096, 4096), 1024, 20000, fine},

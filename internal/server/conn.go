@@ -10,6 +10,7 @@ import (
 	"slices"
 	"time"
 
+	"golang.org/x/sys/unix"
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 
@@ -137,6 +138,7 @@ type reply struct {
 	err    error
 	ticket uint64
 	fds    []int
+	lane   []int // OpLane: this side's ends of the pipes whose other ends are fds
 }
 
 func fail(st wire.Status, err error) reply { return reply{st: st, err: err} }
@@ -199,7 +201,11 @@ func (c *conn) serve() {
 				}
 			}
 		}
-		if err := c.send(h, r); err != nil {
+		err = c.send(h, r)
+		if r.lane != nil {
+			err = c.takeLane(r, err)
+		}
+		if err != nil {
 			c.s.rlog.Log(slog.LevelWarn, "send", "closing connection: send reply", "conn", c.id, "pid", c.peer.PID, "op", h.Op, "err", err)
 			return
 		}
@@ -363,6 +369,9 @@ func (c *conn) handle(h wire.Header, body []byte) reply {
 	}
 	if c.e == nil {
 		return fail(wire.StatusNoSession, fmt.Errorf("%s before a session was opened on this connection", h.Op))
+	}
+	if h.Op == wire.OpLane {
+		return c.handleLane()
 	}
 	if h.Op == wire.OpOffload || h.Op == wire.OpReload {
 		// Staged pages are the next offload's or reload's, whatever
@@ -712,6 +721,39 @@ func (e *entry) nextPart(s *Server, offset uint32) reply {
 	}
 	end := min(len(m.pages), off+wire.MaxPagesPerPacket)
 	return reply{body: &wire.MoreReply{HostPages: m.pages[off:end]}}
+}
+
+// handleLane makes the pipes of a lane (wire.Conn.UseLane) for the
+// session's packets from the next request on, and passes the client its
+// ends; a connection takes one lane.
+func (c *conn) handleLane() reply {
+	if c.wc.HasLane() {
+		return fail(wire.StatusBadRequest, errors.New("lane: this connection's packets travel a lane already"))
+	}
+	ours, theirs, err := wire.LanePipes()
+	if err != nil {
+		return fail(wire.StatusInternal, err) // out of descriptors: the session stays on the socket
+	}
+	return reply{fds: theirs[:], lane: ours[:]}
+}
+
+// takeLane ends an OpLane whose reply was sent (sent: send's error): the
+// client's ends are closed here, and the connection's packets move to the
+// lane, which a failed send drops.
+func (c *conn) takeLane(r reply, sent error) error {
+	for _, fd := range r.fds {
+		unix.Close(fd)
+	}
+	if sent != nil {
+		unix.Close(r.lane[0])
+		unix.Close(r.lane[1])
+		return sent
+	}
+	if err := c.wc.UseLane(r.lane[0], r.lane[1]); err != nil {
+		return err // the client writes to a lane nobody reads: close
+	}
+	c.log.Debug("the session's packets travel a lane")
+	return nil
 }
 
 func (c *conn) handleHello(body []byte) reply {

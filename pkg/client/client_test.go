@@ -911,7 +911,7 @@ func TestRepliesAfterOpenRefuseFiles(t *testing.T) {
 	})
 	sim := cudart.NewSim(cudart.SimOptions{Devices: 1})
 	dev, _ := sim.Open(0)
-	p, err := client.Open(context.Background(), client.Options{Socket: path, Token: "t", Device: dev, Logger: quiet,
+	p, err := client.Open(context.Background(), client.Options{NoLane: true, Socket: path, Token: "t", Device: dev, Logger: quiet,
 		Regions: []cudart.Region{{Base: 0x1000, Stride: 4096, PageBytes: 4096, Pages: 8}}})
 	if err != nil {
 		t.Fatal(err)
@@ -958,7 +958,7 @@ func TestOpenReplyChecked(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			sim := cudart.NewSim(cudart.SimOptions{Devices: 1})
 			dev, _ := sim.Open(0)
-			_, err := client.Open(context.Background(), client.Options{Socket: fakeAgent(t, tc.rep, tc.fds), Token: "t", Device: dev,
+			_, err := client.Open(context.Background(), client.Options{NoLane: true, Socket: fakeAgent(t, tc.rep, tc.fds), Token: "t", Device: dev,
 				Logger: quiet, Regions: []cudart.Region{{Base: 0x1000, Stride: 4096, PageBytes: 4096, Pages: 8}}})
 			if !errors.Is(err, client.ErrProtocol) || !strings.Contains(err.Error(), tc.want) {
 				t.Fatalf("got %v, want ErrProtocol mentioning %q", err, tc.want)
@@ -1030,7 +1030,7 @@ func TestOpenMoreFilesChecked(t *testing.T) {
 			})
 			sim := cudart.NewSim(cudart.SimOptions{Devices: 1})
 			dev, _ := sim.Open(0)
-			_, err := client.Open(context.Background(), client.Options{Socket: path, Token: "t", Device: dev,
+			_, err := client.Open(context.Background(), client.Options{NoLane: true, Socket: path, Token: "t", Device: dev,
 				Logger: quiet, Regions: []cudart.Region{{Base: 0x1000, Stride: 4096, PageBytes: 4096, Pages: 8}}})
 			if !errors.Is(err, client.ErrProtocol) || !strings.Contains(err.Error(), tc.want) {
 				t.Fatalf("got %v, want ErrProtocol mentioning %q", err, tc.want)
@@ -1182,4 +1182,86 @@ func TestOpenRetriesBusyAndLimits(t *testing.T) {
 func isStatus(err error, st wire.Status) bool {
 	var e *client.Error
 	return errors.As(err, &e) && e.Status == st
+}
+
+// TestLaneReplyChecked: an agent from before lanes answers OpLane "unknown
+// op", and the session goes on over the socket; an agent whose lane reply
+// does not pass two pipe ends, one for each direction, is a protocol
+// error, and nothing is opened.
+func TestLaneReplyChecked(t *testing.T) {
+	fd := chunkFD(t)
+	rep := &wire.OpenReply{Session: 1, PageSize: 4096, PagesPerChunk: 256, Capacity: 256, Chunks: []*wire.ChunkGrant{{Id: "c0", Size: 1 << 20}}}
+	pipeEnds := func(t *testing.T, swap bool) []int {
+		ours, theirs, err := wire.LanePipes()
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, e := range append(ours[:], theirs[:]...) {
+			t.Cleanup(func() { syscall.Close(e) })
+		}
+		if swap {
+			return []int{theirs[1], theirs[0]}
+		}
+		return []int{theirs[0], theirs[1]}
+	}
+	for _, tc := range []struct {
+		name   string
+		status wire.Status
+		fds    func(t *testing.T) []int
+		want   string // "": the open succeeds, over the socket
+	}{
+		{"an agent from before lanes", wire.StatusUnknownOp, nil, ""},
+		{"no fds", wire.StatusOK, func(*testing.T) []int { return nil }, "carried 0 fds"},
+		{"one fd", wire.StatusOK, func(t *testing.T) []int { return pipeEnds(t, false)[:1] }, "carried 1 fds"},
+		{"files, not pipes", wire.StatusOK, func(*testing.T) []int { return []int{fd, fd} }, "not a pipe"},
+		{"ends swapped", wire.StatusOK, func(t *testing.T) []int { return pipeEnds(t, true) }, "other direction"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			usage := make(chan bool, 1)
+			path := fakeAgentThen(t, rep, []int{fd}, func(c *wire.Conn, buf []byte) {
+				for {
+					pkt, _, err := c.Recv(buf)
+					if err != nil {
+						return
+					}
+					h, _, _ := wire.ParseHeader(pkt)
+					var out []byte
+					var pass []int
+					switch {
+					case h.Op == wire.OpLane && tc.status != wire.StatusOK:
+						out, _ = wire.AppendPacket(nil, wire.Header{Op: h.Op, Status: tc.status, Seq: h.Seq}, &wire.Error{Message: "unknown op 15"})
+					case h.Op == wire.OpLane:
+						out, pass = wire.AppendHeader(nil, wire.Header{Op: h.Op, Seq: h.Seq}), tc.fds(t)
+					case h.Op == wire.OpUsage:
+						usage <- true
+						out, _ = wire.AppendPacket(nil, wire.Header{Op: h.Op, Seq: h.Seq}, &wire.UsageReply{Capacity: 256, Free: 256})
+					default:
+						return
+					}
+					if c.Send(out, pass) != nil {
+						return
+					}
+				}
+			})
+			sim := cudart.NewSim(cudart.SimOptions{Devices: 1})
+			dev, _ := sim.Open(0)
+			p, err := client.Open(context.Background(), client.Options{Socket: path, Token: "t", Device: dev, RetryFor: -1,
+				Logger: quiet, Regions: []cudart.Region{{Base: 0x1000, Stride: 4096, PageBytes: 4096, Pages: 8}}})
+			if tc.want != "" {
+				if !errors.Is(err, client.ErrProtocol) || !strings.Contains(err.Error(), tc.want) {
+					t.Fatalf("got %v, want ErrProtocol mentioning %q", err, tc.want)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer p.Close()
+			// The fake agent reads the socket alone: an answer proves the
+			// request went there.
+			if u, err := p.Usage(); err != nil || u.Capacity != 256 || !<-usage {
+				t.Fatalf("usage over the socket: %+v, %v", u, err)
+			}
+		})
+	}
 }

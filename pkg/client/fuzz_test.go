@@ -111,7 +111,7 @@ func FuzzClientReply(f *testing.F) {
 		dev, _ := sim.Open(0)
 		defer dev.Close()
 		base, _ := dev.MemAlloc(8 * 4096)
-		p, err := client.Open(context.Background(), client.Options{Socket: path, Token: "t", Device: dev, Logger: quiet,
+		p, err := client.Open(context.Background(), client.Options{NoLane: true, Socket: path, Token: "t", Device: dev, Logger: quiet,
 			InstanceID: []byte("fuzz-instance"), Regions: []cudart.Region{{Base: base, Stride: 4096, PageBytes: 4096, Pages: 8}}})
 		if err != nil {
 			t.Fatal(err)
@@ -192,7 +192,7 @@ func FuzzClientOpen(f *testing.F) {
 		dev, _ := sim.Open(0)
 		defer dev.Close()
 		base, _ := dev.MemAlloc(8 * 4096)
-		p, err := client.Open(context.Background(), client.Options{Socket: path, Token: "t", Device: dev, Logger: quiet, RetryFor: -1,
+		p, err := client.Open(context.Background(), client.Options{NoLane: true, Socket: path, Token: "t", Device: dev, Logger: quiet, RetryFor: -1,
 			InstanceID: []byte("fuzz-instance"), Regions: []cudart.Region{{Base: base, Stride: 4096, PageBytes: 4096, Pages: 8}}})
 		if err == nil {
 			// Every page the session may hold lies in a mapped chunk: a

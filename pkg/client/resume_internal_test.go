@@ -23,28 +23,8 @@ import (
 // the chunks are mapped where they are not the client's is refused, and
 // the client lets its mappings go, so that its next open asks for all.
 func TestResumeKeepsTheMappings(t *testing.T) {
-	a, err := standalone.Start(standalone.Config{GPUs: 1, ChunksPerGPU: 300, ChunkBytes: 64 << 10,
-		Tokens: []string{"tok"}, Socket: filepath.Join(t.TempDir(), "kv.sock"), Logger: slog.New(slog.DiscardHandler)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- a.Serve(ctx) }()
-	defer func() {
-		cancel()
-		<-done
-		a.Close()
-	}()
-	sim := cudart.NewSim(cudart.SimOptions{Devices: 1})
-	dev, err := sim.Open(0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	k, err := dev.MemAlloc(64 * 4096)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := serveStandalone(t, 300)
+	dev, k := simDevice(t, 64*4096)
 	var logs logging.SyncBuffer
 	p, err := Open(context.Background(), Options{Socket: a.Socket, Token: "tok", Device: dev,
 		Regions:    []cudart.Region{{Base: k, Stride: 4096, PageBytes: 4096, Pages: 64}},
@@ -123,4 +103,38 @@ func TestResumeKeepsTheMappings(t *testing.T) {
 type wireOpen struct {
 	rep   *wire.OpenReply
 	files []*os.File
+}
+
+// serveStandalone serves a standalone agent of one simulated GPU with
+// chunks of 64 KiB for the rest of the test.
+func serveStandalone(t *testing.T, chunks int) *standalone.Agent {
+	t.Helper()
+	a, err := standalone.Start(standalone.Config{GPUs: 1, ChunksPerGPU: chunks, ChunkBytes: 64 << 10,
+		Tokens: []string{"tok"}, Socket: filepath.Join(t.TempDir(), "kv.sock"), Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- a.Serve(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		<-done
+		a.Close()
+	})
+	return a
+}
+
+// simDevice opens a simulated GPU and allocates bytes of its memory.
+func simDevice(t *testing.T, bytes uint64) (cudart.Device, cudart.DevicePtr) {
+	t.Helper()
+	dev, err := cudart.NewSim(cudart.SimOptions{Devices: 1}).Open(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	k, err := dev.MemAlloc(bytes)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return dev, k
 }

@@ -49,7 +49,9 @@ func init() { kernelWait.Store(int64(BlockWindow)) }
 // BenchmarkKernelWaitWindow), so d is a request, not a bound; what bounds
 // the wait for the rest of the process is a signal (Go's preemption
 // request), which ends it at once. The wait only matters when the reply is
-// late: a reply that comes in time wakes the waiting thread directly.
+// late: a reply that comes in time wakes the waiting thread directly. A
+// Conn whose packets travel a lane (UseLane) waits in the kernel without a
+// timeout where d is not 0 (preemptSignals).
 func SetKernelWait(d time.Duration) error {
 	if d < 0 || d > KernelWaitLimit {
 		return fmt.Errorf("wire: kernel wait %v outside [0, %v]", d, KernelWaitLimit)
@@ -309,6 +311,11 @@ type Conn struct {
 	recvs       uint8         // Recvs since this Conn last read GOMAXPROCS (procsEvery)
 	readF       func(fd uintptr) bool
 
+	// ln is the lane the packets travel once UseLane gave one (lane.go),
+	// set under all three locks; its steps are made once, as the socket's.
+	ln                    *lane
+	laneReadF, laneWriteF func(fd uintptr) bool
+
 	closed atomic.Bool
 }
 
@@ -382,6 +389,7 @@ func newConn() *Conn {
 	open.Add(1)
 	c := &Conn{oob: make([]byte, unix.CmsgSpace(4*MaxFDs))}
 	c.writeF, c.readF = c.sendStep, c.recvStep
+	c.laneReadF, c.laneWriteF = c.laneStep, c.laneWriteStep
 	return c
 }
 
@@ -443,6 +451,10 @@ func (c *Conn) SetWriteDeadline(t time.Time) error { return c.setDeadline(t, fal
 func (c *Conn) setDeadline(t time.Time, read, write bool) error {
 	c.mmu.Lock()
 	defer c.mmu.Unlock()
+	if c.ln != nil && !c.closed.Load() {
+		c.ln.r.setDeadline(t, read, false)
+		c.ln.w.setDeadline(t, false, write)
+	}
 	if c.d == nil {
 		switch {
 		case read && write:
@@ -472,6 +484,10 @@ func (c *Conn) Close() error {
 	}
 	c.uncount()
 	open.Add(-1)
+	if c.ln != nil {
+		c.ln.r.close()
+		c.ln.w.close()
+	}
 	if c.d == nil {
 		if c.rc != nil {
 			// End a spin in another goroutine's Recv: its polls hold the
@@ -582,7 +598,14 @@ func (c *Conn) uncount() {
 // 5-12 ms; with more Conns than that open, a request on another Conn would
 // wait for that P.
 func (c *Conn) mayBlock() bool {
-	return c.d != nil && c.d.rdl.Load() == 0 && !c.d.nonBlock.Load() && int(open.Load()) <= blockLimit()
+	if c.d == nil {
+		return false
+	}
+	d := c.d
+	if c.ln != nil {
+		d = c.ln.r // a lane waits in the kernel on its pipe (lane.go)
+	}
+	return d.rdl.Load() == 0 && !d.nonBlock.Load() && int(open.Load()) <= blockLimit()
 }
 
 // Send writes one packet, passing fds by SCM_RIGHTS when there are any. The
@@ -602,6 +625,9 @@ func (c *Conn) Send(pkt []byte, fds []int) error {
 	defer c.wmu.Unlock()
 	if c.rc == nil {
 		return fmt.Errorf("wire: send: %w", net.ErrClosed)
+	}
+	if c.ln != nil {
+		return c.laneSend(pkt, fds)
 	}
 	m := &c.wmsg
 	*m = unix.Msghdr{}
@@ -800,6 +826,16 @@ func (c *Conn) spinFor(fd, flags uintptr) bool {
 // result (got: a packet; else the end of the connection or an error other
 // than "nothing yet").
 func (c *Conn) poll(fd, flags uintptr) (done, got bool) {
+	if c.ln != nil {
+		if !c.laneRead(fd) {
+			return false, false
+		}
+		got = c.rn > 0 && c.ln.err == nil && c.rerrno == 0
+		if got {
+			spun.Add(1)
+		}
+		return true, got
+	}
 	c.recv(fd, flags|unix.MSG_DONTWAIT)
 	switch c.rerrno {
 	case 0:
@@ -842,6 +878,13 @@ func (c *Conn) Recv(buf []byte) ([]byte, []*os.File, error) {
 	if c.rc == nil {
 		return nil, nil, fmt.Errorf("wire: recv: %w", net.ErrClosed)
 	}
+	if c.recvs++; c.recvs >= procsEvery {
+		c.recvs = 0
+		readProcs()
+	}
+	if c.ln != nil {
+		return c.laneRecv(buf)
+	}
 	m := &c.rmsg
 	*m = unix.Msghdr{}
 	c.riov.Base = nil
@@ -853,10 +896,6 @@ func (c *Conn) Recv(buf []byte) ([]byte, []*os.File, error) {
 		m.SetIovlen(1)
 	}
 	m.Control = &c.oob[0]
-	if c.recvs++; c.recvs >= procsEvery {
-		c.recvs = 0
-		readProcs()
-	}
 	c.rn, c.rerrno, c.rblock, c.rspin = 0, 0, c.mayBlock(), c.spin > 0
 	err := c.rc.Read(c.readF)
 	n, errno := c.rn, c.rerrno

@@ -43,22 +43,37 @@ func pair(t testing.TB) (client, server *Conn) {
 // inMode runs f on a fresh pair of direct Conns (out of the poller,
 // waiting in the kernel) and on a fresh pair of polled ones; then again on
 // pairs whose sockets both refuse files (RefuseFiles: every receive a
-// recvfrom), where the kernel can.
+// recvfrom), where the kernel can, and on pairs whose packets travel a
+// lane (UseLane).
 func inMode(t *testing.T, f func(t *testing.T, c, s *Conn)) {
-	for _, refuse := range []bool{false, true} {
+	for _, kind := range []string{"", "/refusing-files", "/lane"} {
 		for _, direct := range []bool{true, false} {
-			name := modeName(direct)
-			if refuse {
-				name += "/refusing-files"
-			}
-			t.Run(name, func(t *testing.T) {
+			t.Run(modeName(direct)+kind, func(t *testing.T) {
 				c, s := pairIn(t, direct)
-				if refuse && !refuseBoth(t, c, s) {
+				switch {
+				case kind == "/refusing-files" && !refuseBoth(t, c, s):
 					return
+				case kind == "/lane":
+					withLane(t, c, s)
 				}
 				f(t, c, s)
 			})
 		}
+	}
+}
+
+// withLane gives both Conns of a pair a lane.
+func withLane(t testing.TB, c, s *Conn) {
+	t.Helper()
+	ours, theirs, err := LanePipes()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.UseLane(ours[0], ours[1]); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.UseLane(theirs[0], theirs[1]); err != nil {
+		t.Fatal(err)
 	}
 }
 
@@ -139,19 +154,24 @@ func TestConnModes(t *testing.T) {
 		for i := range big {
 			big[i] = byte(i * 7)
 		}
+		// (A send goes on beside the receive: a pipe holds less than a
+		// maximal packet.)
+		sent := make(chan error, 1)
 		for i := 0; i < 200; i++ {
-			if err := c.Send(big[:1+i*600], nil); err != nil {
-				t.Fatal(err)
-			}
+			go func() { sent <- c.Send(big[:1+i*600], nil) }()
 			pkt, _, err := s.Recv(buf)
 			if err != nil || len(pkt) != 1+i*600 || pkt[len(pkt)-1] != big[i*600] {
 				t.Fatalf("round %d: %d bytes, %v", i, len(pkt), err)
 			}
-			if err := s.Send(pkt, nil); err != nil {
+			if err := <-sent; err != nil {
 				t.Fatal(err)
 			}
-			if pkt, _, err := c.Recv(buf); err != nil || len(pkt) != 1+i*600 {
+			go func() { sent <- s.Send(pkt, nil) }()
+			if pkt, _, err := c.Recv(buf); err != nil || len(pkt) != 1+i*600 || pkt[len(pkt)-1] != big[i*600] {
 				t.Fatalf("round %d reply: %d bytes, %v", i, len(pkt), err)
+			}
+			if err := <-sent; err != nil {
+				t.Fatal(err)
 			}
 		}
 
@@ -414,37 +434,46 @@ func TestInvoluntarySwitches(t *testing.T) {
 }
 
 func TestConnCloseWakesRecv(t *testing.T) {
-	for _, direct := range []bool{true, false} {
-		// Inside the kernel wait (a direct Conn's recvmsg), then past it
-		// (on the poller).
-		for _, after := range []time.Duration{BlockWindow / 4, 50 * time.Millisecond} {
-			t.Run(fmt.Sprintf("%s/%v", modeName(direct), after), func(t *testing.T) {
-				_, s := pairIn(t, direct)
-				errc := make(chan error, 1)
-				go func() {
-					_, _, err := s.Recv(make([]byte, MaxMessage+1))
-					errc <- err
-				}()
-				time.Sleep(after)
-				if err := s.Close(); err != nil {
-					t.Fatal(err)
+	for _, lane := range []bool{false, true} {
+		for _, direct := range []bool{true, false} {
+			// Inside the kernel wait (a direct Conn's recvmsg), then past it
+			// (on the poller).
+			for _, after := range []time.Duration{BlockWindow / 4, 50 * time.Millisecond} {
+				name := fmt.Sprintf("%s/%v", modeName(direct), after)
+				if lane {
+					name += "/lane"
 				}
-				if err := <-errc; !errors.Is(err, net.ErrClosed) {
-					t.Fatalf("recv on a conn closed %v into it: %v", after, err)
-				}
-				if _, _, err := s.Recv(make([]byte, 16)); !errors.Is(err, net.ErrClosed) {
-					t.Fatalf("recv after close: %v", err)
-				}
-				if err := s.Send([]byte("x"), nil); !errors.Is(err, net.ErrClosed) {
-					t.Fatalf("send after close: %v", err)
-				}
-				if err := s.SetDeadline(time.Now()); !errors.Is(err, net.ErrClosed) {
-					t.Fatalf("deadline after close: %v", err)
-				}
-				if err := s.Close(); !errors.Is(err, net.ErrClosed) {
-					t.Fatalf("second close: %v", err)
-				}
-			})
+				t.Run(name, func(t *testing.T) {
+					c, s := pairIn(t, direct)
+					if lane {
+						withLane(t, c, s)
+					}
+					errc := make(chan error, 1)
+					go func() {
+						_, _, err := s.Recv(make([]byte, MaxMessage+1))
+						errc <- err
+					}()
+					time.Sleep(after)
+					if err := s.Close(); err != nil {
+						t.Fatal(err)
+					}
+					if err := <-errc; !errors.Is(err, net.ErrClosed) {
+						t.Fatalf("recv on a conn closed %v into it: %v", after, err)
+					}
+					if _, _, err := s.Recv(make([]byte, 16)); !errors.Is(err, net.ErrClosed) {
+						t.Fatalf("recv after close: %v", err)
+					}
+					if err := s.Send([]byte("x"), nil); !errors.Is(err, net.ErrClosed) {
+						t.Fatalf("send after close: %v", err)
+					}
+					if err := s.SetDeadline(time.Now()); !errors.Is(err, net.ErrClosed) {
+						t.Fatalf("deadline after close: %v", err)
+					}
+					if err := s.Close(); !errors.Is(err, net.ErrClosed) {
+						t.Fatalf("second close: %v", err)
+					}
+				})
+			}
 		}
 	}
 }

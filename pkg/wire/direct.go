@@ -3,6 +3,7 @@ package wire
 import (
 	"net"
 	"os"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -26,6 +27,11 @@ import (
 // it back after 20 µs to 10 ms, and on one P nothing else runs meanwhile).
 type directFD struct {
 	fd int
+	// pipe: fd is a lane's pipe end (Conn.UseLane), non-blocking for its
+	// whole life: it waits in ppoll, never in its read or write, and no
+	// shutdown ends a wait on it, so close closes the duplicates being
+	// waited on instead.
+	pipe bool
 	// refs counts the calls using fd; closing sets closingBit, and
 	// whoever brings it to closingBit alone closes fd (once: closed).
 	refs   atomic.Int64
@@ -38,6 +44,7 @@ type directFD struct {
 	mu       sync.Mutex
 	polling  int
 	kept     *os.File        // a registered duplicate kept between waits (waitOnPoller)
+	waiting  []*os.File      // a pipe's fresh duplicates being waited on (pollFile)
 	keptRC   syscall.RawConn // kept's
 	hasKept  atomic.Bool
 	nonBlock atomic.Bool
@@ -98,13 +105,16 @@ func (d *directFD) closeFD() {
 // recvmsg or a wait on the poller returns at once), and closes it when no
 // call uses it any more. It is called once (Conn.Close).
 func (d *directFD) close() {
-	if d.acquire() {
+	if !d.pipe && d.acquire() {
 		_ = unix.Shutdown(d.fd, unix.SHUT_RDWR) // fails only on a socket never connected
 		d.release()
 	}
 	d.mu.Lock()
 	if d.kept != nil {
 		d.kept.Close() // a wait on it still under way returns: the socket is shut down
+	}
+	for _, f := range d.waiting {
+		f.Close() // ends the wait on it: a pipe has no shutdown
 	}
 	d.mu.Unlock()
 	if d.refs.Add(closingBit) == closingBit {
@@ -209,7 +219,7 @@ func (d *directFD) pollFile() (*os.File, syscall.RawConn, error) {
 		return nil, nil, os.NewSyscallError("fcntl", err)
 	}
 	if d.polling == 0 {
-		if err := unix.SetNonblock(d.fd, true); err != nil {
+		if err := d.setNonblock(true); err != nil {
 			unix.Close(dup)
 			return nil, nil, os.NewSyscallError("fcntl", err)
 		}
@@ -220,7 +230,7 @@ func (d *directFD) pollFile() (*os.File, syscall.RawConn, error) {
 	rc, err := pf.SyscallConn() // fails only on a nil *os.File
 	if err != nil {
 		pf.Close()
-		if d.polling == 0 && unix.SetNonblock(d.fd, false) == nil {
+		if d.polling == 0 && d.setNonblock(false) == nil {
 			d.nonBlock.Store(false)
 		}
 		return nil, nil, err
@@ -229,8 +239,20 @@ func (d *directFD) pollFile() (*os.File, syscall.RawConn, error) {
 	if int(open.Load()) > blockLimit() {
 		d.kept, d.keptRC = pf, rc
 		d.hasKept.Store(true)
+	} else if d.pipe {
+		d.waiting = append(d.waiting, pf)
 	}
 	return pf, rc, nil
+}
+
+// setNonblock puts the socket in non-blocking mode, or back in blocking
+// mode; a pipe stays non-blocking (directFD.pipe), and only nonBlock, which
+// tells that a wait on the poller is under way, follows.
+func (d *directFD) setNonblock(on bool) error {
+	if d.pipe {
+		return nil
+	}
+	return unix.SetNonblock(d.fd, on)
 }
 
 // dropKept closes the kept duplicate, the process having no more Conns
@@ -246,7 +268,7 @@ func (d *directFD) dropKept() {
 	d.kept.Close()
 	d.kept, d.keptRC = nil, nil
 	d.hasKept.Store(false)
-	if unix.SetNonblock(d.fd, false) == nil {
+	if d.setNonblock(false) == nil {
 		d.nonBlock.Store(false) // else it stays non-blocking, and waits on the poller
 	}
 }
@@ -260,8 +282,11 @@ func (d *directFD) donePolling(pf *os.File) {
 	d.polling--
 	if pf != d.kept {
 		pf.Close()
+		if i := slices.Index(d.waiting, pf); i >= 0 {
+			d.waiting = slices.Delete(d.waiting, i, i+1)
+		}
 	}
-	if d.polling == 0 && d.kept == nil && unix.SetNonblock(d.fd, false) == nil {
+	if d.polling == 0 && d.kept == nil && d.setNonblock(false) == nil {
 		d.nonBlock.Store(false) // else it stays non-blocking, and waits on the poller
 	}
 }

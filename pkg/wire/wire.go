@@ -59,13 +59,14 @@ const (
 	OpClose         Op = 12
 	OpPages         Op = 13 // the first device pages of a long offload or reload
 	OpMore          Op = 14 // the rest of a long reply
+	OpLane          Op = 15 // the session's packets move to a pair of pipes (Conn.UseLane)
 )
 
 var opNames = [...]string{
 	OpHello: "hello", OpOpen: "open", OpOffload: "offload", OpReload: "reload",
 	OpDiscard: "discard", OpRemoveRequest: "remove_request", OpIsOffloaded: "is_offloaded",
 	OpLabels: "labels", OpNumPages: "num_pages", OpUsage: "usage", OpFence: "fence", OpClose: "close",
-	OpPages: "pages", OpMore: "more",
+	OpPages: "pages", OpMore: "more", OpLane: "lane",
 }
 
 func (o Op) String() string {
@@ -76,7 +77,7 @@ func (o Op) String() string {
 }
 
 // Valid reports whether o is an operation of this version.
-func (o Op) Valid() bool { return o >= OpHello && o <= OpMore }
+func (o Op) Valid() bool { return o >= OpHello && o <= OpLane }
 
 // Header is the fixed part of every packet, little-endian on the wire:
 //
@@ -145,7 +146,7 @@ func NewRequest(op Op) (proto.Message, error) {
 		return new(Pages), nil
 	case OpMore:
 		return new(More), nil
-	case OpUsage, OpFence, OpClose:
+	case OpUsage, OpFence, OpClose, OpLane:
 		return nil, nil
 	}
 	return nil, fmt.Errorf("%w: unknown op %d", ErrMalformed, uint8(op))
@@ -177,7 +178,7 @@ func NewReply(op Op, st Status) (proto.Message, error) {
 		return new(UsageReply), nil
 	case OpMore:
 		return new(MoreReply), nil
-	case OpDiscard, OpFence, OpClose, OpPages:
+	case OpDiscard, OpFence, OpClose, OpPages, OpLane:
 		return nil, nil
 	}
 	return nil, fmt.Errorf("%w: unknown op %d", ErrMalformed, uint8(op))
