@@ -65,7 +65,7 @@ echo "base $(git -C "$root" rev-parse --short "$base"), rev $(git -C "$root" rev
 for ((r = 0; r < rounds; r++)); do
 	for b in "${bins[@]}"; do
 		run "$b" |
-			awk -v b="$b" -F'  +' '/Go echo/ {e = $NF} /is_offloaded/ {i = $NF} END {print b, "|", e, "|", i}'
+			awk -v b="$b" -F'  +' '/Go echo over wire.Conn/ {e = $NF} /is_offloaded/ {i = $NF} END {print b, "|", e, "|", i}'
 	done
 done | tee "$work/runs"
 
