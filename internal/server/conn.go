@@ -370,9 +370,6 @@ func (c *conn) handle(h wire.Header, body []byte) reply {
 	if c.e == nil {
 		return fail(wire.StatusNoSession, fmt.Errorf("%s before a session was opened on this connection", h.Op))
 	}
-	if h.Op == wire.OpLane {
-		return c.handleLane()
-	}
 	if h.Op == wire.OpOffload || h.Op == wire.OpReload {
 		// Staged pages are the next offload's or reload's, whatever
 		// becomes of it: refused by a limit, a decode error, the pool.
@@ -411,6 +408,8 @@ func (c *conn) handle(h wire.Header, body []byte) reply {
 		return c.handleFence(body)
 	case wire.OpClose:
 		return c.handleClose(body)
+	case wire.OpLane:
+		return c.handleLane(body)
 	}
 	return fail(wire.StatusUnknownOp, fmt.Errorf("unknown op %d", uint8(h.Op)))
 }
@@ -726,7 +725,10 @@ func (e *entry) nextPart(s *Server, offset uint32) reply {
 // handleLane makes the pipes of a lane (wire.Conn.UseLane) for the
 // session's packets from the next request on, and passes the client its
 // ends; a connection takes one lane.
-func (c *conn) handleLane() reply {
+func (c *conn) handleLane(body []byte) reply {
+	if err := wire.DecodeBody(body, nil); err != nil {
+		return fail(wire.StatusBadRequest, err)
+	}
 	if c.wc.HasLane() {
 		return fail(wire.StatusBadRequest, errors.New("lane: this connection's packets travel a lane already"))
 	}

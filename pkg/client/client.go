@@ -105,8 +105,9 @@ type Options struct {
 	SpinWait time.Duration
 	// NoLane keeps the session's packets on the socket: without it, once
 	// the session is open they move to a pair of pipes the agent passes
-	// (a lane, docs/protocol.md), which cost a call about a third less
-	// kernel time. For comparisons, and for a sandbox that refuses pipes.
+	// (a lane, docs/protocol.md), on which a call takes about a tenth less
+	// time on one CPU (docs/benchmarks.md). For comparisons, and for a
+	// sandbox that refuses pipes.
 	NoLane bool
 }
 
@@ -552,8 +553,8 @@ func (p *CPUPagePool) connect(ctx context.Context) error {
 }
 
 // takeLane asks the agent for a lane (wire.Conn.UseLane): the session's
-// packets travel a pair of pipes from here on, which costs a round trip
-// less than the socket does (docs/protocol.md). An agent that refuses it
+// packets travel a pair of pipes from here on, which cost the kernel less
+// a call than the socket does (docs/protocol.md). An agent that refuses it
 // (one from before lanes answers "unknown op") leaves them on the socket;
 // only a broken connection or a reply that is not a lane's is an error.
 func (p *CPUPagePool) takeLane() error {

@@ -201,3 +201,48 @@ func BenchmarkBlockLimit(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkConnRoundTrip times a 40-byte request and its echo between two
+// Conns of this process, each mode on the socket and on a lane: direct
+// (waiting in the kernel), polled with more Conns open than blockLimit
+// (a lane's pipe registered with Go's poller for good), and polled alone
+// (within blockLimit, but with no direct place: a lane registers a
+// duplicate of its pipe for each wait).
+func BenchmarkConnRoundTrip(b *testing.B) {
+	for _, mode := range []string{"direct", "poller", "poller-alone"} {
+		for _, lane := range []bool{false, true} {
+			name := mode + "/socket"
+			if lane {
+				name = mode + "/lane"
+			}
+			b.Run(name, func(b *testing.B) {
+				c, s := pairIn(b, mode == "direct")
+				if mode == "poller-alone" {
+					blockLimit = func() int { return 1 << 20 } // pairIn restores it
+				}
+				if lane {
+					withLane(b, c, s)
+				}
+				go func() {
+					buf := make([]byte, MaxMessage+1)
+					for {
+						pkt, _, err := s.Recv(buf)
+						if err != nil || s.Send(pkt, nil) != nil {
+							return
+						}
+					}
+				}()
+				req, buf := make([]byte, 40), make([]byte, MaxMessage+1)
+				b.ResetTimer()
+				for range b.N {
+					if err := c.Send(req, nil); err != nil {
+						b.Fatal(err)
+					}
+					if _, _, err := c.Recv(buf); err != nil {
+						b.Fatal(err)
+					}
+				}
+			})
+		}
+	}
+}

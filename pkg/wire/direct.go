@@ -32,6 +32,11 @@ type directFD struct {
 	// shutdown ends a wait on it, so close closes the duplicates being
 	// waited on instead.
 	pipe bool
+	// stayPolled: the Conn never waits in the kernel (a lane of a Conn
+	// that is not direct), so the duplicate registered for its first
+	// wait on the poller is kept for its life, as a net.Conn's own
+	// registration is; set before the directFD is used.
+	stayPolled bool
 	// refs counts the calls using fd; closing sets closingBit, and
 	// whoever brings it to closingBit alone closes fd (once: closed).
 	refs   atomic.Int64
@@ -151,7 +156,7 @@ func (d *directFD) wait(f func(fd uintptr) bool, write bool, dl *atomic.Int64) e
 	if t != 0 && time.Now().UnixNano() >= t {
 		return os.ErrDeadlineExceeded
 	}
-	if d.hasKept.Load() && int(open.Load()) <= blockLimit() {
+	if d.hasKept.Load() && !d.stayPolled && int(open.Load()) <= blockLimit() {
 		d.dropKept()
 	}
 	// With a kept duplicate, the poller calls f first itself.
@@ -236,7 +241,7 @@ func (d *directFD) pollFile() (*os.File, syscall.RawConn, error) {
 		return nil, nil, err
 	}
 	d.polling++
-	if int(open.Load()) > blockLimit() {
+	if d.stayPolled || int(open.Load()) > blockLimit() {
 		d.kept, d.keptRC = pf, rc
 		d.hasKept.Store(true)
 	} else if d.pipe {

@@ -418,3 +418,35 @@ func TestLaneWaitLetsTheWorldStop(t *testing.T) {
 		})
 	}
 }
+
+// A lane of a Conn that is not direct waits on the poller alone: the
+// duplicate of its pipe registered for its first wait stays registered,
+// and a Close still ends a wait on it.
+func TestLaneOfAPolledConnStaysRegistered(t *testing.T) {
+	c, s := pairIn(t, false)
+	blockLimit = func() int { return 1 << 20 } // within the limit, but polled: no direct place
+	withLane(t, c, s)
+	buf := make([]byte, MaxMessage+1)
+	for i := range 3 {
+		go func() {
+			time.Sleep(2 * time.Millisecond)
+			c.Send([]byte("late"), nil)
+		}()
+		if pkt, _, err := s.Recv(buf); err != nil || string(pkt) != "late" {
+			t.Fatalf("recv %d: %q %v", i, pkt, err)
+		}
+		if !s.ln.r.hasKept.Load() {
+			t.Fatalf("recv %d: the lane's registration was dropped after a wait", i)
+		}
+	}
+	got := make(chan error, 1)
+	go func() {
+		_, _, err := s.Recv(buf)
+		got <- err
+	}()
+	time.Sleep(5 * time.Millisecond)
+	s.Close()
+	if err := <-got; !errors.Is(err, net.ErrClosed) {
+		t.Fatalf("recv on a conn closed while it waited: %v", err)
+	}
+}
