@@ -107,9 +107,14 @@ type Options struct {
 	// the session is open they move to a pair of pipes the agent passes
 	// (a lane, docs/protocol.md), on which a call takes about a tenth less
 	// time on one CPU (docs/benchmarks.md). For comparisons, and for a
-	// sandbox that refuses pipes.
+	// sandbox that refuses pipes. $KVPOOL_LANE=off does the same.
 	NoLane bool
 }
+
+// LaneEnv, when "off", keeps every session's packets on the socket, as
+// Options.NoLane does ("on" or empty: the default); for the C ABI and
+// Python, whose options do not carry NoLane.
+const LaneEnv = "KVPOOL_LANE"
 
 // DefaultSpinWait is the default Options.SpinWait: longer than most
 // round trips to an agent on another CPU (docs/benchmarks.md).
@@ -297,6 +302,13 @@ func Open(ctx context.Context, o Options) (*CPUPagePool, error) {
 	}
 	if o.MaxPages < 0 {
 		return nil, fmt.Errorf("kvpool: MaxPages %d is negative", o.MaxPages)
+	}
+	switch v := os.Getenv(LaneEnv); v {
+	case "", "on":
+	case "off":
+		o.NoLane = true
+	default:
+		return nil, fmt.Errorf("kvpool: %s=%q: want on or off", LaneEnv, v)
 	}
 	if o.Ranks < 0 || o.Ranks > maxRanks {
 		return nil, fmt.Errorf("kvpool: Ranks %d, want 0 to %d", o.Ranks, maxRanks)

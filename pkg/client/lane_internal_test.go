@@ -3,6 +3,7 @@ package client
 import (
 	"context"
 	"log/slog"
+	"strings"
 	"testing"
 	"time"
 
@@ -49,5 +50,44 @@ func TestSessionTakesALane(t *testing.T) {
 			t.Fatal(err)
 		}
 		p.Close()
+	}
+}
+
+// $KVPOOL_LANE=off keeps the packets on the socket as NoLane does; "on"
+// is the default; any other value is refused at Open, naming it.
+func TestLaneEnv(t *testing.T) {
+	a := serveStandalone(t, 4)
+	dev, k := simDevice(t, 16*4096)
+	for _, tc := range []struct {
+		env, err string
+		lane     bool
+	}{
+		{"", "", true},
+		{"on", "", true},
+		{"off", "", false},
+		{"yes", `KVPOOL_LANE="yes"`, false},
+	} {
+		t.Run("KVPOOL_LANE="+tc.env, func(t *testing.T) {
+			t.Setenv(LaneEnv, tc.env)
+			p, err := Open(context.Background(), Options{Socket: a.Socket, Token: "tok", Device: dev,
+				Regions:    []cudart.Region{{Base: k, Stride: 4096, PageBytes: 4096, Pages: 16}},
+				InstanceID: []byte("lane-env-instance"), RetryFor: time.Second, Logger: slog.New(slog.DiscardHandler)})
+			if tc.err != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.err) {
+					t.Fatalf("Open: %v, want an error naming %s", err, tc.err)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer p.Close()
+			p.mu.Lock()
+			got := p.wc.HasLane()
+			p.mu.Unlock()
+			if got != tc.lane {
+				t.Fatalf("a lane: %v, want %v", got, tc.lane)
+			}
+		})
 	}
 }
