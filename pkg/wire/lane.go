@@ -219,7 +219,10 @@ func (c *Conn) HasLane() bool {
 	return c.ln != nil
 }
 
-// laneSend is Send on a lane.
+// laneSend is Send on a lane. A frame longer than PIPE_BUF may go in
+// parts; one whose send fails after a part went (a deadline, the peer
+// gone) leaves the lane out of step, and the Conn must be closed, as after
+// any failed Send (the client and the agent both close it).
 func (c *Conn) laneSend(pkt []byte, fds []int) error {
 	if len(fds) > 0 {
 		return fmt.Errorf("wire: send %d fds: files travel the socket only, and this connection's packets travel a lane", len(fds))
