@@ -194,7 +194,7 @@ type CPUPagePool struct {
 	seq     uint32
 	in, out []byte
 	closed  bool
-	opening bool // an open's replies may carry fds (its own, and OpMore's for the rest)
+	opening bool // an open's replies may carry fds (its own, and OpMore's for the rest), and the lane's
 
 	session  uint64
 	pageSize uint64

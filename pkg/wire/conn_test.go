@@ -666,6 +666,22 @@ func TestConnDirectOutOfPoller(t *testing.T) {
 // A direct Conn that waits on the poller while the process has more Conns
 // open than blockLimit keeps its socket registered from then on (no
 // kernel wait, no registration a wait), and still works and closes.
+// closeEndsRecv closes s while a Recv waits on it (where, for the message)
+// and checks that the Recv returns net.ErrClosed.
+func closeEndsRecv(t *testing.T, s *Conn, buf []byte, where string) {
+	t.Helper()
+	errc := make(chan error, 1)
+	go func() {
+		_, _, err := s.Recv(buf)
+		errc <- err
+	}()
+	time.Sleep(5 * time.Millisecond)
+	s.Close()
+	if err := <-errc; !errors.Is(err, net.ErrClosed) {
+		t.Fatalf("recv on a conn closed while it waited %s: %v", where, err)
+	}
+}
+
 func TestConnDirectKeptOnPoller(t *testing.T) {
 	c, s := pairIn(t, true)
 	blockLimit = func() int { return int(open.Load()) - 1 } // pairIn restores it
@@ -702,16 +718,7 @@ func TestConnDirectKeptOnPoller(t *testing.T) {
 	if pkt, _, err := s.Recv(buf); err != nil || string(pkt) != "after" {
 		t.Fatalf("recv after the deadline was cleared: %q %v", pkt, err)
 	}
-	errc := make(chan error, 1)
-	go func() {
-		_, _, err := s.Recv(buf)
-		errc <- err
-	}()
-	time.Sleep(5 * time.Millisecond)
-	s.Close()
-	if err := <-errc; !errors.Is(err, net.ErrClosed) {
-		t.Fatalf("recv on a conn closed while it waited on the kept duplicate: %v", err)
-	}
+	closeEndsRecv(t, s, buf, "on the kept duplicate")
 
 	// Back within the limit (the Conns over it were short-lived: a
 	// probe), the next wait lets the duplicate go: the socket is out of

@@ -18,9 +18,10 @@ import (
 
 // A lane carries a Conn's packets on a pair of pipes instead of its socket
 // (UseLane): a pipe's write and read cost the kernel less than a Unix
-// socket's packet (no socket buffer to allocate, no peer lookup, no
-// credentials), and on one CPU a round trip over pipes takes about 0.65 of
-// one over the socket, in C as in Go (docs/benchmarks.md). The socket
+// socket's packet. On one CPU, in C (hack/floors.c), a round trip over
+// pipes takes about 0.7 of one over the socket with blocking reads, and
+// 0.82-0.86 waited for in ppoll as a lane waits; the Go client's call
+// 0.90-0.93 of its time over the socket (docs/benchmarks.md). The socket
 // stays the connection: who the peer is (SO_PEERCRED), the files an open
 // passes, and its end, which ends a wait on the lane too.
 //

@@ -439,14 +439,5 @@ func TestLaneOfAPolledConnStaysRegistered(t *testing.T) {
 			t.Fatalf("recv %d: the lane's registration was dropped after a wait", i)
 		}
 	}
-	got := make(chan error, 1)
-	go func() {
-		_, _, err := s.Recv(buf)
-		got <- err
-	}()
-	time.Sleep(5 * time.Millisecond)
-	s.Close()
-	if err := <-got; !errors.Is(err, net.ErrClosed) {
-		t.Fatalf("recv on a conn closed while it waited: %v", err)
-	}
+	closeEndsRecv(t, s, buf, "on its lane's registration")
 }
